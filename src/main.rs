@@ -1,0 +1,1 @@
+fn main() { println!("{}", kvsim::mlx_version()); }
