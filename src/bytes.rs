@@ -1,0 +1,1 @@
+//! Byte-level views of MLX arrays.

@@ -1,0 +1,1 @@
+//! Production KV-cache layouts (see ARCHITECTURE.md). Knows nothing of the harness.

@@ -1,0 +1,1 @@
+//! The pure-Rust reference model of every layout (no MLX).
