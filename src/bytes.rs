@@ -1,1 +1,256 @@
-//! Byte-level views of MLX arrays.
+//! Byte-level views of MLX arrays: the only way kvsim decides that two arrays are "the same".
+//!
+//! Guarantees:
+//! - [`ArrayBytes::of`] returns the array's elements **in row-major logical order**, as unsigned integers of the
+//!   element's own width (`u16` for bf16/f16, `u32` for f32, ...), whatever the array's strides: a strided or
+//!   transposed view is first materialized with MLX's `contiguous` op, and the result's strides are checked
+//!   before reading (mlx-rs `as_slice` does not check contiguity; see harness-practices.md §11).
+//! - Equality of two `ArrayBytes` is equality of dtype, shape and every bit: `-0.0 != +0.0`, NaN payloads are told
+//!   apart, and no tolerance is ever applied. Distances (where exactness is not claimed) are measured in ULPs by
+//!   [`max_ulp`], never hidden behind `allclose`.
+
+use mlx_rs::{Array, Dtype};
+
+/// Why an array's bytes could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BytesError {
+    #[error("MLX failed while materializing the array: {0}")]
+    Mlx(String),
+    #[error("dtype {0:?} has no byte view in kvsim")]
+    Unsupported(Dtype),
+    #[error("array is not row-major contiguous after `contiguous` (shape {shape:?}, strides {strides:?})")]
+    NotContiguous { shape: Vec<i32>, strides: Vec<usize> },
+}
+
+impl From<mlx_rs::error::Exception> for BytesError {
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        BytesError::Mlx(e.to_string())
+    }
+}
+
+/// The elements of an array as same-width unsigned integers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Words {
+    U8(Vec<u8>),
+    U16(Vec<u16>),
+    U32(Vec<u32>),
+    U64(Vec<u64>),
+}
+
+impl Words {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Words::U8(w) => w.len(),
+            Words::U16(w) => w.len(),
+            Words::U32(w) => w.len(),
+            Words::U64(w) => w.len(),
+        }
+    }
+
+    /// True when there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element `i` widened to u64 (bit pattern preserved).
+    pub fn get(&self, i: usize) -> u64 {
+        match self {
+            Words::U8(w) => w[i] as u64,
+            Words::U16(w) => w[i] as u64,
+            Words::U32(w) => w[i] as u64,
+            Words::U64(w) => w[i],
+        }
+    }
+
+    /// Elements `range` widened to u32 (for 8/16/32-bit words; 64-bit words are truncated).
+    pub fn to_u32(&self) -> Vec<u32> {
+        (0..self.len()).map(|i| self.get(i) as u32).collect()
+    }
+
+    /// Little-endian bytes of every element, for hashing.
+    pub fn le_bytes(&self) -> Vec<u8> {
+        match self {
+            Words::U8(w) => w.clone(),
+            Words::U16(w) => w.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Words::U32(w) => w.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Words::U64(w) => w.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// An array's dtype, shape and element bits in row-major order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArrayBytes {
+    pub dtype: Dtype,
+    pub shape: Vec<i32>,
+    pub words: Words,
+}
+
+impl ArrayBytes {
+    /// Reads `a` (evaluating it) as same-width unsigned integers in row-major order.
+    pub fn of(a: &Array) -> Result<Self, BytesError> {
+        let dtype = a.dtype();
+        let shape = a.shape().to_vec();
+        let dense = a.contiguous()?;
+        let words = match dtype.item_size_bytes() {
+            1 => Words::U8(read::<u8>(&dense)?),
+            2 => Words::U16(read::<u16>(&dense)?),
+            4 => Words::U32(read::<u32>(&dense)?),
+            8 => Words::U64(read::<u64>(&dense)?),
+            _ => return Err(BytesError::Unsupported(dtype)),
+        };
+        Ok(ArrayBytes { dtype, shape, words })
+    }
+
+    /// blake3 of dtype, shape and bits: a stable digest for traces.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(format!("{:?}", self.dtype).as_bytes());
+        for d in &self.shape {
+            h.update(&d.to_le_bytes());
+        }
+        h.update(&self.words.le_bytes());
+        *h.finalize().as_bytes()
+    }
+
+    /// Index of the first element whose bits differ (None when identical in dtype, shape and bits).
+    pub fn first_difference(&self, other: &ArrayBytes) -> Option<usize> {
+        if self.dtype != other.dtype || self.shape != other.shape || self.words.len() != other.words.len() {
+            return Some(0);
+        }
+        (0..self.words.len()).find(|&i| self.words.get(i) != other.words.get(i))
+    }
+}
+
+/// Element size in bytes per dtype (kept here so the byte view never trusts a stride-less slice).
+trait ItemSize {
+    fn item_size_bytes(&self) -> usize;
+}
+
+impl ItemSize for Dtype {
+    fn item_size_bytes(&self) -> usize {
+        match self {
+            Dtype::Bool | Dtype::Uint8 | Dtype::Int8 => 1,
+            Dtype::Uint16 | Dtype::Int16 | Dtype::Float16 | Dtype::Bfloat16 => 2,
+            Dtype::Uint32 | Dtype::Int32 | Dtype::Float32 => 4,
+            Dtype::Uint64 | Dtype::Int64 | Dtype::Float64 | Dtype::Complex64 => 8,
+        }
+    }
+}
+
+fn read<T: mlx_rs::ArrayElement + Copy>(dense: &Array) -> Result<Vec<T>, BytesError> {
+    // Reinterpret the bits (no value conversion), then check the layout before borrowing the buffer.
+    let bits = if dense.dtype() == T::DTYPE { dense.clone() } else { dense.view::<T>()?.contiguous()? };
+    bits.eval()?;
+    let shape = bits.shape().to_vec();
+    let strides = bits.strides().to_vec();
+    let mut expect = 1usize;
+    for (dim, stride) in shape.iter().zip(&strides).rev() {
+        if *dim > 1 && *stride != expect {
+            return Err(BytesError::NotContiguous { shape, strides });
+        }
+        expect *= (*dim).max(1) as usize;
+    }
+    let slice = bits.try_as_slice::<T>().map_err(|e| BytesError::Mlx(format!("{e:?}")))?;
+    Ok(slice.to_vec())
+}
+
+/// True when `a` and `b` have the same dtype, shape and bits.
+pub fn bit_equal(a: &Array, b: &Array) -> Result<bool, BytesError> {
+    Ok(ArrayBytes::of(a)? == ArrayBytes::of(b)?)
+}
+
+/// Distance between two floating values of one dtype, counted in representable steps (ULPs).
+///
+/// Bits are mapped to a monotone integer line (sign-magnitude to two's complement), so `+0.0` and `-0.0` are
+/// 1 apart and equal bits are 0 apart. Any NaN gives `u64::MAX`.
+pub fn ulp_distance(dtype: Dtype, a: u64, b: u64) -> u64 {
+    let (bits, nan) = match dtype {
+        Dtype::Float32 => (32, |x: u64| f32::from_bits(x as u32).is_nan()),
+        Dtype::Bfloat16 => (16, |x: u64| (x as u16 & 0x7fff) > 0x7f80),
+        Dtype::Float16 => (16, |x: u64| (x as u16 & 0x7fff) > 0x7c00),
+        Dtype::Float64 => (64, |x: u64| f64::from_bits(x).is_nan()),
+        _ => return if a == b { 0 } else { u64::MAX },
+    };
+    if nan(a) || nan(b) {
+        return u64::MAX;
+    }
+    let sign = 1u64 << (bits - 1);
+    let magnitude = if bits == 64 { !sign } else { sign - 1 };
+    let line = |x: u64| -> i128 {
+        let mag = (x & magnitude) as i128;
+        if x & sign != 0 { -mag - 1 } else { mag }
+    };
+    line(a).abs_diff(line(b)).min(u64::MAX as u128) as u64
+}
+
+/// Largest ULP distance between two arrays' elements (shape and dtype must match).
+pub fn max_ulp(a: &ArrayBytes, b: &ArrayBytes) -> Option<u64> {
+    if a.dtype != b.dtype || a.shape != b.shape {
+        return None;
+    }
+    Some((0..a.words.len()).map(|i| ulp_distance(a.dtype, a.words.get(i), b.words.get(i))).max().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    #[test]
+    fn negative_zero_is_not_positive_zero() {
+        let a = Array::from_slice(&[0.0f32, 1.0], &[2]);
+        let b = Array::from_slice(&[-0.0f32, 1.0], &[2]);
+        // Value equality (what `PartialEq`/allclose sees) says equal; bytes say different.
+        assert!(!bit_equal(&a, &b).unwrap());
+        let (x, y) = (ArrayBytes::of(&a).unwrap(), ArrayBytes::of(&b).unwrap());
+        assert_eq!(x.first_difference(&y), Some(0));
+        assert_eq!(max_ulp(&x, &y), Some(1));
+    }
+
+    #[test]
+    fn nan_payloads_are_told_apart() {
+        let q1 = f32::from_bits(0x7fc0_0001);
+        let q2 = f32::from_bits(0x7fc0_0002);
+        let a = Array::from_slice(&[q1], &[1]);
+        let b = Array::from_slice(&[q2], &[1]);
+        let c = Array::from_slice(&[q1], &[1]);
+        assert!(!bit_equal(&a, &b).unwrap());
+        assert!(bit_equal(&a, &c).unwrap());
+        assert_eq!(max_ulp(&ArrayBytes::of(&a).unwrap(), &ArrayBytes::of(&c).unwrap()), Some(u64::MAX));
+    }
+
+    #[test]
+    fn bf16_bits_are_read_as_u16() {
+        let a = Array::from_slice(&[1.0f32, -2.5, 3.0e-3], &[3]).as_dtype(Dtype::Bfloat16).unwrap();
+        let w = ArrayBytes::of(&a).unwrap();
+        assert_eq!(w.words, Words::U16(vec![0x3f80, 0xc020, 0x3b45]));
+    }
+
+    #[test]
+    fn strided_views_read_in_logical_order() {
+        let data: Vec<f32> = (0..12).map(|x| x as f32).collect();
+        let a = Array::from_slice(&data, &[3, 4]);
+        let t = a.transpose().unwrap(); // [4, 3], strided
+        assert_eq!(ArrayBytes::of(&t).unwrap().words, Words::U32(
+            [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11].iter().map(|&x: &i32| (x as f32).to_bits()).collect()
+        ));
+        let s = a.index((.., 1..3)); // [3, 2], a sliced view
+        assert_eq!(ArrayBytes::of(&s).unwrap().words, Words::U32(
+            [1, 2, 5, 6, 9, 10].iter().map(|&x: &i32| (x as f32).to_bits()).collect()
+        ));
+    }
+
+    #[test]
+    fn ulp_line_is_monotone() {
+        let d = Dtype::Float32;
+        let b = |x: f32| x.to_bits() as u64;
+        assert_eq!(ulp_distance(d, b(1.0), b(1.0)), 0);
+        assert_eq!(ulp_distance(d, b(1.0), b(f32::from_bits(1.0f32.to_bits() + 3))), 3);
+        assert_eq!(ulp_distance(d, b(-f32::MIN_POSITIVE), b(f32::MIN_POSITIVE)), 2 * (1 << 23) + 1);
+        let bf = Dtype::Bfloat16;
+        assert_eq!(ulp_distance(bf, 0x3f80, 0x3f82), 2);
+        assert_eq!(ulp_distance(bf, 0x8000, 0x0000), 1);
+    }
+}

@@ -7,5 +7,6 @@
 //! - [`bytes`]: byte-level views of MLX arrays; every bit-exact claim goes through it.
 pub mod bytes;
 pub mod cache;
+pub mod doctor;
 pub mod reference;
 pub mod sim;

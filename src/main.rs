@@ -1,1 +1,355 @@
-fn main() { println!("{}", kvsim::mlx_version()); }
+//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use kvsim::cache::mutation::Mutant;
+use kvsim::sim::summary::{Counters, Summary};
+use kvsim::sim::trace::{Expect, Outcome, Trace};
+use kvsim::sim::{self, DeviceChoice};
+
+#[derive(Parser)]
+#[command(name = "kvsim", version, about = "KV-cache layouts on MLX, checked bit-exactly against solo runs")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// MLX version, loaded library, devices, and a bf16 SDPA checked against an f64 reference on each device.
+    Doctor,
+    /// Run seeded simulations (default: 100 seeds from 0).
+    Sim {
+        /// Number of seeds, starting at --first.
+        #[arg(long, default_value_t = 100)]
+        seeds: u64,
+        /// First seed.
+        #[arg(long, default_value_t = 0)]
+        first: u64,
+        /// Run exactly this seed (overrides --seeds/--first).
+        #[arg(long)]
+        seed: Option<u64>,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        device: DeviceChoice,
+        /// Stop starting new seeds after this many seconds.
+        #[arg(long)]
+        time: Option<f64>,
+        /// Print a JSON summary as the last line.
+        #[arg(long)]
+        json: bool,
+        /// Where failing traces are written.
+        #[arg(long, default_value = "target/kvsim-failures")]
+        out: PathBuf,
+    },
+    /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
+    Replay {
+        trace: PathBuf,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        device: DeviceChoice,
+    },
+    /// Minimize a failing trace and write it (default: into corpus/).
+    Shrink {
+        trace: PathBuf,
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value_t = 3000)]
+        budget: usize,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        device: DeviceChoice,
+    },
+    /// Run the mutation catalog: each mutant must be caught within its seed budget.
+    Mutants {
+        /// Seeds tried per mutant.
+        #[arg(long, default_value_t = 200)]
+        budget: u64,
+        /// Shrink each caught mutant's trace (replays per mutant).
+        #[arg(long, default_value_t = 600)]
+        shrink_budget: usize,
+        /// Only this mutant (by name).
+        #[arg(long)]
+        only: Option<String>,
+        /// Write each shrunk trace to corpus/mutant-<name>.json.
+        #[arg(long)]
+        save: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Doctor => doctor(),
+        Cmd::Sim { seeds, first, seed, device, time, json, out } => {
+            let list: Vec<u64> = match seed {
+                Some(s) => vec![s],
+                None => (first..first.saturating_add(seeds)).collect(),
+            };
+            sim_cmd(&list, device, time, json, &out)
+        }
+        Cmd::Replay { trace, device } => replay_cmd(&trace, device),
+        Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
+        Cmd::Mutants { budget, shrink_budget, only, save, json } => mutants_cmd(budget, shrink_budget, only, save, json),
+    }
+}
+
+fn doctor() -> ExitCode {
+    let version = sim::mlx_version();
+    println!("mlx version     {version} (headers this build was compiled against: {})", mlx_sys::MLX_BUILD_VERSION);
+    let loaded = std::fs::read_to_string("/proc/self/maps")
+        .ok()
+        .and_then(|m| m.lines().find(|l| l.contains("libmlx")).map(|l| l.split_whitespace().last().unwrap_or("").to_string()))
+        .unwrap_or_else(|| "unknown".into());
+    println!("library loaded  {loaded}");
+    println!("build run path  {}", mlx_sys::MLX_LIB_DIR);
+    let default = mlx_rs::Device::try_default().map(|d| format!("{d:?}")).unwrap_or_else(|e| format!("error: {e}"));
+    println!("default device  {default}");
+    let gpu = kvsim::doctor::gpu_available();
+    println!("gpu available   {gpu}");
+    let mut devices = vec![DeviceChoice::Cpu];
+    if gpu {
+        devices.push(DeviceChoice::Gpu);
+    }
+    let mut ok = true;
+    let mut lines = vec![];
+    for d in devices {
+        match kvsim::doctor::sdpa_check(d) {
+            Ok(r) => {
+                println!("sdpa {:<4} bf16  H_q 8 / H_kv 2, D 64, 37 keys, causal window: max {} ULP (bf16) vs f64 reference, {} values", d.name(), r.max_ulp, r.values);
+                let pass = r.max_ulp <= kvsim::doctor::SDPA_ULP_BOUND;
+                ok &= pass;
+                lines.push(format!("mlx {version} {} {}", d.name(), if pass { "ok" } else { "FAILED" }));
+            }
+            Err(e) => {
+                ok = false;
+                println!("sdpa {:<4} error: {e}", d.name());
+                lines.push(format!("mlx {version} {} FAILED", d.name()));
+            }
+        }
+    }
+    for l in lines {
+        println!("{l}");
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn write_trace(dir: &Path, name: &str, t: &Trace) -> PathBuf {
+    let _ = std::fs::create_dir_all(dir);
+    let p = dir.join(name);
+    if let Err(e) = std::fs::write(&p, t.to_json()) {
+        eprintln!("kvsim: cannot write {}: {e}", p.display());
+    }
+    p
+}
+
+fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, out: &Path) -> ExitCode {
+    let start = Instant::now();
+    let bar = indicatif::ProgressBar::new(seeds.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} seeds {msg}").unwrap().progress_chars("=> "),
+    );
+    let mut total = Counters::default();
+    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut ops, mut skipped, mut ran) = (0u64, 0u64, 0u64);
+    let mut failed = vec![];
+    let mut hash = blake3::Hasher::new();
+    if seeds.len() == 1 {
+        println!("config of seed {}: {}", seeds[0], serde_json::to_string(&kvsim::sim::config::SimConfig::from_seed(seeds[0])).unwrap());
+    }
+    for &seed in seeds {
+        if time.is_some_and(|t| start.elapsed().as_secs_f64() > t) {
+            break;
+        }
+        let r = sim::run_seed(seed, device, None);
+        ran += 1;
+        total.add(&r.counters);
+        for (k, v) in &r.ops_by_kind {
+            *by_kind.entry(k.clone()).or_insert(0) += v;
+        }
+        ops += r.trace.ops.len() as u64 - r.skipped;
+        skipped += r.skipped;
+        hash.update(r.trace.result_hash.as_bytes());
+        if let Outcome::Fail { op_index, check, message } = &r.trace.outcome {
+            let p = write_trace(out, &format!("seed-{seed}.json"), &r.trace);
+            bar.println(format!("FAIL seed {seed} op {op_index} [{check}] {message}\n     trace: {}", p.display()));
+            failed.push(serde_json::json!({"seed": seed, "op_index": op_index, "check": check, "message": message, "trace": p.display().to_string()}));
+        }
+        bar.set_message(format!("{} failures", failed.len()));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let summary = Summary {
+        seeds: ran,
+        ops,
+        skipped_ops: skipped,
+        checks: total.checks,
+        failures: failed.len() as u64,
+        ops_by_kind: by_kind,
+        bit_exact: serde_json::json!({
+            "state": total.bit_exact_state,
+            "decode": total.decode_unpadded.bit_exact + total.decode_padded.bit_exact,
+            "decode_unpadded": total.decode_unpadded.bit_exact,
+            "decode_padded": total.decode_padded.bit_exact,
+            "window": total.window.bit_exact,
+        }),
+        compared: serde_json::json!({
+            "decode_unpadded": total.decode_unpadded.compared,
+            "decode_padded": total.decode_padded.compared,
+            "window": total.window.compared,
+        }),
+        max_ulp: serde_json::json!({
+            "decode_unpadded_vs_solo": total.decode_unpadded.max_ulp,
+            "decode_padded_vs_solo": total.decode_padded.max_ulp,
+            "window_vs_solo": total.window.max_ulp,
+        }),
+        reference: serde_json::json!({
+            "checks": total.model_checks,
+            "failures": failed.iter().filter(|f| f["check"] == "output_vs_model" || f["check"] == "layout" || f["check"] == "mask" || f["check"] == "ring_state").count(),
+            "max_ulp": {"bf16": total.model_max_ulp_bf16, "f32": total.model_max_ulp_f32},
+        }),
+        expected_errors: total.expected_errors,
+        device: device.name().into(),
+        mlx_version: sim::mlx_version(),
+        result_hash: hash.finalize().to_hex().to_string(),
+        failed_seeds: failed.clone(),
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    println!("kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}", ran, ops, skipped, total.checks, failed.len(), summary.seconds, device.name());
+    println!("  {:<28} {:>10} {:>12} {:>10}", "output class vs solo twin", "compared", "bit-exact", "max ULP");
+    for (name, c) in [("decode (unpadded rows)", total.decode_unpadded), ("decode (padded rows)", total.decode_padded), ("window", total.window)] {
+        println!("  {:<28} {:>10} {:>12} {:>10}", name, c.compared, c.bit_exact, c.max_ulp);
+    }
+    println!("  state comparisons byte-identical: {}", total.bit_exact_state);
+    println!("  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads", total.model_max_ulp_f32, total.model_max_ulp_bf16, total.model_checks);
+    println!("  ops by kind: {}", summary.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
+    if json {
+        println!("{}", serde_json::to_string(&summary).unwrap());
+    }
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn replay_cmd(path: &Path, device: DeviceChoice) -> ExitCode {
+    let trace = match Trace::load(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvsim replay: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = sim::replay(&trace, device);
+    // First divergence of the digest chain from the recorded one (same device and MLX only).
+    if let Some(i) = trace.digests.iter().zip(&r.trace.digests).position(|(a, b)| a != b) {
+        println!("digest of op {i} differs from the recorded run ({:?})", trace.ops.get(i));
+    }
+    match &r.trace.outcome {
+        Outcome::Pass => println!("replay: all {} ops passed (result hash {})", r.trace.ops.len(), &r.trace.result_hash[..16]),
+        Outcome::Fail { op_index, check, message } => {
+            println!("replay: first divergence at op {op_index} {:?}\n  [{check}] {message}", r.trace.ops[*op_index])
+        }
+    }
+    match sim::replay_matches(&trace, &r) {
+        Ok(()) => {
+            println!("replay matches the trace's expectation ({:?})", trace.expect);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("replay does NOT match the trace's expectation: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, device: DeviceChoice) -> ExitCode {
+    let trace = match Trace::load(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvsim shrink: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match sim::shrink::shrink(&trace, device, budget) {
+        Ok(s) => {
+            let mut t = s.trace;
+            t.expect = Expect::Fail;
+            let name = format!("seed-{}-{}ops.json", t.seed, t.ops.len());
+            let p = match out {
+                Some(p) => {
+                    if let Some(d) = p.parent() {
+                        let _ = std::fs::create_dir_all(d);
+                    }
+                    let _ = std::fs::write(&p, t.to_json());
+                    p
+                }
+                None => write_trace(Path::new("corpus"), &name, &t),
+            };
+            println!("shrunk {} ops to {} in {} replays: {}", trace.ops.len(), t.ops.len(), s.runs, p.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvsim shrink: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
+    let mut rows = vec![];
+    let mut survived = 0;
+    for &m in Mutant::ALL {
+        if only.as_deref().is_some_and(|o| o != m.name()) {
+            continue;
+        }
+        let mut caught = None;
+        for seed in 0..budget {
+            let r = sim::run_seed(seed, DeviceChoice::Cpu, Some(m));
+            if r.failed() {
+                caught = Some((seed, r));
+                break;
+            }
+        }
+        match caught {
+            Some((seed, r)) => {
+                let (check, shrunk) = match &r.trace.outcome {
+                    Outcome::Fail { check, .. } => (check.clone(), sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok()),
+                    Outcome::Pass => (String::new(), None),
+                };
+                let shrunk_ops = shrunk.as_ref().map(|s| s.trace.ops.len()).unwrap_or(r.trace.ops.len());
+                if save {
+                    if let Some(s) = &shrunk {
+                        let mut t = s.trace.clone();
+                        t.expect = Expect::Fail;
+                        t.note = format!("mutant {}: {}", m.name(), m.describe());
+                        write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);
+                    }
+                }
+                println!("{:<26} caught  seed {:>4}  [{check}]  shrunk to {shrunk_ops} ops", m.name(), seed);
+                rows.push(serde_json::json!({"name": m.name(), "caught": true, "seeds": seed + 1, "check": check, "shrunk_ops": shrunk_ops}));
+            }
+            None => {
+                survived += 1;
+                println!("{:<26} SURVIVED {budget} seeds", m.name());
+                rows.push(serde_json::json!({"name": m.name(), "caught": false, "seeds": budget, "shrunk_ops": null}));
+            }
+        }
+    }
+    if json {
+        println!("{}", serde_json::json!({ "mutants": rows }));
+    }
+    if survived == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

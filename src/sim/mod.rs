@@ -1,1 +1,176 @@
-//! The deterministic simulator.
+//! The deterministic simulator: one `u64` seed -> swarm config -> op stream -> production caches, solo twins and the
+//! reference model, checked after every op (see ARCHITECTURE.md).
+
+pub mod check;
+pub mod config;
+pub mod gen;
+pub mod ops;
+pub mod rng;
+pub mod runner;
+pub mod shrink;
+pub mod summary;
+pub mod trace;
+
+use std::collections::BTreeMap;
+
+use crate::cache::mutation::{self, Mutant};
+use crate::sim::check::{Failure, Guarantees};
+use crate::sim::config::SimConfig;
+use crate::sim::gen::Generator;
+use crate::sim::ops::Op;
+use crate::sim::runner::World;
+use crate::sim::summary::Counters;
+use crate::sim::trace::{Expect, Outcome, Trace, FORMAT, VERSION};
+
+/// Where MLX runs the simulation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceChoice {
+    Cpu,
+    Gpu,
+}
+
+impl DeviceChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Gpu => "gpu",
+        }
+    }
+
+    /// Makes this MLX's default device for the calling thread's ops.
+    pub fn activate(self) {
+        let d = match self {
+            DeviceChoice::Cpu => mlx_rs::Device::cpu(),
+            DeviceChoice::Gpu => mlx_rs::Device::gpu(),
+        };
+        mlx_rs::Device::set_default(&d);
+    }
+
+    /// What is promised bit-exact on this device (README "Guarantees").
+    pub fn guarantees(self) -> Guarantees {
+        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu }
+    }
+}
+
+/// The MLX version of the loaded library.
+pub fn mlx_version() -> String {
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        let v = if mlx_sys::mlx_version(&mut s) == 0 {
+            std::ffi::CStr::from_ptr(mlx_sys::mlx_string_data(s)).to_string_lossy().into_owned()
+        } else {
+            "unknown".to_string()
+        };
+        mlx_sys::mlx_string_free(s);
+        v
+    }
+}
+
+/// The result of running one op list.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    pub trace: Trace,
+    pub counters: Counters,
+    pub ops_by_kind: BTreeMap<String, u64>,
+    pub skipped: u64,
+}
+
+impl RunResult {
+    pub fn failed(&self) -> bool {
+        matches!(self.trace.outcome, Outcome::Fail { .. })
+    }
+}
+
+/// Either generate ops from the seed (`ops = None`, `count` of them) or replay `ops`.
+pub fn run(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceChoice, mutant: Option<Mutant>) -> RunResult {
+    device.activate();
+    mutation::arm(mutant);
+    let result = run_inner(seed, config, ops, device, mutant);
+    mutation::arm(None);
+    result
+}
+
+fn run_inner(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceChoice, mutant: Option<Mutant>) -> RunResult {
+    let mut trace = Trace {
+        format: FORMAT.to_string(),
+        version: VERSION,
+        seed,
+        config: config.clone(),
+        mlx_version: mlx_version(),
+        device: device.name().to_string(),
+        mutant,
+        ops: vec![],
+        digests: vec![],
+        result_hash: String::new(),
+        outcome: Outcome::Pass,
+        expect: Expect::Pass,
+        note: String::new(),
+    };
+    let mut ops_by_kind = BTreeMap::new();
+    let mut skipped = 0;
+    let mut world = match World::new(config.clone()) {
+        Ok(w) => w,
+        Err(f) => {
+            trace.outcome = Outcome::Fail { op_index: 0, check: f.check, message: f.message };
+            return RunResult { trace, counters: Counters::default(), ops_by_kind, skipped };
+        }
+    };
+    world.counters.guarantees = device.guarantees();
+    let mut gen = Generator::new(seed);
+    let replay = ops.is_some();
+    let list = ops.unwrap_or_default();
+    let count = if replay { list.len() } else { config.ops };
+    for i in 0..count {
+        let op = if replay { list[i].clone() } else { gen.next(&config, &world.view()) };
+        trace.ops.push(op.clone());
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.apply(&op)));
+        let result = match result {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                Err(Failure::new("panic", format!("the op panicked: {}", msg.unwrap_or_default())))
+            }
+        };
+        world.hasher.update(serde_json::to_string(&op).unwrap().as_bytes());
+        trace.digests.push(world.hasher.clone().finalize().to_hex()[..16].to_string());
+        match result {
+            Ok(true) => *ops_by_kind.entry(op.kind().name().to_string()).or_insert(0) += 1,
+            Ok(false) => skipped += 1,
+            Err(f) => {
+                *ops_by_kind.entry(op.kind().name().to_string()).or_insert(0) += 1;
+                trace.outcome = Outcome::Fail { op_index: i, check: f.check, message: f.message };
+                break;
+            }
+        }
+    }
+    let mut h = blake3::Hasher::new();
+    h.update(serde_json::to_string(&trace.config).unwrap().as_bytes());
+    for d in &trace.digests {
+        h.update(d.as_bytes());
+    }
+    trace.result_hash = h.finalize().to_hex().to_string();
+    RunResult { trace, counters: world.counters, ops_by_kind, skipped }
+}
+
+/// Runs a seed with its generated op stream.
+pub fn run_seed(seed: u64, device: DeviceChoice, mutant: Option<Mutant>) -> RunResult {
+    run(seed, SimConfig::from_seed(seed), None, device, mutant)
+}
+
+/// Re-runs a trace's ops (on its config and mutant).
+pub fn replay(trace: &Trace, device: DeviceChoice) -> RunResult {
+    run(trace.seed, trace.config.clone(), Some(trace.ops.clone()), device, trace.mutant)
+}
+
+/// Whether a replay matches what the trace expects: `Pass` must pass; `Fail` must fail with the recorded check.
+pub fn replay_matches(trace: &Trace, result: &RunResult) -> Result<(), String> {
+    match (&trace.expect, &trace.outcome, &result.trace.outcome) {
+        (Expect::Pass, _, Outcome::Pass) => Ok(()),
+        (Expect::Pass, _, Outcome::Fail { op_index, check, message }) => {
+            Err(format!("expected to pass, failed at op {op_index} [{check}] {message}"))
+        }
+        (Expect::Fail, Outcome::Fail { check: want, .. }, Outcome::Fail { check, .. }) if want == check => Ok(()),
+        (Expect::Fail, recorded, got) => Err(format!("expected the recorded failure {recorded:?}, got {got:?}")),
+    }
+}

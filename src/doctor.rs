@@ -1,0 +1,72 @@
+//! `kvsim doctor`: which MLX is loaded, which devices exist, and whether MLX's fused SDPA agrees with a pure-Rust
+//! f64 reference on each device (measured in bf16 ULPs).
+
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::{Array, Dtype};
+
+use crate::bytes::{ulp_distance, ArrayBytes};
+use crate::sim::DeviceChoice;
+
+/// Largest bf16 ULP error `doctor` accepts (fused SDPA accumulates in f32 and rounds once to bf16; measured 1 on
+/// CPU and on an H200).
+pub const SDPA_ULP_BOUND: u64 = 2;
+
+/// Whether MLX reports a usable GPU (the CUDA runtime on Linux).
+pub fn gpu_available() -> bool {
+    let mut n: std::os::raw::c_int = 0;
+    let rc = unsafe { mlx_sys::mlx_device_count(&mut n, mlx_sys::mlx_device_type__MLX_GPU) };
+    rc == 0 && n > 0
+}
+
+/// The result of one SDPA check.
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaCheck {
+    pub max_ulp: u64,
+    pub values: usize,
+}
+
+fn pseudo(i: u64) -> f32 {
+    // splitmix64 -> uniform in [-1, 1), rounded to bf16.
+    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+    half::bf16::from_f32(2.0 * u - 1.0).to_f32()
+}
+
+/// A bf16 SDPA (GQA 8/2, D 64, 37 keys, 5 causal queries) on `device`, against f64 softmax attention.
+pub fn sdpa_check(device: DeviceChoice) -> Result<SdpaCheck, String> {
+    device.activate();
+    let (hq, hk, d, n, l) = (8usize, 2usize, 64usize, 37usize, 5usize);
+    let q: Vec<f32> = (0..hq * l * d).map(|i| pseudo(i as u64)).collect();
+    let k: Vec<f32> = (0..hk * n * d).map(|i| pseudo(1 << 32 | i as u64)).collect();
+    let v: Vec<f32> = (0..hk * n * d).map(|i| pseudo(2 << 32 | i as u64)).collect();
+    let to = |x: &[f32], h: usize, len: usize| -> Result<Array, String> {
+        Array::from_slice(x, &[1, h as i32, len as i32, d as i32]).as_dtype(Dtype::Bfloat16).map_err(|e| e.to_string())
+    };
+    let scale = 1.0 / (d as f32).sqrt();
+    let out = scaled_dot_product_attention(to(&q, hq, l)?, to(&k, hk, n)?, to(&v, hk, n)?, scale, ScaledDotProductAttentionMask::Causal, None)
+        .map_err(|e| e.to_string())?;
+    let got = ArrayBytes::of(&out).map_err(|e| e.to_string())?;
+    let mut max_ulp = 0;
+    for h in 0..hq {
+        let kv = h / (hq / hk);
+        for i in 0..l {
+            let visible = n - l + i + 1; // bottom-right causal
+            let scores: Vec<f64> = (0..visible)
+                .map(|j| (0..d).map(|x| q[(h * l + i) * d + x] as f64 * k[(kv * n + j) * d + x] as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            for x in 0..d {
+                let e: f64 = (0..visible).map(|j| w[j] * v[(kv * n + j) * d + x] as f64).sum::<f64>() / z;
+                let want = half::bf16::from_f64(e).to_bits() as u64;
+                let found = got.words.get((h * l + i) * d + x);
+                max_ulp = max_ulp.max(ulp_distance(Dtype::Bfloat16, found, want));
+            }
+        }
+    }
+    Ok(SdpaCheck { max_ulp, values: hq * l * d })
+}

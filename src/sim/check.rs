@@ -1,0 +1,325 @@
+//! One check function per feature. Each returns `Err(Failure)` naming the check and what diverged; counters record
+//! how many comparisons were made and how many were byte-identical.
+
+use crate::bytes::ArrayBytes;
+use crate::cache::{self, CacheError, KvSpec, MaskUse, RingState, RowBatch, SerialCache};
+use crate::reference::{attention_f64, ModelError, RowModel, Tensor, Tok, ValueSpace};
+use crate::sim::summary::Counters;
+use mlx_rs::Dtype;
+
+/// A failed check: which check, and a message naming op-independent facts (row, column, expected, found).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Failure {
+    pub check: String,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(check: &str, message: impl Into<String>) -> Failure {
+        Failure { check: check.to_string(), message: message.into() }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{}] {}", self.check, self.message)
+    }
+}
+
+type Res = Result<(), Failure>;
+
+/// The read being checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadKind {
+    Decode,
+    Window,
+    PaddedWindow,
+}
+
+/// Output classes of the guarantees table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutClass {
+    /// A decode read of a row whose columns span the whole read (no masked column).
+    DecodeUnpadded,
+    /// A decode read of a row read under a mask (other rows are longer).
+    DecodePadded,
+    /// A window read (causal within the window).
+    Window,
+}
+
+impl ReadKind {
+    pub fn class(self, padded: bool) -> OutClass {
+        match (self, padded) {
+            (ReadKind::Decode, false) => OutClass::DecodeUnpadded,
+            (ReadKind::Decode, true) => OutClass::DecodePadded,
+            _ => OutClass::Window,
+        }
+    }
+}
+
+/// The production result of an op must be exactly the model's verdict: Ok, or the same error kind.
+pub fn error_matches(what: &str, expected: &Result<(), ModelError>, got: &Result<(), CacheError>) -> Res {
+    let same = match (expected, got) {
+        (Ok(()), Ok(())) => true,
+        (Err(ModelError::NotTrimmable { .. }), Err(CacheError::NotTrimmable { .. })) => true,
+        (Err(ModelError::TrimTooLong { .. }), Err(CacheError::TrimTooLong { .. })) => true,
+        (Err(ModelError::BypassNotAfterWindow { .. }), Err(CacheError::BypassNotAfterWindow { .. })) => true,
+        _ => false,
+    };
+    if same {
+        Ok(())
+    } else {
+        Err(Failure::new("errors", format!("{what}: model says {expected:?}, production returned {got:?}")))
+    }
+}
+
+/// RoPE offsets read before an op are a snapshot: equal to the model's positions then, and unchanged after the op
+/// (bug catalog #3: offset aliasing).
+pub fn rope_snapshot(at_read: &[i32], after_op: &[i32], model_before: &[usize]) -> Res {
+    let expect: Vec<i32> = model_before.iter().map(|&o| o as i32).collect();
+    if at_read != expect.as_slice() {
+        return Err(Failure::new("rope", format!("rope_offsets {at_read:?}, model positions {expect:?}")));
+    }
+    if at_read != after_op {
+        return Err(Failure::new(
+            "rope",
+            format!("rope_offsets read before the write changed after it: {at_read:?} -> {after_op:?} (aliasing)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The columns query `i` of `row` could see under `mask`, versus the model's visible columns (indices into the row's
+/// `[0, len)`). `width` is the number of key columns the read attended, `l` its query count.
+pub fn mask_row(mask: &MaskUse, row: usize, i: usize, visible: &[usize], l: usize, width: usize, kind: ReadKind) -> Res {
+    let seen: Vec<usize> = match mask {
+        MaskUse::None => (0..width).collect(),
+        MaskUse::Causal => (0..width).filter(|&c| c + l <= width + i).collect(),
+        MaskUse::Array(spec) => {
+            if row >= spec.rows || i >= spec.queries {
+                return Err(Failure::new("mask", format!("mask {}x{}x{} has no row {row} query {i}", spec.rows, spec.queries, spec.cols)));
+            }
+            (0..spec.cols).filter(|&c| spec.visible[(row * spec.queries + i) * spec.cols + c]).collect()
+        }
+    };
+    if seen != visible {
+        return Err(Failure::new(
+            "mask",
+            format!("{kind:?} read, row {row}, query {i}: mask shows columns {seen:?}, model expects {visible:?} ({mask_kind})", mask_kind = match mask {
+                MaskUse::None => "no mask",
+                MaskUse::Causal => "causal",
+                MaskUse::Array(_) => "array mask",
+            }),
+        ));
+    }
+    Ok(())
+}
+
+fn value_of(dtype: Dtype, w: u64) -> f64 {
+    match dtype {
+        Dtype::Bfloat16 => f32::from_bits((w as u32) << 16) as f64,
+        _ => f32::from_bits(w as u32) as f64,
+    }
+}
+
+/// Size of one ULP of `dtype` at magnitude `x`, with magnitudes below 2^-6 measured at 2^-6 ("ULPs at the output's
+/// scale": outputs are convex combinations of values in [-1, 1), so a near-zero output's relative error says nothing).
+pub fn ulp_at(dtype: Dtype, x: f64) -> f64 {
+    let m = x.abs().max(1.0 / 64.0);
+    let e = m.log2().floor();
+    let mant = if dtype == Dtype::Bfloat16 { 7.0 } else { 23.0 };
+    (e - mant).exp2()
+}
+
+/// Largest scaled ULP error a read may show against the f64 model before it counts as a failure.
+/// Set from measurement (README "Guarantees"): far above rounding, far below one misplaced key.
+pub fn model_bound(dtype: Dtype) -> f64 {
+    if dtype == Dtype::Bfloat16 {
+        8.0
+    } else {
+        256.0
+    }
+}
+
+/// One query's output (row, query i; `[B, H_q, L, D]`) against softmax attention in f64 over `keys`.
+#[allow(clippy::too_many_arguments)]
+pub fn output_vs_model(
+    vs: &ValueSpace,
+    layer: u32,
+    q: Tok,
+    keys: &[Tok],
+    scale: f32,
+    out: &ArrayBytes,
+    row: usize,
+    i: usize,
+    counters: &mut Counters,
+) -> Res {
+    let (hq, l, d) = (out.shape[1] as usize, out.shape[2] as usize, out.shape[3] as usize);
+    let expected = attention_f64(vs, layer, q, keys, scale as f64);
+    let mut worst = 0f64;
+    for h in 0..hq {
+        for k in 0..d {
+            let w = out.words.get(((row * hq + h) * l + i) * d + k);
+            let found = value_of(out.dtype, w);
+            let e = expected[h * d + k];
+            if found.is_nan() || found.is_infinite() {
+                return Err(Failure::new("nan", format!("row {row} query {i} (token {q:?}) head {h} dim {k}: output {found}")));
+            }
+            worst = worst.max((found - e).abs() / ulp_at(out.dtype, e));
+        }
+    }
+    counters.record_model_ulp(out.dtype, worst);
+    counters.checks += 1;
+    if worst > model_bound(out.dtype) {
+        return Err(Failure::new(
+            "output_vs_model",
+            format!("row {row} query {i} (token {q:?}): {worst:.1} ULPs from the f64 model over {} keys (bound {})", keys.len(), model_bound(out.dtype)),
+        ));
+    }
+    Ok(())
+}
+
+/// Policy for outputs that are not promised bit-exact. Set per device by the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Guarantees {
+    /// Unpadded decode outputs must be byte-identical to the twin's (CPU: yes; CUDA: measured only).
+    pub exact_unpadded_decode: bool,
+}
+
+/// One row's real query outputs against the twin's, bytes first; distance measured when they differ.
+pub fn output_vs_twin(class: OutClass, out: &ArrayBytes, row: usize, twin: &ArrayBytes, n: usize, counters: &mut Counters) -> Res {
+    let (hq, l, d) = (out.shape[1] as usize, out.shape[2] as usize, out.shape[3] as usize);
+    let lt = twin.shape[2] as usize;
+    let mut worst = 0u64;
+    for i in 0..n {
+        for h in 0..hq {
+            for k in 0..d {
+                let a = out.words.get(((row * hq + h) * l + i) * d + k);
+                let b = twin.words.get((h * lt + i) * d + k);
+                if a != b {
+                    worst = worst.max(crate::bytes::ulp_distance(out.dtype, a, b));
+                }
+            }
+        }
+    }
+    counters.record_twin(class, out.dtype, worst);
+    if worst > 0 && class == OutClass::DecodeUnpadded && counters.guarantees.exact_unpadded_decode {
+        return Err(Failure::new(
+            "decode_vs_solo",
+            format!("row {row}: unpadded decode output differs from the solo twin by {worst} ULPs (promised byte-identical)"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn row_count(batch: &RowBatch, expected: usize) -> Res {
+    if batch.rows() != expected {
+        return Err(Failure::new("rows", format!("batch holds {} rows, the scheduler has {expected}", batch.rows())));
+    }
+    Ok(())
+}
+
+pub fn kinds_batch(batch: &RowBatch, max: Option<usize>, spec: KvSpec) -> Res {
+    let kind = batch.storage_kind();
+    let serial = if max.is_some() { cache::ROTATING_PLAIN } else { cache::KV_PLAIN };
+    if !cache::is_row_batch(&kind) || kind.0 != format!("{serial}{}", cache::ROW_BATCH_MARKER) {
+        return Err(Failure::new("storage_kind", format!("batch reports {:?}, expected {serial}{}", kind.0, cache::ROW_BATCH_MARKER)));
+    }
+    if max.is_some() != cache::is_rotating(&kind) {
+        return Err(Failure::new("storage_kind", format!("{:?}: is_rotating disagrees with the layout", kind.0)));
+    }
+    bytes_per_token("batch", batch.bytes_per_token(), |n| batch.bytes_for_tokens(n), max, spec)
+}
+
+pub fn kinds_serial(c: &SerialCache, max: Option<usize>, spec: KvSpec) -> Res {
+    let kind = c.storage_kind();
+    let serial = if max.is_some() { cache::ROTATING_PLAIN } else { cache::KV_PLAIN };
+    if cache::is_row_batch(&kind) || kind.0 != serial {
+        return Err(Failure::new("storage_kind", format!("serial cache reports {:?}, expected {serial}", kind.0)));
+    }
+    bytes_per_token("serial", c.bytes_per_token(), |n| c.bytes_for_tokens(n), max, spec)
+}
+
+fn bytes_per_token(what: &str, per: usize, for_n: impl Fn(usize) -> usize, max: Option<usize>, spec: KvSpec) -> Res {
+    let item = match spec.dtype {
+        cache::KvDtype::F32 => 4,
+        cache::KvDtype::Bf16 => 2,
+    };
+    let expect = 2 * spec.heads_kv * spec.head_dim * item;
+    if per != expect {
+        return Err(Failure::new("bytes_per_token", format!("{what}: {per}, expected 2*H*D*itemsize = {expect}")));
+    }
+    for n in [0usize, 1, 7, 100] {
+        let capped = max.map_or(n, |w| n.min(w));
+        if for_n(n) != capped * expect {
+            return Err(Failure::new("bytes_per_token", format!("{what}: bytes_for_tokens({n}) = {}, expected {}", for_n(n), capped * expect)));
+        }
+    }
+    Ok(())
+}
+
+pub fn left_padding(got: &[i64], expected: &[i64]) -> Res {
+    if got != expected {
+        return Err(Failure::new("left_padding", format!("left_padding {got:?}, model {expected:?}")));
+    }
+    Ok(())
+}
+
+pub fn flag(what: &str, got: bool, expected: bool) -> Res {
+    if got != expected {
+        return Err(Failure::new("flags", format!("{what} = {got}, model says {expected}")));
+    }
+    Ok(())
+}
+
+/// offset, len, write head and last window width, field by field.
+pub fn ring_state(what: &str, s: &RingState, m: &RowModel) -> Res {
+    let got = (s.offset, s.len, s.idx, s.last_concat);
+    let want = (m.offset, m.cols.len(), m.idx, m.last_concat);
+    if got != want {
+        return Err(Failure::new(
+            "ring_state",
+            format!("{what}: (offset, len, idx, last_concat) = {got:?}, model {want:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes `[1, H, n, D]` against the model's token per column; names the token found where they differ.
+pub fn columns_vs_model(what: &str, vs: &ValueSpace, layer: u32, tensor: Tensor, got: &ArrayBytes, toks: &[Tok]) -> Res {
+    let (h, n, d) = (got.shape[1] as usize, got.shape[2] as usize, got.shape[3] as usize);
+    if n != toks.len() {
+        return Err(Failure::new("layout", format!("{what} {tensor:?}: {n} columns, the model expects {} ({toks:?})", toks.len())));
+    }
+    for (c, tok) in toks.iter().enumerate() {
+        let want = vs.column_bits(layer, tensor, *tok);
+        let found: Vec<u32> = (0..h * d).map(|x| got.words.get(((x / d) * n + c) * d + x % d) as u32).collect();
+        if found != want {
+            let candidates = toks.iter().copied().chain((0..=tok.pos + 64).map(|p| Tok { req: tok.req, pos: p }));
+            let who = vs.identify(layer, tensor, &found, candidates);
+            return Err(Failure::new(
+                "layout",
+                format!(
+                    "{what} {tensor:?} column {c}: expected token (request {}, position {}), found {}",
+                    tok.req,
+                    tok.pos,
+                    match who {
+                        Some(t) => format!("token (request {}, position {})", t.req, t.pos),
+                        None => "bytes of no known token (padding or garbage)".to_string(),
+                    }
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+pub fn bytes_equal(what: &str, a: &ArrayBytes, b: &ArrayBytes) -> Res {
+    if let Some(i) = a.first_difference(b) {
+        return Err(Failure::new(
+            "bytes_vs_twin",
+            format!("{what}: first difference at element {i} (shapes {:?} vs {:?})", a.shape, b.shape),
+        ));
+    }
+    Ok(())
+}

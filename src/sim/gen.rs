@@ -1,0 +1,98 @@
+//! The op stream: the workload stream of a seed, drawn against the current world (mostly valid ops, with a few
+//! impossible ones on purpose: trims of wrapped rings, extracts of missing rows).
+
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::sim::config::SimConfig;
+use crate::sim::ops::{Op, OpKind};
+use crate::sim::rng::{stream, Stream};
+use crate::sim::runner::View;
+
+/// Draws ops for one seed.
+pub struct Generator {
+    work: ChaCha8Rng,
+    spec: ChaCha8Rng,
+}
+
+impl Generator {
+    pub fn new(seed: u64) -> Generator {
+        Generator { work: stream(seed, Stream::Workload), spec: stream(seed, Stream::Speculation) }
+    }
+
+    /// The next op for `view`. Kinds that cannot apply now are left out of the draw.
+    pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
+        let rows = v.rows.len();
+        let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
+        let room = cfg.max_batch.saturating_sub(rows);
+        let applicable = |k: OpKind| -> bool {
+            match k {
+                OpKind::Admit => v.live < cfg.max_requests,
+                OpKind::SoloWindow | OpKind::SoloDecode | OpKind::SoloTrim => !v.solo.is_empty(),
+                OpKind::Merge | OpKind::Join => !v.solo.is_empty() && room > 0,
+                OpKind::BatchPrefill => !fresh.is_empty() && room > 0,
+                OpKind::Decode | OpKind::Window | OpKind::Append | OpKind::Verify | OpKind::CommitSpan => rows > 0,
+                OpKind::Extract | OpKind::Filter | OpKind::Trim => rows > 0,
+            }
+        };
+        let choices: Vec<(OpKind, u32)> =
+            OpKind::ALL.iter().map(|&k| (k, if applicable(k) { cfg.weight(k) } else { 0 })).filter(|c| c.1 > 0).collect();
+        let total: u32 = choices.iter().map(|c| c.1).sum();
+        if total == 0 {
+            return Op::Admit { req: v.next_id };
+        }
+        let mut pick = self.work.random_range(0..total);
+        let kind = choices.iter().find(|c| if pick < c.1 { true } else { pick -= c.1; false }).unwrap().0;
+        let chunk = |r: &mut ChaCha8Rng| r.random_range(1..=cfg.max_chunk as u32);
+        let w = &mut self.work;
+        match kind {
+            OpKind::Admit => Op::Admit { req: v.next_id },
+            OpKind::SoloWindow => Op::SoloWindow { req: v.solo[w.random_range(0..v.solo.len())].0, len: chunk(w) },
+            OpKind::SoloDecode => Op::SoloDecode { req: v.solo[w.random_range(0..v.solo.len())].0 },
+            OpKind::SoloTrim => {
+                Op::SoloTrim { req: v.solo[w.random_range(0..v.solo.len())].0, n: w.random_range(0..=3), bypass: w.random_bool(0.5) }
+            }
+            OpKind::Merge | OpKind::Join => {
+                let n = w.random_range(1..=room.min(v.solo.len()));
+                let mut reqs: Vec<u32> = v.solo.iter().map(|s| s.0).collect();
+                for i in (1..reqs.len()).rev() {
+                    reqs.swap(i, w.random_range(0..=i));
+                }
+                reqs.truncate(n);
+                if kind == OpKind::Merge {
+                    Op::Merge { reqs }
+                } else {
+                    Op::Join { reqs }
+                }
+            }
+            OpKind::BatchPrefill => {
+                let n = w.random_range(1..=room.min(fresh.len()));
+                let reqs: Vec<u32> = fresh[..n].to_vec();
+                let lengths = (0..n).map(|_| w.random_range(1..=cfg.max_prompt as u32)).collect();
+                Op::BatchPrefill { reqs, lengths, chunk: chunk(w) }
+            }
+            OpKind::Decode => Op::Decode,
+            OpKind::Window => Op::Window { len: chunk(w) },
+            OpKind::Append => Op::Append { len: chunk(w) },
+            OpKind::Verify => {
+                let gamma = self.spec.random_range(1..=cfg.max_gamma as u32);
+                let accept = (0..rows).map(|_| self.spec.random_range(0..=gamma)).collect();
+                Op::Verify { gamma, accept }
+            }
+            OpKind::CommitSpan => Op::CommitSpan { len: w.random_range(1..=3) },
+            OpKind::Extract => {
+                // One in twenty asks for a row that does not exist: a typed error is the expected answer.
+                let row = if w.random_bool(0.05) { rows as u32 + w.random_range(0..3) } else { w.random_range(0..rows as u32) };
+                Op::Extract { row, finish: w.random_bool(0.5) }
+            }
+            OpKind::Filter => {
+                let mut keep: Vec<u32> = (0..rows as u32).filter(|_| w.random_bool(0.8)).collect();
+                if w.random_bool(0.3) {
+                    keep.reverse();
+                }
+                Op::Filter { keep }
+            }
+            OpKind::Trim => Op::Trim { n: self.spec.random_range(1..=3) },
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! Counters of one run, and the JSON summary of many.
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Dtype;
+use serde::{Deserialize, Serialize};
+
+use crate::sim::check::{Guarantees, OutClass};
+
+/// Comparisons of one output class against the solo twin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClassCount {
+    /// Rows compared.
+    pub compared: u64,
+    /// Rows whose every output value was byte-identical to the twin's.
+    pub bit_exact: u64,
+    /// Largest ULP distance to the twin among the others.
+    pub max_ulp: u64,
+}
+
+impl ClassCount {
+    fn add(&mut self, o: &ClassCount) {
+        self.compared += o.compared;
+        self.bit_exact += o.bit_exact;
+        self.max_ulp = self.max_ulp.max(o.max_ulp);
+    }
+}
+
+/// Everything counted during a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Counters {
+    pub checks: u64,
+    pub expected_errors: u64,
+    /// State comparisons (physical and temporal bytes vs twin and model) that were byte-identical.
+    pub bit_exact_state: u64,
+    pub decode_unpadded: ClassCount,
+    pub decode_padded: ClassCount,
+    pub window: ClassCount,
+    /// Largest scaled-ULP error against the f64 model, per dtype.
+    pub model_max_ulp_f32: f64,
+    pub model_max_ulp_bf16: f64,
+    pub model_checks: u64,
+    pub guarantees: Guarantees,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            checks: 0,
+            expected_errors: 0,
+            bit_exact_state: 0,
+            decode_unpadded: ClassCount::default(),
+            decode_padded: ClassCount::default(),
+            window: ClassCount::default(),
+            model_max_ulp_f32: 0.0,
+            model_max_ulp_bf16: 0.0,
+            model_checks: 0,
+            guarantees: Guarantees { exact_unpadded_decode: true },
+        }
+    }
+}
+
+impl Counters {
+    pub fn record_model_ulp(&mut self, dtype: Dtype, ulp: f64) {
+        self.model_checks += 1;
+        if dtype == Dtype::Bfloat16 {
+            self.model_max_ulp_bf16 = self.model_max_ulp_bf16.max(ulp);
+        } else {
+            self.model_max_ulp_f32 = self.model_max_ulp_f32.max(ulp);
+        }
+    }
+
+    pub fn record_twin(&mut self, class: OutClass, _dtype: Dtype, worst: u64) {
+        let c = match class {
+            OutClass::DecodeUnpadded => &mut self.decode_unpadded,
+            OutClass::DecodePadded => &mut self.decode_padded,
+            OutClass::Window => &mut self.window,
+        };
+        c.compared += 1;
+        if worst == 0 {
+            c.bit_exact += 1;
+        } else {
+            c.max_ulp = c.max_ulp.max(worst);
+        }
+        self.checks += 1;
+    }
+
+    pub fn add(&mut self, o: &Counters) {
+        self.checks += o.checks;
+        self.expected_errors += o.expected_errors;
+        self.bit_exact_state += o.bit_exact_state;
+        self.decode_unpadded.add(&o.decode_unpadded);
+        self.decode_padded.add(&o.decode_padded);
+        self.window.add(&o.window);
+        self.model_max_ulp_f32 = self.model_max_ulp_f32.max(o.model_max_ulp_f32);
+        self.model_max_ulp_bf16 = self.model_max_ulp_bf16.max(o.model_max_ulp_bf16);
+        self.model_checks += o.model_checks;
+    }
+}
+
+/// The `--json` summary of `kvsim sim` (its last line).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub seeds: u64,
+    pub ops: u64,
+    pub skipped_ops: u64,
+    pub checks: u64,
+    pub failures: u64,
+    pub ops_by_kind: BTreeMap<String, u64>,
+    pub bit_exact: serde_json::Value,
+    pub compared: serde_json::Value,
+    pub max_ulp: serde_json::Value,
+    pub reference: serde_json::Value,
+    pub expected_errors: u64,
+    pub device: String,
+    pub mlx_version: String,
+    pub result_hash: String,
+    pub failed_seeds: Vec<serde_json::Value>,
+    pub seconds: f64,
+}
