@@ -8,5 +8,6 @@
 pub mod bytes;
 pub mod cache;
 pub mod doctor;
+pub mod fuzzing;
 pub mod reference;
 pub mod sim;

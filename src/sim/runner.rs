@@ -322,9 +322,9 @@ impl World {
                     *twin = SerialCache::from_temporal(self.spec, max, &k, &v, offset).map_err(|e| unexpected("twin from_temporal", e))?;
                 }
             } else {
+                // join keeps the row's state whole (columns, phase, last window width).
                 r.model.base = r.model.offset - r.model.cols.len();
             }
-            r.model.last_concat = None;
             r.solo.clear();
             self.rows.push(*id);
         }
@@ -422,7 +422,6 @@ impl World {
             let r = self.reqs.get_mut(id).unwrap();
             r.home = Home::Batch;
             r.solo.clear();
-            r.model.last_concat = None;
             self.rows.push(*id);
         }
         let _ = b;

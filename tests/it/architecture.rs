@@ -1,0 +1,38 @@
+//! The dependency directions of ARCHITECTURE.md, enforced.
+use std::path::Path;
+
+fn sources(dir: &str) -> Vec<(String, String)> {
+    let mut out = vec![];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut stack = vec![root];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push((p.display().to_string(), std::fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    assert!(!out.is_empty(), "no sources under {dir}");
+    out
+}
+
+#[test]
+fn cache_knows_nothing_of_the_harness() {
+    for (path, text) in sources("src/cache") {
+        for bad in ["crate::reference", "crate::sim", "kvsim::reference", "kvsim::sim"] {
+            assert!(!text.contains(bad), "{path} uses {bad}: src/cache must stay independent of the harness");
+        }
+    }
+}
+
+#[test]
+fn reference_uses_no_mlx() {
+    for (path, text) in sources("src/reference") {
+        for bad in ["mlx_rs", "mlx_sys", "crate::cache", "crate::bytes", "crate::sim"] {
+            assert!(!text.contains(bad), "{path} uses {bad}: src/reference must be pure Rust and independent");
+        }
+    }
+}
