@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Self-test of the mlx-lm oracle driver.
+
+    .venv/bin/python selftest.py            # run the checks
+    .venv/bin/python selftest.py --write    # regenerate selftest_steps.jsonl after editing the scenario
+
+Builds a short hand-written scenario (W = 4, f32): two requests written solo past the window (one by decodes, one by
+a 6-token window read), a trim before and after the wrap, a merge into a batch, batch decodes / append / window read,
+per-row and uniform trims, an extract, a right-padded batch prefill, a join and a filter. The steps are written with
+the protocol's array encoding to selftest_steps.jsonl (committed; the test fails when the file is stale), the driver
+runs them in a subprocess, and the results are checked against facts computed here independently of the driver:
+K/V view hashes straight from the input floats (struct + hashlib, no MLX), attention outputs from a direct
+mx.fast.scaled_dot_product_attention call with hand-ordered keys and a hand-built mask (no mlx-lm), trim counts,
+and the summary line.
+"""
+import base64
+import hashlib
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS_FILE = os.path.join(HERE, "selftest_steps.jsonl")
+W, HKV, HQ, D, SCALE = 4, 2, 4, 8, 0.25
+
+# ---------------------------------------------------------------------------------------------------------------
+# data: every (request, position) has its own q / k / v vectors, multiples of 1/16 (exact in f32)
+# ---------------------------------------------------------------------------------------------------------------
+_rng = random.Random(20240611)
+_tok = {}
+
+
+def tok(req, pos):
+    if (req, pos) not in _tok:
+        def vec(h):
+            return [[_rng.randint(-32, 32) / 16 for _ in range(D)] for _ in range(h)]
+
+        _tok[(req, pos)] = {"q": vec(HQ), "k": vec(HKV), "v": vec(HKV)}
+    return _tok[(req, pos)]
+
+
+def flat(x):
+    if isinstance(x, list):
+        for y in x:
+            yield from flat(y)
+    else:
+        yield x
+
+
+def block(field, rows):
+    """[B][H][L][D] nested list; rows = [[(req, pos) or None (padding: zeros), ...] per batch row]."""
+    H = HQ if field == "q" else HKV
+    return [[[tok(*rp)[field][h] if rp else [0.0] * D for rp in row] for h in range(H)] for row in rows]
+
+
+def enc(nested):
+    vals = list(flat(nested))
+    shape, x = [], nested
+    while isinstance(x, list):
+        shape.append(len(x))
+        x = x[0]
+    return {"dtype": "f32", "shape": shape, "b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode()}
+
+
+def write(t, rows, read, **kw):
+    s = {"t": t, **kw, "read": read, "k": enc(block("k", rows)), "v": enc(block("v", rows))}
+    s["q"] = None if read == "append" else enc(block("q", rows))
+    return s
+
+
+def solo(req, positions, read):
+    return write("solo", [[(req, p) for p in positions]], read, req=req, layer=0)
+
+
+def batch(rows, read):
+    return write("batch", rows, read, layer=0)
+
+
+def view_sha(field, req, positions):
+    """sha256 of the [H, n, D] f32 view of these positions, straight from the floats."""
+    vals = [x for h in range(HKV) for p in positions for x in tok(req, p)[field][h]]
+    return hashlib.sha256(struct.pack(f"<{len(vals)}f", *vals)).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the scenario; `expect` maps a step index to a check on its result record
+# ---------------------------------------------------------------------------------------------------------------
+def scenario():
+    steps, expect = [], {}
+
+    def add(step, check=None):
+        if check is not None:
+            expect[len(steps)] = check
+        steps.append(step)
+
+    add({"t": "config", "max_size": W, "dtype": "f32", "heads_kv": HKV, "heads_q": HQ, "head_dim": D,
+         "layers": 1, "scale": SCALE})
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    # req 1: six single-token decodes; the ring wraps at the fifth (W = 4)
+    add(solo(1, [0], "decode"))
+    add(solo(1, [1], "decode"))
+    add(solo(1, [2], "decode"), ("sdpa", 1, [2], [0, 1, 2], None))  # before the wrap: keys in temporal order
+    add(solo(1, [3], "decode"))
+    add(solo(1, [4], "decode"))
+    add(solo(1, [5], "decode"), ("sdpa", 1, [5], [4, 5, 2, 3], None))  # after the wrap: keys in ring order
+    add({"t": "solo_trim", "req": 1, "n": 1}, ("trimmed", 0))  # wrapped: mlx-lm refuses
+    # req 2: one 6-token window read (concat path, sliding-window mask), then a decode that trims the buffer
+    add(solo(2, range(6), "window"), ("sdpa", 2, list(range(6)), list(range(6)), "window"))
+    add(solo(2, [6], "decode"))
+    # req 3: trimmable before its ring fills
+    add({"t": "admit", "req": 3})
+    add(solo(3, [0, 1], "append"))
+    add({"t": "solo_trim", "req": 3, "n": 1}, ("trimmed", 1))
+    add({"t": "solo", "req": 99, "layer": 0, "read": "append", "k": None, "v": None, "q": None},
+        ("error", "no solo cache"))
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (6, range(2, 6)), 2: (7, range(3, 7)), 3: (1, [0])}))
+    # merge 1 and 2 into the running batch, decode, append, window read
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})
+    add(batch([[(1, 6)], [(2, 7)]], "decode"), ("rows", 2))
+    add(batch([[(1, 7)], [(2, 8)]], "decode"), ("rows", 2))
+    add(batch([[(1, 8)], [(2, 9)]], "append"))
+    add(batch([[(1, 9), (1, 10)], [(2, 10), (2, 11)]], "window"), ("rows", 2))
+    add({"t": "checkpoint", "op": 2}, ("views", {1: (11, range(7, 11)), 2: (12, range(8, 12)), 3: (1, [0])}))
+    add({"t": "trim_rows", "n": [1, 2]}, ("unsupported",))
+    add({"t": "trim_rows", "n": [1, 1]}, ("trimmed", 0))  # equal counts -> uniform trim, refused after the wrap
+    add({"t": "trim", "n": 1}, ("trimmed", 0))
+    add({"t": "extract", "row": 0, "finish": False})
+    add({"t": "checkpoint", "op": 3}, ("views", {1: (11, range(7, 11)), 2: (12, range(8, 12)), 3: (1, [0])}))
+    add(solo(1, [11], "decode"))
+    # a right-padded prefill of two fresh requests (lengths 3 and 2), then one decode of the 3-row batch
+    add({"t": "prefill", "reqs": [7, 8], "lengths": [3, 2]})
+    add({"t": "prefill_chunk", "layer": 0, **{f: enc(block(f, [[(7, 0), (7, 1), (7, 2)], [(8, 0), (8, 1), None]]))
+                                             for f in ("k", "v", "q")}, "real": [3, 2]},
+        ("rows", 2))
+    add({"t": "prefill_end"})
+    add(batch([[(2, 12)], [(7, 3)], [(8, 2)]], "decode"), ("rows", 3))
+    add({"t": "checkpoint", "op": 4},
+        ("views", {1: (12, range(8, 12)), 2: (13, range(9, 13)), 3: (1, [0]), 7: (4, range(0, 4)),
+                   8: (3, range(0, 3))}))
+    # req 1 comes back (join maps to merge), then rows 0, 2 and 3 are kept (req 7 is dropped)
+    add({"t": "enter", "reqs": [1], "how": "join"})
+    add({"t": "filter", "keep": [0, 2, 3]})
+    add(batch([[(2, 13)], [(8, 3)], [(1, 12)]], "decode"), ("rows", 3))
+    add({"t": "checkpoint", "op": 5},
+        ("views", {1: (13, range(9, 13)), 2: (14, range(10, 14)), 3: (1, [0]), 8: (4, range(0, 4))}))
+    return steps, expect
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def direct_sdpa_sha(req, q_pos, key_order, mask_kind):
+    """Attention of `req`'s queries at q_pos over its keys in `key_order`, computed with mx.fast directly."""
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    q = mx.array(block("q", [[(req, p) for p in q_pos]]), dtype=mx.float32)
+    k = mx.array(block("k", [[(req, p) for p in key_order]]), dtype=mx.float32)
+    v = mx.array(block("v", [[(req, p) for p in key_order]]), dtype=mx.float32)
+    mask = None
+    if mask_kind == "window":  # causal sliding window of W over a block that starts at position 0
+        n = len(key_order)
+        mask = mx.array([[j <= i < j + W for j in range(n)] for i in range(n)])
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)
+    words = list(flat(out[0].view(mx.uint32).tolist()))
+    return hashlib.sha256(struct.pack(f"<{len(words)}I", *words)).hexdigest()
+
+
+def main():
+    steps, expect = scenario()
+    text = "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in steps)
+    if "--write" in sys.argv:
+        with open(STEPS_FILE, "w") as f:
+            f.write(text)
+        print(f"wrote {STEPS_FILE} ({len(steps)} steps)")
+    with open(STEPS_FILE) as f:
+        assert f.read() == text, "selftest_steps.jsonl is stale: run selftest.py --write"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res_path = os.path.join(tmp, "results.jsonl")
+        p = subprocess.run([sys.executable, os.path.join(HERE, "driver.py"), STEPS_FILE, res_path],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, f"driver failed ({p.returncode}): {p.stderr}"
+        summary = json.loads(p.stdout.strip().splitlines()[-1])
+        with open(res_path) as f:
+            results = [json.loads(line) for line in f]
+
+    by_step = {r["step"]: r for r in results}
+    failures = []
+
+    def check(cond, what):
+        if not cond:
+            failures.append(what)
+
+    for i, exp in sorted(expect.items()):
+        r = by_step.get(i)
+        kind = exp[0]
+        if r is None:
+            failures.append(f"step {i}: no result record (expected {kind})")
+            continue
+        if kind == "sdpa":
+            _, req, q_pos, key_order, mask_kind = exp
+            want = direct_sdpa_sha(req, q_pos, key_order, mask_kind)
+            check(r.get("rows") == [want], f"step {i}: solo output {r} != direct SDPA {want}")
+        elif kind == "trimmed":
+            check(r.get("trimmed") == exp[1], f"step {i}: {r} expected trimmed {exp[1]}")
+        elif kind == "unsupported":
+            check("unsupported" in r, f"step {i}: {r} expected unsupported")
+        elif kind == "error":
+            check(exp[1] in r.get("error", ""), f"step {i}: {r} expected an error with {exp[1]!r}")
+        elif kind == "rows":
+            rows = r.get("rows", [])
+            check(len(rows) == exp[1] and all(len(h) == 64 for h in rows), f"step {i}: {r} expected {exp[1]} rows")
+        elif kind == "views":
+            got = r.get("reqs", {})
+            check(sorted(got) == sorted(str(q) for q in exp[1]), f"step {i}: requests {sorted(got)} != {exp[1]}")
+            for req, (offset, positions) in exp[1].items():
+                g = got.get(str(req), {})
+                check(g.get("offset") == offset, f"step {i} req {req}: offset {g.get('offset')} != {offset}")
+                check(g.get("k") == [view_sha("k", req, list(positions))], f"step {i} req {req}: K view differs")
+                check(g.get("v") == [view_sha("v", req, list(positions))], f"step {i} req {req}: V view differs")
+    unexpected = [r for r in results if ("error" in r or "unsupported" in r) and r["step"] not in expect]
+    check(not unexpected, f"unexpected error/unsupported records: {unexpected}")
+    n_reads = sum(1 for s in steps if s["t"] in ("solo", "batch", "prefill_chunk") and s.get("read") != "append")
+    want_summary = {"steps": len(steps), "reads": n_reads, "unsupported": 1, "errors": 1,
+                    "mlx": "0.32.2", "mlx_lm": "0.32.2"}
+    check(summary == want_summary, f"summary {summary} != {want_summary}")
+
+    print(json.dumps({"selftest": "FAIL" if failures else "PASS", "steps": len(steps), "results": len(results),
+                      "checks": len(expect) + 2, "summary": summary}))
+    for f in failures:
+        print("  FAIL", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
