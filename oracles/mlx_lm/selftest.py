@@ -104,13 +104,13 @@ def scenario():
     # req 1: six single-token decodes; the ring wraps at the fifth (W = 4)
     add(solo(1, [0], "decode"))
     add(solo(1, [1], "decode"))
-    add(solo(1, [2], "decode"), ("sdpa", 1, [2], [0, 1, 2], None))  # before the wrap: keys in temporal order
+    add(solo(1, [2], "decode"), ("sdpa", [(1, [2], [0, 1, 2], None)]))  # before the wrap: keys in temporal order
     add(solo(1, [3], "decode"))
     add(solo(1, [4], "decode"))
-    add(solo(1, [5], "decode"), ("sdpa", 1, [5], [4, 5, 2, 3], None))  # after the wrap: keys in ring order
+    add(solo(1, [5], "decode"), ("sdpa", [(1, [5], [4, 5, 2, 3], None)]))  # after the wrap: keys in ring order
     add({"t": "solo_trim", "req": 1, "n": 1}, ("trimmed", 0))  # wrapped: mlx-lm refuses
     # req 2: one 6-token window read (concat path, sliding-window mask), then a decode that trims the buffer
-    add(solo(2, range(6), "window"), ("sdpa", 2, list(range(6)), list(range(6)), "window"))
+    add(solo(2, range(6), "window"), ("sdpa", [(2, list(range(6)), list(range(6)), "window")]))
     add(solo(2, [6], "decode"))
     # req 3: trimmable before its ring fills
     add({"t": "admit", "req": 3})
@@ -121,7 +121,9 @@ def scenario():
     add({"t": "checkpoint", "op": 1}, ("views", {1: (6, range(2, 6)), 2: (7, range(3, 7)), 3: (1, [0])}))
     # merge 1 and 2 into the running batch, decode, append, window read
     add({"t": "enter", "reqs": [1, 2], "how": "merge"})
-    add(batch([[(1, 6)], [(2, 7)]], "decode"), ("rows", 2))
+    # merge took each row's temporal tail (positions 2..5 / 3..6); this decode overwrites the oldest column 0, and
+    # no column is masked: each row equals a direct SDPA over the ring's physical order
+    add(batch([[(1, 6)], [(2, 7)]], "decode"), ("sdpa", [(1, [6], [6, 3, 4, 5], None), (2, [7], [7, 4, 5, 6], None)]))
     add(batch([[(1, 7)], [(2, 8)]], "decode"), ("rows", 2))
     add(batch([[(1, 8)], [(2, 9)]], "append"))
     add(batch([[(1, 9), (1, 10)], [(2, 10), (2, 11)]], "window"), ("rows", 2))
@@ -136,7 +138,7 @@ def scenario():
     add({"t": "prefill", "reqs": [7, 8], "lengths": [3, 2]})
     add({"t": "prefill_chunk", "layer": 0, **{f: enc(block(f, [[(7, 0), (7, 1), (7, 2)], [(8, 0), (8, 1), None]]))
                                              for f in ("k", "v", "q")}, "real": [3, 2]},
-        ("rows", 2))
+        ("rows", 2, {0: (7, [0, 1, 2], [0, 1, 2], "window")}))  # row 0 has no padding
     add({"t": "prefill_end"})
     add(batch([[(2, 12)], [(7, 3)], [(8, 2)]], "decode"), ("rows", 3))
     add({"t": "checkpoint", "op": 4},
@@ -202,9 +204,8 @@ def main():
             failures.append(f"step {i}: no result record (expected {kind})")
             continue
         if kind == "sdpa":
-            _, req, q_pos, key_order, mask_kind = exp
-            want = direct_sdpa_sha(req, q_pos, key_order, mask_kind)
-            check(r.get("rows") == [want], f"step {i}: solo output {r} != direct SDPA {want}")
+            want = [direct_sdpa_sha(*args) for args in exp[1]]
+            check(r.get("rows") == want, f"step {i}: output {r} != direct SDPA {want}")
         elif kind == "trimmed":
             check(r.get("trimmed") == exp[1], f"step {i}: {r} expected trimmed {exp[1]}")
         elif kind == "unsupported":
@@ -214,6 +215,9 @@ def main():
         elif kind == "rows":
             rows = r.get("rows", [])
             check(len(rows) == exp[1] and all(len(h) == 64 for h in rows), f"step {i}: {r} expected {exp[1]} rows")
+            for row, args in (exp[2] if len(exp) > 2 else {}).items():
+                want = direct_sdpa_sha(*args)
+                check(rows[row:row + 1] == [want], f"step {i} row {row}: {rows} != direct SDPA {want}")
         elif kind == "views":
             got = r.get("reqs", {})
             check(sorted(got) == sorted(str(q) for q in exp[1]), f"step {i}: requests {sorted(got)} != {exp[1]}")
