@@ -2,13 +2,16 @@
 """Self-test of the mlx-lm oracle driver.
 
     .venv/bin/python selftest.py            # run the checks
-    .venv/bin/python selftest.py --write    # regenerate selftest_steps.jsonl after editing the scenario
+    .venv/bin/python selftest.py --write    # regenerate the steps files after editing a scenario
 
-Builds a short hand-written scenario (W = 4, f32): two requests written solo past the window (one by decodes, one by
-a 6-token window read), a trim before and after the wrap, a merge into a batch, batch decodes / append / window read,
-per-row and uniform trims, an extract, a right-padded batch prefill, a join and a filter. The steps are written with
-the protocol's array encoding to selftest_steps.jsonl (committed; the test fails when the file is stale), the driver
-runs them in a subprocess, and the results are checked against facts computed here independently of the driver:
+Two short hand-written scenarios:
+- selftest_steps.jsonl (W = 4, f32): two requests written solo past the window (one by decodes, one by a 6-token
+  window read), a trim before and after the wrap, a merge into a batch, batch decodes / append / window read,
+  per-row and uniform trims, an extract, a right-padded batch prefill, a join and a filter;
+- selftest_linear_steps.jsonl (no window, bf16): solo window/decode reads, a trim and rewrite, a left-padded merge,
+  a batch trim, a finishing extract and a two-chunk right-padded prefill (one chunk all padding for a row).
+The steps are written with the protocol's array encoding (the files are committed; the test fails when one is stale),
+the driver runs them in a subprocess, and the results are checked against facts computed here independently of it:
 K/V view hashes straight from the input floats (struct + hashlib, no MLX), attention outputs from a direct
 mx.fast.scaled_dot_product_attention call with hand-ordered keys and a hand-built mask (no mlx-lm), trim counts,
 and the summary line.
@@ -24,23 +27,69 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STEPS_FILE = os.path.join(HERE, "selftest_steps.jsonl")
-W, HKV, HQ, D, SCALE = 4, 2, 4, 8, 0.25
-
-# ---------------------------------------------------------------------------------------------------------------
-# data: every (request, position) has its own q / k / v vectors, multiples of 1/16 (exact in f32)
-# ---------------------------------------------------------------------------------------------------------------
-_rng = random.Random(20240611)
-_tok = {}
+HKV, HQ, D, SCALE = 2, 4, 8, 0.25
 
 
-def tok(req, pos):
-    if (req, pos) not in _tok:
-        def vec(h):
-            return [[_rng.randint(-32, 32) / 16 for _ in range(D)] for _ in range(h)]
+class Data:
+    """Every (request, position) has its own q / k / v vectors, multiples of 1/16 in [-2, 2] (exact in f32 and bf16).
+    A position >= 100 names a token written after a rollback (a different token at a reused position)."""
 
-        _tok[(req, pos)] = {"q": vec(HQ), "k": vec(HKV), "v": vec(HKV)}
-    return _tok[(req, pos)]
+    def __init__(self, seed, W, dtype):
+        self.rng, self.W, self.dtype, self.tok_ = random.Random(seed), W, dtype, {}
+
+    def tok(self, req, pos):
+        if (req, pos) not in self.tok_:
+            def vec(h):
+                return [[self.rng.randint(-32, 32) / 16 for _ in range(D)] for _ in range(h)]
+
+            self.tok_[(req, pos)] = {"q": vec(HQ), "k": vec(HKV), "v": vec(HKV)}
+        return self.tok_[(req, pos)]
+
+    def block(self, field, rows):
+        """[B][H][L][D] nested list; rows = [[(req, pos) or None (padding: zeros), ...] per batch row]."""
+        H = HQ if field == "q" else HKV
+        return [[[self.tok(*rp)[field][h] if rp else [0.0] * D for rp in row] for h in range(H)] for row in rows]
+
+    def pack(self, vals):
+        """Little-endian raw element bytes: f32, or bf16 as the top half of the (exact) f32 bit pattern."""
+        b = struct.pack(f"<{len(vals)}f", *vals)
+        if self.dtype == "f32":
+            return b
+        words = struct.unpack(f"<{len(vals)}I", b)
+        assert all(w & 0xFFFF == 0 for w in words)
+        return struct.pack(f"<{len(vals)}H", *(w >> 16 for w in words))
+
+    def enc(self, nested):
+        vals = list(flat(nested))
+        shape, x = [], nested
+        while isinstance(x, list):
+            shape.append(len(x))
+            x = x[0]
+        return {"dtype": self.dtype, "shape": shape, "b64": base64.b64encode(self.pack(vals)).decode()}
+
+    def write(self, t, rows, read, **kw):
+        s = {"t": t, **kw, "read": read, "k": self.enc(self.block("k", rows)), "v": self.enc(self.block("v", rows))}
+        s["q"] = None if read == "append" else self.enc(self.block("q", rows))
+        return s
+
+    def solo(self, req, positions, read):
+        return self.write("solo", [[(req, p) for p in positions]], read, req=req, layer=0)
+
+    def batch(self, rows, read):
+        return self.write("batch", rows, read, layer=0)
+
+    def chunk(self, rows, real):
+        return {"t": "prefill_chunk", "layer": 0, **{f: self.enc(self.block(f, rows)) for f in ("k", "v", "q")},
+                "real": real}
+
+    def config(self):
+        return {"t": "config", "max_size": self.W, "dtype": self.dtype, "heads_kv": HKV, "heads_q": HQ,
+                "head_dim": D, "layers": 1, "scale": SCALE}
+
+    def view_sha(self, field, req, positions):
+        """sha256 of the [H, n, D] view of these positions, straight from the floats."""
+        vals = [x for h in range(HKV) for p in positions for x in self.tok(req, p)[field][h]]
+        return hashlib.sha256(self.pack(vals)).hexdigest()
 
 
 def flat(x):
@@ -51,63 +100,33 @@ def flat(x):
         yield x
 
 
-def block(field, rows):
-    """[B][H][L][D] nested list; rows = [[(req, pos) or None (padding: zeros), ...] per batch row]."""
-    H = HQ if field == "q" else HKV
-    return [[[tok(*rp)[field][h] if rp else [0.0] * D for rp in row] for h in range(H)] for row in rows]
+class Script:
+    def __init__(self):
+        self.steps, self.expect = [], {}
 
-
-def enc(nested):
-    vals = list(flat(nested))
-    shape, x = [], nested
-    while isinstance(x, list):
-        shape.append(len(x))
-        x = x[0]
-    return {"dtype": "f32", "shape": shape, "b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode()}
-
-
-def write(t, rows, read, **kw):
-    s = {"t": t, **kw, "read": read, "k": enc(block("k", rows)), "v": enc(block("v", rows))}
-    s["q"] = None if read == "append" else enc(block("q", rows))
-    return s
-
-
-def solo(req, positions, read):
-    return write("solo", [[(req, p) for p in positions]], read, req=req, layer=0)
-
-
-def batch(rows, read):
-    return write("batch", rows, read, layer=0)
-
-
-def view_sha(field, req, positions):
-    """sha256 of the [H, n, D] f32 view of these positions, straight from the floats."""
-    vals = [x for h in range(HKV) for p in positions for x in tok(req, p)[field][h]]
-    return hashlib.sha256(struct.pack(f"<{len(vals)}f", *vals)).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the scenario; `expect` maps a step index to a check on its result record
-# ---------------------------------------------------------------------------------------------------------------
-def scenario():
-    steps, expect = [], {}
-
-    def add(step, check=None):
+    def add(self, step, check=None):
         if check is not None:
-            expect[len(steps)] = check
-        steps.append(step)
+            self.expect[len(self.steps)] = check
+        self.steps.append(step)
 
-    add({"t": "config", "max_size": W, "dtype": "f32", "heads_kv": HKV, "heads_q": HQ, "head_dim": D,
-         "layers": 1, "scale": SCALE})
+
+# ---------------------------------------------------------------------------------------------------------------
+# the scenarios; `expect` maps a step index to a check on its result record
+# ---------------------------------------------------------------------------------------------------------------
+def rotating_scenario():
+    """W = 4, f32: ring wraps, trims refused after the wrap, merge / extract / prefill / join / filter."""
+    d, sc = Data(20240611, 4, "f32"), Script()
+    add, solo, batch = sc.add, d.solo, d.batch
+    add(d.config())
     add({"t": "admit", "req": 1})
     add({"t": "admit", "req": 2})
     # req 1: six single-token decodes; the ring wraps at the fifth (W = 4)
     add(solo(1, [0], "decode"))
     add(solo(1, [1], "decode"))
-    add(solo(1, [2], "decode"), ("sdpa", [(1, [2], [0, 1, 2], None)]))  # before the wrap: keys in temporal order
+    add(solo(1, [2], "decode"), ("sdpa", [(1, [2], [0, 1, 2], None)]))  # before the wrap: temporal order
     add(solo(1, [3], "decode"))
     add(solo(1, [4], "decode"))
-    add(solo(1, [5], "decode"), ("sdpa", [(1, [5], [4, 5, 2, 3], None)]))  # after the wrap: keys in ring order
+    add(solo(1, [5], "decode"), ("sdpa", [(1, [5], [4, 5, 2, 3], None)]))  # after the wrap: ring order
     add({"t": "solo_trim", "req": 1, "n": 1}, ("trimmed", 0))  # wrapped: mlx-lm refuses
     # req 2: one 6-token window read (concat path, sliding-window mask), then a decode that trims the buffer
     add(solo(2, range(6), "window"), ("sdpa", [(2, list(range(6)), list(range(6)), "window")]))
@@ -136,8 +155,7 @@ def scenario():
     add(solo(1, [11], "decode"))
     # a right-padded prefill of two fresh requests (lengths 3 and 2), then one decode of the 3-row batch
     add({"t": "prefill", "reqs": [7, 8], "lengths": [3, 2]})
-    add({"t": "prefill_chunk", "layer": 0, **{f: enc(block(f, [[(7, 0), (7, 1), (7, 2)], [(8, 0), (8, 1), None]]))
-                                             for f in ("k", "v", "q")}, "real": [3, 2]},
+    add(d.chunk([[(7, 0), (7, 1), (7, 2)], [(8, 0), (8, 1), None]], [3, 2]),
         ("rows", 2, {0: (7, [0, 1, 2], [0, 1, 2], "window")}))  # row 0 has no padding
     add({"t": "prefill_end"})
     add(batch([[(2, 12)], [(7, 3)], [(8, 2)]], "decode"), ("rows", 3))
@@ -150,42 +168,83 @@ def scenario():
     add(batch([[(2, 13)], [(8, 3)], [(1, 12)]], "decode"), ("rows", 3))
     add({"t": "checkpoint", "op": 5},
         ("views", {1: (13, range(9, 13)), 2: (14, range(10, 14)), 3: (1, [0]), 8: (4, range(0, 4))}))
-    return steps, expect
+    return d, sc, {"unsupported": 1, "errors": 1}
+
+
+def linear_scenario():
+    """No window (KVCache / BatchKVCache), bf16: trims always allowed, left padding, a chunked right-padded prefill."""
+    d, sc = Data(7, None, "bf16"), Script()
+    add, solo, batch = sc.add, d.solo, d.batch
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    add(solo(1, [0, 1, 2], "window"), ("sdpa", [(1, [0, 1, 2], [0, 1, 2], "causal")]))
+    add(solo(1, [3], "decode"), ("sdpa", [(1, [3], [0, 1, 2, 3], None)]))
+    add(solo(2, [0], "decode"))
+    add(solo(2, [1], "decode"))
+    add({"t": "solo_trim", "req": 1, "n": 2}, ("trimmed", 2))
+    add(solo(1, [102], "decode"))  # a new token at position 2
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (3, [0, 1, 102]), 2: (2, [0, 1])}))
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})  # row 1 gets one column of left padding
+    add(batch([[(1, 103)], [(2, 2)]], "decode"), ("sdpa", [(1, [103], [0, 1, 102, 103], None)]))
+    add({"t": "trim", "n": 1}, ("trimmed", 1))
+    add(batch([[(1, 203)], [(2, 202)]], "decode"), ("rows", 2))
+    add({"t": "checkpoint", "op": 2}, ("views", {1: (4, [0, 1, 102, 203]), 2: (3, [0, 1, 202])}))
+    add({"t": "extract", "row": 1, "finish": True})
+    add({"t": "checkpoint", "op": 3}, ("views", {1: (4, [0, 1, 102, 203])}))
+    # lengths 2 and 4 in chunks of 2: the second chunk is all padding for row 0 (real 0)
+    add({"t": "prefill", "reqs": [5, 6], "lengths": [2, 4]})
+    add(d.chunk([[(5, 0), (5, 1)], [(6, 0), (6, 1)]], [2, 2]),
+        ("rows", 2, {0: (5, [0, 1], [0, 1], "causal"), 1: (6, [0, 1], [0, 1], "causal")}))
+    add(d.chunk([[None, None], [(6, 2), (6, 3)]], [0, 2]), ("rows", 2))
+    add({"t": "prefill_end"})
+    add(batch([[(1, 204)], [(5, 2)], [(6, 4)]], "decode"), ("rows", 3))
+    add({"t": "checkpoint", "op": 4},
+        ("views", {1: (5, [0, 1, 102, 203, 204]), 5: (3, [0, 1, 2]), 6: (5, [0, 1, 2, 3, 4])}))
+    return d, sc, {"unsupported": 0, "errors": 0}
+
+
+SCENARIOS = {"selftest_steps.jsonl": rotating_scenario, "selftest_linear_steps.jsonl": linear_scenario}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def direct_sdpa_sha(req, q_pos, key_order, mask_kind):
-    """Attention of `req`'s queries at q_pos over its keys in `key_order`, computed with mx.fast directly."""
+def direct_sdpa_sha(d, req, q_pos, key_order, mask_kind):
+    """Attention of `req`'s queries at q_pos over its keys in `key_order`, with mx.fast directly (no mlx-lm).
+    mask_kind: None, "causal" (the string mask), or "window" (a hand-built bool mask, causal and, with a window,
+    sliding; the block starts at position 0)."""
     import mlx.core as mx
 
     mx.set_default_device(mx.cpu)
-    q = mx.array(block("q", [[(req, p) for p in q_pos]]), dtype=mx.float32)
-    k = mx.array(block("k", [[(req, p) for p in key_order]]), dtype=mx.float32)
-    v = mx.array(block("v", [[(req, p) for p in key_order]]), dtype=mx.float32)
-    mask = None
-    if mask_kind == "window":  # causal sliding window of W over a block that starts at position 0
-        n = len(key_order)
+    dt, words_dt, fmt = (mx.float32, mx.uint32, "I") if d.dtype == "f32" else (mx.bfloat16, mx.uint16, "H")
+    q = mx.array(d.block("q", [[(req, p) for p in q_pos]]), dtype=mx.float32).astype(dt)
+    k = mx.array(d.block("k", [[(req, p) for p in key_order]]), dtype=mx.float32).astype(dt)
+    v = mx.array(d.block("v", [[(req, p) for p in key_order]]), dtype=mx.float32).astype(dt)
+    mask = mask_kind
+    if mask_kind == "window":
+        W, n = d.W or len(key_order), len(key_order)
         mask = mx.array([[j <= i < j + W for j in range(n)] for i in range(n)])
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)
-    words = list(flat(out[0].view(mx.uint32).tolist()))
-    return hashlib.sha256(struct.pack(f"<{len(words)}I", *words)).hexdigest()
+    words = list(flat(out[0].view(words_dt).tolist()))
+    return hashlib.sha256(struct.pack(f"<{len(words)}{fmt}", *words)).hexdigest()
 
 
-def main():
-    steps, expect = scenario()
-    text = "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in steps)
-    if "--write" in sys.argv:
-        with open(STEPS_FILE, "w") as f:
+def run_scenario(name, make, write):
+    d, sc, want_counts = make()
+    path = os.path.join(HERE, name)
+    text = "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in sc.steps)
+    if write:
+        with open(path, "w") as f:
             f.write(text)
-        print(f"wrote {STEPS_FILE} ({len(steps)} steps)")
-    with open(STEPS_FILE) as f:
-        assert f.read() == text, "selftest_steps.jsonl is stale: run selftest.py --write"
+    with open(path) as f:
+        if f.read() != text:
+            return {"file": name, "result": "FAIL"}, [f"{name} is stale: run selftest.py --write"]
 
     with tempfile.TemporaryDirectory() as tmp:
         res_path = os.path.join(tmp, "results.jsonl")
-        p = subprocess.run([sys.executable, os.path.join(HERE, "driver.py"), STEPS_FILE, res_path],
+        p = subprocess.run([sys.executable, os.path.join(HERE, "driver.py"), path, res_path],
                            capture_output=True, text=True)
-        assert p.returncode == 0, f"driver failed ({p.returncode}): {p.stderr}"
+        if p.returncode != 0:
+            return {"file": name, "result": "FAIL"}, [f"driver failed ({p.returncode}): {p.stderr}"]
         summary = json.loads(p.stdout.strip().splitlines()[-1])
         with open(res_path) as f:
             results = [json.loads(line) for line in f]
@@ -195,17 +254,17 @@ def main():
 
     def check(cond, what):
         if not cond:
-            failures.append(what)
+            failures.append(f"{name}: {what}")
 
-    for i, exp in sorted(expect.items()):
+    for i, exp in sorted(sc.expect.items()):
         r = by_step.get(i)
         kind = exp[0]
         if r is None:
-            failures.append(f"step {i}: no result record (expected {kind})")
+            check(False, f"step {i}: no result record (expected {kind})")
             continue
         if kind == "sdpa":
-            want = [direct_sdpa_sha(*args) for args in exp[1]]
-            check(r.get("rows") == want, f"step {i}: output {r} != direct SDPA {want}")
+            want = [direct_sdpa_sha(d, *args) for args in exp[1]]
+            check(r.get("rows", [])[: len(want)] == want, f"step {i}: output {r} != direct SDPA {want}")
         elif kind == "trimmed":
             check(r.get("trimmed") == exp[1], f"step {i}: {r} expected trimmed {exp[1]}")
         elif kind == "unsupported":
@@ -216,7 +275,7 @@ def main():
             rows = r.get("rows", [])
             check(len(rows) == exp[1] and all(len(h) == 64 for h in rows), f"step {i}: {r} expected {exp[1]} rows")
             for row, args in (exp[2] if len(exp) > 2 else {}).items():
-                want = direct_sdpa_sha(*args)
+                want = direct_sdpa_sha(d, *args)
                 check(rows[row:row + 1] == [want], f"step {i} row {row}: {rows} != direct SDPA {want}")
         elif kind == "views":
             got = r.get("reqs", {})
@@ -224,19 +283,27 @@ def main():
             for req, (offset, positions) in exp[1].items():
                 g = got.get(str(req), {})
                 check(g.get("offset") == offset, f"step {i} req {req}: offset {g.get('offset')} != {offset}")
-                check(g.get("k") == [view_sha("k", req, list(positions))], f"step {i} req {req}: K view differs")
-                check(g.get("v") == [view_sha("v", req, list(positions))], f"step {i} req {req}: V view differs")
-    unexpected = [r for r in results if ("error" in r or "unsupported" in r) and r["step"] not in expect]
+                check(g.get("k") == [d.view_sha("k", req, list(positions))], f"step {i} req {req}: K view differs")
+                check(g.get("v") == [d.view_sha("v", req, list(positions))], f"step {i} req {req}: V view differs")
+    unexpected = [r for r in results if ("error" in r or "unsupported" in r) and r["step"] not in sc.expect]
     check(not unexpected, f"unexpected error/unsupported records: {unexpected}")
-    n_reads = sum(1 for s in steps if s["t"] in ("solo", "batch", "prefill_chunk") and s.get("read") != "append")
-    want_summary = {"steps": len(steps), "reads": n_reads, "unsupported": 1, "errors": 1,
-                    "mlx": "0.32.2", "mlx_lm": "0.32.2"}
+    n_reads = sum(1 for s in sc.steps if s["t"] in ("solo", "batch", "prefill_chunk") and s.get("read") != "append")
+    want_summary = {"steps": len(sc.steps), "reads": n_reads, **want_counts, "mlx": "0.32.2", "mlx_lm": "0.32.2"}
     check(summary == want_summary, f"summary {summary} != {want_summary}")
+    return {"file": name, "result": "FAIL" if failures else "PASS", "steps": len(sc.steps),
+            "results": len(results), "checks": len(sc.expect) + 2, "summary": summary}, failures
 
-    print(json.dumps({"selftest": "FAIL" if failures else "PASS", "steps": len(steps), "results": len(results),
-                      "checks": len(expect) + 2, "summary": summary}))
+
+def main():
+    write = "--write" in sys.argv
+    failures = []
+    for name, make in SCENARIOS.items():
+        line, fails = run_scenario(name, make, write)
+        print(json.dumps(line))
+        failures += fails
     for f in failures:
         print("  FAIL", f)
+    print("selftest:", "FAIL" if failures else "PASS")
     return 1 if failures else 0
 
 
