@@ -1,0 +1,482 @@
+#!/usr/bin/env python3
+"""kvsim's external oracle: replay kvsim oracle steps on mlx-lm's own KV caches.
+
+    python driver.py STEPS.jsonl RESULTS.jsonl
+
+Reads the steps (see ../PROTOCOL.md), executes each one on mlx-lm's caches (RotatingKVCache(max_size, keep=0) or
+KVCache per request and layer; BatchRotatingKVCache / BatchKVCache for batches) on the MLX CPU device, and writes one
+JSON line per read, trim, checkpoint, unsupported step and error. A one-line JSON summary goes to stdout.
+
+The driver only *calls* mlx-lm (cache methods, trim_prompt_cache, base.create_attention_mask,
+base.scaled_dot_product_attention); it re-implements none of it and works around none of its bugs. Only
+`mlx_lm.models.base` and `mlx_lm.models.cache` are imported: the package's __init__ (transformers, huggingface_hub)
+is bypassed, so mlx-lm can be installed with --no-deps.
+"""
+import base64
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import types
+from importlib import metadata
+
+import mlx.core as mx
+
+PINNED = {"mlx": "0.32.2", "mlx-lm": "0.32.2"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mlx-lm, imported without mlx_lm/__init__.py
+# ----------------------------------------------------------------------------------------------------------------
+def import_mlx_lm_models():
+    """Register empty stand-ins for the packages `mlx_lm` and `mlx_lm.models` (pointing at the installed
+    directories), so that `import mlx_lm.models.cache` runs only base.py and cache.py."""
+    spec = importlib.util.find_spec("mlx_lm")  # locates the package without executing it
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("driver.py: mlx_lm is not installed (run setup.sh and use .venv/bin/python)")
+    root = next(iter(spec.submodule_search_locations))
+    for name, path in (("mlx_lm", root), ("mlx_lm.models", os.path.join(root, "models"))):
+        if name not in sys.modules:
+            stub = types.ModuleType(name)
+            stub.__path__ = [path]
+            stub.__package__ = name
+            sys.modules[name] = stub
+    sys.modules["mlx_lm"].models = sys.modules["mlx_lm.models"]
+    return importlib.import_module("mlx_lm.models.base"), importlib.import_module("mlx_lm.models.cache")
+
+
+BASE, CACHE = import_mlx_lm_models()
+
+# ----------------------------------------------------------------------------------------------------------------
+# arrays: protocol encoding in, sha256 of raw little-endian element bytes out
+# ----------------------------------------------------------------------------------------------------------------
+# protocol dtype -> (mlx dtype, same-width unsigned mlx dtype, memoryview format of that unsigned type, bytes)
+DTYPES = {
+    "f32": (mx.float32, mx.uint32, "I", 4),
+    "bf16": (mx.bfloat16, mx.uint16, "H", 2),
+}
+BITS = {mx.float32: mx.uint32, mx.bfloat16: mx.uint16, mx.float16: mx.uint16}
+EMPTY_SHA = hashlib.sha256(b"").hexdigest()
+
+
+def decode_array(a):
+    """`{"dtype", "shape", "b64"}` -> mx.array with exactly those element bits."""
+    if a is None:
+        raise ValueError("array missing")
+    dt, udt, fmt, size = DTYPES[a["dtype"]]
+    shape = [int(s) for s in a["shape"]]
+    raw = base64.b64decode(a["b64"], validate=True)
+    n = 1
+    for s in shape:
+        n *= s
+    if len(raw) != n * size:
+        raise ValueError(f"array of shape {shape} {a['dtype']} needs {n * size} bytes, b64 holds {len(raw)}")
+    if n == 0:
+        return mx.zeros(shape, dtype=dt)
+    return mx.array(memoryview(raw).cast(fmt)).reshape(shape).view(dt)
+
+
+def sha(arr):
+    """sha256 of the row-major raw element bytes (bf16 viewed as uint16, f32 as uint32)."""
+    if arr.size == 0:
+        return EMPTY_SHA
+    words = mx.contiguous(arr.view(BITS[arr.dtype]))
+    return hashlib.sha256(memoryview(words).tobytes()).hexdigest()
+
+
+def settle(caches):
+    """Evaluate the cache arrays (as mlx-lm's generator does after every step) so graphs stay small."""
+    arrs = []
+    for c in caches:
+        for name in ("keys", "values", "offset", "left_padding"):
+            x = getattr(c, name, None)
+            if isinstance(x, mx.array):
+                arrs.append(x)
+    if arrs:
+        mx.eval(arrs)
+
+
+class Unsupported(Exception):
+    """The step has no faithful mlx-lm call."""
+
+
+class DriverError(Exception):
+    """The step does not fit the driver's state (unknown request, no batch, malformed step)."""
+
+
+class _Hidden:
+    """Stands in for the hidden states `h` that models pass to `create_attention_mask`; only `h.shape[1]`
+    (the query length) is read there."""
+
+    def __init__(self, B, L):
+        self.shape = (B, L)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the driver
+# ----------------------------------------------------------------------------------------------------------------
+class Driver:
+    def __init__(self):
+        self.cfg = None
+        self.W = None  # window (max_size) or None for linear caches
+        self.layers = 0
+        self.scale = None
+        self.solo = {}  # req -> [cache per layer] (RotatingKVCache / KVCache)
+        self.running = None  # [batch cache per layer] or None
+        self.rows = []  # req id of every running-batch row
+        self.prefill = None  # [batch cache per layer] of the pending right-padded prefill batch
+        self.prefill_rows = []
+        self.lost = None  # why the running batch can no longer be trusted (set after a desyncing error)
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+    def new_cache(self):
+        if self.W is None:
+            return CACHE.KVCache()
+        return CACHE.RotatingKVCache(max_size=self.W, keep=0)
+
+    def mask(self, cache, B, L):
+        # exactly what a model's forward does: base.create_attention_mask(h, cache, window_size=...)
+        return BASE.create_attention_mask(_Hidden(B, L), cache, window_size=self.W)
+
+    def attend(self, cache, step, B):
+        """A model layer's attention on `cache`: mask (from the cache state before the write, as a model computes
+        it once before its layers run), update_and_fetch, then mlx-lm's SDPA helper. Returns the output or None."""
+        read = step.get("read")
+        if read not in ("decode", "window", "append"):
+            raise DriverError(f"unknown read kind {read!r}")
+        k, v = decode_array(step["k"]), decode_array(step["v"])
+        if read == "append":
+            cache.update_and_fetch(k, v)
+            return None
+        q = decode_array(step.get("q"))
+        L = k.shape[2]
+        mask = self.mask(cache, B, L)
+        K, V = cache.update_and_fetch(k, v)
+        return BASE.scaled_dot_product_attention(q, K, V, cache=cache, scale=self.scale, mask=mask)
+
+    def layer(self, step):
+        l = int(step.get("layer", 0))
+        if not 0 <= l < self.layers:
+            raise DriverError(f"layer {l} out of range (layers = {self.layers})")
+        return l
+
+    def live(self, req):
+        return req in self.solo or req in self.rows or req in self.prefill_rows
+
+    def need_running(self):
+        if self.running is None:
+            raise DriverError("no running batch")
+        if self.lost:
+            raise DriverError(self.lost)
+        return self.running
+
+    def check_running(self, i):
+        """After an exception inside mlx-lm: if the running batch no longer has one row per request the driver
+        tracks (a join or filter stopped half-way across layers), say so for every later step that needs it."""
+        if self.running is None or self.lost:
+            return
+        try:
+            sizes = [int(c.offset.shape[0]) for c in self.running]
+        except Exception as e:  # noqa: BLE001
+            sizes = [f"{type(e).__name__}"]
+        if any(s != len(self.rows) for s in sizes):
+            self.lost = (f"DriverStateLost: the error at step {i} left the running batch with per-layer row counts "
+                         f"{sizes} for {len(self.rows)} requests")
+
+    def row_shas(self, out, real):
+        return [sha(out[r, :, : real[r], :]) for r in range(out.shape[0])]
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+    def run_step(self, i, step):
+        t = step.get("t")
+        if t == "config":
+            if self.cfg is not None:
+                raise DriverError("a second config step")
+            return self.s_config(step)
+        if self.cfg is None:
+            raise DriverError("no config step before this one")
+        fn = getattr(self, "s_" + str(t), None)
+        if fn is None or t == "config":
+            raise DriverError(f"unknown step type {t!r}")
+        return fn(i, step)
+
+    def s_config(self, step):
+        if step.get("dtype") not in DTYPES:
+            raise DriverError(f"unsupported dtype {step.get('dtype')!r}")
+        W = step.get("max_size")
+        self.W = None if W is None else int(W)
+        self.layers = int(step["layers"])
+        self.scale = float(step["scale"])
+        if self.layers < 1 or (self.W is not None and self.W < 1):
+            raise DriverError("layers and max_size must be >= 1")
+        self.cfg = step
+        return None
+
+    def s_admit(self, i, step):
+        req = int(step["req"])
+        if self.live(req):
+            raise DriverError(f"request {req} is already live")
+        self.solo[req] = [self.new_cache() for _ in range(self.layers)]
+
+    def s_solo(self, i, step):
+        req = int(step["req"])
+        if req not in self.solo:
+            raise DriverError(f"request {req} has no solo cache")
+        c = self.solo[req][self.layer(step)]
+        out = self.attend(c, step, 1)
+        settle([c])
+        if out is None:
+            return None
+        return {"rows": [sha(out[0])]}
+
+    def s_solo_trim(self, i, step):
+        req = int(step["req"])
+        if req not in self.solo:
+            raise DriverError(f"request {req} has no solo cache")
+        # mlx-lm's trim entry point: refuses (returns 0, trims nothing) unless every layer is_trimmable()
+        n = CACHE.trim_prompt_cache(self.solo[req], int(step["n"]))
+        settle(self.solo[req])
+        return {"trimmed": int(n)}
+
+    def s_enter(self, i, step):
+        reqs = [int(r) for r in step["reqs"]]
+        if step.get("how", "merge") not in ("merge", "join"):
+            raise DriverError(f"unknown how {step.get('how')!r}")
+        if not reqs or len(set(reqs)) != len(reqs) or any(r not in self.solo for r in reqs):
+            raise DriverError(f"enter needs distinct requests with solo caches, got {reqs}")
+        if self.running is not None and self.lost:
+            raise DriverError(self.lost)
+        # generate.py _merge_caches: caches[0][l].merge([c[l] for c in caches]); `join` is the same merge
+        new = [self.solo[reqs[0]][l].merge([self.solo[r][l] for r in reqs]) for l in range(self.layers)]
+        self.join_running(i, new, reqs)
+        for r in reqs:
+            del self.solo[r]
+
+    def join_running(self, i, new, reqs):
+        # generate.py _extend_cache: the running batch extends itself with the new one (or is it, when none)
+        if self.running is None:
+            self.running, self.rows = new, list(reqs)
+        else:
+            try:
+                for c, n in zip(self.running, new):
+                    c.extend(n)
+            except Exception:
+                self.check_running(i)
+                raise
+            self.rows = self.rows + list(reqs)
+        settle(self.running)
+
+    def s_prefill(self, i, step):
+        reqs = [int(r) for r in step["reqs"]]
+        lengths = [int(x) for x in step["lengths"]]
+        if self.prefill is not None:
+            raise DriverError("a prefill batch is already pending")
+        if not reqs or len(reqs) != len(lengths) or len(set(reqs)) != len(reqs):
+            raise DriverError(f"prefill needs distinct requests with one length each, got {reqs} / {lengths}")
+        if any(r in self.rows for r in reqs):
+            raise DriverError(f"prefill requests {reqs} overlap the running batch")
+        # fresh requests: their (empty) caches, the solo ones when admitted before, else new ones
+        caches = [self.solo.get(r) or [self.new_cache() for _ in range(self.layers)] for r in reqs]
+        pb = [caches[0][l].merge([c[l] for c in caches]) for l in range(self.layers)]
+        longest = max(lengths)
+        padding = [longest - x for x in lengths]
+        for c in pb:  # BatchGenerator.prompt(): prepare(lengths=, right_padding=)
+            c.prepare(lengths=lengths, right_padding=padding)
+        settle(pb)
+        self.prefill, self.prefill_rows = pb, reqs
+        for r in reqs:
+            self.solo.pop(r, None)
+
+    def s_prefill_chunk(self, i, step):
+        if self.prefill is None:
+            raise DriverError("no pending prefill batch")
+        c = self.prefill[self.layer(step)]
+        B = len(self.prefill_rows)
+        out = self.attend(c, dict(step, read=step.get("read", "window")), B)
+        settle([c])
+        if out is None:
+            return None
+        real = [int(x) for x in step["real"]]
+        if len(real) != out.shape[0]:
+            raise DriverError(f"real has {len(real)} entries for {out.shape[0]} rows")
+        return {"rows": self.row_shas(out, real)}
+
+    def s_prefill_end(self, i, step):
+        if self.prefill is None:
+            raise DriverError("no pending prefill batch")
+        if self.running is not None and self.lost:
+            raise DriverError(self.lost)
+        for c in self.prefill:
+            c.finalize()
+        pb, reqs = self.prefill, self.prefill_rows
+        self.prefill, self.prefill_rows = None, []
+        self.join_running(i, pb, reqs)
+
+    def s_batch(self, i, step):
+        running = self.need_running()
+        c = running[self.layer(step)]
+        out = self.attend(c, step, len(self.rows))
+        settle([c])
+        if out is None:
+            return None
+        L = out.shape[2]
+        return {"rows": self.row_shas(out, [L] * out.shape[0])}
+
+    def s_trim(self, i, step):
+        running = self.need_running()
+        n = CACHE.trim_prompt_cache(running, int(step["n"]))
+        settle(running)
+        return {"trimmed": int(n)}
+
+    def s_trim_rows(self, i, step):
+        running = self.need_running()
+        ns = [int(x) for x in step["n"]]
+        if len(ns) != len(self.rows):
+            raise DriverError(f"trim_rows has {len(ns)} counts for {len(self.rows)} rows")
+        if len(set(ns)) != 1:
+            raise Unsupported(f"per-row trim counts {ns}: mlx-lm batch caches trim every row by the same n")
+        n = CACHE.trim_prompt_cache(running, ns[0])
+        settle(running)
+        return {"trimmed": int(n)}
+
+    def s_extract(self, i, step):
+        running = self.need_running()
+        row = int(step["row"])
+        if not 0 <= row < len(self.rows):
+            raise DriverError(f"row {row} out of range ({len(self.rows)} rows)")
+        req = self.rows[row]
+        exts = [c.extract(row) for c in running]
+        others = [r for r in range(len(self.rows)) if r != row]
+        self.filter_running(i, others)
+        if not step.get("finish", False):
+            self.solo[req] = exts
+            settle(exts)
+
+    def s_filter(self, i, step):
+        self.need_running()
+        keep = [int(r) for r in step["keep"]]
+        if any(not 0 <= r < len(self.rows) for r in keep):
+            raise DriverError(f"keep {keep} out of range ({len(self.rows)} rows)")
+        self.filter_running(i, keep)
+
+    def filter_running(self, i, keep):
+        # generate.py Batch.filter(): an empty keep clears the batch's cache list, else c.filter(keep) per layer
+        if not keep:
+            self.running, self.rows = None, []
+            return
+        try:
+            for c in self.running:
+                c.filter(keep)
+        except Exception:
+            self.check_running(i)
+            raise
+        self.rows = [self.rows[r] for r in keep]
+        settle(self.running)
+
+    def s_checkpoint(self, i, step):
+        reqs = {}
+        for req, caches in self.solo.items():
+            reqs[req] = self.solo_view(caches)
+        for batch, rows in ((self.running, self.rows), (self.prefill, self.prefill_rows)):
+            if batch is None:
+                continue
+            if batch is self.running and self.lost:
+                raise DriverError(self.lost)
+            for row, req in enumerate(rows):
+                reqs[req] = self.batch_view(batch, row, req)
+        return {"op": step.get("op"), "reqs": {str(r): reqs[r] for r in sorted(reqs)}}
+
+    def window_tail(self, x, offset):
+        """The newest min(offset, W) columns of a [1, H, n, D] buffer already in temporal order, as [H, n, D]."""
+        n = offset if self.W is None else min(offset, self.W)
+        n = max(0, min(n, x.shape[2]))
+        return x[0, :, x.shape[2] - n:, :]
+
+    def solo_view(self, caches):
+        offset = int(caches[0].offset)
+        ks, vs = [], []
+        for c in caches:
+            if c.keys is None:
+                ks.append(EMPTY_SHA)
+                vs.append(EMPTY_SHA)
+                continue
+            if isinstance(c, CACHE.RotatingKVCache):
+                k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+            else:
+                k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            ks.append(sha(self.window_tail(k, c.offset)))
+            vs.append(sha(self.window_tail(v, c.offset)))
+        return {"offset": offset, "k": ks, "v": vs}
+
+    def batch_view(self, batch, row, req):
+        offset = int(batch[0].offset.tolist()[row])
+        ks, vs = [], []
+        for c in batch:
+            if c.keys is None:
+                ks.append(EMPTY_SHA)
+                vs.append(EMPTY_SHA)
+                continue
+            # mlx-lm's own de-rolled, padding-free view of the row (extract does not modify the batch)
+            try:
+                e = c.extract(row)
+            except Exception as ex:
+                raise RuntimeError(f"extract({row}) for request {req}: {type(ex).__name__}: {ex}") from ex
+            ks.append(sha(self.window_tail(e.keys, offset)))
+            vs.append(sha(self.window_tail(e.values, offset)))
+        return {"offset": offset, "k": ks, "v": vs}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def versions():
+    return {"mlx": mx.__version__, "mlx_lm": metadata.version("mlx-lm")}
+
+
+def main(argv):
+    if len(argv) != 3:
+        print("usage: driver.py STEPS.jsonl RESULTS.jsonl", file=sys.stderr)
+        return 2
+    if sys.byteorder != "little":
+        print("driver.py: needs a little-endian host", file=sys.stderr)
+        return 2
+    have = versions()
+    if (have["mlx"], have["mlx_lm"]) != (PINNED["mlx"], PINNED["mlx-lm"]) and not os.environ.get(
+        "KVSIM_ORACLE_ANY_VERSION"
+    ):
+        print(f"driver.py: pinned to mlx {PINNED['mlx']} / mlx-lm {PINNED['mlx-lm']}, found {have} "
+              "(run setup.sh; KVSIM_ORACLE_ANY_VERSION=1 to run anyway)", file=sys.stderr)
+        return 2
+    mx.set_default_device(mx.cpu)
+
+    drv = Driver()
+    counts = {"steps": 0, "reads": 0, "unsupported": 0, "errors": 0}
+    with open(argv[1], encoding="utf-8") as fin, open(argv[2], "w", encoding="utf-8") as fout:
+        for i, line in enumerate(fin):
+            if not line.strip():
+                continue  # blank lines carry no step but keep their line number
+            counts["steps"] += 1
+            rec = None
+            try:
+                step = json.loads(line)
+                if not isinstance(step, dict):
+                    raise DriverError("a step must be a JSON object")
+                res = drv.run_step(i, step)
+                if res is not None:
+                    rec = {"step": i, **res}
+                    if "rows" in res:
+                        counts["reads"] += 1
+            except Unsupported as e:
+                rec = {"step": i, "unsupported": str(e)}
+                counts["unsupported"] += 1
+            except Exception as e:  # noqa: BLE001 -- every failure is data for the comparison
+                rec = {"step": i, "error": f"{type(e).__name__}: {e}"}
+                counts["errors"] += 1
+            if rec is not None:
+                fout.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    print(json.dumps({**counts, **versions()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

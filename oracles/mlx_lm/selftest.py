@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Self-test of the mlx-lm oracle driver.
+
+    .venv/bin/python selftest.py            # run the checks
+    .venv/bin/python selftest.py --write    # regenerate the steps files after editing a scenario
+
+Two short hand-written scenarios:
+- selftest_steps.jsonl (W = 4, f32): two requests written solo past the window (one by decodes, one by a 6-token
+  window read), a trim before and after the wrap, a merge into a batch, batch decodes / append / window read,
+  per-row and uniform trims, an extract, a right-padded batch prefill, a join and a filter;
+- selftest_linear_steps.jsonl (no window, bf16): solo window/decode reads, a trim and rewrite, a left-padded merge,
+  a batch trim, a finishing extract and a two-chunk right-padded prefill (one chunk all padding for a row).
+The steps are written with the protocol's array encoding (the files are committed; the test fails when one is stale),
+the driver runs them in a subprocess, and the results are checked against facts computed here independently of it:
+K/V view hashes straight from the input floats (struct + hashlib, no MLX), attention outputs from a direct
+mx.fast.scaled_dot_product_attention call with hand-ordered keys and a hand-built mask (no mlx-lm), trim counts,
+and the summary line.
+"""
+import base64
+import hashlib
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HKV, HQ, D, SCALE = 2, 4, 8, 0.25
+
+
+class Data:
+    """Every (request, position) has its own q / k / v vectors, multiples of 1/16 in [-2, 2] (exact in f32 and bf16).
+    A position >= 100 names a token written after a rollback (a different token at a reused position)."""
+
+    def __init__(self, seed, W, dtype):
+        self.rng, self.W, self.dtype, self.tok_ = random.Random(seed), W, dtype, {}
+
+    def tok(self, req, pos):
+        if (req, pos) not in self.tok_:
+            def vec(h):
+                return [[self.rng.randint(-32, 32) / 16 for _ in range(D)] for _ in range(h)]
+
+            self.tok_[(req, pos)] = {"q": vec(HQ), "k": vec(HKV), "v": vec(HKV)}
+        return self.tok_[(req, pos)]
+
+    def block(self, field, rows):
+        """[B][H][L][D] nested list; rows = [[(req, pos) or None (padding: zeros), ...] per batch row]."""
+        H = HQ if field == "q" else HKV
+        return [[[self.tok(*rp)[field][h] if rp else [0.0] * D for rp in row] for h in range(H)] for row in rows]
+
+    def pack(self, vals):
+        """Little-endian raw element bytes: f32, or bf16 as the top half of the (exact) f32 bit pattern."""
+        b = struct.pack(f"<{len(vals)}f", *vals)
+        if self.dtype == "f32":
+            return b
+        words = struct.unpack(f"<{len(vals)}I", b)
+        assert all(w & 0xFFFF == 0 for w in words)
+        return struct.pack(f"<{len(vals)}H", *(w >> 16 for w in words))
+
+    def enc(self, nested):
+        vals = list(flat(nested))
+        shape, x = [], nested
+        while isinstance(x, list):
+            shape.append(len(x))
+            x = x[0]
+        return {"dtype": self.dtype, "shape": shape, "b64": base64.b64encode(self.pack(vals)).decode()}
+
+    def write(self, t, rows, read, **kw):
+        s = {"t": t, **kw, "read": read, "k": self.enc(self.block("k", rows)), "v": self.enc(self.block("v", rows))}
+        s["q"] = None if read == "append" else self.enc(self.block("q", rows))
+        return s
+
+    def solo(self, req, positions, read):
+        return self.write("solo", [[(req, p) for p in positions]], read, req=req, layer=0)
+
+    def batch(self, rows, read):
+        return self.write("batch", rows, read, layer=0)
+
+    def chunk(self, rows, real):
+        return {"t": "prefill_chunk", "layer": 0, **{f: self.enc(self.block(f, rows)) for f in ("k", "v", "q")},
+                "real": real}
+
+    def config(self):
+        return {"t": "config", "max_size": self.W, "dtype": self.dtype, "heads_kv": HKV, "heads_q": HQ,
+                "head_dim": D, "layers": 1, "scale": SCALE}
+
+    def view_sha(self, field, req, positions):
+        """sha256 of the [H, n, D] view of these positions, straight from the floats."""
+        vals = [x for h in range(HKV) for p in positions for x in self.tok(req, p)[field][h]]
+        return hashlib.sha256(self.pack(vals)).hexdigest()
+
+
+def flat(x):
+    if isinstance(x, list):
+        for y in x:
+            yield from flat(y)
+    else:
+        yield x
+
+
+class Script:
+    def __init__(self):
+        self.steps, self.expect = [], {}
+
+    def add(self, step, check=None):
+        if check is not None:
+            self.expect[len(self.steps)] = check
+        self.steps.append(step)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the scenarios; `expect` maps a step index to a check on its result record
+# ---------------------------------------------------------------------------------------------------------------
+def rotating_scenario():
+    """W = 4, f32: ring wraps, trims refused after the wrap, merge / extract / prefill / join / filter."""
+    d, sc = Data(20240611, 4, "f32"), Script()
+    add, solo, batch = sc.add, d.solo, d.batch
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    # req 1: six single-token decodes; the ring wraps at the fifth (W = 4)
+    add(solo(1, [0], "decode"))
+    add(solo(1, [1], "decode"))
+    add(solo(1, [2], "decode"), ("sdpa", [(1, [2], [0, 1, 2], None)]))  # before the wrap: temporal order
+    add(solo(1, [3], "decode"))
+    add(solo(1, [4], "decode"))
+    add(solo(1, [5], "decode"), ("sdpa", [(1, [5], [4, 5, 2, 3], None)]))  # after the wrap: ring order
+    add({"t": "solo_trim", "req": 1, "n": 1}, ("trimmed", 0))  # wrapped: mlx-lm refuses
+    # req 2: one 6-token window read (concat path, sliding-window mask), then a decode that trims the buffer
+    add(solo(2, range(6), "window"), ("sdpa", [(2, list(range(6)), list(range(6)), "window")]))
+    add(solo(2, [6], "decode"))
+    # req 3: trimmable before its ring fills
+    add({"t": "admit", "req": 3})
+    add(solo(3, [0, 1], "append"))
+    add({"t": "solo_trim", "req": 3, "n": 1}, ("trimmed", 1))
+    add({"t": "solo", "req": 99, "layer": 0, "read": "append", "k": None, "v": None, "q": None},
+        ("error", "no solo cache"))
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (6, range(2, 6)), 2: (7, range(3, 7)), 3: (1, [0])}))
+    # merge 1 and 2 into the running batch, decode, append, window read
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})
+    # merge took each row's temporal tail (positions 2..5 / 3..6); this decode overwrites the oldest column 0, and
+    # no column is masked: each row equals a direct SDPA over the ring's physical order
+    add(batch([[(1, 6)], [(2, 7)]], "decode"), ("sdpa", [(1, [6], [6, 3, 4, 5], None), (2, [7], [7, 4, 5, 6], None)]))
+    add(batch([[(1, 7)], [(2, 8)]], "decode"), ("rows", 2))
+    add(batch([[(1, 8)], [(2, 9)]], "append"))
+    add(batch([[(1, 9), (1, 10)], [(2, 10), (2, 11)]], "window"), ("rows", 2))
+    add({"t": "checkpoint", "op": 2}, ("views", {1: (11, range(7, 11)), 2: (12, range(8, 12)), 3: (1, [0])}))
+    add({"t": "trim_rows", "n": [1, 2]}, ("unsupported",))
+    add({"t": "trim_rows", "n": [1, 1]}, ("trimmed", 0))  # equal counts -> uniform trim, refused after the wrap
+    add({"t": "trim", "n": 1}, ("trimmed", 0))
+    add({"t": "extract", "row": 0, "finish": False})
+    add({"t": "checkpoint", "op": 3}, ("views", {1: (11, range(7, 11)), 2: (12, range(8, 12)), 3: (1, [0])}))
+    add(solo(1, [11], "decode"))
+    # a right-padded prefill of two fresh requests (lengths 3 and 2), then one decode of the 3-row batch
+    add({"t": "prefill", "reqs": [7, 8], "lengths": [3, 2]})
+    add(d.chunk([[(7, 0), (7, 1), (7, 2)], [(8, 0), (8, 1), None]], [3, 2]),
+        ("rows", 2, {0: (7, [0, 1, 2], [0, 1, 2], "window")}))  # row 0 has no padding
+    add({"t": "prefill_end"})
+    add(batch([[(2, 12)], [(7, 3)], [(8, 2)]], "decode"), ("rows", 3))
+    add({"t": "checkpoint", "op": 4},
+        ("views", {1: (12, range(8, 12)), 2: (13, range(9, 13)), 3: (1, [0]), 7: (4, range(0, 4)),
+                   8: (3, range(0, 3))}))
+    # req 1 comes back (join maps to merge), then rows 0, 2 and 3 are kept (req 7 is dropped)
+    add({"t": "enter", "reqs": [1], "how": "join"})
+    add({"t": "filter", "keep": [0, 2, 3]})
+    add(batch([[(2, 13)], [(8, 3)], [(1, 12)]], "decode"), ("rows", 3))
+    add({"t": "checkpoint", "op": 5},
+        ("views", {1: (13, range(9, 13)), 2: (14, range(10, 14)), 3: (1, [0]), 8: (4, range(0, 4))}))
+    return d, sc, {"unsupported": 1, "errors": 1}
+
+
+def linear_scenario():
+    """No window (KVCache / BatchKVCache), bf16: trims always allowed, left padding, a chunked right-padded prefill."""
+    d, sc = Data(7, None, "bf16"), Script()
+    add, solo, batch = sc.add, d.solo, d.batch
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    add(solo(1, [0, 1, 2], "window"), ("sdpa", [(1, [0, 1, 2], [0, 1, 2], "causal")]))
+    add(solo(1, [3], "decode"), ("sdpa", [(1, [3], [0, 1, 2, 3], None)]))
+    add(solo(2, [0], "decode"))
+    add(solo(2, [1], "decode"))
+    add({"t": "solo_trim", "req": 1, "n": 2}, ("trimmed", 2))
+    add(solo(1, [102], "decode"))  # a new token at position 2
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (3, [0, 1, 102]), 2: (2, [0, 1])}))
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})  # row 1 gets one column of left padding
+    add(batch([[(1, 103)], [(2, 2)]], "decode"), ("sdpa", [(1, [103], [0, 1, 102, 103], None)]))
+    add({"t": "trim", "n": 1}, ("trimmed", 1))
+    add(batch([[(1, 203)], [(2, 202)]], "decode"), ("rows", 2))
+    add({"t": "checkpoint", "op": 2}, ("views", {1: (4, [0, 1, 102, 203]), 2: (3, [0, 1, 202])}))
+    add({"t": "extract", "row": 1, "finish": True})
+    add({"t": "checkpoint", "op": 3}, ("views", {1: (4, [0, 1, 102, 203])}))
+    # lengths 2 and 4 in chunks of 2: the second chunk is all padding for row 0 (real 0)
+    add({"t": "prefill", "reqs": [5, 6], "lengths": [2, 4]})
+    add(d.chunk([[(5, 0), (5, 1)], [(6, 0), (6, 1)]], [2, 2]),
+        ("rows", 2, {0: (5, [0, 1], [0, 1], "causal"), 1: (6, [0, 1], [0, 1], "causal")}))
+    add(d.chunk([[None, None], [(6, 2), (6, 3)]], [0, 2]), ("rows", 2))
+    add({"t": "prefill_end"})
+    add(batch([[(1, 204)], [(5, 2)], [(6, 4)]], "decode"), ("rows", 3))
+    add({"t": "checkpoint", "op": 4},
+        ("views", {1: (5, [0, 1, 102, 203, 204]), 5: (3, [0, 1, 2]), 6: (5, [0, 1, 2, 3, 4])}))
+    return d, sc, {"unsupported": 0, "errors": 0}
+
+
+SCENARIOS = {"selftest_steps.jsonl": rotating_scenario, "selftest_linear_steps.jsonl": linear_scenario}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def direct_sdpa_sha(d, req, q_pos, key_order, mask_kind):
+    """Attention of `req`'s queries at q_pos over its keys in `key_order`, with mx.fast directly (no mlx-lm).
+    mask_kind: None, "causal" (the string mask), or "window" (a hand-built bool mask, causal and, with a window,
+    sliding; the block starts at position 0)."""
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    dt, words_dt, fmt = (mx.float32, mx.uint32, "I") if d.dtype == "f32" else (mx.bfloat16, mx.uint16, "H")
+    q = mx.array(d.block("q", [[(req, p) for p in q_pos]]), dtype=mx.float32).astype(dt)
+    k = mx.array(d.block("k", [[(req, p) for p in key_order]]), dtype=mx.float32).astype(dt)
+    v = mx.array(d.block("v", [[(req, p) for p in key_order]]), dtype=mx.float32).astype(dt)
+    mask = mask_kind
+    if mask_kind == "window":
+        W, n = d.W or len(key_order), len(key_order)
+        mask = mx.array([[j <= i < j + W for j in range(n)] for i in range(n)])
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)
+    words = list(flat(out[0].view(words_dt).tolist()))
+    return hashlib.sha256(struct.pack(f"<{len(words)}{fmt}", *words)).hexdigest()
+
+
+def run_scenario(name, make, write):
+    d, sc, want_counts = make()
+    path = os.path.join(HERE, name)
+    text = "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in sc.steps)
+    if write:
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        if f.read() != text:
+            return {"file": name, "result": "FAIL"}, [f"{name} is stale: run selftest.py --write"]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res_path = os.path.join(tmp, "results.jsonl")
+        p = subprocess.run([sys.executable, os.path.join(HERE, "driver.py"), path, res_path],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            return {"file": name, "result": "FAIL"}, [f"driver failed ({p.returncode}): {p.stderr}"]
+        summary = json.loads(p.stdout.strip().splitlines()[-1])
+        with open(res_path) as f:
+            results = [json.loads(line) for line in f]
+
+    by_step = {r["step"]: r for r in results}
+    failures = []
+
+    def check(cond, what):
+        if not cond:
+            failures.append(f"{name}: {what}")
+
+    for i, exp in sorted(sc.expect.items()):
+        r = by_step.get(i)
+        kind = exp[0]
+        if r is None:
+            check(False, f"step {i}: no result record (expected {kind})")
+            continue
+        if kind == "sdpa":
+            want = [direct_sdpa_sha(d, *args) for args in exp[1]]
+            check(r.get("rows", [])[: len(want)] == want, f"step {i}: output {r} != direct SDPA {want}")
+        elif kind == "trimmed":
+            check(r.get("trimmed") == exp[1], f"step {i}: {r} expected trimmed {exp[1]}")
+        elif kind == "unsupported":
+            check("unsupported" in r, f"step {i}: {r} expected unsupported")
+        elif kind == "error":
+            check(exp[1] in r.get("error", ""), f"step {i}: {r} expected an error with {exp[1]!r}")
+        elif kind == "rows":
+            rows = r.get("rows", [])
+            check(len(rows) == exp[1] and all(len(h) == 64 for h in rows), f"step {i}: {r} expected {exp[1]} rows")
+            for row, args in (exp[2] if len(exp) > 2 else {}).items():
+                want = direct_sdpa_sha(d, *args)
+                check(rows[row:row + 1] == [want], f"step {i} row {row}: {rows} != direct SDPA {want}")
+        elif kind == "views":
+            got = r.get("reqs", {})
+            check(sorted(got) == sorted(str(q) for q in exp[1]), f"step {i}: requests {sorted(got)} != {exp[1]}")
+            for req, (offset, positions) in exp[1].items():
+                g = got.get(str(req), {})
+                check(g.get("offset") == offset, f"step {i} req {req}: offset {g.get('offset')} != {offset}")
+                check(g.get("k") == [d.view_sha("k", req, list(positions))], f"step {i} req {req}: K view differs")
+                check(g.get("v") == [d.view_sha("v", req, list(positions))], f"step {i} req {req}: V view differs")
+    unexpected = [r for r in results if ("error" in r or "unsupported" in r) and r["step"] not in sc.expect]
+    check(not unexpected, f"unexpected error/unsupported records: {unexpected}")
+    n_reads = sum(1 for s in sc.steps if s["t"] in ("solo", "batch", "prefill_chunk") and s.get("read") != "append")
+    want_summary = {"steps": len(sc.steps), "reads": n_reads, **want_counts, "mlx": "0.32.2", "mlx_lm": "0.32.2"}
+    check(summary == want_summary, f"summary {summary} != {want_summary}")
+    return {"file": name, "result": "FAIL" if failures else "PASS", "steps": len(sc.steps),
+            "results": len(results), "checks": len(sc.expect) + 2, "summary": summary}, failures
+
+
+def main():
+    write = "--write" in sys.argv
+    failures = []
+    for name, make in SCENARIOS.items():
+        line, fails = run_scenario(name, make, write)
+        print(json.dumps(line))
+        failures += fails
+    for f in failures:
+        print("  FAIL", f)
+    print("selftest:", "FAIL" if failures else "PASS")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
