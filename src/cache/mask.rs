@@ -197,10 +197,11 @@ mod tests {
         let _g = super::super::mutation::testlock::shared();
         let masks = Masks::new();
         let k1 = key(MaskKind::Decode, &[2, 4], &[1, 1], 1, Some(4));
-        let k2 = key(MaskKind::Window, &[2, 4], &[1, 1], 1, Some(4));
+        let k2 = key(MaskKind::Window, &[4, 4], &[1, 2], 2, Some(4));
         for _layer in 0..5 {
             let (a, _) = masks.get(&k1).unwrap();
             let (b, _) = masks.get(&k2).unwrap();
+            assert!(Rc::ptr_eq(&a, &masks.get(&k1).unwrap().0), "the same build is handed out");
             assert_ne!(a, b);
         }
         assert_eq!(masks.builds(), 2);

@@ -24,6 +24,8 @@ pub mod mask;
 pub mod mutation;
 pub mod ring;
 mod util;
+#[cfg(test)]
+mod testutil;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
 pub use error::CacheError;
