@@ -895,6 +895,53 @@ mod tests {
         }
     }
 
+    /// The same guarantee at a larger head dim and window, with many wraps, plus committed spans.
+    #[test]
+    fn rows_match_solo_twins_at_larger_shapes() {
+        let _g = testlock::shared();
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let spec = KvSpec { heads_kv: 2, head_dim: 64, dtype };
+            let w = Some(32);
+            let masks = Masks::new();
+            let mut solo = Vec::new();
+            for (i, &(win, dec)) in [(40usize, 3usize), (7, 30), (0, 0), (31, 1), (12, 50)].iter().enumerate() {
+                let mut c = SerialCache::new(spec, w).unwrap();
+                if win > 0 {
+                    let (k, v, q) = kvq(&spec, 10 * i as u64, 1, win);
+                    c.window(&k, &v, &q, 0.125, &masks).unwrap();
+                }
+                for s in 0..dec as u64 {
+                    let (k, v, q) = kvq(&spec, 1000 * i as u64 + s, 1, 1);
+                    c.decode(&k, &v, &q, 0.125, &masks).unwrap();
+                }
+                solo.push(c);
+            }
+            let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+            let batch = RowBatch::join(spec, w, &sources).unwrap();
+            let mut t = Twin::new(batch, solo);
+            t.scale = 0.125;
+            for s in 0..40 {
+                t.decode(20_000 + s);
+            }
+            t.window(30_000, 9);
+            for s in 0..40 {
+                t.decode(40_000 + s);
+            }
+            let (k, v, q) = kvq(&spec, 50_000, 5, 4);
+            let span = t.batch.commit_span(&k, &v, &q, 0.125, &masks).unwrap();
+            for r in 0..5 {
+                let so = t.solo[r].commit_span(&row(&k, r), &row(&v, r), &row(&q, r), 0.125, &masks).unwrap();
+                assert_same_bytes(&row(&span, r), &so, "commit_span row");
+            }
+            t.check_state("commit_span");
+            let st = &t.stats;
+            eprintln!("{dtype:?} D=64 W=32: {st:?}");
+            assert!(st.decode_masked_rows > 0);
+            assert_eq!(st.decode_same, st.decode_rows);
+            assert_eq!(st.window_same, st.window_rows);
+        }
+    }
+
     /// R-BROT-4: merged rows come out in temporal order and then follow their from_temporal twins.
     #[test]
     fn merged_rows_follow_from_temporal_twins() {

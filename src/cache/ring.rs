@@ -618,6 +618,7 @@ mod tests {
     }
 
     /// f64 attention of query `i` of `q` `[1, HQ, L, D]` over `positions`; returns `[HQ, D]`.
+    #[allow(clippy::too_many_arguments)]
     fn expected(h: &Hist, q: &[f32], l: usize, i: usize, positions: &[usize], hkv: usize, d: usize, scale: f64) -> Vec<f64> {
         let mut out = Vec::new();
         for hq in 0..HQ {

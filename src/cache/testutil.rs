@@ -164,8 +164,7 @@ impl Twin {
         let real: Vec<usize> = self.batch.row_states().iter().map(|r| r.pending.map_or(l, |p| p.min(l))).collect();
         let masks = Masks::new();
         let (out, _) = self.batch.window(&k, &v, &q, self.scale, &masks).unwrap();
-        for r in 0..b {
-            let n = real[r];
+        for (r, &n) in real.iter().enumerate() {
             if n == 0 {
                 continue;
             }
