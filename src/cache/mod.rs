@@ -1,1 +1,122 @@
-//! Production KV-cache layouts (see ARCHITECTURE.md). Knows nothing of the harness.
+//! Production KV-cache layouts on MLX (see ARCHITECTURE.md, "The layouts"). Knows nothing of the harness.
+//!
+//! - [`SerialCache`] ([`KvCache`], [`RotatingKvCache`]): the serial ring/linear core (R-ROT-*).
+//! - [`RowBatch`] ([`BatchKvCache`], [`BatchRotatingKvCache`]): rows of serial rings in one buffer, each row keeping
+//!   its own physical columns and phase (R-BROT-*).
+//! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
+//! - [`mutation`]: the mutation catalog's fault hooks (inert unless armed).
+//!
+//! # What is guaranteed
+//! - **Stored bytes**: writes are copies (slice updates, scatters, gathers, concatenations), so every live column
+//!   of every row holds exactly the bytes that were written for its position, and a row's physical column order is
+//!   exactly its solo serial cache's (same `RingState`).
+//! - **Decode outputs**: a row's decode read runs MLX's fused SDPA over the same keys in the same physical order as
+//!   its solo cache; when rows differ in `len` the batch adds a boolean mask `c < len_r`. Byte-identity to the solo
+//!   output is then a property of MLX's kernel (batch invariance, all-true-mask = no-mask), measured on CPU by the
+//!   tests here, not promised by this module.
+//! - **Host metadata** is plain integers ([`RingState`], [`RowState`]); K/V buffers are evaluated after every
+//!   write, so no lazy graph grows across steps.
+
+pub mod batch;
+pub mod error;
+pub mod kind;
+pub mod mask;
+pub mod mutation;
+pub mod ring;
+mod util;
+#[cfg(test)]
+mod testutil;
+
+pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
+pub use error::CacheError;
+pub use kind::{is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER};
+pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
+pub use ring::{DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
+
+/// Result of every fallible cache operation.
+pub type Result<T> = std::result::Result<T, CacheError>;
+
+/// The element type of K, V, Q and outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn itemsize(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// The MLX dtype.
+    pub fn to_mlx(self) -> mlx_rs::Dtype {
+        match self {
+            KvDtype::F32 => mlx_rs::Dtype::Float32,
+            KvDtype::Bf16 => mlx_rs::Dtype::Bfloat16,
+        }
+    }
+
+    /// The `KvDtype` of an MLX dtype, if it is one.
+    pub fn from_mlx(d: mlx_rs::Dtype) -> Option<Self> {
+        match d {
+            mlx_rs::Dtype::Float32 => Some(KvDtype::F32),
+            mlx_rs::Dtype::Bfloat16 => Some(KvDtype::Bf16),
+            _ => None,
+        }
+    }
+}
+
+impl From<KvDtype> for mlx_rs::Dtype {
+    fn from(d: KvDtype) -> Self {
+        d.to_mlx()
+    }
+}
+
+/// The geometry of one layer's K/V: `H_kv` heads of `head_dim` elements of `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct KvSpec {
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvSpec {
+    /// `2 * H_kv * D * itemsize`: bytes one token costs one row (K and V; R-C-4).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.heads_kv * self.head_dim * self.dtype.itemsize()
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.heads_kv == 0 || self.head_dim == 0 {
+            return Err(error::invalid(format!("spec with zero heads or head_dim: {self:?}")));
+        }
+        if i32::try_from(self.heads_kv).is_err() || i32::try_from(self.head_dim).is_err() {
+            return Err(error::invalid(format!("spec too large for MLX shapes: {self:?}")));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// ARCHITECTURE.md invariant: `src/cache` knows nothing of the harness.
+    #[test]
+    fn cache_does_not_depend_on_reference_or_sim() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cache");
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                for banned in ["crate::reference", "crate::sim", "kvsim::reference", "kvsim::sim", "super::super::reference", "super::super::sim"] {
+                    let needle = banned.to_string();
+                    let hits = text.lines().filter(|l| l.contains(&needle) && !l.contains("banned")).count();
+                    assert_eq!(hits, 0, "{} mentions {banned}", path.display());
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! [`CacheError`]: every impossible request to a cache is one of these, never a panic.
+
+use thiserror::Error;
+
+/// Why a cache refused a request (or MLX failed under it).
+///
+/// Every variant is returned *before* any state changes, except [`CacheError::Mlx`], which reports a failure of
+/// the MLX runtime itself (after which the cache's host metadata is still consistent with its buffers: buffers are
+/// replaced only once the new ones are built).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CacheError {
+    /// `trim(n, bypass = false)` on a ring that has wrapped (`offset >= max_size`; R-ROT-6, R-C-5).
+    #[error("cache is not trimmable: offset {offset} >= max_size {max_size} (the ring has wrapped)")]
+    NotTrimmable { offset: usize, max_size: usize },
+    /// A trim longer than what can be dropped (live columns, or the last window's length for bypass trims).
+    #[error("trim of {requested} positions requested, only {available} available")]
+    TrimTooLong { requested: usize, available: usize },
+    /// `trim(n, bypass = true)` when the last mutation was not a window write (R-C-5).
+    #[error("bypass trim is only valid right after a window (concatenating) write")]
+    BypassNotAfterWindow,
+    /// A decode (or `prepare`) while a right-padded prefill is prepared and not finalized (R-BROT-2).
+    #[error("a prepared prefill is pending: finalize() first")]
+    PendingPrefill,
+    /// `finalize()` with no prepared prefill.
+    #[error("no prepared prefill to finalize")]
+    NoPendingPrefill,
+    /// A row index out of range.
+    #[error("no row {row} (the batch has {rows} rows)")]
+    NoSuchRow { row: usize, rows: usize },
+    /// A row listed twice where each row may appear once (`filter`, `join`).
+    #[error("row {row} listed twice")]
+    DuplicateRow { row: usize },
+    /// Caches with different windows (`max_size`) cannot be merged or joined.
+    #[error("window mismatch: expected {expected:?}, found {found:?}")]
+    WindowMismatch { expected: Option<usize>, found: Option<usize> },
+    /// An input array (K, V, Q, a slice, a buffer) whose shape or dtype does not fit the cache's spec and rows.
+    #[error("shape mismatch: {what}")]
+    ShapeMismatch { what: String },
+    /// A storage kind string that no router knows: fail closed (R-C-1, R-BROT-10).
+    #[error("unknown storage kind {kind:?}")]
+    UnknownStorageKind { kind: String },
+    /// A constructed or adopted state that no sequence of writes could produce (e.g. `len > offset`).
+    #[error("invalid cache state: {what}")]
+    InvalidState { what: String },
+    /// A per-row length list of the wrong size or with impossible values.
+    #[error("bad lengths: {what}")]
+    BadLengths { what: String },
+    /// The MLX runtime raised an exception.
+    #[error("mlx: {0}")]
+    Mlx(String),
+}
+
+impl From<mlx_rs::error::Exception> for CacheError {
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        CacheError::Mlx(e.what().to_string())
+    }
+}
+
+impl From<mlx_rs::ops::indexing::IndexUpdateError> for CacheError {
+    fn from(e: mlx_rs::ops::indexing::IndexUpdateError) -> Self {
+        CacheError::Mlx(e.to_string())
+    }
+}
+
+/// Shorthand for a [`CacheError::ShapeMismatch`].
+pub(crate) fn shape(what: impl Into<String>) -> CacheError {
+    CacheError::ShapeMismatch { what: what.into() }
+}
+
+/// Shorthand for a [`CacheError::InvalidState`].
+pub(crate) fn invalid(what: impl Into<String>) -> CacheError {
+    CacheError::InvalidState { what: what.into() }
+}

@@ -1,0 +1,212 @@
+//! Masks (R-C-2, R-C-3): host-side visibility matrices, built once per forward and shared by every layer.
+//!
+//! A [`Masks`] value lives for one forward. Every read asks it for the mask of its geometry ([`MaskKey`]); each
+//! distinct geometry is built once (host matrix + MLX array) and handed out again to every later layer, which
+//! [`Masks::builds`] proves. The MLX array is `[B, 1, L, cols]` bool (broadcast over heads); `true` = visible.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::Array;
+
+use super::util::dim;
+use super::Result;
+
+/// What a read's mask depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MaskKind {
+    /// One query per row over physical ring columns: column `c` of row `b` is visible iff `c < lens[b]`.
+    Decode,
+    /// `queries` new positions per row (the last `real[b]` stored columns of row `b` are this window's real
+    /// positions): real query `i < real[b]` at position `q` sees column `c` (position `p_c`) iff `c < lens[b]`,
+    /// `p_c <= q` and `q - p_c < window`; padded queries (`i >= real[b]`) see column 0 only (finite, unspecified).
+    Window,
+}
+
+/// The geometry of one read: everything its visibility depends on (the memo key of [`Masks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MaskKey {
+    pub kind: MaskKind,
+    /// Per row: live columns after the write (`len_r`).
+    pub lens: Vec<usize>,
+    /// Per row: real positions of this write (`1` for decode).
+    pub real: Vec<usize>,
+    /// Queries per row (`L`).
+    pub queries: usize,
+    /// The sliding window (`None` = unbounded).
+    pub window: Option<usize>,
+    /// Columns attended (`max_r len_r`, at least 1).
+    pub cols: usize,
+}
+
+/// One visibility matrix, host side: `visible[(b * queries + i) * cols + c]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskSpec {
+    pub rows: usize,
+    pub queries: usize,
+    pub cols: usize,
+    pub visible: Vec<bool>,
+}
+
+impl MaskSpec {
+    /// The matrix of a geometry (pure; see [`MaskKind`] for the rule).
+    pub fn build(key: &MaskKey) -> MaskSpec {
+        let rows = key.lens.len();
+        let (l, cols) = (key.queries, key.cols);
+        let mut visible = vec![false; rows * l * cols];
+        for b in 0..rows {
+            let len = key.lens[b];
+            let real = key.real.get(b).copied().unwrap_or(0);
+            for i in 0..l {
+                let row = &mut visible[(b * l + i) * cols..(b * l + i + 1) * cols];
+                match key.kind {
+                    MaskKind::Decode => {
+                        for (c, v) in row.iter_mut().enumerate() {
+                            *v = c < len;
+                        }
+                    }
+                    MaskKind::Window if i < real && real <= len => {
+                        // Relative to the row's newest stored position (offset - 1):
+                        // query i sits at len - real + i, column c at c.
+                        let q = len - real + i;
+                        for (c, v) in row.iter_mut().enumerate() {
+                            *v = c < len && c <= q && key.window.is_none_or(|w| q - c < w);
+                        }
+                    }
+                    MaskKind::Window => {
+                        if let Some(v) = row.first_mut() {
+                            *v = true;
+                        }
+                    }
+                }
+            }
+        }
+        MaskSpec { rows, queries: l, cols, visible }
+    }
+
+    /// Whether query `i` of row `b` sees column `c`.
+    pub fn is_visible(&self, b: usize, i: usize, c: usize) -> bool {
+        b < self.rows && i < self.queries && c < self.cols && self.visible[(b * self.queries + i) * self.cols + c]
+    }
+
+    /// The visible columns of query `i` of row `b`.
+    pub fn visible_columns(&self, b: usize, i: usize) -> Vec<usize> {
+        (0..self.cols).filter(|&c| self.is_visible(b, i, c)).collect()
+    }
+
+    /// The MLX array `[rows, 1, queries, cols]` bool.
+    pub fn to_array(&self) -> Result<Array> {
+        Ok(Array::from_slice(&self.visible, &[dim(self.rows)?, 1, dim(self.queries)?, dim(self.cols)?]))
+    }
+}
+
+/// How a read was attended: no mask, MLX's bottom-right `Causal`, or an explicit boolean mask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MaskUse {
+    None,
+    Causal,
+    Array(Rc<MaskSpec>),
+}
+
+/// The masks of one forward (R-C-3): a memo from [`MaskKey`] to its matrix and MLX array.
+#[derive(Default)]
+pub struct Masks {
+    memo: RefCell<HashMap<MaskKey, (Rc<MaskSpec>, Array)>>,
+    builds: Cell<usize>,
+}
+
+impl std::fmt::Debug for Masks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Masks").field("distinct", &self.memo.borrow().len()).field("builds", &self.builds.get()).finish()
+    }
+}
+
+impl Masks {
+    /// Empty: nothing built yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many masks were built (each distinct geometry once).
+    pub fn builds(&self) -> usize {
+        self.builds.get()
+    }
+
+    /// The mask of this geometry, building it on first request.
+    pub fn get(&self, key: &MaskKey) -> Result<(Rc<MaskSpec>, Array)> {
+        if let Some((spec, arr)) = self.memo.borrow().get(key) {
+            return Ok((spec.clone(), arr.clone()));
+        }
+        let spec = Rc::new(MaskSpec::build(key));
+        let arr = spec.to_array()?;
+        self.builds.set(self.builds.get() + 1);
+        self.memo.borrow_mut().insert(key.clone(), (spec.clone(), arr.clone()));
+        Ok((spec, arr))
+    }
+}
+
+/// The read itself: MLX's fused SDPA over `k`, `v` (`[B, H_kv, cols, D]`) with the given mask.
+pub(crate) fn attend(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>, causal: bool) -> Result<Array> {
+    use mlx_rs::fast::scaled_dot_product_attention as sdpa;
+    let out = match (mask, causal) {
+        (Some(m), _) => sdpa(q, k, v, scale, ScaledDotProductAttentionMask::Array(m), None)?,
+        (None, true) => sdpa(q, k, v, scale, ScaledDotProductAttentionMask::Causal, None)?,
+        (None, false) => sdpa(q, k, v, scale, None, None)?,
+    };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(kind: MaskKind, lens: &[usize], real: &[usize], queries: usize, window: Option<usize>) -> MaskKey {
+        let cols = lens.iter().copied().max().unwrap_or(0).max(1);
+        MaskKey { kind, lens: lens.to_vec(), real: real.to_vec(), queries, window, cols }
+    }
+
+    #[test]
+    fn window_visibility_is_causal_and_sliding() {
+        // One row, W = 4, after a 3-position window on top of 3 kept columns: len 6.
+        let m = MaskSpec::build(&key(MaskKind::Window, &[6], &[3], 3, Some(4)));
+        assert_eq!(m.visible_columns(0, 0), vec![0, 1, 2, 3]);
+        assert_eq!(m.visible_columns(0, 1), vec![1, 2, 3, 4]);
+        assert_eq!(m.visible_columns(0, 2), vec![2, 3, 4, 5]);
+        // Linear: everything up to the query.
+        let m = MaskSpec::build(&key(MaskKind::Window, &[5], &[2], 2, None));
+        assert_eq!(m.visible_columns(0, 0), vec![0, 1, 2, 3]);
+        assert_eq!(m.visible_columns(0, 1), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn padded_queries_see_column_zero_only_and_decode_masks_by_len() {
+        let m = MaskSpec::build(&key(MaskKind::Window, &[2, 5], &[1, 3], 3, Some(8)));
+        assert_eq!(m.visible_columns(0, 0), vec![0, 1]);
+        assert_eq!(m.visible_columns(0, 1), vec![0]);
+        assert_eq!(m.visible_columns(0, 2), vec![0]);
+        assert_eq!(m.visible_columns(1, 2), vec![0, 1, 2, 3, 4]);
+        let d = MaskSpec::build(&key(MaskKind::Decode, &[2, 4], &[1, 1], 1, Some(4)));
+        assert_eq!(d.visible_columns(0, 0), vec![0, 1]);
+        assert_eq!(d.visible_columns(1, 0), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn masks_build_each_geometry_once() {
+        let _g = super::super::mutation::testlock::shared();
+        let masks = Masks::new();
+        let k1 = key(MaskKind::Decode, &[2, 4], &[1, 1], 1, Some(4));
+        let k2 = key(MaskKind::Window, &[4, 4], &[1, 2], 2, Some(4));
+        for _layer in 0..5 {
+            let (a, _) = masks.get(&k1).unwrap();
+            let (b, _) = masks.get(&k2).unwrap();
+            assert!(Rc::ptr_eq(&a, &masks.get(&k1).unwrap().0), "the same build is handed out");
+            assert_ne!(a, b);
+        }
+        assert_eq!(masks.builds(), 2);
+        let (_, arr) = masks.get(&k1).unwrap();
+        assert_eq!(arr.shape(), &[2, 1, 1, 4]);
+        assert_eq!(arr.dtype(), mlx_rs::Dtype::Bool);
+    }
+}

@@ -1,0 +1,191 @@
+//! The mutation catalog: fault hooks compiled into the production caches.
+//!
+//! Each [`Mutant`] is one deliberate bug, planted at exactly one place of production code (named in its docs), and
+//! inert unless it is [`arm`]ed. The harness arms one mutant at a time and proves that its checks catch it. Without
+//! the cargo feature `mutants` (on by default for the CLI and tests) [`is`] is a constant `false`, so the hooks
+//! compile to nothing; [`arm`] still records the request, but nothing reads it.
+//!
+//! The armed mutant is process-global (an `AtomicU8`): arming one affects every cache in every thread.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// One planted bug. See each variant for the single place it changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Mutant {
+    /// `temporal_view` (serial and per row) takes the *head* of the temporal order instead of the tail
+    /// (optiq's `_read_cache_temporal` bug, R-ROT-4). Hook: `ring::temporal_view_columns`.
+    TemporalHead,
+    /// A batched decode read attends with no mask even when rows' `len` differ, so shorter rows see stale or zero
+    /// columns (R-C-2). Hook: `RowBatch::decode` read.
+    MaskIgnoresPadding,
+    /// `merge` records each row's `len` as `min(offset, widest row)` instead of its slice length, so padding
+    /// columns become live (R-BROT-4). Hook: `RowBatch::merge`.
+    MergeSlicesByOffset,
+    /// `RowBatch::storage_kind` reports the serial kind without the row-batch marker, so `join` routes the batch
+    /// as one serial row and drops the others (R-BROT-10). Hook: `RowBatch::storage_kind`.
+    MissingKindOverride,
+    /// `trim(n, bypass = true)` returns `Ok(0)` and does nothing once `offset >= W` (R-C-5). Hook:
+    /// `ring::plan_trim`.
+    TrimNoopAfterWrap,
+    /// `extract` de-rolls the bytes but keeps the row's old write head `idx` instead of `len` (R-BROT-5). Hook:
+    /// `RowBatch::extract`.
+    PhaseKeptAfterExtract,
+    /// `rope_offsets` returns a handle aliasing the batch's live offsets, which later writes update in place (bug
+    /// catalog #3, R-BROT-3). Hook: `RowBatch::rope_offsets`.
+    OffsetAliasing,
+    /// Window writes during a prepared (right-padded) prefill store the padded positions as if they were real.
+    /// Hook: the real-count computation of `RowBatch`'s window write.
+    PrefillPadStored,
+    /// Window writes keep `min(len, W)` history columns instead of `W - 1` (R-ROT-3). Hook: `ring::window_keep`.
+    ConcatKeepsWindow,
+    /// A batched decode writes every row at one shared column (row 0's target), as mlx-lm's shared `_idx` does,
+    /// instead of each row's own ring head (R-BROT-8). Hook: `RowBatch::decode` scatter.
+    SharedWritePointer,
+}
+
+impl Mutant {
+    /// Every mutant, in catalog order.
+    pub const ALL: &'static [Mutant] = &[
+        Mutant::TemporalHead,
+        Mutant::MaskIgnoresPadding,
+        Mutant::MergeSlicesByOffset,
+        Mutant::MissingKindOverride,
+        Mutant::TrimNoopAfterWrap,
+        Mutant::PhaseKeptAfterExtract,
+        Mutant::OffsetAliasing,
+        Mutant::PrefillPadStored,
+        Mutant::ConcatKeepsWindow,
+        Mutant::SharedWritePointer,
+    ];
+
+    /// A stable kebab-case name (CLI, traces).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Mutant::TemporalHead => "temporal-head",
+            Mutant::MaskIgnoresPadding => "mask-ignores-padding",
+            Mutant::MergeSlicesByOffset => "merge-slices-by-offset",
+            Mutant::MissingKindOverride => "missing-kind-override",
+            Mutant::TrimNoopAfterWrap => "trim-noop-after-wrap",
+            Mutant::PhaseKeptAfterExtract => "phase-kept-after-extract",
+            Mutant::OffsetAliasing => "offset-aliasing",
+            Mutant::PrefillPadStored => "prefill-pad-stored",
+            Mutant::ConcatKeepsWindow => "concat-keeps-window",
+            Mutant::SharedWritePointer => "shared-write-pointer",
+        }
+    }
+
+    /// The mutant whose [`Mutant::name`] is `s`.
+    pub fn from_name(s: &str) -> Option<Mutant> {
+        Self::ALL.iter().copied().find(|m| m.name() == s)
+    }
+
+    /// One sentence: what the planted bug does.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Mutant::TemporalHead => "temporal_view takes the head of the temporal order instead of the tail",
+            Mutant::MaskIgnoresPadding => "batched decode reads use no mask even when rows' lengths differ",
+            Mutant::MergeSlicesByOffset => "merge records each row's len as min(offset, widest row), not its slice length",
+            Mutant::MissingKindOverride => {
+                "a row batch reports the serial kind without the row-batch marker, so join drops rows"
+            }
+            Mutant::TrimNoopAfterWrap => "trim with bypass returns 0 and does nothing once offset >= W",
+            Mutant::PhaseKeptAfterExtract => "extract de-rolls the bytes but keeps the row's old write head",
+            Mutant::OffsetAliasing => "rope_offsets aliases internal state that later writes update in place",
+            Mutant::PrefillPadStored => "window writes of a prepared prefill store padded positions as real",
+            Mutant::ConcatKeepsWindow => "window writes keep min(len, W) history columns instead of W - 1",
+            Mutant::SharedWritePointer => "batched decode writes every row at one shared column, as mlx-lm does",
+        }
+    }
+
+    fn code(self) -> u8 {
+        Self::ALL.iter().position(|m| *m == self).map_or(0, |i| i as u8 + 1)
+    }
+}
+
+impl std::fmt::Display for Mutant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+static ARMED: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the hooks are compiled in (the cargo feature `mutants`).
+pub const ENABLED: bool = cfg!(feature = "mutants");
+
+/// Arm one mutant process-wide (`None` disarms). Without the feature `mutants` this records the request but no
+/// hook fires.
+pub fn arm(m: Option<Mutant>) {
+    ARMED.store(m.map_or(0, Mutant::code), Ordering::SeqCst);
+}
+
+/// The armed mutant, if any.
+pub fn armed() -> Option<Mutant> {
+    match ARMED.load(Ordering::SeqCst) {
+        0 => None,
+        c => Mutant::ALL.get(c as usize - 1).copied(),
+    }
+}
+
+/// Whether the hook of `m` fires here.
+#[cfg(feature = "mutants")]
+#[inline]
+pub(crate) fn is(m: Mutant) -> bool {
+    ARMED.load(Ordering::Relaxed) == m.code()
+}
+
+/// Whether the hook of `m` fires here: never (feature `mutants` off).
+#[cfg(not(feature = "mutants"))]
+#[inline(always)]
+pub(crate) const fn is(_m: Mutant) -> bool {
+    false
+}
+
+/// Tests arm a global mutant; they serialize through this lock. Every cache test holds [`testlock::shared`]; a
+/// test that arms holds [`testlock::arm`] (exclusive), which disarms on drop.
+#[cfg(test)]
+pub(crate) mod testlock {
+    use super::{arm as set, Mutant};
+    use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+    static LOCK: RwLock<()> = RwLock::new(());
+
+    pub(crate) fn shared() -> RwLockReadGuard<'static, ()> {
+        LOCK.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) struct Armed(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+
+    impl Drop for Armed {
+        fn drop(&mut self) {
+            set(None);
+        }
+    }
+
+    pub(crate) fn arm(m: Mutant) -> Armed {
+        let g = LOCK.write().unwrap_or_else(|e| e.into_inner());
+        set(Some(m));
+        Armed(g)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_arming_is_global() {
+        let _g = testlock::arm(Mutant::TemporalHead);
+        assert_eq!(armed(), Some(Mutant::TemporalHead));
+        assert_eq!(is(Mutant::TemporalHead), ENABLED);
+        assert!(!is(Mutant::ConcatKeepsWindow));
+        for m in Mutant::ALL {
+            assert_eq!(Mutant::from_name(m.name()), Some(*m));
+            assert!(!m.describe().is_empty());
+        }
+        let mut names: Vec<_> = Mutant::ALL.iter().map(|m| m.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), Mutant::ALL.len());
+    }
+}

@@ -1,0 +1,95 @@
+//! Small MLX helpers shared by the layouts: shape checks, column slices, index arrays, zero blocks.
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::Array;
+
+use super::error::shape;
+use super::{KvSpec, Result};
+
+/// `n` as an MLX dimension.
+pub(crate) fn dim(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| shape(format!("dimension {n} exceeds i32")))
+}
+
+/// Columns `[start, end)` along axis 2 of a `[B, H, C, D]` array (a view).
+pub(crate) fn cols(a: &Array, start: usize, end: usize) -> Result<Array> {
+    Ok(a.try_index((.., .., dim(start)?..dim(end)?, ..))?)
+}
+
+/// Rows `[start, end)` along axis 0.
+pub(crate) fn rows(a: &Array, start: usize, end: usize) -> Result<Array> {
+    Ok(a.try_index((dim(start)?..dim(end)?, .., .., ..))?)
+}
+
+/// A zero array of this shape and dtype.
+pub(crate) fn zeros(shape: &[usize], dtype: mlx_rs::Dtype) -> Result<Array> {
+    let s: Vec<i32> = shape.iter().map(|&n| dim(n)).collect::<Result<_>>()?;
+    Ok(mlx_rs::ops::zeros_dtype(&s, dtype)?)
+}
+
+/// An int32 index array of this shape from host integers.
+pub(crate) fn index_array(values: &[usize], shape_: &[usize]) -> Result<Array> {
+    let v: Vec<i32> = values.iter().map(|&n| dim(n)).collect::<Result<_>>()?;
+    let s: Vec<i32> = shape_.iter().map(|&n| dim(n)).collect::<Result<_>>()?;
+    Ok(Array::from_slice(&v, &s))
+}
+
+/// Evaluate buffers so that no lazy graph grows across steps.
+pub(crate) fn eval(arrays: &[&Array]) -> Result<()> {
+    mlx_rs::transforms::eval(arrays.iter().copied())?;
+    Ok(())
+}
+
+fn dims(a: &Array) -> Vec<usize> {
+    a.shape().iter().map(|&d| d.max(0) as usize).collect()
+}
+
+/// Check K and V: `[rows, H_kv, L, D]` of the spec's dtype, same shape; returns `L`. `min_len` is the least `L`.
+pub(crate) fn check_kv(spec: &KvSpec, k: &Array, v: &Array, rows: usize, min_len: usize) -> Result<usize> {
+    for (name, a) in [("keys", k), ("values", v)] {
+        let d = dims(a);
+        if d.len() != 4 || d[0] != rows || d[1] != spec.heads_kv || d[3] != spec.head_dim {
+            return Err(shape(format!(
+                "{name} have shape {:?}, expected [{rows}, {}, L, {}]",
+                a.shape(),
+                spec.heads_kv,
+                spec.head_dim
+            )));
+        }
+        if a.dtype() != spec.dtype.to_mlx() {
+            return Err(shape(format!("{name} have dtype {:?}, expected {:?}", a.dtype(), spec.dtype)));
+        }
+    }
+    if k.shape() != v.shape() {
+        return Err(shape(format!("keys {:?} and values {:?} differ in shape", k.shape(), v.shape())));
+    }
+    let l = dims(k)[2];
+    if l < min_len {
+        return Err(shape(format!("{l} positions given, at least {min_len} required")));
+    }
+    Ok(l)
+}
+
+/// Check queries: `[rows, H_q, len, D]` with `H_q` a positive multiple of `H_kv`, of the spec's dtype.
+pub(crate) fn check_q(spec: &KvSpec, q: &Array, rows: usize, len: usize) -> Result<usize> {
+    let d = dims(q);
+    if d.len() != 4 || d[0] != rows || d[2] != len || d[3] != spec.head_dim {
+        return Err(shape(format!(
+            "queries have shape {:?}, expected [{rows}, H_q, {len}, {}]",
+            q.shape(),
+            spec.head_dim
+        )));
+    }
+    if d[1] == 0 || d[1] % spec.heads_kv != 0 {
+        return Err(shape(format!("H_q = {} is not a positive multiple of H_kv = {}", d[1], spec.heads_kv)));
+    }
+    if q.dtype() != spec.dtype.to_mlx() {
+        return Err(shape(format!("queries have dtype {:?}, expected {:?}", q.dtype(), spec.dtype)));
+    }
+    Ok(d[1])
+}
+
+/// Number of columns (axis 2) of a 4-D array.
+pub(crate) fn ncols(a: &Array) -> usize {
+    a.shape().get(2).map_or(0, |&d| d.max(0) as usize)
+}
