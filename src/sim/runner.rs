@@ -630,11 +630,12 @@ impl World {
         let r = self.reqs.get_mut(&id).unwrap();
         r.home = Home::Solo;
         r.solo = extracted;
-        // Layout event: extract de-rolls the row (R-BROT-5); the twin and the model follow.
-        r.model.relinearize();
-        r.model.last_concat = None;
+        // Layout event: extract de-rolls the row into a fresh serial cache (R-BROT-5); the twin and the model follow.
+        r.model = r.model.extract();
         for twin in r.twin.iter_mut() {
             twin.relinearize().map_err(|e| unexpected("twin relinearize", e))?;
+            let (k, v) = twin.physical().map_err(|e| unexpected("twin physical", e))?;
+            *twin = SerialCache::from_temporal(self.spec, max, &k, &v, r.model.offset).map_err(|e| unexpected("twin from_temporal", e))?;
         }
         let _ = max;
         Ok(true)
