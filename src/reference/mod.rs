@@ -1,1 +1,52 @@
-//! The pure-Rust reference model of every layout (no MLX).
+//! The pure-Rust reference model of every layout (no accelerator library: plain integers and f64).
+//!
+//! The model answers three questions independently of the production layouts in `src/cache`:
+//!
+//! 1. **Which token sits in which physical column** of every row ([`RowModel`], [`BatchModel`]), following
+//!    ARCHITECTURE.md's serial core, implemented by positions (the oldest position is the one a full ring
+//!    overwrites; temporal order is the columns sorted by position), with the production's host-side fields
+//!    (`offset`, `len`, `idx`, `last_concat`, `base`, `pending`) tracked for field-by-field comparison.
+//! 2. **What every stored byte should be** ([`ValueSpace`]): every K/V/Q value is a pure function of
+//!    `(seed, layer, tensor, request, position, head, dim)` rounded to the dtype, so the bytes found in a column
+//!    identify the token that wrote them ([`ValueSpace::identify`]); padded slots hold conspicuous poison.
+//! 3. **What every read should return** ([`attention_f64`]): f64 attention over the keys each query may see
+//!    ([`RowModel::decode_visible`], [`RowModel::window_visible`]), measured against the found output in ULPs
+//!    ([`max_ulp`]).
+//!
+//! Divergences are reported in these terms ([`compare_columns`], [`compare_fields`], [`Divergence`]): op, row,
+//! physical column, the token expected there and the token actually found.
+//!
+//! Guarantees: no panic on any input; impossible requests are [`ModelError`]s; no dependency on `src/cache`,
+//! `src/sim` or any array library.
+
+pub mod attention;
+pub mod compare;
+pub mod model;
+pub mod values;
+
+pub use attention::{
+    attention_bits, attention_f64, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_f32,
+};
+pub use compare::{bits_summary, compare_columns, compare_fields, describe_found, Divergence};
+pub use model::{BatchModel, JoinModelSource, ModelError, RowFields, RowModel, Visibility};
+pub use values::{bits_to_f32, BitsKind, RefDtype, Tensor, Tok, ValueSpace};
+
+#[cfg(test)]
+mod tests {
+    /// ARCHITECTURE.md's invariant, checked here too: this module names no array library (the banned word is
+    /// assembled so that this file does not contain it either).
+    #[test]
+    fn reference_names_no_array_library() {
+        let banned = ["ml", "x"].concat();
+        let files = [
+            ("mod.rs", include_str!("mod.rs")),
+            ("values.rs", include_str!("values.rs")),
+            ("model.rs", include_str!("model.rs")),
+            ("attention.rs", include_str!("attention.rs")),
+            ("compare.rs", include_str!("compare.rs")),
+        ];
+        for (name, src) in files {
+            assert!(!src.to_lowercase().contains(&banned), "src/reference/{name} mentions {banned}");
+        }
+    }
+}
