@@ -143,6 +143,10 @@ fn read<T: mlx_rs::ArrayElement + Copy>(dense: &Array) -> Result<Vec<T>, BytesEr
     // Reinterpret the bits (no value conversion), then check the layout before borrowing the buffer.
     let bits = if dense.dtype() == T::DTYPE { dense.clone() } else { dense.view::<T>()?.contiguous()? };
     bits.eval()?;
+    if bits.size() == 0 {
+        // Nothing to read (and `as_slice` refuses a null buffer).
+        return Ok(vec![]);
+    }
     let shape = bits.shape().to_vec();
     let strides = bits.strides().to_vec();
     let mut expect = 1usize;
@@ -166,11 +170,23 @@ pub fn bit_equal(a: &Array, b: &Array) -> Result<bool, BytesError> {
 /// Bits are mapped to a monotone integer line (sign-magnitude to two's complement), so `+0.0` and `-0.0` are
 /// 1 apart and equal bits are 0 apart. Any NaN gives `u64::MAX`.
 pub fn ulp_distance(dtype: Dtype, a: u64, b: u64) -> u64 {
-    let (bits, nan) = match dtype {
-        Dtype::Float32 => (32, |x: u64| f32::from_bits(x as u32).is_nan()),
-        Dtype::Bfloat16 => (16, |x: u64| (x as u16 & 0x7fff) > 0x7f80),
-        Dtype::Float16 => (16, |x: u64| (x as u16 & 0x7fff) > 0x7c00),
-        Dtype::Float64 => (64, |x: u64| f64::from_bits(x).is_nan()),
+    fn nan32(x: u64) -> bool {
+        f32::from_bits(x as u32).is_nan()
+    }
+    fn nan_bf16(x: u64) -> bool {
+        (x as u16 & 0x7fff) > 0x7f80
+    }
+    fn nan_f16(x: u64) -> bool {
+        (x as u16 & 0x7fff) > 0x7c00
+    }
+    fn nan64(x: u64) -> bool {
+        f64::from_bits(x).is_nan()
+    }
+    let (bits, nan): (u32, fn(u64) -> bool) = match dtype {
+        Dtype::Float32 => (32, nan32),
+        Dtype::Bfloat16 => (16, nan_bf16),
+        Dtype::Float16 => (16, nan_f16),
+        Dtype::Float64 => (64, nan64),
         _ => return if a == b { 0 } else { u64::MAX },
     };
     if nan(a) || nan(b) {

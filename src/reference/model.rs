@@ -394,8 +394,10 @@ impl RowModel {
             .collect();
         self.offset -= n;
         self.idx = self.cols.len();
+        // Only a speculative rollback (bypass) keeps the window history: the state is then exactly the state a
+        // window of `L - n` would have left. A plain trim ends it (as the production ring does).
         self.last_concat = match self.last_concat {
-            Some(l) if n <= l => Some(l - n),
+            Some(l) if bypass && n <= l => Some(l - n),
             _ => None,
         };
         Ok(())

@@ -135,9 +135,9 @@ pub fn ulp_at(dtype: Dtype, x: f64) -> f64 {
 /// Set from measurement (README "Guarantees"): far above rounding, far below one misplaced key.
 pub fn model_bound(dtype: Dtype) -> f64 {
     if dtype == Dtype::Bfloat16 {
-        8.0
+        32.0
     } else {
-        256.0
+        512.0
     }
 }
 
