@@ -50,10 +50,19 @@ impl Generator {
             OpKind::SoloWindow => Op::SoloWindow { req: v.solo[w.random_range(0..v.solo.len())].0, len: chunk(w) },
             OpKind::SoloDecode => Op::SoloDecode { req: v.solo[w.random_range(0..v.solo.len())].0 },
             OpKind::SoloTrim => {
-                Op::SoloTrim { req: v.solo[w.random_range(0..v.solo.len())].0, n: w.random_range(0..=3), bypass: w.random_bool(0.5) }
+                let (req, _, last) = v.solo[w.random_range(0..v.solo.len())];
+                match last {
+                    // A speculative rollback of the whole window (or part of it): the full rollback leaves a ring with
+                    // fewer live positions than min(offset, W), the geometry bug-catalog #4 (merge by offset) needs.
+                    Some(l) if w.random_bool(0.6) => Op::SoloTrim { req, n: if w.random_bool(0.5) { l as u32 } else { w.random_range(0..=l as u32) }, bypass: true },
+                    _ => Op::SoloTrim { req, n: w.random_range(0..=3), bypass: w.random_bool(0.5) },
+                }
             }
             OpKind::Merge | OpKind::Join => {
-                let n = w.random_range(1..=room.min(v.solo.len()));
+                // Half the time everything that fits: merges of several histories (wrapped, post-window, rolled back,
+                // empty) side by side are where merge geometry bugs live (bug catalog #4, #5).
+                let most = room.min(v.solo.len());
+                let n = if w.random_bool(0.5) { most } else { w.random_range(1..=most) };
                 let mut reqs: Vec<u32> = v.solo.iter().map(|s| s.0).collect();
                 for i in (1..reqs.len()).rev() {
                     reqs.swap(i, w.random_range(0..=i));

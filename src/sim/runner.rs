@@ -45,8 +45,8 @@ pub struct Request {
 /// What the generator may look at.
 #[derive(Debug, Clone, Default)]
 pub struct View {
-    /// Requests outside the batch: (id, offset).
-    pub solo: Vec<(u32, usize)>,
+    /// Requests outside the batch: (id, offset, width of the last window write if it was the last mutation).
+    pub solo: Vec<(u32, usize, Option<usize>)>,
     /// Requests of the batch rows, in row order.
     pub rows: Vec<u32>,
     pub next_id: u32,
@@ -101,7 +101,7 @@ impl World {
 
     pub fn view(&self) -> View {
         View {
-            solo: self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| (r.id, r.model.offset)).collect(),
+            solo: self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| (r.id, r.model.offset, r.model.last_concat)).collect(),
             rows: self.rows.clone(),
             next_id: self.next_id,
             live: self.reqs.len(),
