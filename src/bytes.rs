@@ -103,6 +103,13 @@ impl ArrayBytes {
         Ok(ArrayBytes { dtype, shape, words })
     }
 
+    /// Reads many arrays with one MLX evaluation and no extra MLX ops: each evaluated array (a view too) is read
+    /// by walking its own strides from its data pointer, in row-major logical order.
+    pub fn read_many(arrays: &[&Array]) -> Result<Vec<ArrayBytes>, BytesError> {
+        mlx_rs::transforms::eval(arrays.iter().copied())?;
+        arrays.iter().map(|a| read_strided(a)).collect()
+    }
+
     /// blake3 of dtype, shape and bits: a stable digest for traces.
     pub fn digest(&self) -> [u8; 32] {
         let mut h = blake3::Hasher::new();
@@ -139,10 +146,73 @@ impl ItemSize for Dtype {
     }
 }
 
+/// Reads an evaluated array through its strides (element strides, as MLX reports them for views).
+fn read_strided(a: &Array) -> Result<ArrayBytes, BytesError> {
+    let dtype = a.dtype();
+    let shape = a.shape().to_vec();
+    let n = a.size();
+    let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+    let strides = a.strides().to_vec();
+    if strides.len() != dims.len() {
+        return Err(BytesError::NotContiguous { shape, strides });
+    }
+    // Row-major walk of the logical index space.
+    let offsets = move || {
+        let mut idx = vec![0usize; dims.len()];
+        let dims = dims.clone();
+        let strides = strides.clone();
+        (0..n).map(move |k| {
+            let off: usize = idx.iter().zip(&strides).map(|(i, s)| i * s).sum();
+            if k + 1 < n {
+                for ax in (0..dims.len()).rev() {
+                    idx[ax] += 1;
+                    if idx[ax] < dims[ax] {
+                        break;
+                    }
+                    idx[ax] = 0;
+                }
+            }
+            off
+        })
+    };
+    macro_rules! walk {
+        ($f:ident, $t:ty, $v:ident) => {{
+            if n == 0 {
+                Words::$v(vec![])
+            } else {
+                // SAFETY: the array is evaluated; its data pointer is the start of this view inside a buffer MLX
+                // keeps alive while `a` lives, and every offset is a valid element of the view (shape x strides).
+                let p = unsafe { mlx_sys::$f(a.as_ptr()) };
+                if p.is_null() {
+                    return Err(BytesError::Mlx("null data pointer (array not evaluated?)".into()));
+                }
+                Words::$v(offsets().map(|o| unsafe { *p.add(o) as $t }).collect())
+            }
+        }};
+    }
+    let words = match dtype.item_size_bytes() {
+        1 => walk!(mlx_array_data_uint8, u8, U8),
+        2 => walk!(mlx_array_data_uint16, u16, U16),
+        4 => walk!(mlx_array_data_uint32, u32, U32),
+        8 => walk!(mlx_array_data_uint64, u64, U64),
+        _ => return Err(BytesError::Unsupported(dtype)),
+    };
+    Ok(ArrayBytes { dtype, shape, words })
+}
+
+/// The same-width unsigned view of a contiguous array (lazy).
+fn as_bits<T: mlx_rs::ArrayElement>(dense: &Array) -> Result<Array, BytesError> {
+    Ok(if dense.dtype() == T::DTYPE { dense.clone() } else { dense.view::<T>()?.contiguous()? })
+}
+
 fn read<T: mlx_rs::ArrayElement + Copy>(dense: &Array) -> Result<Vec<T>, BytesError> {
     // Reinterpret the bits (no value conversion), then check the layout before borrowing the buffer.
-    let bits = if dense.dtype() == T::DTYPE { dense.clone() } else { dense.view::<T>()?.contiguous()? };
+    let bits = as_bits::<T>(dense)?;
     bits.eval()?;
+    read_evaluated(&bits)
+}
+
+fn read_evaluated<T: mlx_rs::ArrayElement + Copy>(bits: &Array) -> Result<Vec<T>, BytesError> {
     if bits.size() == 0 {
         // Nothing to read (and `as_slice` refuses a null buffer).
         return Ok(vec![]);

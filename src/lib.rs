@@ -5,6 +5,7 @@
 //! - [`reference`]: the pure-Rust model of every layout (no MLX).
 //! - [`sim`]: seeds, op alphabet, traces, runner, checks, shrinking.
 //! - [`bytes`]: byte-level views of MLX arrays; every bit-exact claim goes through it.
+pub mod bench;
 pub mod bytes;
 pub mod cache;
 pub mod doctor;

@@ -61,6 +61,30 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
     },
+    /// Speed against the mlx-lm anchor measured in the same run (ratios); results saved under bench/results/.
+    Bench {
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        device: DeviceChoice,
+        /// sim, step, or all.
+        #[arg(long, default_value = "all")]
+        what: String,
+        /// Python with mlx + mlx-lm 0.32.2 (default: oracles/mlx_lm/.venv, set up on demand).
+        #[arg(long)]
+        python: Option<String>,
+        /// The anchor script (default: $KVSIM_ANCHOR, else ../shared/anchors/mlxlm_bench.py).
+        #[arg(long)]
+        anchor: Option<String>,
+        /// Skip the anchor (kvsim numbers only).
+        #[arg(long)]
+        no_anchor: bool,
+        /// Fewer, smaller runs.
+        #[arg(long)]
+        quick: bool,
+        #[arg(long, default_value = "bench/results")]
+        out: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the mutation catalog: each mutant must be caught within its seed budget.
     Mutants {
         /// Seeds tried per mutant.
@@ -94,6 +118,7 @@ fn main() -> ExitCode {
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => mutants_cmd(budget, shrink_budget, only, save, json),
+        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json),
     }
 }
 
@@ -355,4 +380,92 @@ fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bo
     } else {
         ExitCode::FAILURE
     }
+}
+
+fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<kvsim::bench::Anchor, String> {
+    let script = anchor
+        .or_else(|| std::env::var("KVSIM_ANCHOR").ok())
+        .unwrap_or_else(|| "../shared/anchors/mlxlm_bench.py".to_string());
+    if !Path::new(&script).exists() {
+        return Err(format!("anchor script {script} not found (pass --anchor or set KVSIM_ANCHOR)"));
+    }
+    let python = match python.or_else(|| std::env::var("KVSIM_ANCHOR_PYTHON").ok()) {
+        Some(p) => p,
+        None => {
+            let venv = "oracles/mlx_lm/.venv/bin/python";
+            if !Path::new(venv).exists() {
+                eprintln!("kvsim bench: setting up the mlx-lm venv (oracles/mlx_lm/setup.sh)");
+                let ok = std::process::Command::new("bash").arg("oracles/mlx_lm/setup.sh").status().map(|s| s.success()).unwrap_or(false);
+                if !ok {
+                    return Err("oracles/mlx_lm/setup.sh failed".into());
+                }
+            }
+            venv.to_string()
+        }
+    };
+    Ok(kvsim::bench::Anchor { python, script })
+}
+
+fn machine_info() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_default();
+    let gpu = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    serde_json::json!({"cpu": cpu, "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "gpu": gpu,
+        "kvsim": env!("CARGO_PKG_VERSION"), "mlx": sim::mlx_version()})
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_cmd(device: DeviceChoice, what: &str, python: Option<String>, anchor: Option<String>, no_anchor: bool, quick: bool, out: &Path, json: bool) -> ExitCode {
+    let anchor = if no_anchor {
+        None
+    } else {
+        match find_anchor(python, anchor) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                eprintln!("kvsim bench: no anchor ({e}); kvsim numbers only");
+                None
+            }
+        }
+    };
+    let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick);
+    r["machine"] = machine_info();
+    r["unix_time"] = serde_json::json!(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0));
+    if let Some(rows) = r["sim"].as_array() {
+        println!("simulator throughput (H 4/2, D 16, W 8; batched decode row-steps checked against solo twins):");
+        for row in rows {
+            println!(
+                "  {:<5} kvsim {:>9.0} row-steps/s   mlx-lm harness {:>9.0} row-steps/s   ratio {:.2}x",
+                row["dtype"].as_str().unwrap_or(""),
+                row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(f64::NAN),
+                row["mlx_lm_harness"]["row_steps_per_s"].as_f64().unwrap_or(f64::NAN),
+                row["ratio_row_steps_per_s"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+    if let Some(rows) = r["step"].as_array() {
+        println!("batched rotating decode step (bf16, H 32/8, D 128), write + read, median:");
+        for row in rows {
+            let g = row["kvsim"]["gbps_median"].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "  B {:>3} W {:>5}: kvsim {:>8.3} ms ({:>7.1} GB/s, {:>5.1}% of 4.8 TB/s)   mlx-lm {:>8.3} ms   speedup {:.2}x",
+                row["B"], row["W"], row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN), g, g / 48.0,
+                row["mlx_lm"]["ms_median"].as_f64().unwrap_or(f64::NAN), row["speedup_vs_mlx_lm"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+    let _ = std::fs::create_dir_all(out);
+    let p = out.join(format!("bench-{}-{}.json", device.name(), r["unix_time"]));
+    let _ = std::fs::write(&p, serde_json::to_string_pretty(&r).unwrap());
+    println!("saved {}", p.display());
+    if json {
+        println!("{}", serde_json::to_string(&r).unwrap());
+    }
+    ExitCode::SUCCESS
 }

@@ -1,0 +1,217 @@
+//! `kvsim bench`: speed measured against an anchor in the same run, reported as ratios (never asserted in tests).
+//!
+//! - **sim**: simulator throughput on tiny shapes (H_q 4, H_kv 2, D 16, W 8): batched decode row-steps per second,
+//!   each checked against its solo twin, side by side with mlx-lm's Python harness doing the same kind of schedule
+//!   (`mlxlm_bench.py sim`: merge / decode / extract / filter over `BatchRotatingKVCache` with a solo
+//!   `RotatingKVCache` per row and byte comparisons). kvsim additionally checks every row against the f64 model,
+//!   its masks, layouts and kinds, so the ratio understates the per-check speed.
+//! - **step**: one batched decode step (write + read) of `BatchRotatingKvCache` at B in {1, 8, 64}, H_q 32, H_kv 8,
+//!   D 128, W in {1024, 4096}, bf16; time per step, K/V read bandwidth, against mlx-lm's `BatchRotatingKVCache` +
+//!   SDPA (`mlxlm_bench.py step`) in the same run.
+
+use std::process::Command;
+use std::time::Instant;
+
+use mlx_rs::{Array, Dtype};
+use serde_json::{json, Value};
+
+use crate::cache::{KvDtype, KvSpec, Masks, RingState, RowBatch, RowState};
+use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
+use crate::sim::ops::OpKind;
+use crate::sim::{run, DeviceChoice};
+
+/// The anchor harness: a Python with mlx + mlx-lm 0.32.2 and the anchor script.
+#[derive(Debug, Clone)]
+pub struct Anchor {
+    pub python: String,
+    pub script: String,
+}
+
+impl Anchor {
+    fn run(&self, args: &[String]) -> Result<Value, String> {
+        let out = Command::new(&self.python).arg(&self.script).args(args).output().map_err(|e| format!("cannot start {}: {e}", self.python))?;
+        if !out.status.success() {
+            return Err(format!("anchor failed: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let last = text.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or("anchor printed no JSON")?;
+        serde_json::from_str(last).map_err(|e| e.to_string())
+    }
+}
+
+/// A decode-heavy swarm config with the anchor's shapes.
+fn sim_config(dtype: DtypeChoice, seed: u64) -> SimConfig {
+    let mut c = SimConfig::from_seed(seed);
+    c.layout = LayoutChoice::Rotating { window: 8 };
+    c.dtype = dtype;
+    c.heads_kv = 2;
+    c.heads_q = 4;
+    c.head_dim = 16;
+    c.layers = 1;
+    c.max_batch = 8;
+    c.max_requests = 10;
+    c.max_prompt = 19;
+    c.max_chunk = 8;
+    c.ops = 120;
+    c.weights = OpKind::ALL
+        .iter()
+        .map(|&k| {
+            let w = match k {
+                OpKind::Decode => 30,
+                OpKind::Admit | OpKind::SoloWindow | OpKind::Merge | OpKind::Extract => 4,
+                OpKind::Filter | OpKind::Join => 1,
+                _ => 0,
+            };
+            (k, w)
+        })
+        .collect();
+    c
+}
+
+/// kvsim's side of the throughput comparison.
+pub fn sim_throughput(dtype: DtypeChoice, device: DeviceChoice, min_row_steps: u64) -> Value {
+    let start = Instant::now();
+    let (mut row_steps, mut ops, mut checks, mut seeds, mut failures) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    while row_steps < min_row_steps {
+        let r = run(seeds, sim_config(dtype, seeds), None, device, None);
+        let c = &r.counters;
+        row_steps += c.decode_unpadded.compared + c.decode_padded.compared;
+        ops += r.trace.ops.len() as u64 - r.skipped;
+        checks += c.checks;
+        failures += r.failed() as u64;
+        seeds += 1;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    json!({"seeds": seeds, "ops": ops, "row_steps": row_steps, "checks": checks, "failures": failures, "wall_s": wall,
+           "row_steps_per_s": row_steps as f64 / wall, "ops_per_s": ops as f64 / wall, "checks_per_s": checks as f64 / wall})
+}
+
+fn pseudo_block(shape: &[i32], salt: u64, dtype: Dtype) -> Result<Array, String> {
+    let n: usize = shape.iter().map(|&x| x as usize).product();
+    let data: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let mut z = (i ^ salt.rotate_left(17)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            z ^= z >> 29;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Array::from_slice(&data, shape).as_dtype(dtype).map_err(|e| e.to_string())
+}
+
+/// kvsim's batched rotating decode step (write + read) on full rings, each row at its own phase.
+pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize) -> Result<Value, String> {
+    device.activate();
+    let (hq, hkv, d) = (32usize, 8usize, 128usize);
+    let spec = KvSpec { heads_kv: hkv, head_dim: d, dtype: KvDtype::Bf16 };
+    let dt = Dtype::Bfloat16;
+    let k = pseudo_block(&[b as i32, hkv as i32, w as i32, d as i32], 1, dt)?;
+    let v = pseudo_block(&[b as i32, hkv as i32, w as i32, d as i32], 2, dt)?;
+    // Full rings; phases differ per row (each row keeps its own write head, as its solo ring would).
+    let rows: Vec<RowState> = (0..b)
+        .map(|r| {
+            let idx = (r * 37) % w + 1;
+            RowState { ring: RingState { offset: 10 * w + idx, len: w, idx, last_concat: None }, base: 0, pending: None }
+        })
+        .collect();
+    let mut batch = RowBatch::adopt(spec, Some(w), k, v, rows).map_err(|e| e.to_string())?;
+    let pool: Vec<(Array, Array, Array)> = (0..4)
+        .map(|i| -> Result<_, String> {
+            Ok((
+                pseudo_block(&[b as i32, hkv as i32, 1, d as i32], 100 + i, dt)?,
+                pseudo_block(&[b as i32, hkv as i32, 1, d as i32], 200 + i, dt)?,
+                pseudo_block(&[b as i32, hq as i32, 1, d as i32], 300 + i, dt)?,
+            ))
+        })
+        .collect::<Result<_, _>>()?;
+    for (a, bb, c) in &pool {
+        mlx_rs::transforms::eval([a, bb, c]).map_err(|e| e.to_string())?;
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut step = |i: usize| -> Result<f64, String> {
+        let (kk, vv, qq) = &pool[i % pool.len()];
+        let t0 = Instant::now();
+        let masks = Masks::new();
+        let (out, _) = batch.decode(kk, vv, qq, scale, &masks).map_err(|e| e.to_string())?;
+        out.eval().map_err(|e| e.to_string())?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    };
+    for i in 0..5 {
+        step(i)?;
+    }
+    let mut ts: Vec<f64> = (0..iters).map(|i| step(5 + i)).collect::<Result<_, _>>()?;
+    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let median = ts[ts.len() / 2];
+    let mean = ts.iter().sum::<f64>() / ts.len() as f64;
+    let bytes = 2 * b * hkv * w * d * 2;
+    Ok(json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(),
+              "ms_median": median, "ms_mean": mean, "ms_min": ts[0], "kv_bytes_per_step": bytes,
+              "gbps_median": bytes as f64 / (median / 1e3) / 1e9}))
+}
+
+/// Runs the benchmark set; `anchor` None skips the side-by-side runs (and says so in the output).
+pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: bool) -> Value {
+    let mut out = json!({"device": device.name(), "mlx_version": crate::sim::mlx_version(), "anchor": anchor.map(|a| a.script.clone())});
+    if what == "sim" || what == "all" {
+        let mut rows = vec![];
+        for (dtype, name) in [(DtypeChoice::F32, "f32"), (DtypeChoice::Bf16, "bf16")] {
+            let ours = sim_throughput(dtype, device, if quick { 300 } else { 3000 });
+            let theirs = anchor.map(|a| {
+                a.run(&[
+                    "sim".into(), "--heads-q".into(), "4".into(), "--heads-kv".into(), "2".into(), "--head-dim".into(), "16".into(),
+                    "--window".into(), "8".into(), "--requests".into(), "64".into(), "--max-batch".into(), "8".into(),
+                    "--steps".into(), if quick { "150".into() } else { "1000".into() }, "--dtype".into(), name.into(),
+                    "--device".into(), device.name().into(),
+                ])
+            });
+            let mut row = json!({"dtype": name, "kvsim": ours});
+            if let Some(t) = theirs {
+                match t {
+                    Ok(t) => {
+                        let their_rate = t["row_steps_compared"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN);
+                        row["mlx_lm_harness"] = json!({"row_steps": t["row_steps_compared"], "wall_s": t["wall_s"], "cache_ops": t["cache_ops"],
+                            "row_steps_per_s": their_rate, "cache_ops_per_s": t["cache_ops"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN)});
+                        row["ratio_row_steps_per_s"] = json!(row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(0.0) / their_rate);
+                    }
+                    Err(e) => row["mlx_lm_harness"] = json!({"error": e}),
+                }
+            }
+            rows.push(row);
+        }
+        out["sim"] = json!(rows);
+    }
+    if what == "step" || what == "all" {
+        let mut rows = vec![];
+        let bs: &[usize] = if quick { &[1, 8] } else { &[1, 8, 64] };
+        let ws: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
+        for &w in ws {
+            for &b in bs {
+                let iters = if device == DeviceChoice::Cpu { 5 } else { 50 };
+                let mut row = json!({"B": b, "W": w});
+                match decode_step(device, b, w, iters) {
+                    Ok(r) => row["kvsim"] = r,
+                    Err(e) => row["kvsim"] = json!({"error": e}),
+                }
+                if let Some(a) = anchor {
+                    let args: Vec<String> = [
+                        "step", "-B", &b.to_string(), "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--window", &w.to_string(),
+                        "--dtype", "bf16", "--device", device.name(), "--iters", &iters.to_string(), "--min-steps", &iters.min(20).to_string(),
+                    ]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+                    match a.run(&args) {
+                        Ok(t) => {
+                            let ratio = t["ms_median"].as_f64().unwrap_or(f64::NAN) / row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN);
+                            row["mlx_lm"] = json!({"ms_median": t["ms_median"], "gbps_median": t["gbps_median"], "sdpa_only_ms": t["sdpa_only_ms"], "update_only_ms": t["update_only_ms"]});
+                            row["speedup_vs_mlx_lm"] = json!(ratio);
+                        }
+                        Err(e) => row["mlx_lm"] = json!({"error": e}),
+                    }
+                }
+                rows.push(row);
+            }
+        }
+        out["step"] = json!(rows);
+    }
+    out
+}
