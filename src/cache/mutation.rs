@@ -5,9 +5,8 @@
 //! the cargo feature `mutants` (on by default for the CLI and tests) [`is`] is a constant `false`, so the hooks
 //! compile to nothing; [`arm`] still records the request, but nothing reads it.
 //!
-//! The armed mutant is process-global (an `AtomicU8`): arming one affects every cache in every thread.
-
-use std::sync::atomic::{AtomicU8, Ordering};
+//! The armed mutant is per thread: arming one affects the caches the calling thread drives, and nothing that runs
+//! beside it (parallel tests, or simulations on other threads).
 
 /// One planted bug. See each variant for the single place it changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -108,20 +107,24 @@ impl std::fmt::Display for Mutant {
     }
 }
 
-static ARMED: AtomicU8 = AtomicU8::new(0);
+thread_local! {
+    // Per thread: a mutant armed by one test (or one simulation) never leaks into another running beside it.
+    // The caches' hooks run on the thread that calls the cache (MLX's worker threads never call back into them).
+    static ARMED: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+}
 
 /// Whether the hooks are compiled in (the cargo feature `mutants`).
 pub const ENABLED: bool = cfg!(feature = "mutants");
 
-/// Arm one mutant process-wide (`None` disarms). Without the feature `mutants` this records the request but no
-/// hook fires.
+/// Arm one mutant for the calling thread (`None` disarms). Without the feature `mutants` this records the request
+/// but no hook fires.
 pub fn arm(m: Option<Mutant>) {
-    ARMED.store(m.map_or(0, Mutant::code), Ordering::SeqCst);
+    ARMED.with(|a| a.set(m.map_or(0, Mutant::code)));
 }
 
 /// The armed mutant, if any.
 pub fn armed() -> Option<Mutant> {
-    match ARMED.load(Ordering::SeqCst) {
+    match ARMED.with(|a| a.get()) {
         0 => None,
         c => Mutant::ALL.get(c as usize - 1).copied(),
     }
@@ -131,7 +134,7 @@ pub fn armed() -> Option<Mutant> {
 #[cfg(feature = "mutants")]
 #[inline]
 pub(crate) fn is(m: Mutant) -> bool {
-    ARMED.load(Ordering::Relaxed) == m.code()
+    ARMED.with(|a| a.get()) == m.code()
 }
 
 /// Whether the hook of `m` fires here: never (feature `mutants` off).
@@ -174,11 +177,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_round_trip_and_arming_is_global() {
+    fn names_round_trip_and_arming_is_per_thread() {
         let _g = testlock::arm(Mutant::TemporalHead);
         assert_eq!(armed(), Some(Mutant::TemporalHead));
         assert_eq!(is(Mutant::TemporalHead), ENABLED);
         assert!(!is(Mutant::ConcatKeepsWindow));
+        assert_eq!(std::thread::spawn(armed).join().unwrap(), None, "another thread sees no mutant");
         for m in Mutant::ALL {
             assert_eq!(Mutant::from_name(m.name()), Some(*m));
             assert!(!m.describe().is_empty());

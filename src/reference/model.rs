@@ -1074,11 +1074,7 @@ mod tests {
         assert_eq!(m.trim(4, false), Err(ModelError::TrimTooLong));
         m.trim(2, false).unwrap();
         assert_eq!((m.offset, m.len(), m.idx), (1, 1, 1));
-        assert_eq!(
-            m.last_concat,
-            Some(1),
-            "trim n <= L after a window = a window of L - n"
-        );
+        assert_eq!(m.last_concat, None, "a plain trim ends the window history (only a bypass rollback keeps it)");
         decode(&mut m);
         assert_eq!(
             m.trim(1, true),
@@ -1527,7 +1523,7 @@ mod tests {
                         let legal = if b { matches!(s.last_concat, Some(l) if n <= l) }
                                     else { s.w.is_none_or(|w| s.offset < w) && n <= s.offset };
                         prop_assert_eq!(ok, legal);
-                        if legal { s.trim(n); s.last_concat = s.last_concat.filter(|&l| n <= l).map(|l| l - n); }
+                        if legal { s.trim(n); s.last_concat = if b { s.last_concat.filter(|&l| n <= l).map(|l| l - n) } else { None }; }
                     }
                     Op::Relinearize => {
                         apply(&mut m, o);

@@ -132,12 +132,15 @@ pub fn ulp_at(dtype: Dtype, x: f64) -> f64 {
 }
 
 /// Largest scaled ULP error a read may show against the f64 model before it counts as a failure.
-/// Set from measurement (README "Guarantees"): far above rounding, far below one misplaced key.
-pub fn model_bound(dtype: Dtype) -> f64 {
-    if dtype == Dtype::Bfloat16 {
-        32.0
-    } else {
-        512.0
+/// CPU: set from measurement (README "Guarantees"; 200 seeds measured 24.6 bf16 / 38.4 f32): above MLX's rounding,
+/// below what a misplaced key does. GPU (`loose`): MLX's CUDA kernels round differently (and may use reduced-precision
+/// matrix units), so the bound only catches gross errors there; the measured maximum is reported either way.
+pub fn model_bound(dtype: Dtype, loose: bool) -> f64 {
+    match (dtype == Dtype::Bfloat16, loose) {
+        (true, false) => 32.0,
+        (false, false) => 512.0,
+        (true, true) => 256.0,
+        (false, true) => 65536.0,
     }
 }
 
@@ -170,10 +173,11 @@ pub fn output_vs_model(
     }
     counters.record_model_ulp(out.dtype, worst);
     counters.checks += 1;
-    if worst > model_bound(out.dtype) {
+    let bound = model_bound(out.dtype, !counters.guarantees.exact_unpadded_decode);
+    if worst > bound {
         return Err(Failure::new(
             "output_vs_model",
-            format!("row {row} query {i} (token {q:?}): {worst:.1} ULPs from the f64 model over {} keys (bound {})", keys.len(), model_bound(out.dtype)),
+            format!("row {row} query {i} (token {q:?}): {worst:.1} ULPs from the f64 model over {} keys (bound {bound})", keys.len()),
         ));
     }
     Ok(())
