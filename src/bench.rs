@@ -194,7 +194,7 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
                 if let Some(a) = anchor {
                     let args: Vec<String> = [
                         "step", "-B", &b.to_string(), "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--window", &w.to_string(),
-                        "--dtype", "bf16", "--device", device.name(), "--iters", &iters.to_string(), "--min-steps", &iters.min(20).to_string(),
+                        "--dtype", "bf16", "--device", device.name(), "--iters", &iters.to_string(), "--min-steps", &iters.min(20).to_string(), "--budget-s", "3",
                     ]
                     .iter()
                     .map(|s| s.to_string())
