@@ -105,6 +105,14 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // MLX's CUDA backend keeps LRU caches of captured graphs and SDPA kernels and raises an error ("Cache thrashing
+    // is happening") once a run cycles through more shapes than they hold (400 / 256 by default, MLX 0.32.2). A
+    // simulator exercises many shapes on purpose, so both are raised here unless the user set them. No effect on CPU.
+    for (var, value) in [("MLX_CUDA_GRAPH_CACHE_SIZE", "100000"), ("MLX_CUDA_SDPA_CACHE_SIZE", "100000")] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, value);
+        }
+    }
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor => doctor(),

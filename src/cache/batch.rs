@@ -543,9 +543,18 @@ impl RowBatch {
             let shared = targets[0];
             targets.iter_mut().for_each(|t| *t = shared);
         }
-        let b = self.buf.as_ref().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
         let at = index_array(&targets, &[self.rows.len(), 1, 1, 1])?;
-        let nb = Buf { k: b.k.put_along_axis(&at, k, 2)?, v: b.v.put_along_axis(&at, v, 2)? };
+        // Take the buffer out of `self` before evaluating: the scatter's input is then referenced by the graph only,
+        // so MLX donates it and writes the B new columns in place instead of copying the whole cache.
+        let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
+        let nb = match (b.k.put_along_axis(&at, k, 2), b.v.put_along_axis(&at, v, 2)) {
+            (Ok(nk), Ok(nv)) => Buf { k: nk, v: nv },
+            (Err(e), _) | (_, Err(e)) => {
+                self.buf = Some(b);
+                return Err(e.into());
+            }
+        };
+        drop(b);
         nb.eval()?;
         self.buf = Some(nb);
         for r in &mut self.rows {

@@ -9,7 +9,15 @@ use super::{KvDtype, KvSpec};
 
 pub(crate) const HQ: usize = 4;
 
+/// These tests state CPU facts (byte-identity of batched and solo reads on MLX's CPU backend); with the CUDA
+/// runtime loaded MLX's default device is the GPU, so pin the CPU.
+pub(crate) fn pin_cpu() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| mlx_rs::Device::set_default(&mlx_rs::Device::cpu()));
+}
+
 pub(crate) fn spec(dtype: KvDtype) -> KvSpec {
+    pin_cpu();
     KvSpec { heads_kv: 2, head_dim: 8, dtype }
 }
 
@@ -23,6 +31,7 @@ fn hash(mut x: u64) -> u64 {
 
 /// Deterministic values in [-2, 2) of shape `[b, h, l, d]`, in `dtype`.
 pub(crate) fn data(seed: u64, b: usize, h: usize, l: usize, d: usize, dtype: KvDtype) -> Array {
+    pin_cpu();
     let n = b * h * l * d;
     let vals: Vec<f32> = (0..n as u64)
         .map(|i| (hash(seed.wrapping_mul(0x9e3779b97f4a7c15) ^ hash(i)) >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
