@@ -23,7 +23,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   step tests
   for t in .device/tests/*; do timeout 240 "$t" --test-threads 2 2>&1 | tail -4; done | tee "$OUT/tests.txt"
 fi
-step sim; timeout "${SIM_TIMEOUT:-330}" .device/kvsim sim --device gpu --seeds "${SEEDS:-1000}" --json --out "$OUT/failures" > "$OUT/sim-gpu.log" 2>&1
+step sim; timeout "${SIM_TIMEOUT:-590}" .device/kvsim sim --device gpu --seeds "${SEEDS:-1000}" --time "${SIM_TIME:-560}" --json --out /tmp/failures > "$OUT/sim-gpu.log" 2>&1
 tail -n 12 "$OUT/sim-gpu.log"; tail -n 1 "$OUT/sim-gpu.log" > "$OUT/sim-gpu.json"
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   step bench; .device/kvsim bench --device gpu --what "${BENCH_WHAT:-all}" --python python3 --anchor .device/mlxlm_bench.py --out "$OUT" 2>&1 | tail -12

@@ -257,6 +257,7 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
         result_hash: hash.finalize().to_hex().to_string(),
         failed_seeds: failed.clone(),
         seconds: start.elapsed().as_secs_f64(),
+        guarantees: total.table.clone(),
     };
     println!("kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}", ran, ops, skipped, total.checks, failed.len(), summary.seconds, device.name());
     println!("  {:<28} {:>10} {:>12} {:>10}", "output class vs solo twin", "compared", "bit-exact", "max ULP");
@@ -264,6 +265,10 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
         println!("  {:<28} {:>10} {:>12} {:>10}", name, c.compared, c.bit_exact, c.max_ulp);
     }
     println!("  state comparisons byte-identical: {}", total.bit_exact_state);
+    println!("  guarantees table (vs solo twin; ULPs at output scale):");
+    for (k, c) in &total.table {
+        println!("    {:<40} {:>9} compared {:>9} bit-exact  max {} ULP", k, c.compared, c.bit_exact, c.max_ulp);
+    }
     println!("  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads", total.model_max_ulp_f32, total.model_max_ulp_bf16, total.model_checks);
     println!("  ops by kind: {}", summary.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     if json {

@@ -193,7 +193,7 @@ pub struct Guarantees {
 }
 
 /// One row's real query outputs against the twin's, bytes first; distance measured when they differ.
-pub fn output_vs_twin(class: OutClass, out: &ArrayBytes, row: usize, twin: &ArrayBytes, n: usize, counters: &mut Counters) -> Res {
+pub fn output_vs_twin(class: OutClass, tags: &[&'static str], out: &ArrayBytes, row: usize, twin: &ArrayBytes, n: usize, counters: &mut Counters) -> Res {
     let (hq, l, d) = (out.shape[1] as usize, out.shape[2] as usize, out.shape[3] as usize);
     let lt = twin.shape[2] as usize;
     let mut worst = 0u64;
@@ -211,7 +211,7 @@ pub fn output_vs_twin(class: OutClass, out: &ArrayBytes, row: usize, twin: &Arra
             }
         }
     }
-    counters.record_twin(class, out.dtype, worst);
+    counters.record_twin(class, tags, out.dtype, worst);
     if worst > 0 && class == OutClass::DecodeUnpadded && counters.guarantees.exact_unpadded_decode {
         return Err(Failure::new(
             "decode_vs_solo",

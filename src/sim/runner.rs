@@ -40,6 +40,17 @@ pub struct Request {
     pub twin: Vec<SerialCache>,
     /// The expected layout (shared by every layer).
     pub model: RowModel,
+    /// What the request's rows went through (for the guarantees table's classes).
+    pub history: History,
+}
+
+/// Events in a request's life that the guarantees table reports separately.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct History {
+    /// Went through merge, join or extract.
+    pub layout_event: bool,
+    /// Had a speculative rollback (a bypass trim of at least one position).
+    pub rolled_back: bool,
 }
 
 /// What the generator may look at.
@@ -203,7 +214,7 @@ impl World {
         let solo = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
         let twin = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
         let model = RowModel::new(self.max_size());
-        self.reqs.insert(req, Request { id: req, home: Home::Solo, solo, twin, model });
+        self.reqs.insert(req, Request { id: req, home: Home::Solo, solo, twin, model, history: History::default() });
         self.next_id = req + 1;
         Ok(true)
     }
@@ -273,7 +284,11 @@ impl World {
             check::error_matches("twin trim", &expected, &twin.map(|_| ()))?;
         }
         if expected.is_ok() {
-            self.reqs.get_mut(&req).unwrap().model = model;
+            let q = self.reqs.get_mut(&req).unwrap();
+            q.model = model;
+            if bypass && n > 0 {
+                q.history.rolled_back = true;
+            }
         }
         self.counters.expected_errors += expected.is_err() as u64;
         Ok(true)
@@ -315,6 +330,7 @@ impl World {
         for id in &ids {
             let r = self.reqs.get_mut(id).unwrap();
             r.home = Home::Batch;
+            r.history.layout_event = true;
             if merge {
                 // Layout event: the row is rebuilt from its temporal view; the twin mirrors it.
                 let view = r.model.temporal_view();
@@ -425,6 +441,7 @@ impl World {
         for id in &ids {
             let r = self.reqs.get_mut(id).unwrap();
             r.home = Home::Batch;
+            r.history.layout_event = true;
             r.solo.clear();
             self.rows.push(*id);
         }
@@ -549,8 +566,15 @@ impl World {
             }
         }
         if expected.is_ok() {
-            for (id, m) in models {
-                self.reqs.get_mut(&id).unwrap().model = m;
+            for (r, (id, m)) in models.into_iter().enumerate() {
+                let q = self.reqs.get_mut(&id).unwrap();
+                q.model = m;
+                let _ = r;
+            }
+            for (r, id) in self.rows.clone().iter().enumerate() {
+                if rollback[r] > 0 {
+                    self.reqs.get_mut(id).unwrap().history.rolled_back = true;
+                }
             }
         }
         Ok(true)
@@ -633,6 +657,7 @@ impl World {
         let max = self.max_size();
         let r = self.reqs.get_mut(&id).unwrap();
         r.home = Home::Solo;
+        r.history.layout_event = true;
         r.solo = extracted;
         // Layout event: extract de-rolls the row into a fresh serial cache (R-BROT-5); the twin and the model follow.
         r.model = r.model.extract();
@@ -740,10 +765,27 @@ impl World {
             }
             if twin.is_some() {
                 let twin_bytes = read.next().unwrap();
-                check::output_vs_twin(class, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
+                let tags = self.tags(*id, model);
+                check::output_vs_twin(class, &tags, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
             }
         }
         Ok(())
+    }
+
+    /// The guarantees-table classes a read of request `id` (state `model` after the write) also belongs to.
+    fn tags(&self, id: u32, model: &RowModel) -> Vec<&'static str> {
+        let mut t = vec![];
+        if model.max_size.is_some_and(|w| model.offset > w) {
+            t.push("after_rotation");
+        }
+        let h = self.reqs.get(&id).map(|r| r.history).unwrap_or_default();
+        if h.layout_event {
+            t.push("after_merge_join_extract");
+        }
+        if h.rolled_back {
+            t.push("after_speculative_rollback");
+        }
+        t
     }
 
     fn check_span(&mut self, layer: usize, out: &Array, rows: &[(usize, u32, Vec<Tok>, Option<&Array>)]) -> Res<()> {
@@ -759,7 +801,8 @@ impl World {
             }
             if let Some(twin) = twin {
                 let twin_bytes = ArrayBytes::of(twin).map_err(|e| mlx_fail("read twin output", e))?;
-                check::output_vs_twin(check::OutClass::DecodeUnpadded, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
+                let tags = self.tags(*id, &m);
+                check::output_vs_twin(check::OutClass::DecodeUnpadded, &tags, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
             }
         }
         Ok(())
@@ -836,6 +879,7 @@ impl World {
             check::bytes_equal(&format!("{what} {tensor:?} temporal_view vs twin"), &ours[2 + i], &theirs[2 + i])?;
             check::columns_vs_model(&format!("{what} temporal_view"), &self.vs, layer as u32, tensor, &ours[2 + i], &model.temporal_view())?;
             self.counters.bit_exact_state += 3;
+            self.counters.record_state(ours[i].dtype, 3);
             self.counters.checks += 4;
         }
         Ok(())

@@ -41,6 +41,8 @@ pub struct Counters {
     pub model_max_ulp_bf16: f64,
     pub model_checks: u64,
     pub guarantees: Guarantees,
+    /// The guarantees table: `class/dtype` -> comparisons with the solo twin (see README "Guarantees").
+    pub table: BTreeMap<String, ClassCount>,
 }
 
 impl Default for Counters {
@@ -56,6 +58,7 @@ impl Default for Counters {
             model_max_ulp_bf16: 0.0,
             model_checks: 0,
             guarantees: Guarantees { exact_unpadded_decode: true },
+            table: BTreeMap::new(),
         }
     }
 }
@@ -70,7 +73,28 @@ impl Counters {
         }
     }
 
-    pub fn record_twin(&mut self, class: OutClass, _dtype: Dtype, worst: u64) {
+    /// `n` state comparisons (bytes vs twin and model), all byte-identical (a difference is a failure).
+    pub fn record_state(&mut self, dtype: Dtype, n: u64) {
+        let e = self.table.entry(format!("state_bytes/{}", dtype_name(dtype))).or_default();
+        e.compared += n;
+        e.bit_exact += n;
+    }
+
+    pub fn record_twin(&mut self, class: OutClass, tags: &[&'static str], dtype: Dtype, worst: u64) {
+        let base = match class {
+            OutClass::DecodeUnpadded => "decode_unpadded",
+            OutClass::DecodePadded => "decode_padded",
+            OutClass::Window => "window",
+        };
+        for t in std::iter::once(&base).chain(tags) {
+            let e = self.table.entry(format!("{t}/{}", dtype_name(dtype))).or_default();
+            e.compared += 1;
+            if worst == 0 {
+                e.bit_exact += 1;
+            } else {
+                e.max_ulp = e.max_ulp.max(worst);
+            }
+        }
         let c = match class {
             OutClass::DecodeUnpadded => &mut self.decode_unpadded,
             OutClass::DecodePadded => &mut self.decode_padded,
@@ -95,6 +119,17 @@ impl Counters {
         self.model_max_ulp_f32 = self.model_max_ulp_f32.max(o.model_max_ulp_f32);
         self.model_max_ulp_bf16 = self.model_max_ulp_bf16.max(o.model_max_ulp_bf16);
         self.model_checks += o.model_checks;
+        for (k, v) in &o.table {
+            self.table.entry(k.clone()).or_default().add(v);
+        }
+    }
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    if d == Dtype::Bfloat16 {
+        "bf16"
+    } else {
+        "f32"
     }
 }
 
@@ -117,4 +152,6 @@ pub struct Summary {
     pub result_hash: String,
     pub failed_seeds: Vec<serde_json::Value>,
     pub seconds: f64,
+    /// `class/dtype` -> {compared, bit_exact, max_ulp} against the solo twin (README "Guarantees").
+    pub guarantees: BTreeMap<String, ClassCount>,
 }
