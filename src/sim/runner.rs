@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use mlx_rs::Array;
 
 use crate::bytes::ArrayBytes;
-use crate::cache::{self, CacheError, JoinSource, KvDtype, KvSpec, MaskUse, Masks, RowBatch, SerialCache};
+use crate::cache::{CacheError, JoinSource, KvDtype, KvSpec, MaskUse, Masks, RowBatch, SerialCache};
 use crate::reference::{RefDtype, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
 use crate::sim::config::{DtypeChoice, SimConfig};
@@ -901,7 +901,9 @@ fn op_within_limits(op: &Op) -> bool {
         Op::Merge { reqs } | Op::Join { reqs } => reqs.len() <= 64,
         Op::Filter { keep } => keep.len() <= MAX_OP_LEN as usize,
         Op::Extract { row, .. } => ok(*row),
-        Op::Admit { .. } | Op::SoloDecode { .. } | Op::Decode => true,
+        // Request ids index the world's maps and positions are u32: keep them far from overflow.
+        Op::Admit { req } => *req <= 1 << 20,
+        Op::SoloDecode { .. } | Op::Decode => true,
     }
 }
 
