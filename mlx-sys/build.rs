@@ -99,7 +99,8 @@ fn cached(dest: &Path, what: &str, fill: impl FnOnce(&Path)) {
     ));
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir_all(&staging).unwrap();
-    println!("cargo:warning=kvsim: fetching {what} into {} (once)", dest.display());
+    // Cargo replays this warning on later builds (path dependency), so it is worded to stay true then.
+    println!("cargo:warning=kvsim: {what} is cached in {} (downloaded on the first build only)", dest.display());
     fill(&staging);
     fs::write(staging.join(".kvsim-complete"), what).unwrap();
     let _ = fs::remove_dir_all(dest);

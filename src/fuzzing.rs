@@ -31,3 +31,16 @@ pub fn sim_trace(data: &[u8]) -> Option<Outcome> {
     let r = run(case.config_seed as u64, cfg, Some(case.ops), DeviceChoice::Cpu, None);
     Some(r.trace.outcome)
 }
+
+/// The trace a fuzz input runs (its config seed, config and ops, with the outcome it reaches now), so a fuzz crash
+/// can be replayed and shrunk like any simulator failure. `None` when the bytes do not decode to a case.
+pub fn case_to_trace(data: &[u8]) -> Option<Trace> {
+    let mut u = Unstructured::new(data);
+    let mut case = FuzzCase::arbitrary(&mut u).ok()?;
+    case.ops.truncate(64);
+    let cfg = SimConfig::from_seed(case.config_seed as u64);
+    let mut t = run(case.config_seed as u64, cfg, Some(case.ops.clone()), DeviceChoice::Cpu, None).trace;
+    // Keep every op of the case, also those after a failure, so that the trace replays exactly what the fuzzer ran.
+    t.ops = case.ops;
+    Some(t)
+}
