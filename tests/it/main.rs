@@ -3,5 +3,6 @@ mod architecture;
 mod corpus;
 mod determinism;
 mod fuzz_corpus;
+mod oracle;
 mod sim_smoke;
 mod traces;
