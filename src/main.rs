@@ -91,10 +91,10 @@ enum OracleCmd {
     /// NAME.oracle.jsonl (the driver's results) per trace into --out.
     Record {
         /// How many traces to record.
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 56)]
         seeds: usize,
         /// Seeds scanned for the choice (0..scan).
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 600)]
         scan: u64,
         /// Record exactly these seeds (repeatable; overrides the choice).
         #[arg(long)]
@@ -172,6 +172,14 @@ fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], out: &Path, keep
         eprintln!("kvsim oracle record: {}: {e}", out.display());
         return ExitCode::FAILURE;
     }
+    if explicit.is_empty() {
+        // A fresh choice replaces the recorded set.
+        for p in kvsim::sim::oracle::recorded_traces(out).unwrap_or_default() {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
+            let _ = std::fs::remove_file(&p);
+            let _ = std::fs::remove_file(out.join(format!("{name}.oracle.jsonl")));
+        }
+    }
     let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
     let mut failed = false;
     for seed in seeds {
@@ -214,6 +222,16 @@ fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], out: &Path, keep
         println!("{}", rep.summary_line());
     }
     let _ = std::fs::remove_dir_all(&work);
+    if let Ok(report) = kvsim::sim::oracle::check_dir(out) {
+        println!(
+            "recorded set {}: {} traces, {} agree, {} classified, {} unclassified",
+            out.display(),
+            report.traces.len(),
+            report.count("agree"),
+            report.count("classified"),
+            report.count("unclassified")
+        );
+    }
     if failed {
         ExitCode::FAILURE
     } else {

@@ -777,6 +777,7 @@ pub fn features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
     // Only what comes before the first expected change of state is compared on its own (later divergences are
     // consequences), so only that part counts, plus the kind of that first change.
     let root = predicted_root(cfg, infos);
+    let all = infos;
     let infos = &infos[..root.map_or(infos.len(), |(i, _)| i + 1)];
     let mut f = step_kinds(infos);
     if let Some((_, why)) = root {
@@ -821,7 +822,8 @@ pub fn features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
         if s.t == "prefill" && s.padded {
             f.insert(format!("geometry/right-padded-prefill/{layout}"));
         }
-        if s.t == "prefill" && cfg.layout.max_size().is_some_and(|w| !padding_in_window_rows(s, w).is_empty()) {
+        let root_in_op = root.is_some_and(|(ri, _)| all[ri].op == s.op);
+        if s.t == "prefill" && !root_in_op && cfg.layout.max_size().is_some_and(|w| !padding_in_window_rows(s, w).is_empty()) {
             f.insert("geometry/prefill-padding-in-window".into());
         }
     }
