@@ -783,6 +783,18 @@ pub fn features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
     if let Some((_, why)) = root {
         f.insert(format!("root/{why}"));
     }
+    let wrapped_reads = infos.iter().any(|s| s.read.is_some() && s.wrapped);
+    if root.is_none() && wrapped_reads {
+        // Expected to agree byte for byte although its rings wrap.
+        let dtype = match cfg.dtype {
+            DtypeChoice::F32 => "f32",
+            DtypeChoice::Bf16 => "bf16",
+        };
+        let one_position = infos.iter().any(|s| s.l == 1 && s.read == Some(Read::Window) && s.wrapped);
+        if !one_position {
+            f.insert(format!("clean-after-wrap/{dtype}"));
+        }
+    }
     let dtype = match cfg.dtype {
         DtypeChoice::F32 => "f32",
         DtypeChoice::Bf16 => "bf16",
