@@ -99,6 +99,10 @@ enum OracleCmd {
         /// Record exactly these seeds (repeatable; overrides the choice).
         #[arg(long)]
         seed: Vec<u64>,
+        /// Seeds the choice always takes: 21 (a window read of a left-padded row whose mlx-lm batch output differs:
+        /// `row-layout` on a window read) and 76 (solo decodes after a one-position window on a wrapped ring).
+        #[arg(long, value_delimiter = ',', default_value = "21,76")]
+        include: Vec<u64>,
         #[arg(long, default_value = "oracles/recorded")]
         out: PathBuf,
         /// Also write NAME.steps.jsonl (the protocol steps; for debugging, never part of the recorded set).
@@ -135,11 +139,11 @@ fn main() -> ExitCode {
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => mutants_cmd(budget, shrink_budget, only, save, json),
         Cmd::Oracle { cmd } => match cmd {
-            OracleCmd::Record { seeds, scan, seed, out, keep_steps, dry_run } => {
+            OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
                 if dry_run {
-                    oracle_choose_cmd(seeds, scan)
+                    oracle_choose_cmd(seeds, scan, &include)
                 } else {
-                    oracle_record_cmd(seeds, scan, &seed, &out, keep_steps)
+                    oracle_record_cmd(seeds, scan, &seed, &include, &out, keep_steps)
                 }
             }
             OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),
@@ -148,7 +152,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], out: &Path, keep_steps: bool) -> ExitCode {
+fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], include: &[u64], out: &Path, keep_steps: bool) -> ExitCode {
     use kvsim::sim::oracle;
     let python = match oracle::setup_driver() {
         Ok(p) => p,
@@ -158,7 +162,7 @@ fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], out: &Path, keep
         }
     };
     let seeds: Vec<u64> = if explicit.is_empty() {
-        match oracle::choose_seeds(count, scan) {
+        match oracle::choose_seeds(count, scan, include) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("kvsim oracle record: {e}");
@@ -239,8 +243,8 @@ fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], out: &Path, keep
     }
 }
 
-fn oracle_choose_cmd(count: usize, scan: u64) -> ExitCode {
-    match kvsim::sim::oracle::choose_seeds(count, scan) {
+fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
+    match kvsim::sim::oracle::choose_seeds(count, scan, include) {
         Ok(seeds) => {
             for s in &seeds {
                 let r = sim::run_seed(*s, DeviceChoice::Cpu, None);

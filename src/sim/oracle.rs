@@ -444,10 +444,6 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
             if *on == 0 && *kn > 0 && t.bypass && info.wrapped && rotating {
                 return Some(Rule::TrimNoopAfterWrap);
             }
-            if *on == 0 && *kn > 0 && !t.bypass && info.t == "trim" && info.wrapped && rotating {
-                // kvsim's rows are all trimmable, mlx-lm's shared counter has passed the window.
-                return Some(Rule::TrimNoopAfterWrap);
-            }
             if *kn == 0 && *on > 0 {
                 match &t.kvsim {
                     Err(e) if t.bypass && (e.starts_with("BypassNotAfterWindow") || (e.starts_with("TrimTooLong") && !t.after_window)) => {
@@ -867,10 +863,10 @@ pub fn predicted_root(cfg: &SimConfig, infos: &[StepInfo]) -> Option<(usize, &'s
     None
 }
 
-/// Picks `count` seeds among `0..scan`: a greedy cover of every [`features`] value (smaller traces first on ties),
+/// Picks `count` seeds among `0..scan` (`include` first): a greedy cover of every [`features`] value (smaller traces first on ties),
 /// then the smallest remaining traces round-robin over (dtype, layout), so that the set mixes f32/bf16 and
 /// rotating/linear while staying small in bytes. Only passing seeds are chosen.
-pub fn choose_seeds(count: usize, scan: u64) -> Result<Vec<u64>, String> {
+pub fn choose_seeds(count: usize, scan: u64, include: &[u64]) -> Result<Vec<u64>, String> {
     struct Cand {
         seed: u64,
         feats: BTreeSet<String>,
@@ -896,8 +892,11 @@ pub fn choose_seeds(count: usize, scan: u64) -> Result<Vec<u64>, String> {
     if cands.is_empty() {
         return Err(format!("no passing seed in 0..{scan}"));
     }
-    let mut chosen: Vec<u64> = vec![];
+    let mut chosen: Vec<u64> = include.to_vec();
     let mut covered: BTreeSet<String> = BTreeSet::new();
+    for c in cands.iter().filter(|c| include.contains(&c.seed)) {
+        covered.extend(c.feats.iter().cloned());
+    }
     loop {
         let best = cands
             .iter()

@@ -279,14 +279,15 @@ impl World {
             return Ok(false);
         }
         let mut model = self.reqs[&req].model.clone();
-        let before = self.reqs[&req].solo.first().map(|c| c.state().clone()).unwrap_or_default();
+        let recording = self.recorder.is_some();
+        let before = if recording { self.reqs[&req].solo.first().map(|c| c.state().clone()).unwrap_or_default() } else { Default::default() };
         let expected = model.trim(n, bypass);
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let r = self.reqs.get_mut(&req).unwrap();
             let got = r.solo[layer].trim(n, bypass);
             let twin = r.twin[layer].trim(n, bypass);
-            if first.is_none() {
+            if recording && first.is_none() {
                 first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
             }
             check::error_matches("solo trim", &expected, &got.map(|_| ()))?;
@@ -316,10 +317,10 @@ impl World {
             return Ok(false);
         }
         let max = self.max_size();
-        if self.recorder.is_some() {
+        if let Some(rec) = self.recorder.as_mut() {
             let offsets: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.offset).collect();
             let sizes: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.cols.len()).collect();
-            self.recorder.as_mut().unwrap().enter(&ids, merge, &offsets, &sizes);
+            rec.enter(&ids, merge, &offsets, &sizes);
         }
         for layer in 0..self.cfg.layers {
             let incoming = if merge {
@@ -601,11 +602,13 @@ impl World {
             }
             models.insert(id, m);
         }
-        let before: Vec<crate::cache::RingState> = self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default();
+        let recording = self.recorder.is_some();
+        let before: Vec<crate::cache::RingState> =
+            if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let got = self.batch[layer].trim_rows(&rollback, true);
-            if first.is_none() {
+            if recording && first.is_none() {
                 first = Some(got.as_ref().map(|_| rollback.iter().copied().max().unwrap_or(0)).map_err(|e| format!("{e:?}")));
             }
             check::error_matches("verify rollback (trim_rows bypass)", &expected, &got)?;
@@ -614,13 +617,12 @@ impl World {
                 check::error_matches("twin rollback", &expected, &t.map(|_| ()))?;
             }
         }
-        if self.recorder.is_some() {
+        if let Some(rec) = self.recorder.as_mut() {
             let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
             let after_window = before.iter().zip(&rollback).all(|(s, &n)| s.last_concat.is_some_and(|l| l >= n));
             let live = before.iter().map(|s| s.len).collect();
             let trim = TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
-            let rows = self.rows.clone();
-            self.recorder.as_mut().unwrap().trim_rows(&rows, &offsets, trim);
+            rec.trim_rows(&self.rows, &offsets, trim);
         }
         if expected.is_ok() {
             for (id, m) in models {
@@ -769,11 +771,13 @@ impl World {
             }
             models.insert(id, m);
         }
-        let before: Vec<crate::cache::RingState> = self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default();
+        let recording = self.recorder.is_some();
+        let before: Vec<crate::cache::RingState> =
+            if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let got = self.batch[layer].trim(n, false);
-            if first.is_none() {
+            if recording && first.is_none() {
                 first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
             }
             check::error_matches("batch trim", &expected, &got.map(|_| ()))?;
@@ -784,13 +788,12 @@ impl World {
                 }
             }
         }
-        if self.recorder.is_some() {
+        if let Some(rec) = self.recorder.as_mut() {
             let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
             let after_window = before.iter().all(|s| s.last_concat.is_some_and(|l| l >= n));
             let live = before.iter().map(|s| s.len).collect();
             let trim = TrimInfo { n: vec![n], bypass: false, kvsim: first.unwrap_or(Ok(0)), after_window, live };
-            let rows = self.rows.clone();
-            self.recorder.as_mut().unwrap().trim(&rows, &offsets, trim);
+            rec.trim(&self.rows, &offsets, trim);
         }
         match expected {
             Ok(()) => {
