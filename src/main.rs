@@ -102,6 +102,50 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The differential oracle against mlx-lm (oracles/README.md): record, diff, check.
+    Oracle {
+        #[command(subcommand)]
+        cmd: OracleCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum OracleCmd {
+    /// Pick seeds, run kvsim's side and the mlx-lm driver (setting up its venv), write NAME.trace.json and
+    /// NAME.oracle.jsonl (the driver's results) per trace into --out.
+    Record {
+        /// How many traces to record.
+        #[arg(long, default_value_t = 56)]
+        seeds: usize,
+        /// Seeds scanned for the choice (0..scan).
+        #[arg(long, default_value_t = 600)]
+        scan: u64,
+        /// Record exactly these seeds (repeatable; overrides the choice).
+        #[arg(long)]
+        seed: Vec<u64>,
+        /// Seeds the choice always takes: 21 (a window read of a left-padded row whose mlx-lm batch output differs:
+        /// `row-layout` on a window read) and 76 (solo decodes after a one-position window on a wrapped ring).
+        #[arg(long, value_delimiter = ',', default_value = "21,76")]
+        include: Vec<u64>,
+        #[arg(long, default_value = "oracles/recorded")]
+        out: PathBuf,
+        /// Also write NAME.steps.jsonl (the protocol steps; for debugging, never part of the recorded set).
+        #[arg(long)]
+        keep_steps: bool,
+        /// Only print the chosen seeds (and what each covers); record nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Re-run kvsim's side of one recorded trace and compare it with the stored oracle results, op by op.
+    Diff { trace: PathBuf },
+    /// Compare the whole recorded set (exit 1 when a divergence is unclassified).
+    Check {
+        #[arg(long, default_value = "oracles/recorded")]
+        dir: PathBuf,
+        /// Print `{"traces", "agree", "classified", "unclassified"}` as the last line.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -127,6 +171,202 @@ fn main() -> ExitCode {
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => mutants_cmd(budget, shrink_budget, only, save, json),
         Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json),
+        Cmd::Oracle { cmd } => match cmd {
+            OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
+                if dry_run {
+                    oracle_choose_cmd(seeds, scan, &include)
+                } else {
+                    oracle_record_cmd(seeds, scan, &seed, &include, &out, keep_steps)
+                }
+            }
+            OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),
+            OracleCmd::Check { dir, json } => oracle_check_cmd(&dir, json),
+        },
+    }
+}
+
+fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], include: &[u64], out: &Path, keep_steps: bool) -> ExitCode {
+    use kvsim::sim::oracle;
+    let python = match oracle::setup_driver() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kvsim oracle record: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let seeds: Vec<u64> = if explicit.is_empty() {
+        match oracle::choose_seeds(count, scan, include) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("kvsim oracle record: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        explicit.to_vec()
+    };
+    if let Err(e) = std::fs::create_dir_all(out) {
+        eprintln!("kvsim oracle record: {}: {e}", out.display());
+        return ExitCode::FAILURE;
+    }
+    if explicit.is_empty() {
+        // A fresh choice replaces the recorded set.
+        for p in kvsim::sim::oracle::recorded_traces(out).unwrap_or_default() {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
+            let _ = std::fs::remove_file(&p);
+            let _ = std::fs::remove_file(out.join(format!("{name}.oracle.jsonl")));
+        }
+    }
+    let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
+    let mut failed = false;
+    for seed in seeds {
+        let name = format!("seed-{seed}");
+        let r = sim::run_seed(seed, DeviceChoice::Cpu, None);
+        if r.failed() {
+            eprintln!("{name}: the kvsim run fails; not recorded");
+            failed = true;
+            continue;
+        }
+        let mut trace = r.trace;
+        trace.note = "oracle: recorded against mlx-lm 0.32.2 (kvsim oracle record)".into();
+        let rec = match oracle::record(&trace, true) {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        let (_, text) = match oracle::run_driver(&python, &rec.steps_jsonl(), &work, &name) {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        if keep_steps {
+            let _ = std::fs::write(out.join(format!("{name}.steps.jsonl")), rec.steps_jsonl());
+        }
+        let tp = out.join(format!("{name}.trace.json"));
+        let op = out.join(format!("{name}.oracle.jsonl"));
+        if let Err(e) = std::fs::write(&tp, serde_json::to_string(&trace).unwrap() + "\n").and_then(|_| std::fs::write(&op, &text)) {
+            eprintln!("{name}: {e}");
+            failed = true;
+            continue;
+        }
+        let rep = oracle::diff_recorded(&tp);
+        println!("{}", rep.summary_line());
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    if let Ok(report) = kvsim::sim::oracle::check_dir(out) {
+        println!(
+            "recorded set {}: {} traces, {} agree, {} classified, {} unclassified",
+            out.display(),
+            report.traces.len(),
+            report.count("agree"),
+            report.count("classified"),
+            report.count("unclassified")
+        );
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
+    match kvsim::sim::oracle::choose_seeds(count, scan, include) {
+        Ok(seeds) => {
+            for s in &seeds {
+                let r = sim::run_seed(*s, DeviceChoice::Cpu, None);
+                let feats = kvsim::sim::oracle::record(&r.trace, false)
+                    .map(|rec| kvsim::sim::oracle::features(&r.trace.config, &rec.infos))
+                    .unwrap_or_default();
+                let special: Vec<&String> = feats.iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect();
+                println!("seed {s}: {}", special.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" "));
+            }
+            println!("{}", seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" "));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvsim oracle record: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_divergences(rep: &kvsim::sim::oracle::TraceReport) {
+    for d in &rep.divergences {
+        println!("  step {:>5}  op {:>3} {:<13} {:<34} {}\n             {}", d.step, d.op, d.op_kind, d.what, d.class.describe(), d.detail);
+    }
+}
+
+fn oracle_diff_cmd(path: &Path) -> ExitCode {
+    let rep = kvsim::sim::oracle::diff_recorded(path);
+    if let Some(e) = &rep.error {
+        eprintln!("kvsim oracle diff: {e}");
+        return ExitCode::from(2);
+    }
+    println!("{}: {} steps, {} divergences", rep.name, rep.steps, rep.divergences.len());
+    print_divergences(&rep);
+    for (r, n) in rep.rules() {
+        println!("  {} x{n} [{}]: {}", r.id(), r.verdict().name(), r.reason());
+    }
+    println!("{}", rep.summary_line());
+    if rep.status() == "unclassified" {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn oracle_check_cmd(dir: &Path, json: bool) -> ExitCode {
+    use kvsim::sim::oracle;
+    let report = match oracle::check_dir(dir) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvsim oracle check: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    for t in &report.traces {
+        println!("{}", t.summary_line());
+        if t.status() == "unclassified" {
+            print_divergences(t);
+        }
+    }
+    println!("rules:");
+    for (r, (n, c, traces)) in report.rule_counts() {
+        let names: Vec<&String> = traces.iter().take(6).collect();
+        println!(
+            "  {:<32} {:<26} {:>4} divergences, {:>4} consequences, {:>3} traces (e.g. {})",
+            r.id(),
+            r.verdict().name(),
+            n,
+            c,
+            traces.len(),
+            names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let kinds = report.kinds();
+    let missing: Vec<&str> = oracle::STEP_KINDS.iter().copied().filter(|k| !kinds.contains(*k)).collect();
+    println!("step kinds covered: {}/{}{}", oracle::STEP_KINDS.len() - missing.len(), oracle::STEP_KINDS.len(), if missing.is_empty() { String::new() } else { format!(" (missing: {})", missing.join(", ")) });
+    println!(
+        "kvsim oracle check: {} traces, {} agree, {} classified, {} unclassified",
+        report.traces.len(),
+        report.count("agree"),
+        report.count("classified"),
+        report.count("unclassified")
+    );
+    if json {
+        println!("{}", report.json_line());
+    }
+    if report.count("unclassified") > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
     }
 }
 

@@ -5,6 +5,8 @@ pub mod check;
 pub mod config;
 pub mod gen;
 pub mod ops;
+pub mod oracle;
+pub mod recorder;
 pub mod rng;
 pub mod runner;
 pub mod shrink;

@@ -19,6 +19,7 @@ use crate::reference::{RefDtype, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
 use crate::sim::config::{DtypeChoice, SimConfig};
 use crate::sim::ops::Op;
+use crate::sim::recorder::{Read, Recorder, ReqView, TrimInfo};
 use crate::sim::summary::Counters;
 
 /// Where a request's storage lives.
@@ -78,6 +79,9 @@ pub struct World {
     pub counters: Counters,
     /// Running digest of every byte the checks read (states and outputs), chained across ops.
     pub hasher: blake3::Hasher,
+    /// The oracle step recorder (`kvsim oracle`): when present, every production call is also appended as a
+    /// protocol step with kvsim's own result record. `None` (the default) costs nothing.
+    pub recorder: Option<Recorder>,
 }
 
 type Res<T> = Result<T, Failure>;
@@ -107,7 +111,7 @@ impl World {
             .map(|_| RowBatch::empty(spec, cfg.layout.max_size()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Failure::new("setup", e.to_string()))?;
-        Ok(World { cfg, vs, spec, reqs: BTreeMap::new(), batch, rows: vec![], next_id: 0, counters: Counters::default(), hasher: blake3::Hasher::new() })
+        Ok(World { cfg, vs, spec, reqs: BTreeMap::new(), batch, rows: vec![], next_id: 0, counters: Counters::default(), hasher: blake3::Hasher::new(), recorder: None })
     }
 
     pub fn view(&self) -> View {
@@ -198,6 +202,7 @@ impl World {
         };
         if applied && std::env::var_os("KVSIM_PROFILE_NO_STATE_CHECKS").is_none() {
             self.check_all()?;
+            self.record_checkpoint()?;
         }
         Ok(applied)
     }
@@ -216,6 +221,9 @@ impl World {
         let model = RowModel::new(self.max_size());
         self.reqs.insert(req, Request { id: req, home: Home::Solo, solo, twin, model, history: History::default() });
         self.next_id = req + 1;
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.admit(req);
+        }
         Ok(true)
     }
 
@@ -229,11 +237,17 @@ impl World {
         }
         let toks = self.next_toks(req, len);
         let scale = self.cfg.scale();
+        let offset_before = self.reqs[&req].model.offset;
         for layer in 0..self.cfg.layers {
             let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
             let r = self.reqs.get_mut(&req).unwrap();
             let got = r.solo[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("solo window", e))?;
+            if let Some(rec) = self.recorder.as_mut() {
+                let kind = if read { Read::Window } else { Read::Append };
+                rec.solo(req, layer, kind, &k, &v, Some(&q), Some(&got.0), offset_before).map_err(|e| mlx_fail("record", e))?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
             let twin = r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
             if read {
                 let real: Vec<Tok> = toks.iter().flatten().copied().collect();
@@ -262,6 +276,11 @@ impl World {
             let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
             let r = self.reqs.get_mut(&req).unwrap();
             let got = r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
+            if let Some(rec) = self.recorder.as_mut() {
+                let off = model_after.offset - 1;
+                rec.solo(req, layer, Read::Decode, &k, &v, Some(&q), Some(&got.0), off).map_err(|e| mlx_fail("record", e))?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
             let twin = r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let real = vec![toks[0].unwrap()];
             self.check_read(layer, ReadKind::Decode, &got.0, &[(0, req, real, Some(&twin.0))], &model_after_map(req, &model_after), &got.1)?;
@@ -275,13 +294,24 @@ impl World {
             return Ok(false);
         }
         let mut model = self.reqs[&req].model.clone();
+        let recording = self.recorder.is_some();
+        let before = if recording { self.reqs[&req].solo.first().map(|c| c.state().clone()).unwrap_or_default() } else { Default::default() };
         let expected = model.trim(n, bypass);
+        let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let r = self.reqs.get_mut(&req).unwrap();
             let got = r.solo[layer].trim(n, bypass);
             let twin = r.twin[layer].trim(n, bypass);
+            if recording && first.is_none() {
+                first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
+            }
             check::error_matches("solo trim", &expected, &got.map(|_| ()))?;
             check::error_matches("twin trim", &expected, &twin.map(|_| ()))?;
+        }
+        if let Some(rec) = self.recorder.as_mut() {
+            let after_window = before.last_concat.is_some_and(|l| l >= n);
+            let kvsim = first.unwrap_or(Ok(0));
+            rec.solo_trim(req, before.offset, TrimInfo { n: vec![n], bypass, kvsim, after_window, live: vec![before.len] });
         }
         if expected.is_ok() {
             let q = self.reqs.get_mut(&req).unwrap();
@@ -306,6 +336,11 @@ impl World {
             return Ok(false);
         }
         let max = self.max_size();
+        if let Some(rec) = self.recorder.as_mut() {
+            let offsets: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.offset).collect();
+            let sizes: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.cols.len()).collect();
+            rec.enter(&ids, merge, &offsets, &sizes);
+        }
         for layer in 0..self.cfg.layers {
             let incoming = if merge {
                 let mut slices = vec![];
@@ -378,6 +413,10 @@ impl World {
         for id in &ids {
             self.reqs.get_mut(id).unwrap().model.base = 0;
         }
+        let padded = lens.iter().any(|&x| x != lens[0]);
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.prefill(&ids, &lens, chunk);
+        }
         let total = *lens.iter().max().unwrap();
         let mut done = 0;
         while done < total {
@@ -407,6 +446,10 @@ impl World {
                 let masks = Masks::new();
                 let (k, v, q) = self.kvq(layer, &toks)?;
                 let got = pre[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
+                if let Some(rec) = self.recorder.as_mut() {
+                    let real: Vec<usize> = reals.iter().map(Vec::len).collect();
+                    rec.prefill_chunk(layer, &ids, &k, &v, &q, &real, &got.0, done, padded).map_err(|e| mlx_fail("record", e))?;
+                }
                 let mut twin_outs = vec![];
                 for (r, id) in ids.iter().enumerate() {
                     if reals[r].is_empty() {
@@ -445,6 +488,9 @@ impl World {
             r.solo.clear();
             self.rows.push(*id);
         }
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.prefill_end(total);
+        }
         let _ = b;
         Ok(true)
     }
@@ -467,6 +513,10 @@ impl World {
             let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
+            if let Some(rec) = self.recorder.as_mut() {
+                let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                rec.batch(layer, Read::Decode, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0)).map_err(|e| mlx_fail("record", e))?;
+            }
             let mut twin_outs = vec![];
             for &id in &self.rows.clone() {
                 let one = vec![self.next_toks(id, 1)];
@@ -485,6 +535,9 @@ impl World {
             self.check_read(layer, ReadKind::Decode, &got.0, &rows, &models, &got.1)?;
         }
         check::rope_snapshot(&rope_values, &rope_before.values(), &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>())?;
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.batch_written(1);
+        }
         self.counters.checks += 1;
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;
@@ -509,6 +562,10 @@ impl World {
             let (k, v, q) = self.kvq(layer, &toks)?;
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
+                if let Some(rec) = self.recorder.as_mut() {
+                    let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                    rec.batch(layer, Read::Window, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0)).map_err(|e| mlx_fail("record", e))?;
+                }
                 let mut twin_outs = vec![];
                 for &id in &self.rows.clone() {
                     let one = vec![self.next_toks(id, len)];
@@ -527,6 +584,10 @@ impl World {
                 self.check_read(layer, ReadKind::Window, &got.0, &rows, &models, &got.1)?;
             } else {
                 self.batch[layer].append(&k, &v).map_err(|e| unexpected("append", e))?;
+                if let Some(rec) = self.recorder.as_mut() {
+                    let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                    rec.batch(layer, Read::Append, &self.rows, &offsets, &k, &v, None, None).map_err(|e| mlx_fail("record", e))?;
+                }
                 for &id in &self.rows.clone() {
                     let one = vec![self.next_toks(id, len)];
                     let (tk, tv, _) = self.kvq(layer, &one)?;
@@ -537,6 +598,9 @@ impl World {
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;
         }
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.batch_written(len);
+        }
         Ok(true)
     }
 
@@ -546,6 +610,8 @@ impl World {
         }
         self.batch_window(gamma, true)?;
         self.check_all()?;
+        // The oracle compares the verify window's state before the rollback (a checkpoint of its own).
+        self.record_checkpoint()?;
         let rollback: Vec<usize> =
             (0..self.rows.len()).map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
         let mut models = BTreeMap::new();
@@ -557,13 +623,27 @@ impl World {
             }
             models.insert(id, m);
         }
+        let recording = self.recorder.is_some();
+        let before: Vec<crate::cache::RingState> =
+            if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
+        let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let got = self.batch[layer].trim_rows(&rollback, true);
+            if recording && first.is_none() {
+                first = Some(got.as_ref().map(|_| rollback.iter().copied().max().unwrap_or(0)).map_err(|e| format!("{e:?}")));
+            }
             check::error_matches("verify rollback (trim_rows bypass)", &expected, &got)?;
             for (r, &id) in self.rows.clone().iter().enumerate() {
                 let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(rollback[r], true);
                 check::error_matches("twin rollback", &expected, &t.map(|_| ()))?;
             }
+        }
+        if let Some(rec) = self.recorder.as_mut() {
+            let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
+            let after_window = before.iter().zip(&rollback).all(|(s, &n)| s.last_concat.is_some_and(|l| l >= n));
+            let live = before.iter().map(|s| s.len).collect();
+            let trim = TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            rec.trim_rows(&self.rows, &offsets, trim);
         }
         if expected.is_ok() {
             for (r, (id, m)) in models.into_iter().enumerate() {
@@ -598,6 +678,10 @@ impl World {
             let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
+            if let Some(rec) = self.recorder.as_mut() {
+                let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                rec.batch_span(layer, &self.rows, &offsets, &k, &v, &q, &got).map_err(|e| mlx_fail("record", e))?;
+            }
             let mut twin_outs = vec![];
             for &id in &self.rows.clone() {
                 let one = vec![self.next_toks(id, len)];
@@ -618,6 +702,9 @@ impl World {
         }
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.batch_written(len);
         }
         Ok(true)
     }
@@ -650,6 +737,9 @@ impl World {
             self.batch[layer].filter(&keep).map_err(|e| unexpected("filter after extract", e))?;
         }
         self.rows.remove(row);
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.extract(row, id, finish, self.rows.len());
+        }
         if finish {
             self.reqs.remove(&id);
             return Ok(true);
@@ -684,6 +774,9 @@ impl World {
         for layer in 0..self.cfg.layers {
             self.batch[layer].filter(&kept).map_err(|e| unexpected("filter", e))?;
         }
+        if let Some(rec) = self.recorder.as_mut() {
+            rec.filter(&kept);
+        }
         let dropped: Vec<u32> = (0..self.rows.len()).filter(|r| !kept.contains(r)).map(|r| self.rows[r]).collect();
         self.rows = kept.iter().map(|&r| self.rows[r]).collect();
         for id in dropped {
@@ -707,8 +800,15 @@ impl World {
             }
             models.insert(id, m);
         }
+        let recording = self.recorder.is_some();
+        let before: Vec<crate::cache::RingState> =
+            if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
+        let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let got = self.batch[layer].trim(n, false);
+            if recording && first.is_none() {
+                first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
+            }
             check::error_matches("batch trim", &expected, &got.map(|_| ()))?;
             if expected.is_ok() {
                 for &id in &self.rows.clone() {
@@ -716,6 +816,13 @@ impl World {
                     check::error_matches("twin trim", &expected, &t.map(|_| ()))?;
                 }
             }
+        }
+        if let Some(rec) = self.recorder.as_mut() {
+            let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
+            let after_window = before.iter().all(|s| s.last_concat.is_some_and(|l| l >= n));
+            let live = before.iter().map(|s| s.len).collect();
+            let trim = TrimInfo { n: vec![n], bypass: false, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            rec.trim(&self.rows, &offsets, trim);
         }
         match expected {
             Ok(()) => {
@@ -805,6 +912,37 @@ impl World {
                 check::output_vs_twin(check::OutClass::DecodeUnpadded, &tags, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
             }
         }
+        Ok(())
+    }
+
+    /// The oracle checkpoint (when recording): every live request's offset and the sha256 of each layer's temporal
+    /// K/V view, from the production caches.
+    pub fn record_checkpoint(&mut self) -> Res<()> {
+        if self.recorder.is_none() {
+            return Ok(());
+        }
+        let sha = |a: &Array| -> Res<String> { Ok(crate::sim::recorder::sha_of(&ArrayBytes::of(a).map_err(|e| mlx_fail("checkpoint", e))?)) };
+        let mut views = BTreeMap::new();
+        for (row, id) in self.rows.iter().enumerate() {
+            let (mut k, mut v) = (vec![], vec![]);
+            for layer in 0..self.cfg.layers {
+                let (tk, tv) = self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?;
+                k.push(sha(&tk)?);
+                v.push(sha(&tv)?);
+            }
+            let offset = self.batch[0].row_states()[row].ring.offset as i64;
+            views.insert(*id, ReqView { offset, k, v });
+        }
+        for r in self.reqs.values().filter(|r| r.home == Home::Solo) {
+            let (mut k, mut v) = (vec![], vec![]);
+            for layer in 0..self.cfg.layers {
+                let (tk, tv) = r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
+                k.push(sha(&tk)?);
+                v.push(sha(&tv)?);
+            }
+            views.insert(r.id, ReqView { offset: r.solo[0].offset() as i64, k, v });
+        }
+        self.recorder.as_mut().unwrap().checkpoint(views);
         Ok(())
     }
 

@@ -1,0 +1,935 @@
+//! The differential oracle against mlx-lm (`oracles/PROTOCOL.md`, `oracles/README.md`).
+//!
+//! - [`record`]: replays a kvsim trace with a [`Recorder`] in the runner, giving the protocol steps and kvsim's own
+//!   result records.
+//! - [`run_driver`]: runs the Python driver (`oracles/mlx_lm/driver.py`, in the venv `setup.sh` creates) on the
+//!   steps and parses its results.
+//! - [`diff`]: compares kvsim's results with the oracle's, step by step, and classifies every divergence: a
+//!   documented semantic choice, an mlx-lm bug of the catalog, an unsupported mapping, or **unclassified**. After
+//!   the first divergence that changes state, later divergences of the trace are its consequences.
+//! - [`check_dir`]: the recorded set (`oracles/recorded/NAME.trace.json` + `NAME.oracle.jsonl`, the driver's
+//!   results), compared without Python.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use crate::sim::config::{DtypeChoice, SimConfig};
+use crate::sim::recorder::{Outcome, Read, Record, Recorder, StepInfo};
+use crate::sim::runner::World;
+use crate::sim::trace::Trace;
+use crate::sim::DeviceChoice;
+
+/// kvsim's side of one trace.
+pub struct Recording {
+    /// STEPS lines (empty unless recorded with `emit_steps`).
+    pub steps: Vec<String>,
+    pub infos: Vec<StepInfo>,
+    pub results: Vec<Record>,
+}
+
+impl Recording {
+    pub fn steps_jsonl(&self) -> String {
+        self.steps.iter().map(|l| format!("{l}\n")).collect()
+    }
+}
+
+/// Replays `trace` on CPU with the recorder on: kvsim's steps (when `emit_steps`) and result records. Every kvsim
+/// check still runs; a failing one is an error (only passing traces are compared).
+pub fn record(trace: &Trace, emit_steps: bool) -> Result<Recording, String> {
+    if trace.mutant.is_some() {
+        return Err("a mutant trace is not compared with the oracle".into());
+    }
+    DeviceChoice::Cpu.activate();
+    crate::cache::mutation::arm(None);
+    let mut world = World::new(trace.config.clone()).map_err(|f| format!("setup: [{}] {}", f.check, f.message))?;
+    world.counters.guarantees = DeviceChoice::Cpu.guarantees();
+    world.recorder = Some(Recorder::new(&trace.config, emit_steps));
+    for (i, op) in trace.ops.iter().enumerate() {
+        if let Some(r) = world.recorder.as_mut() {
+            r.op = i;
+            r.op_kind = op.kind().name();
+        }
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.apply(op)));
+        match res {
+            Ok(Ok(_)) => {}
+            Ok(Err(f)) => return Err(format!("kvsim check failed at op {i} {op:?}: [{}] {}", f.check, f.message)),
+            Err(_) => return Err(format!("kvsim panicked at op {i} {op:?}")),
+        }
+    }
+    let rec = world.recorder.take().expect("the recorder is there");
+    Ok(Recording { steps: rec.steps, infos: rec.infos, results: rec.results })
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// the driver
+// ------------------------------------------------------------------------------------------------------------
+
+/// `oracles/mlx_lm` (the current directory's when it has one, else this crate's).
+pub fn driver_dir() -> PathBuf {
+    let local = Path::new("oracles/mlx_lm");
+    if local.join("driver.py").is_file() {
+        return local.to_path_buf();
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/mlx_lm")
+}
+
+/// Creates the driver's venv if needed (`setup.sh`, idempotent; offline once set up). Returns its python.
+pub fn setup_driver() -> Result<PathBuf, String> {
+    let dir = driver_dir();
+    let out = std::process::Command::new("bash")
+        .arg(dir.join("setup.sh"))
+        .output()
+        .map_err(|e| format!("cannot run {}/setup.sh: {e}", dir.display()))?;
+    if !out.status.success() {
+        return Err(format!("setup.sh failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(dir.join(".venv/bin/python"))
+}
+
+/// Runs the driver on `steps` (JSON Lines) and parses its results. `work` is a scratch directory.
+pub fn run_driver(python: &Path, steps: &str, work: &Path, name: &str) -> Result<(Vec<Record>, String), String> {
+    std::fs::create_dir_all(work).map_err(|e| format!("{}: {e}", work.display()))?;
+    let sp = work.join(format!("{name}.steps.jsonl"));
+    let rp = work.join(format!("{name}.oracle.jsonl"));
+    std::fs::write(&sp, steps).map_err(|e| format!("{}: {e}", sp.display()))?;
+    let out = std::process::Command::new(python)
+        .arg(driver_dir().join("driver.py"))
+        .arg(&sp)
+        .arg(&rp)
+        .output()
+        .map_err(|e| format!("cannot run the driver: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("driver exited {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr)));
+    }
+    let text = std::fs::read_to_string(&rp).map_err(|e| format!("{}: {e}", rp.display()))?;
+    let _ = std::fs::remove_file(&sp);
+    let _ = std::fs::remove_file(&rp);
+    Ok((parse_results(&text)?, text))
+}
+
+/// Parses a RESULTS file.
+pub fn parse_results(text: &str) -> Result<Vec<Record>, String> {
+    text.lines().filter(|l| !l.trim().is_empty()).enumerate().map(|(i, l)| Record::parse(l).map_err(|e| format!("line {}: {e}", i + 1))).collect()
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// classification
+// ------------------------------------------------------------------------------------------------------------
+
+/// What a classified divergence is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Verdict {
+    Documented,
+    MlxLmBug,
+    Unsupported,
+}
+
+impl Verdict {
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Documented => "documented semantic choice",
+            Verdict::MlxLmBug => "mlx-lm bug",
+            Verdict::Unsupported => "unsupported mapping",
+        }
+    }
+}
+
+/// The classification rules. Each names its reason and where it is written down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Rule {
+    /// A batch read differs for rows whose physical columns differ between the layouts (padding, wrap) while the
+    /// stored bytes agree.
+    RowLayout,
+    /// A one-position window (or a later read of the layout it left) after a wrap.
+    OnePositionWindow,
+    /// mlx-lm refuses (trims 0) a trim kvsim performs, once the ring has wrapped.
+    TrimNoopAfterWrap,
+    /// Per-row trims with unequal counts.
+    PerRowTrim,
+    /// A right-padded prefill chunk of one position: mlx-lm's ring raises until `finalize()`.
+    PaddedSingletonChunk,
+    /// A bypass trim that is not right after a window write: kvsim refuses, mlx-lm trims.
+    BypassOutsideWindow,
+    /// A trim of more positions than a row holds: kvsim refuses (typed error), mlx-lm clamps.
+    TrimPastStart,
+    /// mlx-lm's batch `extract` crashes on a batch cache that holds no arrays yet (`keys is None`).
+    ExtractEmptyBatch,
+    /// After a right-padded prefill on rings, mlx-lm's window of a row as long as the window holds a padding key.
+    PrefillPaddingInWindow,
+}
+
+impl Rule {
+    pub const ALL: &'static [Rule] = &[
+        Rule::RowLayout,
+        Rule::OnePositionWindow,
+        Rule::TrimNoopAfterWrap,
+        Rule::PerRowTrim,
+        Rule::PaddedSingletonChunk,
+        Rule::BypassOutsideWindow,
+        Rule::TrimPastStart,
+        Rule::ExtractEmptyBatch,
+        Rule::PrefillPaddingInWindow,
+    ];
+
+    pub fn id(self) -> &'static str {
+        match self {
+            Rule::RowLayout => "row-layout",
+            Rule::OnePositionWindow => "one-position-window",
+            Rule::TrimNoopAfterWrap => "bug-18-trim-noop-after-wrap",
+            Rule::PerRowTrim => "per-row-trim",
+            Rule::PaddedSingletonChunk => "padded-singleton-chunk",
+            Rule::BypassOutsideWindow => "bypass-outside-window",
+            Rule::TrimPastStart => "trim-past-start",
+            Rule::ExtractEmptyBatch => "extract-empty-batch",
+            Rule::PrefillPaddingInWindow => "prefill-padding-in-window",
+        }
+    }
+
+    pub fn verdict(self) -> Verdict {
+        match self {
+            Rule::TrimNoopAfterWrap | Rule::ExtractEmptyBatch | Rule::PrefillPaddingInWindow => Verdict::MlxLmBug,
+            Rule::PerRowTrim => Verdict::Unsupported,
+            _ => Verdict::Documented,
+        }
+    }
+
+    /// Why, with the citation.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Rule::RowLayout => {
+                "a batch read of a row whose physical columns differ between the layouts, stored bytes equal (the next \
+                 checkpoint agrees): kvsim keeps every row left-aligned with its own phase, exactly as its solo ring \
+                 (ARCHITECTURE.md \"Rows\"; its output equals its solo twin's), mlx-lm left-pads rows shorter than the \
+                 batch and, after a wrap, shares one write pointer; the same keys at other columns (other masked columns, \
+                 another order) give other last bits in MLX's SDPA. Seeds: 001_492dbf43c5432563.txt:55 (\"one row keeps its \
+                 physical columns and phase\", R-TKV-4), 002_432a426e18550fdd.txt:39 (\"without changing their physical \
+                 ring columns\", R-BROT-8); measured-baselines.md (mlx-lm batch vs solo)"
+            }
+            Rule::OnePositionWindow => {
+                "a one-position window on a ring after a wrap (or a later read of the layout it left): kvsim's read picks the \
+                 write path and concatenates in temporal order, mlx-lm's update_and_fetch writes L = 1 in place; same stored \
+                 bytes, another key order. Seeds: 000_7eb8175f52e88e8d.txt:50 (R-ROT-3, \"a one-row window concatenates: the \
+                 same bits until the ring wraps, a different key order after\"), 002_432a426e18550fdd.txt:46 (batched rows)"
+            }
+            Rule::TrimNoopAfterWrap => {
+                "mlx-lm's trim_prompt_cache trims nothing and returns 0 once the rotating cache has wrapped \
+                 (is_trimmable: offset < max_size), so the rejected speculative positions stay; kvsim's bypass rollback \
+                 trims them. bug-catalog.md #18"
+            }
+            Rule::PerRowTrim => {
+                "per-row rollback with unequal counts: mlx-lm's batch caches trim every row by one n \
+                 (mlx-lm-cache-semantics.md §8-9); the driver reports it unsupported (oracles/mlx_lm/README.md)"
+            }
+            Rule::PaddedSingletonChunk => {
+                "a right-padded prefill chunk of one position: mlx-lm's BatchRotatingKVCache sends L = 1 to the in-place \
+                 write, which raises until finalize(); kvsim uses the concat write with the block mask. Seed \
+                 002_432a426e18550fdd.txt:44 (R-BROT-1, \"padded singleton chunks use its concat operation with the \
+                 matching block mask until finalization\")"
+            }
+            Rule::BypassOutsideWindow => {
+                "a bypass trim that does not follow a window write of at least n positions: kvsim refuses it \
+                 (BypassNotAfterWindow / TrimTooLong), mlx-lm's trim_prompt_cache ignores bypass and trims while the ring is \
+                 trimmable. Seed 000_7eb8175f52e88e8d.txt:44-47 (R-C-5: bypass is for \"the last n <= gamma tips right after \
+                 a 1 concat write\")"
+            }
+            Rule::TrimPastStart => {
+                "a trim of more positions than a row holds: kvsim refuses it with a typed error (TrimTooLong), mlx-lm clamps \
+                 n (KVCache.trim: min(offset, n); batch caches: min(_idx or _offset, n), past a short row's start). Seed \
+                 000_7eb8175f52e88e8d.txt:44 (R-C-5 \"drop the last n tokens\"), ARCHITECTURE.md (impossible requests are \
+                 typed errors)"
+            }
+            Rule::ExtractEmptyBatch => {
+                "mlx-lm's BatchRotatingKVCache.extract / BatchKVCache.extract index `self.keys[idx : idx + 1]` without \
+                 checking for a batch that holds no arrays yet (keys is None: rows that joined empty, or merge's all-empty \
+                 result), so extracting such a row raises TypeError; kvsim extracts an empty row. Not in the catalog: the \
+                 class of bug-catalog.md #5 (a batch method reads .keys of a cache that has none; #5 is merge's, fixed by \
+                 PR #755) in extract"
+            }
+            Rule::PrefillPaddingInWindow => {
+                "after a right-padded prefill on BatchRotatingKVCache, a row at least the window long whose last real \
+                 position comes in an earlier chunk than the longest row's keeps a padding key as the oldest position of \
+                 its window: every later chunk trims the buffer to max_size - 1 columns before appending (the roll that \
+                 protects real positions only moves the row's padding in front of them), and finalize() moves the row's \
+                 last padding in front of its max_size - 1 newest positions, so extract()/size() show max_size columns, \
+                 one of them padding. Benign for outputs (that position is outside every later query's window) and gone \
+                 after the row's next write; the taint is tracked and the comparison continues. kvsim never stores \
+                 padded positions (ARCHITECTURE.md; seed 000_7eb8175f52e88e8d.txt:21-22: prepared prefill padding is \
+                 never visible). Not in the catalog (the family of bug-catalog.md #8 / #1, right-padded prefill chunks); \
+                 the condition was checked against mlx-lm 0.32.2 on 4,122 random geometries"
+            }
+        }
+    }
+}
+
+/// How a divergence is classified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Class {
+    Rule(Rule),
+    /// A consequence of the earlier state-changing divergence at `root` (step index), classified with it.
+    Consequence { root: usize, rule: Option<Rule> },
+    Unclassified,
+}
+
+impl Class {
+    pub fn is_classified(&self) -> bool {
+        match self {
+            Class::Rule(_) => true,
+            Class::Consequence { rule, .. } => rule.is_some(),
+            Class::Unclassified => false,
+        }
+    }
+    pub fn rule(&self) -> Option<Rule> {
+        match self {
+            Class::Rule(r) => Some(*r),
+            Class::Consequence { rule, .. } => *rule,
+            Class::Unclassified => None,
+        }
+    }
+    pub fn describe(&self) -> String {
+        match self {
+            Class::Rule(r) => format!("{} [{}]", r.id(), r.verdict().name()),
+            Class::Consequence { root, rule: Some(r) } => format!("consequence of step {root} ({})", r.id()),
+            Class::Consequence { root, rule: None } => format!("consequence of step {root} (UNCLASSIFIED)"),
+            Class::Unclassified => "UNCLASSIFIED".into(),
+        }
+    }
+}
+
+/// One step where kvsim and the oracle disagree.
+#[derive(Debug, Clone)]
+pub struct Divergence {
+    pub step: usize,
+    /// kvsim op index of the step.
+    pub op: usize,
+    pub op_kind: &'static str,
+    /// Step type (with the read kind).
+    pub what: String,
+    /// What differs.
+    pub detail: String,
+    pub class: Class,
+}
+
+fn step_name(info: &StepInfo) -> String {
+    match info.read {
+        Some(r) if info.t != "prefill_chunk" => format!("{} {} L={} layer {}", info.t, r.name(), info.l, info.layer),
+        _ if info.t == "prefill_chunk" => format!("prefill_chunk L={} layer {}", info.l, info.layer),
+        _ => info.t.to_string(),
+    }
+}
+
+fn show(o: Option<&Outcome>) -> String {
+    match o {
+        None => "no record".into(),
+        Some(Outcome::Rows(r)) => format!("rows [{}]", r.iter().map(|s| &s[..8.min(s.len())]).collect::<Vec<_>>().join(", ")),
+        Some(Outcome::Trimmed(n)) => format!("trimmed {n}"),
+        Some(Outcome::TrimmedRows(n)) => format!("trimmed rows {n:?}"),
+        Some(Outcome::Checkpoint { reqs, .. }) => format!("checkpoint of {} requests", reqs.len()),
+        Some(Outcome::Unsupported(s)) => format!("unsupported: {s}"),
+        Some(Outcome::Error(s)) => format!("error: {s}"),
+    }
+}
+
+fn detail(k: Option<&Outcome>, o: Option<&Outcome>) -> String {
+    match (k, o) {
+        (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) if a.len() == b.len() => {
+            let rows: Vec<String> =
+                (0..a.len()).filter(|&i| a[i] != b[i]).map(|i| format!("row {i}: kvsim {} / mlx-lm {}", &a[i][..12], &b[i][..12])).collect();
+            format!("output differs ({} of {} rows): {}", rows.len(), a.len(), rows.join("; "))
+        }
+        (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) => {
+            let mut out = vec![];
+            for id in a.keys().chain(b.keys()).collect::<BTreeSet<_>>() {
+                match (a.get(id), b.get(id)) {
+                    (Some(x), Some(y)) if x == y => {}
+                    (Some(x), Some(y)) => {
+                        let mut parts = vec![];
+                        if x.offset != y.offset {
+                            parts.push(format!("offset {} vs {}", x.offset, y.offset));
+                        }
+                        for l in 0..x.k.len().max(y.k.len()) {
+                            if x.k.get(l) != y.k.get(l) {
+                                parts.push(format!("K layer {l}"));
+                            }
+                            if x.v.get(l) != y.v.get(l) {
+                                parts.push(format!("V layer {l}"));
+                            }
+                        }
+                        out.push(format!("request {id}: {}", parts.join(", ")));
+                    }
+                    (Some(_), None) => out.push(format!("request {id} missing in mlx-lm")),
+                    (None, Some(_)) => out.push(format!("request {id} only in mlx-lm")),
+                    (None, None) => {}
+                }
+            }
+            format!("state differs: {}", out.join("; "))
+        }
+        _ => format!("kvsim {} / mlx-lm {}", show(k), show(o)),
+    }
+}
+
+/// The rule for a read whose outputs differ in rows `rows` (to be confirmed by the next checkpoint agreeing).
+fn read_rule(info: &StepInfo, layout_r3: &BTreeMap<u32, usize>, rows: &[usize]) -> Option<Rule> {
+    let one = info.l == 1 && info.read == Some(Read::Window);
+    match info.t {
+        "solo" if one && info.wrapped => Some(Rule::OnePositionWindow),
+        "solo" if info.read == Some(Read::Decode) && layout_r3.contains_key(&info.reqs[0]) => Some(Rule::OnePositionWindow),
+        "batch" if one && info.wrapped => Some(Rule::OnePositionWindow),
+        "batch" if rows.iter().all(|&r| info.wrapped || info.lens.get(r).is_some_and(|&len| len < info.bound)) => Some(Rule::RowLayout),
+        "prefill_chunk" if info.l == 1 && info.wrapped => Some(Rule::OnePositionWindow),
+        _ => None,
+    }
+}
+
+/// The rows whose outputs differ.
+fn differing_rows(k: Option<&Outcome>, o: Option<&Outcome>) -> Vec<usize> {
+    match (k, o) {
+        (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) if a.len() == b.len() => (0..a.len()).filter(|&i| a[i] != b[i]).collect(),
+        _ => vec![],
+    }
+}
+
+/// The requests whose checkpoint views differ (None unless both are checkpoints of the same requests with the
+/// same offsets).
+fn differing_requests(k: Option<&Outcome>, o: Option<&Outcome>) -> Option<BTreeSet<u32>> {
+    let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else { return None };
+    if a.keys().ne(b.keys()) || a.iter().any(|(id, v)| v.offset != b[id].offset) {
+        return None;
+    }
+    Some(a.keys().filter(|id| a[id] != b[id]).copied().collect())
+}
+
+/// The rule for a checkpoint that differs with no state-changing step identified before it.
+fn checkpoint_rule(infos: &[StepInfo], step: usize, k: Option<&Outcome>, o: Option<&Outcome>, window: Option<usize>) -> Option<Rule> {
+    let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else { return None };
+    let w = window?;
+    let info = &infos[step];
+    if info.op_kind != "batch_prefill" {
+        return None;
+    }
+    // The prefill step of this op.
+    let p = infos[..step].iter().rev().take_while(|s| s.op == info.op).find(|s| s.t == "prefill")?;
+    if !p.padded || a.keys().ne(b.keys()) {
+        return None;
+    }
+    let differing: BTreeSet<u32> = a.keys().filter(|id| a[id] != b[id]).copied().collect();
+    let offsets_agree = differing.iter().all(|id| a[id].offset == b[id].offset);
+    (offsets_agree && !differing.is_empty() && differing == padding_in_window_rows(p, w)).then_some(Rule::PrefillPaddingInWindow)
+}
+
+/// The rows of a right-padded prefill on rings of window `w` that mlx-lm leaves with a padding key in their window:
+/// a row at least `w` long whose last real position comes in an earlier chunk than the longest row's last. (Each
+/// later chunk trims the buffer to `w - 1` columns before appending, and the row's real positions are then the
+/// newest `w - 1`; `finalize()` moves its padding in front of them, and its window of `w` shows one.) Checked
+/// against mlx-lm 0.32.2 on 4,122 random (W, lengths, chunk) geometries without a mismatch.
+pub fn padding_in_window_rows(prefill: &StepInfo, w: usize) -> BTreeSet<u32> {
+    let chunk = prefill.l.max(1);
+    let longest = prefill.real.iter().copied().max().unwrap_or(0);
+    if !prefill.padded || longest == 0 {
+        return BTreeSet::new();
+    }
+    prefill
+        .reqs
+        .iter()
+        .zip(&prefill.real)
+        .filter(|(_, &len)| len >= w && (len - 1) / chunk < (longest - 1) / chunk)
+        .map(|(r, _)| *r)
+        .collect()
+}
+
+/// The rule for a divergence that changes state (trims, refused or failed steps).
+fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotating: bool) -> Option<Rule> {
+    match (info.t, k, o) {
+        ("solo_trim" | "trim" | "trim_rows", Some(Outcome::Trimmed(kn)), Some(Outcome::Trimmed(on))) => {
+            let t = info.trim.as_ref()?;
+            if *on == 0 && *kn > 0 && t.bypass && info.wrapped && rotating {
+                return Some(Rule::TrimNoopAfterWrap);
+            }
+            if *kn == 0 && *on > 0 {
+                match &t.kvsim {
+                    Err(e) if t.bypass && (e.starts_with("BypassNotAfterWindow") || (e.starts_with("TrimTooLong") && !t.after_window)) => {
+                        return Some(Rule::BypassOutsideWindow)
+                    }
+                    Err(e) if e.starts_with("TrimTooLong") => return Some(Rule::TrimPastStart),
+                    _ => {}
+                }
+            }
+            None
+        }
+        ("trim_rows", Some(Outcome::TrimmedRows(_)), Some(Outcome::Unsupported(_))) => Some(Rule::PerRowTrim),
+        ("prefill_chunk", _, Some(Outcome::Error(e))) if info.l == 1 && info.padded && rotating && e.contains("finalize()") => {
+            Some(Rule::PaddedSingletonChunk)
+        }
+        ("extract", None, Some(Outcome::Error(e))) if !info.batch_arrays && e.contains("'NoneType' object is not subscriptable") => {
+            Some(Rule::ExtractEmptyBatch)
+        }
+        _ => None,
+    }
+}
+
+/// Compares kvsim's results with the oracle's, step by step, and classifies every divergence.
+pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Option<usize>) -> Vec<Divergence> {
+    let rotating = window.is_some();
+    let by_step = |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
+    let (ks, os) = (by_step(kvsim), by_step(oracle));
+    let mut out: Vec<Divergence> = vec![];
+    let mut root: Option<(usize, Option<Rule>)> = None;
+    // Read divergences waiting for the next checkpoint (index into out, tentative rule).
+    let mut pending: Vec<(usize, Option<Rule>)> = vec![];
+    // Solo requests whose physical layout a one-position window after a wrap changed (step of that window).
+    let mut layout_r3: BTreeMap<u32, usize> = BTreeMap::new();
+    // Requests whose stored window differs only by a known benign taint (a padding key in place of a position no
+    // later query sees), and the divergence that classified it.
+    let mut tainted: BTreeMap<u32, (usize, Rule)> = BTreeMap::new();
+    let last = infos.len().max(os.keys().next_back().map_or(0, |s| s + 1));
+    for step in 0..last {
+        let info = infos.get(step).cloned().unwrap_or_default();
+        let (k, o) = (ks.get(&step), os.get(&step));
+        if info.t == "enter" {
+            for r in &info.reqs {
+                layout_r3.remove(r);
+            }
+        }
+        if info.t == "solo" && info.read == Some(Read::Window) && info.l == 1 && info.wrapped {
+            layout_r3.insert(info.reqs[0], step);
+        }
+        if k == o {
+            if info.t == "checkpoint" {
+                for (i, tentative) in pending.drain(..) {
+                    out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+                }
+                tainted.clear();
+            }
+            continue;
+        }
+        let mut d = Divergence { step, op: info.op, op_kind: info.op_kind, what: step_name(&info), detail: detail(k, o), class: Class::Unclassified };
+        if let Some((r, rule)) = root {
+            d.class = Class::Consequence { root: r, rule };
+            out.push(d);
+            continue;
+        }
+        let is_read = matches!(info.t, "solo" | "batch" | "prefill_chunk");
+        let oracle_failed = matches!(o, Some(Outcome::Error(_)) | Some(Outcome::Unsupported(_)) | None);
+        if is_read && !oracle_failed {
+            pending.push((out.len(), read_rule(&info, &layout_r3, &differing_rows(k, o))));
+            out.push(d);
+            continue;
+        }
+        if info.t == "checkpoint" {
+            let differing = differing_requests(k, o);
+            if let Some(diff_reqs) = differing.as_ref().filter(|d| !d.is_empty() && d.iter().all(|r| tainted.contains_key(r))) {
+                // Only the known benign taint: the state otherwise agrees.
+                let (r0, rule) = tainted[diff_reqs.iter().next().unwrap()];
+                d.class = Class::Consequence { root: r0, rule: Some(rule) };
+                for (i, tentative) in pending.drain(..) {
+                    out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+                }
+                tainted.retain(|r, _| diff_reqs.contains(r));
+                out.push(d);
+                continue;
+            }
+            let rule = checkpoint_rule(infos, step, k, o, window);
+            if rule == Some(Rule::PrefillPaddingInWindow) && tainted.is_empty() {
+                // Benign: the stored windows differ only in a position no later query sees. Keep comparing.
+                for r in differing.unwrap_or_default() {
+                    tainted.insert(r, (step, Rule::PrefillPaddingInWindow));
+                }
+                for (i, tentative) in pending.drain(..) {
+                    out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+                }
+                d.class = Class::Rule(Rule::PrefillPaddingInWindow);
+                out.push(d);
+                continue;
+            }
+            // The state diverged with no state-changing step identified before it.
+            root = Some((step, rule));
+            for (i, _) in pending.drain(..) {
+                out[i].class = Class::Consequence { root: step, rule };
+            }
+            d.class = rule.map_or(Class::Unclassified, Class::Rule);
+            out.push(d);
+            continue;
+        }
+        // A state-changing divergence: trims, refused or failed steps.
+        let rule = state_rule(&info, k, o, rotating);
+        for (i, tentative) in pending.drain(..) {
+            out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+        }
+        d.class = rule.map_or(Class::Unclassified, Class::Rule);
+        let changes_state = match (k, o) {
+            (Some(Outcome::TrimmedRows(n)), Some(Outcome::Unsupported(_))) => n.iter().any(|&x| x > 0),
+            _ => true,
+        };
+        if changes_state {
+            root = Some((step, rule));
+        }
+        out.push(d);
+    }
+    for (i, tentative) in pending.drain(..) {
+        out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+    }
+    out
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// the recorded set
+// ------------------------------------------------------------------------------------------------------------
+
+/// The comparison of one recorded trace.
+pub struct TraceReport {
+    pub name: String,
+    pub config: SimConfig,
+    pub steps: usize,
+    pub divergences: Vec<Divergence>,
+    /// Protocol step kinds this trace exercised (`batch/decode`, `enter/join`, ...).
+    pub kinds: BTreeSet<String>,
+    /// Set when kvsim's side could not be recorded or the oracle results not read.
+    pub error: Option<String>,
+}
+
+impl TraceReport {
+    pub fn status(&self) -> &'static str {
+        if self.error.is_some() || self.divergences.iter().any(|d| !d.class.is_classified()) {
+            "unclassified"
+        } else if self.divergences.is_empty() {
+            "agree"
+        } else {
+            "classified"
+        }
+    }
+
+    /// Rules that classified a divergence directly (not as a consequence).
+    pub fn rules(&self) -> BTreeMap<Rule, usize> {
+        let mut m = BTreeMap::new();
+        for d in &self.divergences {
+            if let Class::Rule(r) = d.class {
+                *m.entry(r).or_insert(0) += 1;
+            }
+        }
+        m
+    }
+
+    pub fn summary_line(&self) -> String {
+        let cfg = &self.config;
+        let shape = format!(
+            "{:<4} {:<6} H {}/{} D {:<2} layers {}",
+            match cfg.dtype {
+                DtypeChoice::F32 => "f32",
+                DtypeChoice::Bf16 => "bf16",
+            },
+            cfg.layout.max_size().map_or("linear".to_string(), |w| format!("W={w}")),
+            cfg.heads_q,
+            cfg.heads_kv,
+            cfg.head_dim,
+            cfg.layers
+        );
+        let rules: Vec<String> = self.rules().iter().map(|(r, n)| format!("{}x{n}", r.id())).collect();
+        let consequences = self.divergences.iter().filter(|d| matches!(d.class, Class::Consequence { .. })).count();
+        let mut s = format!("{:<14} {shape}  {:>5} steps  {}", self.name, self.steps, self.status());
+        if !rules.is_empty() {
+            s.push_str(&format!("  {}", rules.join(" ")));
+        }
+        if consequences > 0 {
+            s.push_str(&format!(" (+{consequences} consequences)"));
+        }
+        if let Some(e) = &self.error {
+            s.push_str(&format!("  error: {e}"));
+        }
+        s
+    }
+}
+
+/// The step kinds of a recording (`t`, with the read kind or the enter mode).
+pub fn step_kinds(infos: &[StepInfo]) -> BTreeSet<String> {
+    infos
+        .iter()
+        .map(|s| match (s.t, s.read) {
+            ("solo" | "batch", Some(r)) => format!("{}/{}", s.t, r.name()),
+            ("enter", _) => format!("enter/{}", s.how.unwrap_or("?")),
+            (t, _) => t.to_string(),
+        })
+        .collect()
+}
+
+/// Compares one recorded trace (`NAME.trace.json` + `NAME.oracle.jsonl`).
+pub fn diff_recorded(trace_path: &Path) -> TraceReport {
+    let name = trace_path.file_name().and_then(|n| n.to_str()).unwrap_or("?").trim_end_matches(".trace.json").to_string();
+    let fail = |config: SimConfig, e: String| TraceReport { name: name.clone(), config, steps: 0, divergences: vec![], kinds: BTreeSet::new(), error: Some(e) };
+    let trace = match Trace::load(trace_path) {
+        Ok(t) => t,
+        Err(e) => return fail(SimConfig::from_seed(0), e.to_string()),
+    };
+    let oracle_path = trace_path.with_file_name(format!("{name}.oracle.jsonl"));
+    let oracle = match std::fs::read_to_string(&oracle_path).map_err(|e| format!("{}: {e}", oracle_path.display())).and_then(|t| parse_results(&t)) {
+        Ok(o) => o,
+        Err(e) => return fail(trace.config.clone(), e),
+    };
+    let rec = match record(&trace, false) {
+        Ok(r) => r,
+        Err(e) => return fail(trace.config.clone(), e),
+    };
+    let divergences = diff(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
+    let kinds = step_kinds(&rec.infos);
+    TraceReport { name, config: trace.config.clone(), steps: rec.infos.len(), divergences, kinds, error: None }
+}
+
+/// The recorded traces of `dir` (sorted by name).
+pub fn recorded_traces(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(".trace.json")))
+        .collect();
+    v.sort_by_key(|p| {
+        let n = p.file_name().and_then(|n| n.to_str()).unwrap_or("").to_string();
+        // numeric order of seed-N names
+        let num: u64 = n.trim_start_matches("seed-").trim_end_matches(".trace.json").parse().unwrap_or(u64::MAX);
+        (num, n)
+    });
+    Ok(v)
+}
+
+/// The whole recorded set.
+pub struct CheckReport {
+    pub traces: Vec<TraceReport>,
+}
+
+impl CheckReport {
+    pub fn count(&self, status: &str) -> usize {
+        self.traces.iter().filter(|t| t.status() == status).count()
+    }
+
+    /// `{"traces", "agree", "classified", "unclassified"}`.
+    pub fn json_line(&self) -> String {
+        format!(
+            "{{\"traces\":{},\"agree\":{},\"classified\":{},\"unclassified\":{}}}",
+            self.traces.len(),
+            self.count("agree"),
+            self.count("classified"),
+            self.count("unclassified")
+        )
+    }
+
+    /// Per rule: (divergences it classified directly, consequences classified with it, traces).
+    pub fn rule_counts(&self) -> BTreeMap<Rule, (usize, usize, BTreeSet<String>)> {
+        let mut m: BTreeMap<Rule, (usize, usize, BTreeSet<String>)> = BTreeMap::new();
+        for t in &self.traces {
+            for d in &t.divergences {
+                match d.class {
+                    Class::Rule(r) => {
+                        let e = m.entry(r).or_default();
+                        e.0 += 1;
+                        e.2.insert(t.name.clone());
+                    }
+                    Class::Consequence { rule: Some(r), .. } => m.entry(r).or_default().1 += 1,
+                    _ => {}
+                }
+            }
+        }
+        m
+    }
+
+    /// Step kinds over all traces.
+    pub fn kinds(&self) -> BTreeSet<String> {
+        self.traces.iter().flat_map(|t| t.kinds.iter().cloned()).collect()
+    }
+}
+
+/// Every protocol step kind kvsim's runner can emit (the subset of the protocol the oracle supports that kvsim
+/// uses; `solo/append` is never emitted: a solo window always reads).
+pub const STEP_KINDS: &[&str] = &[
+    "config",
+    "admit",
+    "solo/decode",
+    "solo/window",
+    "solo_trim",
+    "enter/merge",
+    "enter/join",
+    "prefill",
+    "prefill_chunk",
+    "prefill_end",
+    "batch/decode",
+    "batch/window",
+    "batch/append",
+    "trim_rows",
+    "trim",
+    "extract",
+    "filter",
+    "checkpoint",
+];
+
+/// Compares every recorded trace of `dir`.
+pub fn check_dir(dir: &Path) -> Result<CheckReport, String> {
+    let traces = recorded_traces(dir)?.iter().map(|p| diff_recorded(p)).collect();
+    Ok(CheckReport { traces })
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// choosing the recorded seeds
+// ------------------------------------------------------------------------------------------------------------
+
+/// What a recording exercises, for the choice of seeds: its step kinds, its dtype and layout, and the geometries
+/// where kvsim and mlx-lm are expected to part (so that every rule and catalog bug gets a trace).
+pub fn features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
+    // Only what comes before the first expected change of state is compared on its own (later divergences are
+    // consequences), so only that part counts, plus the kind of that first change.
+    let root = predicted_root(cfg, infos);
+    let all = infos;
+    let infos = &infos[..root.map_or(infos.len(), |(i, _)| i + 1)];
+    let mut f = step_kinds(infos);
+    if let Some((_, why)) = root {
+        f.insert(format!("root/{why}"));
+    }
+    let wrapped_reads = infos.iter().any(|s| s.read.is_some() && s.wrapped);
+    if root.is_none() && wrapped_reads {
+        // Expected to agree byte for byte although its rings wrap.
+        let dtype = match cfg.dtype {
+            DtypeChoice::F32 => "f32",
+            DtypeChoice::Bf16 => "bf16",
+        };
+        let one_position = infos.iter().any(|s| s.l == 1 && s.read == Some(Read::Window) && s.wrapped);
+        if !one_position {
+            f.insert(format!("clean-after-wrap/{dtype}"));
+        }
+    }
+    let dtype = match cfg.dtype {
+        DtypeChoice::F32 => "f32",
+        DtypeChoice::Bf16 => "bf16",
+    };
+    let layout = if cfg.layout.max_size().is_some() { "rotating" } else { "linear" };
+    f.insert(format!("config/{dtype}/{layout}"));
+    let rotating = layout == "rotating";
+    for s in infos {
+        let one = s.l == 1 && s.read == Some(Read::Window);
+        if rotating && one && s.wrapped {
+            f.insert(format!("geometry/{}-one-position-window-after-wrap", s.t));
+        }
+        if s.t == "batch" && s.read == Some(Read::Decode) && s.wrapped {
+            f.insert(format!("geometry/batch-decode-after-wrap/{dtype}"));
+        }
+        if s.t == "enter" && rotating && !s.emptied.is_empty() && s.nonempty > 0 {
+            f.insert("geometry/merge-emptied-ring".into());
+        }
+        if s.t == "enter" && s.how == Some("join") && s.offsets.iter().any(|&o| cfg.layout.max_size().is_some_and(|w| o > w)) {
+            f.insert("geometry/join-wrapped-ring".into());
+        }
+        if s.t == "prefill_chunk" && rotating && s.l == 1 && s.padded {
+            f.insert("geometry/padded-singleton-chunk".into());
+        }
+        if let Some(t) = &s.trim {
+            let equal = t.n.iter().all(|&x| x == t.n[0]);
+            if !equal {
+                f.insert("geometry/per-row-trim".into());
+            }
+            if rotating && t.bypass && s.wrapped && t.kvsim.as_ref().is_ok_and(|&n| n > 0) && equal {
+                f.insert(format!("geometry/{}-bypass-after-wrap", s.t));
+            }
+            if let Err(e) = &t.kvsim {
+                f.insert(format!("geometry/{}-refused-{}", s.t, e.split([' ', '{', '(']).next().unwrap_or("")));
+            }
+        }
+        if s.t == "prefill" && s.padded {
+            f.insert(format!("geometry/right-padded-prefill/{layout}"));
+        }
+        let root_in_op = root.is_some_and(|(ri, _)| all[ri].op == s.op);
+        if s.t == "prefill" && !root_in_op && cfg.layout.max_size().is_some_and(|w| !padding_in_window_rows(s, w).is_empty()) {
+            f.insert("geometry/prefill-padding-in-window".into());
+        }
+    }
+    f
+}
+
+/// The first step where mlx-lm is expected to end up in another state than kvsim (a guess from kvsim's side
+/// only, for the choice of seeds; the classification uses the oracle's results), and why.
+pub fn predicted_root(cfg: &SimConfig, infos: &[StepInfo]) -> Option<(usize, &'static str)> {
+    let w = cfg.layout.max_size();
+    for (i, s) in infos.iter().enumerate() {
+        if let Some(t) = &s.trim {
+            let equal = t.n.iter().all(|&x| x == t.n[0]);
+            let n = t.n.iter().copied().max().unwrap_or(0);
+            match &t.kvsim {
+                Ok(_) if !equal => return Some((i, "per-row-trim")),
+                Ok(_) if n > 0 && w.is_some() && s.wrapped => return Some((i, "trim-after-wrap")),
+                Err(_) if n > 0 && s.offsets.iter().all(|&o| o > 0) && !(w.is_some() && s.wrapped) => return Some((i, "trim-refused-by-kvsim")),
+                _ => {}
+            }
+        }
+        if s.t == "prefill_chunk" && w.is_some() && s.l == 1 && s.padded {
+            return Some((i, "padded-singleton-chunk"));
+        }
+        if s.t == "extract" && !s.batch_arrays {
+            return Some((i, "extract-empty-batch"));
+        }
+    }
+    None
+}
+
+/// Picks `count` seeds among `0..scan` (`include` first): a greedy cover of every [`features`] value (smaller traces first on ties),
+/// then the smallest remaining traces round-robin over (dtype, layout), so that the set mixes f32/bf16 and
+/// rotating/linear while staying small in bytes. Only passing seeds are chosen.
+pub fn choose_seeds(count: usize, scan: u64, include: &[u64]) -> Result<Vec<u64>, String> {
+    struct Cand {
+        seed: u64,
+        feats: BTreeSet<String>,
+        size: usize,
+        group: String,
+    }
+    let mut cands = vec![];
+    for seed in 0..scan {
+        let r = crate::sim::run_seed(seed, DeviceChoice::Cpu, None);
+        if r.failed() {
+            continue;
+        }
+        let rec = match record(&r.trace, false) {
+            Ok(x) => x,
+            Err(_) => continue,
+        };
+        let cfg = &r.trace.config;
+        let feats = features(cfg, &rec.infos);
+        let size: usize = rec.results.iter().map(|r| r.to_json().to_string().len() + 1).sum();
+        let group = feats.iter().find(|f| f.starts_with("config/")).cloned().unwrap_or_default();
+        cands.push(Cand { seed, feats, size, group });
+    }
+    if cands.is_empty() {
+        return Err(format!("no passing seed in 0..{scan}"));
+    }
+    let mut chosen: Vec<u64> = include.to_vec();
+    let mut covered: BTreeSet<String> = BTreeSet::new();
+    for c in cands.iter().filter(|c| include.contains(&c.seed)) {
+        covered.extend(c.feats.iter().cloned());
+    }
+    loop {
+        let best = cands
+            .iter()
+            .filter(|c| !chosen.contains(&c.seed))
+            .map(|c| (c.feats.difference(&covered).count(), c))
+            .filter(|(n, _)| *n > 0)
+            .max_by(|(n1, c1), (n2, c2)| n1.cmp(n2).then(c2.size.cmp(&c1.size)));
+        match best {
+            Some((_, c)) if chosen.len() < count => {
+                covered.extend(c.feats.iter().cloned());
+                chosen.push(c.seed);
+            }
+            _ => break,
+        }
+    }
+    let mut groups: BTreeMap<String, Vec<&Cand>> = BTreeMap::new();
+    for c in cands.iter().filter(|c| !chosen.contains(&c.seed)) {
+        groups.entry(c.group.clone()).or_default().push(c);
+    }
+    for g in groups.values_mut() {
+        g.sort_by_key(|c| (c.size, c.seed));
+        g.reverse();
+    }
+    while chosen.len() < count && groups.values().any(|g| !g.is_empty()) {
+        for g in groups.values_mut() {
+            if chosen.len() >= count {
+                break;
+            }
+            if let Some(c) = g.pop() {
+                chosen.push(c.seed);
+            }
+        }
+    }
+    chosen.sort();
+    Ok(chosen)
+}
