@@ -85,6 +85,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Turn a cargo-fuzz input of the `sim_trace` target into a trace (for `replay` and `shrink`).
+    FuzzCase {
+        input: PathBuf,
+        #[arg(long, default_value = "target/kvsim-failures")]
+        out: PathBuf,
+    },
     /// Run the mutation catalog: each mutant must be caught within its seed budget.
     Mutants {
         /// Seeds tried per mutant.
@@ -170,6 +176,7 @@ fn main() -> ExitCode {
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => mutants_cmd(budget, shrink_budget, only, save, json),
+        Cmd::FuzzCase { input, out } => fuzz_case_cmd(&input, &out),
         Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json),
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
@@ -720,5 +727,23 @@ fn bench_cmd(device: DeviceChoice, what: &str, python: Option<String>, anchor: O
     if json {
         println!("{}", serde_json::to_string(&r).unwrap());
     }
+    ExitCode::SUCCESS
+}
+
+fn fuzz_case_cmd(input: &Path, out: &Path) -> ExitCode {
+    let data = match std::fs::read(input) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("kvsim fuzz-case: cannot read {}: {e}", input.display());
+            return ExitCode::from(2);
+        }
+    };
+    let Some(t) = kvsim::fuzzing::case_to_trace(&data) else {
+        eprintln!("kvsim fuzz-case: {} does not decode to a fuzz case", input.display());
+        return ExitCode::from(2);
+    };
+    let name = format!("fuzz-{}.json", &blake3::hash(&data).to_hex()[..12]);
+    let p = write_trace(out, &name, &t);
+    println!("{} ops, outcome {:?}: {}", t.ops.len(), t.outcome, p.display());
     ExitCode::SUCCESS
 }
