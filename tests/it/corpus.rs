@@ -4,6 +4,8 @@ use kvsim::sim::{replay, replay_matches, DeviceChoice};
 
 #[test]
 fn corpus_replays_as_recorded() {
+    // Mutant traces arm a process-global mutant: no other test may run caches meanwhile.
+    let _g = crate::common::exclusive();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     let mut n = 0;
     let mut problems = vec![];

@@ -19,6 +19,7 @@ fn trace_json_corpus_never_panics() {
 
 #[test]
 fn sim_trace_corpus_passes_every_check() {
+    let _g = crate::common::shared();
     let fs = files("fuzz/seeds/sim_trace");
     assert!(!fs.is_empty());
     for p in fs {
