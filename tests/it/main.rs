@@ -1,7 +1,10 @@
 //! kvsim's one integration-test crate (matklad: one binary, many modules).
 mod architecture;
+mod common;
 mod corpus;
 mod determinism;
 mod fuzz_corpus;
 mod sim_smoke;
+mod snapshots;
+mod state_machine;
 mod traces;
