@@ -1,5 +1,6 @@
 //! kvsim's one integration-test crate (matklad: one binary, many modules).
 mod architecture;
+mod cache_contracts;
 mod common;
 mod corpus;
 mod determinism;

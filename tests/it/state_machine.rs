@@ -740,6 +740,8 @@ impl StateMachineTest for CacheMachine {
         let rope: Vec<i32> = model.rope_offsets().iter().map(|&o| o as i32).collect();
         assert_eq!(b.rope_offsets().values(), rope, "rope offsets");
         assert_eq!(b.offset(), model.offset(), "scalar offset");
+        assert_eq!(b.max_size(), r.setup.window, "window");
+        assert_eq!(b.spec(), r.setup.spec(), "spec");
         for (i, req) in r.rows.iter().enumerate() {
             let what = format!("row {i} (request {})", req.id);
             let st = &b.row_states()[i];
@@ -755,6 +757,8 @@ impl StateMachineTest for CacheMachine {
             let (prod, twin) = &sut.solo[i];
             assert_eq!(prod.state(), &ring(&req.m), "{what}: RingState vs model ({})", req.m.picture());
             assert_eq!(prod.is_trimmable(), req.m.is_trimmable(), "{what}: is_trimmable");
+            assert_eq!(prod.rope_offset(), req.m.offset, "{what}: rope_offset");
+            assert_eq!(prod.max_size(), r.setup.window, "{what}: window");
             sut.check_storage(&what, &req.m, prod.physical().unwrap(), prod.temporal_view().unwrap(), twin);
         }
     }
