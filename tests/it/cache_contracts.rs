@@ -187,3 +187,16 @@ fn batches_without_columns_have_no_buffers() {
     assert!(a.buffers().is_none(), "adopt of zero-width buffers");
     assert_eq!(a.cap(), 0);
 }
+
+/// `RingState::validate` refuses a window history (`last_concat`) the buffer cannot hold: longer than `len`, or on
+/// a rotated ring (kills `validate`: `l > len || idx != len` -> `&&`).
+#[test]
+fn validate_refuses_impossible_window_histories() {
+    let ok = RingState { offset: 5, len: 3, idx: 3, last_concat: Some(3) };
+    assert_eq!(ok.validate(Some(4)), Ok(()));
+    let longer = RingState { last_concat: Some(4), ..ok.clone() };
+    assert!(matches!(longer.validate(Some(4)), Err(kvsim::cache::CacheError::InvalidState { .. })));
+    let rotated = RingState { offset: 6, len: 4, idx: 2, last_concat: Some(1) };
+    assert!(matches!(rotated.validate(Some(4)), Err(kvsim::cache::CacheError::InvalidState { .. })));
+    assert_eq!(RingState { last_concat: None, ..rotated }.validate(Some(4)), Ok(()));
+}

@@ -13,7 +13,13 @@
 //! prefill window, commit span) byte-identical to the twin's (CPU), and every illegal request's error kind equal to
 //! the model's prediction.
 //!
-//! Runs `cases: 48` by default; `PROPTEST_CASES=N` overrides it for longer runs.
+//! Transitions: admit, solo window/decode/trim/verify, join of serial caches, merge of temporal views, a whole-batch
+//! re-merge, right-padded prefill (prepare, chunks, finalize, with illegal probes), decode, window, append, verify
+//! (window + `trim_rows` bypass), commit span, extract + filter, filter, trim (legal or not). Preconditions are
+//! re-checked while shrinking, so a shrunk sequence never names a row or request that no longer exists.
+//!
+//! Runs `cases: 48` by default; `PROPTEST_CASES=N` overrides it for longer runs. Failures are persisted to
+//! `proptest-regressions/it/state_machine.txt` and replayed first.
 
 use kvsim::cache::{CacheError, JoinSource, KvDtype, KvSpec, Masks, RingState, RowBatch, SerialCache};
 use kvsim::reference::{BatchModel, ModelError, RowModel, Tensor, Tok};
@@ -784,7 +790,8 @@ prop_state_machine! {
     fn caches_follow_the_model_and_their_twins(sequential 1..30 => CacheMachine);
 }
 
-/// The state machine has teeth: each planted bug of the mutation catalog makes it fail within a few cases.
+/// The state machine has teeth: each planted bug of the mutation catalog makes it fail within 256 cases (fixed RNG
+/// seed, so the test is deterministic). `TEETH_ONLY=<mutant name>` and `TEETH_CASES=N` narrow or widen it.
 #[test]
 fn every_catalog_mutant_is_caught() {
     use kvsim::cache::mutation::{self, Mutant};
