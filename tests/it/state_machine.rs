@@ -774,13 +774,22 @@ fn cases() -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48)
 }
 
+/// `proptest-regressions/it/state_machine.txt`, unless `PROPTEST_DISABLE_FAILURE_PERSISTENCE` is set (as it should be
+/// under `cargo mutants --in-place`, whose mutants would otherwise record seeds that fail only when mutated).
+fn persistence() -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
+    if std::env::var_os("PROPTEST_DISABLE_FAILURE_PERSISTENCE").is_some() {
+        return None;
+    }
+    Some(Box::new(proptest::test_runner::FileFailurePersistence::Direct(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/proptest-regressions/it/state_machine.txt"
+    ))))
+}
+
 prop_state_machine! {
     #![proptest_config(Config {
         cases: cases(),
-        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Direct(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/proptest-regressions/it/state_machine.txt"
-        )))),
+        failure_persistence: persistence(),
         ..Config::default()
     })]
 
