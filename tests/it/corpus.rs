@@ -4,7 +4,6 @@ use kvsim::sim::{replay, replay_matches, DeviceChoice};
 
 #[test]
 fn corpus_replays_as_recorded() {
-    let _mutants = crate::arming();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     let mut n = 0;
     let mut problems = vec![];

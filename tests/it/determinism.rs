@@ -3,7 +3,6 @@ use kvsim::sim::{run_seed, DeviceChoice};
 
 #[test]
 fn same_seed_same_trace_and_hash() {
-    let _mutants = crate::unmutated();
     for seed in [1u64, 17, 4242] {
         let a = run_seed(seed, DeviceChoice::Cpu, None);
         let b = run_seed(seed, DeviceChoice::Cpu, None);

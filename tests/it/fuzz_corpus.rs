@@ -19,7 +19,6 @@ fn trace_json_corpus_never_panics() {
 
 #[test]
 fn sim_trace_corpus_passes_every_check() {
-    let _mutants = crate::unmutated();
     let fs = files("fuzz/seeds/sim_trace");
     assert!(!fs.is_empty());
     for p in fs {

@@ -4,7 +4,6 @@ use kvsim::sim::{run_seed, DeviceChoice};
 
 #[test]
 fn malformed_traces_are_typed_errors() {
-    let _mutants = crate::unmutated();
     assert!(matches!(Trace::parse("not json"), Err(TraceError::Json(_))));
     assert!(matches!(Trace::parse("{}"), Err(TraceError::Json(_))));
     let good = run_seed(3, DeviceChoice::Cpu, None).trace;
