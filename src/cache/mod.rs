@@ -31,7 +31,7 @@ pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, Row
 pub use error::CacheError;
 pub use kind::{is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER};
 pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
-pub use ring::{DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
+pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 
 /// Result of every fallible cache operation.
 pub type Result<T> = std::result::Result<T, CacheError>;

@@ -250,9 +250,29 @@ impl Buf {
         }))
     }
 
+    /// Evaluates the buffers after a write, unless the calling thread deferred it ([`set_eval_after_write`]).
     pub(crate) fn eval(&self) -> Result<()> {
-        eval(&[&self.k, &self.v])
+        if EVAL_AFTER_WRITE.with(|e| e.get()) {
+            eval(&[&self.k, &self.v])
+        } else {
+            Ok(())
+        }
     }
+}
+
+thread_local! {
+    static EVAL_AFTER_WRITE: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+}
+
+/// Whether caches evaluate their K/V buffers right after every write (default `true`, per thread).
+///
+/// Evaluating after each write keeps every cache's graph one write deep whatever the caller does (bug catalog #11).
+/// A caller that evaluates each step's results itself (an engine evaluating all layers' outputs at once, or the
+/// simulator, which reads every buffer after every op) can switch it off to save one device round trip per write;
+/// it must then evaluate the caches' outputs or buffers every step, or the lazy graph grows. Outputs and stored
+/// bytes are the same either way (the same ops run, later).
+pub fn set_eval_after_write(on: bool) {
+    EVAL_AFTER_WRITE.with(|e| e.set(on));
 }
 
 /// One serial cache: [`KvCache`] (`max_size == None`) or [`RotatingKvCache`] (`Some(W)`), per ARCHITECTURE.md.

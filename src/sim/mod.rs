@@ -88,7 +88,10 @@ impl RunResult {
 pub fn run(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceChoice, mutant: Option<Mutant>) -> RunResult {
     device.activate();
     mutation::arm(mutant);
+    // The runner reads every buffer and output after every op (one evaluation), so per-write evaluation is redundant.
+    crate::cache::set_eval_after_write(false);
     let result = run_inner(seed, config, ops, device, mutant);
+    crate::cache::set_eval_after_write(true);
     mutation::arm(None);
     result
 }
