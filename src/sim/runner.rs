@@ -495,6 +495,25 @@ impl World {
         Ok(true)
     }
 
+    /// Every batch row's twin reads its request's next `len` positions (the same K/V/Q the row got); outputs in row
+    /// order.
+    fn twin_reads(&mut self, layer: usize, len: usize, how: TwinRead) -> Res<Vec<Array>> {
+        let scale = self.cfg.scale();
+        let mut outs = vec![];
+        for id in self.rows.clone() {
+            let one = vec![self.next_toks(id, len)];
+            let (k, v, q) = self.kvq(layer, &one)?;
+            let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+            let out = match how {
+                TwinRead::Decode => twin.decode(&k, &v, &q, scale, &Masks::new()).map(|o| o.0),
+                TwinRead::Window => twin.window(&k, &v, &q, scale, &Masks::new()).map(|o| o.0),
+                TwinRead::Span => twin.commit_span(&k, &v, &q, scale, &Masks::new()),
+            };
+            outs.push(out.map_err(|e| unexpected(&format!("twin {how:?}"), e))?);
+        }
+        Ok(outs)
+    }
+
     fn batch_decode(&mut self) -> Res<bool> {
         if self.rows.is_empty() {
             return Ok(false);
@@ -517,15 +536,7 @@ impl World {
                 let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
                 rec.batch(layer, Read::Decode, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0)).map_err(|e| mlx_fail("record", e))?;
             }
-            let mut twin_outs = vec![];
-            for &id in &self.rows.clone() {
-                let one = vec![self.next_toks(id, 1)];
-                let (tk, tv, tq) = self.kvq(layer, &one)?;
-                let t = self.reqs.get_mut(&id).unwrap().twin[layer]
-                    .decode(&tk, &tv, &tq, scale, &Masks::new())
-                    .map_err(|e| unexpected("twin decode", e))?;
-                twin_outs.push(t.0);
-            }
+            let twin_outs = self.twin_reads(layer, 1, TwinRead::Decode)?;
             let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
                 .rows
                 .iter()
@@ -566,15 +577,7 @@ impl World {
                     let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
                     rec.batch(layer, Read::Window, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0)).map_err(|e| mlx_fail("record", e))?;
                 }
-                let mut twin_outs = vec![];
-                for &id in &self.rows.clone() {
-                    let one = vec![self.next_toks(id, len)];
-                    let (tk, tv, tq) = self.kvq(layer, &one)?;
-                    let t = self.reqs.get_mut(&id).unwrap().twin[layer]
-                        .window(&tk, &tv, &tq, scale, &Masks::new())
-                        .map_err(|e| unexpected("twin window", e))?;
-                    twin_outs.push(t.0);
-                }
+                let twin_outs = self.twin_reads(layer, len, TwinRead::Window)?;
                 let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
                     .rows
                     .iter()
@@ -682,15 +685,7 @@ impl World {
                 let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
                 rec.batch_span(layer, &self.rows, &offsets, &k, &v, &q, &got).map_err(|e| mlx_fail("record", e))?;
             }
-            let mut twin_outs = vec![];
-            for &id in &self.rows.clone() {
-                let one = vec![self.next_toks(id, len)];
-                let (tk, tv, tq) = self.kvq(layer, &one)?;
-                let t = self.reqs.get_mut(&id).unwrap().twin[layer]
-                    .commit_span(&tk, &tv, &tq, scale, &Masks::new())
-                    .map_err(|e| unexpected("twin commit_span", e))?;
-                twin_outs.push(t);
-            }
+            let twin_outs = self.twin_reads(layer, len, TwinRead::Span)?;
             // Outputs: compared with the twin (bytes) and the f64 model of each position's decode read.
             let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
                 .rows
@@ -1022,6 +1017,14 @@ impl World {
         }
         Ok(())
     }
+}
+
+/// The read a solo twin performs for a batch op.
+#[derive(Debug, Clone, Copy)]
+enum TwinRead {
+    Decode,
+    Window,
+    Span,
 }
 
 /// Largest length, count or row index an op may carry (replayed and fuzzed traces are untrusted input).
