@@ -5,7 +5,7 @@ use kvsim::cache::ring::GROW_STEP;
 use kvsim::cache::{JoinSource, KvDtype, KvSpec, MaskUse, Masks, RingState, RowBatch, RowState, SerialCache};
 use kvsim::reference::Tok;
 
-use crate::common::{self, Payload};
+use crate::common::Payload;
 
 const SPEC: KvSpec = KvSpec { heads_kv: 2, head_dim: 4, dtype: KvDtype::F32 };
 
@@ -36,7 +36,6 @@ fn serial(p: &Payload, w: Option<usize>, req: u32, n: usize) -> SerialCache {
 /// (kills `read_decode`: `==` -> `!=`, which masks every read).
 #[test]
 fn decode_uses_no_mask_for_equal_rows_and_a_mask_for_unequal_rows() {
-    let _g = common::shared();
     let p = payload();
     for w in [Some(4), None] {
         let solo = [serial(&p, w, 0, 2), serial(&p, w, 1, 2)];
@@ -60,7 +59,6 @@ fn decode_uses_no_mask_for_equal_rows_and_a_mask_for_unequal_rows() {
 /// window does not bind; an explicit mask otherwise (kills `window`: `real == l` -> `!=`).
 #[test]
 fn window_uses_causal_exactly_when_rows_agree_and_the_window_does_not_bind() {
-    let _g = common::shared();
     let p = payload();
     let mut b = RowBatch::with_rows(SPEC, Some(8), 2).unwrap();
     let (k, v, q) = block(&p, &b, 3);
@@ -79,7 +77,6 @@ fn window_uses_causal_exactly_when_rows_agree_and_the_window_does_not_bind() {
 /// Buffers grow by `GROW_STEP` columns (kills `ensure_capacity`: `new_cap - cap` -> `+`).
 #[test]
 fn linear_batch_capacity_grows_in_steps() {
-    let _g = common::shared();
     let p = payload();
     let mut b = RowBatch::with_rows(SPEC, None, 2).unwrap();
     let (k, v, _) = block(&p, &b, 3);
@@ -107,7 +104,6 @@ fn linear_batch_capacity_grows_in_steps() {
 /// the offset (kills `adopt`: `len > cap` -> `==` / `>=`).
 #[test]
 fn adopt_checks_lengths_against_the_buffer() {
-    let _g = common::shared();
     let p = payload();
     let solo = [serial(&p, Some(4), 0, 3), serial(&p, Some(4), 1, 1)];
     let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
@@ -128,7 +124,6 @@ fn adopt_checks_lengths_against_the_buffer() {
 /// Getters and the debug form (kills `max_size -> Some(0)`, `Debug::fmt -> Ok(())`).
 #[test]
 fn getters_and_debug_name_the_batch() {
-    let _g = common::shared();
     for w in [Some(3), None] {
         let b = RowBatch::with_rows(SPEC, w, 2).unwrap();
         assert_eq!(b.max_size(), w);
@@ -146,7 +141,6 @@ fn getters_and_debug_name_the_batch() {
 /// and `SerialCache::ensure_capacity`: `new_cap - cap` -> `+`), and `buffers` hands them out.
 #[test]
 fn serial_capacity_grows_in_steps_and_buffers_are_handed_out() {
-    let _g = common::shared();
     let p = Payload::new(KvSpec { heads_kv: 1, head_dim: 4, dtype: KvDtype::Bf16 }, 1, 9);
     let mut c = SerialCache::new(p.spec, None).unwrap();
     assert!(c.buffers().is_none(), "nothing written yet");
@@ -165,7 +159,6 @@ fn serial_capacity_grows_in_steps_and_buffers_are_handed_out() {
 /// Windows above `i32::MAX` are refused (kills `validate_max_size`'s guard -> `false`).
 #[test]
 fn windows_beyond_i32_are_invalid() {
-    let _g = common::shared();
     let w = i32::MAX as usize + 1;
     assert!(matches!(SerialCache::new(SPEC, Some(w)), Err(kvsim::cache::CacheError::InvalidState { .. })));
     assert!(matches!(RowBatch::with_rows(SPEC, Some(w), 1), Err(kvsim::cache::CacheError::InvalidState { .. })));
@@ -176,7 +169,6 @@ fn windows_beyond_i32_are_invalid() {
 /// `adopt`: `||` -> `&&`).
 #[test]
 fn batches_without_columns_have_no_buffers() {
-    let _g = common::shared();
     let empty = [SerialCache::new(SPEC, Some(4)).unwrap(), SerialCache::new(SPEC, Some(4)).unwrap()];
     let sources: Vec<JoinSource> = empty.iter().map(JoinSource::Serial).collect();
     let b = RowBatch::join(SPEC, Some(4), &sources).unwrap();

@@ -6,12 +6,8 @@ use kvsim::cache::{KvDtype, KvSpec};
 use kvsim::reference::{RefDtype, Tensor, Tok, ValueSpace};
 use mlx_rs::Array;
 
-/// A mutant is armed per thread (`cache::mutation::arm`), so tests running beside each other never see each other's
-/// mutant and need no lock. [`shared`] is a no-op kept so call sites read as "runs the unmutated caches";
-/// [`exclusive`] is a guard that disarms this thread's mutant on drop (also when the test panics).
-pub fn shared() {}
-
-/// Disarms the calling thread's mutant on drop.
+/// Disarms the calling thread's mutant on drop (also when the test panics). A mutant is armed per thread
+/// (`cache::mutation::arm`), so tests running beside each other never see each other's mutant and need no lock.
 pub struct Exclusive;
 
 impl Drop for Exclusive {

@@ -9,7 +9,7 @@ use kvsim::reference::Tok;
 use kvsim::sim::trace::Outcome;
 use kvsim::sim::{run_seed, DeviceChoice};
 
-use crate::common::{self, Payload};
+use crate::common::Payload;
 
 const SPEC: KvSpec = KvSpec { heads_kv: 1, head_dim: 4, dtype: KvDtype::F32 };
 
@@ -76,7 +76,6 @@ fn window(p: &Payload, b: &mut RowBatch, l: usize) -> MaskUse {
 /// Decode over rows of unequal length: each row sees its own `len` columns (`c < len_r`).
 #[test]
 fn mask_decode_unequal_rows() {
-    let _g = common::shared();
     let p = payload();
     let rows = [(5usize, 0usize), (1, 1), (0, 0)];
     let solo: Vec<SerialCache> = rows.iter().enumerate().map(|(r, &(w, d))| serial(&p, Some(4), r as u32, w, d)).collect();
@@ -90,7 +89,6 @@ fn mask_decode_unequal_rows() {
 /// its newest W positions.
 #[test]
 fn mask_window_sliding_window_binds() {
-    let _g = common::shared();
     let p = payload();
     let solo = [serial(&p, Some(3), 0, 2, 3), serial(&p, Some(3), 1, 1, 0)];
     let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
@@ -110,7 +108,6 @@ fn mask_window_sliding_window_binds() {
 /// (their outputs are unspecified); a row's padded positions are never stored.
 #[test]
 fn mask_right_padded_prefill_chunks() {
-    let _g = common::shared();
     let p = payload();
     let mut b = RowBatch::with_rows(SPEC, None, 3).unwrap();
     let lengths = [5usize, 2, 0];
@@ -143,7 +140,6 @@ fn mask_right_padded_prefill_chunks() {
 /// speculative rollback, an extract.
 #[test]
 fn ring_pictures_through_a_schedule() {
-    let _g = common::shared();
     let p = payload();
     let w = Some(4);
     let solo = [serial(&p, w, 0, 3, 0), serial(&p, w, 1, 4, 3), serial(&p, w, 2, 1, 0)];
@@ -169,7 +165,6 @@ fn ring_pictures_through_a_schedule() {
 /// Seed 3 of the simulator, summarized: its config, the ops it ran by kind, the outcome and the result hash.
 #[test]
 fn trace_summary_seed_3() {
-    let _g = common::shared();
     let r = run_seed(3, DeviceChoice::Cpu, None);
     let c = &r.trace.config;
     let mut s = format!(
