@@ -444,12 +444,16 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
     let (mut ops, mut skipped, mut ran) = (0u64, 0u64, 0u64);
     let mut failed = vec![];
     let mut hash = blake3::Hasher::new();
-    if seeds.len() == 1 {
-        println!("config of seed {}: {}", seeds[0], serde_json::to_string(&kvsim::sim::config::SimConfig::from_seed(seeds[0])).unwrap());
-    }
+    // Each seed's swarm configuration is printed before its run when there are few seeds (every trace stores it too,
+    // and a failing seed's report repeats it).
+    let show_configs = seeds.len() <= 10;
     for &seed in seeds {
         if time.is_some_and(|t| start.elapsed().as_secs_f64() > t) {
             break;
+        }
+        let config = kvsim::sim::config::SimConfig::from_seed(seed);
+        if show_configs {
+            bar.suspend(|| println!("config of seed {seed}: {}", serde_json::to_string(&config).unwrap()));
         }
         let r = sim::run_seed(seed, device, None);
         ran += 1;
@@ -462,7 +466,10 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
         hash.update(r.trace.result_hash.as_bytes());
         if let Outcome::Fail { op_index, check, message } = &r.trace.outcome {
             let p = write_trace(out, &format!("seed-{seed}.json"), &r.trace);
-            bar.suspend(|| eprintln!("FAIL seed {seed} op {op_index} [{check}] {message}\n     trace: {}", p.display()));
+            bar.suspend(|| {
+                eprintln!("FAIL seed {seed} op {op_index} [{check}] {message}\n     trace: {}", p.display());
+                eprintln!("     config: {}", serde_json::to_string(&config).unwrap());
+            });
             failed.push(serde_json::json!({"seed": seed, "op_index": op_index, "check": check, "message": message, "trace": p.display().to_string()}));
         }
         bar.set_message(format!("{} failures", failed.len()));
