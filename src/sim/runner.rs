@@ -514,6 +514,23 @@ impl World {
         Ok(outs)
     }
 
+    /// The model's verdict on trimming row `r` by `n[r]`: every row's trimmed model, and the first row's error (the
+    /// production batch checks rows in order and changes nothing when one refuses).
+    fn model_trims(&self, n: &[usize], bypass: bool) -> (BTreeMap<u32, RowModel>, Result<(), crate::reference::ModelError>) {
+        let mut models = BTreeMap::new();
+        let mut expected = Ok(());
+        for (r, &id) in self.rows.iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            if let Err(e) = m.trim(n[r], bypass) {
+                if expected.is_ok() {
+                    expected = Err(e);
+                }
+            }
+            models.insert(id, m);
+        }
+        (models, expected)
+    }
+
     fn batch_decode(&mut self) -> Res<bool> {
         if self.rows.is_empty() {
             return Ok(false);
@@ -617,15 +634,7 @@ impl World {
         self.record_checkpoint()?;
         let rollback: Vec<usize> =
             (0..self.rows.len()).map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
-        let mut models = BTreeMap::new();
-        let mut expected: Result<(), crate::reference::ModelError> = Ok(());
-        for (r, &id) in self.rows.iter().enumerate() {
-            let mut m = self.reqs[&id].model.clone();
-            if let Err(e) = m.trim(rollback[r], true) {
-                expected = Err(e);
-            }
-            models.insert(id, m);
-        }
+        let (models, expected) = self.model_trims(&rollback, true);
         let recording = self.recorder.is_some();
         let before: Vec<crate::cache::RingState> =
             if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
@@ -784,17 +793,7 @@ impl World {
         if self.rows.is_empty() {
             return Ok(false);
         }
-        let mut models = BTreeMap::new();
-        let mut expected: Result<(), crate::reference::ModelError> = Ok(());
-        for &id in &self.rows {
-            let mut m = self.reqs[&id].model.clone();
-            if let Err(e) = m.trim(n, false) {
-                if expected.is_ok() {
-                    expected = Err(e);
-                }
-            }
-            models.insert(id, m);
-        }
+        let (models, expected) = self.model_trims(&vec![n; self.rows.len()], false);
         let recording = self.recorder.is_some();
         let before: Vec<crate::cache::RingState> =
             if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
