@@ -91,12 +91,11 @@ fn cached(dest: &Path, what: &str, fill: impl FnOnce(&Path)) {
         return;
     }
     let parent = dest.parent().expect("cache path has a parent");
-    fs::create_dir_all(parent).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", parent.display()), "set KVSIM_CACHE_DIR to a writable folder"));
-    let staging = parent.join(format!(
-        ".{}.staging-{}",
-        dest.file_name().unwrap().to_string_lossy(),
-        std::process::id()
-    ));
+    fs::create_dir_all(parent).unwrap_or_else(|e| {
+        fail(&format!("cannot create {}: {e}", parent.display()), "set KVSIM_CACHE_DIR to a writable folder")
+    });
+    let staging =
+        parent.join(format!(".{}.staging-{}", dest.file_name().unwrap().to_string_lossy(), std::process::id()));
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir_all(&staging).unwrap();
     // Cargo replays this warning on later builds (path dependency), so it is worded to stay true then.
@@ -107,14 +106,18 @@ fn cached(dest: &Path, what: &str, fill: impl FnOnce(&Path)) {
     if let Err(e) = fs::rename(&staging, dest) {
         // Another build may have won the race; accept its copy if it is complete.
         if !marker.exists() {
-            fail(&format!("cannot move {} into place: {e}", staging.display()), "remove the cache folder and build again");
+            fail(
+                &format!("cannot move {} into place: {e}", staging.display()),
+                "remove the cache folder and build again",
+            );
         }
         let _ = fs::remove_dir_all(&staging);
     }
 }
 
 fn run(cmd: &mut Command, what: &str, fix: &str) {
-    let out = cmd.output().unwrap_or_else(|e| fail(&format!("{what}: could not start {:?}: {e}", cmd.get_program()), fix));
+    let out =
+        cmd.output().unwrap_or_else(|e| fail(&format!("{what}: could not start {:?}: {e}", cmd.get_program()), fix));
     if !out.status.success() {
         fail(
             &format!(
@@ -139,7 +142,16 @@ fn fetch_wheel(requirement: &str, into: &Path) {
     let fix = "install python3 with pip, or set MLX_DIR / LIBCLANG_PATH to a local copy";
     run(
         Command::new(python())
-            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+            ])
             .arg(&dl)
             .arg(requirement),
         &format!("pip download {requirement}"),
@@ -199,7 +211,10 @@ fn mlx_c_dir(cache: &Path) -> PathBuf {
     if let Some(dir) = env::var_os("MLX_C_DIR") {
         let dir = PathBuf::from(dir);
         if !dir.join("mlx/c/array.cpp").exists() {
-            fail(&format!("MLX_C_DIR={} has no mlx/c/array.cpp", dir.display()), "point it at an mlx-c 0.7.0 source tree");
+            fail(
+                &format!("MLX_C_DIR={} has no mlx/c/array.cpp", dir.display()),
+                "point it at an mlx-c 0.7.0 source tree",
+            );
         }
         return dir;
     }
@@ -270,7 +285,9 @@ fn libclang_dir(cache: &Path) -> PathBuf {
     }
     // `libclang-cpp.so` is not what bindgen loads; only a real libclang.so counts.
     if let Some(d) = system.into_iter().find(|d| {
-        fs::read_dir(d).map_or(false, |rd| rd.filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with("libclang.so")))
+        fs::read_dir(d).map_or(false, |rd| {
+            rd.filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with("libclang.so"))
+        })
     }) {
         return d;
     }
@@ -311,10 +328,8 @@ fn compile_mlx_c(mlx: &Path, mlx_c: &Path) {
 
 /// GCC's own include folder (for `float.h` / `stddef.h`, which the pip libclang lacks).
 fn gcc_include_dir() -> Option<PathBuf> {
-    let out = Command::new(env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .arg("-print-file-name=include")
-        .output()
-        .ok()?;
+    let out =
+        Command::new(env::var("CC").unwrap_or_else(|_| "cc".into())).arg("-print-file-name=include").output().ok()?;
     let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     p.join("stddef.h").exists().then_some(p)
 }

@@ -29,7 +29,11 @@ pub struct Anchor {
 
 impl Anchor {
     fn run(&self, args: &[String]) -> Result<Value, String> {
-        let out = Command::new(&self.python).arg(&self.script).args(args).output().map_err(|e| format!("cannot start {}: {e}", self.python))?;
+        let out = Command::new(&self.python)
+            .arg(&self.script)
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot start {}: {e}", self.python))?;
         if !out.status.success() {
             return Err(format!("anchor failed: {}", String::from_utf8_lossy(&out.stderr)));
         }
@@ -110,7 +114,11 @@ pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize) -> Re
     let rows: Vec<RowState> = (0..b)
         .map(|r| {
             let idx = (r * 37) % w + 1;
-            RowState { ring: RingState { offset: 10 * w + idx, len: w, idx, last_concat: None }, base: 0, pending: None }
+            RowState {
+                ring: RingState { offset: 10 * w + idx, len: w, idx, last_concat: None },
+                base: 0,
+                pending: None,
+            }
         })
         .collect();
     let mut batch = RowBatch::adopt(spec, Some(w), k, v, rows).map_err(|e| e.to_string())?;
@@ -157,20 +165,37 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
             let ours = sim_throughput(dtype, device, if quick { 300 } else { 3000 });
             let theirs = anchor.map(|a| {
                 a.run(&[
-                    "sim".into(), "--heads-q".into(), "4".into(), "--heads-kv".into(), "2".into(), "--head-dim".into(), "16".into(),
-                    "--window".into(), "8".into(), "--requests".into(), "64".into(), "--max-batch".into(), "8".into(),
-                    "--steps".into(), if quick { "150".into() } else { "1000".into() }, "--dtype".into(), name.into(),
-                    "--device".into(), device.name().into(),
+                    "sim".into(),
+                    "--heads-q".into(),
+                    "4".into(),
+                    "--heads-kv".into(),
+                    "2".into(),
+                    "--head-dim".into(),
+                    "16".into(),
+                    "--window".into(),
+                    "8".into(),
+                    "--requests".into(),
+                    "64".into(),
+                    "--max-batch".into(),
+                    "8".into(),
+                    "--steps".into(),
+                    if quick { "150".into() } else { "1000".into() },
+                    "--dtype".into(),
+                    name.into(),
+                    "--device".into(),
+                    device.name().into(),
                 ])
             });
             let mut row = json!({"dtype": name, "kvsim": ours});
             if let Some(t) = theirs {
                 match t {
                     Ok(t) => {
-                        let their_rate = t["row_steps_compared"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN);
+                        let their_rate =
+                            t["row_steps_compared"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN);
                         row["mlx_lm_harness"] = json!({"row_steps": t["row_steps_compared"], "wall_s": t["wall_s"], "cache_ops": t["cache_ops"],
                             "row_steps_per_s": their_rate, "cache_ops_per_s": t["cache_ops"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN)});
-                        row["ratio_row_steps_per_s"] = json!(row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(0.0) / their_rate);
+                        row["ratio_row_steps_per_s"] =
+                            json!(row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(0.0) / their_rate);
                     }
                     Err(e) => row["mlx_lm_harness"] = json!({"error": e}),
                 }
@@ -193,15 +218,35 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
                 }
                 if let Some(a) = anchor {
                     let args: Vec<String> = [
-                        "step", "-B", &b.to_string(), "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--window", &w.to_string(),
-                        "--dtype", "bf16", "--device", device.name(), "--iters", &iters.to_string(), "--min-steps", &iters.min(20).to_string(), "--budget-s", "3",
+                        "step",
+                        "-B",
+                        &b.to_string(),
+                        "--heads-q",
+                        "32",
+                        "--heads-kv",
+                        "8",
+                        "--head-dim",
+                        "128",
+                        "--window",
+                        &w.to_string(),
+                        "--dtype",
+                        "bf16",
+                        "--device",
+                        device.name(),
+                        "--iters",
+                        &iters.to_string(),
+                        "--min-steps",
+                        &iters.min(20).to_string(),
+                        "--budget-s",
+                        "3",
                     ]
                     .iter()
                     .map(|s| s.to_string())
                     .collect();
                     match a.run(&args) {
                         Ok(t) => {
-                            let ratio = t["ms_median"].as_f64().unwrap_or(f64::NAN) / row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN);
+                            let ratio = t["ms_median"].as_f64().unwrap_or(f64::NAN)
+                                / row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN);
                             row["mlx_lm"] = json!({"ms_median": t["ms_median"], "gbps_median": t["gbps_median"], "sdpa_only_ms": t["sdpa_only_ms"], "update_only_ms": t["update_only_ms"]});
                             row["speedup_vs_mlx_lm"] = json!(ratio);
                         }

@@ -266,7 +266,11 @@ pub fn ulp_distance(dtype: Dtype, a: u64, b: u64) -> u64 {
     let magnitude = if bits == 64 { !sign } else { sign - 1 };
     let line = |x: u64| -> i128 {
         let mag = (x & magnitude) as i128;
-        if x & sign != 0 { -mag - 1 } else { mag }
+        if x & sign != 0 {
+            -mag - 1
+        } else {
+            mag
+        }
     };
     line(a).abs_diff(line(b)).min(u64::MAX as u128) as u64
 }
@@ -319,13 +323,15 @@ mod tests {
         let data: Vec<f32> = (0..12).map(|x| x as f32).collect();
         let a = Array::from_slice(&data, &[3, 4]);
         let t = a.transpose().unwrap(); // [4, 3], strided
-        assert_eq!(ArrayBytes::of(&t).unwrap().words, Words::U32(
-            [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11].iter().map(|&x: &i32| (x as f32).to_bits()).collect()
-        ));
+        assert_eq!(
+            ArrayBytes::of(&t).unwrap().words,
+            Words::U32([0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11].iter().map(|&x: &i32| (x as f32).to_bits()).collect())
+        );
         let s = a.index((.., 1..3)); // [3, 2], a sliced view
-        assert_eq!(ArrayBytes::of(&s).unwrap().words, Words::U32(
-            [1, 2, 5, 6, 9, 10].iter().map(|&x: &i32| (x as f32).to_bits()).collect()
-        ));
+        assert_eq!(
+            ArrayBytes::of(&s).unwrap().words,
+            Words::U32([1, 2, 5, 6, 9, 10].iter().map(|&x: &i32| (x as f32).to_bits()).collect())
+        );
     }
 
     #[test]

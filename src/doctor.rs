@@ -53,8 +53,15 @@ pub fn sdpa_check(device: DeviceChoice) -> Result<SdpaCheck, String> {
         Array::from_slice(x, &[1, h as i32, len as i32, d as i32]).as_dtype(Dtype::Bfloat16).map_err(|e| e.to_string())
     };
     let scale = 1.0 / (d as f32).sqrt();
-    let out = scaled_dot_product_attention(to(&q, hq, l)?, to(&k, hk, n)?, to(&v, hk, n)?, scale, ScaledDotProductAttentionMask::Causal, None)
-        .map_err(|e| e.to_string())?;
+    let out = scaled_dot_product_attention(
+        to(&q, hq, l)?,
+        to(&k, hk, n)?,
+        to(&v, hk, n)?,
+        scale,
+        ScaledDotProductAttentionMask::Causal,
+        None,
+    )
+    .map_err(|e| e.to_string())?;
     let got = ArrayBytes::of(&out).map_err(|e| e.to_string())?;
     let (mut max_ulp, mut max_raw_ulp, mut exact) = (0f64, 0u64, 0usize);
     for h in 0..hq {
@@ -62,7 +69,10 @@ pub fn sdpa_check(device: DeviceChoice) -> Result<SdpaCheck, String> {
         for i in 0..l {
             let visible = n - l + i + 1; // bottom-right causal
             let scores: Vec<f64> = (0..visible)
-                .map(|j| (0..d).map(|x| q[(h * l + i) * d + x] as f64 * k[(kv * n + j) * d + x] as f64).sum::<f64>() * scale as f64)
+                .map(|j| {
+                    (0..d).map(|x| q[(h * l + i) * d + x] as f64 * k[(kv * n + j) * d + x] as f64).sum::<f64>()
+                        * scale as f64
+                })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();

@@ -175,9 +175,13 @@ fn main() -> ExitCode {
         }
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
-        Cmd::Mutants { budget, shrink_budget, only, save, json } => mutants_cmd(budget, shrink_budget, only, save, json),
+        Cmd::Mutants { budget, shrink_budget, only, save, json } => {
+            mutants_cmd(budget, shrink_budget, only, save, json)
+        }
         Cmd::FuzzCase { input, out } => fuzz_case_cmd(&input, &out),
-        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json),
+        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => {
+            bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json)
+        }
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
                 if dry_run {
@@ -192,7 +196,14 @@ fn main() -> ExitCode {
     }
 }
 
-fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], include: &[u64], out: &Path, keep_steps: bool) -> ExitCode {
+fn oracle_record_cmd(
+    count: usize,
+    scan: u64,
+    explicit: &[u64],
+    include: &[u64],
+    out: &Path,
+    keep_steps: bool,
+) -> ExitCode {
     use kvsim::sim::oracle;
     let python = match oracle::setup_driver() {
         Ok(p) => p,
@@ -257,7 +268,9 @@ fn oracle_record_cmd(count: usize, scan: u64, explicit: &[u64], include: &[u64],
         }
         let tp = out.join(format!("{name}.trace.json"));
         let op = out.join(format!("{name}.oracle.jsonl"));
-        if let Err(e) = std::fs::write(&tp, serde_json::to_string(&trace).unwrap() + "\n").and_then(|_| std::fs::write(&op, &text)) {
+        if let Err(e) =
+            std::fs::write(&tp, serde_json::to_string(&trace).unwrap() + "\n").and_then(|_| std::fs::write(&op, &text))
+        {
             eprintln!("{name}: {e}");
             failed = true;
             continue;
@@ -291,7 +304,8 @@ fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
                 let feats = kvsim::sim::oracle::record(&r.trace, false)
                     .map(|rec| kvsim::sim::oracle::features(&r.trace.config, &rec.infos))
                     .unwrap_or_default();
-                let special: Vec<&String> = feats.iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect();
+                let special: Vec<&String> =
+                    feats.iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect();
                 println!("seed {s}: {}", special.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" "));
             }
             println!("{}", seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" "));
@@ -306,7 +320,15 @@ fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
 
 fn print_divergences(rep: &kvsim::sim::oracle::TraceReport) {
     for d in &rep.divergences {
-        println!("  step {:>5}  op {:>3} {:<13} {:<34} {}\n             {}", d.step, d.op, d.op_kind, d.what, d.class.describe(), d.detail);
+        println!(
+            "  step {:>5}  op {:>3} {:<13} {:<34} {}\n             {}",
+            d.step,
+            d.op,
+            d.op_kind,
+            d.what,
+            d.class.describe(),
+            d.detail
+        );
     }
 }
 
@@ -359,7 +381,12 @@ fn oracle_check_cmd(dir: &Path, json: bool) -> ExitCode {
     }
     let kinds = report.kinds();
     let missing: Vec<&str> = oracle::STEP_KINDS.iter().copied().filter(|k| !kinds.contains(*k)).collect();
-    println!("step kinds covered: {}/{}{}", oracle::STEP_KINDS.len() - missing.len(), oracle::STEP_KINDS.len(), if missing.is_empty() { String::new() } else { format!(" (missing: {})", missing.join(", ")) });
+    println!(
+        "step kinds covered: {}/{}{}",
+        oracle::STEP_KINDS.len() - missing.len(),
+        oracle::STEP_KINDS.len(),
+        if missing.is_empty() { String::new() } else { format!(" (missing: {})", missing.join(", ")) }
+    );
     println!(
         "kvsim oracle check: {} traces, {} agree, {} classified, {} unclassified",
         report.traces.len(),
@@ -382,7 +409,9 @@ fn doctor() -> ExitCode {
     println!("mlx version     {version} (headers this build was compiled against: {})", mlx_sys::MLX_BUILD_VERSION);
     let loaded = std::fs::read_to_string("/proc/self/maps")
         .ok()
-        .and_then(|m| m.lines().find(|l| l.contains("libmlx")).map(|l| l.split_whitespace().last().unwrap_or("").to_string()))
+        .and_then(|m| {
+            m.lines().find(|l| l.contains("libmlx")).map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+        })
         .unwrap_or_else(|| "unknown".into());
     println!("library loaded  {loaded}");
     println!("build run path  {}", mlx_sys::MLX_LIB_DIR);
@@ -437,7 +466,9 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
     let start = Instant::now();
     let bar = indicatif::ProgressBar::new(seeds.len() as u64);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} seeds {msg}").unwrap().progress_chars("=> "),
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} seeds {msg}")
+            .unwrap()
+            .progress_chars("=> "),
     );
     let mut total = Counters::default();
     let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
@@ -513,9 +544,22 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
         seconds: start.elapsed().as_secs_f64(),
         guarantees: total.table.clone(),
     };
-    println!("kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}", ran, ops, skipped, total.checks, failed.len(), summary.seconds, device.name());
+    println!(
+        "kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}",
+        ran,
+        ops,
+        skipped,
+        total.checks,
+        failed.len(),
+        summary.seconds,
+        device.name()
+    );
     println!("  {:<28} {:>10} {:>12} {:>10}", "output class vs solo twin", "compared", "bit-exact", "max ULP");
-    for (name, c) in [("decode (unpadded rows)", total.decode_unpadded), ("decode (padded rows)", total.decode_padded), ("window", total.window)] {
+    for (name, c) in [
+        ("decode (unpadded rows)", total.decode_unpadded),
+        ("decode (padded rows)", total.decode_padded),
+        ("window", total.window),
+    ] {
         println!("  {:<28} {:>10} {:>12} {:>10}", name, c.compared, c.bit_exact, c.max_ulp);
     }
     println!("  state comparisons byte-identical: {}", total.bit_exact_state);
@@ -523,8 +567,14 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
     for (k, c) in &total.table {
         println!("    {:<40} {:>9} compared {:>9} bit-exact  max {} ULP", k, c.compared, c.bit_exact, c.max_ulp);
     }
-    println!("  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads", total.model_max_ulp_f32, total.model_max_ulp_bf16, total.model_checks);
-    println!("  ops by kind: {}", summary.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
+    println!(
+        "  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads",
+        total.model_max_ulp_f32, total.model_max_ulp_bf16, total.model_checks
+    );
+    println!(
+        "  ops by kind: {}",
+        summary.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    );
     if json {
         println!("{}", serde_json::to_string(&summary).unwrap());
     }
@@ -549,7 +599,9 @@ fn replay_cmd(path: &Path, device: DeviceChoice) -> ExitCode {
         println!("digest of op {i} differs from the recorded run ({:?})", trace.ops.get(i));
     }
     match &r.trace.outcome {
-        Outcome::Pass => println!("replay: all {} ops passed (result hash {})", r.trace.ops.len(), &r.trace.result_hash[..16]),
+        Outcome::Pass => {
+            println!("replay: all {} ops passed (result hash {})", r.trace.ops.len(), &r.trace.result_hash[..16])
+        }
         Outcome::Fail { op_index, check, message } => {
             println!("replay: first divergence at op {op_index} {:?}\n  [{check}] {message}", r.trace.ops[*op_index])
         }
@@ -617,7 +669,9 @@ fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bo
         match caught {
             Some((seed, r)) => {
                 let (check, shrunk) = match &r.trace.outcome {
-                    Outcome::Fail { check, .. } => (check.clone(), sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok()),
+                    Outcome::Fail { check, .. } => {
+                        (check.clone(), sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok())
+                    }
                     Outcome::Pass => (String::new(), None),
                 };
                 let shrunk_ops = shrunk.as_ref().map(|s| s.trace.ops.len()).unwrap_or(r.trace.ops.len());
@@ -662,7 +716,11 @@ fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<kvsim::
             let venv = "oracles/mlx_lm/.venv/bin/python";
             if !Path::new(venv).exists() {
                 eprintln!("kvsim bench: setting up the mlx-lm venv (oracles/mlx_lm/setup.sh)");
-                let ok = std::process::Command::new("bash").arg("oracles/mlx_lm/setup.sh").status().map(|s| s.success()).unwrap_or(false);
+                let ok = std::process::Command::new("bash")
+                    .arg("oracles/mlx_lm/setup.sh")
+                    .status()
+                    .map(|s| s.success())
+                    .unwrap_or(false);
                 if !ok {
                     return Err("oracles/mlx_lm/setup.sh failed".into());
                 }
@@ -676,7 +734,11 @@ fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<kvsim::
 fn machine_info() -> serde_json::Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_default();
     let gpu = std::process::Command::new("nvidia-smi")
         .args(["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
@@ -689,7 +751,16 @@ fn machine_info() -> serde_json::Value {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn bench_cmd(device: DeviceChoice, what: &str, python: Option<String>, anchor: Option<String>, no_anchor: bool, quick: bool, out: &Path, json: bool) -> ExitCode {
+fn bench_cmd(
+    device: DeviceChoice,
+    what: &str,
+    python: Option<String>,
+    anchor: Option<String>,
+    no_anchor: bool,
+    quick: bool,
+    out: &Path,
+    json: bool,
+) -> ExitCode {
     let anchor = if no_anchor {
         None
     } else {
@@ -703,7 +774,10 @@ fn bench_cmd(device: DeviceChoice, what: &str, python: Option<String>, anchor: O
     };
     let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick);
     r["machine"] = machine_info();
-    r["unix_time"] = serde_json::json!(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0));
+    r["unix_time"] = serde_json::json!(std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0));
     if let Some(rows) = r["sim"].as_array() {
         println!("simulator throughput (H 4/2, D 16, W 8; batched decode row-steps checked against solo twins):");
         for row in rows {

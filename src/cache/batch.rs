@@ -17,7 +17,10 @@ use super::error::{invalid, shape, CacheError};
 use super::kind::{KindRoute, StorageKind};
 use super::mask::{attend, MaskKey, MaskKind, MaskUse, Masks};
 use super::mutation::{self, Mutant};
-use super::ring::{grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase, RingState, SerialCache};
+use super::ring::{
+    grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase,
+    RingState, SerialCache,
+};
 use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, zeros};
 use super::{KvSpec, Result};
 
@@ -236,7 +239,11 @@ impl RowBatch {
             .zip(&lens)
             .map(|((_, _, off), &l)| {
                 let len = if mutation::is(Mutant::MergeSlicesByOffset) { (*off).min(width) } else { l };
-                RowState { ring: RingState { offset: *off, len, idx: len, last_concat: None }, base: off - len, pending: None }
+                RowState {
+                    ring: RingState { offset: *off, len, idx: len, last_concat: None },
+                    base: off - len,
+                    pending: None,
+                }
             })
             .collect();
         let parts: Vec<(Array, Array)> = rows.iter().map(|(k, v, _)| (k.clone(), v.clone())).collect();
@@ -459,7 +466,8 @@ impl RowBatch {
         if self.is_pending() {
             return Err(CacheError::PendingPrefill);
         }
-        let plans: Vec<(usize, RingState)> = self.rows.iter().map(|r| r.ring.prepared_for_decode(self.max_size)).collect();
+        let plans: Vec<(usize, RingState)> =
+            self.rows.iter().map(|r| r.ring.prepared_for_decode(self.max_size)).collect();
         if plans.iter().any(|(d, _)| *d > 0) {
             if let Some(b) = &self.buf {
                 let (nrows, cap) = (self.rows.len(), b.cap());
@@ -573,7 +581,14 @@ impl RowBatch {
         if uniform || mutation::is(Mutant::MaskIgnoresPadding) {
             return Ok((attend(q, &kl, &vl, scale, None, false)?, MaskUse::None));
         }
-        let key = MaskKey { kind: MaskKind::Decode, real: vec![1; lens.len()], lens, queries: 1, window: self.max_size, cols: width };
+        let key = MaskKey {
+            kind: MaskKind::Decode,
+            real: vec![1; lens.len()],
+            lens,
+            queries: 1,
+            window: self.max_size,
+            cols: width,
+        };
         let (spec, arr) = masks.get(&key)?;
         Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
     }
@@ -697,7 +712,9 @@ impl RowBatch {
     /// checked first. One count per row, else [`CacheError::BadLengths`].
     pub fn trim_rows(&mut self, n: &[usize], bypass: bool) -> Result<()> {
         if n.len() != self.rows.len() {
-            return Err(CacheError::BadLengths { what: format!("{} trim counts for {} rows", n.len(), self.rows.len()) });
+            return Err(CacheError::BadLengths {
+                what: format!("{} trim counts for {} rows", n.len(), self.rows.len()),
+            });
         }
         let plans = self
             .rows
@@ -806,7 +823,13 @@ impl RowBatch {
         );
         for ((i, r), lp) in self.rows.iter().enumerate().zip(self.left_padding()) {
             let s = &r.ring;
-            out.push_str(&format!("r{i} {} off={} len={} idx={} lp={lp}", render_cells(s, width), s.offset, s.len, s.idx));
+            out.push_str(&format!(
+                "r{i} {} off={} len={} idx={} lp={lp}",
+                render_cells(s, width),
+                s.offset,
+                s.len,
+                s.idx
+            ));
             if let Some(p) = r.pending {
                 out.push_str(&format!(" pending={p}"));
             }
@@ -828,8 +851,13 @@ mod tests {
     fn solo_rows(spec: KvSpec, w: Option<usize>) -> Vec<SerialCache> {
         let masks = Masks::new();
         let mut rows = Vec::new();
-        let scripts: &[&[(bool, usize)]] =
-            &[&[(false, 2)], &[(true, 5), (false, 3)], &[(true, 3), (true, 3)], &[], &[(false, 9), (true, 2), (false, 1)]];
+        let scripts: &[&[(bool, usize)]] = &[
+            &[(false, 2)],
+            &[(true, 5), (false, 3)],
+            &[(true, 3), (true, 3)],
+            &[],
+            &[(false, 9), (true, 2), (false, 1)],
+        ];
         for (i, script) in scripts.iter().enumerate() {
             let mut c = SerialCache::new(spec, w).unwrap();
             for (j, &(win, l)) in script.iter().enumerate() {
@@ -1048,8 +1076,12 @@ mod tests {
         let mut a = joined_twin(spec, Some(4));
         drive(&mut a);
         let s = a.solo[4].clone();
-        let b = RowBatch::join(spec, Some(4), &[JoinSource::Rows(&a.batch, vec![2, 0]), JoinSource::Serial(&s), JoinSource::Rows(&a.batch, vec![1])])
-            .unwrap();
+        let b = RowBatch::join(
+            spec,
+            Some(4),
+            &[JoinSource::Rows(&a.batch, vec![2, 0]), JoinSource::Serial(&s), JoinSource::Rows(&a.batch, vec![1])],
+        )
+        .unwrap();
         let solo = vec![a.solo[2].clone(), a.solo[0].clone(), s, a.solo[1].clone()];
         let mut t = Twin::new(b, solo);
         assert_eq!(t.batch.row_states()[0], a.batch.row_states()[2], "base and pending kept too");
@@ -1068,7 +1100,10 @@ mod tests {
             CacheError::WindowMismatch { expected: Some(4), found: None }
         );
         let bf = RotatingKvCache::new(KvSpec { dtype: KvDtype::Bf16, ..spec }, 4).unwrap();
-        assert!(matches!(RowBatch::join(spec, Some(4), &[JoinSource::Serial(&bf)]), Err(CacheError::ShapeMismatch { .. })));
+        assert!(matches!(
+            RowBatch::join(spec, Some(4), &[JoinSource::Serial(&bf)]),
+            Err(CacheError::ShapeMismatch { .. })
+        ));
         assert_eq!(
             RowBatch::join(spec, Some(4), &[JoinSource::Rows(&a.batch, vec![1, 1])]).unwrap_err(),
             CacheError::DuplicateRow { row: 1 }
@@ -1150,12 +1185,18 @@ mod tests {
         let (k, v, q) = kvq(&spec, 1, 5, 2);
         assert!(matches!(b.decode(&k, &v, &q, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })), "two positions");
         t.window(77, 3);
-        assert_eq!(t.batch.trim_rows(&[0, 1, 4, 0, 0], true), Err(CacheError::TrimTooLong { requested: 4, available: 3 }));
+        assert_eq!(
+            t.batch.trim_rows(&[0, 1, 4, 0, 0], true),
+            Err(CacheError::TrimTooLong { requested: 4, available: 3 })
+        );
         t.check_state("failed trims change nothing");
         assert_eq!(t.batch.row_states()[0].ring.last_concat, Some(3));
         assert!(matches!(RowBatch::with_rows(spec, Some(0), 1), Err(CacheError::InvalidState { .. })));
         let (k, v, _) = kvq(&spec, 2, 1, 5);
-        assert!(matches!(RowBatch::merge(spec, Some(4), &[(k.clone(), v.clone(), 9)]), Err(CacheError::ShapeMismatch { .. })));
+        assert!(matches!(
+            RowBatch::merge(spec, Some(4), &[(k.clone(), v.clone(), 9)]),
+            Err(CacheError::ShapeMismatch { .. })
+        ));
         assert!(matches!(RowBatch::merge(spec, None, &[(k, v, 3)]), Err(CacheError::InvalidState { .. })));
     }
 
@@ -1172,12 +1213,21 @@ mod tests {
         t2.decode(1);
         let mut bad = states.clone();
         bad[0].ring.len = bad[0].ring.offset + 1;
-        assert!(matches!(RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), bad), Err(CacheError::InvalidState { .. })));
+        assert!(matches!(
+            RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), bad),
+            Err(CacheError::InvalidState { .. })
+        ));
         let mut bad = states.clone();
         bad[1].ring.idx = 1;
         bad[1].ring.len = 3;
-        assert!(matches!(RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), bad), Err(CacheError::InvalidState { .. })));
-        assert!(matches!(RowBatch::adopt(spec, Some(4), k, v, states[..2].to_vec()), Err(CacheError::ShapeMismatch { .. })));
+        assert!(matches!(
+            RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), bad),
+            Err(CacheError::InvalidState { .. })
+        ));
+        assert!(matches!(
+            RowBatch::adopt(spec, Some(4), k, v, states[..2].to_vec()),
+            Err(CacheError::ShapeMismatch { .. })
+        ));
     }
 
     /// R-BROT-3: rope_offsets is a value; the OffsetAliasing mutant makes it follow later writes.

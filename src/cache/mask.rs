@@ -119,7 +119,10 @@ pub struct Masks {
 
 impl std::fmt::Debug for Masks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Masks").field("distinct", &self.memo.borrow().len()).field("builds", &self.builds.get()).finish()
+        f.debug_struct("Masks")
+            .field("distinct", &self.memo.borrow().len())
+            .field("builds", &self.builds.get())
+            .finish()
     }
 }
 

@@ -23,13 +23,15 @@ pub mod kind;
 pub mod mask;
 pub mod mutation;
 pub mod ring;
-mod util;
 #[cfg(test)]
 mod testutil;
+mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
 pub use error::CacheError;
-pub use kind::{is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER};
+pub use kind::{
+    is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER,
+};
 pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 
@@ -111,7 +113,14 @@ mod tests {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "rs") {
                 let text = std::fs::read_to_string(&path).unwrap();
-                for banned in ["crate::reference", "crate::sim", "kvsim::reference", "kvsim::sim", "super::super::reference", "super::super::sim"] {
+                for banned in [
+                    "crate::reference",
+                    "crate::sim",
+                    "kvsim::reference",
+                    "kvsim::sim",
+                    "super::super::reference",
+                    "super::super::sim",
+                ] {
                     let needle = banned.to_string();
                     let hits = text.lines().filter(|l| l.contains(&needle) && !l.contains("banned")).count();
                     assert_eq!(hits, 0, "{} mentions {banned}", path.display());

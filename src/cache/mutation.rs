@@ -83,7 +83,9 @@ impl Mutant {
         match self {
             Mutant::TemporalHead => "temporal_view takes the head of the temporal order instead of the tail",
             Mutant::MaskIgnoresPadding => "batched decode reads use no mask even when rows' lengths differ",
-            Mutant::MergeSlicesByOffset => "merge records each row's len as min(offset, widest row), not its slice length",
+            Mutant::MergeSlicesByOffset => {
+                "merge records each row's len as min(offset, widest row), not its slice length"
+            }
             Mutant::MissingKindOverride => {
                 "a row batch reports the serial kind without the row-batch marker, so join drops rows"
             }

@@ -243,10 +243,9 @@ impl Buf {
         let z = zeros(&[rows, spec.heads_kv, extra, spec.head_dim], spec.dtype.to_mlx())?;
         Ok(Some(match buf {
             None => Buf { k: z.clone(), v: z },
-            Some(b) => Buf {
-                k: mlx_rs::ops::concatenate(&[&b.k, &z], 2)?,
-                v: mlx_rs::ops::concatenate(&[&b.v, &z], 2)?,
-            },
+            Some(b) => {
+                Buf { k: mlx_rs::ops::concatenate(&[&b.k, &z], 2)?, v: mlx_rs::ops::concatenate(&[&b.v, &z], 2)? }
+            }
         }))
     }
 
@@ -468,7 +467,14 @@ impl SerialCache {
         if self.max_size.is_none_or(|w| len <= w) {
             return Ok((attend(q, &kl, &vl, scale, None, true)?, MaskUse::Causal));
         }
-        let key = MaskKey { kind: MaskKind::Window, lens: vec![len], real: vec![l], queries: l, window: self.max_size, cols: len };
+        let key = MaskKey {
+            kind: MaskKind::Window,
+            lens: vec![len],
+            real: vec![l],
+            queries: l,
+            window: self.max_size,
+            cols: len,
+        };
         let (spec, arr) = masks.get(&key)?;
         Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
     }
@@ -630,7 +636,8 @@ mod tests {
             let (h, l, d) = (k.shape()[1] as usize, k.shape()[2] as usize, k.shape()[3] as usize);
             let (kf, vf) = (f32s(k), f32s(v));
             for i in 0..l {
-                let pick = |x: &[f32]| (0..h).flat_map(|hh| x[(hh * l + i) * d..(hh * l + i + 1) * d].to_vec()).collect();
+                let pick =
+                    |x: &[f32]| (0..h).flat_map(|hh| x[(hh * l + i) * d..(hh * l + i + 1) * d].to_vec()).collect();
                 self.k.push(pick(&kf));
                 self.v.push(pick(&vf));
             }
@@ -639,7 +646,16 @@ mod tests {
 
     /// f64 attention of query `i` of `q` `[1, HQ, L, D]` over `positions`; returns `[HQ, D]`.
     #[allow(clippy::too_many_arguments)]
-    fn expected(h: &Hist, q: &[f32], l: usize, i: usize, positions: &[usize], hkv: usize, d: usize, scale: f64) -> Vec<f64> {
+    fn expected(
+        h: &Hist,
+        q: &[f32],
+        l: usize,
+        i: usize,
+        positions: &[usize],
+        hkv: usize,
+        d: usize,
+        scale: f64,
+    ) -> Vec<f64> {
         let mut out = Vec::new();
         for hq in 0..HQ {
             let kh = hq / (HQ / hkv);
@@ -658,7 +674,15 @@ mod tests {
         out
     }
 
-    fn check_against_f64(out: &Array, q: &Array, h: &Hist, offset_after: usize, w: Option<usize>, spec: &KvSpec, scale: f32) {
+    fn check_against_f64(
+        out: &Array,
+        q: &Array,
+        h: &Hist,
+        offset_after: usize,
+        w: Option<usize>,
+        spec: &KvSpec,
+        scale: f32,
+    ) {
         let l = q.shape()[2] as usize;
         let (qf, of) = (f32s(q), f32s(out));
         let d = spec.head_dim;
@@ -686,8 +710,17 @@ mod tests {
             let mut c = SerialCache::new(spec, w).unwrap();
             let mut h = Hist::default();
             let masks = Masks::new();
-            let script: &[(bool, usize)] =
-                &[(true, 3), (false, 3), (true, 5), (false, 2), (true, 1), (false, 4), (true, 2), (true, 7), (false, 6)];
+            let script: &[(bool, usize)] = &[
+                (true, 3),
+                (false, 3),
+                (true, 5),
+                (false, 2),
+                (true, 1),
+                (false, 4),
+                (true, 2),
+                (true, 7),
+                (false, 6),
+            ];
             let mut seed = 100;
             for &(is_window, l) in script {
                 for _ in 0..if is_window { 1 } else { l } {
@@ -723,7 +756,8 @@ mod tests {
             let (k, v, q) = kvq(&spec, 8, 1, 4);
             let (out, used) = c.window(&k, &v, &q, 0.3, &masks).unwrap();
             assert_eq!(used, MaskUse::Causal);
-            let key = MaskKey { kind: MaskKind::Window, lens: vec![7], real: vec![4], queries: 4, window: Some(8), cols: 7 };
+            let key =
+                MaskKey { kind: MaskKind::Window, lens: vec![7], real: vec![4], queries: 4, window: Some(8), cols: 7 };
             let (_, arr) = masks.get(&key).unwrap();
             let (kl, vl) = c.physical().unwrap();
             let explicit = attend(&q, &kl, &vl, 0.3, Some(&arr), false).unwrap();

@@ -14,13 +14,7 @@ use crate::reference::values::{RefDtype, Tensor, Tok, ValueSpace};
 /// softmax (max subtracted); GQA head mapping `h -> h / (heads_q / heads_kv)`. Returns all-NaN when there is no
 /// key to attend (`keys` empty) or the shapes are invalid ([`ValueSpace::validate`]): attention is then undefined
 /// and any comparison against it reports the maximal distance.
-pub fn attention_f64(
-    vs: &ValueSpace,
-    layer: u32,
-    q_tok: Tok,
-    keys: &[Tok],
-    scale: f64,
-) -> Vec<f64> {
+pub fn attention_f64(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scale: f64) -> Vec<f64> {
     let d = vs.head_dim;
     let out_len = vs.heads_q * d;
     if keys.is_empty() || vs.validate().is_err() {
@@ -28,14 +22,8 @@ pub fn attention_f64(
     }
     let group = vs.heads_q / vs.heads_kv;
     let q = vs.column_f32(layer, Tensor::Q, q_tok);
-    let ks: Vec<Vec<f32>> = keys
-        .iter()
-        .map(|&t| vs.column_f32(layer, Tensor::K, t))
-        .collect();
-    let vs_: Vec<Vec<f32>> = keys
-        .iter()
-        .map(|&t| vs.column_f32(layer, Tensor::V, t))
-        .collect();
+    let ks: Vec<Vec<f32>> = keys.iter().map(|&t| vs.column_f32(layer, Tensor::K, t)).collect();
+    let vs_: Vec<Vec<f32>> = keys.iter().map(|&t| vs.column_f32(layer, Tensor::V, t)).collect();
     let mut out = vec![0.0f64; out_len];
     for h in 0..vs.heads_q {
         let kv = h / group;
@@ -44,11 +32,7 @@ pub fn attention_f64(
             .iter()
             .map(|k| {
                 let kh = &k[kv * d..(kv + 1) * d];
-                qh.iter()
-                    .zip(kh)
-                    .map(|(&a, &b)| a as f64 * b as f64)
-                    .sum::<f64>()
-                    * scale
+                qh.iter().zip(kh).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale
             })
             .collect();
         let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -84,11 +68,7 @@ fn f64_to_f32_round_odd(x: f64) -> f32 {
     if f.is_finite() && f as f64 == x {
         return f;
     }
-    let mut b = if f.is_infinite() {
-        f32::MAX.copysign(f).to_bits()
-    } else {
-        f.to_bits()
-    };
+    let mut b = if f.is_infinite() { f32::MAX.copysign(f).to_bits() } else { f.to_bits() };
     if (f32::from_bits(b) as f64).abs() > x.abs() {
         b -= 1; // one step toward zero (the magnitude bits are > 0 here)
     }
@@ -122,10 +102,7 @@ pub fn ulp_f32(a: f32, b: f32) -> u64 {
     if a.is_nan() || b.is_nan() {
         return u64::MAX;
     }
-    let (x, y) = (
-        ordered(a.to_bits() as u64, 1 << 31),
-        ordered(b.to_bits() as u64, 1 << 31),
-    );
+    let (x, y) = (ordered(a.to_bits() as u64, 1 << 31), ordered(b.to_bits() as u64, 1 << 31));
     x.abs_diff(y)
 }
 
@@ -152,26 +129,12 @@ pub fn max_ulp(d: RefDtype, expected: &[f64], found: &[u32]) -> u64 {
     if expected.len() != found.len() {
         return u64::MAX;
     }
-    expected
-        .iter()
-        .zip(found)
-        .map(|(&e, &f)| ulp_bits(d, round_to(d, e), f))
-        .max()
-        .unwrap_or(0)
+    expected.iter().zip(found).map(|(&e, &f)| ulp_bits(d, round_to(d, e), f)).max().unwrap_or(0)
 }
 
 /// Expected attention output as storage bits of `vs.dtype` ([`attention_f64`] then [`round_to`]).
-pub fn attention_bits(
-    vs: &ValueSpace,
-    layer: u32,
-    q_tok: Tok,
-    keys: &[Tok],
-    scale: f64,
-) -> Vec<u32> {
-    attention_f64(vs, layer, q_tok, keys, scale)
-        .into_iter()
-        .map(|x| round_to(vs.dtype, x))
-        .collect()
+pub fn attention_bits(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scale: f64) -> Vec<u32> {
+    attention_f64(vs, layer, q_tok, keys, scale).into_iter().map(|x| round_to(vs.dtype, x)).collect()
 }
 
 #[cfg(test)]
@@ -181,13 +144,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn vs(dtype: RefDtype) -> ValueSpace {
-        ValueSpace {
-            seed: 11,
-            heads_kv: 2,
-            heads_q: 4,
-            head_dim: 4,
-            dtype,
-        }
+        ValueSpace { seed: 11, heads_kv: 2, heads_q: 4, head_dim: 4, dtype }
     }
 
     #[test]
@@ -212,11 +169,7 @@ mod tests {
         let keys: Vec<Tok> = (0..5).map(|p| Tok::new(1, p)).collect();
         let out = attention_f64(&v, 2, Tok::new(1, 4), &keys, 0.0);
         for d in 0..4 {
-            let mean: f64 = keys
-                .iter()
-                .map(|&k| v.value(2, Tensor::V, k, 1, d) as f64)
-                .sum::<f64>()
-                / 5.0;
+            let mean: f64 = keys.iter().map(|&k| v.value(2, Tensor::V, k, 1, d) as f64).sum::<f64>() / 5.0;
             assert!((out[3 * 4 + d] - mean).abs() < 1e-12);
         }
         let mut rev = keys.clone();
@@ -229,9 +182,7 @@ mod tests {
     #[test]
     fn no_keys_or_bad_shapes_give_nan() {
         let v = vs(RefDtype::F32);
-        assert!(attention_f64(&v, 0, Tok::new(0, 0), &[], 1.0)
-            .iter()
-            .all(|x| x.is_nan()));
+        assert!(attention_f64(&v, 0, Tok::new(0, 0), &[], 1.0).iter().all(|x| x.is_nan()));
         let bad = ValueSpace { heads_q: 3, ..v };
         let out = attention_f64(&bad, 0, Tok::new(0, 0), &[Tok::new(0, 0)], 1.0);
         assert_eq!(out.len(), 12);
@@ -249,11 +200,7 @@ mod tests {
         assert_eq!(round_to(RefDtype::Bf16, 1.0 + 3.0 * 2f64.powi(-8)), 0x3f82);
         // Just above the midpoint by less than an f32 ulp: double rounding via f32 would give 1.0.
         let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-30);
-        assert_eq!(
-            half::bf16::from_f32(x as f32).to_bits(),
-            0x3f80,
-            "the double-rounding trap"
-        );
+        assert_eq!(half::bf16::from_f32(x as f32).to_bits(), 0x3f80, "the double-rounding trap");
         assert_eq!(round_to(RefDtype::Bf16, x), 0x3f81);
         assert_eq!(round_to(RefDtype::Bf16, 1e300), 0x7f80);
         assert_eq!(round_to(RefDtype::Bf16, -1e300), 0xff80);
@@ -269,11 +216,7 @@ mod tests {
         assert_eq!(ulp_f32(1.0, 1.0), 0);
         assert_eq!(ulp_f32(1.0, f32::from_bits(1.0f32.to_bits() + 3)), 3);
         assert_eq!(ulp_f32(-1.0, f32::from_bits((-1.0f32).to_bits() + 2)), 2);
-        assert_eq!(
-            ulp_f32(0.0, -0.0),
-            1,
-            "+0 and -0 are different bytes: 1 apart"
-        );
+        assert_eq!(ulp_f32(0.0, -0.0), 1, "+0 and -0 are different bytes: 1 apart");
         assert_eq!(ulp_f32(f32::from_bits(1), -f32::from_bits(1)), 3);
         assert_eq!(ulp_f32(f32::NAN, f32::NAN), u64::MAX);
         assert_eq!(ulp_f32(1.0, f32::NAN), u64::MAX);

@@ -63,11 +63,7 @@ impl fmt::Display for Divergence {
         if let Some(c) = self.column {
             write!(f, " column {c}")?;
         }
-        write!(
-            f,
-            ", {}: expected {}, found {}",
-            self.what, self.expected, self.found
-        )?;
+        write!(f, ", {}: expected {}, found {}", self.what, self.expected, self.found)?;
         if let Some(b) = &self.bytes {
             write!(f, " [bits {b}]")?;
         }
@@ -141,40 +137,29 @@ pub fn compare_columns(
     let what = format!("{t} layer {layer}");
     let candidates = || expected.iter().chain(extra_candidates).copied();
     for c in 0..expected.len().max(found.len()) {
-        let (exp_text, exp_tok, found_text, found_tok, bytes) =
-            match (expected.get(c), found.get(c)) {
-                (Some(&e), Some(f)) => {
-                    if vs.column_bits(layer, t, e) == *f {
-                        continue;
-                    }
-                    let (text, tok) = describe_found(vs, layer, t, f, candidates());
-                    (
-                        e.to_string(),
-                        Some(e),
-                        text,
-                        tok,
-                        Some(bits_summary(vs.dtype, f)),
-                    )
+        let (exp_text, exp_tok, found_text, found_tok, bytes) = match (expected.get(c), found.get(c)) {
+            (Some(&e), Some(f)) => {
+                if vs.column_bits(layer, t, e) == *f {
+                    continue;
                 }
-                (Some(&e), None) => (
-                    e.to_string(),
-                    Some(e),
-                    format!("no column (the layout has {} columns)", found.len()),
+                let (text, tok) = describe_found(vs, layer, t, f, candidates());
+                (e.to_string(), Some(e), text, tok, Some(bits_summary(vs.dtype, f)))
+            }
+            (Some(&e), None) => {
+                (e.to_string(), Some(e), format!("no column (the layout has {} columns)", found.len()), None, None)
+            }
+            (None, Some(f)) => {
+                let (text, tok) = describe_found(vs, layer, t, f, candidates());
+                (
+                    format!("no column (the model has {} columns)", expected.len()),
                     None,
-                    None,
-                ),
-                (None, Some(f)) => {
-                    let (text, tok) = describe_found(vs, layer, t, f, candidates());
-                    (
-                        format!("no column (the model has {} columns)", expected.len()),
-                        None,
-                        text,
-                        tok,
-                        Some(bits_summary(vs.dtype, f)),
-                    )
-                }
-                (None, None) => continue,
-            };
+                    text,
+                    tok,
+                    Some(bits_summary(vs.dtype, f)),
+                )
+            }
+            (None, None) => continue,
+        };
         return Some(Divergence {
             op_index,
             op: op.to_string(),
@@ -202,25 +187,14 @@ pub fn compare_fields(
 ) -> Option<Divergence> {
     let opt = |x: Option<usize>| x.map_or_else(|| "none".to_string(), |v| v.to_string());
     let pairs = [
-        (
-            "offset",
-            expected.offset.to_string(),
-            found.offset.to_string(),
-        ),
+        ("offset", expected.offset.to_string(), found.offset.to_string()),
         ("len", expected.len.to_string(), found.len.to_string()),
         ("idx", expected.idx.to_string(), found.idx.to_string()),
-        (
-            "last_concat",
-            opt(expected.last_concat),
-            opt(found.last_concat),
-        ),
+        ("last_concat", opt(expected.last_concat), opt(found.last_concat)),
         ("base", expected.base.to_string(), found.base.to_string()),
         ("pending", opt(expected.pending), opt(found.pending)),
     ];
-    pairs
-        .into_iter()
-        .find(|(_, e, f)| e != f)
-        .map(|(what, e, f)| Divergence::field(op_index, op, row, what, e, f))
+    pairs.into_iter().find(|(_, e, f)| e != f).map(|(what, e, f)| Divergence::field(op_index, op, row, what, e, f))
 }
 
 #[cfg(test)]
@@ -229,13 +203,7 @@ mod tests {
     use crate::reference::model::RowModel;
 
     fn vs() -> ValueSpace {
-        ValueSpace {
-            seed: 3,
-            heads_kv: 1,
-            heads_q: 2,
-            head_dim: 4,
-            dtype: RefDtype::Bf16,
-        }
+        ValueSpace { seed: 3, heads_kv: 1, heads_q: 2, head_dim: 4, dtype: RefDtype::Bf16 }
     }
 
     /// A hand-made wrong layout: the ring of W = 3 after 5 decodes holds [p3 p4 p2]; the "layout" below kept the
@@ -247,10 +215,7 @@ mod tests {
         for p in 0..5 {
             m.try_decode_write(Tok::new(7, p)).unwrap();
         }
-        let found: Vec<Vec<u32>> = [3, 4, 0]
-            .iter()
-            .map(|&p| v.column_bits(0, Tensor::K, Tok::new(7, p)))
-            .collect();
+        let found: Vec<Vec<u32>> = [3, 4, 0].iter().map(|&p| v.column_bits(0, Tensor::K, Tok::new(7, p))).collect();
         let all: Vec<Tok> = (0..5).map(|p| Tok::new(7, p)).collect();
         let d = compare_columns(&v, 0, Tensor::K, &m.cols, &found, &all, 12, "decode", 1).unwrap();
         assert_eq!(d.column, Some(2));
@@ -269,28 +234,20 @@ mod tests {
         assert_eq!(d.found, "an unidentified column");
 
         // The right layout: no divergence.
-        let right: Vec<Vec<u32>> = m
-            .cols
-            .iter()
-            .map(|&t| v.column_bits(0, Tensor::K, t))
-            .collect();
-        assert_eq!(
-            compare_columns(&v, 0, Tensor::K, &m.cols, &right, &[], 12, "decode", 1),
-            None
-        );
+        let right: Vec<Vec<u32>> = m.cols.iter().map(|&t| v.column_bits(0, Tensor::K, t)).collect();
+        assert_eq!(compare_columns(&v, 0, Tensor::K, &m.cols, &right, &[], 12, "decode", 1), None);
     }
 
     #[test]
     fn padding_missing_and_extra_columns_are_named() {
         let v = vs();
         let exp = vec![Tok::new(0, 0), Tok::new(0, 1)];
-        let padded = vec![
-            v.column_bits(0, Tensor::V, exp[0]),
-            v.pad_column_bits(0, Tensor::V, 0, 1),
-        ];
+        let padded = vec![v.column_bits(0, Tensor::V, exp[0]), v.pad_column_bits(0, Tensor::V, 0, 1)];
         let d = compare_columns(&v, 0, Tensor::V, &exp, &padded, &[], 3, "window", 0).unwrap();
         assert_eq!(d.found, "padding poison");
-        assert!(d.to_string().starts_with("op #3 (window) row 0 column 1, V layer 0: expected req 0 pos 1, found padding poison [bits "));
+        assert!(d.to_string().starts_with(
+            "op #3 (window) row 0 column 1, V layer 0: expected req 0 pos 1, found padding poison [bits "
+        ));
 
         let short = vec![v.column_bits(0, Tensor::V, exp[0])];
         let d = compare_columns(&v, 0, Tensor::V, &exp, &short, &[], 3, "window", 0).unwrap();
@@ -308,36 +265,16 @@ mod tests {
 
     #[test]
     fn field_divergences() {
-        let e = RowFields {
-            offset: 9,
-            len: 4,
-            idx: 2,
-            last_concat: None,
-            base: 0,
-            pending: None,
-        };
+        let e = RowFields { offset: 9, len: 4, idx: 2, last_concat: None, base: 0, pending: None };
         assert_eq!(compare_fields(0, "trim", 0, &e, &e), None);
-        let f = RowFields {
-            idx: 4,
-            last_concat: Some(3),
-            ..e
-        };
+        let f = RowFields { idx: 4, last_concat: Some(3), ..e };
         let d = compare_fields(5, "trim", 2, &e, &f).unwrap();
-        assert_eq!(
-            d.to_string(),
-            "op #5 (trim) row 2, idx: expected 2, found 4"
-        );
-        let f = RowFields {
-            last_concat: Some(3),
-            ..e
-        };
+        assert_eq!(d.to_string(), "op #5 (trim) row 2, idx: expected 2, found 4");
+        let f = RowFields { last_concat: Some(3), ..e };
         assert_eq!(
             compare_fields(5, "trim", 2, &e, &f).unwrap().to_string(),
             "op #5 (trim) row 2, last_concat: expected none, found 3"
         );
-        assert_eq!(
-            bits_summary(RefDtype::F32, &[1, 2, 3, 4, 5]),
-            "00000001 00000002 00000003 00000004 … (5 values)"
-        );
+        assert_eq!(bits_summary(RefDtype::F32, &[1, 2, 3, 4, 5]), "00000001 00000002 00000003 00000004 … (5 values)");
     }
 }

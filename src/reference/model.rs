@@ -53,10 +53,7 @@ pub enum ModelError {
     DuplicateRow { row: usize },
     /// A source whose window differs from the batch's.
     #[error("window mismatch: expected {expected:?}, found {found:?}")]
-    WindowMismatch {
-        expected: Option<usize>,
-        found: Option<usize>,
-    },
+    WindowMismatch { expected: Option<usize>, found: Option<usize> },
     /// Per-row arguments of the wrong count or shape.
     #[error("bad lengths: {what}")]
     BadLengths { what: String },
@@ -101,9 +98,7 @@ pub struct RowModel {
 
 fn zero_window(max_size: Option<usize>) -> Result<(), ModelError> {
     if max_size == Some(0) {
-        return Err(ModelError::InvalidState {
-            what: "a window of 0 positions".into(),
-        });
+        return Err(ModelError::InvalidState { what: "a window of 0 positions".into() });
     }
     Ok(())
 }
@@ -112,15 +107,7 @@ impl RowModel {
     /// An empty row. `Some(0)` is accepted here without panicking but is not a valid window (use
     /// [`RowModel::try_new`] to reject it).
     pub fn new(max_size: Option<usize>) -> Self {
-        RowModel {
-            max_size,
-            cols: Vec::new(),
-            offset: 0,
-            idx: 0,
-            last_concat: None,
-            base: 0,
-            pending: None,
-        }
+        RowModel { max_size, cols: Vec::new(), offset: 0, idx: 0, last_concat: None, base: 0, pending: None }
     }
 
     /// An empty row; a window of 0 is `ModelError::InvalidState`.
@@ -147,11 +134,7 @@ impl RowModel {
 
     /// [`RowModel::from_temporal`], checked: window not 0, and `toks` are the positions `offset - len .. offset`
     /// in order (`PositionMismatch` otherwise; `BadLengths` when `len > offset`).
-    pub fn try_from_temporal(
-        max_size: Option<usize>,
-        toks: Vec<Tok>,
-        offset: usize,
-    ) -> Result<Self, ModelError> {
+    pub fn try_from_temporal(max_size: Option<usize>, toks: Vec<Tok>, offset: usize) -> Result<Self, ModelError> {
         zero_window(max_size)?;
         if toks.len() > offset {
             return Err(ModelError::BadLengths {
@@ -161,10 +144,7 @@ impl RowModel {
         let first = offset - toks.len();
         for (j, t) in toks.iter().enumerate() {
             if t.pos as usize != first + j {
-                return Err(ModelError::PositionMismatch {
-                    expected: first + j,
-                    found: t.pos,
-                });
+                return Err(ModelError::PositionMismatch { expected: first + j, found: t.pos });
             }
         }
         Ok(Self::from_temporal(max_size, toks, offset))
@@ -206,10 +186,7 @@ impl RowModel {
 
     /// Every live token in temporal order (oldest first).
     pub fn temporal(&self) -> Vec<Tok> {
-        self.temporal_columns()
-            .into_iter()
-            .map(|c| self.cols[c])
-            .collect()
+        self.temporal_columns().into_iter().map(|c| self.cols[c]).collect()
     }
 
     /// R-ROT-4: the newest `min(offset, W)` positions in temporal order: the **tail** of the temporal order, never
@@ -244,15 +221,9 @@ impl RowModel {
         if let Some(w) = self.max_size {
             if self.cols.len() > w {
                 let excess = self.cols.len() - w;
-                let doomed: HashSet<usize> =
-                    self.temporal_columns().into_iter().take(excess).collect();
-                self.cols = self
-                    .cols
-                    .iter()
-                    .enumerate()
-                    .filter(|(c, _)| !doomed.contains(c))
-                    .map(|(_, &t)| t)
-                    .collect();
+                let doomed: HashSet<usize> = self.temporal_columns().into_iter().take(excess).collect();
+                self.cols =
+                    self.cols.iter().enumerate().filter(|(c, _)| !doomed.contains(c)).map(|(_, &t)| t).collect();
                 self.idx = w;
             }
             if w > 0 && self.cols.len() >= w {
@@ -284,10 +255,7 @@ impl RowModel {
             return Err(ModelError::PendingPrefill);
         }
         if tok.pos as usize != self.offset {
-            return Err(ModelError::PositionMismatch {
-                expected: self.offset,
-                found: tok.pos,
-            });
+            return Err(ModelError::PositionMismatch { expected: self.offset, found: tok.pos });
         }
         Ok(())
     }
@@ -354,10 +322,7 @@ impl RowModel {
         let m = self.real_in_chunk(toks.len());
         for (j, t) in toks[..m].iter().enumerate() {
             if t.pos as usize != self.offset + j {
-                return Err(ModelError::PositionMismatch {
-                    expected: self.offset + j,
-                    found: t.pos,
-                });
+                return Err(ModelError::PositionMismatch { expected: self.offset + j, found: t.pos });
             }
         }
         Ok(())
@@ -385,13 +350,7 @@ impl RowModel {
         self.check_trim(n, bypass)?;
         let order = self.temporal_columns();
         let doomed: HashSet<usize> = order[order.len() - n..].iter().copied().collect();
-        self.cols = self
-            .cols
-            .iter()
-            .enumerate()
-            .filter(|(c, _)| !doomed.contains(c))
-            .map(|(_, &t)| t)
-            .collect();
+        self.cols = self.cols.iter().enumerate().filter(|(c, _)| !doomed.contains(c)).map(|(_, &t)| t).collect();
         self.offset -= n;
         self.idx = self.cols.len();
         // Only a speculative rollback (bypass) keeps the window history: the state is then exactly the state a
@@ -485,33 +444,15 @@ impl RowModel {
         }
         let mut pos: Vec<usize> = self.cols.iter().map(|t| t.pos as usize).collect();
         pos.sort_unstable();
-        if pos
-            .iter()
-            .enumerate()
-            .any(|(j, &p)| p != self.offset - len + j)
-        {
-            return bad(format!(
-                "positions {pos:?} are not {}..{}",
-                self.offset - len,
-                self.offset
-            ));
+        if pos.iter().enumerate().any(|(j, &p)| p != self.offset - len + j) {
+            return bad(format!("positions {pos:?} are not {}..{}", self.offset - len, self.offset));
         }
-        let sorted = self
-            .temporal_columns()
-            .into_iter()
-            .enumerate()
-            .all(|(j, c)| j == c);
+        let sorted = self.temporal_columns().into_iter().enumerate().all(|(j, c)| j == c);
         if len > self.window() && (!sorted || self.idx != len) {
-            return bad(format!(
-                "oversized buffer (len {len}) not in temporal order with idx = len"
-            ));
+            return bad(format!("oversized buffer (len {len}) not in temporal order with idx = len"));
         }
-        if self.idx < len && (Some(len) != self.max_size || self.oldest_column() != Some(self.idx))
-        {
-            return bad(format!(
-                "idx {} < len {len}, but not a full ring whose oldest column is idx",
-                self.idx
-            ));
+        if self.idx < len && (Some(len) != self.max_size || self.oldest_column() != Some(self.idx)) {
+            return bad(format!("idx {} < len {len}, but not a full ring whose oldest column is idx", self.idx));
         }
         Ok(())
     }
@@ -556,12 +497,7 @@ pub struct Visibility {
 impl Visibility {
     /// All false.
     pub fn new(rows: usize, queries: usize, cols: usize) -> Self {
-        Visibility {
-            rows,
-            queries,
-            cols,
-            visible: vec![false; rows * queries * cols],
-        }
+        Visibility { rows, queries, cols, visible: vec![false; rows * queries * cols] }
     }
 
     fn set(&mut self, r: usize, i: usize, c: usize) {
@@ -572,10 +508,7 @@ impl Visibility {
 
     /// Whether query `i` of row `r` sees column `c` (false out of range).
     pub fn get(&self, r: usize, i: usize, c: usize) -> bool {
-        r < self.rows
-            && i < self.queries
-            && c < self.cols
-            && self.visible[(r * self.queries + i) * self.cols + c]
+        r < self.rows && i < self.queries && c < self.cols && self.visible[(r * self.queries + i) * self.cols + c]
     }
 
     /// The columns query `i` of row `r` sees.
@@ -604,10 +537,7 @@ impl BatchModel {
     /// An empty batch; a window of 0 is `InvalidState`.
     pub fn empty(max_size: Option<usize>) -> Result<Self, ModelError> {
         zero_window(max_size)?;
-        Ok(BatchModel {
-            max_size,
-            rows: Vec::new(),
-        })
+        Ok(BatchModel { max_size, rows: Vec::new() })
     }
 
     /// R-BROT-4 `merge`: one row per `(temporal slice, offset)`, each in temporal order (`idx = len`,
@@ -620,41 +550,25 @@ impl BatchModel {
             if let Some(w) = max_size {
                 if toks.len() > w {
                     return Err(ModelError::BadLengths {
-                        what: format!(
-                            "row {r}: a temporal slice of {} positions exceeds the window {w}",
-                            toks.len()
-                        ),
+                        what: format!("row {r}: a temporal slice of {} positions exceeds the window {w}", toks.len()),
                     });
                 }
             }
-            out.push(RowModel::try_from_temporal(
-                max_size,
-                toks.clone(),
-                *offset,
-            )?);
+            out.push(RowModel::try_from_temporal(max_size, toks.clone(), *offset)?);
         }
-        Ok(BatchModel {
-            max_size,
-            rows: out,
-        })
+        Ok(BatchModel { max_size, rows: out })
     }
 
     /// R-BROT-7 `join`: rows of running batches and serial caches, in order, each keeping its physical columns,
     /// `idx`, `offset` and `last_concat`; its batch history restarts here (`base = offset - len`). Errors:
     /// `WindowMismatch`, `NoSuchRow`, and `PendingPrefill` for a source batch (or serial row) with a pending
     /// prefill. Repeated rows of a source are copied twice.
-    pub fn join(
-        max_size: Option<usize>,
-        sources: &[JoinModelSource<'_>],
-    ) -> Result<Self, ModelError> {
+    pub fn join(max_size: Option<usize>, sources: &[JoinModelSource<'_>]) -> Result<Self, ModelError> {
         zero_window(max_size)?;
         let mut out = Vec::new();
         let mut take = |row: &RowModel| -> Result<(), ModelError> {
             if row.max_size != max_size {
-                return Err(ModelError::WindowMismatch {
-                    expected: max_size,
-                    found: row.max_size,
-                });
+                return Err(ModelError::WindowMismatch { expected: max_size, found: row.max_size });
             }
             if row.pending.is_some() {
                 return Err(ModelError::PendingPrefill);
@@ -668,10 +582,7 @@ impl BatchModel {
             match s {
                 JoinModelSource::Rows(b, which) => {
                     if b.max_size != max_size {
-                        return Err(ModelError::WindowMismatch {
-                            expected: max_size,
-                            found: b.max_size,
-                        });
+                        return Err(ModelError::WindowMismatch { expected: max_size, found: b.max_size });
                     }
                     for &i in which {
                         take(b.row(i)?)?;
@@ -680,10 +591,7 @@ impl BatchModel {
                 JoinModelSource::Serial(r) => take(r)?,
             }
         }
-        Ok(BatchModel {
-            max_size,
-            rows: out,
-        })
+        Ok(BatchModel { max_size, rows: out })
     }
 
     /// R-BROT-8 `adopt`: rows as given, columns untouched. Every row must share the window and pass
@@ -692,10 +600,7 @@ impl BatchModel {
         zero_window(max_size)?;
         for r in &rows {
             if r.max_size != max_size {
-                return Err(ModelError::WindowMismatch {
-                    expected: max_size,
-                    found: r.max_size,
-                });
+                return Err(ModelError::WindowMismatch { expected: max_size, found: r.max_size });
             }
             r.check()?;
         }
@@ -709,10 +614,7 @@ impl BatchModel {
 
     /// Row `i`, or `NoSuchRow`.
     pub fn row(&self, i: usize) -> Result<&RowModel, ModelError> {
-        self.rows.get(i).ok_or(ModelError::NoSuchRow {
-            row: i,
-            rows: self.rows.len(),
-        })
+        self.rows.get(i).ok_or(ModelError::NoSuchRow { row: i, rows: self.rows.len() })
     }
 
     /// R-BROT-5 `extract(i)`: row `i` as a fresh serial cache ([`RowModel::extract`]).
@@ -765,9 +667,7 @@ impl BatchModel {
 
     fn check_count(&self, n: usize, what: &str) -> Result<(), ModelError> {
         if n != self.rows.len() {
-            return Err(ModelError::BadLengths {
-                what: format!("{what}: {n} entries for {} rows", self.rows.len()),
-            });
+            return Err(ModelError::BadLengths { what: format!("{what}: {n} entries for {} rows", self.rows.len()) });
         }
         Ok(())
     }
@@ -782,12 +682,7 @@ impl BatchModel {
         for (row, &t) in self.rows.iter().zip(toks) {
             row.check_decode(t)?;
         }
-        Ok(self
-            .rows
-            .iter_mut()
-            .zip(toks)
-            .map(|(row, &t)| row.decode_write(t))
-            .collect())
+        Ok(self.rows.iter_mut().zip(toks).map(|(row, &t)| row.decode_write(t)).collect())
     }
 
     /// Window write of one chunk of `L` positions per row (`toks[r].len() == L` for every row; with a pending
@@ -798,23 +693,14 @@ impl BatchModel {
         if let Some(first) = toks.first() {
             if let Some(bad) = toks.iter().find(|t| t.len() != first.len()) {
                 return Err(ModelError::BadLengths {
-                    what: format!(
-                        "chunks of {} and {} positions in one window",
-                        first.len(),
-                        bad.len()
-                    ),
+                    what: format!("chunks of {} and {} positions in one window", first.len(), bad.len()),
                 });
             }
         }
         for (row, t) in self.rows.iter().zip(toks) {
             row.check_window(t)?;
         }
-        Ok(self
-            .rows
-            .iter_mut()
-            .zip(toks)
-            .map(|(row, t)| row.window_write_stored(t))
-            .collect())
+        Ok(self.rows.iter_mut().zip(toks).map(|(row, t)| row.window_write_stored(t)).collect())
     }
 
     /// Trim `n` from every row ([`RowModel::trim`]); all rows or none. Returns `n`.
@@ -886,9 +772,7 @@ impl BatchModel {
     pub fn window_visibility(&self, l: usize, stored: &[usize]) -> Result<Visibility, ModelError> {
         self.check_count(stored.len(), "stored counts")?;
         if let Some(&bad) = stored.iter().find(|&&m| m > l) {
-            return Err(ModelError::BadLengths {
-                what: format!("{bad} stored positions in a chunk of {l}"),
-            });
+            return Err(ModelError::BadLengths { what: format!("{bad} stored positions in a chunk of {l}") });
         }
         let mut v = Visibility::new(self.rows.len(), l, self.width());
         for (r, (row, &m)) in self.rows.iter().zip(stored).enumerate() {
@@ -910,10 +794,7 @@ impl BatchModel {
         zero_window(self.max_size)?;
         for r in &self.rows {
             if r.max_size != self.max_size {
-                return Err(ModelError::WindowMismatch {
-                    expected: self.max_size,
-                    found: r.max_size,
-                });
+                return Err(ModelError::WindowMismatch { expected: self.max_size, found: r.max_size });
             }
             r.check()?;
         }
@@ -987,11 +868,7 @@ mod tests {
         assert_eq!(m.len(), 6, "plateau W - 1 + L");
         assert_eq!(m.idx, 6);
         assert_eq!(m.last_concat, Some(3));
-        assert_eq!(
-            positions(&m.cols),
-            (12..18).collect::<Vec<_>>(),
-            "temporal order after a window write"
-        );
+        assert_eq!(positions(&m.cols), (12..18).collect::<Vec<_>>(), "temporal order after a window write");
         // A one-position window also concatenates (the read picks the path).
         window(&mut m, 1);
         assert_eq!(positions(&m.cols), vec![15, 16, 17, 18]);
@@ -1029,11 +906,7 @@ mod tests {
         window(&mut m, 3);
         window(&mut m, 3);
         assert_eq!(positions(&m.cols), vec![0, 1, 2, 3, 4, 5]);
-        assert_eq!(
-            positions(&m.temporal_view()),
-            vec![2, 3, 4, 5],
-            "the newest W positions"
-        );
+        assert_eq!(positions(&m.temporal_view()), vec![2, 3, 4, 5], "the newest W positions");
         let mut short = RowModel::new(Some(8));
         window(&mut short, 3);
         assert_eq!(positions(&short.temporal_view()), vec![0, 1, 2]);
@@ -1048,21 +921,12 @@ mod tests {
         }
         window(&mut m, 3); // keeps 3 of [1..5), appends 5, 6, 7
         assert_eq!(positions(&m.cols), vec![2, 3, 4, 5, 6, 7]);
-        let vis = |i| {
-            m.window_visible(3, i)
-                .iter()
-                .map(|&c| m.cols[c].pos)
-                .collect::<Vec<_>>()
-        };
+        let vis = |i| m.window_visible(3, i).iter().map(|&c| m.cols[c].pos).collect::<Vec<_>>();
         assert_eq!(vis(0), vec![2, 3, 4, 5]);
         assert_eq!(vis(1), vec![3, 4, 5, 6]);
         assert_eq!(vis(2), vec![4, 5, 6, 7]);
         assert!(m.window_visible(3, 3).is_empty(), "no such query");
-        assert_eq!(
-            m.decode_visible(),
-            vec![2, 3, 4, 5],
-            "columns of positions 4..=7"
-        );
+        assert_eq!(m.decode_visible(), vec![2, 3, 4, 5], "columns of positions 4..=7");
     }
 
     // ---- R-C-5 / R-ROT-6: trim legality ----
@@ -1076,21 +940,13 @@ mod tests {
         assert_eq!((m.offset, m.len(), m.idx), (1, 1, 1));
         assert_eq!(m.last_concat, None, "a plain trim ends the window history (only a bypass rollback keeps it)");
         decode(&mut m);
-        assert_eq!(
-            m.trim(1, true),
-            Err(ModelError::BypassNotAfterWindow),
-            "bypass needs a window last"
-        );
+        assert_eq!(m.trim(1, true), Err(ModelError::BypassNotAfterWindow), "bypass needs a window last");
         for _ in 0..3 {
             decode(&mut m);
         }
         assert_eq!(m.offset, 5);
         assert!(!m.is_trimmable());
-        assert_eq!(
-            m.trim(1, false),
-            Err(ModelError::NotTrimmable),
-            "wrapped: R-ROT-6"
-        );
+        assert_eq!(m.trim(1, false), Err(ModelError::NotTrimmable), "wrapped: R-ROT-6");
         assert_eq!(m.trim(0, false), Err(ModelError::NotTrimmable));
         // Speculative rollback after a window, even on a wrapped ring.
         window(&mut m, 3);
@@ -1131,11 +987,7 @@ mod tests {
         m.trim(2, true).unwrap();
         assert_eq!(positions(&m.cols), vec![2, 3]);
         assert_eq!((m.offset, m.idx, m.last_concat), (4, 2, Some(0)));
-        assert_eq!(
-            positions(&m.temporal_view()),
-            vec![2, 3],
-            "W - 1 positions, not min(offset, W) = 3"
-        );
+        assert_eq!(positions(&m.temporal_view()), vec![2, 3], "W - 1 positions, not min(offset, W) = 3");
         let x = m.extract();
         assert_eq!(x.len(), 2);
         // The next decode appends and sees exactly the window again.
@@ -1162,20 +1014,8 @@ mod tests {
     #[test]
     fn checked_writes_reject_bad_positions_and_pending() {
         let mut m = RowModel::new(Some(4));
-        assert_eq!(
-            m.try_decode_write(t(1)),
-            Err(ModelError::PositionMismatch {
-                expected: 0,
-                found: 1
-            })
-        );
-        assert_eq!(
-            m.try_window_write(&[t(0), t(2)]),
-            Err(ModelError::PositionMismatch {
-                expected: 1,
-                found: 2
-            })
-        );
+        assert_eq!(m.try_decode_write(t(1)), Err(ModelError::PositionMismatch { expected: 0, found: 1 }));
+        assert_eq!(m.try_window_write(&[t(0), t(2)]), Err(ModelError::PositionMismatch { expected: 1, found: 2 }));
         assert_eq!(m, RowModel::new(Some(4)));
         m.pending = Some(1);
         assert_eq!(m.try_decode_write(t(0)), Err(ModelError::PendingPrefill));
@@ -1194,18 +1034,11 @@ mod tests {
     // ---- batch: prepare / finalize (right-padded prefill) ----
     #[test]
     fn right_padded_prefill_stores_only_real_positions() {
-        let mut b = BatchModel::merge(
-            Some(4),
-            &[(vec![], 0), (vec![Tok::new(1, 0), Tok::new(1, 1)], 2)],
-        )
-        .unwrap();
+        let mut b = BatchModel::merge(Some(4), &[(vec![], 0), (vec![Tok::new(1, 0), Tok::new(1, 1)], 2)]).unwrap();
         assert_eq!(b.left_padding(), vec![2, 0]);
         b.prepare(&[5, 1]).unwrap();
         assert_eq!(b.prepare(&[1, 1]), Err(ModelError::PendingPrefill));
-        assert_eq!(
-            b.decode(&[Tok::new(0, 0), Tok::new(1, 2)]),
-            Err(ModelError::PendingPrefill)
-        );
+        assert_eq!(b.decode(&[Tok::new(0, 0), Tok::new(1, 2)]), Err(ModelError::PendingPrefill));
         let chunk = |o0: u32, o1: u32| {
             vec![
                 (o0..o0 + 3).map(|p| Tok::new(0, p)).collect::<Vec<_>>(),
@@ -1216,105 +1049,56 @@ mod tests {
         assert_eq!(b.rows[1].pending, Some(0));
         let row1 = b.rows[1].clone();
         assert_eq!(b.window(&chunk(3, 3)).unwrap(), vec![2, 0]);
-        assert_eq!(
-            b.rows[1], row1,
-            "a chunk with no real position leaves the row untouched"
-        );
-        assert_eq!(
-            positions(&b.rows[0].cols),
-            vec![0, 1, 2, 3, 4],
-            "3 kept (W - 1) + 2 real"
-        );
+        assert_eq!(b.rows[1], row1, "a chunk with no real position leaves the row untouched");
+        assert_eq!(positions(&b.rows[0].cols), vec![0, 1, 2, 3, 4], "3 kept (W - 1) + 2 real");
         assert_eq!(b.rows[0].last_concat, Some(2));
         b.finalize().unwrap();
         assert_eq!(b.finalize(), Err(ModelError::NoPendingPrefill));
-        assert_eq!(
-            b.decode(&[Tok::new(0, 5), Tok::new(1, 3)]).unwrap(),
-            vec![0, 3]
-        );
+        assert_eq!(b.decode(&[Tok::new(0, 5), Tok::new(1, 3)]).unwrap(), vec![0, 3]);
         b.check().unwrap();
         assert_eq!(b.rope_offsets(), vec![6, 4]);
         assert_eq!(b.offset(), 6);
-        assert!(
-            b.window(&[vec![Tok::new(0, 6)], vec![]]).is_err(),
-            "ragged chunk"
-        );
+        assert!(b.window(&[vec![Tok::new(0, 6)], vec![]]).is_err(), "ragged chunk");
         assert!(b.decode(&[Tok::new(0, 6)]).is_err(), "one token per row");
     }
 
     #[test]
     fn batch_visibility_in_mask_layout() {
-        let mut b = BatchModel::merge(
-            Some(3),
-            &[(vec![], 0), (vec![Tok::new(1, 0), Tok::new(1, 1)], 2)],
-        )
-        .unwrap();
+        let mut b = BatchModel::merge(Some(3), &[(vec![], 0), (vec![Tok::new(1, 0), Tok::new(1, 1)], 2)]).unwrap();
         b.prepare(&[2, 1]).unwrap();
-        let stored = b
-            .window(&[
-                vec![Tok::new(0, 0), Tok::new(0, 1)],
-                vec![Tok::new(1, 2), Tok::new(1, 99)],
-            ])
-            .unwrap();
+        let stored = b.window(&[vec![Tok::new(0, 0), Tok::new(0, 1)], vec![Tok::new(1, 2), Tok::new(1, 99)]]).unwrap();
         assert_eq!(stored, vec![2, 1]);
         b.finalize().unwrap();
         let v = b.window_visibility(2, &stored).unwrap();
         assert_eq!((v.rows, v.queries, v.cols), (2, 2, 3));
         assert_eq!(v.columns(0, 0), vec![0]);
         assert_eq!(v.columns(0, 1), vec![0, 1]);
-        assert_eq!(
-            v.columns(1, 0),
-            vec![0, 1, 2],
-            "positions 0, 1, 2 within W = 3 of query 2"
-        );
-        assert_eq!(
-            v.columns(1, 1),
-            vec![0],
-            "a padded query sees column 0 only"
-        );
+        assert_eq!(v.columns(1, 0), vec![0, 1, 2], "positions 0, 1, 2 within W = 3 of query 2");
+        assert_eq!(v.columns(1, 1), vec![0], "a padded query sees column 0 only");
         assert!(b.window_visibility(1, &stored).is_err());
         b.decode(&[Tok::new(0, 2), Tok::new(1, 3)]).unwrap();
         let d = b.decode_visibility();
         assert_eq!(d.columns(0, 0), vec![0, 1, 2]);
         assert_eq!(d.columns(1, 0), vec![0, 1, 2]);
-        assert_eq!(
-            b.rows[1].cols[0],
-            Tok::new(1, 3),
-            "row 1 rotated onto its oldest column"
-        );
+        assert_eq!(b.rows[1].cols[0], Tok::new(1, 3), "row 1 rotated onto its oldest column");
     }
 
     #[test]
     fn batch_membership_rules() {
-        let mut b = BatchModel::merge(None, &[(vec![t(0)], 1), (vec![t(0), t(1)], 2), (vec![], 0)])
-            .unwrap();
-        assert_eq!(
-            b.filter(&[0, 3]),
-            Err(ModelError::NoSuchRow { row: 3, rows: 3 })
-        );
+        let mut b = BatchModel::merge(None, &[(vec![t(0)], 1), (vec![t(0), t(1)], 2), (vec![], 0)]).unwrap();
+        assert_eq!(b.filter(&[0, 3]), Err(ModelError::NoSuchRow { row: 3, rows: 3 }));
         assert_eq!(b.filter(&[1, 1]), Err(ModelError::DuplicateRow { row: 1 }));
         b.filter(&[2, 0]).unwrap();
         assert_eq!(b.rope_offsets(), vec![0, 1]);
         assert_eq!(
             BatchModel::merge(Some(1), &[(vec![t(0), t(1)], 2)]).map(|_| ()),
-            Err(ModelError::BadLengths {
-                what: "row 0: a temporal slice of 2 positions exceeds the window 1".into()
-            })
+            Err(ModelError::BadLengths { what: "row 0: a temporal slice of 2 positions exceeds the window 1".into() })
         );
         let ring = BatchModel::empty(Some(4)).unwrap();
         let serial = RowModel::new(None);
         assert_eq!(
-            BatchModel::join(
-                Some(4),
-                &[
-                    JoinModelSource::Rows(&ring, vec![]),
-                    JoinModelSource::Serial(&serial)
-                ]
-            ),
-            Err(ModelError::WindowMismatch {
-                expected: Some(4),
-                found: None
-            })
+            BatchModel::join(Some(4), &[JoinModelSource::Rows(&ring, vec![]), JoinModelSource::Serial(&serial)]),
+            Err(ModelError::WindowMismatch { expected: Some(4), found: None })
         );
         assert!(matches!(
             BatchModel::join(None, &[JoinModelSource::Rows(&b, vec![5])]),
@@ -1323,10 +1107,7 @@ mod tests {
         assert_eq!(b.extract(9), Err(ModelError::NoSuchRow { row: 9, rows: 2 }));
         let mut bad = RowModel::new(None);
         bad.idx = 3;
-        assert!(matches!(
-            BatchModel::adopt(None, vec![bad]),
-            Err(ModelError::InvalidState { .. })
-        ));
+        assert!(matches!(BatchModel::adopt(None, vec![bad]), Err(ModelError::InvalidState { .. })));
     }
 
     // ---- R-BROT-7: join keeps every row's physical columns and phase ----
@@ -1337,14 +1118,8 @@ mod tests {
             decode(&mut solo);
         }
         let b = BatchModel::merge(Some(3), &[(vec![Tok::new(1, 0)], 1)]).unwrap();
-        let j = BatchModel::join(
-            Some(3),
-            &[
-                JoinModelSource::Rows(&b, vec![0]),
-                JoinModelSource::Serial(&solo),
-            ],
-        )
-        .unwrap();
+        let j =
+            BatchModel::join(Some(3), &[JoinModelSource::Rows(&b, vec![0]), JoinModelSource::Serial(&solo)]).unwrap();
         assert_eq!(j.rows[1].cols, solo.cols);
         assert_eq!(j.rows[1].idx, solo.idx);
         assert_eq!(j.left_padding(), vec![2, 0]);
@@ -1352,17 +1127,13 @@ mod tests {
         let mut s2 = solo.clone();
         j2.decode(&[Tok::new(1, 1), t(5)]).unwrap();
         decode(&mut s2);
-        assert_eq!(
-            j2.rows[1].cols, s2.cols,
-            "the row stays bit-for-bit its serial twin"
-        );
+        assert_eq!(j2.rows[1].cols, s2.cols, "the row stays bit-for-bit its serial twin");
         assert_eq!(j2.left_padding(), vec![1, -1], "negative after a wrap");
     }
 
     #[test]
     fn batch_trim_is_all_or_nothing() {
-        let mut b =
-            BatchModel::merge(Some(4), &[(vec![t(0)], 1), (vec![t(0), t(1), t(2)], 3)]).unwrap();
+        let mut b = BatchModel::merge(Some(4), &[(vec![t(0)], 1), (vec![t(0), t(1), t(2)], 3)]).unwrap();
         let before = b.clone();
         assert_eq!(b.trim(2, false), Err(ModelError::TrimTooLong));
         assert_eq!(b, before);
@@ -1418,11 +1189,7 @@ mod tests {
         fn window(&mut self, pos: &[u32]) {
             let len = self.cols.len();
             let mut t: Vec<u32> = if self.idx < len {
-                self.cols[self.idx..]
-                    .iter()
-                    .chain(&self.cols[..self.idx])
-                    .copied()
-                    .collect()
+                self.cols[self.idx..].iter().chain(&self.cols[..self.idx]).copied().collect()
             } else {
                 self.cols.clone()
             };

@@ -17,9 +17,7 @@ use crate::reference::attention::round_to;
 use crate::reference::model::ModelError;
 
 /// One stored position: request `req` at sequence (RoPE) position `pos`.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct Tok {
     pub req: u32,
     pub pos: u32,
@@ -110,9 +108,7 @@ pub(crate) fn splitmix64(mut z: u64) -> u64 {
 
 /// Folds the words of a key into one hash, order-sensitively.
 fn mix(words: &[u64]) -> u64 {
-    words.iter().fold(0x6b76_7369_6d00_0001u64, |acc, &w| {
-        splitmix64(acc ^ splitmix64(w))
-    })
+    words.iter().fold(0x6b76_7369_6d00_0001u64, |acc, &w| splitmix64(acc ^ splitmix64(w)))
 }
 
 /// Top 24 bits of a hash as a uniform in `[0, 1)`, exact in f32.
@@ -144,11 +140,7 @@ fn rounded(d: RefDtype, x: f32) -> f32 {
 impl ValueSpace {
     /// Checks the shapes: `heads_kv >= 1`, `head_dim >= 1`, `heads_q` a positive multiple of `heads_kv`.
     pub fn validate(&self) -> Result<(), ModelError> {
-        if self.heads_kv == 0
-            || self.head_dim == 0
-            || self.heads_q == 0
-            || self.heads_q % self.heads_kv != 0
-        {
+        if self.heads_kv == 0 || self.head_dim == 0 || self.heads_q == 0 || self.heads_q % self.heads_kv != 0 {
             return Err(ModelError::InvalidState {
                 what: format!(
                     "value space shapes: heads_q {} must be a positive multiple of heads_kv {}, head_dim {} >= 1",
@@ -176,30 +168,14 @@ impl ValueSpace {
     /// Guarantees: a pure function of its arguments and `self.seed`; in `[-1, 1]`; exactly representable in
     /// `self.dtype`.
     pub fn value(&self, layer: u32, t: Tensor, tok: Tok, head: usize, dim: usize) -> f32 {
-        let h = mix(&[
-            self.seed,
-            layer as u64,
-            t.tag(),
-            tok.req as u64,
-            tok.pos as u64,
-            head as u64,
-            dim as u64,
-        ]);
+        let h = mix(&[self.seed, layer as u64, t.tag(), tok.req as u64, tok.pos as u64, head as u64, dim as u64]);
         rounded(self.dtype, unit(h) * 2.0 - 1.0)
     }
 
     /// Poison for a padded slot (`row`, `slot` = physical column or window index) of `t`.
     /// Guarantees: magnitude in `[8, 16]` (never a real value, which lies in `[-1, 1]`), exactly representable in
     /// the dtype, distinct per `(layer, t, row, slot, head, dim)` up to hash collisions.
-    pub fn pad_value(
-        &self,
-        layer: u32,
-        t: Tensor,
-        row: u32,
-        slot: u32,
-        head: usize,
-        dim: usize,
-    ) -> f32 {
+    pub fn pad_value(&self, layer: u32, t: Tensor, row: u32, slot: u32, head: usize, dim: usize) -> f32 {
         let h = mix(&[
             self.seed ^ 0x7061_6464_696e_6721, // "padding!"
             layer as u64,
@@ -227,10 +203,7 @@ impl ValueSpace {
 
     /// One column as storage bits: f32 bits, or bf16 bits in the low 16 bits of each `u32`.
     pub fn column_bits(&self, layer: u32, t: Tensor, tok: Tok) -> Vec<u32> {
-        self.column_f32(layer, t, tok)
-            .into_iter()
-            .map(|x| storage_bits(self.dtype, x))
-            .collect()
+        self.column_f32(layer, t, tok).into_iter().map(|x| storage_bits(self.dtype, x)).collect()
     }
 
     /// One padded column (`[heads(t), head_dim]` row-major) as f32 values.
@@ -246,21 +219,12 @@ impl ValueSpace {
 
     /// One padded column as storage bits.
     pub fn pad_column_bits(&self, layer: u32, t: Tensor, row: u32, slot: u32) -> Vec<u32> {
-        self.pad_column_f32(layer, t, row, slot)
-            .into_iter()
-            .map(|x| storage_bits(self.dtype, x))
-            .collect()
+        self.pad_column_f32(layer, t, row, slot).into_iter().map(|x| storage_bits(self.dtype, x)).collect()
     }
 
     /// The first token among `candidates` whose column of `t` has exactly `bits` (bit-for-bit, all heads and
     /// dims); `None` if none does (including when `bits` has the wrong length).
-    pub fn identify(
-        &self,
-        layer: u32,
-        t: Tensor,
-        bits: &[u32],
-        candidates: impl Iterator<Item = Tok>,
-    ) -> Option<Tok> {
+    pub fn identify(&self, layer: u32, t: Tensor, bits: &[u32], candidates: impl Iterator<Item = Tok>) -> Option<Tok> {
         if bits.len() != self.column_len(t) {
             return None;
         }
@@ -316,13 +280,7 @@ mod tests {
     use super::*;
 
     fn vs(dtype: RefDtype) -> ValueSpace {
-        ValueSpace {
-            seed: 7,
-            heads_kv: 2,
-            heads_q: 4,
-            head_dim: 8,
-            dtype,
-        }
+        ValueSpace { seed: 7, heads_kv: 2, heads_q: 4, head_dim: 8, dtype }
     }
 
     #[test]
@@ -382,27 +340,15 @@ mod tests {
     fn identify_finds_the_writer() {
         for dtype in [RefDtype::F32, RefDtype::Bf16] {
             let v = vs(dtype);
-            let cands: Vec<Tok> = (0..4)
-                .flat_map(|r| (0..40).map(move |p| Tok::new(r, p)))
-                .collect();
+            let cands: Vec<Tok> = (0..4).flat_map(|r| (0..40).map(move |p| Tok::new(r, p))).collect();
             for &tok in &cands {
                 let bits = v.column_bits(2, Tensor::V, tok);
-                assert_eq!(
-                    v.identify(2, Tensor::V, &bits, cands.iter().copied()),
-                    Some(tok)
-                );
+                assert_eq!(v.identify(2, Tensor::V, &bits, cands.iter().copied()), Some(tok));
                 // Same token, other tensor: not identified as V.
                 let kbits = v.column_bits(2, Tensor::K, tok);
-                assert_eq!(
-                    v.identify(2, Tensor::V, &kbits, cands.iter().copied()),
-                    None
-                );
+                assert_eq!(v.identify(2, Tensor::V, &kbits, cands.iter().copied()), None);
             }
-            assert_eq!(
-                v.identify(2, Tensor::V, &[0u32; 3], cands.iter().copied()),
-                None,
-                "wrong length"
-            );
+            assert_eq!(v.identify(2, Tensor::V, &[0u32; 3], cands.iter().copied()), None, "wrong length");
         }
     }
 
@@ -419,38 +365,17 @@ mod tests {
                 }
                 assert_eq!(v.classify(&col), BitsKind::Padding);
             }
-            assert_ne!(
-                v.pad_value(0, Tensor::K, 0, 0, 0, 0),
-                v.pad_value(0, Tensor::K, 1, 0, 0, 0)
-            );
+            assert_ne!(v.pad_value(0, Tensor::K, 0, 0, 0, 0), v.pad_value(0, Tensor::K, 1, 0, 0, 0));
             assert_eq!(v.classify(&[0; 16]), BitsKind::Zeros);
-            assert_eq!(
-                v.classify(&v.column_bits(0, Tensor::K, Tok::new(0, 0))),
-                BitsKind::InRange
-            );
+            assert_eq!(v.classify(&v.column_bits(0, Tensor::K, Tok::new(0, 0))), BitsKind::InRange);
         }
     }
 
     #[test]
     fn validate_shapes() {
         assert!(vs(RefDtype::F32).validate().is_ok());
-        assert!(ValueSpace {
-            heads_q: 3,
-            ..vs(RefDtype::F32)
-        }
-        .validate()
-        .is_err());
-        assert!(ValueSpace {
-            heads_kv: 0,
-            ..vs(RefDtype::F32)
-        }
-        .validate()
-        .is_err());
-        assert!(ValueSpace {
-            head_dim: 0,
-            ..vs(RefDtype::F32)
-        }
-        .validate()
-        .is_err());
+        assert!(ValueSpace { heads_q: 3, ..vs(RefDtype::F32) }.validate().is_err());
+        assert!(ValueSpace { heads_kv: 0, ..vs(RefDtype::F32) }.validate().is_err());
+        assert!(ValueSpace { head_dim: 0, ..vs(RefDtype::F32) }.validate().is_err());
     }
 }

@@ -91,13 +91,24 @@ pub fn rope_snapshot(at_read: &[i32], after_op: &[i32], model_before: &[usize]) 
 
 /// The columns query `i` of `row` could see under `mask`, versus the model's visible columns (indices into the row's
 /// `[0, len)`). `width` is the number of key columns the read attended, `l` its query count.
-pub fn mask_row(mask: &MaskUse, row: usize, i: usize, visible: &[usize], l: usize, width: usize, kind: ReadKind) -> Res {
+pub fn mask_row(
+    mask: &MaskUse,
+    row: usize,
+    i: usize,
+    visible: &[usize],
+    l: usize,
+    width: usize,
+    kind: ReadKind,
+) -> Res {
     let seen: Vec<usize> = match mask {
         MaskUse::None => (0..width).collect(),
         MaskUse::Causal => (0..width).filter(|&c| c + l <= width + i).collect(),
         MaskUse::Array(spec) => {
             if row >= spec.rows || i >= spec.queries {
-                return Err(Failure::new("mask", format!("mask {}x{}x{} has no row {row} query {i}", spec.rows, spec.queries, spec.cols)));
+                return Err(Failure::new(
+                    "mask",
+                    format!("mask {}x{}x{} has no row {row} query {i}", spec.rows, spec.queries, spec.cols),
+                ));
             }
             (0..spec.cols).filter(|&c| spec.visible[(row * spec.queries + i) * spec.cols + c]).collect()
         }
@@ -168,7 +179,10 @@ pub fn output_vs_model(
             let found = value_of(out.dtype, w);
             let e = expected[h * d + k];
             if found.is_nan() || found.is_infinite() {
-                return Err(Failure::new("nan", format!("row {row} query {i} (token {q:?}) head {h} dim {k}: output {found}")));
+                return Err(Failure::new(
+                    "nan",
+                    format!("row {row} query {i} (token {q:?}) head {h} dim {k}: output {found}"),
+                ));
             }
             worst = worst.max((found - e).abs() / ulp_at(out.dtype, e));
         }
@@ -179,7 +193,10 @@ pub fn output_vs_model(
     if worst > bound {
         return Err(Failure::new(
             "output_vs_model",
-            format!("row {row} query {i} (token {q:?}): {worst:.1} ULPs from the f64 model over {} keys (bound {bound})", keys.len()),
+            format!(
+                "row {row} query {i} (token {q:?}): {worst:.1} ULPs from the f64 model over {} keys (bound {bound})",
+                keys.len()
+            ),
         ));
     }
     Ok(())
@@ -193,7 +210,15 @@ pub struct Guarantees {
 }
 
 /// One row's real query outputs against the twin's, bytes first; distance measured when they differ.
-pub fn output_vs_twin(class: OutClass, tags: &[&'static str], out: &ArrayBytes, row: usize, twin: &ArrayBytes, n: usize, counters: &mut Counters) -> Res {
+pub fn output_vs_twin(
+    class: OutClass,
+    tags: &[&'static str],
+    out: &ArrayBytes,
+    row: usize,
+    twin: &ArrayBytes,
+    n: usize,
+    counters: &mut Counters,
+) -> Res {
     let (hq, l, d) = (out.shape[1] as usize, out.shape[2] as usize, out.shape[3] as usize);
     let lt = twin.shape[2] as usize;
     let mut worst = 0u64;
@@ -205,7 +230,11 @@ pub fn output_vs_twin(class: OutClass, tags: &[&'static str], out: &ArrayBytes, 
                 if a != b {
                     // ULPs at the output's scale (see `ulp_at`), rounded up: raw ULP counts near zero are meaningless.
                     let (x, y) = (value_of(out.dtype, a), value_of(out.dtype, b));
-                    let d = if x.is_nan() || y.is_nan() { u64::MAX } else { ((x - y).abs() / ulp_at(out.dtype, x.abs().max(y.abs()))).ceil() as u64 };
+                    let d = if x.is_nan() || y.is_nan() {
+                        u64::MAX
+                    } else {
+                        ((x - y).abs() / ulp_at(out.dtype, x.abs().max(y.abs()))).ceil() as u64
+                    };
                     worst = worst.max(d.max(1));
                 }
             }
@@ -232,7 +261,10 @@ pub fn kinds_batch(batch: &RowBatch, max: Option<usize>, spec: KvSpec) -> Res {
     let kind = batch.storage_kind();
     let serial = if max.is_some() { cache::ROTATING_PLAIN } else { cache::KV_PLAIN };
     if !cache::is_row_batch(&kind) || kind.0 != format!("{serial}{}", cache::ROW_BATCH_MARKER) {
-        return Err(Failure::new("storage_kind", format!("batch reports {:?}, expected {serial}{}", kind.0, cache::ROW_BATCH_MARKER)));
+        return Err(Failure::new(
+            "storage_kind",
+            format!("batch reports {:?}, expected {serial}{}", kind.0, cache::ROW_BATCH_MARKER),
+        ));
     }
     if max.is_some() != cache::is_rotating(&kind) {
         return Err(Failure::new("storage_kind", format!("{:?}: is_rotating disagrees with the layout", kind.0)));
@@ -261,7 +293,10 @@ fn bytes_per_token(what: &str, per: usize, for_n: impl Fn(usize) -> usize, max: 
     for n in [0usize, 1, 7, 100] {
         let capped = max.map_or(n, |w| n.min(w));
         if for_n(n) != capped * expect {
-            return Err(Failure::new("bytes_per_token", format!("{what}: bytes_for_tokens({n}) = {}, expected {}", for_n(n), capped * expect)));
+            return Err(Failure::new(
+                "bytes_per_token",
+                format!("{what}: bytes_for_tokens({n}) = {}, expected {}", for_n(n), capped * expect),
+            ));
         }
     }
     Ok(())
@@ -295,10 +330,20 @@ pub fn ring_state(what: &str, s: &RingState, m: &RowModel) -> Res {
 }
 
 /// Bytes `[1, H, n, D]` against the model's token per column; names the token found where they differ.
-pub fn columns_vs_model(what: &str, vs: &ValueSpace, layer: u32, tensor: Tensor, got: &ArrayBytes, toks: &[Tok]) -> Res {
+pub fn columns_vs_model(
+    what: &str,
+    vs: &ValueSpace,
+    layer: u32,
+    tensor: Tensor,
+    got: &ArrayBytes,
+    toks: &[Tok],
+) -> Res {
     let (h, n, d) = (got.shape[1] as usize, got.shape[2] as usize, got.shape[3] as usize);
     if n != toks.len() {
-        return Err(Failure::new("layout", format!("{what} {tensor:?}: {n} columns, the model expects {} ({toks:?})", toks.len())));
+        return Err(Failure::new(
+            "layout",
+            format!("{what} {tensor:?}: {n} columns, the model expects {} ({toks:?})", toks.len()),
+        ));
     }
     for (c, tok) in toks.iter().enumerate() {
         let want = vs.column_bits(layer, tensor, *tok);

@@ -35,14 +35,28 @@ impl Generator {
                 OpKind::Extract | OpKind::Filter | OpKind::Trim => rows > 0,
             }
         };
-        let choices: Vec<(OpKind, u32)> =
-            OpKind::ALL.iter().map(|&k| (k, if applicable(k) { cfg.weight(k) } else { 0 })).filter(|c| c.1 > 0).collect();
+        let choices: Vec<(OpKind, u32)> = OpKind::ALL
+            .iter()
+            .map(|&k| (k, if applicable(k) { cfg.weight(k) } else { 0 }))
+            .filter(|c| c.1 > 0)
+            .collect();
         let total: u32 = choices.iter().map(|c| c.1).sum();
         if total == 0 {
             return Op::Admit { req: v.next_id };
         }
         let mut pick = self.work.random_range(0..total);
-        let kind = choices.iter().find(|c| if pick < c.1 { true } else { pick -= c.1; false }).unwrap().0;
+        let kind = choices
+            .iter()
+            .find(|c| {
+                if pick < c.1 {
+                    true
+                } else {
+                    pick -= c.1;
+                    false
+                }
+            })
+            .unwrap()
+            .0;
         let chunk = |r: &mut ChaCha8Rng| r.random_range(1..=cfg.max_chunk as u32);
         let w = &mut self.work;
         match kind {
@@ -54,7 +68,11 @@ impl Generator {
                 match last {
                     // A speculative rollback of the whole window (or part of it): the full rollback leaves a ring with
                     // fewer live positions than min(offset, W), the geometry bug-catalog #4 (merge by offset) needs.
-                    Some(l) if w.random_bool(0.6) => Op::SoloTrim { req, n: if w.random_bool(0.5) { l as u32 } else { w.random_range(0..=l as u32) }, bypass: true },
+                    Some(l) if w.random_bool(0.6) => Op::SoloTrim {
+                        req,
+                        n: if w.random_bool(0.5) { l as u32 } else { w.random_range(0..=l as u32) },
+                        bypass: true,
+                    },
                     _ => Op::SoloTrim { req, n: w.random_range(0..=3), bypass: w.random_bool(0.5) },
                 }
             }
@@ -91,7 +109,11 @@ impl Generator {
             OpKind::CommitSpan => Op::CommitSpan { len: w.random_range(1..=3) },
             OpKind::Extract => {
                 // One in twenty asks for a row that does not exist: a typed error is the expected answer.
-                let row = if w.random_bool(0.05) { rows as u32 + w.random_range(0..3) } else { w.random_range(0..rows as u32) };
+                let row = if w.random_bool(0.05) {
+                    rows as u32 + w.random_range(0..3)
+                } else {
+                    w.random_range(0..rows as u32)
+                };
                 Op::Extract { row, finish: w.random_bool(0.5) }
             }
             OpKind::Filter => {

@@ -85,7 +85,13 @@ impl RunResult {
 }
 
 /// Either generate ops from the seed (`ops = None`, `count` of them) or replay `ops`.
-pub fn run(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceChoice, mutant: Option<Mutant>) -> RunResult {
+pub fn run(
+    seed: u64,
+    config: SimConfig,
+    ops: Option<Vec<Op>>,
+    device: DeviceChoice,
+    mutant: Option<Mutant>,
+) -> RunResult {
     device.activate();
     mutation::arm(mutant);
     // The runner reads every buffer and output after every op (one evaluation), so per-write evaluation is redundant.
@@ -96,7 +102,13 @@ pub fn run(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceCho
     result
 }
 
-fn run_inner(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceChoice, mutant: Option<Mutant>) -> RunResult {
+fn run_inner(
+    seed: u64,
+    config: SimConfig,
+    ops: Option<Vec<Op>>,
+    device: DeviceChoice,
+    mutant: Option<Mutant>,
+) -> RunResult {
     let mut trace = Trace {
         format: FORMAT.to_string(),
         version: VERSION,
@@ -133,7 +145,8 @@ fn run_inner(seed: u64, config: SimConfig, ops: Option<Vec<Op>>, device: DeviceC
         let result = match result {
             Ok(r) => r,
             Err(p) => {
-                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
                 Err(Failure::new("panic", format!("the op panicked: {}", msg.unwrap_or_default())))
             }
         };

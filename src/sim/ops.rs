@@ -173,7 +173,9 @@ impl Op {
         };
         let mut out = vec![];
         match self {
-            Op::SoloWindow { req, len } => out.extend(halve(*len).into_iter().map(|len| Op::SoloWindow { req: *req, len })),
+            Op::SoloWindow { req, len } => {
+                out.extend(halve(*len).into_iter().map(|len| Op::SoloWindow { req: *req, len }))
+            }
             Op::SoloTrim { req, n, bypass } => {
                 out.extend(halve(*n).into_iter().map(|n| Op::SoloTrim { req: *req, n, bypass: *bypass }))
             }
@@ -190,7 +192,11 @@ impl Op {
                 for i in 0..reqs.len() {
                     let mut r = reqs.clone();
                     r.remove(i);
-                    out.push(if matches!(self, Op::Merge { .. }) { Op::Merge { reqs: r } } else { Op::Join { reqs: r } });
+                    out.push(if matches!(self, Op::Merge { .. }) {
+                        Op::Merge { reqs: r }
+                    } else {
+                        Op::Join { reqs: r }
+                    });
                 }
             }
             Op::BatchPrefill { reqs, lengths, chunk } => {

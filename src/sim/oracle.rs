@@ -81,7 +81,11 @@ pub fn setup_driver() -> Result<PathBuf, String> {
         .output()
         .map_err(|e| format!("cannot run {}/setup.sh: {e}", dir.display()))?;
     if !out.status.success() {
-        return Err(format!("setup.sh failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+        return Err(format!(
+            "setup.sh failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     Ok(dir.join(".venv/bin/python"))
 }
@@ -109,7 +113,11 @@ pub fn run_driver(python: &Path, steps: &str, work: &Path, name: &str) -> Result
 
 /// Parses a RESULTS file.
 pub fn parse_results(text: &str) -> Result<Vec<Record>, String> {
-    text.lines().filter(|l| !l.trim().is_empty()).enumerate().map(|(i, l)| Record::parse(l).map_err(|e| format!("line {}: {e}", i + 1))).collect()
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(i, l)| Record::parse(l).map_err(|e| format!("line {}: {e}", i + 1)))
+        .collect()
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -266,7 +274,10 @@ impl Rule {
 pub enum Class {
     Rule(Rule),
     /// A consequence of the earlier state-changing divergence at `root` (step index), classified with it.
-    Consequence { root: usize, rule: Option<Rule> },
+    Consequence {
+        root: usize,
+        rule: Option<Rule>,
+    },
     Unclassified,
 }
 
@@ -320,7 +331,9 @@ fn step_name(info: &StepInfo) -> String {
 fn show(o: Option<&Outcome>) -> String {
     match o {
         None => "no record".into(),
-        Some(Outcome::Rows(r)) => format!("rows [{}]", r.iter().map(|s| &s[..8.min(s.len())]).collect::<Vec<_>>().join(", ")),
+        Some(Outcome::Rows(r)) => {
+            format!("rows [{}]", r.iter().map(|s| &s[..8.min(s.len())]).collect::<Vec<_>>().join(", "))
+        }
         Some(Outcome::Trimmed(n)) => format!("trimmed {n}"),
         Some(Outcome::TrimmedRows(n)) => format!("trimmed rows {n:?}"),
         Some(Outcome::Checkpoint { reqs, .. }) => format!("checkpoint of {} requests", reqs.len()),
@@ -332,8 +345,10 @@ fn show(o: Option<&Outcome>) -> String {
 fn detail(k: Option<&Outcome>, o: Option<&Outcome>) -> String {
     match (k, o) {
         (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) if a.len() == b.len() => {
-            let rows: Vec<String> =
-                (0..a.len()).filter(|&i| a[i] != b[i]).map(|i| format!("row {i}: kvsim {} / mlx-lm {}", &a[i][..12], &b[i][..12])).collect();
+            let rows: Vec<String> = (0..a.len())
+                .filter(|&i| a[i] != b[i])
+                .map(|i| format!("row {i}: kvsim {} / mlx-lm {}", &a[i][..12], &b[i][..12]))
+                .collect();
             format!("output differs ({} of {} rows): {}", rows.len(), a.len(), rows.join("; "))
         }
         (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) => {
@@ -372,9 +387,13 @@ fn read_rule(info: &StepInfo, layout_r3: &BTreeMap<u32, usize>, rows: &[usize]) 
     let one = info.l == 1 && info.read == Some(Read::Window);
     match info.t {
         "solo" if one && info.wrapped => Some(Rule::OnePositionWindow),
-        "solo" if info.read == Some(Read::Decode) && layout_r3.contains_key(&info.reqs[0]) => Some(Rule::OnePositionWindow),
+        "solo" if info.read == Some(Read::Decode) && layout_r3.contains_key(&info.reqs[0]) => {
+            Some(Rule::OnePositionWindow)
+        }
         "batch" if one && info.wrapped => Some(Rule::OnePositionWindow),
-        "batch" if rows.iter().all(|&r| info.wrapped || info.lens.get(r).is_some_and(|&len| len < info.bound)) => Some(Rule::RowLayout),
+        "batch" if rows.iter().all(|&r| info.wrapped || info.lens.get(r).is_some_and(|&len| len < info.bound)) => {
+            Some(Rule::RowLayout)
+        }
         "prefill_chunk" if info.l == 1 && info.wrapped => Some(Rule::OnePositionWindow),
         _ => None,
     }
@@ -383,7 +402,9 @@ fn read_rule(info: &StepInfo, layout_r3: &BTreeMap<u32, usize>, rows: &[usize]) 
 /// The rows whose outputs differ.
 fn differing_rows(k: Option<&Outcome>, o: Option<&Outcome>) -> Vec<usize> {
     match (k, o) {
-        (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) if a.len() == b.len() => (0..a.len()).filter(|&i| a[i] != b[i]).collect(),
+        (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) if a.len() == b.len() => {
+            (0..a.len()).filter(|&i| a[i] != b[i]).collect()
+        }
         _ => vec![],
     }
 }
@@ -391,7 +412,9 @@ fn differing_rows(k: Option<&Outcome>, o: Option<&Outcome>) -> Vec<usize> {
 /// The requests whose checkpoint views differ (None unless both are checkpoints of the same requests with the
 /// same offsets).
 fn differing_requests(k: Option<&Outcome>, o: Option<&Outcome>) -> Option<BTreeSet<u32>> {
-    let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else { return None };
+    let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else {
+        return None;
+    };
     if a.keys().ne(b.keys()) || a.iter().any(|(id, v)| v.offset != b[id].offset) {
         return None;
     }
@@ -399,8 +422,16 @@ fn differing_requests(k: Option<&Outcome>, o: Option<&Outcome>) -> Option<BTreeS
 }
 
 /// The rule for a checkpoint that differs with no state-changing step identified before it.
-fn checkpoint_rule(infos: &[StepInfo], step: usize, k: Option<&Outcome>, o: Option<&Outcome>, window: Option<usize>) -> Option<Rule> {
-    let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else { return None };
+fn checkpoint_rule(
+    infos: &[StepInfo],
+    step: usize,
+    k: Option<&Outcome>,
+    o: Option<&Outcome>,
+    window: Option<usize>,
+) -> Option<Rule> {
+    let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else {
+        return None;
+    };
     let w = window?;
     let info = &infos[step];
     if info.op_kind != "batch_prefill" {
@@ -413,7 +444,8 @@ fn checkpoint_rule(infos: &[StepInfo], step: usize, k: Option<&Outcome>, o: Opti
     }
     let differing: BTreeSet<u32> = a.keys().filter(|id| a[id] != b[id]).copied().collect();
     let offsets_agree = differing.iter().all(|id| a[id].offset == b[id].offset);
-    (offsets_agree && !differing.is_empty() && differing == padding_in_window_rows(p, w)).then_some(Rule::PrefillPaddingInWindow)
+    (offsets_agree && !differing.is_empty() && differing == padding_in_window_rows(p, w))
+        .then_some(Rule::PrefillPaddingInWindow)
 }
 
 /// The rows of a right-padded prefill on rings of window `w` that mlx-lm leaves with a padding key in their window:
@@ -446,7 +478,11 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
             }
             if *kn == 0 && *on > 0 {
                 match &t.kvsim {
-                    Err(e) if t.bypass && (e.starts_with("BypassNotAfterWindow") || (e.starts_with("TrimTooLong") && !t.after_window)) => {
+                    Err(e)
+                        if t.bypass
+                            && (e.starts_with("BypassNotAfterWindow")
+                                || (e.starts_with("TrimTooLong") && !t.after_window)) =>
+                    {
                         return Some(Rule::BypassOutsideWindow)
                     }
                     Err(e) if e.starts_with("TrimTooLong") => return Some(Rule::TrimPastStart),
@@ -456,10 +492,14 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
             None
         }
         ("trim_rows", Some(Outcome::TrimmedRows(_)), Some(Outcome::Unsupported(_))) => Some(Rule::PerRowTrim),
-        ("prefill_chunk", _, Some(Outcome::Error(e))) if info.l == 1 && info.padded && rotating && e.contains("finalize()") => {
+        ("prefill_chunk", _, Some(Outcome::Error(e)))
+            if info.l == 1 && info.padded && rotating && e.contains("finalize()") =>
+        {
             Some(Rule::PaddedSingletonChunk)
         }
-        ("extract", None, Some(Outcome::Error(e))) if !info.batch_arrays && e.contains("'NoneType' object is not subscriptable") => {
+        ("extract", None, Some(Outcome::Error(e)))
+            if !info.batch_arrays && e.contains("'NoneType' object is not subscriptable") =>
+        {
             Some(Rule::ExtractEmptyBatch)
         }
         _ => None,
@@ -469,7 +509,8 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
 /// Compares kvsim's results with the oracle's, step by step, and classifies every divergence.
 pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Option<usize>) -> Vec<Divergence> {
     let rotating = window.is_some();
-    let by_step = |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
+    let by_step =
+        |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
     let (ks, os) = (by_step(kvsim), by_step(oracle));
     let mut out: Vec<Divergence> = vec![];
     let mut root: Option<(usize, Option<Rule>)> = None;
@@ -501,7 +542,14 @@ pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Opt
             }
             continue;
         }
-        let mut d = Divergence { step, op: info.op, op_kind: info.op_kind, what: step_name(&info), detail: detail(k, o), class: Class::Unclassified };
+        let mut d = Divergence {
+            step,
+            op: info.op,
+            op_kind: info.op_kind,
+            what: step_name(&info),
+            detail: detail(k, o),
+            class: Class::Unclassified,
+        };
         if let Some((r, rule)) = root {
             d.class = Class::Consequence { root: r, rule };
             out.push(d);
@@ -516,7 +564,9 @@ pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Opt
         }
         if info.t == "checkpoint" {
             let differing = differing_requests(k, o);
-            if let Some(diff_reqs) = differing.as_ref().filter(|d| !d.is_empty() && d.iter().all(|r| tainted.contains_key(r))) {
+            if let Some(diff_reqs) =
+                differing.as_ref().filter(|d| !d.is_empty() && d.iter().all(|r| tainted.contains_key(r)))
+            {
                 // Only the known benign taint: the state otherwise agrees.
                 let (r0, rule) = tainted[diff_reqs.iter().next().unwrap()];
                 d.class = Class::Consequence { root: r0, rule: Some(rule) };
@@ -652,14 +702,25 @@ pub fn step_kinds(infos: &[StepInfo]) -> BTreeSet<String> {
 
 /// Compares one recorded trace (`NAME.trace.json` + `NAME.oracle.jsonl`).
 pub fn diff_recorded(trace_path: &Path) -> TraceReport {
-    let name = trace_path.file_name().and_then(|n| n.to_str()).unwrap_or("?").trim_end_matches(".trace.json").to_string();
-    let fail = |config: SimConfig, e: String| TraceReport { name: name.clone(), config, steps: 0, divergences: vec![], kinds: BTreeSet::new(), error: Some(e) };
+    let name =
+        trace_path.file_name().and_then(|n| n.to_str()).unwrap_or("?").trim_end_matches(".trace.json").to_string();
+    let fail = |config: SimConfig, e: String| TraceReport {
+        name: name.clone(),
+        config,
+        steps: 0,
+        divergences: vec![],
+        kinds: BTreeSet::new(),
+        error: Some(e),
+    };
     let trace = match Trace::load(trace_path) {
         Ok(t) => t,
         Err(e) => return fail(SimConfig::from_seed(0), e.to_string()),
     };
     let oracle_path = trace_path.with_file_name(format!("{name}.oracle.jsonl"));
-    let oracle = match std::fs::read_to_string(&oracle_path).map_err(|e| format!("{}: {e}", oracle_path.display())).and_then(|t| parse_results(&t)) {
+    let oracle = match std::fs::read_to_string(&oracle_path)
+        .map_err(|e| format!("{}: {e}", oracle_path.display()))
+        .and_then(|t| parse_results(&t))
+    {
         Ok(o) => o,
         Err(e) => return fail(trace.config.clone(), e),
     };
@@ -809,7 +870,10 @@ pub fn features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
         if s.t == "enter" && rotating && !s.emptied.is_empty() && s.nonempty > 0 {
             f.insert("geometry/merge-emptied-ring".into());
         }
-        if s.t == "enter" && s.how == Some("join") && s.offsets.iter().any(|&o| cfg.layout.max_size().is_some_and(|w| o > w)) {
+        if s.t == "enter"
+            && s.how == Some("join")
+            && s.offsets.iter().any(|&o| cfg.layout.max_size().is_some_and(|w| o > w))
+        {
             f.insert("geometry/join-wrapped-ring".into());
         }
         if s.t == "prefill_chunk" && rotating && s.l == 1 && s.padded {
@@ -831,7 +895,10 @@ pub fn features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
             f.insert(format!("geometry/right-padded-prefill/{layout}"));
         }
         let root_in_op = root.is_some_and(|(ri, _)| all[ri].op == s.op);
-        if s.t == "prefill" && !root_in_op && cfg.layout.max_size().is_some_and(|w| !padding_in_window_rows(s, w).is_empty()) {
+        if s.t == "prefill"
+            && !root_in_op
+            && cfg.layout.max_size().is_some_and(|w| !padding_in_window_rows(s, w).is_empty())
+        {
             f.insert("geometry/prefill-padding-in-window".into());
         }
     }
@@ -849,7 +916,9 @@ pub fn predicted_root(cfg: &SimConfig, infos: &[StepInfo]) -> Option<(usize, &'s
             match &t.kvsim {
                 Ok(_) if !equal => return Some((i, "per-row-trim")),
                 Ok(_) if n > 0 && w.is_some() && s.wrapped => return Some((i, "trim-after-wrap")),
-                Err(_) if n > 0 && s.offsets.iter().all(|&o| o > 0) && !(w.is_some() && s.wrapped) => return Some((i, "trim-refused-by-kvsim")),
+                Err(_) if n > 0 && s.offsets.iter().all(|&o| o > 0) && !(w.is_some() && s.wrapped) => {
+                    return Some((i, "trim-refused-by-kvsim"))
+                }
                 _ => {}
             }
         }

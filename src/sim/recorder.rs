@@ -56,7 +56,10 @@ pub enum Outcome {
     /// kvsim only: a per-row trim with unequal counts (what each row dropped; all 0 when kvsim refused).
     TrimmedRows(Vec<usize>),
     /// The state of every live request at the end of a kvsim op.
-    Checkpoint { op: i64, reqs: BTreeMap<u32, ReqView> },
+    Checkpoint {
+        op: i64,
+        reqs: BTreeMap<u32, ReqView>,
+    },
     Unsupported(String),
     Error(String),
 }
@@ -394,17 +397,33 @@ impl Recorder {
         let (n, bypass) = (trim.n[0], trim.bypass);
         let trimmed = *trim.kvsim.as_ref().unwrap_or(&0) as i64;
         let wrapped = self.window.is_some_and(|w| offset_before >= w);
-        let info = StepInfo { t: "solo_trim", reqs: vec![req], offsets: vec![offset_before], wrapped, trim: Some(trim), ..Default::default() };
+        let info = StepInfo {
+            t: "solo_trim",
+            reqs: vec![req],
+            offsets: vec![offset_before],
+            wrapped,
+            trim: Some(trim),
+            ..Default::default()
+        };
         let step = self.push(|| json!({"t": "solo_trim", "req": req, "n": n, "bypass": bypass}), info);
         self.result(step, Outcome::Trimmed(trimmed));
     }
 
     /// Solo requests enter the running batch. `sizes`: live positions of each (before the merge).
     pub fn enter(&mut self, reqs: &[u32], merge: bool, offsets: &[usize], sizes: &[usize]) {
-        let emptied: Vec<u32> = reqs.iter().zip(sizes).filter(|(r, &s)| s == 0 && self.written.contains(r)).map(|(r, _)| *r).collect();
+        let emptied: Vec<u32> =
+            reqs.iter().zip(sizes).filter(|(r, &s)| s == 0 && self.written.contains(r)).map(|(r, _)| *r).collect();
         let nonempty = sizes.iter().filter(|&&s| s > 0).count();
         let how = if merge { "merge" } else { "join" };
-        let info = StepInfo { t: "enter", reqs: reqs.to_vec(), offsets: offsets.to_vec(), emptied, nonempty, how: Some(how), ..Default::default() };
+        let info = StepInfo {
+            t: "enter",
+            reqs: reqs.to_vec(),
+            offsets: offsets.to_vec(),
+            emptied,
+            nonempty,
+            how: Some(how),
+            ..Default::default()
+        };
         self.push(|| json!({"t": "enter", "reqs": reqs, "how": how}), info);
         self.bound = self.bound.max(offsets.iter().copied().max().unwrap_or(0));
         self.batch_arrays |= nonempty > 0;
@@ -413,7 +432,14 @@ impl Recorder {
     /// A right-padded prefill of `lengths` positions per row, fed in chunks of `chunk`.
     pub fn prefill(&mut self, reqs: &[u32], lengths: &[usize], chunk: usize) {
         let padded = lengths.iter().any(|&x| x != lengths[0]);
-        let info = StepInfo { t: "prefill", reqs: reqs.to_vec(), real: lengths.to_vec(), l: chunk, padded, ..Default::default() };
+        let info = StepInfo {
+            t: "prefill",
+            reqs: reqs.to_vec(),
+            real: lengths.to_vec(),
+            l: chunk,
+            padded,
+            ..Default::default()
+        };
         self.push(|| json!({"t": "prefill", "reqs": reqs, "lengths": lengths}), info);
         for r in reqs {
             self.written.insert(*r);
@@ -584,7 +610,14 @@ impl Recorder {
         let trimmed = *trim.kvsim.as_ref().unwrap_or(&0);
         let wrapped = self.window.is_some_and(|w| self.bound >= w);
         self.bound = self.bound.saturating_sub(trimmed);
-        let info = StepInfo { t: "trim", reqs: reqs.to_vec(), offsets: offsets.to_vec(), wrapped, trim: Some(trim), ..Default::default() };
+        let info = StepInfo {
+            t: "trim",
+            reqs: reqs.to_vec(),
+            offsets: offsets.to_vec(),
+            wrapped,
+            trim: Some(trim),
+            ..Default::default()
+        };
         let step = self.push(|| json!({"t": "trim", "n": n}), info);
         self.result(step, Outcome::Trimmed(trimmed as i64));
     }
@@ -610,7 +643,10 @@ impl Recorder {
     /// The state of every live request (`views`: request -> (offset, per-layer K shas, per-layer V shas)).
     pub fn checkpoint(&mut self, reqs: BTreeMap<u32, ReqView>) {
         let op = self.op;
-        let step = self.push(|| json!({"t": "checkpoint", "op": op}), StepInfo { t: "checkpoint", reqs: reqs.keys().copied().collect(), ..Default::default() });
+        let step = self.push(
+            || json!({"t": "checkpoint", "op": op}),
+            StepInfo { t: "checkpoint", reqs: reqs.keys().copied().collect(), ..Default::default() },
+        );
         self.result(step, Outcome::Checkpoint { op: op as i64, reqs });
     }
 

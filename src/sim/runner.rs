@@ -111,12 +111,28 @@ impl World {
             .map(|_| RowBatch::empty(spec, cfg.layout.max_size()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Failure::new("setup", e.to_string()))?;
-        Ok(World { cfg, vs, spec, reqs: BTreeMap::new(), batch, rows: vec![], next_id: 0, counters: Counters::default(), hasher: blake3::Hasher::new(), recorder: None })
+        Ok(World {
+            cfg,
+            vs,
+            spec,
+            reqs: BTreeMap::new(),
+            batch,
+            rows: vec![],
+            next_id: 0,
+            counters: Counters::default(),
+            hasher: blake3::Hasher::new(),
+            recorder: None,
+        })
     }
 
     pub fn view(&self) -> View {
         View {
-            solo: self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| (r.id, r.model.offset, r.model.last_concat)).collect(),
+            solo: self
+                .reqs
+                .values()
+                .filter(|r| r.home == Home::Solo)
+                .map(|r| (r.id, r.model.offset, r.model.last_concat))
+                .collect(),
             rows: self.rows.clone(),
             next_id: self.next_id,
             live: self.reqs.len(),
@@ -168,7 +184,11 @@ impl World {
     }
 
     fn kvq(&self, layer: usize, toks: &[Vec<Option<Tok>>]) -> Res<(Array, Array, Array)> {
-        Ok((self.block(layer, Tensor::K, toks)?, self.block(layer, Tensor::V, toks)?, self.block(layer, Tensor::Q, toks)?))
+        Ok((
+            self.block(layer, Tensor::K, toks)?,
+            self.block(layer, Tensor::V, toks)?,
+            self.block(layer, Tensor::Q, toks)?,
+        ))
     }
 
     fn next_toks(&self, req: u32, n: usize) -> Vec<Option<Tok>> {
@@ -245,10 +265,12 @@ impl World {
             let got = r.solo[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("solo window", e))?;
             if let Some(rec) = self.recorder.as_mut() {
                 let kind = if read { Read::Window } else { Read::Append };
-                rec.solo(req, layer, kind, &k, &v, Some(&q), Some(&got.0), offset_before).map_err(|e| mlx_fail("record", e))?;
+                rec.solo(req, layer, kind, &k, &v, Some(&q), Some(&got.0), offset_before)
+                    .map_err(|e| mlx_fail("record", e))?;
             }
             let r = self.reqs.get_mut(&req).unwrap();
-            let twin = r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
+            let twin =
+                r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
             if read {
                 let real: Vec<Tok> = toks.iter().flatten().copied().collect();
                 let model_after = {
@@ -256,7 +278,14 @@ impl World {
                     m.window_write(&real);
                     m
                 };
-                self.check_read(layer, ReadKind::Window, &got.0, &[(0, req, real.clone(), Some(&twin.0))], &model_after_map(req, &model_after), &got.1)?;
+                self.check_read(
+                    layer,
+                    ReadKind::Window,
+                    &got.0,
+                    &[(0, req, real.clone(), Some(&twin.0))],
+                    &model_after_map(req, &model_after),
+                    &got.1,
+                )?;
             }
         }
         let real: Vec<Tok> = toks.iter().flatten().copied().collect();
@@ -275,15 +304,25 @@ impl World {
         for layer in 0..self.cfg.layers {
             let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
             let r = self.reqs.get_mut(&req).unwrap();
-            let got = r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
+            let got =
+                r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
             if let Some(rec) = self.recorder.as_mut() {
                 let off = model_after.offset - 1;
-                rec.solo(req, layer, Read::Decode, &k, &v, Some(&q), Some(&got.0), off).map_err(|e| mlx_fail("record", e))?;
+                rec.solo(req, layer, Read::Decode, &k, &v, Some(&q), Some(&got.0), off)
+                    .map_err(|e| mlx_fail("record", e))?;
             }
             let r = self.reqs.get_mut(&req).unwrap();
-            let twin = r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
+            let twin =
+                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let real = vec![toks[0].unwrap()];
-            self.check_read(layer, ReadKind::Decode, &got.0, &[(0, req, real, Some(&twin.0))], &model_after_map(req, &model_after), &got.1)?;
+            self.check_read(
+                layer,
+                ReadKind::Decode,
+                &got.0,
+                &[(0, req, real, Some(&twin.0))],
+                &model_after_map(req, &model_after),
+                &got.1,
+            )?;
         }
         self.reqs.get_mut(&req).unwrap().model = model_after;
         Ok(true)
@@ -295,7 +334,11 @@ impl World {
         }
         let mut model = self.reqs[&req].model.clone();
         let recording = self.recorder.is_some();
-        let before = if recording { self.reqs[&req].solo.first().map(|c| c.state().clone()).unwrap_or_default() } else { Default::default() };
+        let before = if recording {
+            self.reqs[&req].solo.first().map(|c| c.state().clone()).unwrap_or_default()
+        } else {
+            Default::default()
+        };
         let expected = model.trim(n, bypass);
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
@@ -311,7 +354,11 @@ impl World {
         if let Some(rec) = self.recorder.as_mut() {
             let after_window = before.last_concat.is_some_and(|l| l >= n);
             let kvsim = first.unwrap_or(Ok(0));
-            rec.solo_trim(req, before.offset, TrimInfo { n: vec![n], bypass, kvsim, after_window, live: vec![before.len] });
+            rec.solo_trim(
+                req,
+                before.offset,
+                TrimInfo { n: vec![n], bypass, kvsim, after_window, live: vec![before.len] },
+            );
         }
         if expected.is_ok() {
             let q = self.reqs.get_mut(&req).unwrap();
@@ -345,12 +392,14 @@ impl World {
             let incoming = if merge {
                 let mut slices = vec![];
                 for id in &ids {
-                    let (k, v) = self.reqs[id].solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
+                    let (k, v) =
+                        self.reqs[id].solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
                     slices.push((k, v, self.reqs[id].model.offset));
                 }
                 RowBatch::merge(self.spec, max, &slices).map_err(|e| unexpected("merge", e))?
             } else {
-                let sources: Vec<JoinSource> = ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
+                let sources: Vec<JoinSource> =
+                    ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
                 RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (serial rows)", e))?
             };
             let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
@@ -374,7 +423,8 @@ impl World {
                 r.model.base = offset - view.len();
                 for twin in r.twin.iter_mut() {
                     let (k, v) = twin.temporal_view().map_err(|e| unexpected("twin temporal_view", e))?;
-                    *twin = SerialCache::from_temporal(self.spec, max, &k, &v, offset).map_err(|e| unexpected("twin from_temporal", e))?;
+                    *twin = SerialCache::from_temporal(self.spec, max, &k, &v, offset)
+                        .map_err(|e| unexpected("twin from_temporal", e))?;
                 }
             } else {
                 // join keeps the row's state whole (columns, phase, last window width).
@@ -405,7 +455,8 @@ impl World {
         // Fresh rows, from the requests' own (empty) serial caches.
         let mut pre: Vec<RowBatch> = vec![];
         for layer in 0..self.cfg.layers {
-            let sources: Vec<JoinSource> = ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
+            let sources: Vec<JoinSource> =
+                ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
             let mut p = RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (fresh rows)", e))?;
             p.prepare(&lens).map_err(|e| unexpected("prepare", e))?;
             pre.push(p);
@@ -448,7 +499,8 @@ impl World {
                 let got = pre[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
                 if let Some(rec) = self.recorder.as_mut() {
                     let real: Vec<usize> = reals.iter().map(Vec::len).collect();
-                    rec.prefill_chunk(layer, &ids, &k, &v, &q, &real, &got.0, done, padded).map_err(|e| mlx_fail("record", e))?;
+                    rec.prefill_chunk(layer, &ids, &k, &v, &q, &real, &got.0, done, padded)
+                        .map_err(|e| mlx_fail("record", e))?;
                 }
                 let mut twin_outs = vec![];
                 for (r, id) in ids.iter().enumerate() {
@@ -463,11 +515,8 @@ impl World {
                         .map_err(|e| unexpected("twin window", e))?;
                     twin_outs.push(Some(t.0));
                 }
-                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = ids
-                    .iter()
-                    .enumerate()
-                    .map(|(r, id)| (r, *id, reals[r].clone(), twin_outs[r].as_ref()))
-                    .collect();
+                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> =
+                    ids.iter().enumerate().map(|(r, id)| (r, *id, reals[r].clone(), twin_outs[r].as_ref())).collect();
                 self.check_read(layer, ReadKind::PaddedWindow, &got.0, &rows, &models, &got.1)?;
             }
             for (id, m) in models {
@@ -478,8 +527,12 @@ impl World {
         for (layer, p) in pre.iter_mut().enumerate() {
             p.finalize().map_err(|e| unexpected("finalize", e))?;
             let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
-            self.batch[layer] = RowBatch::join(self.spec, max, &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())])
-                .map_err(|e| unexpected("join (prefilled rows)", e))?;
+            self.batch[layer] = RowBatch::join(
+                self.spec,
+                max,
+                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
+            )
+            .map_err(|e| unexpected("join (prefilled rows)", e))?;
         }
         for id in &ids {
             let r = self.reqs.get_mut(id).unwrap();
@@ -516,7 +569,11 @@ impl World {
 
     /// The model's verdict on trimming row `r` by `n[r]`: every row's trimmed model, and the first row's error (the
     /// production batch checks rows in order and changes nothing when one refuses).
-    fn model_trims(&self, n: &[usize], bypass: bool) -> (BTreeMap<u32, RowModel>, Result<(), crate::reference::ModelError>) {
+    fn model_trims(
+        &self,
+        n: &[usize],
+        bypass: bool,
+    ) -> (BTreeMap<u32, RowModel>, Result<(), crate::reference::ModelError>) {
         let mut models = BTreeMap::new();
         let mut expected = Ok(());
         for (r, &id) in self.rows.iter().enumerate() {
@@ -550,8 +607,10 @@ impl World {
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
             if let Some(rec) = self.recorder.as_mut() {
-                let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
-                rec.batch(layer, Read::Decode, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0)).map_err(|e| mlx_fail("record", e))?;
+                let offsets: Vec<(usize, usize)> =
+                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                rec.batch(layer, Read::Decode, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0))
+                    .map_err(|e| mlx_fail("record", e))?;
             }
             let twin_outs = self.twin_reads(layer, 1, TwinRead::Decode)?;
             let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
@@ -562,7 +621,11 @@ impl World {
                 .collect();
             self.check_read(layer, ReadKind::Decode, &got.0, &rows, &models, &got.1)?;
         }
-        check::rope_snapshot(&rope_values, &rope_before.values(), &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>())?;
+        check::rope_snapshot(
+            &rope_values,
+            &rope_before.values(),
+            &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
+        )?;
         if let Some(rec) = self.recorder.as_mut() {
             rec.batch_written(1);
         }
@@ -591,8 +654,13 @@ impl World {
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
                 if let Some(rec) = self.recorder.as_mut() {
-                    let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
-                    rec.batch(layer, Read::Window, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0)).map_err(|e| mlx_fail("record", e))?;
+                    let offsets: Vec<(usize, usize)> = self
+                        .rows
+                        .iter()
+                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                        .collect();
+                    rec.batch(layer, Read::Window, &self.rows, &offsets, &k, &v, Some(&q), Some(&got.0))
+                        .map_err(|e| mlx_fail("record", e))?;
                 }
                 let twin_outs = self.twin_reads(layer, len, TwinRead::Window)?;
                 let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
@@ -605,13 +673,20 @@ impl World {
             } else {
                 self.batch[layer].append(&k, &v).map_err(|e| unexpected("append", e))?;
                 if let Some(rec) = self.recorder.as_mut() {
-                    let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
-                    rec.batch(layer, Read::Append, &self.rows, &offsets, &k, &v, None, None).map_err(|e| mlx_fail("record", e))?;
+                    let offsets: Vec<(usize, usize)> = self
+                        .rows
+                        .iter()
+                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                        .collect();
+                    rec.batch(layer, Read::Append, &self.rows, &offsets, &k, &v, None, None)
+                        .map_err(|e| mlx_fail("record", e))?;
                 }
                 for &id in &self.rows.clone() {
                     let one = vec![self.next_toks(id, len)];
                     let (tk, tv, _) = self.kvq(layer, &one)?;
-                    self.reqs.get_mut(&id).unwrap().twin[layer].append(&tk, &tv).map_err(|e| unexpected("twin append", e))?;
+                    self.reqs.get_mut(&id).unwrap().twin[layer]
+                        .append(&tk, &tv)
+                        .map_err(|e| unexpected("twin append", e))?;
                 }
             }
         }
@@ -632,17 +707,23 @@ impl World {
         self.check_all()?;
         // The oracle compares the verify window's state before the rollback (a checkpoint of its own).
         self.record_checkpoint()?;
-        let rollback: Vec<usize> =
-            (0..self.rows.len()).map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
+        let rollback: Vec<usize> = (0..self.rows.len())
+            .map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma))
+            .collect();
         let (models, expected) = self.model_trims(&rollback, true);
         let recording = self.recorder.is_some();
-        let before: Vec<crate::cache::RingState> =
-            if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
+        let before: Vec<crate::cache::RingState> = if recording {
+            self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
+        } else {
+            vec![]
+        };
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let got = self.batch[layer].trim_rows(&rollback, true);
             if recording && first.is_none() {
-                first = Some(got.as_ref().map(|_| rollback.iter().copied().max().unwrap_or(0)).map_err(|e| format!("{e:?}")));
+                first = Some(
+                    got.as_ref().map(|_| rollback.iter().copied().max().unwrap_or(0)).map_err(|e| format!("{e:?}")),
+                );
             }
             check::error_matches("verify rollback (trim_rows bypass)", &expected, &got)?;
             for (r, &id) in self.rows.clone().iter().enumerate() {
@@ -654,7 +735,8 @@ impl World {
             let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
             let after_window = before.iter().zip(&rollback).all(|(s, &n)| s.last_concat.is_some_and(|l| l >= n));
             let live = before.iter().map(|s| s.len).collect();
-            let trim = TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            let trim =
+                TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
             rec.trim_rows(&self.rows, &offsets, trim);
         }
         if expected.is_ok() {
@@ -689,9 +771,11 @@ impl World {
         for layer in 0..self.cfg.layers {
             let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
-            let got = self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
+            let got =
+                self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
             if let Some(rec) = self.recorder.as_mut() {
-                let offsets: Vec<(usize, usize)> = self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                let offsets: Vec<(usize, usize)> =
+                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
                 rec.batch_span(layer, &self.rows, &offsets, &k, &v, &q, &got).map_err(|e| mlx_fail("record", e))?;
             }
             let twin_outs = self.twin_reads(layer, len, TwinRead::Span)?;
@@ -725,7 +809,11 @@ impl World {
                     other => {
                         return Err(Failure::new(
                             "errors",
-                            format!("extract of missing row {row} (rows {}): expected NoSuchRow, got {:?}", self.rows.len(), other.map(|_| ())),
+                            format!(
+                                "extract of missing row {row} (rows {}): expected NoSuchRow, got {:?}",
+                                self.rows.len(),
+                                other.map(|_| ())
+                            ),
                         ))
                     }
                 }
@@ -758,7 +846,8 @@ impl World {
         for twin in r.twin.iter_mut() {
             twin.relinearize().map_err(|e| unexpected("twin relinearize", e))?;
             let (k, v) = twin.physical().map_err(|e| unexpected("twin physical", e))?;
-            *twin = SerialCache::from_temporal(self.spec, max, &k, &v, r.model.offset).map_err(|e| unexpected("twin from_temporal", e))?;
+            *twin = SerialCache::from_temporal(self.spec, max, &k, &v, r.model.offset)
+                .map_err(|e| unexpected("twin from_temporal", e))?;
         }
         let _ = max;
         Ok(true)
@@ -795,8 +884,11 @@ impl World {
         }
         let (models, expected) = self.model_trims(&vec![n; self.rows.len()], false);
         let recording = self.recorder.is_some();
-        let before: Vec<crate::cache::RingState> =
-            if recording { self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default() } else { vec![] };
+        let before: Vec<crate::cache::RingState> = if recording {
+            self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
+        } else {
+            vec![]
+        };
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
             let got = self.batch[layer].trim(n, false);
@@ -862,7 +954,17 @@ impl World {
                 check::mask_row(mask, *row, i, &visible, l, width, kind)?;
                 self.counters.checks += 1;
                 let keys: Vec<Tok> = visible.iter().map(|&c| model.cols[c]).collect();
-                check::output_vs_model(&self.vs, layer as u32, *q, &keys, self.cfg.scale(), &out_bytes, *row, i, &mut self.counters)?;
+                check::output_vs_model(
+                    &self.vs,
+                    layer as u32,
+                    *q,
+                    &keys,
+                    self.cfg.scale(),
+                    &out_bytes,
+                    *row,
+                    i,
+                    &mut self.counters,
+                )?;
             }
             if twin.is_some() {
                 let twin_bytes = read.next().unwrap();
@@ -898,12 +1000,30 @@ impl World {
             for (i, q) in real.iter().enumerate() {
                 m.decode_write(*q);
                 let keys: Vec<Tok> = m.decode_visible().iter().map(|&c| m.cols[c]).collect();
-                check::output_vs_model(&self.vs, layer as u32, *q, &keys, self.cfg.scale(), &out_bytes, *row, i, &mut self.counters)?;
+                check::output_vs_model(
+                    &self.vs,
+                    layer as u32,
+                    *q,
+                    &keys,
+                    self.cfg.scale(),
+                    &out_bytes,
+                    *row,
+                    i,
+                    &mut self.counters,
+                )?;
             }
             if let Some(twin) = twin {
                 let twin_bytes = ArrayBytes::of(twin).map_err(|e| mlx_fail("read twin output", e))?;
                 let tags = self.tags(*id, &m);
-                check::output_vs_twin(check::OutClass::DecodeUnpadded, &tags, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
+                check::output_vs_twin(
+                    check::OutClass::DecodeUnpadded,
+                    &tags,
+                    &out_bytes,
+                    *row,
+                    &twin_bytes,
+                    real.len(),
+                    &mut self.counters,
+                )?;
             }
         }
         Ok(())
@@ -915,12 +1035,15 @@ impl World {
         if self.recorder.is_none() {
             return Ok(());
         }
-        let sha = |a: &Array| -> Res<String> { Ok(crate::sim::recorder::sha_of(&ArrayBytes::of(a).map_err(|e| mlx_fail("checkpoint", e))?)) };
+        let sha = |a: &Array| -> Res<String> {
+            Ok(crate::sim::recorder::sha_of(&ArrayBytes::of(a).map_err(|e| mlx_fail("checkpoint", e))?))
+        };
         let mut views = BTreeMap::new();
         for (row, id) in self.rows.iter().enumerate() {
             let (mut k, mut v) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
-                let (tk, tv) = self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?;
+                let (tk, tv) =
+                    self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?;
                 k.push(sha(&tk)?);
                 v.push(sha(&tv)?);
             }
@@ -1002,14 +1125,28 @@ impl World {
 
     /// Production physical columns == model tokens (bytes); == twin's physical columns (bytes, same order);
     /// temporal views equal (bytes) and equal to the model's tail. `ours`/`theirs`: physical K, V, temporal K, V.
-    fn check_storage(&mut self, what: &str, id: u32, layer: usize, ours: &[ArrayBytes], theirs: &[ArrayBytes]) -> Res<()> {
+    fn check_storage(
+        &mut self,
+        what: &str,
+        id: u32,
+        layer: usize,
+        ours: &[ArrayBytes],
+        theirs: &[ArrayBytes],
+    ) -> Res<()> {
         let model = &self.reqs[&id].model;
         for (i, tensor) in [Tensor::K, Tensor::V].into_iter().enumerate() {
             self.hasher.update(&ours[i].digest());
             check::columns_vs_model(what, &self.vs, layer as u32, tensor, &ours[i], &model.cols)?;
             check::bytes_equal(&format!("{what} {tensor:?} physical vs twin"), &ours[i], &theirs[i])?;
             check::bytes_equal(&format!("{what} {tensor:?} temporal_view vs twin"), &ours[2 + i], &theirs[2 + i])?;
-            check::columns_vs_model(&format!("{what} temporal_view"), &self.vs, layer as u32, tensor, &ours[2 + i], &model.temporal_view())?;
+            check::columns_vs_model(
+                &format!("{what} temporal_view"),
+                &self.vs,
+                layer as u32,
+                tensor,
+                &ours[2 + i],
+                &model.temporal_view(),
+            )?;
             self.counters.bit_exact_state += 3;
             self.counters.record_state(ours[i].dtype, 3);
             self.counters.checks += 4;

@@ -90,7 +90,8 @@ impl Trace {
     }
 
     pub fn load(path: &std::path::Path) -> Result<Trace, TraceError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| TraceError::Io { path: path.display().to_string(), source })?;
         Trace::parse(&text)
     }
 

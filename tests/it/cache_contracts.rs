@@ -19,7 +19,8 @@ fn toks(req: u32, from: usize, n: usize) -> Vec<Option<Tok>> {
 
 /// The next `l` positions of every row (row `r` is request `r`).
 fn block(p: &Payload, b: &RowBatch, l: usize) -> (mlx_rs::Array, mlx_rs::Array, mlx_rs::Array) {
-    let rows: Vec<Vec<Option<Tok>>> = b.row_states().iter().enumerate().map(|(r, s)| toks(r as u32, s.ring.offset, l)).collect();
+    let rows: Vec<Vec<Option<Tok>>> =
+        b.row_states().iter().enumerate().map(|(r, s)| toks(r as u32, s.ring.offset, l)).collect();
     p.kvq(&rows)
 }
 
@@ -51,7 +52,10 @@ fn decode_uses_no_mask_for_equal_rows_and_a_mask_for_unequal_rows() {
         let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
         let mut b = RowBatch::join(SPEC, w, &sources).unwrap();
         let (k, v, q) = block(&p, &b, 1);
-        assert!(matches!(b.decode(&k, &v, &q, p.scale(), &Masks::new()).unwrap().1, MaskUse::Array(_)), "unequal rows, W={w:?}");
+        assert!(
+            matches!(b.decode(&k, &v, &q, p.scale(), &Masks::new()).unwrap().1, MaskUse::Array(_)),
+            "unequal rows, W={w:?}"
+        );
     }
 }
 
@@ -66,7 +70,10 @@ fn window_uses_causal_exactly_when_rows_agree_and_the_window_does_not_bind() {
     let (k, v, q) = block(&p, &b, 3);
     assert_eq!(b.window(&k, &v, &q, p.scale(), &Masks::new()).unwrap().1, MaskUse::Causal, "len 6 <= W 8");
     let (k, v, q) = block(&p, &b, 3);
-    assert!(matches!(b.window(&k, &v, &q, p.scale(), &Masks::new()).unwrap().1, MaskUse::Array(_)), "len 9 > W 8: the window binds");
+    assert!(
+        matches!(b.window(&k, &v, &q, p.scale(), &Masks::new()).unwrap().1, MaskUse::Array(_)),
+        "len 9 > W 8: the window binds"
+    );
     // A right-padded chunk (rows store 3 and 1 positions) is never plain causal.
     let mut pre = RowBatch::with_rows(SPEC, None, 2).unwrap();
     pre.prepare(&[3, 1]).unwrap();
@@ -111,11 +118,15 @@ fn adopt_checks_lengths_against_the_buffer() {
     let (k, v) = b.buffers().unwrap();
     assert_eq!(b.cap(), 3);
     let states = b.row_states().to_vec();
-    let adopted = RowBatch::adopt(SPEC, Some(4), k.clone(), v.clone(), states.clone()).expect("row 0 fills the buffer exactly");
+    let adopted =
+        RowBatch::adopt(SPEC, Some(4), k.clone(), v.clone(), states.clone()).expect("row 0 fills the buffer exactly");
     assert_eq!(adopted.row_states(), &states[..]);
     let mut long = states.clone();
     long[1] = RowState { ring: RingState { offset: 9, len: 4, idx: 4, last_concat: None }, base: 5, pending: None };
-    assert!(matches!(RowBatch::adopt(SPEC, Some(4), k.clone(), v.clone(), long), Err(kvsim::cache::CacheError::InvalidState { .. })));
+    assert!(matches!(
+        RowBatch::adopt(SPEC, Some(4), k.clone(), v.clone(), long),
+        Err(kvsim::cache::CacheError::InvalidState { .. })
+    ));
     let mut base = states;
     base[1].base = base[1].ring.offset + 1;
     assert!(matches!(RowBatch::adopt(SPEC, Some(4), k, v, base), Err(kvsim::cache::CacheError::InvalidState { .. })));

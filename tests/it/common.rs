@@ -1,6 +1,5 @@
 //! Helpers shared by the integration tests: the mutant lock, self-identifying payload blocks, byte views.
 
-
 use kvsim::bytes::ArrayBytes;
 use kvsim::cache::{KvDtype, KvSpec};
 use kvsim::reference::{RefDtype, Tensor, Tok, ValueSpace};
@@ -88,7 +87,8 @@ impl Payload {
         let n = want.len();
         for (c, tok) in want.iter().enumerate() {
             let expect = self.vs.column_bits(0, tensor, *tok);
-            let found: Vec<u32> = (0..h).flat_map(|hh| (0..d).map(move |x| (hh, x))).map(|(hh, x)| w[(hh * n + c) * d + x]).collect();
+            let found: Vec<u32> =
+                (0..h).flat_map(|hh| (0..d).map(move |x| (hh, x))).map(|(hh, x)| w[(hh * n + c) * d + x]).collect();
             if found != expect {
                 let who = self.vs.identify(0, tensor, &found, (0..=tok.pos + 8).map(|p| Tok { req: tok.req, pos: p }));
                 panic!("{what}: {tensor:?} column {c} should hold {tok}, found {who:?}");
@@ -107,7 +107,10 @@ pub fn bytes(a: &Array) -> ArrayBytes {
 pub fn assert_same_bytes(what: &str, a: &Array, b: &Array) {
     let (x, y) = (bytes(a), bytes(b));
     if let Some(i) = x.first_difference(&y) {
-        panic!("{what}: arrays differ at element {i} (shapes {:?} vs {:?}, dtypes {:?} vs {:?})", x.shape, y.shape, x.dtype, y.dtype);
+        panic!(
+            "{what}: arrays differ at element {i} (shapes {:?} vs {:?}, dtypes {:?} vs {:?})",
+            x.shape, y.shape, x.dtype, y.dtype
+        );
     }
 }
 

@@ -7,7 +7,11 @@ fn corpus_replays_as_recorded() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     let mut n = 0;
     let mut problems = vec![];
-    let mut paths: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "json")).collect();
+    let mut paths: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
     paths.sort();
     for p in paths {
         let t = Trace::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));

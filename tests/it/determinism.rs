@@ -12,5 +12,8 @@ fn same_seed_same_trace_and_hash() {
         assert!(!a.trace.result_hash.is_empty());
     }
     // And different seeds give different runs.
-    assert_ne!(run_seed(1, DeviceChoice::Cpu, None).trace.result_hash, run_seed(2, DeviceChoice::Cpu, None).trace.result_hash);
+    assert_ne!(
+        run_seed(1, DeviceChoice::Cpu, None).trace.result_hash,
+        run_seed(2, DeviceChoice::Cpu, None).trace.result_hash
+    );
 }

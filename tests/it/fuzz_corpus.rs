@@ -22,7 +22,8 @@ fn sim_trace_corpus_passes_every_check() {
     let fs = files("fuzz/seeds/sim_trace");
     assert!(!fs.is_empty());
     for p in fs {
-        if let Some(Outcome::Fail { op_index, check, message }) = kvsim::fuzzing::sim_trace(&std::fs::read(&p).unwrap()) {
+        if let Some(Outcome::Fail { op_index, check, message }) = kvsim::fuzzing::sim_trace(&std::fs::read(&p).unwrap())
+        {
             panic!("{}: op {op_index} [{check}] {message}", p.display());
         }
     }

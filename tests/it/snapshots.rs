@@ -58,8 +58,12 @@ fn serial(p: &Payload, w: Option<usize>, req: u32, prefill: usize, decodes: usiz
 
 /// `L` next positions per row of `b` (rows are requests 0, 1, ...; positions from each row's offset).
 fn next_block(p: &Payload, b: &RowBatch, l: usize) -> (mlx_rs::Array, mlx_rs::Array, mlx_rs::Array) {
-    let rows: Vec<Vec<Option<Tok>>> =
-        b.row_states().iter().enumerate().map(|(r, s)| toks(r as u32, s.ring.offset, l).into_iter().map(Some).collect()).collect();
+    let rows: Vec<Vec<Option<Tok>>> = b
+        .row_states()
+        .iter()
+        .enumerate()
+        .map(|(r, s)| toks(r as u32, s.ring.offset, l).into_iter().map(Some).collect())
+        .collect();
     p.kvq(&rows)
 }
 
@@ -78,7 +82,8 @@ fn window(p: &Payload, b: &mut RowBatch, l: usize) -> MaskUse {
 fn mask_decode_unequal_rows() {
     let p = payload();
     let rows = [(5usize, 0usize), (1, 1), (0, 0)];
-    let solo: Vec<SerialCache> = rows.iter().enumerate().map(|(r, &(w, d))| serial(&p, Some(4), r as u32, w, d)).collect();
+    let solo: Vec<SerialCache> =
+        rows.iter().enumerate().map(|(r, &(w, d))| serial(&p, Some(4), r as u32, w, d)).collect();
     let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
     let mut b = RowBatch::join(SPEC, Some(4), &sources).unwrap();
     let used = decode(&p, &mut b);
@@ -159,7 +164,10 @@ fn ring_pictures_through_a_schedule() {
     decode(&p, &mut b);
     let e = b.extract(1).unwrap();
     b.filter(&[0, 2]).unwrap();
-    insta::assert_snapshot!("ring_extract", format!("extracted row 1: {}\nbatch after filter:\n{}", e.picture(), b.picture()));
+    insta::assert_snapshot!(
+        "ring_extract",
+        format!("extracted row 1: {}\nbatch after filter:\n{}", e.picture(), b.picture())
+    );
 }
 
 /// Seed 3 of the simulator, summarized: its config, the ops it ran by kind, the outcome and the result hash.

@@ -140,36 +140,74 @@ pub enum Tr {
     /// A new request with an empty serial cache (outside the batch).
     Admit,
     /// A prefill chunk (window read) on a request outside the batch.
-    SoloWindow { s: usize, len: usize },
-    SoloDecode { s: usize },
+    SoloWindow {
+        s: usize,
+        len: usize,
+    },
+    SoloDecode {
+        s: usize,
+    },
     /// Trim of a request outside the batch; may be illegal (the model predicts the error).
-    SoloTrim { s: usize, n: usize, bypass: bool },
+    SoloTrim {
+        s: usize,
+        n: usize,
+        bypass: bool,
+    },
     /// A speculative window of `gamma` on a request outside the batch, then `trim(gamma - accept, bypass = true)`
     /// (`accept = 0`: a full rollback, which can leave `W - 1` positions of a wrapped ring).
-    SoloVerify { s: usize, gamma: usize, accept: usize },
+    SoloVerify {
+        s: usize,
+        gamma: usize,
+        accept: usize,
+    },
     /// Serial caches join the batch keeping their physical columns and phase (one `join` with the running batch).
-    Join { solos: Vec<usize> },
+    Join {
+        solos: Vec<usize>,
+    },
     /// Serial caches' temporal views are merged (`RowBatch::merge`), then joined with the running batch.
-    Merge { solos: Vec<usize> },
+    Merge {
+        solos: Vec<usize>,
+    },
     /// The running batch is rebuilt from its rows' temporal views (`RowBatch::merge` of every row, in order): a
     /// compaction that drops each row's oversize and rotation.
     Remerge,
     /// Fresh requests prefilled right-padded: prepare, chunks of `chunk` (window reads), finalize, join. With
     /// `probe`, the illegal calls in between (decode and prepare while pending, finalize twice).
-    Prefill { lengths: Vec<usize>, chunk: usize, probe: bool },
+    Prefill {
+        lengths: Vec<usize>,
+        chunk: usize,
+        probe: bool,
+    },
     Decode,
-    Window { len: usize },
-    Append { len: usize },
+    Window {
+        len: usize,
+    },
+    Append {
+        len: usize,
+    },
     /// A speculative window of `gamma`, then `trim_rows(gamma - accept[r], bypass = true)`.
-    Verify { gamma: usize, accept: Vec<usize> },
-    CommitSpan { len: usize },
+    Verify {
+        gamma: usize,
+        accept: Vec<usize>,
+    },
+    CommitSpan {
+        len: usize,
+    },
     /// `extract(row)` then `filter` (out-of-range rows: `NoSuchRow`). Without `finish` the request continues
     /// outside the batch.
-    Extract { row: usize, finish: bool },
+    Extract {
+        row: usize,
+        finish: bool,
+    },
     /// `filter(keep)`; may name rows out of range or twice (the model predicts the error).
-    Filter { keep: Vec<usize> },
+    Filter {
+        keep: Vec<usize>,
+    },
     /// Trim every row; may be illegal.
-    Trim { n: usize, bypass: bool },
+    Trim {
+        n: usize,
+        bypass: bool,
+    },
 }
 
 pub struct RefMachine;
@@ -180,7 +218,9 @@ fn distinct_in_range(v: &[usize], n: usize) -> bool {
 
 /// A non-empty subset of `0..n` in random order; all of them half the time (several requests enter together).
 fn subset(n: usize) -> BoxedStrategy<Vec<usize>> {
-    let some = Just((0..n).collect::<Vec<_>>()).prop_shuffle().prop_flat_map(move |v| (1..=n).prop_map(move |k| v[..k].to_vec()));
+    let some = Just((0..n).collect::<Vec<_>>())
+        .prop_shuffle()
+        .prop_flat_map(move |v| (1..=n).prop_map(move |k| v[..k].to_vec()));
     prop_oneof![Just((0..n).collect::<Vec<_>>()).prop_shuffle(), some].boxed()
 }
 
@@ -221,7 +261,12 @@ impl ReferenceStateMachine for RefMachine {
             choices.extend([
                 (4, (0..solos, 1usize..=w + 2).prop_map(|(s, len)| Tr::SoloWindow { s, len }).boxed()),
                 (3, (0..solos).prop_map(|s| Tr::SoloDecode { s }).boxed()),
-                (2, (0..solos, 0usize..=3, any::<bool>()).prop_map(|(s, n, bypass)| Tr::SoloTrim { s, n, bypass }).boxed()),
+                (
+                    2,
+                    (0..solos, 0usize..=3, any::<bool>())
+                        .prop_map(|(s, n, bypass)| Tr::SoloTrim { s, n, bypass })
+                        .boxed(),
+                ),
                 (
                     2,
                     (0..solos, 1usize..=3)
@@ -510,7 +555,11 @@ impl Sut {
         if probe {
             let opt: Vec<Vec<Option<Tok>>> = ids.iter().map(|&id| vec![Some(Tok { req: id, pos: 0 })]).collect();
             let (k, v, q) = self.pay.kvq(&opt);
-            expect_outcome("decode while pending", expect.next().unwrap(), cache_kind(&pre.decode(&k, &v, &q, scale, &Masks::new())));
+            expect_outcome(
+                "decode while pending",
+                expect.next().unwrap(),
+                cache_kind(&pre.decode(&k, &v, &q, scale, &Masks::new())),
+            );
             expect_outcome("prepare while pending", expect.next().unwrap(), cache_kind(&pre.prepare(lengths)));
         }
         let total = lengths.iter().copied().max().unwrap_or(0);
@@ -547,7 +596,11 @@ impl Sut {
             expect_outcome("finalize twice", expect.next().unwrap(), cache_kind(&pre.finalize()));
         }
         let all: Vec<usize> = (0..self.batch.rows()).collect();
-        let joined = RowBatch::join(spec, w, &[JoinSource::Rows(&self.batch, all), JoinSource::Rows(&pre, (0..lengths.len()).collect())]);
+        let joined = RowBatch::join(
+            spec,
+            w,
+            &[JoinSource::Rows(&self.batch, all), JoinSource::Rows(&pre, (0..lengths.len()).collect())],
+        );
         self.batch = joined.expect("join prefilled rows");
         self.twins.extend(twins);
     }
@@ -564,7 +617,11 @@ impl Sut {
                 })
                 .collect();
             let incoming = RowBatch::merge(spec, w, &slices).expect("merge");
-            let joined = RowBatch::join(spec, w, &[JoinSource::Rows(&self.batch, all), JoinSource::Rows(&incoming, (0..solos.len()).collect())]);
+            let joined = RowBatch::join(
+                spec,
+                w,
+                &[JoinSource::Rows(&self.batch, all), JoinSource::Rows(&incoming, (0..solos.len()).collect())],
+            );
             self.batch = joined.expect("join merged rows");
         } else {
             let mut sources = vec![JoinSource::Rows(&self.batch, all)];
@@ -620,7 +677,14 @@ impl Sut {
     }
 
     /// Everything the model says about one request's storage: state, physical and temporal bytes, vs the twin.
-    fn check_storage(&self, what: &str, m: &RowModel, phys: (mlx_rs::Array, mlx_rs::Array), temporal: (mlx_rs::Array, mlx_rs::Array), twin: &SerialCache) {
+    fn check_storage(
+        &self,
+        what: &str,
+        m: &RowModel,
+        phys: (mlx_rs::Array, mlx_rs::Array),
+        temporal: (mlx_rs::Array, mlx_rs::Array),
+        twin: &SerialCache,
+    ) {
         assert_eq!(twin.state(), &ring(m), "{what}: twin state vs model ({})", m.picture());
         let tp = twin.physical().unwrap();
         let tt = twin.temporal_view().unwrap();
@@ -703,7 +767,11 @@ impl StateMachineTest for CacheMachine {
             Tr::Verify { gamma, accept } => {
                 sut.batch_window(*gamma, true);
                 let rollback: Vec<usize> = accept.iter().map(|a| gamma - a).collect();
-                expect_outcome("verify rollback (trim_rows bypass)", &after.expect[0], cache_kind(&sut.batch.trim_rows(&rollback, true)));
+                expect_outcome(
+                    "verify rollback (trim_rows bypass)",
+                    &after.expect[0],
+                    cache_kind(&sut.batch.trim_rows(&rollback, true)),
+                );
                 for (twin, &n) in sut.twins.iter_mut().zip(&rollback) {
                     expect_outcome("twin rollback", &after.expect[0], cache_kind(&twin.trim(n, true)));
                 }
