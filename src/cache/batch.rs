@@ -17,11 +17,11 @@ use super::error::{invalid, shape, CacheError};
 use super::kind::{KindRoute, StorageKind};
 use super::mask::{attend, MaskKey, MaskKind, MaskUse, Masks};
 use super::mutation::{self, Mutant};
-use super::training::TrainingCache;
 use super::ring::{
     grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase,
     RingState, SerialCache,
 };
+use super::training::TrainingCache;
 use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, zeros};
 use super::{KvSpec, Result};
 

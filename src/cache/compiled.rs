@@ -89,9 +89,16 @@ pub trait CompiledDecode {
 /// - `Ring` slot `[k_buf, v_buf, write_pos]` (`write_pos` int32 `[1]`): returns `[out, k_buf', v_buf']`, the
 ///   buffers with the new column written in.
 ///
-/// `q`, `k` are pre-RoPE (`[1, H, 1, D]`); `rope_offset` is int32 `[1]`. `out` is MLX's fused SDPA, unmasked, over
-/// the columns the ordinary decode read attends, in the same physical order.
-pub fn plain_decode_step(fetch: DecodePhase, rope: StepRope, scale: f32, inputs: &[Array]) -> Result<Vec<Array>> {
+/// `q`, `k` are pre-RoPE (`[1, H, 1, D]`) and rotated inside the step at `rope_offset` (int32 `[1]`); with
+/// `rope: None` (a caller that rotates before the step, or a layer without RoPE) they are used as given and the
+/// offset input only travels. `out` is MLX's fused SDPA, unmasked, over the columns the ordinary decode read
+/// attends, in the same physical order.
+pub fn plain_decode_step(
+    fetch: DecodePhase,
+    rope: Option<StepRope>,
+    scale: f32,
+    inputs: &[Array],
+) -> Result<Vec<Array>> {
     let bad = |what: &str| CacheError::StepMismatch { what: what.to_string() };
     let slot = match fetch {
         DecodePhase::Concat => 2,
@@ -101,8 +108,10 @@ pub fn plain_decode_step(fetch: DecodePhase, rope: StepRope, scale: f32, inputs:
         return Err(bad(&format!("{} inputs for a {fetch:?} step, {} expected", inputs.len(), slot + 4)));
     }
     let (q, k, v, offset) = (&inputs[slot], &inputs[slot + 1], &inputs[slot + 2], &inputs[slot + 3]);
-    let qr = rope.apply_dynamic(q, offset)?;
-    let kr = rope.apply_dynamic(k, offset)?;
+    let (qr, kr) = match rope {
+        Some(r) => (r.apply_dynamic(q, offset)?, r.apply_dynamic(k, offset)?),
+        None => (q.clone(), k.clone()),
+    };
     match fetch {
         DecodePhase::Concat => {
             let keys = mlx_rs::ops::concatenate(&[&inputs[0], &kr], 2)?;
@@ -138,11 +147,9 @@ impl CompiledDecode for SerialCache {
         let b = self.buf_ref().ok_or_else(|| CacheError::StepMismatch { what: "no buffer: prepare first".into() })?;
         match plan.fetch {
             DecodePhase::Concat => Ok(vec![cols(&b.k, 0, plan.active_len)?, cols(&b.v, 0, plan.active_len)?]),
-            DecodePhase::Ring => Ok(vec![
-                cols(&b.k, 0, plan.active_len)?,
-                cols(&b.v, 0, plan.active_len)?,
-                int32_input(plan.write_pos)?,
-            ]),
+            DecodePhase::Ring => {
+                Ok(vec![cols(&b.k, 0, plan.active_len)?, cols(&b.v, 0, plan.active_len)?, int32_input(plan.write_pos)?])
+            }
         }
     }
 
@@ -178,10 +185,8 @@ impl CompiledDecode for SerialCache {
             DecodePhase::Ring => {
                 // The buffer is wider than the live ring (a linear buffer never is; a ring is capped at W, but a
                 // buffer grown before a trim may be): write the step's columns back over [0, active_len).
-                let at = super::util::index_array(
-                    &(0..plan.active_len).collect::<Vec<_>>(),
-                    &[1, 1, plan.active_len, 1],
-                )?;
+                let at =
+                    super::util::index_array(&(0..plan.active_len).collect::<Vec<_>>(), &[1, 1, plan.active_len, 1])?;
                 Buf { k: b.k.put_along_axis(&at, &k, 2)?, v: b.v.put_along_axis(&at, &v, 2)? }
             }
         };

@@ -27,9 +27,9 @@ pub mod kind;
 pub mod mask;
 pub mod mutation;
 pub mod ring;
-pub mod training;
 #[cfg(test)]
 mod testutil;
+pub mod training;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
@@ -130,7 +130,12 @@ mod tests {
                     "super::super::sim",
                 ] {
                     let needle = banned.to_string();
-                    let hits = text.lines().filter(|l| l.contains(&needle) && !l.contains("banned")).count();
+                    // The list above names them (one quoted literal a line since rustfmt): not a use.
+                    let listed = format!("\"{banned}\",");
+                    let hits = text
+                        .lines()
+                        .filter(|l| l.contains(&needle) && !l.contains("banned") && l.trim() != listed)
+                        .count();
                     assert_eq!(hits, 0, "{} mentions {banned}", path.display());
                 }
             }

@@ -95,7 +95,7 @@ impl TrainingCache {
     /// Checks `k`, `v` (`[B, H_kv, N, D]`, `N >= 1`, `B` the row count when padded, every row length `<= N`) and
     /// returns `N`.
     fn check(&self, k: &Array, v: &Array) -> Result<usize> {
-        let rows = batch_rows(k);
+        let rows = batch_rows(k).max(1);
         let n = check_kv(&self.spec, k, v, rows, 1)?;
         if let Some(l) = &self.row_lengths {
             if l.len() != rows {
@@ -217,7 +217,7 @@ impl PrefixSharedCache {
 
     /// The K/V exactly as given, after checking `N == P + Rc + Rr`.
     pub fn update_and_fetch(&self, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        let n = check_kv(&self.spec, k, v, batch_rows(k), 1)?;
+        let n = check_kv(&self.spec, k, v, batch_rows(k).max(1), 1)?;
         self.check_n(n)?;
         Ok((k.clone(), v.clone()))
     }

@@ -30,10 +30,10 @@ pub mod values;
 
 pub use attention::{attention_bits, attention_f64, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_f32};
 pub use compare::{bits_summary, compare_columns, compare_fields, describe_found, Divergence};
+pub use model::{BatchModel, JoinModelSource, ModelError, RowFields, RowModel, Visibility};
 pub use special::{
     bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
 };
-pub use model::{BatchModel, JoinModelSource, ModelError, RowFields, RowModel, Visibility};
 pub use values::{bits_to_f32, BitsKind, RefDtype, Tensor, Tok, ValueSpace};
 
 #[cfg(test)]

@@ -53,8 +53,11 @@ pub fn prefix_shared_visible(
     }
     let logical = prefix_shared_positions(prompt, chosen, rejected);
     // The columns of the query's own sequence, in order.
-    let own: Vec<usize> =
-        if i < prompt + chosen { (0..prompt + chosen).collect() } else { (0..prompt).chain(prompt + chosen..n).collect() };
+    let own: Vec<usize> = if i < prompt + chosen {
+        (0..prompt + chosen).collect()
+    } else {
+        (0..prompt).chain(prompt + chosen..n).collect()
+    };
     own.into_iter().filter(|&j| j <= i && window.is_none_or(|w| logical[i] - logical[j] < w)).collect()
 }
 

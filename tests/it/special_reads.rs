@@ -2,9 +2,7 @@
 //! model's visibility bit for bit, and every real query's output is within the f64 model's bound.
 
 use kvsim::bytes::ArrayBytes;
-use kvsim::cache::{
-    CacheError, FamilyKey, KvDtype, KvSpec, Masks, PrefixSharedCache, SerialCache, TrainingCache,
-};
+use kvsim::cache::{CacheError, FamilyKey, KvDtype, KvSpec, Masks, PrefixSharedCache, SerialCache, TrainingCache};
 use kvsim::reference::{
     attention_f64, bidirectional_visible, prefix_shared_visible, read_block_context, training_visible, RowModel, Tok,
 };
@@ -32,7 +30,8 @@ fn family_masks_equal_the_reference_bit_for_bit() {
             // Training, unpadded and right-padded (every length 0..=n appears in some row).
             let lengths: Vec<usize> = (0..=n).collect();
             for l in [None, Some(lengths.clone())] {
-                let (_, arr) = masks.get_family(&FamilyKey::Training { lengths: l.clone(), queries: n, window }).unwrap();
+                let (_, arr) =
+                    masks.get_family(&FamilyKey::Training { lengths: l.clone(), queries: n, window }).unwrap();
                 for (r, rows) in mlx_visible(&arr).iter().enumerate() {
                     for (i, vis) in rows.iter().enumerate() {
                         let want = training_visible(n, l.as_ref().map(|l| l[r]), window, i);
@@ -124,7 +123,15 @@ fn training_reads_match_the_model() {
         }
         // Prefix-shared: the prompt is request 0, the chosen answer request 1, the rejected one request 2.
         let (pr, rc, rr) = (3, 2, 3);
-        let seg = |j: usize| if j < pr { 0 } else if j < pr + rc { 1 } else { 2 };
+        let seg = |j: usize| {
+            if j < pr {
+                0
+            } else if j < pr + rc {
+                1
+            } else {
+                2
+            }
+        };
         let tok = |j: usize| Tok::new(seg(j), j as u32);
         let row: Vec<Option<Tok>> = (0..pr + rc + rr).map(|j| Some(tok(j))).collect();
         let (k, v, q) = p.kvq(&[row]);

@@ -15,7 +15,7 @@ fn training_cache_passes_kv_through_and_stores_nothing() {
     let before = c.clone();
     let masks = Masks::new();
     let (k, v, q) = kvq(&spec, 3, 2, 6);
-    let (k1, v1) = c.update_and_fetch(&k, &v).unwrap();
+    let (k1, _) = c.update_and_fetch(&k, &v).unwrap();
     let (k2, v2) = c.update_and_fetch(&k, &v).unwrap();
     assert_same_bytes(&k1, &k, "keys as given");
     assert_same_bytes(&v2, &v, "values as given, second call");
