@@ -367,7 +367,7 @@ impl FloatFormat {
 }
 
 /// Distance between two values of one format (storage bits in the low bits of `a`, `b`), counted in representable
-/// steps (ULPs). kvsim's one ULP distance: `bytes::ulp_distance` (by MLX dtype) and [`ulp_bits`] are this function.
+/// steps (ULPs). kvsim's one ULP distance: `bytes::ulp_distance` (by array dtype) and [`ulp_bits`] are this function.
 ///
 /// Guarantees: bits are mapped to a monotone integer line (sign-magnitude to two's complement), so the distance is
 /// `0` exactly when the bits are equal, symmetric, and additive along the line; `+0` and `-0` are 1 apart (they are
