@@ -260,3 +260,38 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
     }
     out
 }
+
+/// The anchor to measure against: `script` (default `$KVSIM_ANCHOR`, else `bench/mlxlm_bench.py`) run by `python`
+/// (default `$KVSIM_ANCHOR_PYTHON`, else the oracle driver's venv, set up on demand).
+pub fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<Anchor, String> {
+    let script =
+        anchor.or_else(|| std::env::var("KVSIM_ANCHOR").ok()).unwrap_or_else(|| "bench/mlxlm_bench.py".to_string());
+    if !std::path::Path::new(&script).exists() {
+        return Err(format!("anchor script {script} not found (pass --anchor or set KVSIM_ANCHOR)"));
+    }
+    let python = match python.or_else(|| std::env::var("KVSIM_ANCHOR_PYTHON").ok()) {
+        Some(p) => p,
+        None => crate::oracle::setup_driver()?.display().to_string(),
+    };
+    Ok(Anchor { python, script })
+}
+
+/// The machine a bench ran on (saved with its results).
+pub fn machine_info() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let gpu = Command::new("nvidia-smi")
+        .args(["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    serde_json::json!({"cpu": cpu, "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "gpu": gpu,
+        "kvsim": env!("CARGO_PKG_VERSION"), "mlx": crate::sim::mlx_version()})
+}

@@ -1,13 +1,14 @@
-//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`.
+//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`. It parses arguments,
+//! calls the library (`kvsim::campaign`, `kvsim::oracle`, `kvsim::bench`, ...) and prints; it is the only module
+//! that writes to stdout or chooses exit codes.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use kvsim::cache::mutation::Mutant;
-use kvsim::sim::summary::{Counters, Summary};
+use kvsim::campaign;
+use kvsim::oracle;
 use kvsim::sim::trace::{Expect, Outcome, Trace};
 use kvsim::sim::{self, DeviceChoice};
 
@@ -71,7 +72,7 @@ enum Cmd {
         /// Python with mlx + mlx-lm 0.32.2 (default: oracles/mlx_lm/.venv, set up on demand).
         #[arg(long)]
         python: Option<String>,
-        /// The anchor script (default: $KVSIM_ANCHOR, else ../shared/anchors/mlxlm_bench.py).
+        /// The anchor script (default: $KVSIM_ANCHOR, else bench/mlxlm_bench.py).
         #[arg(long)]
         anchor: Option<String>,
         /// Skip the anchor (kvsim numbers only).
@@ -196,119 +197,25 @@ fn main() -> ExitCode {
     }
 }
 
-fn oracle_record_cmd(
-    count: usize,
-    scan: u64,
-    explicit: &[u64],
-    include: &[u64],
-    out: &Path,
-    keep_steps: bool,
-) -> ExitCode {
-    use kvsim::sim::oracle;
-    let python = match oracle::setup_driver() {
-        Ok(p) => p,
+fn oracle_record_cmd(count: usize, scan: u64, seeds: &[u64], include: &[u64], out: &Path, keep: bool) -> ExitCode {
+    let mut log = |err: bool, line: String| if err { eprintln!("{line}") } else { println!("{line}") };
+    match oracle::record_set(count, scan, seeds, include, out, keep, &mut log) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("kvsim oracle record: {e}");
-            return ExitCode::FAILURE;
+            ExitCode::FAILURE
         }
-    };
-    let seeds: Vec<u64> = if explicit.is_empty() {
-        match oracle::choose_seeds(count, scan, include) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("kvsim oracle record: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
-    } else {
-        explicit.to_vec()
-    };
-    if let Err(e) = std::fs::create_dir_all(out) {
-        eprintln!("kvsim oracle record: {}: {e}", out.display());
-        return ExitCode::FAILURE;
-    }
-    if explicit.is_empty() {
-        // A fresh choice replaces the recorded set.
-        for p in kvsim::sim::oracle::recorded_traces(out).unwrap_or_default() {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
-            let _ = std::fs::remove_file(&p);
-            let _ = std::fs::remove_file(out.join(format!("{name}.oracle.jsonl")));
-        }
-    }
-    let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
-    let mut failed = false;
-    for seed in seeds {
-        let name = format!("seed-{seed}");
-        let r = sim::run_seed(seed, DeviceChoice::Cpu, None);
-        if r.failed() {
-            eprintln!("{name}: the kvsim run fails; not recorded");
-            failed = true;
-            continue;
-        }
-        let mut trace = r.trace;
-        trace.note = "oracle: recorded against mlx-lm 0.32.2 (kvsim oracle record)".into();
-        let rec = match oracle::record(&trace, true) {
-            Ok(x) => x,
-            Err(e) => {
-                eprintln!("{name}: {e}");
-                failed = true;
-                continue;
-            }
-        };
-        let (_, text) = match oracle::run_driver(&python, &rec.steps_jsonl(), &work, &name) {
-            Ok(x) => x,
-            Err(e) => {
-                eprintln!("{name}: {e}");
-                failed = true;
-                continue;
-            }
-        };
-        if keep_steps {
-            let _ = std::fs::write(out.join(format!("{name}.steps.jsonl")), rec.steps_jsonl());
-        }
-        let tp = out.join(format!("{name}.trace.json"));
-        let op = out.join(format!("{name}.oracle.jsonl"));
-        if let Err(e) =
-            std::fs::write(&tp, serde_json::to_string(&trace).unwrap() + "\n").and_then(|_| std::fs::write(&op, &text))
-        {
-            eprintln!("{name}: {e}");
-            failed = true;
-            continue;
-        }
-        let rep = oracle::diff_recorded(&tp);
-        println!("{}", rep.summary_line());
-    }
-    let _ = std::fs::remove_dir_all(&work);
-    if let Ok(report) = kvsim::sim::oracle::check_dir(out) {
-        println!(
-            "recorded set {}: {} traces, {} agree, {} classified, {} unclassified",
-            out.display(),
-            report.traces.len(),
-            report.count("agree"),
-            report.count("classified"),
-            report.count("unclassified")
-        );
-    }
-    if failed {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
     }
 }
 
 fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
-    match kvsim::sim::oracle::choose_seeds(count, scan, include) {
+    match oracle::describe_choice(count, scan, include) {
         Ok(seeds) => {
-            for s in &seeds {
-                let r = sim::run_seed(*s, DeviceChoice::Cpu, None);
-                let feats = kvsim::sim::oracle::record(&r.trace, false)
-                    .map(|rec| kvsim::sim::oracle::features(&r.trace.config, &rec.infos))
-                    .unwrap_or_default();
-                let special: Vec<&String> =
-                    feats.iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect();
-                println!("seed {s}: {}", special.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" "));
+            for (s, feats) in &seeds {
+                println!("seed {s}: {}", feats.join(" "));
             }
-            println!("{}", seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" "));
+            println!("{}", seeds.iter().map(|s| s.0.to_string()).collect::<Vec<_>>().join(" "));
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -318,7 +225,7 @@ fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
     }
 }
 
-fn print_divergences(rep: &kvsim::sim::oracle::TraceReport) {
+fn print_divergences(rep: &oracle::TraceReport) {
     for d in &rep.divergences {
         println!(
             "  step {:>5}  op {:>3} {:<13} {:<34} {}\n             {}",
@@ -333,7 +240,7 @@ fn print_divergences(rep: &kvsim::sim::oracle::TraceReport) {
 }
 
 fn oracle_diff_cmd(path: &Path) -> ExitCode {
-    let rep = kvsim::sim::oracle::diff_recorded(path);
+    let rep = oracle::diff_recorded(path);
     if let Some(e) = &rep.error {
         eprintln!("kvsim oracle diff: {e}");
         return ExitCode::from(2);
@@ -352,7 +259,6 @@ fn oracle_diff_cmd(path: &Path) -> ExitCode {
 }
 
 fn oracle_check_cmd(dir: &Path, json: bool) -> ExitCode {
-    use kvsim::sim::oracle;
     let report = match oracle::check_dir(dir) {
         Ok(r) => r,
         Err(e) => {
@@ -463,122 +369,65 @@ fn write_trace(dir: &Path, name: &str, t: &Trace) -> PathBuf {
 }
 
 fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, out: &Path) -> ExitCode {
-    let start = Instant::now();
     let bar = indicatif::ProgressBar::new(seeds.len() as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} seeds {msg}")
             .unwrap()
             .progress_chars("=> "),
     );
-    let mut total = Counters::default();
-    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
-    let (mut ops, mut skipped, mut ran) = (0u64, 0u64, 0u64);
-    let mut failed = vec![];
-    let mut hash = blake3::Hasher::new();
-    // Each seed's swarm configuration is printed before its run when there are few seeds (every trace stores it too,
-    // and a failing seed's report repeats it).
+    // Each seed's swarm configuration is printed before its run's result when there are few seeds (every trace
+    // stores it too, and a failing seed's report repeats it).
     let show_configs = seeds.len() <= 10;
-    for &seed in seeds {
-        if time.is_some_and(|t| start.elapsed().as_secs_f64() > t) {
-            break;
-        }
-        let config = kvsim::sim::config::SimConfig::from_seed(seed);
+    let mut failures = 0;
+    let s = campaign::run_seeds(seeds, device, time, |r| {
+        let config = serde_json::to_string(&r.config).unwrap();
         if show_configs {
-            bar.suspend(|| println!("config of seed {seed}: {}", serde_json::to_string(&config).unwrap()));
+            bar.suspend(|| println!("config of seed {}: {config}", r.seed));
         }
-        let r = sim::run_seed(seed, device, None);
-        ran += 1;
-        total.add(&r.counters);
-        for (k, v) in &r.ops_by_kind {
-            *by_kind.entry(k.clone()).or_insert(0) += v;
-        }
-        ops += r.trace.ops.len() as u64 - r.skipped;
-        skipped += r.skipped;
-        hash.update(r.trace.result_hash.as_bytes());
-        if let Outcome::Fail { op_index, check, message } = &r.trace.outcome {
-            let p = write_trace(out, &format!("seed-{seed}.json"), &r.trace);
+        let mut written = None;
+        if let Some(f) = r.failure() {
+            failures += 1;
+            let p = write_trace(out, &format!("seed-{}.json", r.seed), &r.run.trace);
             bar.suspend(|| {
-                eprintln!("FAIL seed {seed} op {op_index} [{check}] {message}\n     trace: {}", p.display());
-                eprintln!("     config: {}", serde_json::to_string(&config).unwrap());
+                eprintln!("FAIL seed {} op {} [{}] {}\n     trace: {}", r.seed, f.op_index, f.check, f.message, p.display());
+                eprintln!("     config: {config}");
             });
-            failed.push(serde_json::json!({"seed": seed, "op_index": op_index, "check": check, "message": message, "trace": p.display().to_string()}));
+            written = Some(p.display().to_string());
         }
-        bar.set_message(format!("{} failures", failed.len()));
+        bar.set_message(format!("{failures} failures"));
         bar.inc(1);
-    }
+        written
+    });
     bar.finish_and_clear();
-    let summary = Summary {
-        seeds: ran,
-        ops,
-        skipped_ops: skipped,
-        checks: total.checks,
-        failures: failed.len() as u64,
-        ops_by_kind: by_kind,
-        bit_exact: serde_json::json!({
-            "state": total.bit_exact_state,
-            "decode": total.decode_unpadded.bit_exact + total.decode_padded.bit_exact,
-            "decode_unpadded": total.decode_unpadded.bit_exact,
-            "decode_padded": total.decode_padded.bit_exact,
-            "window": total.window.bit_exact,
-        }),
-        compared: serde_json::json!({
-            "decode_unpadded": total.decode_unpadded.compared,
-            "decode_padded": total.decode_padded.compared,
-            "window": total.window.compared,
-        }),
-        max_ulp: serde_json::json!({
-            "decode_unpadded_vs_solo": total.decode_unpadded.max_ulp,
-            "decode_padded_vs_solo": total.decode_padded.max_ulp,
-            "window_vs_solo": total.window.max_ulp,
-        }),
-        reference: serde_json::json!({
-            "checks": total.model_checks,
-            "failures": failed.iter().filter(|f| f["check"] == "output_vs_model" || f["check"] == "layout" || f["check"] == "mask" || f["check"] == "ring_state").count(),
-            "max_ulp": {"bf16": total.model_max_ulp_bf16, "f32": total.model_max_ulp_f32},
-        }),
-        expected_errors: total.expected_errors,
-        device: device.name().into(),
-        mlx_version: sim::mlx_version(),
-        result_hash: hash.finalize().to_hex().to_string(),
-        failed_seeds: failed.clone(),
-        seconds: start.elapsed().as_secs_f64(),
-        guarantees: total.table.clone(),
-    };
+    let t = &s.counters;
     println!(
         "kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}",
-        ran,
-        ops,
-        skipped,
-        total.checks,
-        failed.len(),
-        summary.seconds,
-        device.name()
+        s.seeds, s.ops, s.skipped_ops, s.checks, s.failures, s.seconds, s.device
     );
     println!("  {:<28} {:>10} {:>12} {:>10}", "output class vs solo twin", "compared", "bit-exact", "max ULP");
-    for (name, c) in [
-        ("decode (unpadded rows)", total.decode_unpadded),
-        ("decode (padded rows)", total.decode_padded),
-        ("window", total.window),
-    ] {
+    for (name, c) in
+        [("decode (unpadded rows)", t.decode_unpadded), ("decode (padded rows)", t.decode_padded), ("window", t.window)]
+    {
         println!("  {:<28} {:>10} {:>12} {:>10}", name, c.compared, c.bit_exact, c.max_ulp);
     }
-    println!("  state comparisons byte-identical: {}", total.bit_exact_state);
+    println!("  state comparisons byte-identical: {}", t.bit_exact_state);
     println!("  guarantees table (vs solo twin; ULPs at output scale):");
-    for (k, c) in &total.table {
+    for (k, c) in &s.guarantees {
         println!("    {:<40} {:>9} compared {:>9} bit-exact  max {} ULP", k, c.compared, c.bit_exact, c.max_ulp);
     }
     println!(
         "  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads",
-        total.model_max_ulp_f32, total.model_max_ulp_bf16, total.model_checks
+        t.model_max_ulp_f32, t.model_max_ulp_bf16, t.model_checks
     );
-    println!(
-        "  ops by kind: {}",
-        summary.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
-    );
-    if json {
-        println!("{}", serde_json::to_string(&summary).unwrap());
+    for (k, l) in &s.layouts {
+        println!("  layout {k:<20} {} ops, {} checks, {} bit-exact, {} failures", l.ops, l.checks, l.bit_exact, l.failures);
     }
-    if failed.is_empty() {
+    let kinds: Vec<String> = s.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    println!("  ops by kind: {}", kinds.join(" "));
+    if json {
+        println!("{}", serde_json::to_string(&s).unwrap());
+    }
+    if s.failures == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -654,44 +503,24 @@ fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, device: DeviceCh
 fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
     let mut rows = vec![];
     let mut survived = 0;
-    for &m in Mutant::ALL {
-        if only.as_deref().is_some_and(|o| o != m.name()) {
+    for &m in Mutant::ALL.iter().filter(|m| only.as_deref().is_none_or(|o| o == m.name())) {
+        let Some((seed, r)) = campaign::hunt_mutant(m, budget) else {
+            survived += 1;
+            println!("{:<26} SURVIVED {budget} seeds", m.name());
+            rows.push(serde_json::json!({"name": m.name(), "caught": false, "seeds": budget, "shrunk_ops": null}));
             continue;
+        };
+        let check = r.failure.as_ref().map(|f| f.failure.check.clone()).unwrap_or_default();
+        let shrunk = sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok();
+        let shrunk_ops = shrunk.as_ref().map_or(r.trace.ops.len(), |s| s.trace.ops.len());
+        if let (true, Some(s)) = (save, &shrunk) {
+            let mut t = s.trace.clone();
+            t.expect = Expect::Fail;
+            t.note = format!("mutant {}: {}", m.name(), m.describe());
+            write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);
         }
-        let mut caught = None;
-        for seed in 0..budget {
-            let r = sim::run_seed(seed, DeviceChoice::Cpu, Some(m));
-            if r.failed() {
-                caught = Some((seed, r));
-                break;
-            }
-        }
-        match caught {
-            Some((seed, r)) => {
-                let (check, shrunk) = match &r.trace.outcome {
-                    Outcome::Fail { check, .. } => {
-                        (check.clone(), sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok())
-                    }
-                    Outcome::Pass => (String::new(), None),
-                };
-                let shrunk_ops = shrunk.as_ref().map(|s| s.trace.ops.len()).unwrap_or(r.trace.ops.len());
-                if save {
-                    if let Some(s) = &shrunk {
-                        let mut t = s.trace.clone();
-                        t.expect = Expect::Fail;
-                        t.note = format!("mutant {}: {}", m.name(), m.describe());
-                        write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);
-                    }
-                }
-                println!("{:<26} caught  seed {:>4}  [{check}]  shrunk to {shrunk_ops} ops", m.name(), seed);
-                rows.push(serde_json::json!({"name": m.name(), "caught": true, "seeds": seed + 1, "check": check, "shrunk_ops": shrunk_ops}));
-            }
-            None => {
-                survived += 1;
-                println!("{:<26} SURVIVED {budget} seeds", m.name());
-                rows.push(serde_json::json!({"name": m.name(), "caught": false, "seeds": budget, "shrunk_ops": null}));
-            }
-        }
+        println!("{:<26} caught  seed {:>4}  [{check}]  shrunk to {shrunk_ops} ops", m.name(), seed);
+        rows.push(serde_json::json!({"name": m.name(), "caught": true, "seeds": seed + 1, "check": check, "shrunk_ops": shrunk_ops}));
     }
     if json {
         println!("{}", serde_json::json!({ "mutants": rows }));
@@ -701,53 +530,6 @@ fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bo
     } else {
         ExitCode::FAILURE
     }
-}
-
-fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<kvsim::bench::Anchor, String> {
-    let script = anchor
-        .or_else(|| std::env::var("KVSIM_ANCHOR").ok())
-        .unwrap_or_else(|| "../shared/anchors/mlxlm_bench.py".to_string());
-    if !Path::new(&script).exists() {
-        return Err(format!("anchor script {script} not found (pass --anchor or set KVSIM_ANCHOR)"));
-    }
-    let python = match python.or_else(|| std::env::var("KVSIM_ANCHOR_PYTHON").ok()) {
-        Some(p) => p,
-        None => {
-            let venv = "oracles/mlx_lm/.venv/bin/python";
-            if !Path::new(venv).exists() {
-                eprintln!("kvsim bench: setting up the mlx-lm venv (oracles/mlx_lm/setup.sh)");
-                let ok = std::process::Command::new("bash")
-                    .arg("oracles/mlx_lm/setup.sh")
-                    .status()
-                    .map(|s| s.success())
-                    .unwrap_or(false);
-                if !ok {
-                    return Err("oracles/mlx_lm/setup.sh failed".into());
-                }
-            }
-            venv.to_string()
-        }
-    };
-    Ok(kvsim::bench::Anchor { python, script })
-}
-
-fn machine_info() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_default();
-    let gpu = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    serde_json::json!({"cpu": cpu, "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "gpu": gpu,
-        "kvsim": env!("CARGO_PKG_VERSION"), "mlx": sim::mlx_version()})
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -764,7 +546,7 @@ fn bench_cmd(
     let anchor = if no_anchor {
         None
     } else {
-        match find_anchor(python, anchor) {
+        match kvsim::bench::find_anchor(python, anchor) {
             Ok(a) => Some(a),
             Err(e) => {
                 eprintln!("kvsim bench: no anchor ({e}); kvsim numbers only");
@@ -773,7 +555,7 @@ fn bench_cmd(
         }
     };
     let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick);
-    r["machine"] = machine_info();
+    r["machine"] = kvsim::bench::machine_info();
     r["unix_time"] = serde_json::json!(std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

@@ -7,7 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::sim::config::SimConfig;
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
-use crate::sim::runner::View;
+use crate::sim::family::View;
 
 /// Draws ops for one seed.
 pub struct Generator {
