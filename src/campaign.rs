@@ -162,6 +162,49 @@ impl Summary {
         self.refresh();
     }
 
+    /// The human-readable report of `kvsim sim` (before its JSON line).
+    pub fn lines(&self) -> Vec<String> {
+        let s = self;
+        let t = &s.counters;
+        let mut lines = vec![];
+        lines.push(format!(
+            "kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}",
+            s.seeds, s.ops, s.skipped_ops, s.checks, s.failures, s.seconds, s.device
+        ));
+        lines.push(format!(
+            "  {:<28} {:>10} {:>12} {:>10}",
+            "output class vs solo twin", "compared", "bit-exact", "max ULP"
+        ));
+        for (name, c) in [
+            ("decode (unpadded rows)", t.decode_unpadded),
+            ("decode (padded rows)", t.decode_padded),
+            ("window", t.window),
+        ] {
+            lines.push(format!("  {:<28} {:>10} {:>12} {:>10}", name, c.compared, c.bit_exact, c.max_ulp));
+        }
+        lines.push(format!("  state comparisons byte-identical: {}", t.bit_exact_state));
+        lines.push("  guarantees table (vs solo twin; ULPs at output scale):".into());
+        for (k, c) in &s.guarantees {
+            lines.push(format!(
+                "    {:<40} {:>9} compared {:>9} bit-exact  max {} ULP",
+                k, c.compared, c.bit_exact, c.max_ulp
+            ));
+        }
+        lines.push(format!(
+            "  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads",
+            t.model_max_ulp_f32, t.model_max_ulp_bf16, t.model_checks
+        ));
+        for (k, l) in &s.layouts {
+            lines.push(format!(
+                "  layout {k:<20} {} ops, {} checks, {} bit-exact, {} failures",
+                l.ops, l.checks, l.bit_exact, l.failures
+            ));
+        }
+        let kinds: Vec<String> = s.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        lines.push(format!("  ops by kind: {}", kinds.join(" ")));
+        lines
+    }
+
     /// Recomputes the derived fields from the summed counters and the ordered seed hashes.
     fn refresh(&mut self) {
         let t = &self.counters;
@@ -235,5 +278,71 @@ pub fn test_budget(m: Mutant) -> u64 {
         Mutant::MergeSlicesByOffset => 150,
         Mutant::PrefillPadStored => 60,
         _ => 20,
+    }
+}
+
+/// One mutant's hunt (`kvsim mutants`): the first catching seed within the budget, the check that caught it, and
+/// its shrunk trace.
+#[derive(Debug, Clone, Serialize)]
+pub struct MutantHunt {
+    #[serde(skip)]
+    pub mutant: Mutant,
+    pub name: &'static str,
+    pub caught: bool,
+    /// Seeds run (the catching seed + 1, or the whole budget).
+    pub seeds: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub check: Option<String>,
+    pub shrunk_ops: Option<usize>,
+    #[serde(skip)]
+    pub seed: Option<u64>,
+    #[serde(skip)]
+    pub shrunk: Option<crate::sim::trace::Trace>,
+}
+
+impl MutantHunt {
+    pub fn run(m: Mutant, budget: u64, shrink_budget: usize) -> MutantHunt {
+        let mut h = MutantHunt {
+            mutant: m,
+            name: m.name(),
+            caught: false,
+            seeds: budget,
+            check: None,
+            shrunk_ops: None,
+            seed: None,
+            shrunk: None,
+        };
+        if let Some((seed, r)) = hunt_mutant(m, budget) {
+            let shrunk = sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok().map(|s| s.trace);
+            h.caught = true;
+            h.seeds = seed + 1;
+            h.seed = Some(seed);
+            h.check = Some(r.failure.as_ref().map(|f| f.failure.check.clone()).unwrap_or_default());
+            h.shrunk_ops = Some(shrunk.as_ref().map_or(r.trace.ops.len(), |t| t.ops.len()));
+            h.shrunk = shrunk;
+        }
+        h
+    }
+
+    /// The shrunk trace as a corpus entry (expected to fail, with a note naming the mutant).
+    pub fn corpus_trace(&self) -> Option<crate::sim::trace::Trace> {
+        self.shrunk.clone().map(|mut t| {
+            t.expect = crate::sim::trace::Expect::Fail;
+            t.note = format!("mutant {}: {}", self.name, self.mutant.describe());
+            t
+        })
+    }
+
+    pub fn line(&self) -> String {
+        match self.seed {
+            Some(seed) => format!(
+                "{:<26} caught  seed {:>4}  [{}]  shrunk to {} ops",
+                self.name,
+                seed,
+                self.check.as_deref().unwrap_or(""),
+                self.shrunk_ops.unwrap_or(0)
+            ),
+            None => format!("{:<26} SURVIVED {} seeds", self.name, self.seeds),
+        }
     }
 }

@@ -1059,7 +1059,14 @@ pub fn record_set(
 }
 
 /// Records one seed into `out`; the diff's summary line.
-fn record_one(seed: u64, name: &str, python: &Path, work: &Path, out: &Path, keep_steps: bool) -> Result<String, String> {
+fn record_one(
+    seed: u64,
+    name: &str,
+    python: &Path,
+    work: &Path,
+    out: &Path,
+    keep_steps: bool,
+) -> Result<String, String> {
     let r = crate::sim::run_seed(seed, DeviceChoice::Cpu, None);
     if r.failed() {
         return Err("the kvsim run fails; not recorded".into());
@@ -1090,4 +1097,82 @@ pub fn describe_choice(count: usize, scan: u64, include: &[u64]) -> Result<Vec<(
             (s, feats.into_iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect())
         })
         .collect())
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// report lines (`kvsim oracle diff` / `check` print them)
+// ------------------------------------------------------------------------------------------------------------
+
+impl TraceReport {
+    /// One line pair per divergence: step, op, what, class, detail.
+    pub fn divergence_lines(&self) -> Vec<String> {
+        self.divergences
+            .iter()
+            .map(|d| {
+                format!(
+                    "  step {:>5}  op {:>3} {:<13} {:<34} {}\n             {}",
+                    d.step,
+                    d.op,
+                    d.op_kind,
+                    d.what,
+                    d.class.describe(),
+                    d.detail
+                )
+            })
+            .collect()
+    }
+
+    /// `kvsim oracle diff`'s report.
+    pub fn diff_lines(&self) -> Vec<String> {
+        let mut lines = vec![format!("{}: {} steps, {} divergences", self.name, self.steps, self.divergences.len())];
+        lines.extend(self.divergence_lines());
+        for (r, n) in self.rules() {
+            lines.push(format!("  {} x{n} [{}]: {}", r.id(), r.verdict().name(), r.reason()));
+        }
+        lines.push(self.summary_line());
+        lines
+    }
+}
+
+impl CheckReport {
+    /// `kvsim oracle check`'s report: each trace (with its divergences when unclassified), the rules, the step kinds
+    /// covered and the totals.
+    pub fn lines(&self) -> Vec<String> {
+        let mut lines = vec![];
+        for t in &self.traces {
+            lines.push(t.summary_line());
+            if t.status() == "unclassified" {
+                lines.extend(t.divergence_lines());
+            }
+        }
+        lines.push("rules:".into());
+        for (r, (n, c, traces)) in self.rule_counts() {
+            let names: Vec<&str> = traces.iter().take(6).map(|s| s.as_str()).collect();
+            lines.push(format!(
+                "  {:<32} {:<26} {:>4} divergences, {:>4} consequences, {:>3} traces (e.g. {})",
+                r.id(),
+                r.verdict().name(),
+                n,
+                c,
+                traces.len(),
+                names.join(", ")
+            ));
+        }
+        let kinds = self.kinds();
+        let missing: Vec<&str> = STEP_KINDS.iter().copied().filter(|k| !kinds.contains(*k)).collect();
+        lines.push(format!(
+            "step kinds covered: {}/{}{}",
+            STEP_KINDS.len() - missing.len(),
+            STEP_KINDS.len(),
+            if missing.is_empty() { String::new() } else { format!(" (missing: {})", missing.join(", ")) }
+        ));
+        lines.push(format!(
+            "kvsim oracle check: {} traces, {} agree, {} classified, {} unclassified",
+            self.traces.len(),
+            self.count("agree"),
+            self.count("classified"),
+            self.count("unclassified")
+        ));
+        lines
+    }
 }

@@ -15,8 +15,8 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::bytes::{ArrayBytes, Words};
-pub use crate::sim::observe::{Read, TrimInfo};
 use crate::sim::observe::{Call, RunObserver, StateView};
+pub use crate::sim::observe::{Read, TrimInfo};
 use crate::sim::ops::Op;
 
 /// sha256 of the empty byte string (a view of no positions, a row with no real query).
@@ -643,7 +643,9 @@ impl RunObserver for Recorder {
     fn on_call(&mut self, call: Call<'_>) -> Result<(), String> {
         match call {
             Call::Admit { req } => self.admit(req),
-            Call::Solo { req, layer, read, k, v, q, out, offset } => self.solo(req, layer, read, k, v, q, out, offset)?,
+            Call::Solo { req, layer, read, k, v, q, out, offset } => {
+                self.solo(req, layer, read, k, v, q, out, offset)?
+            }
             Call::SoloTrim { req, offset, trim } => self.solo_trim(req, offset, trim.clone()),
             Call::Enter { reqs, merge, offsets, sizes } => self.enter(reqs, merge, offsets, sizes),
             Call::Prefill { reqs, lengths, chunk } => self.prefill(reqs, lengths, chunk),
@@ -651,7 +653,9 @@ impl RunObserver for Recorder {
                 self.prefill_chunk(layer, reqs, k, v, q, real, out, done, padded)?
             }
             Call::PrefillEnd { longest } => self.prefill_end(longest),
-            Call::Batch { layer, read, reqs, rows, k, v, q, out } => self.batch(layer, read, reqs, rows, k, v, q, out)?,
+            Call::Batch { layer, read, reqs, rows, k, v, q, out } => {
+                self.batch(layer, read, reqs, rows, k, v, q, out)?
+            }
             Call::BatchSpan { layer, reqs, rows, k, v, q, out } => self.batch_span(layer, reqs, rows, k, v, q, out)?,
             Call::BatchWritten { l } => self.batch_written(l),
             Call::TrimRows { reqs, offsets, trim } => self.trim_rows(reqs, offsets, trim.clone()),

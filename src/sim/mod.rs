@@ -56,6 +56,18 @@ impl DeviceChoice {
     }
 }
 
+/// MLX's CUDA backend keeps LRU caches of captured graphs and SDPA kernels and raises an error ("Cache thrashing is
+/// happening") once a run cycles through more shapes than they hold (400 / 256 by default, MLX 0.32.2). A simulator
+/// exercises many shapes on purpose, so both are raised here unless the user set them (call it before any MLX op,
+/// while the process has one thread). No effect on CPU.
+pub fn raise_mlx_cuda_caches() {
+    for (var, value) in [("MLX_CUDA_GRAPH_CACHE_SIZE", "100000"), ("MLX_CUDA_SDPA_CACHE_SIZE", "100000")] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, value);
+        }
+    }
+}
+
 /// The MLX version of the loaded library.
 pub fn mlx_version() -> String {
     unsafe {
@@ -232,5 +244,34 @@ pub fn replay_matches(trace: &Trace, result: &RunResult) -> Result<(), String> {
         }
         (Expect::Fail, Outcome::Fail { check: want, .. }, Outcome::Fail { check, .. }) if want == check => Ok(()),
         (Expect::Fail, recorded, got) => Err(format!("expected the recorded failure {recorded:?}, got {got:?}")),
+    }
+}
+
+/// Replays `trace` and reports: the first op whose digest differs from the recorded run, the outcome, and whether it
+/// matches what the trace expects (the returned flag).
+pub fn replay_report(trace: &Trace, device: DeviceChoice) -> (Vec<String>, bool) {
+    let r = replay(trace, device);
+    let mut lines = vec![];
+    // First divergence of the digest chain from the recorded one (same device and MLX only).
+    if let Some(i) = trace.digests.iter().zip(&r.trace.digests).position(|(a, b)| a != b) {
+        lines.push(format!("digest of op {i} differs from the recorded run ({:?})", trace.ops.get(i)));
+    }
+    lines.push(match &r.trace.outcome {
+        Outcome::Pass => {
+            format!("replay: all {} ops passed (result hash {})", r.trace.ops.len(), &r.trace.result_hash[..16])
+        }
+        Outcome::Fail { op_index, check, message } => {
+            format!("replay: first divergence at op {op_index} {:?}\n  [{check}] {message}", r.trace.ops[*op_index])
+        }
+    });
+    match replay_matches(trace, &r) {
+        Ok(()) => {
+            lines.push(format!("replay matches the trace's expectation ({:?})", trace.expect));
+            (lines, true)
+        }
+        Err(e) => {
+            lines.push(format!("replay does NOT match the trace's expectation: {e}"));
+            (lines, false)
+        }
     }
 }

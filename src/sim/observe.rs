@@ -50,13 +50,37 @@ pub struct TrimInfo {
 /// requests' positions before the call; `rows` pairs are `(offset, live columns)` per batch row.
 #[derive(Debug, Clone, Copy)]
 pub enum Call<'a> {
-    Admit { req: u32 },
+    Admit {
+        req: u32,
+    },
     /// A write (+ read) on a request outside the batch; `q`/`out` are `None` for an append.
-    Solo { req: u32, layer: usize, read: Read, k: &'a Array, v: &'a Array, q: Option<&'a Array>, out: Option<&'a Array>, offset: usize },
-    SoloTrim { req: u32, offset: usize, trim: &'a TrimInfo },
+    Solo {
+        req: u32,
+        layer: usize,
+        read: Read,
+        k: &'a Array,
+        v: &'a Array,
+        q: Option<&'a Array>,
+        out: Option<&'a Array>,
+        offset: usize,
+    },
+    SoloTrim {
+        req: u32,
+        offset: usize,
+        trim: &'a TrimInfo,
+    },
     /// Requests outside the batch enter it (`merge` of temporal views, or `join` keeping their phase).
-    Enter { reqs: &'a [u32], merge: bool, offsets: &'a [usize], sizes: &'a [usize] },
-    Prefill { reqs: &'a [u32], lengths: &'a [usize], chunk: usize },
+    Enter {
+        reqs: &'a [u32],
+        merge: bool,
+        offsets: &'a [usize],
+        sizes: &'a [usize],
+    },
+    Prefill {
+        reqs: &'a [u32],
+        lengths: &'a [usize],
+        chunk: usize,
+    },
     PrefillChunk {
         layer: usize,
         reqs: &'a [u32],
@@ -68,7 +92,9 @@ pub enum Call<'a> {
         done: usize,
         padded: bool,
     },
-    PrefillEnd { longest: usize },
+    PrefillEnd {
+        longest: usize,
+    },
     /// A write (+ read) on the running batch; `q`/`out` are `None` for an append.
     Batch {
         layer: usize,
@@ -80,13 +106,38 @@ pub enum Call<'a> {
         q: Option<&'a Array>,
         out: Option<&'a Array>,
     },
-    BatchSpan { layer: usize, reqs: &'a [u32], rows: &'a [(usize, usize)], k: &'a Array, v: &'a Array, q: &'a Array, out: &'a Array },
+    BatchSpan {
+        layer: usize,
+        reqs: &'a [u32],
+        rows: &'a [(usize, usize)],
+        k: &'a Array,
+        v: &'a Array,
+        q: &'a Array,
+        out: &'a Array,
+    },
     /// Every batch row received `l` positions (after all layers' calls of one op).
-    BatchWritten { l: usize },
-    TrimRows { reqs: &'a [u32], offsets: &'a [usize], trim: &'a TrimInfo },
-    Trim { reqs: &'a [u32], offsets: &'a [usize], trim: &'a TrimInfo },
-    Extract { row: usize, req: u32, finish: bool, rows_left: usize },
-    Filter { keep: &'a [usize] },
+    BatchWritten {
+        l: usize,
+    },
+    TrimRows {
+        reqs: &'a [u32],
+        offsets: &'a [usize],
+        trim: &'a TrimInfo,
+    },
+    Trim {
+        reqs: &'a [u32],
+        offsets: &'a [usize],
+        trim: &'a TrimInfo,
+    },
+    Extract {
+        row: usize,
+        req: u32,
+        finish: bool,
+        rows_left: usize,
+    },
+    Filter {
+        keep: &'a [usize],
+    },
 }
 
 /// One live request at a checkpoint: its offset and, per layer, its temporal K and V views (production).

@@ -126,4 +126,3 @@ fn op_within_limits(op: &Op) -> bool {
         Op::SoloDecode { .. } | Op::Decode => true,
     }
 }
-

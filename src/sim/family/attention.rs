@@ -241,7 +241,19 @@ impl Attention {
             let got = r.solo[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("solo window", e))?;
             if cx.observer.wants_calls() {
                 let kind = if read { Read::Window } else { Read::Append };
-                emit(cx, Call::Solo { req, layer, read: kind, k: &k, v: &v, q: Some(&q), out: Some(&got.0), offset: offset_before })?;
+                emit(
+                    cx,
+                    Call::Solo {
+                        req,
+                        layer,
+                        read: kind,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                        offset: offset_before,
+                    },
+                )?;
             }
             let r = self.reqs.get_mut(&req).unwrap();
             let twin =
@@ -253,7 +265,8 @@ impl Attention {
                     m.window_write(&real);
                     m
                 };
-                self.check_read(cx, 
+                self.check_read(
+                    cx,
                     layer,
                     ReadKind::Window,
                     &got.0,
@@ -283,13 +296,26 @@ impl Attention {
                 r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
             if cx.observer.wants_calls() {
                 let off = model_after.offset - 1;
-                emit(cx, Call::Solo { req, layer, read: Read::Decode, k: &k, v: &v, q: Some(&q), out: Some(&got.0), offset: off })?;
+                emit(
+                    cx,
+                    Call::Solo {
+                        req,
+                        layer,
+                        read: Read::Decode,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                        offset: off,
+                    },
+                )?;
             }
             let r = self.reqs.get_mut(&req).unwrap();
             let twin =
                 r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let real = vec![toks[0].unwrap()];
-            self.check_read(cx, 
+            self.check_read(
+                cx,
                 layer,
                 ReadKind::Decode,
                 &got.0,
@@ -328,7 +354,14 @@ impl Attention {
         if cx.observer.wants_calls() {
             let after_window = before.last_concat.is_some_and(|l| l >= n);
             let kvsim = first.unwrap_or(Ok(0));
-            emit(cx, Call::SoloTrim { req, offset: before.offset, trim: &TrimInfo { n: vec![n], bypass, kvsim, after_window, live: vec![before.len] } })?;
+            emit(
+                cx,
+                Call::SoloTrim {
+                    req,
+                    offset: before.offset,
+                    trim: &TrimInfo { n: vec![n], bypass, kvsim, after_window, live: vec![before.len] },
+                },
+            )?;
         }
         if expected.is_ok() {
             let q = self.reqs.get_mut(&req).unwrap();
@@ -469,7 +502,20 @@ impl Attention {
                 let got = pre[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
                 if cx.observer.wants_calls() {
                     let real: Vec<usize> = reals.iter().map(Vec::len).collect();
-                    emit(cx, Call::PrefillChunk { layer, reqs: &ids, k: &k, v: &v, q: &q, real: &real, out: &got.0, done, padded })?;
+                    emit(
+                        cx,
+                        Call::PrefillChunk {
+                            layer,
+                            reqs: &ids,
+                            k: &k,
+                            v: &v,
+                            q: &q,
+                            real: &real,
+                            out: &got.0,
+                            done,
+                            padded,
+                        },
+                    )?;
                 }
                 let mut twin_outs = vec![];
                 for (r, id) in ids.iter().enumerate() {
@@ -578,7 +624,19 @@ impl Attention {
             if cx.observer.wants_calls() {
                 let offsets: Vec<(usize, usize)> =
                     self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
-                emit(cx, Call::Batch { layer, read: Read::Decode, reqs: &self.rows, rows: &offsets, k: &k, v: &v, q: Some(&q), out: Some(&got.0) })?;
+                emit(
+                    cx,
+                    Call::Batch {
+                        layer,
+                        read: Read::Decode,
+                        reqs: &self.rows,
+                        rows: &offsets,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                    },
+                )?;
             }
             let twin_outs = self.twin_reads(layer, 1, TwinRead::Decode)?;
             let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
@@ -627,7 +685,19 @@ impl Attention {
                         .iter()
                         .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
                         .collect();
-                    emit(cx, Call::Batch { layer, read: Read::Window, reqs: &self.rows, rows: &offsets, k: &k, v: &v, q: Some(&q), out: Some(&got.0) })?;
+                    emit(
+                        cx,
+                        Call::Batch {
+                            layer,
+                            read: Read::Window,
+                            reqs: &self.rows,
+                            rows: &offsets,
+                            k: &k,
+                            v: &v,
+                            q: Some(&q),
+                            out: Some(&got.0),
+                        },
+                    )?;
                 }
                 let twin_outs = self.twin_reads(layer, len, TwinRead::Window)?;
                 let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
@@ -645,7 +715,19 @@ impl Attention {
                         .iter()
                         .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
                         .collect();
-                    emit(cx, Call::Batch { layer, read: Read::Append, reqs: &self.rows, rows: &offsets, k: &k, v: &v, q: None, out: None })?;
+                    emit(
+                        cx,
+                        Call::Batch {
+                            layer,
+                            read: Read::Append,
+                            reqs: &self.rows,
+                            rows: &offsets,
+                            k: &k,
+                            v: &v,
+                            q: None,
+                            out: None,
+                        },
+                    )?;
                 }
                 for &id in &self.rows.clone() {
                     let one = vec![self.next_toks(id, len)];
@@ -959,7 +1041,13 @@ impl Attention {
         t
     }
 
-    fn check_span(&mut self, cx: &mut Cx<'_>, layer: usize, out: &Array, rows: &[(usize, u32, Vec<Tok>, Option<&Array>)]) -> Res<()> {
+    fn check_span(
+        &mut self,
+        cx: &mut Cx<'_>,
+        layer: usize,
+        out: &Array,
+        rows: &[(usize, u32, Vec<Tok>, Option<&Array>)],
+    ) -> Res<()> {
         let out_bytes = ArrayBytes::of(out).map_err(|e| mlx_fail("read output", e))?;
         cx.hasher.update(&out_bytes.digest());
         for (row, id, real, twin) in rows {
@@ -1007,9 +1095,7 @@ impl Attention {
         for (row, id) in self.rows.iter().enumerate() {
             let mut layers = vec![];
             for layer in 0..self.cfg.layers {
-                layers.push(
-                    self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?,
-                );
+                layers.push(self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
             }
             let offset = self.batch[0].row_states()[row].ring.offset;
             views.insert(*id, StateView { offset, layers });
