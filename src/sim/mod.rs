@@ -192,7 +192,7 @@ fn run_inner(
                 Err(FamilyFailure { family: None, failure })
             }
         };
-        observer.on_op_end(i, &op, result.as_ref().map(|a| *a).map_err(|f| f.failure.check.as_str()));
+        observer.on_op_end(i, &op, result.as_ref().copied().map_err(|f| f.failure.check.as_str()));
         world.hasher.update(serde_json::to_string(&op).unwrap().as_bytes());
         trace.digests.push(world.hasher.clone().finalize().to_hex()[..16].to_string());
         match result {
