@@ -33,12 +33,12 @@ pub use attention::{attention_bits, attention_f64};
 pub use compare::{bits_summary, columns_of, compare_columns, compare_fields, describe_found, Divergence};
 pub use error::ModelError;
 pub use model::{BatchModel, JoinModelSource, RowFields, RowModel, Visibility};
+pub use special::{
+    bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
+};
 pub use values::{
     bits_to_f32, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_distance, ulp_f32, BitsKind, FloatFormat, RefDtype, Tensor,
     Tok, ValueSpace,
-};
-pub use special::{
-    bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
 };
 
 #[cfg(test)]

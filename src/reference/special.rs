@@ -4,8 +4,8 @@
 //! rule's words), independently of the production mask builders, so that a test comparing the two compares two
 //! readings of the rule:
 //!
-//! - [`training_visible`]: the offset-0 training read, optionally right-padded (mlx-lm 0.32.2
-//!   `create_causal_mask(N, 0, window, right_padding)`, `mlx_lm/models/base.py`).
+//! - [`training_visible`]: the offset-0 training read, optionally right-padded (the upstream LM package 0.32.2,
+//!   `create_causal_mask(N, 0, window, right_padding)` in `models/base.py`).
 //! - [`prefix_shared_visible`], [`prefix_shared_positions`]: chosen/rejected pairs sharing a prompt.
 //! - [`bidirectional_visible`]: Gemma 4's vision prefill (image tokens see each other regardless of order and window).
 //! - [`read_block_context`]: the stored positions a DiffusionGemma canvas block attends (R-ROT-9c).
