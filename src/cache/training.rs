@@ -215,9 +215,9 @@ impl PrefixSharedCache {
         Ok(())
     }
 
-    /// The K/V exactly as given, after checking `N == P + Rc + Rr`.
+    /// The K/V exactly as given, after checking `N == P + Rc + Rr` (an empty forward is a size mismatch too).
     pub fn update_and_fetch(&self, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        let n = check_kv(&self.spec, k, v, batch_rows(k).max(1), 1)?;
+        let n = check_kv(&self.spec, k, v, batch_rows(k).max(1), 0)?;
         self.check_n(n)?;
         Ok((k.clone(), v.clone()))
     }
