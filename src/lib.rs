@@ -9,6 +9,7 @@ pub mod bench;
 pub mod bytes;
 pub mod cache;
 pub mod doctor;
+pub mod exact_check;
 pub mod fuzzing;
 pub mod reference;
 pub mod sim;

@@ -44,6 +44,9 @@ enum Cmd {
         /// Where failing traces are written.
         #[arg(long, default_value = "target/kvsim-failures")]
         out: PathBuf,
+        /// Read attention with kvsim's batch-invariant kernels on the GPU (rows and twins alike; no change on CPU).
+        #[arg(long)]
+        exact_read: bool,
     },
     /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
     Replay {
@@ -65,7 +68,7 @@ enum Cmd {
     Bench {
         #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
-        /// sim, step, or all.
+        /// sim, step, exact (batch invariance and accuracy of the exact read), or all (sim and step).
         #[arg(long, default_value = "all")]
         what: String,
         /// Python with mlx + mlx-lm 0.32.2 (default: oracles/mlx_lm/.venv, set up on demand).
@@ -84,6 +87,9 @@ enum Cmd {
         out: PathBuf,
         #[arg(long)]
         json: bool,
+        /// Also time (and run the simulator with) the exact read mode; `--what exact` checks its invariance.
+        #[arg(long)]
+        exact_read: bool,
     },
     /// Turn a cargo-fuzz input of the `sim_trace` target into a trace (for `replay` and `shrink`).
     FuzzCase {
@@ -166,7 +172,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor => doctor(),
-        Cmd::Sim { seeds, first, seed, device, time, json, out } => {
+        Cmd::Sim { seeds, first, seed, device, time, json, out, exact_read } => {
+            if exact_read {
+                kvsim::cache::set_read_mode(kvsim::cache::ReadMode::Exact);
+            }
             let list: Vec<u64> = match seed {
                 Some(s) => vec![s],
                 None => (first..first.saturating_add(seeds)).collect(),
@@ -179,8 +188,8 @@ fn main() -> ExitCode {
             mutants_cmd(budget, shrink_budget, only, save, json)
         }
         Cmd::FuzzCase { input, out } => fuzz_case_cmd(&input, &out),
-        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => {
-            bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json)
+        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json, exact_read } => {
+            bench_cmd(device, &what, python, anchor, no_anchor, quick, &out, json, exact_read)
         }
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
@@ -576,7 +585,9 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
         summary.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
     );
     if json {
-        println!("{}", serde_json::to_string(&summary).unwrap());
+        let mut v = serde_json::to_value(&summary).unwrap();
+        v["read_mode"] = serde_json::json!(kvsim::cache::read_mode());
+        println!("{}", serde_json::to_string(&v).unwrap());
     }
     if failed.is_empty() {
         ExitCode::SUCCESS
@@ -760,8 +771,9 @@ fn bench_cmd(
     quick: bool,
     out: &Path,
     json: bool,
+    exact: bool,
 ) -> ExitCode {
-    let anchor = if no_anchor {
+    let anchor = if no_anchor || what == "exact" {
         None
     } else {
         match find_anchor(python, anchor) {
@@ -772,7 +784,7 @@ fn bench_cmd(
             }
         }
     };
-    let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick);
+    let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick, exact);
     r["machine"] = machine_info();
     r["unix_time"] = serde_json::json!(std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -800,6 +812,12 @@ fn bench_cmd(
                 row["mlx_lm"]["ms_median"].as_f64().unwrap_or(f64::NAN), row["speedup_vs_mlx_lm"].as_f64().unwrap_or(f64::NAN)
             );
         }
+    }
+    if let Some(e) = r.get("exact") {
+        println!(
+            "exact read, rows byte-identical batch vs alone: exact {} / {}, fused SDPA {} / {}",
+            e["exact_rows_byte_identical"], e["rows_compared"], e["fused_rows_byte_identical"], e["rows_compared"]
+        );
     }
     let _ = std::fs::create_dir_all(out);
     let p = out.join(format!("bench-{}-{}.json", device.name(), r["unix_time"]));

@@ -19,6 +19,7 @@
 
 pub mod batch;
 pub mod error;
+pub mod exact;
 pub mod kind;
 pub mod mask;
 pub mod mutation;
@@ -29,6 +30,7 @@ mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
 pub use error::CacheError;
+pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
     is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER,
 };
