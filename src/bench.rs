@@ -159,9 +159,11 @@ fn decode_step_inner(b: usize, w: usize, iters: usize) -> Result<Value, String> 
     let median = ts[ts.len() / 2];
     let mean = ts.iter().sum::<f64>() / ts.len() as f64;
     let bytes = 2 * b * hkv * w * d * 2;
-    Ok(json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(), "read_mode": read_mode(),
+    Ok(
+        json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(), "read_mode": read_mode(),
               "ms_median": median, "ms_mean": mean, "ms_min": ts[0], "kv_bytes_per_step": bytes,
-              "gbps_median": bytes as f64 / (median / 1e3) / 1e9}))
+              "gbps_median": bytes as f64 / (median / 1e3) / 1e9}),
+    )
 }
 
 /// Runs the benchmark set; `anchor` None skips the side-by-side runs (and says so in the output).
@@ -272,7 +274,8 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
                             row["mlx_lm"] = json!({"ms_median": t["ms_median"], "gbps_median": t["gbps_median"], "sdpa_only_ms": t["sdpa_only_ms"], "update_only_ms": t["update_only_ms"]});
                             row["speedup_vs_mlx_lm"] = json!(ratio);
                             if let Some(ex) = row["kvsim_exact"]["ms_median"].as_f64() {
-                                row["exact_speedup_vs_mlx_lm"] = json!(t["ms_median"].as_f64().unwrap_or(f64::NAN) / ex);
+                                row["exact_speedup_vs_mlx_lm"] =
+                                    json!(t["ms_median"].as_f64().unwrap_or(f64::NAN) / ex);
                             }
                         }
                         Err(e) => row["mlx_lm"] = json!({"error": e}),

@@ -54,7 +54,14 @@ impl Class {
         let uniform = lens.iter().all(|&l| l == lens[0]);
         let cols = lens.iter().copied().max().unwrap_or(1).max(1);
         let l = self.queries();
-        let key = |kind| MaskKey { kind, lens: lens.to_vec(), real: vec![l; lens.len()], queries: l, window: self.window(), cols };
+        let key = |kind| MaskKey {
+            kind,
+            lens: lens.to_vec(),
+            real: vec![l; lens.len()],
+            queries: l,
+            window: self.window(),
+            cols,
+        };
         match self {
             Class::DecodeUnmasked | Class::DecodeMasked if uniform => (None, false),
             Class::DecodeUnmasked | Class::DecodeMasked => (Some(MaskSpec::build(&key(MaskKind::Decode))), false),
@@ -95,7 +102,11 @@ fn ulp_at_scale(got: f64, want: f64, dt: Dtype) -> f64 {
 fn raw_ulp(a: f32, b: f32, dt: Dtype) -> u64 {
     let key = |x: f32| {
         let bits = if dt == Dtype::Bfloat16 { (half::bf16::from_f32(x).to_bits() as u32) << 16 } else { x.to_bits() };
-        if bits & 0x8000_0000 != 0 { -((bits & 0x7fff_ffff) as i64) } else { bits as i64 }
+        if bits & 0x8000_0000 != 0 {
+            -((bits & 0x7fff_ffff) as i64)
+        } else {
+            bits as i64
+        }
     };
     key(a).abs_diff(key(b))
 }
@@ -221,8 +232,9 @@ pub fn check(seeds: u64) -> Value {
     let mut cells = vec![];
     let (mut compared, mut identical, mut fused_identical) = (0u64, 0u64, 0u64);
     for (di, dt) in [Dtype::Bfloat16, Dtype::Float32].into_iter().enumerate() {
-        for (ci, class) in
-            [Class::DecodeUnmasked, Class::DecodeMasked, Class::WindowCausal, Class::WindowSliding].into_iter().enumerate()
+        for (ci, class) in [Class::DecodeUnmasked, Class::DecodeMasked, Class::WindowCausal, Class::WindowSliding]
+            .into_iter()
+            .enumerate()
         {
             for b in [2usize, 8, 64] {
                 for s in 0..seeds {
@@ -234,7 +246,9 @@ pub fn check(seeds: u64) -> Value {
                             fused_identical += c["fused_rows_byte_identical"].as_u64().unwrap_or(0);
                             cells.push(c);
                         }
-                        Err(e) => cells.push(json!({"dtype": format!("{dt:?}"), "class": class.name(), "B": b, "error": e})),
+                        Err(e) => {
+                            cells.push(json!({"dtype": format!("{dt:?}"), "class": class.name(), "B": b, "error": e}))
+                        }
                     }
                 }
             }

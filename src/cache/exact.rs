@@ -75,9 +75,7 @@ pub fn read_mode() -> ReadMode {
 
 /// Whether MLX's default device (this thread's) is a GPU.
 pub fn default_device_is_gpu() -> bool {
-    mlx_rs::Device::try_default()
-        .and_then(|d| d.get_type())
-        .is_ok_and(|t| t == mlx_rs::DeviceType::Gpu)
+    mlx_rs::Device::try_default().and_then(|d| d.get_type()).is_ok_and(|t| t == mlx_rs::DeviceType::Gpu)
 }
 
 /// Whether reads on this thread go through the exact kernels now (exact mode on a GPU).
@@ -461,15 +459,8 @@ impl Kernel {
         );
         // SAFETY: all pointers are valid for the call; mlx-c copies what it keeps.
         let k = unsafe {
-            let k = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                vin,
-                vout,
-                source.as_ptr(),
-                header.as_ptr(),
-                false,
-                0,
-            );
+            let k =
+                mlx_sys::mlx_fast_cuda_kernel_new(name.as_ptr(), vin, vout, source.as_ptr(), header.as_ptr(), false, 0);
             mlx_sys::mlx_vector_string_free(vin);
             mlx_sys::mlx_vector_string_free(vout);
             k
@@ -496,11 +487,20 @@ impl Kernel {
         unsafe {
             let cfg = mlx_sys::mlx_fast_cuda_kernel_config_new();
             for (s, dt) in outputs {
-                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(cfg, s.as_ptr(), s.len(), *dt as mlx_sys::mlx_dtype);
+                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                    cfg,
+                    s.as_ptr(),
+                    s.len(),
+                    *dt as mlx_sys::mlx_dtype,
+                );
             }
             mlx_sys::mlx_fast_cuda_kernel_config_set_grid(cfg, grid.0, grid.1, grid.2);
             mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg, block.0, block.1, block.2);
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(cfg, t_name.as_ptr(), dtype as mlx_sys::mlx_dtype);
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                cfg,
+                t_name.as_ptr(),
+                dtype as mlx_sys::mlx_dtype,
+            );
             mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, d_name.as_ptr(), head_dim);
             let vin = mlx_sys::mlx_vector_array_new();
             for a in inputs {

@@ -61,9 +61,8 @@ fn non_contiguous_or_misshapen_masks_are_typed_errors() {
 fn emulated_read_is_batch_invariant() {
     let (hq, hkv, d) = (4usize, 2usize, 16usize);
     let scale = 0.25f32;
-    for (case, &(len, window, l)) in [(37usize, None, 1usize), (300, None, 1), (600, Some(200), 3), (257, Some(64), 5)]
-        .iter()
-        .enumerate()
+    for (case, &(len, window, l)) in
+        [(37usize, None, 1usize), (300, None, 1), (600, Some(200), 3), (257, Some(64), 5)].iter().enumerate()
     {
         let alone_dims = ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: l, cols: len, head_dim: d };
         let q = vals(10 + case as u64, hq * l * d);
@@ -140,7 +139,11 @@ fn exact_mode_on_cpu_reads_as_fused() {
         let masks = Masks::new();
         let mut outs = vec![];
         for t in 0..9u64 {
-            let (k, v, q) = (data(t, 1, 2, 1, 8, spec.dtype), data(t + 50, 1, 2, 1, 8, spec.dtype), data(t + 99, 1, 4, 1, 8, spec.dtype));
+            let (k, v, q) = (
+                data(t, 1, 2, 1, 8, spec.dtype),
+                data(t + 50, 1, 2, 1, 8, spec.dtype),
+                data(t + 99, 1, 4, 1, 8, spec.dtype),
+            );
             outs.push(crate::bytes::ArrayBytes::of(&c.decode(&k, &v, &q, 0.3, &masks).unwrap().0).unwrap());
         }
         set_read_mode(ReadMode::Fused);
