@@ -89,7 +89,7 @@ fn rand_array(shape: &[usize], seed: u64, dt: Dtype) -> Result<Array, String> {
 fn host_f32(a: &Array) -> Result<Vec<f32>, String> {
     let f = a.as_dtype(Dtype::Float32).map_err(|e| e.to_string())?;
     let b = ArrayBytes::of(&f).map_err(|e| e.to_string())?;
-    Ok(b.to_u32().into_iter().map(f32::from_bits).collect())
+    Ok(b.words.to_u32().into_iter().map(f32::from_bits).collect())
 }
 
 /// Distance in ULPs of the dtype at the output's scale (magnitudes below 2^-6 in the ULP of 2^-6).

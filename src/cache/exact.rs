@@ -336,21 +336,33 @@ const PARTIAL_SRC: &str = r#"
       }
     }
     #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int cc = c + u;
-      if (cc >= ce) break;
+    for (int j = 0; j < KVSIM_QTILE; ++j) {
+      if (c >= hi[j] || c + U <= lo[j]) continue;
+      float p[U];
       #pragma unroll
-      for (int j = 0; j < KVSIM_QTILE; ++j) {
-        if (cc < lo[j] || cc >= hi[j]) continue;
-        float p = 0.0f;
+      for (int u = 0; u < U; ++u) {
+        p[u] = 0.0f;
         #pragma unroll
-        for (int e = 0; e < EPL; ++e) p += qv[j][e] * kk[u][e];
-        p += __shfl_xor_sync(0xffffffffu, p, 16);
-        p += __shfl_xor_sync(0xffffffffu, p, 8);
-        p += __shfl_xor_sync(0xffffffffu, p, 4);
-        p += __shfl_xor_sync(0xffffffffu, p, 2);
-        p += __shfl_xor_sync(0xffffffffu, p, 1);
-        const float s = p * scale;
+        for (int e = 0; e < EPL; ++e) p[u] += qv[j][e] * kk[u][e];
+      }
+      // The xor butterfly 16, 8, 4, 2, 1 of each of the U = 4 dot products, as a reduce-scatter: every addition is
+      // one the full butterfly of that key makes (same operands, same tree), so the sums have the same bits; the
+      // sum of key u ends in lanes 8u..8u+7 and is broadcast from lane 8u.
+      const bool h16 = (lane & 16) != 0, h8 = (lane & 8) != 0;
+      const float r0 = __shfl_xor_sync(0xffffffffu, h16 ? p[0] : p[2], 16);
+      const float r1 = __shfl_xor_sync(0xffffffffu, h16 ? p[1] : p[3], 16);
+      const float a0 = (h16 ? p[2] : p[0]) + r0, a1 = (h16 ? p[3] : p[1]) + r1;
+      float t = (h8 ? a1 : a0) + __shfl_xor_sync(0xffffffffu, h8 ? a0 : a1, 8);
+      t += __shfl_xor_sync(0xffffffffu, t, 4);
+      t += __shfl_xor_sync(0xffffffffu, t, 2);
+      t += __shfl_xor_sync(0xffffffffu, t, 1);
+      #pragma unroll
+      for (int u = 0; u < U; ++u) p[u] = __shfl_sync(0xffffffffu, t, 8 * u);
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cc = c + u;
+        if (cc >= ce || cc < lo[j] || cc >= hi[j]) continue;
+        const float s = p[u] * scale;
         if (s > m[j]) {
           const float alpha = expf(m[j] - s);
           l[j] *= alpha;
