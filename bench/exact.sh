@@ -9,7 +9,7 @@
 #   sim-exact.json    the simulator on the GPU in exact mode (last JSON line)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-R=.device/run
+R=${R:-.device/run}
 SITE=/tmp/site
 WHEEL=/tmp/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl
 if [ ! -d "$SITE/mlx/lib" ]; then
@@ -22,7 +22,7 @@ export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 step() { echo "== $1 ($(date +%T))"; }
 step exact-check
-timeout "${CHECK_TIMEOUT:-200}" "$R/kvsim" bench --device gpu --what exact ${QUICK:+--quick} --out /tmp/bench-exact --json > "$OUT/exact-check.log" 2>&1
+timeout "${CHECK_TIMEOUT:-200}" "$R/kvsim" bench --device gpu --what exact ${CHECK_QUICK:+--quick} --out /tmp/bench-exact --json > "$OUT/exact-check.log" 2>&1
 grep -v '^{' "$OUT/exact-check.log" | tail -n 5; grep '^{' "$OUT/exact-check.log" | tail -n 1 > "$OUT/exact-check.json"
 step step
 timeout "${STEP_TIMEOUT:-240}" "$R/kvsim" bench --device gpu --what step --exact-read ${QUICK:+--quick} --python python3 --anchor "$R/mlxlm_bench.py" --out /tmp/bench-step --json > "$OUT/step.log" 2>&1

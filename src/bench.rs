@@ -233,7 +233,7 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
                 let iters = if device == DeviceChoice::Cpu { 5 } else { 50 };
                 let mut row = json!({"B": b, "W": w});
                 if exact {
-                    row = step_modes(device, b, w, iters, if quick { 2 } else { 5 });
+                    row = step_modes(device, b, w, iters, if quick { 2 } else { 4 });
                 } else {
                     match decode_step(device, b, w, iters, ReadMode::Fused) {
                         Ok(r) => row["kvsim"] = r,

@@ -75,7 +75,7 @@ pub fn read_mode() -> ReadMode {
 
 /// Whether MLX's default device (this thread's) is a GPU.
 pub fn default_device_is_gpu() -> bool {
-    mlx_rs::Device::try_default().and_then(|d| d.get_type()).is_ok_and(|t| t == mlx_rs::DeviceType::Gpu)
+    mlx_rs::Device::try_default().and_then(|d| d.get_type()).is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
 }
 
 /// Whether reads on this thread go through the exact kernels now (exact mode on a GPU).
@@ -241,16 +241,17 @@ impl Part {
 /// The shared CUDA helpers (prepended to both kernels by MLX as the kernel header).
 const HEADER: &str = r#"
 #define KVSIM_CHUNK 256
+#define KVSIM_NEG_INF (-__int_as_float(0x7f800000))
 #define KVSIM_WARPS 4
 #define KVSIM_QTILE 4
 template <typename T> __device__ __forceinline__ float kv_load(const T* p, long long i) {
   return static_cast<float>(p[i]);
 }
-// Fixed-order combine of two online-softmax partials; an empty side (m = -inf) is skipped.
+// Fixed-order combine of two online-softmax partials; an empty side (m = KVSIM_NEG_INF) is skipped.
 template <int EPL> __device__ __forceinline__ void kvsim_combine(
     float& m, float& l, float (&a)[EPL], float m2, float l2, const float (&a2)[EPL]) {
-  if (m2 == -inf) return;
-  if (m == -inf) {
+  if (m2 == KVSIM_NEG_INF) return;
+  if (m == KVSIM_NEG_INF) {
     m = m2; l = l2;
     #pragma unroll
     for (int e = 0; e < EPL; ++e) a[e] = a2[e];
@@ -315,7 +316,7 @@ const PARTIAL_SRC: &str = r#"
   float m[KVSIM_QTILE], l[KVSIM_QTILE], acc[KVSIM_QTILE][EPL];
   #pragma unroll
   for (int j = 0; j < KVSIM_QTILE; ++j) {
-    m[j] = -inf; l[j] = 0.0f;
+    m[j] = KVSIM_NEG_INF; l[j] = 0.0f;
     #pragma unroll
     for (int e = 0; e < EPL; ++e) acc[j][e] = 0.0f;
   }
@@ -418,7 +419,7 @@ const COMBINE_SRC: &str = r#"
   const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= R) return;
-  float M = -inf, Ls = 0.0f, a[EPL];
+  float M = KVSIM_NEG_INF, Ls = 0.0f, a[EPL];
   #pragma unroll
   for (int e = 0; e < EPL; ++e) a[e] = 0.0f;
   for (int c = 0; c < NC; ++c) {
@@ -496,7 +497,7 @@ impl Kernel {
         let stream = mlx_rs::Stream::new();
         let (t_name, d_name) = (c"T", c"D");
         // SAFETY: every mlx-c object created here is freed before return; arrays handed out are owned copies.
-        unsafe {
+        let res = unsafe {
             let cfg = mlx_sys::mlx_fast_cuda_kernel_config_new();
             for (s, dt) in outputs {
                 mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
@@ -534,7 +535,8 @@ impl Kernel {
             if rc != 0 || res.len() != outputs.len() {
                 return Err(invalid("mlx_fast_cuda_kernel_apply failed (no CUDA back-end, or a bad launch)"));
             }
-        }
+            res
+        };
         Ok(res)
     }
 }
@@ -565,7 +567,7 @@ pub fn exact_attend(q: &Array, k: &Array, v: &Array, scale: f32, ranges: &[i32])
     let meta = Array::from_slice(&meta, &[meta.len() as i32]);
     let nchunks = (n.max(1) as usize).div_ceil(CHUNK) as i32;
     let rows = b * hq * l;
-    let tiles = ((hq / hkv) * l).div_ceil(QTILE as i32);
+    let tiles = ((hq / hkv) * l + QTILE as i32 - 1) / QTILE as i32;
     let threads = (32 * WARPS) as i32;
     KERNELS.with(|cell| {
         let ks = cell.get_or_init(|| {
