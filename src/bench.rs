@@ -15,7 +15,7 @@ use std::time::Instant;
 use mlx_rs::{Array, Dtype};
 use serde_json::{json, Value};
 
-use crate::cache::{KvDtype, KvSpec, Masks, RingState, RowBatch, RowState};
+use crate::cache::{read_mode, set_read_mode, KvDtype, KvSpec, Masks, ReadMode, RingState, RowBatch, RowState};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
 use crate::sim::ops::OpKind;
 use crate::sim::{run, DeviceChoice};
@@ -102,9 +102,17 @@ fn pseudo_block(shape: &[i32], salt: u64, dtype: Dtype) -> Result<Array, String>
     Array::from_slice(&data, shape).as_dtype(dtype).map_err(|e| e.to_string())
 }
 
-/// kvsim's batched rotating decode step (write + read) on full rings, each row at its own phase.
-pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize) -> Result<Value, String> {
+/// kvsim's batched rotating decode step (write + read) on full rings, each row at its own phase, in `mode`.
+pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize, mode: ReadMode) -> Result<Value, String> {
     device.activate();
+    let before = read_mode();
+    set_read_mode(mode);
+    let r = decode_step_inner(b, w, iters);
+    set_read_mode(before);
+    r
+}
+
+fn decode_step_inner(b: usize, w: usize, iters: usize) -> Result<Value, String> {
     let (hq, hkv, d) = (32usize, 8usize, 128usize);
     let spec = KvSpec { heads_kv: hkv, head_dim: d, dtype: KvDtype::Bf16 };
     let dt = Dtype::Bfloat16;
@@ -151,14 +159,26 @@ pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize) -> Re
     let median = ts[ts.len() / 2];
     let mean = ts.iter().sum::<f64>() / ts.len() as f64;
     let bytes = 2 * b * hkv * w * d * 2;
-    Ok(json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(),
+    Ok(
+        json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(), "read_mode": read_mode(),
               "ms_median": median, "ms_mean": mean, "ms_min": ts[0], "kv_bytes_per_step": bytes,
-              "gbps_median": bytes as f64 / (median / 1e3) / 1e9}))
+              "gbps_median": bytes as f64 / (median / 1e3) / 1e9}),
+    )
 }
 
 /// Runs the benchmark set; `anchor` None skips the side-by-side runs (and says so in the output).
-pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: bool) -> Value {
-    let mut out = json!({"device": device.name(), "mlx_version": crate::sim::mlx_version(), "anchor": anchor.map(|a| a.script.clone())});
+/// With `exact`, the simulator runs in [`ReadMode::Exact`] and every step row also times the exact read: `runs`
+/// alternating runs of each mode (medians of their medians, and the spread of the run medians).
+pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: bool, exact: bool) -> Value {
+    let mut out = json!({"device": device.name(), "mlx_version": crate::sim::mlx_version(), "anchor": anchor.map(|a| a.script.clone()), "exact_read": exact});
+    let before = read_mode();
+    if exact {
+        set_read_mode(ReadMode::Exact);
+    }
+    if what == "exact" {
+        device.activate();
+        out["exact"] = crate::exact_check::check(if quick { 1 } else { 3 });
+    }
     if what == "sim" || what == "all" {
         let mut rows = vec![];
         for (dtype, name) in [(DtypeChoice::F32, "f32"), (DtypeChoice::Bf16, "bf16")] {
@@ -212,9 +232,13 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
             for &b in bs {
                 let iters = if device == DeviceChoice::Cpu { 5 } else { 50 };
                 let mut row = json!({"B": b, "W": w});
-                match decode_step(device, b, w, iters) {
-                    Ok(r) => row["kvsim"] = r,
-                    Err(e) => row["kvsim"] = json!({"error": e}),
+                if exact {
+                    row = step_modes(device, b, w, iters, if quick { 2 } else { 4 });
+                } else {
+                    match decode_step(device, b, w, iters, ReadMode::Fused) {
+                        Ok(r) => row["kvsim"] = r,
+                        Err(e) => row["kvsim"] = json!({"error": e}),
+                    }
                 }
                 if let Some(a) = anchor {
                     let args: Vec<String> = [
@@ -249,6 +273,10 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
                                 / row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN);
                             row["mlx_lm"] = json!({"ms_median": t["ms_median"], "gbps_median": t["gbps_median"], "sdpa_only_ms": t["sdpa_only_ms"], "update_only_ms": t["update_only_ms"]});
                             row["speedup_vs_mlx_lm"] = json!(ratio);
+                            if let Some(ex) = row["kvsim_exact"]["ms_median"].as_f64() {
+                                row["exact_speedup_vs_mlx_lm"] =
+                                    json!(t["ms_median"].as_f64().unwrap_or(f64::NAN) / ex);
+                            }
                         }
                         Err(e) => row["mlx_lm"] = json!({"error": e}),
                     }
@@ -258,6 +286,7 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
         }
         out["step"] = json!(rows);
     }
+    set_read_mode(before);
     out
 }
 
@@ -334,4 +363,40 @@ pub fn stamp(r: &mut serde_json::Value) {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0));
+}
+
+/// `runs` alternating runs of the fused and the exact step: per mode the median of the run medians and their
+/// spread (min, max); `kvsim` is the faster mode's summary, `exact_over_fastest` the exact mode's cost.
+fn step_modes(device: DeviceChoice, b: usize, w: usize, iters: usize, runs: usize) -> Value {
+    let mut meds: [Vec<f64>; 2] = [vec![], vec![]];
+    let mut last: [Value; 2] = [Value::Null, Value::Null];
+    let mut errors = vec![];
+    for _ in 0..runs {
+        for (m, mode) in [ReadMode::Fused, ReadMode::Exact].into_iter().enumerate() {
+            match decode_step(device, b, w, iters, mode) {
+                Ok(r) => {
+                    meds[m].push(r["ms_median"].as_f64().unwrap_or(f64::NAN));
+                    last[m] = r;
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+    }
+    let summary = |m: usize| -> Value {
+        let mut v = meds[m].clone();
+        if v.is_empty() {
+            return json!({"error": errors.first().cloned().unwrap_or_default()});
+        }
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        let med = v[v.len() / 2];
+        let bytes = last[m]["kv_bytes_per_step"].as_f64().unwrap_or(f64::NAN);
+        json!({"ms_median": med, "ms_run_medians": meds[m], "ms_spread": [v[0], v[v.len() - 1]],
+               "gbps_median": bytes / (med / 1e3) / 1e9, "kv_bytes_per_step": bytes, "steps_per_run": last[m]["steps"],
+               "read_mode": last[m]["read_mode"]})
+    };
+    let (fused, exact) = (summary(0), summary(1));
+    let (f, e) = (fused["ms_median"].as_f64().unwrap_or(f64::NAN), exact["ms_median"].as_f64().unwrap_or(f64::NAN));
+    let fastest = if e < f { exact.clone() } else { fused.clone() };
+    json!({"B": b, "W": w, "kvsim": fastest, "kvsim_fused": fused, "kvsim_exact": exact,
+           "exact_over_fused": e / f, "exact_over_fastest": e / f.min(e)})
 }

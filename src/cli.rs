@@ -38,6 +38,9 @@ pub enum Cmd {
         /// Where failing traces are written.
         #[arg(long, default_value = "target/kvsim-failures")]
         out: PathBuf,
+        /// Read attention with kvsim's batch-invariant kernels on the GPU (rows and twins alike; no change on CPU).
+        #[arg(long)]
+        exact_read: bool,
     },
     /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
     Replay {
@@ -59,7 +62,7 @@ pub enum Cmd {
     Bench {
         #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
-        /// sim, step, or all.
+        /// sim, step, exact (batch invariance and accuracy of the exact read), or all (sim and step).
         #[arg(long, default_value = "all")]
         what: String,
         /// Python with mlx + mlx-lm 0.32.2 (default: oracles/mlx_lm/.venv, set up on demand).
@@ -78,6 +81,9 @@ pub enum Cmd {
         out: PathBuf,
         #[arg(long)]
         json: bool,
+        /// Also time (and run the simulator with) the exact read mode; `--what exact` checks its invariance.
+        #[arg(long)]
+        exact_read: bool,
     },
     /// Turn a cargo-fuzz input of the `sim_trace` target into a trace (for `replay` and `shrink`).
     FuzzCase {

@@ -10,6 +10,7 @@ pub mod bytes;
 pub mod cache;
 pub mod campaign;
 pub mod doctor;
+pub mod exact_check;
 pub mod fuzzing;
 pub mod oracle;
 pub mod reference;

@@ -21,7 +21,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor => doctor(),
-        Cmd::Sim { seeds, first, seed, device, time, json, out } => {
+        Cmd::Sim { seeds, first, seed, device, time, json, out, exact_read } => {
+            if exact_read {
+                kvsim::cache::set_read_mode(kvsim::cache::ReadMode::Exact);
+            }
             let list: Vec<u64> = match seed {
                 Some(s) => vec![s],
                 None => (first..first.saturating_add(seeds)).collect(),
@@ -34,11 +37,11 @@ fn main() -> ExitCode {
             mutants_cmd(budget, shrink_budget, only, save, json)
         }
         Cmd::FuzzCase { input, out } => fuzz_case_cmd(&input, &out),
-        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json } => {
-            let found = (!no_anchor).then(|| kvsim::bench::find_anchor(python, anchor));
+        Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json, exact_read } => {
+            let found = (!no_anchor && what != "exact").then(|| kvsim::bench::find_anchor(python, anchor));
             let anchor =
                 found.and_then(|a| a.map_err(|e| eprintln!("kvsim bench: no anchor ({e}); kvsim numbers only")).ok());
-            bench_cmd(device, &what, anchor, quick, &out, json)
+            bench_cmd(device, &what, anchor, quick, &out, json, exact_read)
         }
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
@@ -156,7 +159,9 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
     bar.finish_and_clear();
     print_all(&s.lines());
     if json {
-        println!("{}", serde_json::to_string(&s).unwrap());
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["read_mode"] = serde_json::json!(kvsim::cache::read_mode());
+        println!("{}", serde_json::to_string(&v).unwrap());
     }
     exit(s.failures == 0)
 }
@@ -219,10 +224,17 @@ fn bench_cmd(
     quick: bool,
     out: &Path,
     json: bool,
+    exact: bool,
 ) -> ExitCode {
-    let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick);
+    let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick, exact);
     kvsim::bench::stamp(&mut r);
     print_all(&kvsim::bench::summary_lines(&r));
+    if let Some(e) = r.get("exact") {
+        println!(
+            "exact read, rows byte-identical batch vs alone: exact {} / {}, fused SDPA {} / {}",
+            e["exact_rows_byte_identical"], e["rows_compared"], e["fused_rows_byte_identical"], e["rows_compared"]
+        );
+    }
     let _ = std::fs::create_dir_all(out);
     let p = out.join(format!("bench-{}-{}.json", device.name(), r["unix_time"]));
     let _ = std::fs::write(&p, serde_json::to_string_pretty(&r).unwrap());

@@ -586,7 +586,7 @@ impl RowBatch {
             cols: width,
         };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+        Ok((attend(q, &kl, &vl, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 
     /// A window read (R-BROT-2, R-C-2): `L >= 1` positions per row (`[B, H_kv, L, D]`, queries `[B, H_q, L, D]`).
@@ -612,7 +612,7 @@ impl RowBatch {
         }
         let key = MaskKey { kind: MaskKind::Window, lens, real, queries: l, window: self.max_size, cols: width };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+        Ok((attend(q, &kl, &vl, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 
     /// The window write without the read.

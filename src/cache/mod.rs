@@ -23,6 +23,7 @@
 pub mod batch;
 pub mod compiled;
 pub mod error;
+pub mod exact;
 pub mod kind;
 pub mod mask;
 pub mod mutation;
@@ -35,6 +36,7 @@ mod util;
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
 pub use compiled::{int32_input, plain_decode_step, CompiledDecode, DecodePlan, StepRope};
 pub use error::CacheError;
+pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
     is_plain_kv, is_rotating, is_row_batch, is_training, KindRoute, StorageKind, KV_PLAIN, PREFIX_SHARED,
     ROTATING_PLAIN, ROW_BATCH_MARKER, TRAINING,

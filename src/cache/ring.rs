@@ -512,7 +512,7 @@ impl SerialCache {
             cols: len,
         };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+        Ok((attend(q, &kl, &vl, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 
     /// The window write without the read (appending context without attending).
@@ -850,9 +850,9 @@ mod tests {
             assert_eq!(used, MaskUse::Causal);
             let key =
                 MaskKey { kind: MaskKind::Window, lens: vec![7], real: vec![4], queries: 4, window: Some(8), cols: 7 };
-            let (_, arr) = masks.get(&key).unwrap();
+            let (spec, arr) = masks.get(&key).unwrap();
             let (kl, vl) = c.physical().unwrap();
-            let explicit = attend(&q, &kl, &vl, 0.3, Some(&arr), false).unwrap();
+            let explicit = attend(&q, &kl, &vl, 0.3, Some((&spec, &arr)), false).unwrap();
             assert_same_bytes(&out, &explicit, "causal vs explicit");
         }
     }

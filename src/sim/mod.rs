@@ -50,9 +50,11 @@ impl DeviceChoice {
         mlx_rs::Device::set_default(&d);
     }
 
-    /// What is promised bit-exact on this device (README "Guarantees").
+    /// What is promised bit-exact on this device (README "Guarantees"): on the CPU always; on the GPU only in the
+    /// calling thread's exact read mode ([`crate::cache::exact`]).
     pub fn guarantees(self) -> Guarantees {
-        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu }
+        let exact = crate::cache::read_mode() == crate::cache::ReadMode::Exact;
+        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu || exact }
     }
 }
 
