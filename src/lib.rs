@@ -5,10 +5,14 @@
 //! - [`reference`]: the pure-Rust model of every layout (no MLX).
 //! - [`sim`]: seeds, op alphabet, traces, runner, checks, shrinking.
 //! - [`bytes`]: byte-level views of MLX arrays; every bit-exact claim goes through it.
+//! - [`shard`]: seed campaigns split over processes and machines (shards, per-seed hashes, merging).
+//! - [`soak`]: long runs that sample MLX and process memory and fail on growth after warm-up.
 pub mod bench;
 pub mod bytes;
 pub mod cache;
 pub mod doctor;
 pub mod fuzzing;
 pub mod reference;
+pub mod shard;
 pub mod sim;
+pub mod soak;
