@@ -159,7 +159,10 @@ pub fn run_workers(
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|e| ShardError::BadPart { part: shard.to_string(), message: format!("cannot start worker: {e}") })?;
+            .map_err(|e| ShardError::BadPart {
+                part: shard.to_string(),
+                message: format!("cannot start worker: {e}"),
+            })?;
         let stderr = child.stderr.take();
         let tx = tx.clone();
         let forward = std::thread::spawn(move || {

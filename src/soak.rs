@@ -185,7 +185,14 @@ pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
     } else {
         None
     };
-    Verdict { mlx_active, rss, post_warmup_samples: post.len(), final_samples: fin.len(), pass: reason.is_none(), reason }
+    Verdict {
+        mlx_active,
+        rss,
+        post_warmup_samples: post.len(),
+        final_samples: fin.len(),
+        pass: reason.is_none(),
+        reason,
+    }
 }
 
 /// Everything a soak measured.
@@ -289,18 +296,20 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn steady(n: u64, f: impl Fn(u64) -> (u64, u64)) -> Vec<MemorySample> {
-        (0..=n).map(|i| {
-            let (a, r) = f(i);
-            s(i * 10, a, r)
-        })
-        .collect()
+        (0..=n)
+            .map(|i| {
+                let (a, r) = f(i);
+                s(i * 10, a, r)
+            })
+            .collect()
     }
 
     #[test]
     fn steady_memory_passes_and_warmup_growth_is_ignored() {
         let cfg = SoakConfig::new(Budget::Ops(1000), 0);
         // Grows during warm-up (first 100 ops), flat afterwards with noise under 5%.
-        let samples = steady(100, |i| if i < 10 { (i * MIB, (50 + 5 * i) * MIB) } else { (8 * MIB, 100 * MIB + (i % 3) * MIB) });
+        let samples =
+            steady(100, |i| if i < 10 { (i * MIB, (50 + 5 * i) * MIB) } else { (8 * MIB, 100 * MIB + (i % 3) * MIB) });
         let v = judge(&cfg, &samples);
         assert!(v.pass, "{v:?}");
         assert_eq!(v.rss.post_warmup, 102 * MIB);
@@ -344,9 +353,8 @@ mod tests {
     #[test]
     fn time_budgets_judge_by_seconds() {
         let cfg = SoakConfig::new(Budget::Seconds(100.0), 0);
-        let samples: Vec<MemorySample> = (0..=100)
-            .map(|i| MemorySample { seconds: i as f64, ..s(i * 1000, MIB, (100 + i) * MIB) })
-            .collect();
+        let samples: Vec<MemorySample> =
+            (0..=100).map(|i| MemorySample { seconds: i as f64, ..s(i * 1000, MIB, (100 + i) * MIB) }).collect();
         let v = judge(&cfg, &samples);
         assert!(!v.rss.ok, "{v:?}");
     }
@@ -365,10 +373,15 @@ mod tests {
     fn soak_runs_until_the_budget_and_stops_on_the_flag() {
         let stop = AtomicBool::new(false);
         let mut seen = vec![];
-        let r = soak(SoakConfig::new(Budget::Ops(100), 7), &stop, |seed| {
-            seen.push(seed);
-            SeedRun { ops: 10, failed: seed == 9 }
-        }, |_, _| {});
+        let r = soak(
+            SoakConfig::new(Budget::Ops(100), 7),
+            &stop,
+            |seed| {
+                seen.push(seed);
+                SeedRun { ops: 10, failed: seed == 9 }
+            },
+            |_, _| {},
+        );
         assert_eq!(r.ops, 100);
         assert_eq!(r.seeds, 10);
         assert_eq!(seen, (7..17).collect::<Vec<_>>());
@@ -378,12 +391,17 @@ mod tests {
         assert!(r.at_end.rss > 0);
         // The flag stops it between seeds, and the report still says what ran.
         let stop = AtomicBool::new(false);
-        let r = soak(SoakConfig::new(Budget::Ops(1000), 0), &stop, |seed| {
-            if seed == 4 {
-                stop.store(true, Ordering::SeqCst);
-            }
-            SeedRun { ops: 10, failed: false }
-        }, |_, _| {});
+        let r = soak(
+            SoakConfig::new(Budget::Ops(1000), 0),
+            &stop,
+            |seed| {
+                if seed == 4 {
+                    stop.store(true, Ordering::SeqCst);
+                }
+                SeedRun { ops: 10, failed: false }
+            },
+            |_, _| {},
+        );
         assert!(r.interrupted);
         assert_eq!(r.seeds, 5);
         assert!(!r.verdict.pass);

@@ -762,11 +762,11 @@ impl RowBatch {
     /// the counts `n_r`. Columns `[n_r, n_max)` of row `r` repeat its column 0 (or are zero for an empty row) and mean
     /// nothing. For callers that read every row's view (a checker): `B` views cost two MLX ops instead of `4 B`.
     pub fn temporal_views(&self) -> Result<(Array, Array, Vec<usize>)> {
-        let views: Vec<Vec<usize>> =
-            self.rows.iter().map(|r| temporal_view_columns(&r.ring, self.max_size)).collect();
+        let views: Vec<Vec<usize>> = self.rows.iter().map(|r| temporal_view_columns(&r.ring, self.max_size)).collect();
         let counts: Vec<usize> = views.iter().map(Vec::len).collect();
         let width = counts.iter().copied().max().unwrap_or(0);
-        let empty = || zeros(&[self.rows.len(), self.spec.heads_kv, width, self.spec.head_dim], self.spec.dtype.to_mlx());
+        let empty =
+            || zeros(&[self.rows.len(), self.spec.heads_kv, width, self.spec.head_dim], self.spec.dtype.to_mlx());
         let b = match &self.buf {
             Some(b) if width > 0 => b,
             _ => {
