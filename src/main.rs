@@ -170,16 +170,27 @@ fn sim_cmd(a: &SimArgs) -> ExitCode {
 /// Set by Ctrl-C: campaigns stop before their next seed and still print the summary of what ran.
 static STOP: AtomicBool = AtomicBool::new(false);
 
-/// The first Ctrl-C asks for a clean stop (after the current seed); a second one quits at once.
+/// The first Ctrl-C asks for a clean stop (after the current seed); a second one quits at once (exit 130).
+///
+/// SIGINT through the C library's `signal` (POSIX; the handler only touches atomics, which is async-signal-safe).
+/// The `ctrlc` crate does the same; adding it re-resolved shared dependencies' features and rebuilt MLX's bindings
+/// (about 40 minutes on the 2 shared cores), so it waits for a quiet machine.
 fn stop_on_ctrl_c() {
-    let _ = ctrlc::set_handler(|| {
+    extern "C" {
+        fn signal(signum: i32, handler: extern "C" fn(i32)) -> usize;
+        fn _exit(status: i32) -> !;
+    }
+    extern "C" fn on_sigint(_: i32) {
         if STOP.swap(true, Ordering::SeqCst) {
-            std::process::exit(130);
+            // SAFETY: `_exit` is async-signal-safe and ends the process without running anything else.
+            unsafe { _exit(130) }
         }
-        eprintln!(
-            "\nkvsim: stopping after the current seed; the summary covers the seeds that ran (Ctrl-C again quits now)"
-        );
-    });
+    }
+    const SIGINT: i32 = 2;
+    // SAFETY: installs a handler that only swaps an atomic (or exits); called once, before any campaign starts.
+    unsafe {
+        signal(SIGINT, on_sigint);
+    }
 }
 
 /// A progress bar over `n` seeds: rate, ETA and failures so far (hidden for workers, which report progress lines).
@@ -228,12 +239,9 @@ fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
         Ok(e) => e,
         Err(e) => return fail("sim --jobs", e, 2),
     };
-    let mut args: Vec<String> = ["sim", "--first", &a.first.to_string(), "--seeds", &a.requested.to_string()]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(["--device".into(), a.device.name().into(), "--json".into(), "--progress-lines".into()]);
-    args.extend(["--out".into(), a.out.display().to_string()]);
+    let mut args: Vec<String> = vec!["sim".into(), "--first".into(), a.first.to_string()];
+    args.extend(["--seeds".into(), a.requested.to_string(), "--device".into(), a.device.name().into()]);
+    args.extend(["--json".into(), "--progress-lines".into(), "--out".into(), a.out.display().to_string()]);
     if let Some(t) = a.time {
         args.extend(["--time".into(), t.to_string()]);
     }
