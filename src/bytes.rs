@@ -22,6 +22,8 @@ pub enum BytesError {
     Unsupported(Dtype),
     #[error("array is not row-major contiguous after `contiguous` (shape {shape:?}, strides {strides:?})")]
     NotContiguous { shape: Vec<i32>, strides: Vec<usize> },
+    #[error("{0}")]
+    Shape(String),
 }
 
 impl From<mlx_rs::error::Exception> for BytesError {
@@ -112,6 +114,41 @@ impl ArrayBytes {
         arrays.iter().map(|a| read_strided(a)).collect()
     }
 
+    /// Row `row`, columns `cols` (axis 2) of a `[B, H, C, D]` view, as the `[1, H, cols.len(), D]` view MLX's
+    /// `take` along axis 2 of that row would give: bits copied on the host, never converted. Lets a checker read a
+    /// whole buffer once and cut every row's physical or temporal columns from it without more MLX ops.
+    pub fn select_columns(&self, row: usize, cols: &[usize]) -> Result<ArrayBytes, BytesError> {
+        let dims: Vec<usize> = self.shape.iter().map(|&d| d.max(0) as usize).collect();
+        let [b, h, c, d] = dims[..] else {
+            return Err(BytesError::Shape(format!("select_columns needs a 4-D view, got shape {:?}", self.shape)));
+        };
+        if row >= b || cols.iter().any(|&x| x >= c) {
+            return Err(BytesError::Shape(format!(
+                "row {row}, columns {cols:?} out of range for shape {:?}",
+                self.shape
+            )));
+        }
+        macro_rules! pick {
+            ($w:expr, $v:ident) => {{
+                let mut out = Vec::with_capacity(h * cols.len() * d);
+                for hh in 0..h {
+                    for &cc in cols {
+                        let at = ((row * h + hh) * c + cc) * d;
+                        out.extend_from_slice(&$w[at..at + d]);
+                    }
+                }
+                Words::$v(out)
+            }};
+        }
+        let words = match &self.words {
+            Words::U8(w) => pick!(w, U8),
+            Words::U16(w) => pick!(w, U16),
+            Words::U32(w) => pick!(w, U32),
+            Words::U64(w) => pick!(w, U64),
+        };
+        Ok(ArrayBytes { dtype: self.dtype, shape: vec![1, h as i32, cols.len() as i32, d as i32], words })
+    }
+
     /// blake3 of dtype, shape and bits: a stable digest for traces.
     pub fn digest(&self) -> [u8; 32] {
         let mut h = blake3::Hasher::new();
@@ -158,25 +195,12 @@ fn read_strided(a: &Array) -> Result<ArrayBytes, BytesError> {
     if strides.len() != dims.len() {
         return Err(BytesError::NotContiguous { shape, strides });
     }
-    // Row-major walk of the logical index space.
-    let offsets = move || {
-        let mut idx = vec![0usize; dims.len()];
-        let dims = dims.clone();
-        let strides = strides.clone();
-        (0..n).map(move |k| {
-            let off: usize = idx.iter().zip(&strides).map(|(i, s)| i * s).sum();
-            if k + 1 < n {
-                for ax in (0..dims.len()).rev() {
-                    idx[ax] += 1;
-                    if idx[ax] < dims[ax] {
-                        break;
-                    }
-                    idx[ax] = 0;
-                }
-            }
-            off
-        })
-    };
+    // Row-major walk of the logical index space, one run of the innermost axis at a time (a plain copy when that
+    // axis is dense, as it is for every K/V/Q/output view kvsim reads).
+    let inner = dims.last().copied().unwrap_or(1);
+    let inner_stride = strides.last().copied().unwrap_or(1);
+    let outer_dims = &dims[..dims.len().saturating_sub(1)];
+    let outer_strides = &strides[..strides.len().saturating_sub(1)];
     macro_rules! walk {
         ($f:ident, $t:ty, $v:ident) => {{
             if n == 0 {
@@ -188,7 +212,24 @@ fn read_strided(a: &Array) -> Result<ArrayBytes, BytesError> {
                 if p.is_null() {
                     return Err(BytesError::Mlx("null data pointer (array not evaluated?)".into()));
                 }
-                Words::$v(offsets().map(|o| unsafe { *p.add(o) as $t }).collect())
+                let mut out: Vec<$t> = Vec::with_capacity(n);
+                let mut idx = vec![0usize; outer_dims.len()];
+                for _ in 0..n / inner {
+                    let base: usize = idx.iter().zip(outer_strides).map(|(i, s)| i * s).sum();
+                    if inner_stride == 1 {
+                        out.extend_from_slice(unsafe { std::slice::from_raw_parts(p.add(base), inner) });
+                    } else {
+                        out.extend((0..inner).map(|j| unsafe { *p.add(base + j * inner_stride) }));
+                    }
+                    for ax in (0..idx.len()).rev() {
+                        idx[ax] += 1;
+                        if idx[ax] < outer_dims[ax] {
+                            break;
+                        }
+                        idx[ax] = 0;
+                    }
+                }
+                Words::$v(out)
             }
         }};
     }
@@ -308,6 +349,30 @@ mod tests {
             ArrayBytes::of(&s).unwrap().words,
             Words::U32([1, 2, 5, 6, 9, 10].iter().map(|&x: &i32| (x as f32).to_bits()).collect())
         );
+        // The strided host walk of `read_many` (no MLX copy) reads the same logical order: a transposed view (a
+        // strided innermost axis), a column slice (dense runs at an offset), a scalar.
+        let scalar = a.index((2, 3));
+        let many = ArrayBytes::read_many(&[&t, &s, &scalar, &a]).unwrap();
+        for (got, view) in many.iter().zip([&t, &s, &scalar, &a]) {
+            assert_eq!(got, &ArrayBytes::of(view).unwrap());
+        }
+    }
+
+    #[test]
+    fn host_column_selection_equals_mlx_take() {
+        use mlx_rs::ops::indexing::TryIndexOp;
+        let data: Vec<f32> = (0..2 * 3 * 5 * 4).map(|x| x as f32 * 0.5 - 7.0).collect();
+        let a = Array::from_slice(&data, &[2, 3, 5, 4]);
+        let all = ArrayBytes::of(&a).unwrap();
+        for (row, cols) in [(0usize, vec![4usize, 0, 2]), (1, vec![1, 2, 3]), (1, vec![]), (0, vec![3, 3])] {
+            let at = Array::from_slice(&cols.iter().map(|&c| c as i32).collect::<Vec<_>>(), &[cols.len() as i32]);
+            let mlx = a.try_index((row as i32..row as i32 + 1, .., .., ..)).unwrap().take_axis(&at, 2).unwrap();
+            assert_eq!(all.select_columns(row, &cols).unwrap(), ArrayBytes::of(&mlx).unwrap(), "{row} {cols:?}");
+        }
+        assert!(matches!(all.select_columns(2, &[0]), Err(BytesError::Shape(_))));
+        assert!(matches!(all.select_columns(0, &[5]), Err(BytesError::Shape(_))));
+        let flat = ArrayBytes::of(&Array::from_slice(&[1.0f32], &[1])).unwrap();
+        assert!(matches!(flat.select_columns(0, &[0]), Err(BytesError::Shape(_))));
     }
 
     #[test]

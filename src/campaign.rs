@@ -6,11 +6,13 @@
 //! several threads merge into the same summary as long as they are folded in seed order.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::cache::mutation::Mutant;
+use crate::shard::{SeedHash, Shard, ShardError};
 use crate::sim::config::SimConfig;
 use crate::sim::summary::{ClassCount, Counters, LayoutStats};
 use crate::sim::trace::Outcome;
@@ -131,6 +133,12 @@ pub struct Summary {
     /// The ordered per-seed result hashes the campaign hash is made of.
     #[serde(skip)]
     pub seed_hashes: Vec<String>,
+    /// The seeds of `seed_hashes`, in the same order.
+    #[serde(skip)]
+    pub seeds_run: Vec<u64>,
+    /// Stopped early (Ctrl-C): the summary covers the seeds that ran. Absent from the JSON when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub interrupted: bool,
 }
 
 impl Summary {
@@ -152,6 +160,7 @@ impl Summary {
             self.layouts.entry(k.clone()).or_default().add(v);
         }
         self.seed_hashes.push(run.trace.result_hash.clone());
+        self.seeds_run.push(r.seed);
         if let Some(f) = failed {
             self.failures += 1;
             if run.failure.as_ref().is_some_and(|f| f.failure.against_model()) {
@@ -206,7 +215,7 @@ impl Summary {
     }
 
     /// Recomputes the derived fields from the summed counters and the ordered seed hashes.
-    fn refresh(&mut self) {
+    pub(crate) fn refresh(&mut self) {
         let t = &self.counters;
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
@@ -244,12 +253,28 @@ pub fn run_seeds(
     seeds: &[u64],
     device: DeviceChoice,
     time: Option<f64>,
+    on_seed: impl FnMut(&SeedResult) -> Option<String>,
+) -> Summary {
+    run_seeds_until(seeds, device, time, &AtomicBool::new(false), on_seed)
+}
+
+/// [`run_seeds`], also stopping before the next seed once `stop` is set (Ctrl-C); the summary then covers the seeds
+/// that ran and says `interrupted`.
+pub fn run_seeds_until(
+    seeds: &[u64],
+    device: DeviceChoice,
+    time: Option<f64>,
+    stop: &AtomicBool,
     mut on_seed: impl FnMut(&SeedResult) -> Option<String>,
 ) -> Summary {
     let start = Instant::now();
     let mut summary = Summary::new(device);
     for &seed in seeds {
         if time.is_some_and(|t| start.elapsed().as_secs_f64() > t) {
+            break;
+        }
+        if stop.load(Ordering::SeqCst) {
+            summary.interrupted = true;
             break;
         }
         let r = run_seed(seed, device);
@@ -262,6 +287,100 @@ pub fn run_seeds(
     }
     summary.seconds = start.elapsed().as_secs_f64();
     summary
+}
+
+/// What merging needs beyond the summary: the campaign's seed range, the shard, every seed's result hash and the
+/// summed counters. `kvsim sim --shard I/N --json` prints this (the summary's fields plus these); `kvsim merge` folds
+/// parts back into the [`Summary`] an unsharded run prints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Part {
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub first: u64,
+    /// Seeds of the whole campaign (`first .. first + requested`), of which this part ran its shard's.
+    pub requested: u64,
+    pub shard: Option<Shard>,
+    pub seed_hashes: Vec<SeedHash>,
+    pub counters: Counters,
+}
+
+impl Part {
+    /// The part of a summary (which must carry its seeds: [`Summary::seeds_run`]).
+    pub fn of(summary: &Summary, first: u64, requested: u64, shard: Option<Shard>) -> Part {
+        let seed_hashes = summary
+            .seeds_run
+            .iter()
+            .zip(&summary.seed_hashes)
+            .map(|(&seed, hash)| SeedHash { seed, hash: hash.clone() })
+            .collect();
+        Part { summary: summary.clone(), first, requested, shard, seed_hashes, counters: summary.counters.clone() }
+    }
+
+    /// Reads a part from a `kvsim sim --json` output (its last JSON line).
+    pub fn from_output(name: &str, text: &str) -> Result<Part, ShardError> {
+        let bad = |message: String| ShardError::BadPart { part: name.to_string(), message };
+        let v = crate::shard::last_json_line(text).ok_or_else(|| bad("no JSON summary line".into()))?;
+        serde_json::from_value(v)
+            .map_err(|e| bad(format!("not a part of a sharded run (`kvsim sim --shard I/N --json`): {e}")))
+    }
+}
+
+/// Folds parts into one summary: the same summary (every field but `seconds`, the slowest part's) and the same
+/// `result_hash` as one run over all their seeds. Refuses parts of another device or MLX version, another campaign
+/// range, and a seed run twice.
+pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
+    let first = parts.first().ok_or(ShardError::Empty)?;
+    let mut out = Summary {
+        device: first.summary.device.clone(),
+        mlx_version: first.summary.mlx_version.clone(),
+        ..Summary::default()
+    };
+    let mut hashes: Vec<SeedHash> = vec![];
+    for p in parts {
+        let s = &p.summary;
+        for (what, a, b) in
+            [("device", &first.summary.device, &s.device), ("mlx_version", &first.summary.mlx_version, &s.mlx_version)]
+        {
+            if a != b {
+                return Err(ShardError::Mismatch { what, a: a.clone(), b: b.clone() });
+            }
+        }
+        if (p.first, p.requested) != (first.first, first.requested) {
+            return Err(ShardError::Mismatch {
+                what: "campaign seeds (first, count)",
+                a: format!("{:?}", (first.first, first.requested)),
+                b: format!("{:?}", (p.first, p.requested)),
+            });
+        }
+        if p.seed_hashes.len() as u64 != s.seeds {
+            return Err(ShardError::BadPart {
+                part: p.shard.map_or("(unsharded)".into(), |x| x.to_string()),
+                message: format!("{} seeds but {} seed hashes", s.seeds, p.seed_hashes.len()),
+            });
+        }
+        out.seeds += s.seeds;
+        out.ops += s.ops;
+        out.skipped_ops += s.skipped_ops;
+        out.failures += s.failures;
+        out.reference.failures += s.reference.failures;
+        out.interrupted |= s.interrupted;
+        out.seconds = out.seconds.max(s.seconds);
+        for (k, v) in &s.ops_by_kind {
+            *out.ops_by_kind.entry(k.clone()).or_insert(0) += v;
+        }
+        for (k, v) in &s.layouts {
+            out.layouts.entry(k.clone()).or_default().add(v);
+        }
+        out.counters.add(&p.counters);
+        out.failed_seeds.extend(s.failed_seeds.iter().cloned());
+        hashes.extend(p.seed_hashes.iter().cloned());
+    }
+    crate::shard::campaign_hash(&mut hashes)?;
+    out.failed_seeds.sort_by_key(|f| f.seed);
+    out.seeds_run = hashes.iter().map(|h| h.seed).collect();
+    out.seed_hashes = hashes.into_iter().map(|h| h.hash).collect();
+    out.refresh();
+    Ok(out)
 }
 
 /// The first of seeds `0..budget` whose run with mutant `m` armed fails (on CPU), with that run.

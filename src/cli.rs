@@ -41,6 +41,47 @@ pub enum Cmd {
         /// Read attention with kvsim's batch-invariant kernels on the GPU (rows and twins alike; no change on CPU).
         #[arg(long)]
         exact_read: bool,
+        /// Run only shard I of N of the seeds (seed s when (s - first) % N == I); the JSON summary then carries
+        /// every seed's result hash, for `kvsim merge`.
+        #[arg(long)]
+        shard: Option<kvsim::shard::Shard>,
+        /// Spread the seeds over N worker processes (this binary again, each with a sub-shard) and merge their
+        /// summaries: the same summary and result hash as a serial run.
+        #[arg(long, default_value_t = 1)]
+        jobs: u64,
+        /// Worker mode: one progress line per seed on stderr instead of the progress bar.
+        #[arg(long, hide = true)]
+        progress_lines: bool,
+    },
+    /// Merge the JSON summaries of `kvsim sim --shard I/N --json` runs (their outputs) into the summary of the
+    /// unsharded campaign (same fields, same result hash).
+    Merge {
+        /// Output files of the shards (the last JSON line of each is read).
+        parts: Vec<PathBuf>,
+        /// Print the merged JSON summary as the last line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One long run that samples MLX active/peak memory and the process RSS after every seed, and fails if memory
+    /// grows after warm-up (final level above 1.1x the post-warm-up level).
+    Soak {
+        /// Run at least this many ops.
+        #[arg(long, conflicts_with = "time", required_unless_present = "time")]
+        ops: Option<u64>,
+        /// Run for this many seconds.
+        #[arg(long)]
+        time: Option<f64>,
+        /// First seed.
+        #[arg(long, default_value_t = 0)]
+        first: u64,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        device: DeviceChoice,
+        /// Also write the report (JSON) here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Print the report as the last line (JSON).
+        #[arg(long)]
+        json: bool,
     },
     /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
     Replay {

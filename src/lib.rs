@@ -5,6 +5,8 @@
 //! - [`reference`]: the pure-Rust model of every layout (no MLX).
 //! - [`sim`]: seeds, op alphabet, traces, runner, checks, shrinking.
 //! - [`bytes`]: byte-level views of MLX arrays; every bit-exact claim goes through it.
+//! - [`shard`]: seed campaigns split over processes and machines (shards, per-seed hashes, merging).
+//! - [`soak`]: long runs that sample MLX and process memory and fail on growth after warm-up.
 pub mod bench;
 pub mod bytes;
 pub mod cache;
@@ -14,4 +16,6 @@ pub mod exact_check;
 pub mod fuzzing;
 pub mod oracle;
 pub mod reference;
+pub mod shard;
 pub mod sim;
+pub mod soak;

@@ -4,11 +4,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Parser;
 use kvsim::cache::mutation::Mutant;
 use kvsim::campaign;
 use kvsim::oracle;
+use kvsim::shard::{self, Shard};
 use kvsim::sim::trace::{Expect, Trace};
 use kvsim::sim::{self, DeviceChoice};
 
@@ -21,16 +23,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor => doctor(),
-        Cmd::Sim { seeds, first, seed, device, time, json, out, exact_read } => {
+        Cmd::Sim { seeds, first, seed, device, time, json, out, exact_read, shard, jobs, progress_lines } => {
             if exact_read {
                 kvsim::cache::set_read_mode(kvsim::cache::ReadMode::Exact);
             }
-            let list: Vec<u64> = match seed {
-                Some(s) => vec![s],
-                None => (first..first.saturating_add(seeds)).collect(),
-            };
-            sim_cmd(&list, device, time, json, &out)
+            let (first, requested) = seed.map_or((first, seeds), |s| (s, 1));
+            let a = SimArgs { first, requested, shard, device, time, json, out, jobs, progress_lines };
+            sim_cmd(&a)
         }
+        Cmd::Merge { parts, json } => merge_cmd(&parts, json),
+        Cmd::Soak { ops, time, first, device, out, json } => soak_cmd(ops, time, first, device, out, json),
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => {
@@ -129,20 +131,23 @@ fn write_trace(dir: &Path, name: &str, t: &Trace) -> PathBuf {
     p
 }
 
-fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, out: &Path) -> ExitCode {
-    let bar = indicatif::ProgressBar::new(seeds.len() as u64);
-    let style = indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} seeds {msg}");
-    bar.set_style(style.unwrap().progress_chars("=> "));
+fn sim_cmd(a: &SimArgs) -> ExitCode {
+    stop_on_ctrl_c();
+    if a.jobs > 1 {
+        return sim_jobs_cmd(a);
+    }
+    let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
+    let bar = seed_bar(seeds.len(), a.progress_lines);
     // Few seeds: each seed's swarm config is printed with its result (every trace stores it; failures repeat it).
-    let (show_configs, mut failures) = (seeds.len() <= 10, 0);
-    let s = campaign::run_seeds(seeds, device, time, |r| {
+    let (show_configs, mut failures) = (seeds.len() <= 10 && !a.progress_lines, 0);
+    let s = campaign::run_seeds_until(&seeds, a.device, a.time, &STOP, |r| {
         let config = serde_json::to_string(&r.config).unwrap();
         if show_configs {
             bar.suspend(|| println!("config of seed {}: {config}", r.seed));
         }
         let written = r.failure().map(|f| {
             failures += 1;
-            let p = write_trace(out, &format!("seed-{}.json", r.seed), &r.run.trace);
+            let p = write_trace(&a.out, &format!("seed-{}.json", r.seed), &r.run.trace);
             let (seed, op, check, msg) = (r.seed, f.op_index, f.check, f.message);
             bar.suspend(|| {
                 eprintln!(
@@ -152,18 +157,279 @@ fn sim_cmd(seeds: &[u64], device: DeviceChoice, time: Option<f64>, json: bool, o
             });
             p.display().to_string()
         });
+        if a.progress_lines {
+            let ops = r.run.trace.ops.len() as u64 - r.run.skipped;
+            eprintln!("{}", shard::Progress { seed: r.seed, ops, failed: r.run.failed() }.line());
+        }
         bar.set_message(format!("{failures} failures"));
         bar.inc(1);
         written
     });
     bar.finish_and_clear();
-    print_all(&s.lines());
-    if json {
-        let mut v = serde_json::to_value(&s).unwrap();
-        v["read_mode"] = serde_json::json!(kvsim::cache::read_mode());
-        println!("{}", serde_json::to_string(&v).unwrap());
-    }
+    print_summary(&s, a);
     exit(s.failures == 0)
+}
+
+/// Set by Ctrl-C: campaigns stop before their next seed and still print the summary of what ran.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// The first Ctrl-C asks for a clean stop (after the current seed); a second one quits at once (exit 130).
+///
+/// SIGINT through the C library's `signal` (POSIX; the handler only touches atomics, which is async-signal-safe).
+/// The `ctrlc` crate does the same; adding it re-resolved shared dependencies' features and rebuilt MLX's bindings
+/// (about 40 minutes on the 2 shared cores), so it waits for a quiet machine.
+fn stop_on_ctrl_c() {
+    extern "C" {
+        fn signal(signum: i32, handler: extern "C" fn(i32)) -> usize;
+        fn _exit(status: i32) -> !;
+    }
+    extern "C" fn on_sigint(_: i32) {
+        if STOP.swap(true, Ordering::SeqCst) {
+            // SAFETY: `_exit` is async-signal-safe and ends the process without running anything else.
+            unsafe { _exit(130) }
+        }
+    }
+    const SIGINT: i32 = 2;
+    // SAFETY: installs a handler that only swaps an atomic (or exits); called once, before any campaign starts.
+    unsafe {
+        signal(SIGINT, on_sigint);
+    }
+}
+
+/// A progress bar over `n` seeds: rate, ETA and failures so far (hidden for workers, which report progress lines).
+fn seed_bar(n: usize, hidden: bool) -> indicatif::ProgressBar {
+    if hidden {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(n as u64);
+    let style = indicatif::ProgressStyle::with_template(
+        "{elapsed_precise} [{bar:40}] {pos}/{len} seeds  {per_sec}  ETA {eta}  {msg}",
+    );
+    bar.set_style(style.unwrap().progress_chars("=> "));
+    bar.set_message("0 failures");
+    bar
+}
+
+/// The campaign `kvsim sim` was asked for.
+struct SimArgs {
+    first: u64,
+    requested: u64,
+    shard: Option<Shard>,
+    device: DeviceChoice,
+    time: Option<f64>,
+    json: bool,
+    out: PathBuf,
+    jobs: u64,
+    progress_lines: bool,
+}
+
+fn print_summary(s: &campaign::Summary, a: &SimArgs) {
+    print_all(&s.lines());
+    if s.interrupted {
+        eprintln!("kvsim sim: interrupted; the summary covers the {} seeds that ran", s.seeds);
+    }
+    if a.json {
+        let line = match a.shard {
+            Some(_) => serde_json::to_string(&campaign::Part::of(s, a.first, a.requested, a.shard)),
+            None => serde_json::to_string(s),
+        };
+        let mut line = line.unwrap();
+        if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
+            // The summary says which read the outputs went through (only when it is not the default fused read).
+            let mut v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            v["read_mode"] = serde_json::json!(kvsim::cache::read_mode());
+            line = v.to_string();
+        }
+        println!("{line}");
+    }
+}
+
+fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return fail("sim --jobs", e, 2),
+    };
+    let mut args: Vec<String> = vec!["sim".into(), "--first".into(), a.first.to_string()];
+    args.extend(["--seeds".into(), a.requested.to_string(), "--device".into(), a.device.name().into()]);
+    args.extend(["--json".into(), "--progress-lines".into(), "--out".into(), a.out.display().to_string()]);
+    if let Some(t) = a.time {
+        args.extend(["--time".into(), t.to_string()]);
+    }
+    if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
+        args.push("--exact-read".into());
+    }
+    let shards = shard::split(a.shard, a.jobs);
+    let bar = seed_bar(shard::campaign_seeds(a.first, a.requested, a.shard).len(), a.progress_lines);
+    let mut failures = 0;
+    let outs = shard::run_workers(&exe, &args, &shards, |p| {
+        failures += p.failed as u64;
+        bar.set_message(format!("{failures} failures"));
+        bar.inc(1);
+        if a.progress_lines {
+            eprintln!("{}", p.line());
+        }
+    });
+    bar.finish_and_clear();
+    let outs = match outs {
+        Ok(o) => o,
+        Err(e) => return fail("sim --jobs", e, 2),
+    };
+    let mut parts = vec![];
+    for o in outs {
+        let part = o.summary.ok_or_else(|| format!("printed no summary (exit status {:?})", o.status)).and_then(|v| {
+            serde_json::from_value::<campaign::Part>(v).map_err(|e| format!("printed an unreadable summary: {e}"))
+        });
+        match part {
+            Ok(p) => parts.push(p),
+            Err(e) => return fail("sim --jobs", format!("worker {}: {e}", o.shard), 2),
+        }
+    }
+    match campaign::merge(&parts) {
+        Ok(s) => {
+            print_summary(&s, a);
+            exit(s.failures == 0)
+        }
+        Err(e) => fail("sim --jobs", e, 2),
+    }
+}
+
+fn merge_cmd(paths: &[PathBuf], json: bool) -> ExitCode {
+    let mut parts = vec![];
+    for p in paths {
+        let text = match std::fs::read_to_string(p) {
+            Ok(t) => t,
+            Err(e) => return fail("merge", format!("{}: {e}", p.display()), 2),
+        };
+        match campaign::Part::from_output(&p.display().to_string(), &text) {
+            Ok(part) => parts.push(part),
+            Err(e) => return fail("merge", e, 2),
+        }
+    }
+    match campaign::merge(&parts) {
+        Ok(s) => {
+            println!("kvsim merge: {} parts", parts.len());
+            print_all(&s.lines());
+            if json {
+                println!("{}", serde_json::to_string(&s).unwrap());
+            }
+            exit(s.failures == 0)
+        }
+        Err(e) => fail("merge", e, 2),
+    }
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+fn soak_cmd(
+    ops: Option<u64>,
+    time: Option<f64>,
+    first: u64,
+    device: DeviceChoice,
+    out: Option<PathBuf>,
+    json: bool,
+) -> ExitCode {
+    use kvsim::soak::{Budget, SeedRun, SoakConfig};
+    stop_on_ctrl_c();
+    let budget = match (ops, time) {
+        (Some(n), _) => Budget::Ops(n),
+        (None, Some(t)) => Budget::Seconds(t),
+        (None, None) => return fail("soak", "give --ops N or --time S", 2),
+    };
+    let (len, unit) = match budget {
+        Budget::Ops(n) => (n, "ops"),
+        Budget::Seconds(t) => (t.ceil() as u64, "s"),
+    };
+    let bar = indicatif::ProgressBar::new(len);
+    let style = format!("{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {unit}  ETA {{eta}}  {{msg}}");
+    bar.set_style(indicatif::ProgressStyle::with_template(&style).unwrap().progress_chars("=> "));
+    let failures_dir = PathBuf::from("target/kvsim-failures");
+    let report = kvsim::soak::soak(
+        SoakConfig::new(budget, first),
+        &STOP,
+        |seed| {
+            let r = campaign::run_seed(seed, device);
+            if let Some(f) = r.failure() {
+                let p = write_trace(&failures_dir, &format!("seed-{seed}.json"), &r.run.trace);
+                bar.suspend(|| {
+                    eprintln!(
+                        "FAIL seed {seed} op {} [{}] {}\n     trace: {}",
+                        f.op_index,
+                        f.check,
+                        f.message,
+                        p.display()
+                    )
+                });
+            }
+            SeedRun { ops: r.run.trace.ops.len() as u64 - r.run.skipped, failed: r.run.failed() }
+        },
+        |s, failures| {
+            bar.set_position(match budget {
+                Budget::Ops(_) => s.ops,
+                Budget::Seconds(_) => s.seconds as u64,
+            });
+            bar.set_message(format!(
+                "{} seeds, {:.0} ops/s, MLX active {:.1} MiB, RSS {:.1} MiB, {failures} failures",
+                s.seeds,
+                s.ops as f64 / s.seconds.max(1e-9),
+                mib(s.mlx_active),
+                mib(s.rss)
+            ));
+        },
+    );
+    bar.finish_and_clear();
+    let line = |what: &str, s: &kvsim::soak::MemorySample| {
+        println!(
+            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB",
+            s.ops,
+            mib(s.mlx_active),
+            mib(s.mlx_cache),
+            mib(s.mlx_peak),
+            mib(s.rss)
+        )
+    };
+    println!(
+        "kvsim soak: {} seeds, {} ops in {:.1}s ({:.0} ops/s) on {}, {} failures{}",
+        report.seeds,
+        report.ops,
+        report.seconds,
+        report.ops_per_s,
+        device.name(),
+        report.failures,
+        if report.interrupted { " (interrupted)" } else { "" }
+    );
+    line("start", &report.at_start);
+    if let Some(w) = &report.at_warmup {
+        line("warm-up", w);
+    }
+    line("end", &report.at_end);
+    let v = &report.verdict;
+    println!(
+        "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS {:.3}x ({:.2} -> {:.2} MiB); allowed {}x: {}",
+        v.mlx_active.ratio,
+        mib(v.mlx_active.post_warmup),
+        mib(v.mlx_active.final_level),
+        v.rss.ratio,
+        mib(v.rss.post_warmup),
+        mib(v.rss.final_level),
+        report.config.tolerance,
+        if v.pass { "pass" } else { v.reason.as_deref().unwrap_or("fail") }
+    );
+    let text = serde_json::to_string(&report).unwrap();
+    if let Some(p) = &out {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        if let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&report).unwrap()) {
+            return fail("soak", format!("cannot write {}: {e}", p.display()), 2);
+        }
+        println!("  report: {}", p.display());
+    }
+    if json {
+        println!("{text}");
+    }
+    exit(v.pass && report.failures == 0)
 }
 
 fn replay_cmd(path: &Path, device: DeviceChoice) -> ExitCode {

@@ -631,6 +631,12 @@ impl SerialCache {
         self.gather(&temporal_view_columns(&self.state, self.max_size))
     }
 
+    /// The physical columns [`SerialCache::temporal_view`] gathers, in order (host-side; no MLX op): a checker that
+    /// already read [`SerialCache::buffers`] can cut the view from those bytes.
+    pub fn temporal_view_columns(&self) -> Vec<usize> {
+        temporal_view_columns(&self.state, self.max_size)
+    }
+
     fn gather(&self, columns: &[usize]) -> Result<(Array, Array)> {
         match &self.buf {
             Some(b) if !columns.is_empty() => {
@@ -879,6 +885,11 @@ mod tests {
         let phys = [&ks[4], &ks[5], &ks[2], &ks[3]];
         assert_same_bytes(&pk, &mlx_rs::ops::concatenate(&phys, 2).unwrap(), "physical ring order");
         assert_eq!(c.picture(), "rotating-plain W=4 | 4 5>2 3 | off=6 len=4 idx=2");
+        // The host-side column list names exactly what temporal_view gathers from the raw buffers.
+        assert_eq!(c.temporal_view_columns(), vec![2, 3, 0, 1]);
+        let (bk, _) = c.buffers().unwrap();
+        let at = Array::from_slice(&[2i32, 3, 0, 1], &[4]);
+        assert_same_bytes(&bk.take_axis(&at, 2).unwrap(), &tk, "buffers + temporal_view_columns");
     }
 
     /// R-ROT-3 / R-ROT-4: a window write keeps W - 1 columns plus the block (the plateau), and the temporal view

@@ -11,8 +11,12 @@ pub(crate) fn dim(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| shape(format!("dimension {n} exceeds i32")))
 }
 
-/// Columns `[start, end)` along axis 2 of a `[B, H, C, D]` array (a view).
+/// Columns `[start, end)` along axis 2 of a `[B, H, C, D]` array (a view). All columns: the array itself (no MLX op;
+/// the same bytes, shape and strides a full slice would have).
 pub(crate) fn cols(a: &Array, start: usize, end: usize) -> Result<Array> {
+    if start == 0 && end == ncols(a) {
+        return Ok(a.clone());
+    }
     Ok(a.try_index((.., .., dim(start)?..dim(end)?, ..))?)
 }
 

@@ -1,6 +1,7 @@
 //! kvsim's one integration-test crate (matklad: one binary, many modules).
 mod architecture;
 mod cache_contracts;
+mod campaign;
 mod common;
 mod corpus;
 mod determinism;

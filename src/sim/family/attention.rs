@@ -1292,17 +1292,50 @@ impl Attention {
             let trimmable = self.rows.iter().all(|id| self.reqs[id].model.is_trimmable());
             check::flag("batch is_trimmable", self.batch[layer].is_trimmable(), trimmable)?;
         }
-        // Host-side state first (cheap), then every byte with one device round trip.
+        // Host-side state first (cheap), then every byte with one device round trip and few MLX ops: each layer's
+        // batch buffers and all rows' temporal views (one gather per tensor), each solo cache's buffers and temporal
+        // view, each twin's buffers. Physical columns (and the twins' temporal views) are cut on the host from the
+        // buffers' bytes, by the same column rules the caches' `physical` / `temporal_view` use: the same bytes,
+        // shapes and digests as reading those views through MLX, in a fraction of the MLX ops.
         let mut items: Vec<(String, u32, usize)> = vec![];
+        // Where each item's production bytes come from: (batch layer, row) or a solo cache.
+        enum Src {
+            /// Row `row` of the batch buffers read at `layer_at[layer]`.
+            Row { layer: usize, row: usize, len: usize },
+            /// A serial cache's buffers at `at` (physical = columns `[0, len)`), its temporal view at `at + 2`.
+            Solo { at: usize, len: usize },
+        }
+        let mut srcs: Vec<Src> = vec![];
         let mut arrays: Vec<Array> = vec![];
+        let mut layer_at: Vec<Option<(usize, Vec<usize>)>> = vec![None; self.cfg.layers];
+        if !self.rows.is_empty() {
+            for (layer, slot) in layer_at.iter_mut().enumerate() {
+                let b = &self.batch[layer];
+                let (bk, bv) = match b.buffers() {
+                    Some(x) => x,
+                    None => continue,
+                };
+                let (tk, tv, counts) = b.temporal_views().map_err(|e| unexpected("temporal_views", e))?;
+                *slot = Some((arrays.len(), counts));
+                arrays.extend([bk, bv, tk, tv]);
+            }
+        }
         for (row, id) in self.rows.iter().enumerate() {
             for layer in 0..self.cfg.layers {
                 let what = format!("row {row} (request {id}) layer {layer}");
                 let model = &self.reqs[id].model;
-                check::ring_state(&what, &self.batch[layer].row_states()[row].ring, model)?;
-                let p = self.batch[layer].row_physical(row).map_err(|e| unexpected("row_physical", e))?;
-                let t = self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?;
-                arrays.extend([p.0, p.1, t.0, t.1]);
+                let ring = &self.batch[layer].row_states()[row].ring;
+                check::ring_state(&what, ring, model)?;
+                if layer_at[layer].is_some() {
+                    srcs.push(Src::Row { layer, row, len: ring.len });
+                } else {
+                    // No buffer yet (rows that never stored a position): the views themselves, as `Solo` reads them.
+                    let b = &self.batch[layer];
+                    let p = b.row_physical(row).map_err(|e| unexpected("row_physical", e))?;
+                    let t = b.row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?;
+                    srcs.push(Src::Solo { at: arrays.len(), len: 0 });
+                    arrays.extend([p.0, p.1, t.0, t.1]);
+                }
                 items.push((what, *id, layer));
             }
         }
@@ -1311,30 +1344,77 @@ impl Attention {
             for layer in 0..self.cfg.layers {
                 let what = format!("solo request {id} layer {layer}");
                 let r = &self.reqs[&id];
-                check::ring_state(&what, r.solo[layer].state(), &r.model)?;
-                check::kinds_serial(&r.solo[layer], self.max_size(), self.spec)?;
-                check::flag("solo is_trimmable", r.solo[layer].is_trimmable(), r.model.is_trimmable())?;
-                let p = r.solo[layer].physical().map_err(|e| unexpected("physical", e))?;
-                let t = r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
-                arrays.extend([p.0, p.1, t.0, t.1]);
+                let c = &r.solo[layer];
+                check::ring_state(&what, c.state(), &r.model)?;
+                check::kinds_serial(c, self.max_size(), self.spec)?;
+                check::flag("solo is_trimmable", c.is_trimmable(), r.model.is_trimmable())?;
+                let t = c.temporal_view().map_err(|e| unexpected("temporal_view", e))?;
+                let at = arrays.len();
+                match c.buffers() {
+                    Some((k, v)) => arrays.extend([k, v, t.0, t.1]),
+                    None => {
+                        let (pk, pv) = c.physical().map_err(|e| unexpected("physical", e))?;
+                        arrays.extend([pk, pv, t.0, t.1]);
+                    }
+                }
+                srcs.push(Src::Solo { at, len: c.state().len });
                 items.push((what, id, layer));
             }
         }
+        let mut twin_at = vec![];
         for (what, id, layer) in &items {
             let r = &self.reqs[id];
             let twin = &r.twin[*layer];
             check::ring_state(&format!("twin of {what}"), twin.state(), &r.model)?;
-            let p = twin.physical().map_err(|e| unexpected("twin physical", e))?;
-            let t = twin.temporal_view().map_err(|e| unexpected("twin temporal_view", e))?;
-            arrays.extend([p.0, p.1, t.0, t.1]);
+            twin_at.push(arrays.len());
+            match twin.buffers() {
+                Some((k, v)) => arrays.extend([k, v]),
+                None => {
+                    let (pk, pv) = twin.physical().map_err(|e| unexpected("twin physical", e))?;
+                    arrays.extend([pk, pv]);
+                }
+            }
         }
         let refs: Vec<&Array> = arrays.iter().collect();
         let bytes = ArrayBytes::read_many(&refs).map_err(|e| mlx_fail("read state", e))?;
-        let twins = items.len() * 4;
+        let cut = |b: &ArrayBytes, row: usize, cols: &[usize]| -> Res<ArrayBytes> {
+            b.select_columns(row, cols).map_err(|e| mlx_fail("cut state", e))
+        };
         for (n, (what, id, layer)) in items.iter().enumerate() {
-            let ours = &bytes[4 * n..4 * n + 4];
-            let theirs = &bytes[twins + 4 * n..twins + 4 * n + 4];
-            self.check_storage(cx, what, *id, *layer, ours, theirs)?;
+            let ours: Vec<ArrayBytes> = match srcs[n] {
+                Src::Row { layer: l, row, len } => {
+                    let (at, counts) =
+                        layer_at[l].as_ref().ok_or_else(|| mlx_fail("read state", "a batch row without buffers"))?;
+                    let phys: Vec<usize> = (0..len).collect();
+                    let tv: Vec<usize> = (0..counts[row]).collect();
+                    vec![
+                        cut(&bytes[*at], row, &phys)?,
+                        cut(&bytes[at + 1], row, &phys)?,
+                        cut(&bytes[at + 2], row, &tv)?,
+                        cut(&bytes[at + 3], row, &tv)?,
+                    ]
+                }
+                Src::Solo { at, len } => {
+                    let phys: Vec<usize> = (0..len).collect();
+                    vec![
+                        cut(&bytes[at], 0, &phys)?,
+                        cut(&bytes[at + 1], 0, &phys)?,
+                        bytes[at + 2].clone(),
+                        bytes[at + 3].clone(),
+                    ]
+                }
+            };
+            let twin = &self.reqs[id].twin[*layer];
+            let at = twin_at[n];
+            let phys: Vec<usize> = (0..twin.state().len).collect();
+            let tv = twin.temporal_view_columns();
+            let theirs = vec![
+                cut(&bytes[at], 0, &phys)?,
+                cut(&bytes[at + 1], 0, &phys)?,
+                cut(&bytes[at], 0, &tv)?,
+                cut(&bytes[at + 1], 0, &tv)?,
+            ];
+            self.check_storage(cx, what, *id, *layer, &ours, &theirs)?;
         }
         self.counters.checks += items.len() as u64;
         Ok(())

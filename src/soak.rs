@@ -1,0 +1,409 @@
+//! `kvsim soak`: one long simulation that watches memory. Seeds run back to back in one process; after every seed
+//! (when its world, caches and twins are dropped) a [`MemorySample`] records MLX's active, cached and peak memory
+//! and the process's resident set. The verdict ([`Verdict`]) fails when memory grows after warm-up: the level of the
+//! last window of samples must stay within `tolerance` (1.1x) of the level just after warm-up, for MLX active memory
+//! and for RSS. A leak of one buffer per op, a cache that never lets go of a request, or a lazy graph that grows
+//! across steps (bug catalog #11) all show as growth over a million ops.
+//!
+//! What is measured, precisely:
+//! - MLX memory: `mlx::core::get_active_memory`, `get_cache_memory`, `get_peak_memory` (MLX 0.32.2, through mlx-rs'
+//!   `memory` module); the peak is reset when warm-up ends, so the reported peak is the peak after warm-up.
+//! - RSS: the second field of `/proc/self/statm` (resident pages) times the page size; `None` off Linux.
+//!
+//! Levels: a window's level is the maximum over its samples (a leak raises every sample; a transient spike inside one
+//! seed is not sampled at all, since samples are taken between seeds). Levels below [`FLOOR_BYTES`] count as that
+//! floor: between seeds MLX's active memory is near zero, and a ratio of a few kilobytes says nothing.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+/// Levels below this count as this (1 MiB) in the growth ratio.
+pub const FLOOR_BYTES: u64 = 1 << 20;
+
+/// One observation of memory, taken between seeds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MemorySample {
+    /// Ops completed when the sample was taken.
+    pub ops: u64,
+    /// Seeds completed.
+    pub seeds: u64,
+    /// Seconds since the soak started.
+    pub seconds: f64,
+    /// MLX bytes in active use.
+    pub mlx_active: u64,
+    /// MLX bytes held in its allocator cache.
+    pub mlx_cache: u64,
+    /// MLX peak bytes (since the last reset).
+    pub mlx_peak: u64,
+    /// Resident set size of the process in bytes (0 when unknown).
+    pub rss: u64,
+}
+
+/// The process's resident set size in bytes, from `/proc/self/statm`.
+pub fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * page_size())
+}
+
+fn page_size() -> u64 {
+    // Linux on x86-64 and aarch64 as kvsim runs them; `getconf PAGESIZE` would say the same.
+    4096
+}
+
+/// A sample of memory now.
+pub fn sample(ops: u64, seeds: u64, seconds: f64) -> MemorySample {
+    let get = |r: mlx_rs::error::Result<usize>| r.map(|x| x as u64).unwrap_or(0);
+    MemorySample {
+        ops,
+        seeds,
+        seconds,
+        mlx_active: get(mlx_rs::memory::active_memory()),
+        mlx_cache: get(mlx_rs::memory::cache_memory()),
+        mlx_peak: get(mlx_rs::memory::peak_memory()),
+        rss: rss_bytes().unwrap_or(0),
+    }
+}
+
+/// When a soak stops.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Budget {
+    /// After at least this many ops.
+    Ops(u64),
+    /// After this many seconds (no new seed starts later).
+    Seconds(f64),
+}
+
+/// Soak settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SoakConfig {
+    pub budget: Budget,
+    /// First seed; seeds run `first, first + 1, ...`.
+    pub first: u64,
+    /// Fraction of the budget that is warm-up (default 0.1): samples before it are reported, never judged.
+    pub warmup: f64,
+    /// Fraction of the budget each judged window spans (default 0.1): the post-warm-up window starts where warm-up
+    /// ends, the final window ends at the last sample.
+    pub window: f64,
+    /// Allowed growth: final level at most `tolerance` x the post-warm-up level (default 1.1).
+    pub tolerance: f64,
+}
+
+impl SoakConfig {
+    pub fn new(budget: Budget, first: u64) -> SoakConfig {
+        SoakConfig { budget, first, warmup: 0.1, window: 0.1, tolerance: 1.1 }
+    }
+
+    /// Where a sample lies in the budget, in [0, 1].
+    fn progress(&self, s: &MemorySample) -> f64 {
+        match self.budget {
+            Budget::Ops(n) => s.ops as f64 / n.max(1) as f64,
+            Budget::Seconds(t) => s.seconds / t.max(1e-9),
+        }
+    }
+
+    fn done(&self, ops: u64, seconds: f64) -> bool {
+        match self.budget {
+            Budget::Ops(n) => ops >= n,
+            Budget::Seconds(t) => seconds >= t,
+        }
+    }
+}
+
+/// What one seed did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeedRun {
+    /// Ops applied (skipped ones excluded).
+    pub ops: u64,
+    /// A check failed.
+    pub failed: bool,
+}
+
+/// One metric's growth verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Growth {
+    /// Level (max) over the post-warm-up window, bytes.
+    pub post_warmup: u64,
+    /// Level (max) over the final window, bytes.
+    pub final_level: u64,
+    /// `max(final, FLOOR) / max(post_warmup, FLOOR)`.
+    pub ratio: f64,
+    pub ok: bool,
+}
+
+/// The soak's verdict.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub mlx_active: Growth,
+    pub rss: Growth,
+    /// Samples judged in each window.
+    pub post_warmup_samples: usize,
+    pub final_samples: usize,
+    /// Memory held steady (both metrics within tolerance) and enough samples existed to judge.
+    pub pass: bool,
+    /// Why it did not pass, when it did not.
+    pub reason: Option<String>,
+}
+
+fn growth(post: &[&MemorySample], fin: &[&MemorySample], f: impl Fn(&MemorySample) -> u64, tol: f64) -> Growth {
+    let post_warmup = post.iter().map(|s| f(s)).max().unwrap_or(0);
+    let final_level = fin.iter().map(|s| f(s)).max().unwrap_or(0);
+    let ratio = final_level.max(FLOOR_BYTES) as f64 / post_warmup.max(FLOOR_BYTES) as f64;
+    Growth { post_warmup, final_level, ratio, ok: ratio <= tol }
+}
+
+/// Judges samples taken under `cfg`: the post-warm-up window is `[warmup, warmup + window)` of the budget, the final
+/// window the last `window` of the progress actually reached. Fewer than one sample in either window, or windows
+/// that overlap (a run stopped early), is "not enough to judge": `pass = false` with the reason.
+pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
+    let reached = samples.last().map_or(0.0, |s| cfg.progress(s));
+    let post: Vec<&MemorySample> = samples
+        .iter()
+        .filter(|s| {
+            let p = cfg.progress(s);
+            p >= cfg.warmup && p < cfg.warmup + cfg.window
+        })
+        .collect();
+    let fin_start = (reached - cfg.window).max(cfg.warmup + cfg.window);
+    let fin: Vec<&MemorySample> = samples.iter().filter(|s| cfg.progress(s) >= fin_start).collect();
+    let mlx_active = growth(&post, &fin, |s| s.mlx_active, cfg.tolerance);
+    let rss = growth(&post, &fin, |s| s.rss, cfg.tolerance);
+    let reason = if post.is_empty() || fin.is_empty() {
+        Some(format!(
+            "not enough samples to judge ({} after warm-up, {} in the final window; the run reached {:.0}% of its budget)",
+            post.len(),
+            fin.len(),
+            100.0 * reached
+        ))
+    } else if !mlx_active.ok || !rss.ok {
+        Some(format!(
+            "memory grew after warm-up: MLX active {:.3}x, RSS {:.3}x (allowed {}x)",
+            mlx_active.ratio, rss.ratio, cfg.tolerance
+        ))
+    } else {
+        None
+    };
+    Verdict {
+        mlx_active,
+        rss,
+        post_warmup_samples: post.len(),
+        final_samples: fin.len(),
+        pass: reason.is_none(),
+        reason,
+    }
+}
+
+/// Everything a soak measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SoakReport {
+    pub config: SoakConfig,
+    pub seeds: u64,
+    pub ops: u64,
+    pub failures: u64,
+    /// Seeds whose run failed a check (the soak keeps going; `kvsim sim --seed S` reproduces one).
+    pub failed_seeds: Vec<u64>,
+    pub seconds: f64,
+    pub ops_per_s: f64,
+    /// Stopped by the caller's flag (Ctrl-C) before the budget.
+    pub interrupted: bool,
+    /// The first sample (before any seed), the one where warm-up ended, and the last.
+    pub at_start: MemorySample,
+    pub at_warmup: Option<MemorySample>,
+    pub at_end: MemorySample,
+    pub verdict: Verdict,
+    /// At most `max_samples` samples, evenly thinned (every one judged was kept in the verdict's computation).
+    pub samples: Vec<MemorySample>,
+}
+
+/// Runs seeds `cfg.first, cfg.first + 1, ...` through `run_seed` until the budget is spent or `stop` is set, sampling
+/// memory after every seed; `on_seed` sees every sample (progress display). The MLX peak counter is reset when
+/// warm-up ends.
+pub fn soak(
+    cfg: SoakConfig,
+    stop: &AtomicBool,
+    mut run_seed: impl FnMut(u64) -> SeedRun,
+    mut on_seed: impl FnMut(&MemorySample, u64),
+) -> SoakReport {
+    let start = Instant::now();
+    let at_start = sample(0, 0, 0.0);
+    let mut samples = vec![at_start];
+    let (mut ops, mut seeds, mut failures) = (0u64, 0u64, 0u64);
+    let mut failed_seeds = vec![];
+    let mut at_warmup = None;
+    let mut interrupted = false;
+    let mut seed = cfg.first;
+    while !cfg.done(ops, start.elapsed().as_secs_f64()) {
+        if stop.load(Ordering::SeqCst) {
+            interrupted = true;
+            break;
+        }
+        let r = run_seed(seed);
+        ops += r.ops;
+        seeds += 1;
+        if r.failed {
+            failures += 1;
+            failed_seeds.push(seed);
+        }
+        seed = seed.wrapping_add(1);
+        let s = sample(ops, seeds, start.elapsed().as_secs_f64());
+        if at_warmup.is_none() && cfg.progress(&s) >= cfg.warmup {
+            at_warmup = Some(s);
+            let _ = mlx_rs::memory::reset_peak_memory();
+        }
+        samples.push(s);
+        on_seed(&s, failures);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let at_end = sample(ops, seeds, seconds);
+    samples.push(at_end);
+    let verdict = judge(&cfg, &samples);
+    SoakReport {
+        config: cfg,
+        seeds,
+        ops,
+        failures,
+        failed_seeds,
+        seconds,
+        ops_per_s: ops as f64 / seconds.max(1e-9),
+        interrupted,
+        at_start,
+        at_warmup,
+        at_end,
+        verdict,
+        samples: thin(&samples, 400),
+    }
+}
+
+/// At most `max` samples, evenly spaced, first and last kept.
+pub fn thin(samples: &[MemorySample], max: usize) -> Vec<MemorySample> {
+    if samples.len() <= max || max < 2 {
+        return samples.to_vec();
+    }
+    let n = samples.len() - 1;
+    (0..max).map(|i| samples[i * n / (max - 1)]).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(ops: u64, active: u64, rss: u64) -> MemorySample {
+        MemorySample { ops, seeds: ops / 10, seconds: ops as f64, mlx_active: active, mlx_cache: 0, mlx_peak: 0, rss }
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    fn steady(n: u64, f: impl Fn(u64) -> (u64, u64)) -> Vec<MemorySample> {
+        (0..=n)
+            .map(|i| {
+                let (a, r) = f(i);
+                s(i * 10, a, r)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn steady_memory_passes_and_warmup_growth_is_ignored() {
+        let cfg = SoakConfig::new(Budget::Ops(1000), 0);
+        // Grows during warm-up (first 100 ops), flat afterwards with noise under 5%.
+        let samples =
+            steady(100, |i| if i < 10 { (i * MIB, (50 + 5 * i) * MIB) } else { (8 * MIB, 100 * MIB + (i % 3) * MIB) });
+        let v = judge(&cfg, &samples);
+        assert!(v.pass, "{v:?}");
+        assert_eq!(v.rss.post_warmup, 102 * MIB);
+        assert!(v.post_warmup_samples >= 9 && v.final_samples >= 9, "{v:?}");
+    }
+
+    #[test]
+    fn growth_after_warmup_fails_on_either_metric() {
+        let cfg = SoakConfig::new(Budget::Ops(1000), 0);
+        // RSS leaks 1 MiB per 10 ops: 100 MiB at 100 ops, 190 MiB at the end.
+        let leak = steady(100, |i| (4 * MIB, (90 + i) * MIB));
+        let v = judge(&cfg, &leak);
+        assert!(!v.pass && !v.rss.ok && v.mlx_active.ok, "{v:?}");
+        assert!(v.reason.unwrap().contains("grew"));
+        // MLX active grows by 20%: fails even though RSS is flat.
+        let mlx = steady(100, |i| (if i < 50 { 10 * MIB } else { 12 * MIB }, 100 * MIB));
+        let v = judge(&cfg, &mlx);
+        assert!(!v.pass && !v.mlx_active.ok && v.rss.ok, "{v:?}");
+        assert!((v.mlx_active.ratio - 1.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn tiny_levels_count_as_the_floor() {
+        let cfg = SoakConfig::new(Budget::Ops(1000), 0);
+        // MLX active between seeds: 0 bytes after warm-up, 64 KiB at the end: noise, not a leak.
+        let samples = steady(100, |i| (if i > 90 { 64 << 10 } else { 0 }, 100 * MIB));
+        let v = judge(&cfg, &samples);
+        assert!(v.pass, "{v:?}");
+        assert_eq!(v.mlx_active.ratio, 1.0);
+    }
+
+    #[test]
+    fn a_run_stopped_before_the_windows_separate_is_not_judged_a_pass() {
+        let cfg = SoakConfig::new(Budget::Ops(1000), 0);
+        let samples = steady(15, |_| (MIB, 100 * MIB));
+        let v = judge(&cfg, &samples);
+        assert!(!v.pass);
+        assert!(v.reason.unwrap().contains("not enough samples"));
+    }
+
+    #[test]
+    fn time_budgets_judge_by_seconds() {
+        let cfg = SoakConfig::new(Budget::Seconds(100.0), 0);
+        let samples: Vec<MemorySample> =
+            (0..=100).map(|i| MemorySample { seconds: i as f64, ..s(i * 1000, MIB, (100 + i) * MIB) }).collect();
+        let v = judge(&cfg, &samples);
+        assert!(!v.rss.ok, "{v:?}");
+    }
+
+    #[test]
+    fn thinning_keeps_ends_and_bounds_the_count() {
+        let samples = steady(1000, |i| (i, i));
+        let t = thin(&samples, 50);
+        assert_eq!(t.len(), 50);
+        assert_eq!(t[0], samples[0]);
+        assert_eq!(t[49], samples[1000]);
+        assert_eq!(thin(&samples[..10], 50).len(), 10);
+    }
+
+    #[test]
+    fn soak_runs_until_the_budget_and_stops_on_the_flag() {
+        let stop = AtomicBool::new(false);
+        let mut seen = vec![];
+        let r = soak(
+            SoakConfig::new(Budget::Ops(100), 7),
+            &stop,
+            |seed| {
+                seen.push(seed);
+                SeedRun { ops: 10, failed: seed == 9 }
+            },
+            |_, _| {},
+        );
+        assert_eq!(r.ops, 100);
+        assert_eq!(r.seeds, 10);
+        assert_eq!(seen, (7..17).collect::<Vec<_>>());
+        assert_eq!(r.failed_seeds, vec![9]);
+        assert!(!r.interrupted);
+        assert!(r.at_warmup.is_some_and(|s| s.ops == 10));
+        assert!(r.at_end.rss > 0);
+        // The flag stops it between seeds, and the report still says what ran.
+        let stop = AtomicBool::new(false);
+        let r = soak(
+            SoakConfig::new(Budget::Ops(1000), 0),
+            &stop,
+            |seed| {
+                if seed == 4 {
+                    stop.store(true, Ordering::SeqCst);
+                }
+                SeedRun { ops: 10, failed: false }
+            },
+            |_, _| {},
+        );
+        assert!(r.interrupted);
+        assert_eq!(r.seeds, 5);
+        assert!(!r.verdict.pass);
+    }
+}

@@ -1,0 +1,74 @@
+//! Sharded campaigns through the real binary: shards run as separate processes, `kvsim merge` folds their outputs,
+//! and the result equals the unsharded run field for field (all but `seconds`), result hash included; `--jobs` does
+//! the same on one machine; `kvsim soak` runs and judges memory.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn kvsim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvsim")).args(args).output().expect("kvsim runs")
+}
+
+fn last_json(o: &Output) -> Value {
+    let text = String::from_utf8_lossy(&o.stdout);
+    kvsim::shard::last_json_line(&text).unwrap_or_else(|| panic!("no JSON line in {text}"))
+}
+
+/// The summary without its wall time.
+fn timeless(mut v: Value) -> Value {
+    v.as_object_mut().unwrap().remove("seconds");
+    v
+}
+
+#[test]
+fn two_shards_merge_into_the_unsharded_summary_and_jobs_agree() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("campaign-shards");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let whole = kvsim(&["sim", "--first", "3", "--seeds", "7", "--json"]);
+    assert!(whole.status.success(), "{}", String::from_utf8_lossy(&whole.stderr));
+    let whole = last_json(&whole);
+    let mut parts = vec![];
+    for i in 0..2 {
+        let o = kvsim(&["sim", "--first", "3", "--seeds", "7", "--shard", &format!("{i}/2"), "--json"]);
+        assert!(o.status.success());
+        let part = last_json(&o);
+        assert_eq!(part["shard"]["index"], i);
+        assert_eq!(part["seed_hashes"].as_array().unwrap().len(), if i == 0 { 4 } else { 3 });
+        let p = dir.join(format!("part-{i}.json"));
+        std::fs::write(&p, &o.stdout).unwrap();
+        parts.push(p.display().to_string());
+    }
+    let merged = kvsim(&["merge", &parts[1], &parts[0], "--json"]);
+    assert!(merged.status.success(), "{}", String::from_utf8_lossy(&merged.stderr));
+    let merged = last_json(&merged);
+    assert_eq!(merged["result_hash"], whole["result_hash"]);
+    assert_eq!(timeless(merged), timeless(whole.clone()));
+    // The same campaign over two worker processes.
+    let jobs = kvsim(&["sim", "--first", "3", "--seeds", "7", "--jobs", "2", "--json"]);
+    assert!(jobs.status.success(), "{}", String::from_utf8_lossy(&jobs.stderr));
+    assert_eq!(timeless(last_json(&jobs)), timeless(whole));
+    // A part merged twice is refused (exit 2), not double counted.
+    let twice = kvsim(&["merge", &parts[0], &parts[0], "--json"]);
+    assert_eq!(twice.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&twice.stderr).contains("more than one part"));
+    // A file that is no part is refused.
+    let bogus = dir.join("bogus.json");
+    std::fs::write(&bogus, "{\"seeds\": 1}\n").unwrap();
+    assert_eq!(kvsim(&["merge", &bogus.display().to_string()]).status.code(), Some(2));
+}
+
+#[test]
+fn a_short_soak_reports_memory_and_a_verdict() {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("soak-smoke.json");
+    let o = kvsim(&["soak", "--ops", "400", "--json", "--out", &out.display().to_string()]);
+    let report = last_json(&o);
+    assert!(report["ops"].as_u64().unwrap() >= 400);
+    assert!(report["at_end"]["rss"].as_u64().unwrap() > 0);
+    assert!(report["verdict"]["post_warmup_samples"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(o.status.success(), report["verdict"]["pass"].as_bool().unwrap() && report["failures"] == 0);
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(saved["ops"], report["ops"]);
+}
