@@ -22,10 +22,12 @@
 pub mod attention;
 pub mod compare;
 pub mod model;
+pub mod quant;
 pub mod values;
 
 pub use attention::{attention_bits, attention_f64, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_f32};
 pub use compare::{bits_summary, compare_columns, compare_fields, describe_found, Divergence};
+pub use quant::{Quantized, RefQuant};
 pub use model::{BatchModel, JoinModelSource, ModelError, RowFields, RowModel, Visibility};
 pub use values::{bits_to_f32, BitsKind, RefDtype, Tensor, Tok, ValueSpace};
 
@@ -42,6 +44,7 @@ mod tests {
             ("model.rs", include_str!("model.rs")),
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
+            ("quant.rs", include_str!("quant.rs")),
         ];
         for (name, src) in files {
             assert!(!src.to_lowercase().contains(&banned), "src/reference/{name} mentions {banned}");
