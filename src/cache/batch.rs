@@ -787,11 +787,11 @@ impl RowBatch {
             idx.extend((0..width).map(|j| m.get(j).copied().unwrap_or(zero_col)));
         }
         let nb = match &self.buf {
-            Some(b) => self.gather_rows(b, Some(&block), &idx, width)?,
+            Some(b) => self.gather_rows(b, Some(block.as_slice()), &idx, width)?,
             None => {
                 // No buffer yet: the block alone is the source.
                 let empty = Buf { planes: block.clone() }.map(|p| cols(p, 0, 0))?;
-                self.gather_rows(&empty, Some(&block), &idx, width)?
+                self.gather_rows(&empty, Some(block.as_slice()), &idx, width)?
             }
         };
         self.buf = Some(nb);

@@ -281,7 +281,7 @@ pub(crate) fn quantized_attend(
             // #1558). Mutation hook [`Mutant::QuantGqaMaskWrongAxis`]: left as is, it broadcasts from the right, so
             // its batch axis lands on the kv-head axis.
             let m = if rep > 1 && !mutation::is(Mutant::QuantGqaMaskWrongAxis) { m.expand_dims(2)? } else { m.clone() };
-            let min = scores.dtype().finfo_min().map_err(|e| CacheError::Mlx(e.to_string()))?;
+            let min = scores.dtype().finfo_min().map_err(|e| CacheError::Mlx(format!("{e:?}")))?;
             let fill = Array::from_f32(min as f32).as_dtype(scores.dtype())?;
             mlx_rs::ops::select(&m, &scores, &fill)?
         }

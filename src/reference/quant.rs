@@ -22,8 +22,8 @@
 //! groups included). The GPU kernels round differently (half away from zero, other min/max starts) and are not
 //! modelled.
 
-use super::attention::round_to;
-use super::values::{bits_to_f32, RefDtype};
+use super::attention::{attention_over, round_to};
+use super::values::{bits_to_f32, RefDtype, Tensor, Tok, ValueSpace};
 use super::ModelError;
 
 /// The affine bit widths the upstream library accepts.
@@ -169,6 +169,33 @@ pub fn dequantize(x: &Quantized, n: usize, dtype: RefDtype, q: RefQuant) -> Resu
             bits_to_f32(dtype, store(dtype, prod + b))
         })
         .collect())
+}
+
+/// The expected stored triple of one column (`tensor` of `tok` on `layer`): each of the `heads` rows of `head_dim`
+/// values quantized; packed words `[heads * D * bits / 32]`, scales and biases `[heads * D / group]`.
+pub fn quantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok, q: RefQuant) -> Quantized {
+    let vals = vs.column_f32(layer, tensor, tok);
+    // Rows of head_dim are quantized independently: one call over the whole column gives the same bytes.
+    quantize(&vals, vs.head_dim, vs.dtype, q).unwrap_or(Quantized { packed: vec![], scales: vec![], biases: vec![] })
+}
+
+/// The dequantized values of one column (what a quantized cache's read sees), `[heads * D]`.
+pub fn dequantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok, q: RefQuant) -> Vec<f32> {
+    let x = quantized_column(vs, layer, tensor, tok, q);
+    let n = vs.column_len(tensor);
+    dequantize(&x, n, vs.dtype, q).unwrap_or_else(|_| vec![f32::NAN; n])
+}
+
+/// [`attention_f64`](super::attention_f64) over the **dequantized** keys and values: the model's answer for a read
+/// of an affine-quantized cache (the query is not quantized). All-NaN without keys or with invalid parameters.
+pub fn attention_f64_quantized(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scale: f64, q: RefQuant) -> Vec<f64> {
+    if keys.is_empty() || vs.validate().is_err() || q.validate(vs.head_dim).is_err() {
+        return vec![f64::NAN; vs.heads_q * vs.head_dim];
+    }
+    let query = vs.column_f32(layer, Tensor::Q, q_tok);
+    let ks: Vec<Vec<f32>> = keys.iter().map(|&t| dequantized_column(vs, layer, Tensor::K, t, q)).collect();
+    let vals: Vec<Vec<f32>> = keys.iter().map(|&t| dequantized_column(vs, layer, Tensor::V, t, q)).collect();
+    attention_over(vs, &query, &ks, &vals, scale)
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ fn regimes(seed: u64, d: usize, rows: usize, dtype: RefDtype) -> Vec<f32> {
                 4 => 1.75,                                            // constant
                 5 => ((i % 16) as f32) - 7.0,                         // integer ramp (ties)
                 6 => (u - 0.5) * 2.0f32.powi((h % 40) as i32 - 20),   // wide magnitudes
-                _ => if i % 2 == 0 { 0.5 } else { -0.5 } * (1.0 + (i % 3) as f32), // few levels
+                _ => (if i % 2 == 0 { 0.5 } else { -0.5 }) * (1.0 + (i % 3) as f32), // few levels
             };
             out.push(x);
         }

@@ -148,7 +148,7 @@ fn merge_extract_filter_join_keep_planes() {
 /// same physical order (ring phase kept); later writes continue identically.
 #[test]
 fn conversion_of_a_wrapped_ring_keeps_physical_order() {
-    let _g = testlock::shared();
+    let mut _g = testlock::shared();
     for dtype in [KvDtype::F32, KvDtype::Bf16] {
         let spec = qspec(dtype);
         let masks = Masks::new();
@@ -182,6 +182,7 @@ fn conversion_of_a_wrapped_ring_keeps_physical_order() {
             let (k, v, qq) = kvq(&spec, 10 + s, 1, 1);
             p2.decode(&k, &v, &qq, 0.3, &masks).unwrap();
         }
+        drop(_g);
         let _m = testlock::arm(Mutant::QuantConvertTemporalOrder);
         p2.to_quantized(Q).unwrap();
         let mut q2 = RotatingQuantizedKvCache::new(spec, 4, Q).unwrap();
@@ -190,6 +191,8 @@ fn conversion_of_a_wrapped_ring_keeps_physical_order() {
             q2.decode(&k, &v, &qq, 0.3, &masks).unwrap();
         }
         assert!(!same_bytes(&p2.physical_planes().unwrap()[0], &q2.physical_planes().unwrap()[0]));
+        drop(_m);
+        _g = testlock::shared();
     }
 }
 
@@ -300,6 +303,7 @@ fn bytes_per_token_counts_all_three_planes() {
     }
     assert_eq!(packed_width(128, 5), 20);
     assert_eq!(packed_width(128, 6), 24);
+    drop(_g);
     let _m = testlock::arm(Mutant::QuantPackedWidthDivides);
     assert_eq!(packed_width(128, 5), 21, "mlx-lm's width");
 }
@@ -318,8 +322,8 @@ fn quantized_read_matches_dequantized_attention_and_mutants_show() {
     let dense = crate::cache::mask::attend(&qq, &dk, &dv, 0.3, None, true).unwrap();
     // Distance in ULPs at the output's scale (f32 ulp of the largest |output|): a measurement, not a claim of
     // exactness (the two reads round in different orders).
-    let diff = out.subtract(&dense).unwrap().abs().unwrap().max(None).unwrap().item::<f32>();
-    let top = out.abs().unwrap().max(None).unwrap().item::<f32>();
+    let diff = out.subtract(&dense).unwrap().abs().unwrap().max(None).unwrap().item_cast::<f32>();
+    let top = out.abs().unwrap().max(None).unwrap().item_cast::<f32>();
     let ulps = diff / (top * f32::EPSILON);
     assert!(ulps < 64.0, "quantized read vs fused SDPA over the dequantized planes: {ulps} ULPs at scale {top}");
 }
