@@ -22,9 +22,9 @@
 //! groups included). The GPU kernels round differently (half away from zero, other min/max starts) and are not
 //! modelled.
 
-use super::attention::{attention_over, round_to};
-use super::values::{bits_to_f32, RefDtype, Tensor, Tok, ValueSpace};
-use super::ModelError;
+use super::attention::attention_over;
+use super::error::ModelError;
+use super::values::{bits_to_f32, round_to, RefDtype, Tensor, Tok, ValueSpace};
 
 /// The affine bit widths the upstream library accepts.
 pub const REF_QUANT_BITS: [usize; 6] = [2, 3, 4, 5, 6, 8];
