@@ -438,7 +438,9 @@ impl RowBatch {
         target.validate(&self.spec)?;
         let buf = match &self.buf {
             None => None,
-            Some(b) if mutation::is(Mutant::QuantConvertTemporalOrder) && self.rows.iter().any(|r| r.ring.is_rotated()) => {
+            Some(b)
+                if mutation::is(Mutant::QuantConvertTemporalOrder) && self.rows.iter().any(|r| r.ring.is_rotated()) =>
+            {
                 let cap = b.cap();
                 let mut idx = Vec::with_capacity(self.rows.len() * cap);
                 for r in &self.rows {

@@ -191,7 +191,9 @@ mod tests {
         assert!(is_quantized(&lin) && is_linear(&lin) && !is_plain_kv(&lin) && !is_rotating(&lin));
         assert_eq!(lin.inner().unwrap().as_str(), "kv:quant:5:32");
         assert_eq!(StorageKind::serial(None).storage(), Ok(Storage::Plain));
-        for bad in ["kv:quant:7:32", "kv:quant:4:16", "kv:quant:04:32", "kv:quant:4", "kv:quant:4:32:1", "kv:quant:4:32+x"] {
+        for bad in
+            ["kv:quant:7:32", "kv:quant:4:16", "kv:quant:04:32", "kv:quant:4", "kv:quant:4:32:1", "kv:quant:4:32+x"]
+        {
             let k = StorageKind::new(bad);
             assert!(!is_known(&k) && !is_quantized(&k), "{bad}");
             assert_eq!(k.storage(), Err(CacheError::UnknownStorageKind { kind: bad.to_string() }));

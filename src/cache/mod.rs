@@ -36,11 +36,11 @@ pub use kind::{
     is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, QUANT_PREFIX,
     ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER,
 };
+pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use quant::{
     packed_width, BatchQuantizedKvCache, QuantSpec, QuantizedKvCache, RotatingQuantizedKvCache, Storage, QUANT_BITS,
     QUANT_GROUPS,
 };
-pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 
 /// Result of every fallible cache operation.

@@ -121,7 +121,9 @@ impl Mutant {
             Mutant::PrefillPadStored => "window writes of a prepared prefill store padded positions as real",
             Mutant::ConcatKeepsWindow => "window writes keep min(len, W) history columns instead of W - 1",
             Mutant::SharedWritePointer => "batched decode writes every row at one shared column, as mlx-lm does",
-            Mutant::QuantPackedWidthDivides => "quantized packed width computed as D / (32 / bits), wrong for 3/5/6 bits",
+            Mutant::QuantPackedWidthDivides => {
+                "quantized packed width computed as D / (32 / bits), wrong for 3/5/6 bits"
+            }
             Mutant::QuantMaskFromArrayOffset => {
                 "quantized batched decode mask built from the array offset plus left padding, not len"
             }
@@ -131,8 +133,25 @@ impl Mutant {
             Mutant::QuantGqaMaskWrongAxis => {
                 "quantized GQA read broadcasts the batched mask without the rep axis (batch lands on kv heads)"
             }
-            Mutant::QuantConvertTemporalOrder => "to_quantized converts a wrapped ring in temporal, not physical, order",
+            Mutant::QuantConvertTemporalOrder => {
+                "to_quantized converts a wrapped ring in temporal, not physical, order"
+            }
         }
+    }
+
+    /// Whether the simulator's layout families reach this mutant's hook, so that `kvsim mutants` and the catalog
+    /// tests can hunt it. The quantized mutants' hooks are reached only by the affine-quantized caches, which are not
+    /// yet a simulator family (docs/quantized-kv.md, "Not done yet"); `src/cache/quant/tests.rs` proves each of them
+    /// visible to the batch-vs-twin byte comparison instead.
+    pub fn in_simulator(self) -> bool {
+        !matches!(
+            self,
+            Mutant::QuantPackedWidthDivides
+                | Mutant::QuantMaskFromArrayOffset
+                | Mutant::QuantSinglePlainPath
+                | Mutant::QuantGqaMaskWrongAxis
+                | Mutant::QuantConvertTemporalOrder
+        )
     }
 
     fn code(self) -> u8 {

@@ -188,7 +188,14 @@ pub fn dequantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok,
 
 /// [`attention_f64`](super::attention_f64) over the **dequantized** keys and values: the model's answer for a read
 /// of an affine-quantized cache (the query is not quantized). All-NaN without keys or with invalid parameters.
-pub fn attention_f64_quantized(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scale: f64, q: RefQuant) -> Vec<f64> {
+pub fn attention_f64_quantized(
+    vs: &ValueSpace,
+    layer: u32,
+    q_tok: Tok,
+    keys: &[Tok],
+    scale: f64,
+    q: RefQuant,
+) -> Vec<f64> {
     if keys.is_empty() || vs.validate().is_err() || q.validate(vs.head_dim).is_err() {
         return vec![f64::NAN; vs.heads_q * vs.head_dim];
     }
@@ -237,7 +244,8 @@ mod tests {
         // 4 bits: element 0 in the low nibble.
         assert_eq!(pack(&[15, 14, 13, 12, 11, 10, 9, 8], 4), vec![0x89ab_cdef]);
         // 3 bits: the third byte of a chunk carries codes 5 (partly), 6 and 7.
-        let p = pack(&[0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], 3);
+        let p =
+            pack(&[0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], 3);
         assert_eq!(p[0], 0x00e0_0000);
     }
 

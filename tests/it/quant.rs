@@ -33,13 +33,13 @@ fn regimes(seed: u64, d: usize, rows: usize, dtype: RefDtype) -> Vec<f32> {
             let h = hash(seed ^ hash((r * d + i) as u64));
             let u = (h >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
             let x = match r % 8 {
-                0 => u * 4.0 - 2.0,                                   // symmetric
-                1 => u * 3.0 + 0.5,                                   // one-signed positive
-                2 => -(u * 3.0) - 0.25,                               // one-signed negative
-                3 => 0.0,                                             // zeros
-                4 => 1.75,                                            // constant
-                5 => ((i % 16) as f32) - 7.0,                         // integer ramp (ties)
-                6 => (u - 0.5) * 2.0f32.powi((h % 40) as i32 - 20),   // wide magnitudes
+                0 => u * 4.0 - 2.0,                                                  // symmetric
+                1 => u * 3.0 + 0.5,                                                  // one-signed positive
+                2 => -(u * 3.0) - 0.25,                                              // one-signed negative
+                3 => 0.0,                                                            // zeros
+                4 => 1.75,                                                           // constant
+                5 => ((i % 16) as f32) - 7.0,                                        // integer ramp (ties)
+                6 => (u - 0.5) * 2.0f32.powi((h % 40) as i32 - 20),                  // wide magnitudes
                 _ => (if i % 2 == 0 { 0.5 } else { -0.5 }) * (1.0 + (i % 3) as f32), // few levels
             };
             out.push(x);
@@ -72,12 +72,15 @@ fn reference_quantize_and_dequantize_are_mlx_bytes_for_every_bits_group_dtype() 
                 assert_eq!(words(&s), r.scales, "{what}: scales");
                 assert_eq!(words(&b), r.biases, "{what}: biases");
                 let deq = mlx_rs::ops::dequantize(&wq, &s, &b, group as i32, bits as i32).unwrap();
-                let rd = dequantize(&Quantized { packed: r.packed, scales: r.scales, biases: r.biases }, vals.len(), dtype, q)
-                    .unwrap();
-                let rd_bits: Vec<u32> = rd
-                    .iter()
-                    .map(|x| if dtype == RefDtype::F32 { x.to_bits() } else { x.to_bits() >> 16 })
-                    .collect();
+                let rd = dequantize(
+                    &Quantized { packed: r.packed, scales: r.scales, biases: r.biases },
+                    vals.len(),
+                    dtype,
+                    q,
+                )
+                .unwrap();
+                let rd_bits: Vec<u32> =
+                    rd.iter().map(|x| if dtype == RefDtype::F32 { x.to_bits() } else { x.to_bits() >> 16 }).collect();
                 assert_eq!(words(&deq), rd_bits, "{what}: dequantized values");
                 cells += 1;
             }

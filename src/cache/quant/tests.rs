@@ -4,11 +4,11 @@
 
 use super::*;
 use crate::cache::batch::{JoinSource, RowBatch};
+use crate::cache::kind::StorageKind;
 use crate::cache::mask::Masks;
 use crate::cache::mutation::testlock;
 use crate::cache::ring::{DecodePhase, SerialCache};
 use crate::cache::testutil::*;
-use crate::cache::kind::StorageKind;
 use crate::cache::KvDtype;
 
 fn qspec(dtype: KvDtype) -> KvSpec {
@@ -84,7 +84,8 @@ fn drive(t: &mut Twin) {
 fn quantized_rows_match_solo_twins_byte_for_byte() {
     let _g = testlock::shared();
     for dtype in [KvDtype::F32, KvDtype::Bf16] {
-        for (w, q) in [(Some(4), Q), (Some(6), QuantSpec { bits: 6, group: 64 }), (None, QuantSpec { bits: 3, group: 32 })]
+        for (w, q) in
+            [(Some(4), Q), (Some(6), QuantSpec { bits: 6, group: 64 }), (None, QuantSpec { bits: 3, group: 32 })]
         {
             let spec = qspec(dtype);
             let mut t = joined_twin(spec, w, q);
@@ -133,9 +134,13 @@ fn merge_extract_filter_join_keep_planes() {
     t.solo = vec![t.solo[4].clone(), t.solo[1].clone()];
     t.check_state("filter");
     let extra = solo_rows(spec, w, q).remove(2);
-    let joined =
-        RowBatch::join_storage(spec, w, Storage::Affine(q), &[JoinSource::Rows(&t.batch, vec![1, 0]), JoinSource::Serial(&extra)])
-            .unwrap();
+    let joined = RowBatch::join_storage(
+        spec,
+        w,
+        Storage::Affine(q),
+        &[JoinSource::Rows(&t.batch, vec![1, 0]), JoinSource::Serial(&extra)],
+    )
+    .unwrap();
     let solo = vec![t.solo[1].clone(), t.solo[0].clone(), extra];
     let mut t2 = Twin::new(joined, solo);
     for s in 0..4 {
@@ -207,8 +212,13 @@ fn batch_conversion_and_mid_round_refusal() {
     // The same histories, plain.
     let plain_rows: Vec<SerialCache> = {
         let masks = Masks::new();
-        let scripts: &[&[(bool, usize)]] =
-            &[&[(false, 2)], &[(true, 5), (false, 3)], &[(true, 3), (true, 3)], &[], &[(false, 9), (true, 2), (false, 1)]];
+        let scripts: &[&[(bool, usize)]] = &[
+            &[(false, 2)],
+            &[(true, 5), (false, 3)],
+            &[(true, 3), (true, 3)],
+            &[],
+            &[(false, 9), (true, 2), (false, 1)],
+        ];
         scripts
             .iter()
             .enumerate()
