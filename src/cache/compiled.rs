@@ -146,10 +146,14 @@ impl CompiledDecode for SerialCache {
         self.check_plan(plan)?;
         let b = self.buf_ref().ok_or_else(|| CacheError::StepMismatch { what: "no buffer: prepare first".into() })?;
         match plan.fetch {
-            DecodePhase::Concat => Ok(vec![cols(&b.k, 0, plan.active_len)?, cols(&b.v, 0, plan.active_len)?]),
-            DecodePhase::Ring => {
-                Ok(vec![cols(&b.k, 0, plan.active_len)?, cols(&b.v, 0, plan.active_len)?, int32_input(plan.write_pos)?])
+            DecodePhase::Concat => {
+                Ok(vec![cols(&b.planes[0], 0, plan.active_len)?, cols(&b.planes[1], 0, plan.active_len)?])
             }
+            DecodePhase::Ring => Ok(vec![
+                cols(&b.planes[0], 0, plan.active_len)?,
+                cols(&b.planes[1], 0, plan.active_len)?,
+                int32_input(plan.write_pos)?,
+            ]),
         }
     }
 
@@ -179,19 +183,19 @@ impl CompiledDecode for SerialCache {
         let nb = match plan.fetch {
             DecodePhase::Concat => {
                 let at = super::util::index_array(&[plan.write_pos], &[1, 1, 1, 1])?;
-                Buf { k: b.k.put_along_axis(&at, &k, 2)?, v: b.v.put_along_axis(&at, &v, 2)? }
+                Buf { planes: vec![b.planes[0].put_along_axis(&at, &k, 2)?, b.planes[1].put_along_axis(&at, &v, 2)?] }
             }
-            DecodePhase::Ring if ncols(&b.k) == plan.active_len => Buf { k, v },
+            DecodePhase::Ring if ncols(&b.planes[0]) == plan.active_len => Buf { planes: vec![k, v] },
             DecodePhase::Ring => {
                 // The buffer is wider than the live ring (a linear buffer never is; a ring is capped at W, but a
                 // buffer grown before a trim may be): write the step's columns back over [0, active_len).
                 let at =
                     super::util::index_array(&(0..plan.active_len).collect::<Vec<_>>(), &[1, 1, plan.active_len, 1])?;
-                Buf { k: b.k.put_along_axis(&at, &k, 2)?, v: b.v.put_along_axis(&at, &v, 2)? }
+                Buf { planes: vec![b.planes[0].put_along_axis(&at, &k, 2)?, b.planes[1].put_along_axis(&at, &v, 2)?] }
             }
         };
         let roots = match plan.fetch {
-            DecodePhase::Concat => vec![nb.k.clone(), nb.v.clone()],
+            DecodePhase::Concat => nb.planes.clone(),
             DecodePhase::Ring => Vec::new(),
         };
         self.set_buf(nb);

@@ -6,6 +6,8 @@
 //! - [`CompiledDecode`], [`DecodePlan`]: the compiled-decode protocol (R-C-9): host plan, pure step, apply.
 //! - [`TrainingCache`], [`PrefixSharedCache`]: stateless training adapters, never admitted, merged or persisted
 //!   (R-TRN-*).
+//! - [`QuantizedKvCache`], [`RotatingQuantizedKvCache`], [`BatchQuantizedKvCache`]: the same core and rows with
+//!   affine-quantized [`Storage`] (six planes; see [`quant`]).
 //! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
 //! - [`mutation`]: the mutation catalog's fault hooks (inert unless armed).
 //!
@@ -27,6 +29,7 @@ pub mod exact;
 pub mod kind;
 pub mod mask;
 pub mod mutation;
+pub mod quant;
 pub mod ring;
 #[cfg(test)]
 mod testutil;
@@ -38,10 +41,14 @@ pub use compiled::{int32_input, plain_decode_step, CompiledDecode, DecodePlan, S
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
-    is_plain_kv, is_rotating, is_row_batch, is_training, KindRoute, StorageKind, KV_PLAIN, PREFIX_SHARED,
-    ROTATING_PLAIN, ROW_BATCH_MARKER, TRAINING,
+    is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_training, KindRoute, StorageKind, KV_PLAIN,
+    PREFIX_SHARED, QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, TRAINING,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
+pub use quant::{
+    packed_width, BatchQuantizedKvCache, QuantSpec, QuantizedKvCache, RotatingQuantizedKvCache, Storage, QUANT_BITS,
+    QUANT_GROUPS,
+};
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 pub use training::{PrefixSharedCache, TrainingCache};
 

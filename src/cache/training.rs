@@ -133,7 +133,12 @@ impl TrainingCache {
         check_q(&self.spec, q, batch_rows(k), n)?;
         let (kf, vf) = self.update_and_fetch(k, v)?;
         let (used, arr) = self.mask(n, masks)?;
-        let out = attend(q, &kf, &vf, scale, arr.as_ref(), used == MaskUse::Causal)?;
+        let spec = match &used {
+            MaskUse::Array(s) => Some(s.clone()),
+            _ => None,
+        };
+        let mask = spec.as_deref().zip(arr.as_ref());
+        let out = attend(q, &kf, &vf, scale, mask, used == MaskUse::Causal)?;
         Ok((out, used))
     }
 
@@ -235,7 +240,11 @@ impl PrefixSharedCache {
         let n = ncols(k);
         check_q(&self.spec, q, batch_rows(k), n)?;
         let (used, arr) = self.mask(n, masks)?;
-        Ok((attend(q, &kf, &vf, scale, Some(&arr), false)?, used))
+        let spec = match &used {
+            MaskUse::Array(s) => s.clone(),
+            _ => return Err(CacheError::InvalidState { what: "prefix-shared mask is always an array".into() }),
+        };
+        Ok((attend(q, &kf, &vf, scale, Some((&spec, &arr)), false)?, used))
     }
 }
 

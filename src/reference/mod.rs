@@ -26,6 +26,7 @@ pub mod attention;
 pub mod compare;
 pub mod error;
 pub mod model;
+pub mod quant;
 pub mod special;
 pub mod values;
 
@@ -33,6 +34,7 @@ pub use attention::{attention_bits, attention_f64};
 pub use compare::{bits_summary, columns_of, compare_columns, compare_fields, describe_found, Divergence};
 pub use error::ModelError;
 pub use model::{BatchModel, JoinModelSource, RowFields, RowModel, Visibility};
+pub use quant::{Quantized, RefQuant};
 pub use special::{
     bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
 };
@@ -55,6 +57,7 @@ mod tests {
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
             ("special.rs", include_str!("special.rs")),
+            ("quant.rs", include_str!("quant.rs")),
             ("error.rs", include_str!("error.rs")),
         ];
         for (name, src) in files {

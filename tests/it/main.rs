@@ -8,6 +8,7 @@ mod determinism;
 mod fuzz_corpus;
 mod mutants;
 mod oracle;
+mod quant;
 mod sim_smoke;
 mod snapshots;
 mod special_reads;

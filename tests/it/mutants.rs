@@ -4,7 +4,13 @@ use kvsim::campaign::{hunt_mutant, test_budget};
 
 #[test]
 fn every_mutant_is_caught_within_its_budget() {
-    let survivors: Vec<&str> =
-        Mutant::ALL.iter().filter(|&&m| hunt_mutant(m, test_budget(m)).is_none()).map(|m| m.name()).collect();
+    // The quantized mutants are not reachable by a simulator family yet (`Mutant::in_simulator`); their teeth are
+    // proven by `src/cache/quant/tests.rs`.
+    let survivors: Vec<&str> = Mutant::ALL
+        .iter()
+        .filter(|m| m.in_simulator())
+        .filter(|&&m| hunt_mutant(m, test_budget(m)).is_none())
+        .map(|m| m.name())
+        .collect();
     assert!(survivors.is_empty(), "mutants that survived their budget: {survivors:?}");
 }
