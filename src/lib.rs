@@ -10,5 +10,6 @@ pub mod bytes;
 pub mod cache;
 pub mod doctor;
 pub mod fuzzing;
+pub mod persist;
 pub mod reference;
 pub mod sim;

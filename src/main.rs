@@ -1,4 +1,4 @@
-//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`.
+//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`, `cache`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -113,6 +113,30 @@ enum Cmd {
         #[command(subcommand)]
         cmd: OracleCmd,
     },
+    /// Cache files (kvsim's own format, mlx-lm prompt-cache files): inspect, convert.
+    Cache {
+        #[command(subcommand)]
+        cmd: CacheCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheCmd {
+    /// Describe a cache file (format; per layer: kind, offset, tensors with shapes and dtypes, floor), validating
+    /// it fully. Exit 1 with a message on a corrupt, truncated or unknown file.
+    Inspect {
+        file: PathBuf,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert a cache file to kvsim's format or to an mlx-lm prompt-cache file (written atomically).
+    Convert {
+        input: PathBuf,
+        output: PathBuf,
+        #[arg(long, value_enum)]
+        to: kvsim::persist::inspect::Format,
+    },
 }
 
 #[derive(Subcommand)]
@@ -192,6 +216,37 @@ fn main() -> ExitCode {
             }
             OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),
             OracleCmd::Check { dir, json } => oracle_check_cmd(&dir, json),
+        },
+        Cmd::Cache { cmd } => cache_cmd(cmd),
+    }
+}
+
+fn cache_cmd(cmd: CacheCmd) -> ExitCode {
+    use kvsim::persist::inspect;
+    match cmd {
+        CacheCmd::Inspect { file, json } => match inspect::inspect_file(&file) {
+            Ok(i) => {
+                if json {
+                    println!("{}", serde_json::to_string(&i).expect("inspection serializes"));
+                } else {
+                    print!("{}", inspect::render(&i));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsim cache inspect: {}: {e}", file.display());
+                ExitCode::FAILURE
+            }
+        },
+        CacheCmd::Convert { input, output, to } => match inspect::convert(&input, &output, to) {
+            Ok(()) => {
+                println!("wrote {}", output.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsim cache convert: {}: {e}", input.display());
+                ExitCode::FAILURE
+            }
         },
     }
 }

@@ -24,7 +24,7 @@ pub mod mask;
 pub mod mutation;
 pub mod ring;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
