@@ -11,6 +11,10 @@ For each fixture NAME it writes, into the output folder:
 - manifest.json: per fixture the class, the continuation steps, the SDPA scale, and each mlx-lm load bug met on the
   loaded cache (the exception text) with the workaround used to continue it anyway.
 
+With `--check-kvsim-written DIR` it runs the other direction instead: it loads the files kvsim wrote
+(DIR/kvsim-written/NAME.safetensors), continues them in mlx-lm with the same inputs and compares the outputs with
+mlx-lm's own continuation of its own file, writing DIR/kvsim-written.json.
+
 The continuation follows how mlx-lm models call a cache: the mask is asked for before `update_and_fetch`
 (`make_mask(N)` / `create_attention_mask`), then `mx.fast.scaled_dot_product_attention` reads what
 `update_and_fetch` returned. Everything is deterministic (fixed PRNG keys), so running it again writes the same bytes.
@@ -179,5 +183,44 @@ def main(out_dir):
     print(f"wrote {len(manifest)} fixtures to {out_dir}")
 
 
+def check_kvsim_written(fixtures):
+    """The other direction: files kvsim wrote (fixtures/kvsim-written/NAME.safetensors, kvsim's mlx-lm form of the
+    fixture NAME after loading it into kvsim layouts) load in mlx-lm and continue there. Compares mlx-lm's outputs
+    with those it recorded for its own file (NAME.io.safetensors), byte for byte, and writes kvsim-written.json."""
+    with open(os.path.join(fixtures, "manifest.json")) as f:
+        manifest = json.load(f)
+    report = {}
+    for name, e in sorted(manifest.items()):
+        path = os.path.join(fixtures, "kvsim-written", f"{name}.safetensors")
+        if "steps" not in e or not os.path.exists(path):
+            continue
+        c = load_prompt_cache(path)[0]
+        bugs = []
+        if isinstance(c, BatchKVCache) and not hasattr(c, "_right_padding"):
+            c._right_padding = None
+            bugs.append("loaded BatchKVCache lacks _right_padding (set to None)")
+        if isinstance(c, BatchRotatingKVCache) and not hasattr(c, "_lengths"):
+            c._lengths = None
+            bugs.append("loaded BatchRotatingKVCache lacks _lengths (set to None)")
+        io = mx.load(os.path.join(fixtures, f"{name}.io.safetensors"))
+        steps = []
+        for i, L in enumerate(e["steps"]):
+            mask = mask_for(c, L)
+            ks, vs = c.update_and_fetch(io[f"k.{i}"], io[f"v.{i}"])
+            out = mx.fast.scaled_dot_product_attention(io[f"q.{i}"], ks, vs, scale=e["scale"], mask=mask)
+            want = io[f"out.{i}"]
+            same = bool(mx.all(out.view(mx.uint16) == want.view(mx.uint16)).item())
+            diff = float(mx.max(mx.abs(out.astype(mx.float32) - want.astype(mx.float32))).item())
+            steps.append({"L": L, "bit_identical": same, "max_abs_diff": diff})
+        report[name] = {"class": type(c).__name__, "load_bugs_worked_around": bugs, "steps": steps}
+    with open(os.path.join(fixtures, "kvsim-written.json"), "w") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(json.dumps(report, sort_keys=True))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/mlxlm")
+    if len(sys.argv) > 2 and sys.argv[1] == "--check-kvsim-written":
+        check_kvsim_written(sys.argv[2])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/mlxlm")

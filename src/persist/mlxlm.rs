@@ -360,9 +360,11 @@ pub fn looks_like_safetensors(bytes: &[u8]) -> bool {
 /// Parses an mlx-lm prompt-cache file (0.32.2 layout). Every structural problem is a typed error.
 pub fn read(bytes: &[u8]) -> Result<MlxFile> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| match e {
-        safetensors::SafeTensorError::HeaderTooSmall | safetensors::SafeTensorError::MetadataIncompleteBuffer => {
-            PersistError::Truncated { what: format!("safetensors: {e}") }
-        }
+        safetensors::SafeTensorError::HeaderTooSmall => PersistError::Truncated { what: format!("safetensors: {e}") },
+        safetensors::SafeTensorError::MetadataIncompleteBuffer => PersistError::Truncated {
+            what: "safetensors: the tensor table does not cover the data exactly (truncated, or bytes no tensor owns)"
+                .into(),
+        },
         e => PersistError::malformed(format!("safetensors: {e}")),
     })?;
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| PersistError::malformed(format!("safetensors: {e}")))?;
@@ -524,7 +526,26 @@ pub fn write(file: &MlxFile) -> Result<Vec<u8>> {
                 .map_err(|e| PersistError::malformed(format!("{k}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, Some(md)).map_err(|e| PersistError::malformed(format!("safetensors: {e}")))
+    let bytes =
+        safetensors::serialize(views, Some(md)).map_err(|e| PersistError::malformed(format!("safetensors: {e}")))?;
+    sorted_header(bytes)
+}
+
+/// The same file with its JSON header's keys in sorted order, so that one content always gives the same bytes (the
+/// `safetensors` crate writes `__metadata__` in `HashMap` order). The data section and its offsets are unchanged;
+/// the header stays padded with spaces to a multiple of 8 bytes, as the crate pads it.
+fn sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let bad = || PersistError::malformed("safetensors output without a header");
+    let n = u64::from_le_bytes(bytes.get(..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+    let header = bytes.get(8..8 + n).ok_or_else(bad)?;
+    let v: serde_json::Value = serde_json::from_slice(header).map_err(|e| PersistError::malformed(e.to_string()))?;
+    let mut h = serde_json::to_vec(&v).map_err(|e| PersistError::malformed(e.to_string()))?;
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + h.len() + bytes.len() - 8 - n);
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    Ok(out)
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -132,6 +132,7 @@ fn step_rows(b: &mut RowBatch, k: &Array, v: &Array, q: &Array, scale: f32) -> A
 #[test]
 fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
     cpu();
+    let mut compared = 0;
     for (name, e) in manifest() {
         let Some(steps) = e.get("steps") else { continue };
         let steps: Vec<usize> = serde_json::from_value(steps.clone()).unwrap();
@@ -147,6 +148,7 @@ fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
             };
             let want = &io[&format!("out.{i}")];
             assert_eq!(bytes_of(&out), bytes_of(want), "{name}: output of step {i} (L = {l})");
+            compared += 1;
         }
         let theirs = layer0(&read(&format!("{name}.continued.safetensors")));
         assert_eq!(rows_view(&cache), rows_view(&theirs), "{name}: state after the continuation");
@@ -155,6 +157,37 @@ fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
             assert!(bug["error"].as_str().unwrap().starts_with("AttributeError"), "{name}: {bug}");
         }
     }
+    assert_eq!(compared, 4 + 6 + 3 + 4 + 4, "every recorded step compared");
+}
+
+/// The other direction: the files in `kvsim-written/` are exactly what kvsim writes today for each fixture (so the
+/// recorded mlx-lm check below is about these bytes), and mlx-lm 0.32.2 continued each of them with outputs
+/// byte-identical to its continuation of its own file (`kvsim-written.json`, written by
+/// `prompt_cache_fixtures.py --check-kvsim-written`).
+#[test]
+fn files_written_here_continue_in_mlxlm_as_mlxlm_files_do() {
+    cpu();
+    let report: BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("kvsim-written.json")).unwrap()).unwrap();
+    let mut checked = 0;
+    for (name, e) in manifest() {
+        if e.get("steps").is_none() {
+            continue;
+        }
+        let orig = read(&format!("{name}.safetensors"));
+        let (md, caches) = inspect::load_any(&orig).unwrap();
+        let now = inspect::save_as(Format::MlxLm, &md, &caches).unwrap();
+        assert!(now == read(&format!("kvsim-written/{name}.safetensors")), "{name}: kvsim writes other bytes now");
+        let r = &report[&name];
+        assert_eq!(r["class"], e["class"], "{name}");
+        let steps = r["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), e["steps"].as_array().unwrap().len(), "{name}");
+        for s in steps {
+            assert_eq!(s["bit_identical"], true, "{name}: {s}");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 5);
 }
 
 /// kvsim's mlx-lm writer reproduces mlx-lm's layout for what it writes: a loaded file written back through kvsim's
