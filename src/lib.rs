@@ -8,8 +8,10 @@
 pub mod bench;
 pub mod bytes;
 pub mod cache;
+pub mod campaign;
 pub mod doctor;
 pub mod fuzzing;
+pub mod oracle;
 pub mod persist;
 pub mod reference;
 pub mod sim;
