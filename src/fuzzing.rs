@@ -55,8 +55,10 @@ pub fn cache_file(data: &[u8]) -> Result<usize, String> {
     if let Ok((md, caches)) = load_any(data) {
         for to in [Format::Kvsim, Format::MlxLm] {
             if let Ok(bytes) = save_as(to, &md, &caches) {
-                let (_, again) = load_any(&bytes).unwrap_or_else(|e| panic!("a file kvsim wrote ({to:?}) does not load: {e}"));
-                let kinds = |c: &[crate::persist::Persisted]| c.iter().map(|p| p.cache.storage_kind()).collect::<Vec<_>>();
+                let (_, again) =
+                    load_any(&bytes).unwrap_or_else(|e| panic!("a file kvsim wrote ({to:?}) does not load: {e}"));
+                let kinds =
+                    |c: &[crate::persist::Persisted]| c.iter().map(|p| p.cache.storage_kind()).collect::<Vec<_>>();
                 assert_eq!(kinds(&again), kinds(&caches), "storage kinds changed through {to:?}");
             }
         }

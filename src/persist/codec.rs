@@ -239,7 +239,12 @@ fn state_of<T: for<'de> Deserialize<'de>>(e: &Entry) -> Result<T> {
 }
 
 /// Host copies of a buffer's columns `[0, n)` (`n = 0`: an empty `[rows, H, 0, D]` tensor).
-fn host_cols(buf: Option<(mlx_rs::Array, mlx_rs::Array)>, spec: &KvSpec, rows: usize, n: usize) -> Result<[HostTensor; 2]> {
+fn host_cols(
+    buf: Option<(mlx_rs::Array, mlx_rs::Array)>,
+    spec: &KvSpec,
+    rows: usize,
+    n: usize,
+) -> Result<[HostTensor; 2]> {
     match buf {
         Some((k, v)) if n > 0 => {
             let mut out = Vec::with_capacity(2);
@@ -310,7 +315,10 @@ impl Codec for SerialCodec {
     fn decode(&self, e: &Entry) -> Result<AnyCache> {
         let st: SerialState = state_of(e)?;
         if st.spec.max_size.is_some() != self.rotating {
-            return Err(PersistError::malformed(format!("{} entry with max_size {:?}", e.storage_kind, st.spec.max_size)));
+            return Err(PersistError::malformed(format!(
+                "{} entry with max_size {:?}",
+                e.storage_kind, st.spec.max_size
+            )));
         }
         let spec = st.spec.spec();
         let (k, v) = (e.tensor("keys")?, e.tensor("values")?);
@@ -387,7 +395,10 @@ impl Codec for RowsCodec {
     fn decode(&self, e: &Entry) -> Result<AnyCache> {
         let st: RowsState = state_of(e)?;
         if st.spec.max_size.is_some() != self.rotating {
-            return Err(PersistError::malformed(format!("{} entry with max_size {:?}", e.storage_kind, st.spec.max_size)));
+            return Err(PersistError::malformed(format!(
+                "{} entry with max_size {:?}",
+                e.storage_kind, st.spec.max_size
+            )));
         }
         let spec = st.spec.spec();
         let (k, v) = (e.tensor("keys")?, e.tensor("values")?);

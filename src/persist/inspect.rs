@@ -7,9 +7,9 @@ use serde::Serialize;
 
 use super::codec::{Persisted, Registry};
 use super::error::{PersistError, Result};
+use super::kvsim;
 use super::mlxlm::{self, MlxFile, MlxLayer};
 use super::tensor::HostTensor;
-use super::kvsim;
 
 /// The two file formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -117,7 +117,10 @@ fn mlx_info(l: &MlxLayer) -> Result<LayerInfo> {
         MlxLayer::BatchKvCache { keys, values, offset, left_padding, idx } => {
             push("keys", keys);
             push("values", values);
-            (json!(offset.to_i64s("offset")?), json!({"left_padding": left_padding.to_i64s("left_padding")?, "_idx": idx}))
+            (
+                json!(offset.to_i64s("offset")?),
+                json!({"left_padding": left_padding.to_i64s("left_padding")?, "_idx": idx}),
+            )
         }
         MlxLayer::BatchRotatingKvCache { keys, values, offset, left_padding, max_size, offset_total, idx, rotated } => {
             push("keys", keys);
@@ -243,11 +246,8 @@ pub fn load_any(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Vec<Persisted
         Format::Kvsim => kvsim::decode(&Registry::default(), bytes),
         Format::MlxLm => {
             let f = mlxlm::read(bytes)?;
-            let caches = f
-                .layers
-                .iter()
-                .map(|l| mlxlm::to_kvsim(l, None).map(Persisted::new))
-                .collect::<Result<Vec<_>>>()?;
+            let caches =
+                f.layers.iter().map(|l| mlxlm::to_kvsim(l, None).map(Persisted::new)).collect::<Result<Vec<_>>>()?;
             Ok((f.metadata, caches))
         }
     }

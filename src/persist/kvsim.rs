@@ -127,7 +127,9 @@ pub fn decode_entries(bytes: &[u8]) -> Result<KvsimFile> {
         return Err(PersistError::BadMagic { what: "no kvsim cache magic".into() });
     }
     if bytes.len() < PREFIX {
-        return Err(PersistError::Truncated { what: format!("{} bytes, the fixed prefix needs {PREFIX}", bytes.len()) });
+        return Err(PersistError::Truncated {
+            what: format!("{} bytes, the fixed prefix needs {PREFIX}", bytes.len()),
+        });
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     if version != FORMAT_VERSION {
@@ -157,16 +159,22 @@ pub fn decode_entries(bytes: &[u8]) -> Result<KvsimFile> {
         let mut tensors = Vec::with_capacity(layer.tensors.len());
         for slot in layer.tensors {
             let name = format!("layer {li} tensor {}", slot.name);
-            let want = nbytes_of(slot.dtype, &slot.shape).ok_or_else(|| PersistError::shape(&name, "shape overflows"))?;
+            let want =
+                nbytes_of(slot.dtype, &slot.shape).ok_or_else(|| PersistError::shape(&name, "shape overflows"))?;
             if want != slot.nbytes {
                 return Err(PersistError::shape(&name, format!("{} bytes for shape {:?}", slot.nbytes, slot.shape)));
             }
             if slot.offset != cursor {
-                return Err(PersistError::malformed(format!("{name} at data offset {}, expected {cursor}", slot.offset)));
+                return Err(PersistError::malformed(format!(
+                    "{name} at data offset {}, expected {cursor}",
+                    slot.offset
+                )));
             }
             let end = cursor.checked_add(slot.nbytes).ok_or_else(|| PersistError::malformed("offset overflow"))?;
             if end > data.len() {
-                return Err(PersistError::Truncated { what: format!("{name} ends at {end}, data has {} bytes", data.len()) });
+                return Err(PersistError::Truncated {
+                    what: format!("{name} ends at {end}, data has {} bytes", data.len()),
+                });
             }
             let raw = &data[cursor..end];
             if hex(&Sha256::digest(raw)) != slot.sha256 {
@@ -208,10 +216,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
-    let fname = path.file_name().ok_or_else(|| PersistError::Io {
-        path: path.display().to_string(),
-        message: "not a file path".into(),
-    })?;
+    let fname = path
+        .file_name()
+        .ok_or_else(|| PersistError::Io { path: path.display().to_string(), message: "not a file path".into() })?;
     let tmp = dir.join(format!(".{}.tmp.{}", fname.to_string_lossy(), std::process::id()));
     let res = (|| -> std::io::Result<()> {
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;

@@ -68,11 +68,38 @@ pub enum Node {
 /// One mlx-lm cache object, at the file level.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MlxLayer {
-    KvCache { keys: Option<HostTensor>, values: Option<HostTensor>, offset: i64 },
-    RotatingKvCache { keys: Option<HostTensor>, values: Option<HostTensor>, offset: i64, keep: i64, max_size: i64, idx: i64 },
-    QuantizedKvCache { keys: Option<[HostTensor; 3]>, values: Option<[HostTensor; 3]>, offset: i64, group_size: i64, bits: i64 },
-    ArraysCache { cache: Vec<Option<HostTensor>>, left_padding: Option<HostTensor>, lengths: Option<HostTensor> },
-    BatchKvCache { keys: Option<HostTensor>, values: Option<HostTensor>, offset: HostTensor, left_padding: HostTensor, idx: i64 },
+    KvCache {
+        keys: Option<HostTensor>,
+        values: Option<HostTensor>,
+        offset: i64,
+    },
+    RotatingKvCache {
+        keys: Option<HostTensor>,
+        values: Option<HostTensor>,
+        offset: i64,
+        keep: i64,
+        max_size: i64,
+        idx: i64,
+    },
+    QuantizedKvCache {
+        keys: Option<[HostTensor; 3]>,
+        values: Option<[HostTensor; 3]>,
+        offset: i64,
+        group_size: i64,
+        bits: i64,
+    },
+    ArraysCache {
+        cache: Vec<Option<HostTensor>>,
+        left_padding: Option<HostTensor>,
+        lengths: Option<HostTensor>,
+    },
+    BatchKvCache {
+        keys: Option<HostTensor>,
+        values: Option<HostTensor>,
+        offset: HostTensor,
+        left_padding: HostTensor,
+        idx: i64,
+    },
     BatchRotatingKvCache {
         keys: Option<HostTensor>,
         values: Option<HostTensor>,
@@ -83,7 +110,13 @@ pub enum MlxLayer {
         idx: i64,
         rotated: bool,
     },
-    ChunkedKvCache { keys: Option<HostTensor>, values: Option<HostTensor>, offset: i64, chunk_size: i64, start_position: i64 },
+    ChunkedKvCache {
+        keys: Option<HostTensor>,
+        values: Option<HostTensor>,
+        offset: i64,
+        chunk_size: i64,
+        start_position: i64,
+    },
     CacheList(Vec<MlxLayer>),
 }
 
@@ -132,18 +165,25 @@ impl MlxLayer {
             MlxLayer::BatchKvCache { keys, values, offset, left_padding, idx } => {
                 Node::List(vec![ot(keys), ot(values), t(offset), t(left_padding), i(*idx)])
             }
-            MlxLayer::BatchRotatingKvCache { keys, values, offset, left_padding, max_size, offset_total, idx, rotated } => {
-                Node::List(vec![
-                    ot(keys),
-                    ot(values),
-                    t(offset),
-                    t(left_padding),
-                    i(*max_size),
-                    i(*offset_total),
-                    i(*idx),
-                    Node::Leaf(Leaf::Bool(*rotated)),
-                ])
-            }
+            MlxLayer::BatchRotatingKvCache {
+                keys,
+                values,
+                offset,
+                left_padding,
+                max_size,
+                offset_total,
+                idx,
+                rotated,
+            } => Node::List(vec![
+                ot(keys),
+                ot(values),
+                t(offset),
+                t(left_padding),
+                i(*max_size),
+                i(*offset_total),
+                i(*idx),
+                Node::Leaf(Leaf::Bool(*rotated)),
+            ]),
             MlxLayer::ChunkedKvCache { keys, values, offset, chunk_size, start_position } => {
                 Node::List(vec![ot(keys), ot(values), i(*offset), i(*chunk_size), i(*start_position)])
             }
@@ -170,7 +210,11 @@ impl MlxLayer {
         Ok(match class {
             "KVCache" => {
                 want(3)?;
-                MlxLayer::KvCache { keys: opt_tensor(f[0], &p(0))?, values: opt_tensor(f[1], &p(1))?, offset: int(f[2], &p(2))? }
+                MlxLayer::KvCache {
+                    keys: opt_tensor(f[0], &p(0))?,
+                    values: opt_tensor(f[1], &p(1))?,
+                    offset: int(f[2], &p(2))?,
+                }
             }
             "RotatingKVCache" => {
                 want(6)?;
@@ -200,7 +244,11 @@ impl MlxLayer {
                     .enumerate()
                     .map(|(j, n)| opt_tensor(n, &format!("{at}.0.{j}")))
                     .collect::<Result<_>>()?;
-                MlxLayer::ArraysCache { cache, left_padding: opt_tensor(f[1], &p(1))?, lengths: opt_tensor(f[2], &p(2))? }
+                MlxLayer::ArraysCache {
+                    cache,
+                    left_padding: opt_tensor(f[1], &p(1))?,
+                    lengths: opt_tensor(f[2], &p(2))?,
+                }
             }
             "BatchKVCache" => {
                 want(5)?;
@@ -244,7 +292,9 @@ impl MlxLayer {
                         return Err(PersistError::malformed(format!("CacheList entry {at}: expected (state, class)")));
                     }
                     let Node::Leaf(Leaf::Str(c)) = pf[1] else {
-                        return Err(PersistError::malformed(format!("CacheList entry {at}.1: class name is not a string")));
+                        return Err(PersistError::malformed(format!(
+                            "CacheList entry {at}.1: class name is not a string"
+                        )));
                     };
                     children.push(MlxLayer::from_node(c, pf[0], &format!("{at}.0"))?);
                 }
@@ -297,9 +347,15 @@ fn triple(n: &Node, at: &str) -> Result<Option<[HostTensor; 3]>> {
         _ => {
             let f = fields(n, at)?;
             if f.len() != 3 {
-                return Err(PersistError::malformed(format!("{at}: a quantized tensor needs (packed, scales, biases)")));
+                return Err(PersistError::malformed(format!(
+                    "{at}: a quantized tensor needs (packed, scales, biases)"
+                )));
             }
-            Ok(Some([tensor(f[0], &format!("{at}.0"))?, tensor(f[1], &format!("{at}.1"))?, tensor(f[2], &format!("{at}.2"))?]))
+            Ok(Some([
+                tensor(f[0], &format!("{at}.0"))?,
+                tensor(f[1], &format!("{at}.1"))?,
+                tensor(f[2], &format!("{at}.2"))?,
+            ]))
         }
     }
 }
@@ -367,7 +423,8 @@ pub fn read(bytes: &[u8]) -> Result<MlxFile> {
         },
         e => PersistError::malformed(format!("safetensors: {e}")),
     })?;
-    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| PersistError::malformed(format!("safetensors: {e}")))?;
+    let (_, meta) =
+        SafeTensors::read_metadata(bytes).map_err(|e| PersistError::malformed(format!("safetensors: {e}")))?;
     let md: HashMap<String, String> = meta.metadata().clone().unwrap_or_default();
 
     // Metadata: "0.<key>" user, "1.<i>" classes, "2.0" = "", "2.<j>.0"/"2.<j>.1" scalars.
@@ -457,7 +514,11 @@ pub fn read(bytes: &[u8]) -> Result<MlxFile> {
     }
     let states = to_list(tree, "")?;
     if states.len() != classes.len() {
-        return Err(PersistError::malformed(format!("{} class names for {} layer states", classes.len(), states.len())));
+        return Err(PersistError::malformed(format!(
+            "{} class names for {} layer states",
+            classes.len(),
+            states.len()
+        )));
     }
     let layers = classes
         .iter()
@@ -501,10 +562,13 @@ pub fn write(file: &MlxFile) -> Result<Vec<u8>> {
                 let v = i32::try_from(i).map_err(|_| PersistError::unsupported(format!("{key}: {i} exceeds int32")))?;
                 (HostTensor::scalar_i32(v), Some("scalar"))
             }
-            Leaf::Bool(b) => (HostTensor { dtype: TensorDtype::BOOL, shape: vec![], data: vec![b as u8] }, Some("scalar")),
-            Leaf::Float(f) => {
-                (HostTensor { dtype: TensorDtype::F32, shape: vec![], data: (f as f32).to_le_bytes().to_vec() }, Some("scalar"))
+            Leaf::Bool(b) => {
+                (HostTensor { dtype: TensorDtype::BOOL, shape: vec![], data: vec![b as u8] }, Some("scalar"))
             }
+            Leaf::Float(f) => (
+                HostTensor { dtype: TensorDtype::F32, shape: vec![], data: (f as f32).to_le_bytes().to_vec() },
+                Some("scalar"),
+            ),
             Leaf::Str(s) => {
                 let cps: Vec<i32> = s.chars().map(|c| c as i32).collect();
                 (HostTensor::vec_i32(&cps), Some("string"))
@@ -612,7 +676,8 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
             let offset = usize_of(*offset, "offset")?;
             match kv_pair(keys, values, class)? {
                 None => {
-                    let spec = spec_hint.ok_or_else(|| PersistError::unsupported("an empty KVCache carries no spec"))?;
+                    let spec =
+                        spec_hint.ok_or_else(|| PersistError::unsupported("an empty KVCache carries no spec"))?;
                     if offset != 0 {
                         return Err(PersistError::malformed(format!("empty KVCache with offset {offset}")));
                     }
@@ -620,10 +685,15 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
                 }
                 Some((k, v, spec, b, c)) => {
                     if b != 1 {
-                        return Err(PersistError::unsupported(format!("KVCache with batch {b} (kvsim serial caches hold one row)")));
+                        return Err(PersistError::unsupported(format!(
+                            "KVCache with batch {b} (kvsim serial caches hold one row)"
+                        )));
                     }
                     if offset > c {
-                        return Err(PersistError::shape("keys", format!("offset {offset} past the buffer's {c} columns")));
+                        return Err(PersistError::shape(
+                            "keys",
+                            format!("offset {offset} past the buffer's {c} columns"),
+                        ));
                     }
                     let ring = RingState { offset, len: offset, idx: offset, last_concat: None };
                     Ok(AnyCache::Serial(SerialCache::adopt(spec, None, k.to_array()?, v.to_array()?, ring)?))
@@ -632,14 +702,17 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
         }
         MlxLayer::RotatingKvCache { keys, values, offset, keep, max_size, idx } => {
             if *keep != 0 {
-                return Err(PersistError::unsupported(format!("RotatingKVCache with keep = {keep} (kvsim rings keep 0)")));
+                return Err(PersistError::unsupported(format!(
+                    "RotatingKVCache with keep = {keep} (kvsim rings keep 0)"
+                )));
             }
             let w = usize_of(*max_size, "max_size")?;
             let offset = usize_of(*offset, "offset")?;
             let idx = usize_of(*idx, "_idx")?;
             match kv_pair(keys, values, class)? {
                 None => {
-                    let spec = spec_hint.ok_or_else(|| PersistError::unsupported("an empty RotatingKVCache carries no spec"))?;
+                    let spec = spec_hint
+                        .ok_or_else(|| PersistError::unsupported("an empty RotatingKVCache carries no spec"))?;
                     if offset != 0 || idx != 0 {
                         return Err(PersistError::malformed("empty RotatingKVCache with a non-zero offset or _idx"));
                     }
@@ -660,7 +733,10 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
             batch_to_kvsim(keys, values, offset, left_padding, None, spec_hint, class, |_, lp, c| {
                 let lp = usize_of(lp, "left_padding")?;
                 if lp > idx || idx > c {
-                    return Err(PersistError::shape("keys", format!("row columns [{lp}, {idx}) outside the buffer's {c}")));
+                    return Err(PersistError::shape(
+                        "keys",
+                        format!("row columns [{lp}, {idx}) outside the buffer's {c}"),
+                    ));
                 }
                 Ok((lp..idx).collect())
             })
@@ -676,7 +752,10 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
                 let padding = usize::try_from(lp.max(0)).unwrap_or(0);
                 let (order, end): (Vec<usize>, usize) = if rotated {
                     if idx > c || c != w {
-                        return Err(PersistError::shape("keys", format!("a rotated ring of {c} columns, _idx {idx}, window {w}")));
+                        return Err(PersistError::shape(
+                            "keys",
+                            format!("a rotated ring of {c} columns, _idx {idx}, window {w}"),
+                        ));
                     }
                     ((idx..c).chain(0..idx).collect(), w)
                 } else {
@@ -686,7 +765,10 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
                     ((0..c).collect(), idx)
                 };
                 if padding > end {
-                    return Err(PersistError::shape("left_padding", format!("padding {padding} past the row's {end} columns")));
+                    return Err(PersistError::shape(
+                        "left_padding",
+                        format!("padding {padding} past the row's {end} columns"),
+                    ));
                 }
                 Ok(order[padding..end].to_vec())
             })
@@ -737,7 +819,10 @@ fn batch_to_kvsim(
         let cols = columns(r, pads[r], c)?;
         let off = usize_of(offsets[r], "offset")?;
         if cols.len() > off {
-            return Err(PersistError::shape("offset", format!("row {r} holds {} positions but offset {off}", cols.len())));
+            return Err(PersistError::shape(
+                "offset",
+                format!("row {r} holds {} positions but offset {off}", cols.len()),
+            ));
         }
         let rk = take_row_cols(&ka, r, &cols)?;
         let rv = take_row_cols(&va, r, &cols)?;
@@ -879,8 +964,11 @@ pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
                 ks.push(pad_cols(k, "keys", width, width - len)?);
                 vs.push(pad_cols(v, "values", width, width - len)?);
             }
-            let (keys, values) =
-                if n == 0 || width == 0 { (None, None) } else { (Some(stack_rows(&ks, "keys")?), Some(stack_rows(&vs, "values")?)) };
+            let (keys, values) = if n == 0 || width == 0 {
+                (None, None)
+            } else {
+                (Some(stack_rows(&ks, "keys")?), Some(stack_rows(&vs, "values")?))
+            };
             let (offset, left_padding) = (HostTensor::vec_i32(&offs), HostTensor::vec_i32(&lps));
             let width_i = i32_of(width, "width")? as i64;
             Ok(match b.max_size() {

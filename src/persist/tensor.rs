@@ -141,7 +141,11 @@ impl HostTensor {
 
     /// An int32 vector.
     pub fn vec_i32(v: &[i32]) -> Self {
-        HostTensor { dtype: TensorDtype::I32, shape: vec![v.len()], data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+        HostTensor {
+            dtype: TensorDtype::I32,
+            shape: vec![v.len()],
+            data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
     }
 
     /// Number of elements.
@@ -153,11 +157,19 @@ impl HostTensor {
     pub fn to_i64s(&self, name: &str) -> Result<Vec<i64>> {
         let c = &self.data;
         Ok(match self.dtype {
-            TensorDtype::I32 => c.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
-            TensorDtype::U32 => c.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
+            TensorDtype::I32 => {
+                c.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect()
+            }
+            TensorDtype::U32 => {
+                c.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect()
+            }
             TensorDtype::U8 | TensorDtype::BOOL => c.iter().map(|&b| b as i64).collect(),
             d => {
-                return Err(PersistError::Dtype { name: name.into(), expected: "an integer dtype".into(), found: d.to_string() })
+                return Err(PersistError::Dtype {
+                    name: name.into(),
+                    expected: "an integer dtype".into(),
+                    found: d.to_string(),
+                })
             }
         })
     }
@@ -166,10 +178,18 @@ impl HostTensor {
     pub fn to_f64s(&self, name: &str) -> Result<Vec<f64>> {
         let c = &self.data;
         Ok(match self.dtype {
-            TensorDtype::F32 => c.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect(),
+            TensorDtype::F32 => {
+                c.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect()
+            }
             TensorDtype::BF16 => c.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f64()).collect(),
             TensorDtype::F16 => c.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f64()).collect(),
-            d => return Err(PersistError::Dtype { name: name.into(), expected: "a float dtype".into(), found: d.to_string() }),
+            d => {
+                return Err(PersistError::Dtype {
+                    name: name.into(),
+                    expected: "a float dtype".into(),
+                    found: d.to_string(),
+                })
+            }
         })
     }
 
@@ -198,7 +218,9 @@ impl HostTensor {
                 &shape,
             ),
             TensorDtype::F32 => Array::from_slice(
-                &c.chunks_exact(4).map(|b| f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect::<Vec<_>>(),
+                &c.chunks_exact(4)
+                    .map(|b| f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                    .collect::<Vec<_>>(),
                 &shape,
             ),
             TensorDtype::BF16 => Array::from_slice(

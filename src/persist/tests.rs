@@ -90,7 +90,8 @@ fn assert_rows_same(a: &RowBatch, b: &RowBatch, what: &str) {
 #[test]
 fn serial_kinds_round_trip_and_continue_byte_identically() {
     let _g = testlock::shared();
-    for (max, dtype) in [(None, KvDtype::Bf16), (Some(4), KvDtype::Bf16), (Some(5), KvDtype::F32), (None, KvDtype::F32)] {
+    for (max, dtype) in [(None, KvDtype::Bf16), (Some(4), KvDtype::Bf16), (Some(5), KvDtype::F32), (None, KvDtype::F32)]
+    {
         let mut orig = serial(max, dtype);
         let AnyCache::Serial(mut back) = roundtrip(&Persisted::new(AnyCache::Serial(orig.clone()))).cache else {
             panic!("kind changed")

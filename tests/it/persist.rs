@@ -30,8 +30,13 @@ fn io_arrays(name: &str) -> BTreeMap<String, Array> {
     st.tensors()
         .into_iter()
         .map(|(n, v)| {
-            let t = HostTensor::new(&n, TensorDtype::from_safetensors(v.dtype()).unwrap(), v.shape().to_vec(), v.data().to_vec())
-                .unwrap();
+            let t = HostTensor::new(
+                &n,
+                TensorDtype::from_safetensors(v.dtype()).unwrap(),
+                v.shape().to_vec(),
+                v.data().to_vec(),
+            )
+            .unwrap();
             (n, t.to_array().unwrap())
         })
         .collect()
