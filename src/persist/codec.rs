@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
+use crate::cache::mutation::{self, Mutant};
 use crate::cache::{
     KvDtype, KvSpec, RingState, RowBatch, RowState, SerialCache, StorageKind, KV_PLAIN, ROTATING_PLAIN,
     ROW_BATCH_MARKER,
@@ -175,8 +176,9 @@ impl Registry {
     }
 }
 
+/// Mutation hook [`Mutant::FloorNotPersisted`].
 fn floor_dropped() -> bool {
-    false
+    mutation::is(Mutant::FloorNotPersisted)
 }
 
 fn check_floor(floor: usize, offset: usize) -> Result<()> {
@@ -424,10 +426,12 @@ impl Codec for RowsCodec {
     }
 }
 
+/// Mutation hook [`Mutant::PersistWholeBuffer`].
 fn whole_buffer() -> bool {
-    false
+    mutation::is(Mutant::PersistWholeBuffer)
 }
 
+/// A pending prefill is always persisted (mlx-lm 0.32.2's files lose it; kvsim's keep it).
 fn pending_dropped() -> bool {
     false
 }

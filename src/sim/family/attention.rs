@@ -1283,9 +1283,16 @@ fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<Seria
     use crate::persist::{mlxlm, AnyCache, Persisted};
     let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
     let spec_hints: Vec<_> = caches.iter().map(|c| c.spec()).collect();
-    let persisted: Vec<Persisted> = caches.into_iter().map(|c| Persisted::new(AnyCache::Serial(c))).collect();
-    let mlx_ok = via_mlxlm && persisted.iter().all(|p| mlxlm::from_kvsim(&p.cache).is_ok() && p.cache.offset() > 0);
+    let mlx_ok =
+        via_mlxlm && caches.iter().all(|c| c.offset() > 0 && mlxlm::from_kvsim(&AnyCache::Serial(c.clone())).is_ok());
     let format = if mlx_ok { Format::MlxLm } else { Format::Kvsim };
+    // kvsim's format carries a reuse floor: attach one (half the offset) and require it back; mlx-lm files carry none.
+    let floors: Vec<usize> = caches.iter().map(|c| if format == Format::Kvsim { c.offset() / 2 } else { 0 }).collect();
+    let persisted: Vec<Persisted> = caches
+        .into_iter()
+        .zip(&floors)
+        .map(|(c, &f)| Persisted { cache: AnyCache::Serial(c), minimum_reusable_offset: f })
+        .collect();
     let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
     drop(persisted);
     let restored = match format {
@@ -1300,6 +1307,10 @@ fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<Seria
                 .map_err(|e| fail("restore", e))?
         }
     };
+    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
+    if back != floors {
+        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+    }
     restored
         .into_iter()
         .map(|p| match p.cache {
