@@ -40,10 +40,6 @@ pub enum Mutant {
     /// A batched decode writes every row at one shared column (row 0's target), as mlx-lm's shared `_idx` does,
     /// instead of each row's own ring head (R-BROT-8). Hook: `RowBatch::decode` scatter.
     SharedWritePointer,
-    /// The `kv-plain` / `rotating-plain` codec saves the whole allocated buffer instead of the live columns, for
-    /// kinds whose offset marks the end of the data (wave2 anchors d.1: kv sliced to offset). Hook:
-    /// `persist::codec::SerialCodec::encode`.
-    PersistWholeBuffer,
     /// The codec registry drops `minimum_reusable_offset` when saving (the reuse floor is not persisted). Hook:
     /// `persist::codec::Registry::encode`.
     FloorNotPersisted,
@@ -62,7 +58,6 @@ impl Mutant {
         Mutant::PrefillPadStored,
         Mutant::ConcatKeepsWindow,
         Mutant::SharedWritePointer,
-        Mutant::PersistWholeBuffer,
         Mutant::FloorNotPersisted,
     ];
 
@@ -79,7 +74,6 @@ impl Mutant {
             Mutant::PrefillPadStored => "prefill-pad-stored",
             Mutant::ConcatKeepsWindow => "concat-keeps-window",
             Mutant::SharedWritePointer => "shared-write-pointer",
-            Mutant::PersistWholeBuffer => "persist-whole-buffer",
             Mutant::FloorNotPersisted => "floor-not-persisted",
         }
     }
@@ -106,7 +100,6 @@ impl Mutant {
             Mutant::PrefillPadStored => "window writes of a prepared prefill store padded positions as real",
             Mutant::ConcatKeepsWindow => "window writes keep min(len, W) history columns instead of W - 1",
             Mutant::SharedWritePointer => "batched decode writes every row at one shared column, as mlx-lm does",
-            Mutant::PersistWholeBuffer => "the serial codec saves the whole buffer, not the live columns up to offset",
             Mutant::FloorNotPersisted => "saving drops the minimum reusable offset (the reuse floor)",
         }
     }

@@ -426,9 +426,10 @@ impl Codec for RowsCodec {
     }
 }
 
-/// Mutation hook [`Mutant::PersistWholeBuffer`].
+/// Saves only the live columns (a "whole buffer" mutant is not in the catalog yet: the simulator persists extracted
+/// rows, whose buffers hold exactly their live columns, so it could not catch one).
 fn whole_buffer() -> bool {
-    mutation::is(Mutant::PersistWholeBuffer)
+    false
 }
 
 /// A pending prefill is always persisted (mlx-lm 0.32.2's files lose it; kvsim's keep it).
