@@ -116,6 +116,8 @@ pub struct Summary {
     pub max_ulp: MaxUlp,
     pub reference: Reference,
     pub expected_errors: u64,
+    /// Rows saved and restored mid-run (`src/persist`) before continuing, checked like every other state.
+    pub persist_roundtrips: u64,
     pub device: String,
     pub mlx_version: String,
     /// blake3 of the ordered per-seed result hashes.
@@ -219,6 +221,7 @@ impl Summary {
         let t = &self.counters;
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
+        self.persist_roundtrips = t.persist_roundtrips;
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
             decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,

@@ -154,6 +154,30 @@ pub enum Cmd {
         #[command(subcommand)]
         cmd: OracleCmd,
     },
+    /// Cache files (kvsim's own format, mlx-lm prompt-cache files): inspect, convert (docs/persistence.md).
+    Cache {
+        #[command(subcommand)]
+        cmd: CacheCmd,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum CacheCmd {
+    /// Describe a cache file (format; per layer: kind, offset, tensors with shapes and dtypes, floor), validating
+    /// it fully. Exit 1 with a message on a corrupt, truncated or unknown file.
+    Inspect {
+        file: PathBuf,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert a cache file to kvsim's format or to an mlx-lm prompt-cache file (written atomically).
+    Convert {
+        input: PathBuf,
+        output: PathBuf,
+        #[arg(long, value_enum)]
+        to: kvsim::persist::inspect::Format,
+    },
 }
 
 #[derive(Subcommand)]

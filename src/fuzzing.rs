@@ -44,3 +44,24 @@ pub fn case_to_trace(data: &[u8]) -> Option<Trace> {
     t.ops = case.ops;
     Some(t)
 }
+
+/// Arbitrary bytes as a cache file (either format): [`crate::persist::inspect::inspect_bytes`] must give a
+/// description or a typed error, never a panic. When the bytes load as kvsim layouts, saving them again in both
+/// formats must give files that load back with the same per-layer kinds (a failure panics: a crash for the fuzzer).
+/// Returns the number of layers described.
+pub fn cache_file(data: &[u8]) -> Result<usize, String> {
+    use crate::persist::inspect::{inspect_bytes, load_any, save_as, Format};
+    let info = inspect_bytes(data).map_err(|e| e.to_string())?;
+    if let Ok((md, caches)) = load_any(data) {
+        for to in [Format::Kvsim, Format::MlxLm] {
+            if let Ok(bytes) = save_as(to, &md, &caches) {
+                let (_, again) =
+                    load_any(&bytes).unwrap_or_else(|e| panic!("a file kvsim wrote ({to:?}) does not load: {e}"));
+                let kinds =
+                    |c: &[crate::persist::Persisted]| c.iter().map(|p| p.cache.storage_kind()).collect::<Vec<_>>();
+                assert_eq!(kinds(&again), kinds(&caches), "storage kinds changed through {to:?}");
+            }
+        }
+    }
+    Ok(info.layers.len())
+}

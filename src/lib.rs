@@ -15,6 +15,7 @@ pub mod doctor;
 pub mod exact_check;
 pub mod fuzzing;
 pub mod oracle;
+pub mod persist;
 pub mod reference;
 pub mod shard;
 pub mod sim;

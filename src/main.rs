@@ -1,4 +1,4 @@
-//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`. It parses arguments,
+//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`, `cache`. It parses arguments,
 //! calls the library (`kvsim::campaign`, `kvsim::oracle`, `kvsim::bench`, ...) and prints; it is the only module
 //! that writes to stdout or chooses exit codes.
 
@@ -16,7 +16,7 @@ use kvsim::sim::{self, DeviceChoice};
 
 mod cli;
 
-use cli::{Cli, Cmd, OracleCmd};
+use cli::{CacheCmd, Cli, Cmd, OracleCmd};
 
 fn main() -> ExitCode {
     sim::raise_mlx_cuda_caches();
@@ -55,6 +55,37 @@ fn main() -> ExitCode {
             }
             OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),
             OracleCmd::Check { dir, json } => oracle_check_cmd(&dir, json),
+        },
+        Cmd::Cache { cmd } => cache_cmd(cmd),
+    }
+}
+
+fn cache_cmd(cmd: CacheCmd) -> ExitCode {
+    use kvsim::persist::inspect;
+    match cmd {
+        CacheCmd::Inspect { file, json } => match inspect::inspect_file(&file) {
+            Ok(i) => {
+                if json {
+                    println!("{}", serde_json::to_string(&i).expect("inspection serializes"));
+                } else {
+                    print!("{}", inspect::render(&i));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsim cache inspect: {}: {e}", file.display());
+                ExitCode::FAILURE
+            }
+        },
+        CacheCmd::Convert { input, output, to } => match inspect::convert(&input, &output, to) {
+            Ok(()) => {
+                println!("wrote {}", output.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsim cache convert: {}: {e}", input.display());
+                ExitCode::FAILURE
+            }
         },
     }
 }

@@ -32,7 +32,7 @@ pub mod mutation;
 pub mod quant;
 pub mod ring;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 pub mod training;
 mod util;
 

@@ -56,6 +56,9 @@ pub enum Mutant {
     /// `to_quantized` of a rotated ring converts the buffer in temporal order but keeps the ring phase (R-ROT-8).
     /// Hook: `SerialCache::to_quantized`, `RowBatch::to_quantized`.
     QuantConvertTemporalOrder,
+    /// The codec registry drops `minimum_reusable_offset` when saving (the reuse floor is not persisted). Hook:
+    /// `persist::codec::Registry::encode`.
+    FloorNotPersisted,
 }
 
 impl Mutant {
@@ -76,6 +79,7 @@ impl Mutant {
         Mutant::QuantSinglePlainPath,
         Mutant::QuantGqaMaskWrongAxis,
         Mutant::QuantConvertTemporalOrder,
+        Mutant::FloorNotPersisted,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -96,6 +100,7 @@ impl Mutant {
             Mutant::QuantSinglePlainPath => "quant-single-plain-path",
             Mutant::QuantGqaMaskWrongAxis => "quant-gqa-mask-wrong-axis",
             Mutant::QuantConvertTemporalOrder => "quant-convert-temporal-order",
+            Mutant::FloorNotPersisted => "floor-not-persisted",
         }
     }
 
@@ -136,6 +141,7 @@ impl Mutant {
             Mutant::QuantConvertTemporalOrder => {
                 "to_quantized converts a wrapped ring in temporal, not physical, order"
             }
+            Mutant::FloorNotPersisted => "saving drops the minimum reusable offset (the reuse floor)",
         }
     }
 

@@ -409,6 +409,28 @@ impl SerialCache {
         Ok(SerialCache { spec, max_size, storage, state, buf })
     }
 
+    /// A cache that takes owned buffers `k`, `v` (`[1, H_kv, cap, D]`) and a state without moving any column (the
+    /// serial twin of [`super::RowBatch::adopt`]; used by persistence). A state no writes could produce
+    /// ([`RingState::validate`]) or `len > cap` is [`CacheError::InvalidState`]; buffers of another spec are
+    /// [`CacheError::ShapeMismatch`]. Columns `[len, cap)` are never read. Plain storage only.
+    pub fn adopt(spec: KvSpec, max_size: Option<usize>, k: Array, v: Array, state: RingState) -> Result<Self> {
+        spec.validate()?;
+        validate_max_size(max_size)?;
+        let cap = check_kv(&spec, &k, &v, 1, 0)?;
+        state.validate(max_size)?;
+        if state.len > cap {
+            return Err(invalid(format!("len {} exceeds the buffer's {cap} columns", state.len)));
+        }
+        let buf = if cap == 0 {
+            None
+        } else {
+            let b = Buf { planes: vec![k, v] };
+            b.eval()?;
+            Some(b)
+        };
+        Ok(SerialCache { spec, max_size, storage: Storage::Plain, state, buf })
+    }
+
     pub fn spec(&self) -> KvSpec {
         self.spec
     }

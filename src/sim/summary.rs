@@ -31,6 +31,9 @@ impl ClassCount {
 pub struct Counters {
     pub checks: u64,
     pub expected_errors: u64,
+    /// Rows persisted mid-run and restored before they continued (kvsim's format or an mlx-lm prompt-cache file;
+    /// `src/persist`), then checked against their solo twins like every other state.
+    pub persist_roundtrips: u64,
     /// State comparisons (physical and temporal bytes vs twin and model) that were byte-identical.
     pub bit_exact_state: u64,
     pub decode_unpadded: ClassCount,
@@ -50,6 +53,7 @@ impl Default for Counters {
         Counters {
             checks: 0,
             expected_errors: 0,
+            persist_roundtrips: 0,
             bit_exact_state: 0,
             decode_unpadded: ClassCount::default(),
             decode_padded: ClassCount::default(),
@@ -112,6 +116,7 @@ impl Counters {
     pub fn add(&mut self, o: &Counters) {
         self.checks += o.checks;
         self.expected_errors += o.expected_errors;
+        self.persist_roundtrips += o.persist_roundtrips;
         self.bit_exact_state += o.bit_exact_state;
         self.decode_unpadded.add(&o.decode_unpadded);
         self.decode_padded.add(&o.decode_padded);

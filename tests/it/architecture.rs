@@ -33,6 +33,16 @@ fn cache_knows_nothing_of_the_harness() {
 }
 
 #[test]
+fn persist_depends_on_the_cache_only() {
+    for (path, text) in sources("src/persist") {
+        for bad in ["crate::reference", "crate::sim", "crate::oracle", "crate::campaign", "crate::fuzzing"] {
+            let uses = text.lines().any(|l| l.contains(bad) && !l.contains(&format!("\"{bad}\"")));
+            assert!(!uses, "{path} uses {bad}: src/persist depends on src/cache only");
+        }
+    }
+}
+
+#[test]
 fn reference_uses_no_mlx() {
     for (path, text) in sources("src/reference") {
         for bad in ["mlx_rs", "mlx_sys", "crate::cache", "crate::bytes", "crate::sim"] {

@@ -28,3 +28,20 @@ fn sim_trace_corpus_passes_every_check() {
         }
     }
 }
+
+/// The `cache_file` seed corpus: `valid-*` files (kvsim files of every storage kind, genuine mlx-lm 0.32.2 files of
+/// every class) must load; `bad-*` files (truncated, flipped, lying) must give a typed error; none may panic.
+#[test]
+fn cache_file_corpus_loads_valid_files_and_refuses_bad_ones() {
+    let fs = files("fuzz/seeds/cache_file");
+    assert!(fs.len() >= 12, "seed corpus too small: {}", fs.len());
+    for p in fs {
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        let r = kvsim::fuzzing::cache_file(&std::fs::read(&p).unwrap());
+        if name.starts_with("valid-") {
+            assert!(r.is_ok(), "{name}: {r:?}");
+        } else if name.starts_with("bad-") {
+            assert!(r.is_err(), "{name} loaded");
+        }
+    }
+}

@@ -9,6 +9,7 @@ mod fuzz_corpus;
 mod mutants;
 mod oracle;
 mod quant;
+mod persist;
 mod sim_smoke;
 mod snapshots;
 mod special_reads;

@@ -1055,6 +1055,12 @@ impl Attention {
             return Ok(true);
         }
         let max = self.max_size();
+        // Save/restore: the extracted row is persisted (every layer, one file), dropped and restored before it
+        // continues solo; the state checks after this op and every later read compare the restored caches with
+        // the twin and the model. Even requests go through kvsim's format, odd ones through an mlx-lm prompt-cache
+        // file when every layer has an mlx-lm form (else kvsim's format).
+        let extracted = persist_roundtrip(extracted, id % 2 == 1)?;
+        self.counters.persist_roundtrips += 1;
         let r = self.reqs.get_mut(&id).unwrap();
         r.home = Home::Solo;
         r.history.layout_event = true;
@@ -1518,4 +1524,48 @@ impl Family for Attention {
     fn counters_mut(&mut self) -> &mut Counters {
         &mut self.counters
     }
+}
+
+/// Saves serial caches to bytes (kvsim's format, or an mlx-lm prompt-cache file when `via_mlxlm` and every cache
+/// has an mlx-lm form), drops them, and restores them from the bytes alone.
+fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<SerialCache>> {
+    use crate::persist::inspect::{load_any, save_as, Format};
+    use crate::persist::{mlxlm, AnyCache, Persisted};
+    let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
+    let spec_hints: Vec<_> = caches.iter().map(|c| c.spec()).collect();
+    let mlx_ok =
+        via_mlxlm && caches.iter().all(|c| c.offset() > 0 && mlxlm::from_kvsim(&AnyCache::Serial(c.clone())).is_ok());
+    let format = if mlx_ok { Format::MlxLm } else { Format::Kvsim };
+    // kvsim's format carries a reuse floor: attach one (half the offset) and require it back; mlx-lm files carry none.
+    let floors: Vec<usize> = caches.iter().map(|c| if format == Format::Kvsim { c.offset() / 2 } else { 0 }).collect();
+    let persisted: Vec<Persisted> = caches
+        .into_iter()
+        .zip(&floors)
+        .map(|(c, &f)| Persisted { cache: AnyCache::Serial(c), minimum_reusable_offset: f })
+        .collect();
+    let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    drop(persisted);
+    let restored = match format {
+        Format::Kvsim => load_any(&bytes).map_err(|e| fail("restore", e))?.1,
+        Format::MlxLm => {
+            let f = mlxlm::read(&bytes).map_err(|e| fail("restore", e))?;
+            f.layers
+                .iter()
+                .zip(spec_hints)
+                .map(|(l, hint)| mlxlm::to_kvsim(l, Some(hint)).map(Persisted::new))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| fail("restore", e))?
+        }
+    };
+    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
+    if back != floors {
+        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+    }
+    restored
+        .into_iter()
+        .map(|p| match p.cache {
+            AnyCache::Serial(c) => Ok(c),
+            other => Err(Failure::new("persist", format!("restored as {}", other.storage_kind()))),
+        })
+        .collect()
 }

@@ -1,0 +1,226 @@
+"""Writes genuine mlx-lm 0.32.2 prompt-cache files (one per class) and mlx-lm's own continuation of each.
+
+Run with the oracle venv (oracles/mlx_lm/setup.sh):
+
+    oracles/mlx_lm/.venv/bin/python oracles/mlx_lm/prompt_cache_fixtures.py tests/fixtures/mlxlm
+
+For each fixture NAME it writes, into the output folder:
+- NAME.safetensors: `save_prompt_cache` of the cache (small shapes, a few KB);
+- for classes kvsim continues: NAME.io.safetensors (the continuation's inputs `k.<i>`, `v.<i>`, `q.<i>` and mlx-lm's
+  attention outputs `out.<i>`) and NAME.continued.safetensors (`save_prompt_cache` after the continuation);
+- manifest.json: per fixture the class, the continuation steps, the SDPA scale, and each mlx-lm load bug met on the
+  loaded cache (the exception text) with the workaround used to continue it anyway.
+
+With `--check-kvsim-written DIR` it runs the other direction instead: it loads the files kvsim wrote
+(DIR/kvsim-written/NAME.safetensors), continues them in mlx-lm with the same inputs and compares the outputs with
+mlx-lm's own continuation of its own file, writing DIR/kvsim-written.json.
+
+The continuation follows how mlx-lm models call a cache: the mask is asked for before `update_and_fetch`
+(`make_mask(N)` / `create_attention_mask`), then `mx.fast.scaled_dot_product_attention` reads what
+`update_and_fetch` returned. Everything is deterministic (fixed PRNG keys), so running it again writes the same bytes.
+"""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402  (imports mlx_lm.models.{base,cache} without the package __init__)
+
+_BASE, _CACHE = driver.BASE, driver.CACHE
+create_attention_mask = _CACHE.create_attention_mask
+ArraysCache, BatchKVCache, BatchRotatingKVCache = _CACHE.ArraysCache, _CACHE.BatchKVCache, _CACHE.BatchRotatingKVCache
+CacheList, ChunkedKVCache, KVCache = _CACHE.CacheList, _CACHE.ChunkedKVCache, _CACHE.KVCache
+QuantizedKVCache, RotatingKVCache = _CACHE.QuantizedKVCache, _CACHE.RotatingKVCache
+load_prompt_cache, save_prompt_cache = _CACHE.load_prompt_cache, _CACHE.save_prompt_cache
+
+mx.set_default_device(mx.cpu)
+H, D, HQ = 2, 4, 4
+DT = mx.bfloat16
+SCALE = 0.5
+_key = [0]
+
+
+def rnd(shape, dtype=DT):
+    _key[0] += 1
+    return mx.random.normal(shape, key=mx.random.key(_key[0])).astype(dtype)
+
+
+def feed(c, L, B=1):
+    c.update_and_fetch(rnd((B, H, L, D)), rnd((B, H, L, D)))
+
+
+def mask_for(c, L):
+    """The mask an mlx-lm attention layer asks for before writing L positions."""
+    if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):
+        return c.make_mask(L)
+    if isinstance(c, RotatingKVCache):
+        return c.make_mask(L)
+    return create_attention_mask(L, c.offset, False, None) if L > 1 else None
+
+
+def continue_cache(c, steps, B):
+    io = {}
+    for i, L in enumerate(steps):
+        k, v, q = rnd((B, H, L, D)), rnd((B, H, L, D)), rnd((B, HQ, L, D))
+        mask = mask_for(c, L)
+        ks, vs = c.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=SCALE, mask=mask)
+        io.update({f"k.{i}": k, f"v.{i}": v, f"q.{i}": q, f"out.{i}": out})
+    mx.eval(io)
+    return io
+
+
+def main(out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    manifest = {}
+
+    def save(name, caches, steps=None, B=1, bugs=None):
+        path = os.path.join(out_dir, f"{name}.safetensors")
+        save_prompt_cache(path, caches, {"model": "kvsim-fixture", "fixture": name})
+        entry = {"class": type(caches[0]).__name__, "batch": B}
+        if steps is not None:
+            loaded = load_prompt_cache(path)
+            c = loaded[0]
+            entry["bugs"] = bugs(c) if bugs else []
+            io = continue_cache(c, steps, B)
+            mx.save_safetensors(os.path.join(out_dir, f"{name}.io.safetensors"), io)
+            save_prompt_cache(os.path.join(out_dir, f"{name}.continued.safetensors"), loaded)
+            entry.update({"steps": steps, "scale": SCALE})
+        manifest[name] = entry
+
+    # KVCache: 5 prefilled + 2 decoded positions (a 256-column buffer).
+    c = KVCache()
+    feed(c, 5)
+    feed(c, 1)
+    feed(c, 1)
+    save("kv_cache", [c], steps=[1, 1, 3, 1])
+
+    # RotatingKVCache(4, keep 0), wrapped: 3 + 3 decodes (offset 6, ring rotated).
+    c = RotatingKVCache(max_size=4, keep=0)
+    feed(c, 3)
+    for _ in range(3):
+        feed(c, 1)
+    save("rotating_kv_cache", [c], steps=[1, 1, 1, 2, 1, 1])
+
+    # RotatingKVCache right after a window write (the oversized W - 1 + L buffer).
+    c = RotatingKVCache(max_size=4, keep=0)
+    feed(c, 3)
+    feed(c, 1)
+    feed(c, 1)
+    feed(c, 3)
+    save("rotating_kv_cache_oversized", [c], steps=[1, 1, 2])
+
+    # QuantizedKVCache(group 32, 4 bits), D = 32 (file level only in kvsim).
+    q = QuantizedKVCache(group_size=32, bits=4)
+    q.update_and_fetch(rnd((1, H, 3, 32)), rnd((1, H, 3, 32)))
+    save("quantized_kv_cache", [q])
+
+    # ArraysCache(2): a conv tail and a recurrent state (file level only).
+    a = ArraysCache(2)
+    a[0] = rnd((1, 3, 8))
+    a[1] = rnd((1, H, 4, 4), mx.float32)
+    save("arrays_cache", [a])
+
+    # BatchKVCache: merge of 3- and 5-position caches, then 2 decodes.
+    c1, c2 = KVCache(), KVCache()
+    feed(c1, 3)
+    feed(c2, 5)
+    b = BatchKVCache.merge([c1, c2])
+    feed(b, 1, B=2)
+    feed(b, 1, B=2)
+
+    def batch_kv_bugs(c):
+        try:
+            c.finalize()
+            return []
+        except AttributeError as e:
+            c._right_padding = None  # workaround: the attribute the loaded cache lacks
+            return [{"bug": "loaded BatchKVCache cannot finalize", "error": f"AttributeError: {e}",
+                     "workaround": "_right_padding = None"}]
+
+    save("batch_kv_cache", [b], steps=[1, 1, 2, 1], B=2, bugs=batch_kv_bugs)
+
+    # BatchRotatingKVCache(4): merge of a 2-position ring and a wrapped 5-position ring, 3 decodes (rotated).
+    r1, r2 = RotatingKVCache(max_size=4), RotatingKVCache(max_size=4)
+    feed(r1, 2)
+    feed(r2, 3)
+    feed(r2, 1)
+    feed(r2, 1)
+    b = BatchRotatingKVCache.merge([r1, r2])
+    for _ in range(3):
+        feed(b, 1, B=2)
+
+    def batch_rot_bugs(c):
+        try:
+            c.update_and_fetch(mx.zeros((2, H, 1, D), DT), mx.zeros((2, H, 1, D), DT))
+            raise SystemExit("mlx-lm 0.32.2 was expected to fail here; the fixture's assumptions changed")
+        except AttributeError as e:
+            c._lengths = None  # workaround: the attribute the loaded cache lacks
+            return [{"bug": "loaded BatchRotatingKVCache cannot update", "error": f"AttributeError: {e}",
+                     "workaround": "_lengths = None"}]
+
+    save("batch_rotating_kv_cache", [b], steps=[1, 1, 2, 1], B=2, bugs=batch_rot_bugs)
+
+    # ChunkedKVCache(4) after 6 positions (file level only).
+    ch = ChunkedKVCache(4)
+    feed(ch, 6)
+    ch.maybe_trim_front()
+    save("chunked_kv_cache", [ch])
+
+    # CacheList(ArraysCache(1), KVCache) (file level only).
+    a = ArraysCache(1)
+    a[0] = rnd((1, 3, 8))
+    kv = KVCache()
+    feed(kv, 2)
+    save("cache_list", [CacheList(a, kv)])
+
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"wrote {len(manifest)} fixtures to {out_dir}")
+
+
+def check_kvsim_written(fixtures):
+    """The other direction: files kvsim wrote (fixtures/kvsim-written/NAME.safetensors, kvsim's mlx-lm form of the
+    fixture NAME after loading it into kvsim layouts) load in mlx-lm and continue there. Compares mlx-lm's outputs
+    with those it recorded for its own file (NAME.io.safetensors), byte for byte, and writes kvsim-written.json."""
+    with open(os.path.join(fixtures, "manifest.json")) as f:
+        manifest = json.load(f)
+    report = {}
+    for name, e in sorted(manifest.items()):
+        path = os.path.join(fixtures, "kvsim-written", f"{name}.safetensors")
+        if "steps" not in e or not os.path.exists(path):
+            continue
+        c = load_prompt_cache(path)[0]
+        bugs = []
+        if isinstance(c, BatchKVCache) and not hasattr(c, "_right_padding"):
+            c._right_padding = None
+            bugs.append("loaded BatchKVCache lacks _right_padding (set to None)")
+        if isinstance(c, BatchRotatingKVCache) and not hasattr(c, "_lengths"):
+            c._lengths = None
+            bugs.append("loaded BatchRotatingKVCache lacks _lengths (set to None)")
+        io = mx.load(os.path.join(fixtures, f"{name}.io.safetensors"))
+        steps = []
+        for i, L in enumerate(e["steps"]):
+            mask = mask_for(c, L)
+            ks, vs = c.update_and_fetch(io[f"k.{i}"], io[f"v.{i}"])
+            out = mx.fast.scaled_dot_product_attention(io[f"q.{i}"], ks, vs, scale=e["scale"], mask=mask)
+            want = io[f"out.{i}"]
+            same = bool(mx.all(out.view(mx.uint16) == want.view(mx.uint16)).item())
+            diff = float(mx.max(mx.abs(out.astype(mx.float32) - want.astype(mx.float32))).item())
+            steps.append({"L": L, "bit_identical": same, "max_abs_diff": diff})
+        report[name] = {"class": type(c).__name__, "load_bugs_worked_around": bugs, "steps": steps}
+    with open(os.path.join(fixtures, "kvsim-written.json"), "w") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(json.dumps(report, sort_keys=True))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--check-kvsim-written":
+        check_kvsim_written(sys.argv[2])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/mlxlm")
