@@ -13,6 +13,9 @@ use super::Result;
 pub const KV_PLAIN: &str = "kv-plain";
 /// The serial rotating ring (`RotatingKvCache`, keep = 0).
 pub const ROTATING_PLAIN: &str = "rotating-plain";
+/// The gated-DeltaNet recurrent cache (`SsmCache`, any number of rows). Not an attention kind: the attention
+/// router [`StorageKind::route`] refuses it (fail closed); hybrid sets ask [`is_ssm`] first.
+pub const SSM: &str = "ssm";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
 
@@ -100,7 +103,12 @@ pub fn is_plain_kv(k: &StorageKind) -> bool {
     k.0 == KV_PLAIN || k.0.strip_suffix(ROW_BATCH_MARKER) == Some(KV_PLAIN)
 }
 
-/// True iff `k` is one of the four known kinds.
+/// True iff `k` is exactly the recurrent kind [`SSM`].
+pub fn is_ssm(k: &StorageKind) -> bool {
+    k.0 == SSM
+}
+
+/// True iff `k` is one of the four known attention kinds.
 pub fn is_known(k: &StorageKind) -> bool {
     k.route().is_ok()
 }

@@ -3,6 +3,7 @@
 //! - [`SerialCache`] ([`KvCache`], [`RotatingKvCache`]): the serial ring/linear core (R-ROT-*).
 //! - [`RowBatch`] ([`BatchKvCache`], [`BatchRotatingKvCache`]): rows of serial rings in one buffer, each row keeping
 //!   its own physical columns and phase (R-BROT-*).
+//! - [`SsmCache`]: the gated-DeltaNet recurrent cache (conv tail + recurrent state, speculative rounds; R-SSM-*).
 //! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
 //! - [`mutation`]: the mutation catalog's fault hooks (inert unless armed).
 //!
@@ -23,6 +24,7 @@ pub mod kind;
 pub mod mask;
 pub mod mutation;
 pub mod ring;
+pub mod ssm;
 #[cfg(test)]
 mod testutil;
 mod util;
@@ -30,9 +32,11 @@ mod util;
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
 pub use error::CacheError;
 pub use kind::{
-    is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER,
+    is_plain_kv, is_rotating, is_row_batch, is_ssm, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER,
+    SSM,
 };
 pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
+pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 
 /// Result of every fallible cache operation.

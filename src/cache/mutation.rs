@@ -40,6 +40,23 @@ pub enum Mutant {
     /// A batched decode writes every row at one shared column (row 0's target), as mlx-lm's shared `_idx` does,
     /// instead of each row's own ring head (R-BROT-8). Hook: `RowBatch::decode` scatter.
     SharedWritePointer,
+    /// The recurrent mask of an `SsmCache` call ignores left padding (`pos < lengths` only), so a merged row's
+    /// left padding is folded into its recurrent state (bug catalog #1). Hook: `SsmCache::call`.
+    SsmMaskIgnoresLeftPadding,
+    /// A rollback replays one position more than accepted (capped at the window). Hook:
+    /// `SsmCache::spec_round_rollback_rows`.
+    SsmReplayOneMore,
+    /// A rollback replays one position fewer than accepted. Hook: `SsmCache::spec_round_rollback_rows`.
+    SsmReplayOneFewer,
+    /// With prepared padding, the new conv tail is the last `K-1` rows of the padded window, not each row's real
+    /// end. Hook: `forward`'s tail index in `ssm.rs`.
+    SsmConvTailAtPaddedEnd,
+    /// A padded (prepared) call advances each row's history by the window width and finalize does not roll it
+    /// back to the real count (mlx-lm#1821's class). Hook: `SsmCache::call` offsets.
+    SsmFinalizeKeepsPaddedHistory,
+    /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
+    /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
+    SsmFilterShiftsEmptyPadding,
 }
 
 impl Mutant {
@@ -55,6 +72,12 @@ impl Mutant {
         Mutant::PrefillPadStored,
         Mutant::ConcatKeepsWindow,
         Mutant::SharedWritePointer,
+        Mutant::SsmMaskIgnoresLeftPadding,
+        Mutant::SsmReplayOneMore,
+        Mutant::SsmReplayOneFewer,
+        Mutant::SsmConvTailAtPaddedEnd,
+        Mutant::SsmFinalizeKeepsPaddedHistory,
+        Mutant::SsmFilterShiftsEmptyPadding,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -70,12 +93,27 @@ impl Mutant {
             Mutant::PrefillPadStored => "prefill-pad-stored",
             Mutant::ConcatKeepsWindow => "concat-keeps-window",
             Mutant::SharedWritePointer => "shared-write-pointer",
+            Mutant::SsmMaskIgnoresLeftPadding => "ssm-mask-ignores-left-padding",
+            Mutant::SsmReplayOneMore => "ssm-replay-one-more",
+            Mutant::SsmReplayOneFewer => "ssm-replay-one-fewer",
+            Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
+            Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
+            Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
         }
     }
 
     /// The mutant whose [`Mutant::name`] is `s`.
     pub fn from_name(s: &str) -> Option<Mutant> {
         Self::ALL.iter().copied().find(|m| m.name() == s)
+    }
+
+    /// The layout family the mutant lives in: `"ssm"` for the recurrent cache's, `"kv"` for the attention layouts'.
+    pub fn layout(&self) -> &'static str {
+        if self.name().starts_with("ssm-") {
+            "ssm"
+        } else {
+            "kv"
+        }
     }
 
     /// One sentence: what the planted bug does.
@@ -95,6 +133,14 @@ impl Mutant {
             Mutant::PrefillPadStored => "window writes of a prepared prefill store padded positions as real",
             Mutant::ConcatKeepsWindow => "window writes keep min(len, W) history columns instead of W - 1",
             Mutant::SharedWritePointer => "batched decode writes every row at one shared column, as mlx-lm does",
+            Mutant::SsmMaskIgnoresLeftPadding => "the recurrent mask ignores left padding, folding it into the state",
+            Mutant::SsmReplayOneMore => "a speculative rollback replays one position more than accepted",
+            Mutant::SsmReplayOneFewer => "a speculative rollback replays one position fewer than accepted",
+            Mutant::SsmConvTailAtPaddedEnd => "the conv tail is taken at the padded end of a prepared window",
+            Mutant::SsmFinalizeKeepsPaddedHistory => {
+                "a padded call advances rows by the window width and finalize does not roll it back"
+            }
+            Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
         }
     }
 

@@ -13,6 +13,9 @@
 //!    ([`RowModel::decode_visible`], [`RowModel::window_visible`]), measured against the found output in ULPs
 //!    ([`max_ulp`]).
 //!
+//! 4. **What a gated-DeltaNet layer's cache should hold and return** ([`SsmRowModel`], [`SsmValues`]): the exact
+//!    conv tail and the f64 recurrence (ssm.rs).
+//!
 //! Divergences are reported in these terms ([`compare_columns`], [`compare_fields`], [`Divergence`]): op, row,
 //! physical column, the token expected there and the token actually found.
 //!
@@ -22,11 +25,13 @@
 pub mod attention;
 pub mod compare;
 pub mod model;
+pub mod ssm;
 pub mod values;
 
 pub use attention::{attention_bits, attention_f64, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_f32};
 pub use compare::{bits_summary, compare_columns, compare_fields, describe_found, Divergence};
 pub use model::{BatchModel, JoinModelSource, ModelError, RowFields, RowModel, Visibility};
+pub use ssm::{SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
 pub use values::{bits_to_f32, BitsKind, RefDtype, Tensor, Tok, ValueSpace};
 
 #[cfg(test)]
@@ -42,6 +47,7 @@ mod tests {
             ("model.rs", include_str!("model.rs")),
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
+            ("ssm.rs", include_str!("ssm.rs")),
         ];
         for (name, src) in files {
             assert!(!src.to_lowercase().contains(&banned), "src/reference/{name} mentions {banned}");
