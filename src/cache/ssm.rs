@@ -638,7 +638,7 @@ fn forward(
     // 1. Zero padded positions (mlx-lm: `qkv = where(mask[..., None], qkv, 0)`).
     let mask = range_mask(real, s)?;
     let qkv_zeroed = match &mask {
-        Some(m) => mlx_rs::ops::r#where(&m.reshape(&[bi, si, 1])?, qkv, &scalar(0.0, dtype)?)?,
+        Some(m) => mlx_rs::ops::select(&m.reshape(&[bi, si, 1])?, qkv, &scalar(0.0, dtype)?)?,
         None => qkv.clone(),
     };
 
@@ -721,7 +721,7 @@ fn forward(
         st = match &rmask {
             Some(m) => {
                 let col = m.try_index((.., ti))?.reshape(&[bi, 1, 1, 1])?;
-                mlx_rs::ops::r#where(&col, &new, &old)?
+                mlx_rs::ops::select(&col, &new, &old)?
             }
             None => new,
         };

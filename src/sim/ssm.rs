@@ -14,7 +14,7 @@ use rand::Rng;
 
 use crate::bytes::ArrayBytes;
 use crate::cache::{
-    self, CacheError, GdnParams, JoinSource, KvDtype, KvSpec, Masks, RowBatch, SerialCache, SsmCache, SsmSpec,
+    CacheError, GdnParams, JoinSource, KvDtype, KvSpec, Masks, RowBatch, SerialCache, SsmCache, SsmSpec,
 };
 use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
 use crate::sim::check::{ulp_at, Failure};
@@ -336,7 +336,7 @@ impl SsmWorld {
                         };
                         let base = SsmValues { seed: self.values.seed ^ key[0], dims: self.cfg.dims };
                         let bits = base.pad_bits(key[1] as u32, key[2], key[3] * 64 + h as u64);
-                        v.extend(bits.into_iter().take(sp.head_dim).map(|b| {
+                        v.extend(bits.0.into_iter().take(sp.head_dim).map(|b| {
                             // scale poison-range draws into [-1, 1) for real tokens
                             let x = crate::reference::bits_to_f32(d, b) / 8.0;
                             crate::reference::round_to(d, x as f64)
@@ -785,6 +785,17 @@ impl SsmWorld {
         let unequal = keep.iter().any(|&k| k != keep[0]);
         let mut si = 0;
         for li in 0..self.layers.len() {
+            // Inputs of the fresh-prefix runs (built before the layer is borrowed mutably).
+            let fresh_inputs: Vec<Option<[Array; 3]>> = match &self.layers[li] {
+                Layer::Ssm(l) => keep
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &k)| {
+                        (k > 0).then(|| self.ssm_inputs(l.index, &[(self.reqs[r], self.pos[r], 0, k)], k, None))
+                    })
+                    .collect(),
+                Layer::Attn(_) => vec![],
+            };
             match &mut self.layers[li] {
                 Layer::Ssm(l) => {
                     let before = l.batch.stats();
@@ -810,10 +821,8 @@ impl SsmWorld {
                         let (rw, cw) = (hr.words.len() / keep.len(), cr.words.len() / keep.len());
                         for (r, &k) in keep.iter().enumerate() {
                             let mut fresh = snapshots[si][r].clone();
-                            if k > 0 {
-                                let rows = vec![(self.reqs[r], self.pos[r], 0, k)];
-                                let [q, a, b] = self.ssm_inputs(l.index, &rows, k, None);
-                                fresh.window(&q, &a, &b, &l.params).map_err(|e| mlx("fresh prefix", e))?;
+                            if let Some([q, a, b]) = &fresh_inputs[r] {
+                                fresh.window(q, a, b, &l.params).map_err(|e| mlx("fresh prefix", e))?;
                             }
                             let (fr, fc) = (words(fresh.recurrent())?, words(fresh.conv())?);
                             let same = (0..rw).all(|i| hr.words.get(r * rw + i) == fr.words.get(i))
@@ -992,7 +1001,6 @@ pub fn run_family(family: &str, seed: u64, ops: Option<Vec<SsmOp>>) -> Option<Ss
             }
         }
     }
-    let _ = cache::KV_PLAIN;
     run.counters = world.counters;
     Some(run)
 }
