@@ -2,7 +2,7 @@
 # The GPU run (README "On an NVIDIA GPU"), as executed on the lent H200 through the `device` tool.
 # Expects, in .device/: the kvsim binary and test binaries built on the dev machine, the mlx-cuda-13==0.32.2 wheel
 # (reassembled from two parts: the first parked in /tmp/park by a previous call), the cp312 `mlx` and `mlx-lm`
-# wheels (for the anchor), and the anchor script. Writes everything under $OUT.
+# wheels (for the anchor). The anchor script is the checkout's bench/mlxlm_bench.py. Writes everything under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SITE=/tmp/site
@@ -26,6 +26,6 @@ fi
 step sim; timeout "${SIM_TIMEOUT:-590}" .device/kvsim sim --device gpu --seeds "${SEEDS:-1000}" --time "${SIM_TIME:-560}" --json --out /tmp/failures > "$OUT/sim-gpu.log" 2>&1
 tail -n 12 "$OUT/sim-gpu.log"; tail -n 1 "$OUT/sim-gpu.log" > "$OUT/sim-gpu.json"
 if [ "${RUN_BENCH:-1}" = 1 ]; then
-  step bench; .device/kvsim bench --device gpu --what "${BENCH_WHAT:-all}" --python python3 --anchor .device/mlxlm_bench.py --out "$OUT" 2>&1 | tail -12
+  step bench; .device/kvsim bench --device gpu --what "${BENCH_WHAT:-all}" --python python3 --anchor bench/mlxlm_bench.py --out "$OUT" 2>&1 | tail -12
 fi
 step done

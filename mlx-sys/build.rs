@@ -285,7 +285,7 @@ fn libclang_dir(cache: &Path) -> PathBuf {
     }
     // `libclang-cpp.so` is not what bindgen loads; only a real libclang.so counts.
     if let Some(d) = system.into_iter().find(|d| {
-        fs::read_dir(d).map_or(false, |rd| {
+        fs::read_dir(d).is_ok_and(|rd| {
             rd.filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with("libclang.so"))
         })
     }) {

@@ -4,12 +4,14 @@
 //! - [`ArrayBytes::of`] returns the array's elements **in row-major logical order**, as unsigned integers of the
 //!   element's own width (`u16` for bf16/f16, `u32` for f32, ...), whatever the array's strides: a strided or
 //!   transposed view is first materialized with MLX's `contiguous` op, and the result's strides are checked
-//!   before reading (mlx-rs `as_slice` does not check contiguity; see harness-practices.md §11).
+//!   before reading (mlx-rs 0.33's `Array::as_slice` reads the buffer without checking contiguity).
 //! - Equality of two `ArrayBytes` is equality of dtype, shape and every bit: `-0.0 != +0.0`, NaN payloads are told
 //!   apart, and no tolerance is ever applied. Distances (where exactness is not claimed) are measured in ULPs by
 //!   [`max_ulp`], never hidden behind `allclose`.
 
 use mlx_rs::{Array, Dtype};
+
+use crate::reference::FloatFormat;
 
 /// Why an array's bytes could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -235,44 +237,18 @@ pub fn bit_equal(a: &Array, b: &Array) -> Result<bool, BytesError> {
     Ok(ArrayBytes::of(a)? == ArrayBytes::of(b)?)
 }
 
-/// Distance between two floating values of one dtype, counted in representable steps (ULPs).
-///
-/// Bits are mapped to a monotone integer line (sign-magnitude to two's complement), so `+0.0` and `-0.0` are
-/// 1 apart and equal bits are 0 apart. Any NaN gives `u64::MAX`.
+/// Distance between two floating values of one dtype, counted in representable steps (ULPs): the MLX-dtype face
+/// of kvsim's one ULP distance, [`crate::reference::ulp_distance`] (same line, same rules: `+0.0` and `-0.0` are 1
+/// apart, equal bits 0 apart, any NaN `u64::MAX`). A non-float dtype gives 0 for equal bits, else `u64::MAX`.
 pub fn ulp_distance(dtype: Dtype, a: u64, b: u64) -> u64 {
-    fn nan32(x: u64) -> bool {
-        f32::from_bits(x as u32).is_nan()
-    }
-    fn nan_bf16(x: u64) -> bool {
-        (x as u16 & 0x7fff) > 0x7f80
-    }
-    fn nan_f16(x: u64) -> bool {
-        (x as u16 & 0x7fff) > 0x7c00
-    }
-    fn nan64(x: u64) -> bool {
-        f64::from_bits(x).is_nan()
-    }
-    let (bits, nan): (u32, fn(u64) -> bool) = match dtype {
-        Dtype::Float32 => (32, nan32),
-        Dtype::Bfloat16 => (16, nan_bf16),
-        Dtype::Float16 => (16, nan_f16),
-        Dtype::Float64 => (64, nan64),
+    let format = match dtype {
+        Dtype::Float32 => FloatFormat::F32,
+        Dtype::Bfloat16 => FloatFormat::Bf16,
+        Dtype::Float16 => FloatFormat::F16,
+        Dtype::Float64 => FloatFormat::F64,
         _ => return if a == b { 0 } else { u64::MAX },
     };
-    if nan(a) || nan(b) {
-        return u64::MAX;
-    }
-    let sign = 1u64 << (bits - 1);
-    let magnitude = if bits == 64 { !sign } else { sign - 1 };
-    let line = |x: u64| -> i128 {
-        let mag = (x & magnitude) as i128;
-        if x & sign != 0 {
-            -mag - 1
-        } else {
-            mag
-        }
-    };
-    line(a).abs_diff(line(b)).min(u64::MAX as u128) as u64
+    crate::reference::ulp_distance(format, a, b)
 }
 
 /// Largest ULP distance between two arrays' elements (shape and dtype must match).

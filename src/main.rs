@@ -651,11 +651,37 @@ fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, device: DeviceCh
     }
 }
 
+fn mutation_arm(m: Option<Mutant>) {
+    kvsim::cache::mutation::arm(m);
+}
+
 fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
     let mut rows = vec![];
     let mut survived = 0;
     for &m in Mutant::ALL {
         if only.as_deref().is_some_and(|o| o != m.name()) {
+            continue;
+        }
+        if m.layout() == "ssm" {
+            // The recurrent family runs outside the attention swarm (sim::ssm); no shrinking there yet.
+            sim::DeviceChoice::Cpu.activate();
+            mutation_arm(Some(m));
+            let seed = (0..budget).find(|&s| sim::ssm::run_family("ssm", s, None).is_some_and(|r| r.failure.is_some()));
+            let check = seed
+                .and_then(|s| sim::ssm::run_family("ssm", s, None).and_then(|r| r.failure.map(|(_, f)| f.check)))
+                .unwrap_or_default();
+            mutation_arm(None);
+            match seed {
+                Some(seed) => {
+                    println!("{:<26} caught  seed {:>4}  [{check}]  (ssm family)", m.name(), seed);
+                    rows.push(serde_json::json!({"name": m.name(), "caught": true, "seeds": seed + 1, "check": check, "shrunk_ops": null}));
+                }
+                None => {
+                    survived += 1;
+                    println!("{:<26} SURVIVED {budget} seeds", m.name());
+                    rows.push(serde_json::json!({"name": m.name(), "caught": false, "seeds": budget, "shrunk_ops": null}));
+                }
+            }
             continue;
         }
         let mut caught = None;

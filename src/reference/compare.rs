@@ -116,6 +116,16 @@ pub fn describe_found(
     (what, None)
 }
 
+/// The columns of one row's K or V plane, `[heads, n, d]` row-major storage words (`[1, heads, n, d]` read as bits),
+/// as the per-column vectors [`compare_columns`] takes: `out[c]` is column `c`, `[heads, d]` row-major. `None` when
+/// `flat` does not hold exactly `heads * n * d` words.
+pub fn columns_of(flat: &[u32], heads: usize, n: usize, d: usize) -> Option<Vec<Vec<u32>>> {
+    if flat.len() != heads * n * d {
+        return None;
+    }
+    Some((0..n).map(|c| (0..heads * d).map(|x| flat[((x / d) * n + c) * d + x % d]).collect()).collect())
+}
+
 /// Compares the expected column map of one row (`expected[c]` = the token in physical column `c`) with the
 /// storage bits found in those columns (`found[c]`, `[heads_kv, head_dim]` row-major) for tensor `t` of `layer`.
 ///
@@ -276,5 +286,23 @@ mod tests {
             "op #5 (trim) row 2, last_concat: expected none, found 3"
         );
         assert_eq!(bits_summary(RefDtype::F32, &[1, 2, 3, 4, 5]), "00000001 00000002 00000003 00000004 … (5 values)");
+    }
+
+    #[test]
+    fn columns_of_reads_a_head_major_plane_by_column() {
+        let v = vs();
+        let (h, n, d) = (2, 3, 4);
+        let v2 = ValueSpace { heads_kv: h, heads_q: 2 * h, ..v };
+        let toks: Vec<Tok> = (0..n as u32).map(|p| Tok::new(5, p)).collect();
+        let (plane, shape) = v2.block_f32(0, Tensor::K, &[toks.iter().copied().map(Some).collect()]);
+        assert_eq!(shape, [1, h, n, d]);
+        let words: Vec<u32> = plane.iter().map(|x| x.to_bits() >> 16).collect();
+        let cols = columns_of(&words, h, n, d).unwrap();
+        assert_eq!(cols.len(), n);
+        for (c, t) in toks.iter().enumerate() {
+            assert_eq!(cols[c], v2.column_bits(0, Tensor::K, *t), "column {c}");
+        }
+        assert_eq!(compare_columns(&v2, 0, Tensor::K, &toks, &cols, &[], 0, "window", 0), None);
+        assert_eq!(columns_of(&words[1..], h, n, d), None);
     }
 }

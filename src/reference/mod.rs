@@ -24,15 +24,20 @@
 
 pub mod attention;
 pub mod compare;
+pub mod error;
 pub mod model;
 pub mod ssm;
 pub mod values;
 
-pub use attention::{attention_bits, attention_f64, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_f32};
-pub use compare::{bits_summary, compare_columns, compare_fields, describe_found, Divergence};
-pub use model::{BatchModel, JoinModelSource, ModelError, RowFields, RowModel, Visibility};
+pub use attention::{attention_bits, attention_f64};
+pub use compare::{bits_summary, columns_of, compare_columns, compare_fields, describe_found, Divergence};
+pub use error::ModelError;
+pub use model::{BatchModel, JoinModelSource, RowFields, RowModel, Visibility};
 pub use ssm::{SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
-pub use values::{bits_to_f32, BitsKind, RefDtype, Tensor, Tok, ValueSpace};
+pub use values::{
+    bits_to_f32, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_distance, ulp_f32, BitsKind, FloatFormat, RefDtype, Tensor,
+    Tok, ValueSpace,
+};
 
 #[cfg(test)]
 mod tests {
@@ -47,6 +52,7 @@ mod tests {
             ("model.rs", include_str!("model.rs")),
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
+            ("error.rs", include_str!("error.rs")),
             ("ssm.rs", include_str!("ssm.rs")),
         ];
         for (name, src) in files {

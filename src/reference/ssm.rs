@@ -5,9 +5,9 @@
 //!   row's history, zeros before its first `K-1` positions). The tail is a copy of inputs, so its expected bytes
 //!   are exact: [`SsmRowModel::conv_bits`].
 //! - **The arithmetic**: the depthwise convolution, `silu`, `normalize_qk`, the gates and the gated-delta
-//!   recurrence of mlx-lm 0.32.2 (`mlx_lm/models/qwen3_5.py` `GatedDeltaNet.__call__`, `mlx_lm/models/gated_delta.py`
-//!   `_gated_delta_step_ops`), in f64 on the dtype-rounded inputs. The production's f32 (and bf16) roundings and MLX's
-//!   `exp` polynomial are not emulated, so outputs and the recurrent state are *measured* against it in ULPs at
+//!   recurrence of the upstream Python engine's Qwen3.5 layer (docs/ssm.md names the files and the version), in f64
+//!   on the dtype-rounded inputs. The production's f32 (and bf16) roundings and the array library's `exp` polynomial
+//!   are not emulated, so outputs and the recurrent state are *measured* against it in ULPs at
 //!   output scale, never claimed equal. The state layout is `[Hv, Dv, Dk]` per row, as the production's.
 //! - **Inputs** ([`SsmValues`]): every `qkv`, `a`, `b` of a token is a pure function of
 //!   `(seed, layer, request, position)` rounded to the dtype, and the layer weights of `(seed, layer)`, so a batch row
@@ -16,8 +16,7 @@
 //! Replays need nothing special here: a row that accepted `keep` positions of a verify window is simply the model
 //! run over those positions (a fresh run of the accepted prefix).
 
-use super::attention::round_to;
-use super::values::{bits_to_f32, splitmix64, RefDtype};
+use super::values::{bits_to_f32, round_to, splitmix64, RefDtype};
 
 /// The geometry of one gated-DeltaNet layer (mirrors the production's spec, as plain integers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -82,7 +81,7 @@ impl SsmValues {
     }
 
     /// The layer's weights as storage bits: conv `[conv_dim * K]` and `dt_bias` `[Hv]` in the dtype, `A_log` in
-    /// f32 (mlx-lm keeps it f32).
+    /// f32 (the upstream engine keeps it f32).
     pub fn weight_bits(&self, layer: u32) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
         let d = &self.dims;
         let l = layer as u64;
@@ -150,7 +149,7 @@ fn softplus(x: f64) -> f64 {
     x.max(0.0) + (-x.abs()).exp().ln_1p()
 }
 
-/// Python's weak scalar `s` as the dtype rounds it (mlx-lm multiplies arrays by Python floats).
+/// Python's weak scalar `s` as the dtype rounds it (the upstream engine multiplies arrays by Python floats).
 fn weak(d: RefDtype, s: f64) -> f64 {
     bits_to_f32(d, round_to(d, s)) as f64
 }

@@ -7,14 +7,16 @@
 //! its token: [`ValueSpace::identify`] turns the bits found in a physical column back into the token that wrote
 //! them, which is how a divergence report can say "expected position 12, found position 4".
 //!
+//! This module also owns dtype rounding ([`round_to`]) and the ULP distance ([`ulp_distance`]); it depends on no
+//! other part of `reference` but its error type (the other modules depend on it, never the reverse).
+//!
 //! Padded slots get [`ValueSpace::pad_value`]: poison of magnitude in `[8, 16)`, far outside the range of real
 //! values, so a padded slot that leaks into attention moves the output visibly and a padded column found where a
 //! token was expected is recognisable at a glance.
 
 use std::fmt;
 
-use crate::reference::attention::round_to;
-use crate::reference::model::ModelError;
+use crate::reference::error::ModelError;
 
 /// One stored position: request `req` at sequence (RoPE) position `pos`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -217,6 +219,28 @@ impl ValueSpace {
         out
     }
 
+    /// kvsim's one payload builder: the `[B, heads, L, D]` block of `t` on `layer`, row-major, for `toks`
+    /// (`toks[b][i]` is the token in row `b`, slot `i`; `None` is a padded slot, filled with
+    /// [`ValueSpace::pad_column_f32`]'s poison). `L` is the longest row; slots past a shorter row's end stay `0.0`.
+    /// Returns the values (exactly representable in `self.dtype`, so casting them to it is exact) and the shape.
+    pub fn block_f32(&self, layer: u32, t: Tensor, toks: &[Vec<Option<Tok>>]) -> (Vec<f32>, [usize; 4]) {
+        let (heads, d, b) = (self.heads(t), self.head_dim, toks.len());
+        let l = toks.iter().map(Vec::len).max().unwrap_or(0);
+        let mut data = vec![0f32; b * heads * l * d];
+        for (r, row) in toks.iter().enumerate() {
+            for (i, tok) in row.iter().enumerate() {
+                let col = match tok {
+                    Some(tok) => self.column_f32(layer, t, *tok),
+                    None => self.pad_column_f32(layer, t, r as u32, i as u32),
+                };
+                for h in 0..heads {
+                    data[((r * heads + h) * l + i) * d..][..d].copy_from_slice(&col[h * d..(h + 1) * d]);
+                }
+            }
+        }
+        (data, [b, heads, l, d])
+    }
+
     /// One padded column as storage bits.
     pub fn pad_column_bits(&self, layer: u32, t: Tensor, row: u32, slot: u32) -> Vec<u32> {
         self.pad_column_f32(layer, t, row, slot).into_iter().map(|x| storage_bits(self.dtype, x)).collect()
@@ -273,6 +297,125 @@ pub enum BitsKind {
     InRange,
     /// Anything else (NaN, infinities, mixed).
     Other,
+}
+
+// ---- rounding and ULP distances (the one owner of both in kvsim) ----------------------------------------------
+
+/// `x` rounded to `d`, round-to-nearest-even, as storage bits (f32 bits, or bf16 bits in the low 16 bits).
+///
+/// Guarantees: a single correct rounding from f64 (bf16 goes through f32 with round-to-odd, which cannot
+/// double-round); overflow gives infinity; NaN gives a quiet NaN of the same sign.
+pub fn round_to(d: RefDtype, x: f64) -> u32 {
+    match d {
+        RefDtype::F32 => (x as f32).to_bits(),
+        RefDtype::Bf16 => f32_bits_to_bf16_rne(f64_to_f32_round_odd(x).to_bits()) as u32,
+    }
+}
+
+/// f64 -> f32 rounding to odd: truncate toward zero, then set the last bit when inexact.
+fn f64_to_f32_round_odd(x: f64) -> f32 {
+    if x.is_nan() || x.is_infinite() {
+        return x as f32;
+    }
+    let f = x as f32; // nearest-even; may overflow to infinity
+    if f.is_finite() && f as f64 == x {
+        return f;
+    }
+    let mut b = if f.is_infinite() { f32::MAX.copysign(f).to_bits() } else { f.to_bits() };
+    if (f32::from_bits(b) as f64).abs() > x.abs() {
+        b -= 1; // one step toward zero (the magnitude bits are > 0 here)
+    }
+    f32::from_bits(b | 1)
+}
+
+/// f32 bits -> bf16 bits, round-to-nearest-even.
+fn f32_bits_to_bf16_rne(b: u32) -> u16 {
+    if f32::from_bits(b).is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let bias = 0x7fff + ((b >> 16) & 1);
+    ((b as u64 + bias as u64) >> 16) as u16
+}
+
+/// A binary floating-point storage format, by bit layout (sign, exponent, mantissa), for [`ulp_distance`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatFormat {
+    F16,
+    Bf16,
+    F32,
+    F64,
+}
+
+impl FloatFormat {
+    fn width(self) -> u32 {
+        match self {
+            FloatFormat::F16 | FloatFormat::Bf16 => 16,
+            FloatFormat::F32 => 32,
+            FloatFormat::F64 => 64,
+        }
+    }
+
+    /// The bits of +infinity (all exponent bits set, mantissa 0).
+    fn infinity_bits(self) -> u64 {
+        match self {
+            FloatFormat::F16 => 0x7c00,
+            FloatFormat::Bf16 => 0x7f80,
+            FloatFormat::F32 => 0x7f80_0000,
+            FloatFormat::F64 => 0x7ff0_0000_0000_0000,
+        }
+    }
+}
+
+/// Distance between two values of one format (storage bits in the low bits of `a`, `b`), counted in representable
+/// steps (ULPs). kvsim's one ULP distance: `bytes::ulp_distance` (by array dtype) and [`ulp_bits`] are this function.
+///
+/// Guarantees: bits are mapped to a monotone integer line (sign-magnitude to two's complement), so the distance is
+/// `0` exactly when the bits are equal, symmetric, and additive along the line; `+0` and `-0` are 1 apart (they are
+/// different bytes) and a distance across zero counts that step; any NaN gives `u64::MAX`; bits above the format's
+/// width are ignored.
+pub fn ulp_distance(format: FloatFormat, a: u64, b: u64) -> u64 {
+    let sign = 1u64 << (format.width() - 1);
+    let magnitude = sign - 1;
+    let nan = |x: u64| x & magnitude > format.infinity_bits();
+    if nan(a) || nan(b) {
+        return u64::MAX;
+    }
+    let line = |x: u64| -> i128 {
+        let m = (x & magnitude) as i128;
+        if x & sign != 0 {
+            -m - 1
+        } else {
+            m
+        }
+    };
+    line(a).abs_diff(line(b)).min(u64::MAX as u128) as u64
+}
+
+/// Distance in ULPs of f32 between `a` and `b` ([`ulp_distance`]).
+pub fn ulp_f32(a: f32, b: f32) -> u64 {
+    ulp_distance(FloatFormat::F32, a.to_bits() as u64, b.to_bits() as u64)
+}
+
+/// Distance in ULPs of bf16 between the bf16 bit patterns `a` and `b` ([`ulp_distance`]).
+pub fn ulp_bf16(a: u16, b: u16) -> u64 {
+    ulp_distance(FloatFormat::Bf16, a as u64, b as u64)
+}
+
+/// ULP distance between two storage bit patterns of dtype `d` (bf16 bits in the low 16 bits).
+pub fn ulp_bits(d: RefDtype, a: u32, b: u32) -> u64 {
+    match d {
+        RefDtype::F32 => ulp_f32(f32::from_bits(a), f32::from_bits(b)),
+        RefDtype::Bf16 => ulp_bf16(a as u16, b as u16),
+    }
+}
+
+/// The largest ULP distance between `expected` (rounded to `d` first, see [`round_to`]) and the `found` storage
+/// bits, element by element. `u64::MAX` when the lengths differ or any element is NaN; `0` for two empty slices.
+pub fn max_ulp(d: RefDtype, expected: &[f64], found: &[u32]) -> u64 {
+    if expected.len() != found.len() {
+        return u64::MAX;
+    }
+    expected.iter().zip(found).map(|(&e, &f)| ulp_bits(d, round_to(d, e), f)).max().unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -377,5 +520,98 @@ mod tests {
         assert!(ValueSpace { heads_q: 3, ..vs(RefDtype::F32) }.validate().is_err());
         assert!(ValueSpace { heads_kv: 0, ..vs(RefDtype::F32) }.validate().is_err());
         assert!(ValueSpace { head_dim: 0, ..vs(RefDtype::F32) }.validate().is_err());
+    }
+
+    #[test]
+    fn round_to_bf16_is_single_rounding() {
+        assert_eq!(round_to(RefDtype::Bf16, 1.0), 0x3f80);
+        assert_eq!(round_to(RefDtype::Bf16, -2.0), 0xc000);
+        // Exactly halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(round_to(RefDtype::Bf16, 1.0 + 2f64.powi(-8)), 0x3f80);
+        // Halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
+        assert_eq!(round_to(RefDtype::Bf16, 1.0 + 3.0 * 2f64.powi(-8)), 0x3f82);
+        // Just above the midpoint by less than an f32 ulp: double rounding via f32 would give 1.0.
+        let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-30);
+        assert_eq!(half::bf16::from_f32(x as f32).to_bits(), 0x3f80, "the double-rounding trap");
+        assert_eq!(round_to(RefDtype::Bf16, x), 0x3f81);
+        assert_eq!(round_to(RefDtype::Bf16, 1e300), 0x7f80);
+        assert_eq!(round_to(RefDtype::Bf16, -1e300), 0xff80);
+        assert_eq!(round_to(RefDtype::Bf16, f64::INFINITY), 0x7f80);
+        assert!(bits_to_f32(RefDtype::Bf16, round_to(RefDtype::Bf16, f64::NAN)).is_nan());
+        assert_eq!(round_to(RefDtype::Bf16, 0.0), 0);
+        assert_eq!(round_to(RefDtype::Bf16, -0.0), 0x8000);
+        assert_eq!(round_to(RefDtype::F32, 0.1), 0.1f32.to_bits());
+    }
+
+    #[test]
+    fn ulp_distances() {
+        assert_eq!(ulp_f32(1.0, 1.0), 0);
+        assert_eq!(ulp_f32(1.0, f32::from_bits(1.0f32.to_bits() + 3)), 3);
+        assert_eq!(ulp_f32(-1.0, f32::from_bits((-1.0f32).to_bits() + 2)), 2);
+        assert_eq!(ulp_f32(0.0, -0.0), 1, "+0 and -0 are different bytes: 1 apart");
+        assert_eq!(ulp_f32(f32::from_bits(1), -f32::from_bits(1)), 3);
+        assert_eq!(ulp_f32(f32::NAN, f32::NAN), u64::MAX);
+        assert_eq!(ulp_f32(1.0, f32::NAN), u64::MAX);
+        assert_eq!(ulp_f32(f32::MAX, f32::INFINITY), 1);
+        assert_eq!(ulp_bf16(0x3f80, 0x3f81), 1);
+        assert_eq!(ulp_bf16(0x3f81, 0x3f80), 1);
+        assert_eq!(ulp_bf16(0x0000, 0x8000), 1);
+        assert_eq!(ulp_bf16(0xbf80, 0xbf82), 2);
+        assert_eq!(ulp_bf16(0x7fc0, 0x3f80), u64::MAX);
+        assert_eq!(ulp_bits(RefDtype::Bf16, 0x3f80, 0x3f84), 4);
+        assert_eq!(max_ulp(RefDtype::Bf16, &[1.0, 2.0], &[0x3f80, 0x4001]), 1);
+        assert_eq!(max_ulp(RefDtype::Bf16, &[1.0], &[0x3f80, 0x4001]), u64::MAX);
+        assert_eq!(max_ulp(RefDtype::F32, &[], &[]), 0);
+    }
+
+    #[test]
+    fn ulp_distance_by_format() {
+        assert_eq!(ulp_distance(FloatFormat::F16, 0x3c00, 0x3c02), 2);
+        assert_eq!(ulp_distance(FloatFormat::F16, 0x7e00, 0x3c00), u64::MAX, "f16 NaN");
+        assert_eq!(ulp_distance(FloatFormat::F16, 0x7c00, 0x7bff), 1, "f16 infinity is one step past MAX");
+        assert_eq!(ulp_distance(FloatFormat::F64, 1f64.to_bits(), (-1f64).to_bits()), 2 * 1f64.to_bits() + 1);
+        assert_eq!(ulp_distance(FloatFormat::F64, f64::NAN.to_bits(), 0), u64::MAX);
+        assert_eq!(ulp_distance(FloatFormat::F32, 0xdead_0000_3f80_0000, 0x3f80_0001), 1, "high bits ignored");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn ulp_f32_is_a_distance_on_the_float_line(a in proptest::prelude::any::<u32>(), b in proptest::prelude::any::<u32>(), c in proptest::prelude::any::<u32>()) {
+            let mut xs = [f32::from_bits(a), f32::from_bits(b), f32::from_bits(c)];
+            proptest::prop_assume!(xs.iter().all(|x| !x.is_nan()));
+            xs.sort_by(|p, q| p.total_cmp(q));
+            let [x, y, z] = xs;
+            proptest::prop_assert_eq!(ulp_f32(x, y) == 0, x.to_bits() == y.to_bits());
+            proptest::prop_assert_eq!(ulp_f32(x, y), ulp_f32(y, x));
+            proptest::prop_assert_eq!(ulp_f32(x, z), ulp_f32(x, y) + ulp_f32(y, z), "additive along the line");
+        }
+
+        #[test]
+        fn round_to_bf16_matches_half_on_f32_inputs(a in proptest::prelude::any::<u32>()) {
+            let x = f32::from_bits(a);
+            proptest::prop_assume!(!x.is_nan());
+            proptest::prop_assert_eq!(round_to(RefDtype::Bf16, x as f64), half::bf16::from_f32(x).to_bits() as u32);
+        }
+    }
+
+    #[test]
+    fn block_places_columns_by_row_head_slot() {
+        let v = vs(RefDtype::Bf16);
+        let toks = vec![vec![Some(Tok::new(0, 4)), None], vec![Some(Tok::new(1, 0))]];
+        let (data, shape) = v.block_f32(2, Tensor::Q, &toks);
+        let (h, d) = (v.heads_q, v.head_dim);
+        assert_eq!(shape, [2, h, 2, d]);
+        assert_eq!(data.len(), 2 * h * 2 * d);
+        let at = |r: usize, hh: usize, i: usize| data[((r * h + hh) * 2 + i) * d..][..d].to_vec();
+        let col = v.column_f32(2, Tensor::Q, Tok::new(0, 4));
+        let pad = v.pad_column_f32(2, Tensor::Q, 0, 1);
+        let other = v.column_f32(2, Tensor::Q, Tok::new(1, 0));
+        for hh in 0..h {
+            assert_eq!(at(0, hh, 0), col[hh * d..(hh + 1) * d]);
+            assert_eq!(at(0, hh, 1), pad[hh * d..(hh + 1) * d]);
+            assert_eq!(at(1, hh, 0), other[hh * d..(hh + 1) * d]);
+            assert!(at(1, hh, 1).iter().all(|&x| x.to_bits() == 0), "past a short row's end: +0.0");
+        }
+        assert_eq!(v.block_f32(0, Tensor::K, &[]), (vec![], [0, v.heads_kv, 0, d]));
     }
 }

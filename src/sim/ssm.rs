@@ -104,8 +104,9 @@ pub enum SsmOp {
     /// A request prefilled alone (in chunks of `chunk`), then merged (SSM) / joined (attention) into the batch.
     Admit { prompt: u8, chunk: u8 },
     /// A cohort of fresh rows merged empty, then one prepared padded prefill over the whole batch (running rows are
-    /// all padding), in chunks, then finalize. `drop_first`: filter out the cohort's first row after `prepare`.
-    AdmitPadded { prompts: Vec<u8>, left: bool, chunk: u8, drop_first: bool },
+    /// all padding), in chunks, then finalize. `drop_longest`: on an empty batch, filter out the cohort's longest row
+    /// right after `prepare` (a filter of an empty batch with left padding still pending).
+    AdmitPadded { prompts: Vec<u8>, left: bool, chunk: u8, drop_longest: bool },
     /// One position per row.
     Decode,
     /// A speculative verify round of `len` draft positions; row `r` accepts `keeps[r % len(keeps)] % (len + 1)`.
@@ -554,8 +555,8 @@ impl SsmWorld {
     pub fn apply(&mut self, op: &SsmOp) -> Res<bool> {
         let done = match op {
             SsmOp::Admit { prompt, chunk } => self.admit(*prompt as usize % 9 + 1, (*chunk as usize % 4) + 1)?,
-            SsmOp::AdmitPadded { prompts, left, chunk, drop_first } => {
-                self.admit_padded(prompts, *left && !self.hybrid(), (*chunk as usize % 5) + 1, *drop_first)?
+            SsmOp::AdmitPadded { prompts, left, chunk, drop_longest } => {
+                self.admit_padded(prompts, *left && !self.hybrid(), (*chunk as usize % 5) + 1, *drop_longest)?
             }
             SsmOp::Decode => {
                 if self.rows() == 0 {
@@ -664,7 +665,7 @@ impl SsmWorld {
         Ok(true)
     }
 
-    fn admit_padded(&mut self, prompts: &[u8], left: bool, chunk: usize, drop_first: bool) -> Res<bool> {
+    fn admit_padded(&mut self, prompts: &[u8], left: bool, chunk: usize, drop_longest: bool) -> Res<bool> {
         let room = self.cfg.max_rows.saturating_sub(self.rows());
         let prompts: Vec<usize> = prompts.iter().take(room).map(|&p| p as usize % 9 + 1).collect();
         if prompts.is_empty() {
@@ -720,10 +721,11 @@ impl SsmWorld {
         self.counters.padded_prefills += 1;
         self.counters.left_padded_prefills += u64::from(left);
         let mut model_pad: Vec<(i64, i64)> = lefts.iter().zip(&lengths).map(|(&a, &b)| (a as i64, b as i64)).collect();
-        if drop_first && old == 0 && self.rows() > 1 {
-            let keep: Vec<usize> = (1..self.rows()).collect();
+        if drop_longest && old == 0 && self.rows() > 1 {
+            let longest = (0..prompts.len()).max_by_key(|&i| (prompts[i], usize::MAX - i)).unwrap_or(0);
+            let keep: Vec<usize> = (0..self.rows()).filter(|&r| r != longest).collect();
             self.filter_rows(&keep)?;
-            model_pad.remove(0);
+            model_pad.remove(longest);
         }
         let mut done = 0;
         while done < width {
@@ -949,7 +951,7 @@ pub fn gen_op(rng: &mut impl Rng, world: &SsmWorld) -> SsmOp {
                 prompts: (0..n).map(|_| rng.random()).collect(),
                 left: rng.random_bool(0.5),
                 chunk: rng.random(),
-                drop_first: rng.random_bool(0.25),
+                drop_longest: rng.random_bool(0.4),
             }
         }
     } else if k < 40 {
@@ -1003,4 +1005,123 @@ pub fn run_family(family: &str, seed: u64, ops: Option<Vec<SsmOp>>) -> Option<Ss
     }
     run.counters = world.counters;
     Some(run)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::mutation::{self, Mutant};
+
+    fn cpu() {
+        mlx_rs::Device::set_default(&mlx_rs::Device::cpu());
+    }
+
+    #[test]
+    fn families_pass_and_count_rounds_rollbacks_and_replays() {
+        cpu();
+        for family in ["ssm", "hybrid-qwen35", "hybrid-sliding"] {
+            let mut total = SsmCounters::default();
+            for seed in 0..6 {
+                let run = run_family(family, seed, None).unwrap();
+                if let Some((i, f)) = &run.failure {
+                    panic!("{family} seed {seed} op {i} ({:?}): {f}", run.ops[*i]);
+                }
+                let c = &run.counters;
+                total.rounds += c.rounds;
+                total.rollbacks += c.rollbacks;
+                total.rollbacks_unequal += c.rollbacks_unequal;
+                total.replays += c.replays;
+                total.replay_vs_fresh += c.replay_vs_fresh;
+                total.state_compared += c.state_compared;
+                total.state_exact += c.state_exact;
+            }
+            assert!(total.rounds > 0 && total.rollbacks_unequal > 0 && total.replays > 0, "{family}: {total:?}");
+            assert!(total.replay_vs_fresh > 0 && total.state_compared > 0, "{family}: {total:?}");
+            assert_eq!(total.state_exact, total.state_compared, "{family}");
+        }
+        assert!(run_family("no-such-family", 0, None).is_none());
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_ops_and_counters() {
+        cpu();
+        let a = run_family("ssm", 11, None).unwrap();
+        let b = run_family("ssm", 11, None).unwrap();
+        assert_eq!(a.ops, b.ops);
+        assert_eq!(a.counters, b.counters);
+        let replayed = run_family("ssm", 11, Some(a.ops.clone())).unwrap();
+        assert_eq!(replayed.counters, a.counters);
+    }
+
+    #[test]
+    fn every_ssm_mutant_is_caught_by_the_family() {
+        cpu();
+        let mut survivors = vec![];
+        for &m in Mutant::ALL.iter().filter(|m| m.layout() == "ssm") {
+            mutation::arm(Some(m));
+            let caught = (0..60).find(|&seed| run_family("ssm", seed, None).unwrap().failure.is_some());
+            mutation::arm(None);
+            if caught.is_none() {
+                survivors.push(m.name());
+            }
+        }
+        assert!(!mutation::ENABLED || survivors.is_empty(), "survivors: {survivors:?}");
+    }
+}
+
+/// Sums counters of many runs (for measurements and the summary).
+pub fn add_counters(total: &mut SsmCounters, c: &SsmCounters) {
+    total.ops += c.ops;
+    total.checks += c.checks;
+    total.rounds += c.rounds;
+    total.commits += c.commits;
+    total.rollbacks += c.rollbacks;
+    total.rollbacks_unequal += c.rollbacks_unequal;
+    total.replays += c.replays;
+    total.replayed_steps += c.replayed_steps;
+    total.replay_vs_fresh += c.replay_vs_fresh;
+    total.state_compared += c.state_compared;
+    total.state_exact += c.state_exact;
+    total.outputs_compared += c.outputs_compared;
+    total.outputs_exact += c.outputs_exact;
+    total.model_max_ulp_output = total.model_max_ulp_output.max(c.model_max_ulp_output);
+    total.model_max_ulp_state = total.model_max_ulp_state.max(c.model_max_ulp_state);
+    total.padded_prefills += c.padded_prefills;
+    total.left_padded_prefills += c.left_padded_prefills;
+    total.expected_errors += c.expected_errors;
+}
+
+#[cfg(test)]
+mod measure {
+    use super::*;
+
+    /// `SSM_SEEDS=400 cargo test --lib sim::ssm::measure -- --ignored --nocapture`: one JSON line per family.
+    #[test]
+    #[ignore]
+    fn measure_families() {
+        mlx_rs::Device::set_default(&mlx_rs::Device::cpu());
+        let seeds: u64 = std::env::var("SSM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(100);
+        for family in ["ssm", "hybrid-qwen35", "hybrid-sliding"] {
+            let mut total = SsmCounters::default();
+            let mut failures = vec![];
+            let (mut bf16_ulp, mut f32_ulp) = ((0f64, 0f64), (0f64, 0f64));
+            for seed in 0..seeds {
+                let run = run_family(family, seed, None).unwrap();
+                if let Some((i, f)) = &run.failure {
+                    failures.push(format!("seed {seed} op {i}: {f}"));
+                }
+                let c = &run.counters;
+                let cfg = SsmFamilyConfig::from_seed(family, seed).unwrap();
+                let slot = if cfg.dims.dtype == RefDtype::Bf16 { &mut bf16_ulp } else { &mut f32_ulp };
+                slot.0 = slot.0.max(c.model_max_ulp_output);
+                slot.1 = slot.1.max(c.model_max_ulp_state);
+                add_counters(&mut total, c);
+            }
+            println!(
+                "{}",
+                serde_json::json!({"family": family, "seeds": seeds, "failures": failures.len(), "first_failures": failures.iter().take(3).collect::<Vec<_>>(),
+                    "counters": total, "max_ulp_bf16": {"output": bf16_ulp.0, "state": bf16_ulp.1}, "max_ulp_f32": {"output": f32_ulp.0, "state": f32_ulp.1}})
+            );
+        }
+    }
 }

@@ -44,26 +44,9 @@ impl Payload {
     /// `[B, heads, L, D]` of `tensor`: row `b`, slot `i` holds `toks[b][i]`, or pad poison for `None`. Every row
     /// must have the same length `L`.
     pub fn block(&self, tensor: Tensor, toks: &[Vec<Option<Tok>>]) -> Array {
-        let heads = self.vs.heads(tensor);
-        let d = self.spec.head_dim;
-        let b = toks.len();
-        let l = toks.first().map_or(0, Vec::len);
-        assert!(toks.iter().all(|r| r.len() == l), "ragged block");
-        let mut data = vec![0f32; b * heads * l * d];
-        for (r, row) in toks.iter().enumerate() {
-            for (i, t) in row.iter().enumerate() {
-                let col = match t {
-                    Some(t) => self.vs.column_f32(0, tensor, *t),
-                    None => self.vs.pad_column_f32(0, tensor, r as u32, i as u32),
-                };
-                for h in 0..heads {
-                    for x in 0..d {
-                        data[((r * heads + h) * l + i) * d + x] = col[h * d + x];
-                    }
-                }
-            }
-        }
-        let a = Array::from_slice(&data, &[b as i32, heads as i32, l as i32, d as i32]);
+        assert!(toks.iter().all(|r| r.len() == toks.first().map_or(0, Vec::len)), "ragged block");
+        let (data, [b, h, l, d]) = self.vs.block_f32(0, tensor, toks);
+        let a = Array::from_slice(&data, &[b as i32, h as i32, l as i32, d as i32]);
         // Values are already representable in the dtype (ValueSpace rounds them): the cast is exact.
         a.as_dtype(self.spec.dtype.to_mlx()).expect("cast")
     }

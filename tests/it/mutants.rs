@@ -14,7 +14,8 @@ fn budget(m: Mutant) -> u64 {
 #[test]
 fn every_mutant_is_caught_within_its_budget() {
     let mut survivors = vec![];
-    for &m in Mutant::ALL {
+    // The recurrent cache's mutants are caught by its own family runs (`sim::ssm` tests, `kvsim mutants`).
+    for &m in Mutant::ALL.iter().filter(|m| m.layout() == "kv") {
         let caught = (0..budget(m)).find(|&seed| run_seed(seed, DeviceChoice::Cpu, Some(m)).failed());
         if caught.is_none() {
             survivors.push(m.name());
