@@ -260,3 +260,78 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
     }
     out
 }
+
+/// The anchor to measure against: `script` (default `$KVSIM_ANCHOR`, else `bench/mlxlm_bench.py`) run by `python`
+/// (default `$KVSIM_ANCHOR_PYTHON`, else the oracle driver's venv, set up on demand).
+pub fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<Anchor, String> {
+    let script =
+        anchor.or_else(|| std::env::var("KVSIM_ANCHOR").ok()).unwrap_or_else(|| "bench/mlxlm_bench.py".to_string());
+    if !std::path::Path::new(&script).exists() {
+        return Err(format!("anchor script {script} not found (pass --anchor or set KVSIM_ANCHOR)"));
+    }
+    let python = match python.or_else(|| std::env::var("KVSIM_ANCHOR_PYTHON").ok()) {
+        Some(p) => p,
+        None => crate::oracle::setup_driver()?.display().to_string(),
+    };
+    Ok(Anchor { python, script })
+}
+
+/// The machine a bench ran on (saved with its results).
+pub fn machine_info() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let gpu = Command::new("nvidia-smi")
+        .args(["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    serde_json::json!({"cpu": cpu, "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "gpu": gpu,
+        "kvsim": env!("CARGO_PKG_VERSION"), "mlx": crate::sim::mlx_version()})
+}
+
+/// The human-readable lines of a bench result (`kvsim bench` prints them).
+pub fn summary_lines(r: &serde_json::Value) -> Vec<String> {
+    let mut lines = vec![];
+    if let Some(rows) = r["sim"].as_array() {
+        lines.push(
+            "simulator throughput (H 4/2, D 16, W 8; batched decode row-steps checked against solo twins):".into(),
+        );
+        for row in rows {
+            lines.push(format!(
+                "  {:<5} kvsim {:>9.0} row-steps/s   mlx-lm harness {:>9.0} row-steps/s   ratio {:.2}x",
+                row["dtype"].as_str().unwrap_or(""),
+                row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(f64::NAN),
+                row["mlx_lm_harness"]["row_steps_per_s"].as_f64().unwrap_or(f64::NAN),
+                row["ratio_row_steps_per_s"].as_f64().unwrap_or(f64::NAN)
+            ));
+        }
+    }
+    if let Some(rows) = r["step"].as_array() {
+        lines.push("batched rotating decode step (bf16, H 32/8, D 128), write + read, median:".into());
+        for row in rows {
+            let g = row["kvsim"]["gbps_median"].as_f64().unwrap_or(f64::NAN);
+            lines.push(format!(
+                "  B {:>3} W {:>5}: kvsim {:>8.3} ms ({:>7.1} GB/s, {:>5.1}% of 4.8 TB/s)   mlx-lm {:>8.3} ms   speedup {:.2}x",
+                row["B"], row["W"], row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN), g, g / 48.0,
+                row["mlx_lm"]["ms_median"].as_f64().unwrap_or(f64::NAN), row["speedup_vs_mlx_lm"].as_f64().unwrap_or(f64::NAN)
+            ));
+        }
+    }
+    lines
+}
+
+/// Stamps a bench result with the machine (`machine`) and the time (`unix_time`) before it is saved.
+pub fn stamp(r: &mut serde_json::Value) {
+    r["machine"] = machine_info();
+    r["unix_time"] = serde_json::json!(std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0));
+}

@@ -91,3 +91,51 @@ pub fn sdpa_check(device: DeviceChoice) -> Result<SdpaCheck, String> {
     }
     Ok(SdpaCheck { max_ulp, max_raw_ulp, exact, values: hq * l * d })
 }
+
+/// `kvsim doctor`'s report: the lines to show, and whether every check passed.
+pub fn report() -> (Vec<String>, bool) {
+    let mut lines = vec![];
+    let version = crate::sim::mlx_version();
+    lines.push(format!(
+        "mlx version     {version} (headers this build was compiled against: {})",
+        mlx_sys::MLX_BUILD_VERSION
+    ));
+    let loaded = std::fs::read_to_string("/proc/self/maps")
+        .ok()
+        .and_then(|m| {
+            m.lines().find(|l| l.contains("libmlx")).map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    lines.push(format!("library loaded  {loaded}"));
+    lines.push(format!("build run path  {}", mlx_sys::MLX_LIB_DIR));
+    let default = mlx_rs::Device::try_default().map(|d| format!("{d:?}")).unwrap_or_else(|e| format!("error: {e}"));
+    lines.push(format!("default device  {default}"));
+    let gpu = gpu_available();
+    lines.push(format!("gpu available   {gpu}"));
+    let mut devices = vec![DeviceChoice::Cpu];
+    if gpu {
+        devices.push(DeviceChoice::Gpu);
+    }
+    let mut ok = true;
+    let mut verdicts = vec![];
+    for d in devices {
+        match sdpa_check(d) {
+            Ok(r) => {
+                lines.push(format!(
+                    "sdpa {:<4} bf16  H_q 8 / H_kv 2, D 64, 37 keys, 5 causal queries: max {:.2} ULP (bf16, at output scale) vs the f64 reference; {}/{} values correctly rounded; max raw ULP distance {}",
+                    d.name(), r.max_ulp, r.exact, r.values, r.max_raw_ulp
+                ));
+                let pass = r.max_ulp <= SDPA_ULP_BOUND;
+                ok &= pass;
+                verdicts.push(format!("mlx {version} {} {}", d.name(), if pass { "ok" } else { "FAILED" }));
+            }
+            Err(e) => {
+                ok = false;
+                lines.push(format!("sdpa {:<4} error: {e}", d.name()));
+                verdicts.push(format!("mlx {version} {} FAILED", d.name()));
+            }
+        }
+    }
+    lines.extend(verdicts);
+    (lines, ok)
+}

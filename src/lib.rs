@@ -8,7 +8,9 @@
 pub mod bench;
 pub mod bytes;
 pub mod cache;
+pub mod campaign;
 pub mod doctor;
 pub mod fuzzing;
+pub mod oracle;
 pub mod reference;
 pub mod sim;

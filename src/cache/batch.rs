@@ -8,9 +8,6 @@
 //! columns followed by its real block positions. Padding is never stored: columns `[len_r, cap)` of a row are
 //! never visible.
 
-use std::cell::RefCell;
-use std::rc::Rc;
-
 use mlx_rs::Array;
 
 use super::error::{invalid, shape, CacheError};
@@ -65,7 +62,8 @@ impl JoinSource<'_> {
 #[derive(Debug, Clone)]
 enum RopeRepr {
     Snapshot(Vec<i32>),
-    Live(Rc<RefCell<Vec<i32>>>),
+    /// Mutant only: reads whatever the last mutated batch of this thread published (`mutation::publish_offsets`).
+    Live,
 }
 
 /// Per-row RoPE positions (R-BROT-3): a **value** (a snapshot taken when [`RowBatch::rope_offsets`] was called),
@@ -78,7 +76,7 @@ impl RopeOffsets {
     pub fn values(&self) -> Vec<i32> {
         match &self.0 {
             RopeRepr::Snapshot(v) => v.clone(),
-            RopeRepr::Live(v) => v.borrow().clone(),
+            RopeRepr::Live => mutation::aliased_offsets(),
         }
     }
 
@@ -99,26 +97,13 @@ impl RopeOffsets {
 ///   boolean mask `c < len_r`; a window read attends with `Causal` when every row has the same `len <= W` and a full
 ///   block, else with the per-row causal sliding-window mask ([`MaskKind::Window`]). Byte-identity of outputs to the
 ///   serial twin is a property of MLX's SDPA (measured on CPU by the tests), not of this type.
+#[derive(Clone)]
 pub struct RowBatch {
     spec: KvSpec,
     max_size: Option<usize>,
     rows: Vec<RowState>,
     /// Present iff there are rows and `cap > 0`; `cap >= max len_r`.
     buf: Option<Buf>,
-    /// The per-row offsets as of the last mutation; only ever handed out under [`Mutant::OffsetAliasing`].
-    live: Rc<RefCell<Vec<i32>>>,
-}
-
-impl Clone for RowBatch {
-    fn clone(&self) -> Self {
-        RowBatch {
-            spec: self.spec,
-            max_size: self.max_size,
-            rows: self.rows.clone(),
-            buf: self.buf.clone(),
-            live: Rc::new(RefCell::new(self.live.borrow().clone())),
-        }
-    }
 }
 
 impl std::fmt::Debug for RowBatch {
@@ -191,17 +176,19 @@ fn stack_rows(spec: &KvSpec, parts: &[(Array, Array)], lens: &[usize]) -> Result
 
 impl RowBatch {
     fn build(spec: KvSpec, max_size: Option<usize>, rows: Vec<RowState>, buf: Option<Buf>) -> Self {
-        let live = Rc::new(RefCell::new(Vec::new()));
-        let mut b = RowBatch { spec, max_size, rows, buf, live };
+        let mut b = RowBatch { spec, max_size, rows, buf };
         b.sync();
         b
     }
 
-    /// Refresh the live offsets after a mutation (in place: an aliasing handle sees the change).
+    /// The per-row offsets as RoPE positions.
+    fn offsets_i32(&self) -> Vec<i32> {
+        self.rows.iter().map(|r| i32::try_from(r.ring.offset).unwrap_or(i32::MAX)).collect()
+    }
+
+    /// After a mutation: the hook of [`Mutant::OffsetAliasing`] (an aliasing handle sees the change); nothing else.
     fn sync(&mut self) {
-        let mut live = self.live.borrow_mut();
-        live.clear();
-        live.extend(self.rows.iter().map(|r| i32::try_from(r.ring.offset).unwrap_or(i32::MAX)));
+        mutation::publish_offsets(|| self.offsets_i32());
     }
 
     /// A batch with no rows.
@@ -780,9 +767,9 @@ impl RowBatch {
     /// R-BROT-3: per-row RoPE positions, a snapshot value. Mutation hook [`Mutant::OffsetAliasing`].
     pub fn rope_offsets(&self) -> RopeOffsets {
         if mutation::is(Mutant::OffsetAliasing) {
-            RopeOffsets(RopeRepr::Live(self.live.clone()))
+            RopeOffsets(RopeRepr::Live)
         } else {
-            RopeOffsets(RopeRepr::Snapshot(self.live.borrow().clone()))
+            RopeOffsets(RopeRepr::Snapshot(self.offsets_i32()))
         }
     }
 
@@ -1382,3 +1369,10 @@ mod tests {
         insta::assert_snapshot!("prefill_in_progress", p.picture());
     }
 }
+
+// The row layouts move between threads (a campaign may run seeds on several).
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<RowBatch>();
+    assert_send::<SerialCache>();
+};

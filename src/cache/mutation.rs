@@ -161,6 +161,26 @@ thread_local! {
     static ARMED: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
 }
 
+thread_local! {
+    // Under `OffsetAliasing` only: the per-row offsets of the row batch this thread changed last, which is what an
+    // aliasing `rope_offsets` handle reads. The caches hold no shared state for it; their mutations publish here.
+    static ALIASED_OFFSETS: std::cell::RefCell<Vec<i32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Hook of [`Mutant::OffsetAliasing`]: a row batch just changed; when the mutant is armed, its offsets become what
+/// every aliasing handle of this thread reads. Does nothing (and computes nothing) otherwise.
+pub(crate) fn publish_offsets(offsets: impl FnOnce() -> Vec<i32>) {
+    if is(Mutant::OffsetAliasing) {
+        let v = offsets();
+        ALIASED_OFFSETS.with(|a| *a.borrow_mut() = v);
+    }
+}
+
+/// What an aliasing `rope_offsets` handle reads now (see [`publish_offsets`]).
+pub(crate) fn aliased_offsets() -> Vec<i32> {
+    ALIASED_OFFSETS.with(|a| a.borrow().clone())
+}
+
 /// Whether the hooks are compiled in (the cargo feature `mutants`).
 pub const ENABLED: bool = cfg!(feature = "mutants");
 

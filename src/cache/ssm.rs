@@ -458,11 +458,22 @@ impl SsmCache {
         let s = q[1];
         for (name, x) in [("a", a), ("b", b)] {
             if shape_of(x) != [self.rows(), s, sp.heads_v] || x.dtype() != d {
-                return Err(shape(format!("{name} {:?} {:?}, expected [{}, {s}, {}]", x.shape(), x.dtype(), self.rows(), sp.heads_v)));
+                return Err(shape(format!(
+                    "{name} {:?} {:?}, expected [{}, {s}, {}]",
+                    x.shape(),
+                    x.dtype(),
+                    self.rows(),
+                    sp.heads_v
+                )));
             }
         }
         if shape_of(&params.conv_weight) != [sp.conv_dim(), sp.kernel, 1] || params.conv_weight.dtype() != d {
-            return Err(shape(format!("conv weight {:?}, expected [{}, {}, 1]", params.conv_weight.shape(), sp.conv_dim(), sp.kernel)));
+            return Err(shape(format!(
+                "conv weight {:?}, expected [{}, {}, 1]",
+                params.conv_weight.shape(),
+                sp.conv_dim(),
+                sp.kernel
+            )));
         }
         for (name, x) in [("A_log", &params.a_log), ("dt_bias", &params.dt_bias)] {
             if shape_of(x) != [sp.heads_v] || !matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16) {
@@ -491,7 +502,18 @@ impl SsmCache {
             real.clone()
         };
         let tail_at_padded_end = mutation::is(Mutant::SsmConvTailAtPaddedEnd) && self.padding.is_some();
-        let out = forward(&self.spec, &self.conv, &self.recurrent, qkv, a, b, params, &real, &recurrent_real, tail_at_padded_end)?;
+        let out = forward(
+            &self.spec,
+            &self.conv,
+            &self.recurrent,
+            qkv,
+            a,
+            b,
+            params,
+            &real,
+            &recurrent_real,
+            tail_at_padded_end,
+        )?;
         if let Some(round) = self.round.as_mut() {
             round.recorded = Some(Recorded {
                 conv: self.conv.clone(),

@@ -18,7 +18,16 @@ impl Failure {
     pub fn new(check: &str, message: impl Into<String>) -> Failure {
         Failure { check: check.to_string(), message: message.into() }
     }
+
+    /// Whether this check compares production with the reference model (the summary's `reference.failures`):
+    /// [`output_vs_model`], [`columns_vs_model`] (`layout`), [`mask_row`] (`mask`) and [`ring_state`].
+    pub fn against_model(&self) -> bool {
+        MODEL_CHECKS.contains(&self.check.as_str())
+    }
 }
+
+/// The check ids of the comparisons with the reference model.
+pub const MODEL_CHECKS: &[&str] = &["output_vs_model", "layout", "mask", "ring_state"];
 
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -4,6 +4,7 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::sim::family;
 use crate::sim::ops::OpKind;
 use crate::sim::rng::{stream, Stream};
 
@@ -53,6 +54,29 @@ pub struct SimConfig {
     pub weights: Vec<(OpKind, u32)>,
     /// Seed of the payload values (reference::values).
     pub payload_seed: u64,
+    /// The layout families of this run (names of `sim::family::REGISTRY`), dispatched in this order. Absent from a
+    /// trace = the default (`["attention"]`), so traces written before families existed replay unchanged.
+    #[serde(default = "family::default_families", skip_serializing_if = "is_default_families")]
+    pub families: Vec<String>,
+}
+
+fn is_default_families(f: &[String]) -> bool {
+    f == family::default_families().as_slice()
+}
+
+/// The families of `seed`'s run: each registered family is included with its swarm probability (one draw per
+/// family, in registry order, from its own stream); none drawn = the first registered family.
+pub fn draw_families(seed: u64) -> Vec<String> {
+    let mut rng = stream(seed, Stream::Families);
+    let mut out: Vec<String> = family::REGISTRY
+        .iter()
+        .filter(|r| r.swarm_probability >= 1.0 || rng.random_bool(r.swarm_probability.max(0.0)))
+        .map(|r| r.name.to_string())
+        .collect();
+    if out.is_empty() {
+        out.push(family::REGISTRY[0].name.to_string());
+    }
+    out
 }
 
 impl SimConfig {
@@ -81,6 +105,13 @@ impl SimConfig {
         for w in weights.iter_mut().filter(|w| w.1 > 0) {
             w.1 = (w.1 * rng.random_range(1..=4)).max(1);
         }
+        // Kinds some family of the run does not support are never drawn.
+        let families = draw_families(seed);
+        for w in weights.iter_mut() {
+            if !family::all_support(&families, w.0) {
+                w.1 = 0;
+            }
+        }
         SimConfig {
             layout,
             dtype,
@@ -96,6 +127,7 @@ impl SimConfig {
             ops: rng.random_range(30..=90),
             weights,
             payload_seed: rng.random(),
+            families,
         }
     }
 

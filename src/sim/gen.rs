@@ -5,9 +5,9 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::sim::config::SimConfig;
+use crate::sim::family::View;
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
-use crate::sim::runner::View;
 
 /// Draws ops for one seed.
 pub struct Generator {

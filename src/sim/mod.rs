@@ -3,10 +3,10 @@
 
 pub mod check;
 pub mod config;
+pub mod family;
 pub mod gen;
+pub mod observe;
 pub mod ops;
-pub mod oracle;
-pub mod recorder;
 pub mod rng;
 pub mod runner;
 pub mod shrink;
@@ -20,9 +20,10 @@ use crate::cache::mutation::{self, Mutant};
 use crate::sim::check::{Failure, Guarantees};
 use crate::sim::config::SimConfig;
 use crate::sim::gen::Generator;
+use crate::sim::observe::{NoObserver, RunObserver};
 use crate::sim::ops::Op;
-use crate::sim::runner::World;
-use crate::sim::summary::Counters;
+use crate::sim::runner::{FamilyFailure, World};
+use crate::sim::summary::{Counters, LayoutStats};
 use crate::sim::trace::{Expect, Outcome, Trace, FORMAT, VERSION};
 
 /// Where MLX runs the simulation.
@@ -56,6 +57,18 @@ impl DeviceChoice {
     }
 }
 
+/// MLX's CUDA backend keeps LRU caches of captured graphs and SDPA kernels and raises an error ("Cache thrashing is
+/// happening") once a run cycles through more shapes than they hold (400 / 256 by default, MLX 0.32.2). A simulator
+/// exercises many shapes on purpose, so both are raised here unless the user set them (call it before any MLX op,
+/// while the process has one thread). No effect on CPU.
+pub fn raise_mlx_cuda_caches() {
+    for (var, value) in [("MLX_CUDA_GRAPH_CACHE_SIZE", "100000"), ("MLX_CUDA_SDPA_CACHE_SIZE", "100000")] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, value);
+        }
+    }
+}
+
 /// The MLX version of the loaded library.
 pub fn mlx_version() -> String {
     unsafe {
@@ -77,6 +90,10 @@ pub struct RunResult {
     pub counters: Counters,
     pub ops_by_kind: BTreeMap<String, u64>,
     pub skipped: u64,
+    /// Per storage-kind family of the run: its ops, checks, byte-identical comparisons and failure.
+    pub layouts: BTreeMap<String, LayoutStats>,
+    /// The failed check, typed, with the family it belongs to (`None` when the run passed).
+    pub failure: Option<FamilyFailure>,
 }
 
 impl RunResult {
@@ -93,11 +110,24 @@ pub fn run(
     device: DeviceChoice,
     mutant: Option<Mutant>,
 ) -> RunResult {
+    run_observed(seed, config, ops, device, mutant, &mut NoObserver)
+}
+
+/// [`run`], with `observer` watching every op and (when it asks) every production call (`oracle record` runs this
+/// same loop with its recorder).
+pub fn run_observed(
+    seed: u64,
+    config: SimConfig,
+    ops: Option<Vec<Op>>,
+    device: DeviceChoice,
+    mutant: Option<Mutant>,
+    observer: &mut dyn RunObserver,
+) -> RunResult {
     device.activate();
     mutation::arm(mutant);
     // The runner reads every buffer and output after every op (one evaluation), so per-write evaluation is redundant.
     crate::cache::set_eval_after_write(false);
-    let result = run_inner(seed, config, ops, device, mutant);
+    let result = run_inner(seed, config, ops, device, mutant, observer);
     crate::cache::set_eval_after_write(true);
     mutation::arm(None);
     result
@@ -109,6 +139,7 @@ fn run_inner(
     ops: Option<Vec<Op>>,
     device: DeviceChoice,
     mutant: Option<Mutant>,
+    observer: &mut dyn RunObserver,
 ) -> RunResult {
     let mut trace = Trace {
         format: FORMAT.to_string(),
@@ -130,11 +161,20 @@ fn run_inner(
     let mut world = match World::new(config.clone()) {
         Ok(w) => w,
         Err(f) => {
-            trace.outcome = Outcome::Fail { op_index: 0, check: f.check, message: f.message };
-            return RunResult { trace, counters: Counters::default(), ops_by_kind, skipped };
+            trace.outcome = Outcome::Fail { op_index: 0, check: f.check.clone(), message: f.message.clone() };
+            let failure = Some(FamilyFailure { family: None, failure: f });
+            return RunResult {
+                trace,
+                counters: Counters::default(),
+                ops_by_kind,
+                skipped,
+                layouts: BTreeMap::new(),
+                failure,
+            };
         }
     };
-    world.counters.guarantees = device.guarantees();
+    world.set_guarantees(device.guarantees());
+    let mut failure = None;
     let mut gen = Generator::new(seed);
     let replay = ops.is_some();
     let list = ops.unwrap_or_default();
@@ -142,15 +182,18 @@ fn run_inner(
     for i in 0..count {
         let op = if replay { list[i].clone() } else { gen.next(&config, &world.view()) };
         trace.ops.push(op.clone());
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.apply(&op)));
+        observer.on_op_start(i, &op);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.apply(&op, &mut *observer)));
         let result = match result {
             Ok(r) => r,
             Err(p) => {
                 let msg =
                     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                Err(Failure::new("panic", format!("the op panicked: {}", msg.unwrap_or_default())))
+                let failure = Failure::new("panic", format!("the op panicked: {}", msg.unwrap_or_default()));
+                Err(FamilyFailure { family: None, failure })
             }
         };
+        observer.on_op_end(i, &op, result.as_ref().copied().map_err(|f| f.failure.check.as_str()));
         world.hasher.update(serde_json::to_string(&op).unwrap().as_bytes());
         trace.digests.push(world.hasher.clone().finalize().to_hex()[..16].to_string());
         match result {
@@ -158,7 +201,9 @@ fn run_inner(
             Ok(false) => skipped += 1,
             Err(f) => {
                 *ops_by_kind.entry(op.kind().name().to_string()).or_insert(0) += 1;
-                trace.outcome = Outcome::Fail { op_index: i, check: f.check, message: f.message };
+                trace.outcome =
+                    Outcome::Fail { op_index: i, check: f.failure.check.clone(), message: f.failure.message.clone() };
+                failure = Some(f);
                 break;
             }
         }
@@ -169,7 +214,16 @@ fn run_inner(
         h.update(d.as_bytes());
     }
     trace.result_hash = h.finalize().to_hex().to_string();
-    RunResult { trace, counters: world.counters, ops_by_kind, skipped }
+    let mut layouts = BTreeMap::new();
+    for f in &world.families {
+        let stats = LayoutStats::of(
+            world.ops.get(f.key()).copied().unwrap_or(0),
+            f.counters(),
+            failure.as_ref().is_some_and(|x: &FamilyFailure| x.family == Some(f.key())),
+        );
+        layouts.entry(f.key().to_string()).or_insert_with(LayoutStats::default).add(&stats);
+    }
+    RunResult { trace, counters: world.counters(), ops_by_kind, skipped, layouts, failure }
 }
 
 /// Runs a seed with its generated op stream.
@@ -191,5 +245,34 @@ pub fn replay_matches(trace: &Trace, result: &RunResult) -> Result<(), String> {
         }
         (Expect::Fail, Outcome::Fail { check: want, .. }, Outcome::Fail { check, .. }) if want == check => Ok(()),
         (Expect::Fail, recorded, got) => Err(format!("expected the recorded failure {recorded:?}, got {got:?}")),
+    }
+}
+
+/// Replays `trace` and reports: the first op whose digest differs from the recorded run, the outcome, and whether it
+/// matches what the trace expects (the returned flag).
+pub fn replay_report(trace: &Trace, device: DeviceChoice) -> (Vec<String>, bool) {
+    let r = replay(trace, device);
+    let mut lines = vec![];
+    // First divergence of the digest chain from the recorded one (same device and MLX only).
+    if let Some(i) = trace.digests.iter().zip(&r.trace.digests).position(|(a, b)| a != b) {
+        lines.push(format!("digest of op {i} differs from the recorded run ({:?})", trace.ops.get(i)));
+    }
+    lines.push(match &r.trace.outcome {
+        Outcome::Pass => {
+            format!("replay: all {} ops passed (result hash {})", r.trace.ops.len(), &r.trace.result_hash[..16])
+        }
+        Outcome::Fail { op_index, check, message } => {
+            format!("replay: first divergence at op {op_index} {:?}\n  [{check}] {message}", r.trace.ops[*op_index])
+        }
+    });
+    match replay_matches(trace, &r) {
+        Ok(()) => {
+            lines.push(format!("replay matches the trace's expectation ({:?})", trace.expect));
+            (lines, true)
+        }
+        Err(e) => {
+            lines.push(format!("replay does NOT match the trace's expectation: {e}"));
+            (lines, false)
+        }
     }
 }

@@ -20,6 +20,8 @@ pub enum Stream {
     Speculation = 3,
     /// The K/V/Q payload seed (values themselves are a pure function of it; see reference::values).
     Payload = 4,
+    /// Which layout families a run holds (`sim::family::REGISTRY`).
+    Families = 5,
 }
 
 /// A generator for one subsystem of one seed.

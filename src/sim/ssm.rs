@@ -291,7 +291,13 @@ impl SsmWorld {
     }
 
     /// SSM inputs `[n, s, ...]` for rows (request, first position, real range) of one layer; padded slots poison.
-    fn ssm_inputs(&self, layer: u32, rows: &[(u64, usize, usize, usize)], s: usize, draft: Option<&[usize]>) -> [Array; 3] {
+    fn ssm_inputs(
+        &self,
+        layer: u32,
+        rows: &[(u64, usize, usize, usize)],
+        s: usize,
+        draft: Option<&[usize]>,
+    ) -> [Array; 3] {
         let d = &self.cfg.dims;
         let (mut q, mut a, mut b) = (vec![], vec![], vec![]);
         for (r, &(req, p0, st, en)) in rows.iter().enumerate() {
@@ -318,7 +324,13 @@ impl SsmWorld {
     }
 
     /// Attention K, V, Q `[n, H, s, D]` for the same rows (real tokens keyed by request and position).
-    fn attn_inputs(&self, layer: u32, rows: &[(u64, usize, usize, usize)], s: usize, draft: Option<&[usize]>) -> [Array; 3] {
+    fn attn_inputs(
+        &self,
+        layer: u32,
+        rows: &[(u64, usize, usize, usize)],
+        s: usize,
+        draft: Option<&[usize]>,
+    ) -> [Array; 3] {
         let sp = &self.cfg.attn;
         let d = self.cfg.dims.dtype;
         let hq = sp.heads_kv * 2;
@@ -481,7 +493,10 @@ impl SsmWorld {
                         if o_b != o_t || o_b != o_m || o_b != self.pos[r] {
                             return Err(Failure::new(
                                 "ssm_offsets",
-                                format!("layer {} row {r}: batch {o_b}, twin {o_t}, model {o_m}, fed {}", l.index, self.pos[r]),
+                                format!(
+                                    "layer {} row {r}: batch {o_b}, twin {o_t}, model {o_m}, fed {}",
+                                    l.index, self.pos[r]
+                                ),
                             ));
                         }
                         let tc = words(l.twins[r].conv())?;
@@ -761,8 +776,9 @@ impl SsmWorld {
         if self.rows() == 0 {
             return Ok(false);
         }
-        let keep: Vec<usize> =
-            (0..self.rows()).map(|r| keeps.get(r % keeps.len().max(1)).map_or(len, |&k| k as usize % (len + 1))).collect();
+        let keep: Vec<usize> = (0..self.rows())
+            .map(|r| keeps.get(r % keeps.len().max(1)).map_or(len, |&k| k as usize % (len + 1)))
+            .collect();
         self.round_no += 1;
         self.counters.rounds += 1;
         // Pre-round snapshots of the twins: the fresh-prefix runs start from them.
@@ -920,7 +936,10 @@ impl SsmWorld {
                     && words(e.recurrent())? == words(twin.recurrent())?
                     && e.offsets() == twin.offsets();
                 if !same {
-                    return Err(Failure::new("ssm_extract", format!("layer {} row {row}: extract differs from the twin", l.index)));
+                    return Err(Failure::new(
+                        "ssm_extract",
+                        format!("layer {} row {row}: extract differs from the twin", l.index),
+                    ));
                 }
                 let rows = vec![(self.reqs[row], self.pos[row], 0, 1)];
                 let [q, a, b] = self.ssm_inputs(l.index, &rows, 1, None);
@@ -930,7 +949,10 @@ impl SsmWorld {
                 self.counters.outputs_compared += 1;
                 self.counters.outputs_exact += u64::from(same);
                 if !same {
-                    return Err(Failure::new("ssm_extract", format!("layer {} row {row}: extracted row decodes differently", l.index)));
+                    return Err(Failure::new(
+                        "ssm_extract",
+                        format!("layer {} row {row}: extracted row decodes differently", l.index),
+                    ));
                 }
             }
         }
@@ -1089,39 +1111,4 @@ pub fn add_counters(total: &mut SsmCounters, c: &SsmCounters) {
     total.padded_prefills += c.padded_prefills;
     total.left_padded_prefills += c.left_padded_prefills;
     total.expected_errors += c.expected_errors;
-}
-
-#[cfg(test)]
-mod measure {
-    use super::*;
-
-    /// `SSM_SEEDS=400 cargo test --lib sim::ssm::measure -- --ignored --nocapture`: one JSON line per family.
-    #[test]
-    #[ignore]
-    fn measure_families() {
-        mlx_rs::Device::set_default(&mlx_rs::Device::cpu());
-        let seeds: u64 = std::env::var("SSM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(100);
-        for family in ["ssm", "hybrid-qwen35", "hybrid-sliding"] {
-            let mut total = SsmCounters::default();
-            let mut failures = vec![];
-            let (mut bf16_ulp, mut f32_ulp) = ((0f64, 0f64), (0f64, 0f64));
-            for seed in 0..seeds {
-                let run = run_family(family, seed, None).unwrap();
-                if let Some((i, f)) = &run.failure {
-                    failures.push(format!("seed {seed} op {i}: {f}"));
-                }
-                let c = &run.counters;
-                let cfg = SsmFamilyConfig::from_seed(family, seed).unwrap();
-                let slot = if cfg.dims.dtype == RefDtype::Bf16 { &mut bf16_ulp } else { &mut f32_ulp };
-                slot.0 = slot.0.max(c.model_max_ulp_output);
-                slot.1 = slot.1.max(c.model_max_ulp_state);
-                add_counters(&mut total, c);
-            }
-            println!(
-                "{}",
-                serde_json::json!({"family": family, "seeds": seeds, "failures": failures.len(), "first_failures": failures.iter().take(3).collect::<Vec<_>>(),
-                    "counters": total, "max_ulp_bf16": {"output": bf16_ulp.0, "state": bf16_ulp.1}, "max_ulp_f32": {"output": f32_ulp.0, "state": f32_ulp.1}})
-            );
-        }
-    }
 }

@@ -1,4 +1,4 @@
-//! Counters of one run, and the JSON summary of many.
+//! Counters of one run, per family and in total (the campaign's summary of many runs is `crate::campaign`).
 
 use std::collections::BTreeMap;
 
@@ -133,25 +133,40 @@ fn dtype_name(d: Dtype) -> &'static str {
     }
 }
 
-/// The `--json` summary of `kvsim sim` (its last line).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Summary {
-    pub seeds: u64,
+/// One storage-kind family's line of the summary's `layouts` object.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LayoutStats {
+    /// Ops the family applied (not skipped).
     pub ops: u64,
-    pub skipped_ops: u64,
+    /// Checks the family ran.
     pub checks: u64,
+    /// Runs that failed on one of this family's checks.
     pub failures: u64,
-    pub ops_by_kind: BTreeMap<String, u64>,
-    pub bit_exact: serde_json::Value,
-    pub compared: serde_json::Value,
-    pub max_ulp: serde_json::Value,
-    pub reference: serde_json::Value,
-    pub expected_errors: u64,
-    pub device: String,
-    pub mlx_version: String,
-    pub result_hash: String,
-    pub failed_seeds: Vec<serde_json::Value>,
-    pub seconds: f64,
-    /// `class/dtype` -> {compared, bit_exact, max_ulp} against the solo twin (README "Guarantees").
+    /// Comparisons (states and read outputs, against twin and model) that were byte-identical.
+    pub bit_exact: u64,
+    /// `class/dtype` -> comparisons with the solo twin (the family's guarantees table).
     pub guarantees: BTreeMap<String, ClassCount>,
+}
+
+impl LayoutStats {
+    /// The line of one run of one family.
+    pub fn of(ops: u64, c: &Counters, failed: bool) -> LayoutStats {
+        LayoutStats {
+            ops,
+            checks: c.checks,
+            failures: failed as u64,
+            bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
+            guarantees: c.table.clone(),
+        }
+    }
+
+    pub fn add(&mut self, o: &LayoutStats) {
+        self.ops += o.ops;
+        self.checks += o.checks;
+        self.failures += o.failures;
+        self.bit_exact += o.bit_exact;
+        for (k, v) in &o.guarantees {
+            self.guarantees.entry(k.clone()).or_default().add(v);
+        }
+    }
 }

@@ -9,5 +9,6 @@ mod mutants;
 mod oracle;
 mod sim_smoke;
 mod snapshots;
+mod ssm;
 mod state_machine;
 mod traces;

@@ -2,7 +2,7 @@
 //! stored mlx-lm results, without Python. Every trace agrees byte for byte or carries only classified divergences.
 use std::path::Path;
 
-use kvsim::sim::oracle::{self, Rule};
+use kvsim::oracle::{self, Rule};
 
 #[test]
 fn recorded_oracle_set_is_fully_classified() {

@@ -1,7 +1,7 @@
 //! The oracle step recorder (`oracles/PROTOCOL.md`): while the runner executes a trace, it appends one protocol step
 //! per production call (with the exact input arrays) and computes **kvsim's own result record** for the same step,
-//! in the format the mlx-lm driver writes. The runner holds it as `World::recorder: Option<Recorder>`; with `None`
-//! nothing here runs.
+//! in the format the mlx-lm driver writes. It is a [`RunObserver`] of the run: the families describe their calls
+//! ([`Call`]) and it turns them into protocol steps; without it nothing here runs.
 //!
 //! Beside the steps and results it keeps a [`StepInfo`] per step: what kvsim knew when it made the call (the op,
 //! the requests, their offsets, whether the ring may have wrapped, the trim it asked for and what kvsim did). The
@@ -15,28 +15,12 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::bytes::{ArrayBytes, Words};
+use crate::sim::observe::{Call, RunObserver, StateView};
+pub use crate::sim::observe::{Read, TrimInfo};
+use crate::sim::ops::Op;
 
 /// sha256 of the empty byte string (a view of no positions, a row with no real query).
 pub const EMPTY_SHA: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
-
-/// The read kind of a `solo` / `batch` step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Read {
-    Decode,
-    Window,
-    /// A write without a read (no result record).
-    Append,
-}
-
-impl Read {
-    pub fn name(self) -> &'static str {
-        match self {
-            Read::Decode => "decode",
-            Read::Window => "window",
-            Read::Append => "append",
-        }
-    }
-}
 
 /// One request's view in a checkpoint: its offset and, per layer, the sha256 of its temporal K and V views.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,21 +124,6 @@ impl Record {
         };
         Ok(Record { step, outcome })
     }
-}
-
-/// What kvsim did for a trim step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TrimInfo {
-    /// Count per row (one entry for a solo or uniform trim).
-    pub n: Vec<usize>,
-    pub bypass: bool,
-    /// kvsim's answer: `Ok(count)` or the typed error's name and text.
-    pub kvsim: Result<usize, String>,
-    /// Whether the last mutation of every row was a window write of at least `n` positions (what a bypass trim
-    /// undoes).
-    pub after_window: bool,
-    /// Live positions of each row before the trim.
-    pub live: Vec<usize>,
 }
 
 /// What kvsim knew when it made the call of one step (not part of the protocol; the classifier's context).
@@ -658,5 +627,56 @@ impl Recorder {
             s.push('\n');
         }
         s
+    }
+}
+
+impl RunObserver for Recorder {
+    fn on_op_start(&mut self, index: usize, op: &Op) {
+        self.op = index;
+        self.op_kind = op.kind().name();
+    }
+
+    fn wants_calls(&self) -> bool {
+        true
+    }
+
+    fn on_call(&mut self, call: Call<'_>) -> Result<(), String> {
+        match call {
+            Call::Admit { req } => self.admit(req),
+            Call::Solo { req, layer, read, k, v, q, out, offset } => {
+                self.solo(req, layer, read, k, v, q, out, offset)?
+            }
+            Call::SoloTrim { req, offset, trim } => self.solo_trim(req, offset, trim.clone()),
+            Call::Enter { reqs, merge, offsets, sizes } => self.enter(reqs, merge, offsets, sizes),
+            Call::Prefill { reqs, lengths, chunk } => self.prefill(reqs, lengths, chunk),
+            Call::PrefillChunk { layer, reqs, k, v, q, real, out, done, padded } => {
+                self.prefill_chunk(layer, reqs, k, v, q, real, out, done, padded)?
+            }
+            Call::PrefillEnd { longest } => self.prefill_end(longest),
+            Call::Batch { layer, read, reqs, rows, k, v, q, out } => {
+                self.batch(layer, read, reqs, rows, k, v, q, out)?
+            }
+            Call::BatchSpan { layer, reqs, rows, k, v, q, out } => self.batch_span(layer, reqs, rows, k, v, q, out)?,
+            Call::BatchWritten { l } => self.batch_written(l),
+            Call::TrimRows { reqs, offsets, trim } => self.trim_rows(reqs, offsets, trim.clone()),
+            Call::Trim { reqs, offsets, trim } => self.trim(reqs, offsets, trim.clone()),
+            Call::Extract { row, req, finish, rows_left } => self.extract(row, req, finish, rows_left),
+            Call::Filter { keep } => self.filter(keep),
+        }
+        Ok(())
+    }
+
+    fn on_state(&mut self, views: BTreeMap<u32, StateView>) -> Result<(), String> {
+        let mut reqs = BTreeMap::new();
+        for (id, view) in views {
+            let (mut k, mut v) = (vec![], vec![]);
+            for (tk, tv) in &view.layers {
+                k.push(sha_of(&ArrayBytes::of(tk).map_err(|e| e.to_string())?));
+                v.push(sha_of(&ArrayBytes::of(tv).map_err(|e| e.to_string())?));
+            }
+            reqs.insert(id, ReqView { offset: view.offset as i64, k, v });
+        }
+        self.checkpoint(reqs);
+        Ok(())
     }
 }

@@ -13,9 +13,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+pub mod recorder;
+
+use crate::oracle::recorder::{Outcome, Record, Recorder, StepInfo};
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::recorder::{Outcome, Read, Record, Recorder, StepInfo};
-use crate::sim::runner::World;
+use crate::sim::observe::Read;
 use crate::sim::trace::Trace;
 use crate::sim::DeviceChoice;
 
@@ -33,30 +35,26 @@ impl Recording {
     }
 }
 
-/// Replays `trace` on CPU with the recorder on: kvsim's steps (when `emit_steps`) and result records. Every kvsim
-/// check still runs; a failing one is an error (only passing traces are compared).
+/// Replays `trace` on CPU with the recorder observing the run (the same run loop as `kvsim sim`): kvsim's steps
+/// (when `emit_steps`) and result records. Every kvsim check still runs; a failing one is an error (only passing
+/// traces are compared).
 pub fn record(trace: &Trace, emit_steps: bool) -> Result<Recording, String> {
     if trace.mutant.is_some() {
         return Err("a mutant trace is not compared with the oracle".into());
     }
-    DeviceChoice::Cpu.activate();
-    crate::cache::mutation::arm(None);
-    let mut world = World::new(trace.config.clone()).map_err(|f| format!("setup: [{}] {}", f.check, f.message))?;
-    world.counters.guarantees = DeviceChoice::Cpu.guarantees();
-    world.recorder = Some(Recorder::new(&trace.config, emit_steps));
-    for (i, op) in trace.ops.iter().enumerate() {
-        if let Some(r) = world.recorder.as_mut() {
-            r.op = i;
-            r.op_kind = op.kind().name();
-        }
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.apply(op)));
-        match res {
-            Ok(Ok(_)) => {}
-            Ok(Err(f)) => return Err(format!("kvsim check failed at op {i} {op:?}: [{}] {}", f.check, f.message)),
-            Err(_) => return Err(format!("kvsim panicked at op {i} {op:?}")),
-        }
+    let mut rec = Recorder::new(&trace.config, emit_steps);
+    let r = crate::sim::run_observed(
+        trace.seed,
+        trace.config.clone(),
+        Some(trace.ops.clone()),
+        DeviceChoice::Cpu,
+        None,
+        &mut rec,
+    );
+    if let crate::sim::trace::Outcome::Fail { op_index, check, message } = &r.trace.outcome {
+        let op = r.trace.ops.get(*op_index);
+        return Err(format!("kvsim check failed at op {op_index} {op:?}: [{check}] {message}"));
     }
-    let rec = world.recorder.take().expect("the recorder is there");
     Ok(Recording { steps: rec.steps, infos: rec.infos, results: rec.results })
 }
 
@@ -1001,4 +999,180 @@ pub fn choose_seeds(count: usize, scan: u64, include: &[u64]) -> Result<Vec<u64>
     }
     chosen.sort();
     Ok(chosen)
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// recording a set
+// ------------------------------------------------------------------------------------------------------------
+
+/// `kvsim oracle record`: records `seeds` (or, when empty, a fresh choice of `count` seeds among `0..scan` that
+/// replaces the recorded set in `out`): kvsim's side, the mlx-lm driver's results, and the diff of each. Every
+/// line to show goes to `log` (`true` = an error line). Returns whether every seed was recorded.
+pub fn record_set(
+    count: usize,
+    scan: u64,
+    seeds: &[u64],
+    include: &[u64],
+    out: &Path,
+    keep_steps: bool,
+    log: &mut dyn FnMut(bool, String),
+) -> Result<bool, String> {
+    let python = setup_driver()?;
+    let explicit = !seeds.is_empty();
+    let seeds: Vec<u64> = if explicit { seeds.to_vec() } else { choose_seeds(count, scan, include)? };
+    std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    if !explicit {
+        // A fresh choice replaces the recorded set.
+        for p in recorded_traces(out).unwrap_or_default() {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
+            let _ = std::fs::remove_file(&p);
+            let _ = std::fs::remove_file(out.join(format!("{name}.oracle.jsonl")));
+        }
+    }
+    let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
+    let mut all = true;
+    for seed in seeds {
+        let name = format!("seed-{seed}");
+        match record_one(seed, &name, &python, &work, out, keep_steps) {
+            Ok(line) => log(false, line),
+            Err(e) => {
+                log(true, format!("{name}: {e}"));
+                all = false;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    if let Ok(report) = check_dir(out) {
+        log(
+            false,
+            format!(
+                "recorded set {}: {} traces, {} agree, {} classified, {} unclassified",
+                out.display(),
+                report.traces.len(),
+                report.count("agree"),
+                report.count("classified"),
+                report.count("unclassified")
+            ),
+        );
+    }
+    Ok(all)
+}
+
+/// Records one seed into `out`; the diff's summary line.
+fn record_one(
+    seed: u64,
+    name: &str,
+    python: &Path,
+    work: &Path,
+    out: &Path,
+    keep_steps: bool,
+) -> Result<String, String> {
+    let r = crate::sim::run_seed(seed, DeviceChoice::Cpu, None);
+    if r.failed() {
+        return Err("the kvsim run fails; not recorded".into());
+    }
+    let mut trace = r.trace;
+    trace.note = "oracle: recorded against mlx-lm 0.32.2 (kvsim oracle record)".into();
+    let rec = record(&trace, true)?;
+    let (_, text) = run_driver(python, &rec.steps_jsonl(), work, name)?;
+    if keep_steps {
+        let _ = std::fs::write(out.join(format!("{name}.steps.jsonl")), rec.steps_jsonl());
+    }
+    let tp = out.join(format!("{name}.trace.json"));
+    let op = out.join(format!("{name}.oracle.jsonl"));
+    std::fs::write(&tp, serde_json::to_string(&trace).unwrap() + "\n")
+        .and_then(|_| std::fs::write(&op, &text))
+        .map_err(|e| e.to_string())?;
+    Ok(diff_recorded(&tp).summary_line())
+}
+
+/// `kvsim oracle record --dry-run`: the chosen seeds, each with the geometry and config features it covers.
+pub fn describe_choice(count: usize, scan: u64, include: &[u64]) -> Result<Vec<(u64, Vec<String>)>, String> {
+    let seeds = choose_seeds(count, scan, include)?;
+    Ok(seeds
+        .into_iter()
+        .map(|s| {
+            let r = crate::sim::run_seed(s, DeviceChoice::Cpu, None);
+            let feats = record(&r.trace, false).map(|rec| features(&r.trace.config, &rec.infos)).unwrap_or_default();
+            (s, feats.into_iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect())
+        })
+        .collect())
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// report lines (`kvsim oracle diff` / `check` print them)
+// ------------------------------------------------------------------------------------------------------------
+
+impl TraceReport {
+    /// One line pair per divergence: step, op, what, class, detail.
+    pub fn divergence_lines(&self) -> Vec<String> {
+        self.divergences
+            .iter()
+            .map(|d| {
+                format!(
+                    "  step {:>5}  op {:>3} {:<13} {:<34} {}\n             {}",
+                    d.step,
+                    d.op,
+                    d.op_kind,
+                    d.what,
+                    d.class.describe(),
+                    d.detail
+                )
+            })
+            .collect()
+    }
+
+    /// `kvsim oracle diff`'s report.
+    pub fn diff_lines(&self) -> Vec<String> {
+        let mut lines = vec![format!("{}: {} steps, {} divergences", self.name, self.steps, self.divergences.len())];
+        lines.extend(self.divergence_lines());
+        for (r, n) in self.rules() {
+            lines.push(format!("  {} x{n} [{}]: {}", r.id(), r.verdict().name(), r.reason()));
+        }
+        lines.push(self.summary_line());
+        lines
+    }
+}
+
+impl CheckReport {
+    /// `kvsim oracle check`'s report: each trace (with its divergences when unclassified), the rules, the step kinds
+    /// covered and the totals.
+    pub fn lines(&self) -> Vec<String> {
+        let mut lines = vec![];
+        for t in &self.traces {
+            lines.push(t.summary_line());
+            if t.status() == "unclassified" {
+                lines.extend(t.divergence_lines());
+            }
+        }
+        lines.push("rules:".into());
+        for (r, (n, c, traces)) in self.rule_counts() {
+            let names: Vec<&str> = traces.iter().take(6).map(|s| s.as_str()).collect();
+            lines.push(format!(
+                "  {:<32} {:<26} {:>4} divergences, {:>4} consequences, {:>3} traces (e.g. {})",
+                r.id(),
+                r.verdict().name(),
+                n,
+                c,
+                traces.len(),
+                names.join(", ")
+            ));
+        }
+        let kinds = self.kinds();
+        let missing: Vec<&str> = STEP_KINDS.iter().copied().filter(|k| !kinds.contains(*k)).collect();
+        lines.push(format!(
+            "step kinds covered: {}/{}{}",
+            STEP_KINDS.len() - missing.len(),
+            STEP_KINDS.len(),
+            if missing.is_empty() { String::new() } else { format!(" (missing: {})", missing.join(", ")) }
+        ));
+        lines.push(format!(
+            "kvsim oracle check: {} traces, {} agree, {} classified, {} unclassified",
+            self.traces.len(),
+            self.count("agree"),
+            self.count("classified"),
+            self.count("unclassified")
+        ));
+        lines
+    }
 }

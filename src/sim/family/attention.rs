@@ -1,0 +1,1271 @@
+//! The attention family (`kv:plain`, `kv:rotating-plain`): executes ops on three things at once and checks them
+//! after every op:
+//! - the **production** caches: the running batch (`RowBatch`, one per layer) and, for requests outside it, their
+//!   serial caches (`SerialCache`, one per layer);
+//! - a **solo twin** per request and layer: a `SerialCache` that only ever holds that request, fed the same K/V and
+//!   queries (its window writes get only the request's real positions), and re-linearized exactly when the
+//!   production row goes through a layout event (`merge`, `extract`);
+//! - the **reference model** (`reference::RowModel`, one per request: layers share the layout).
+//!
+//! After each op `check::*` compares production against the model (layout, positions, masks, bytes, errors), the
+//! production rows against their twins (bytes), and read outputs against the twins (bytes) and the f64 model (ULPs).
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Array;
+
+use crate::bytes::ArrayBytes;
+use crate::cache::{CacheError, JoinSource, KvDtype, KvSpec, MaskUse, Masks, RowBatch, SerialCache};
+use crate::reference::{RefDtype, RowModel, Tensor, Tok, ValueSpace};
+use crate::sim::check::{self, Failure, ReadKind};
+use crate::sim::config::{DtypeChoice, SimConfig};
+use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::observe::{Call, Read, StateView, TrimInfo};
+use crate::sim::ops::{Op, OpKind};
+use crate::sim::summary::Counters;
+
+/// Where a request's storage lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Home {
+    /// Its own serial cache (prefill, or continued after extract).
+    Solo,
+    /// A row of the running batch.
+    Batch,
+}
+
+/// One request: its production serial caches (when outside the batch), its twins and its model.
+pub struct Request {
+    pub id: u32,
+    pub home: Home,
+    /// Production serial caches, one per layer (meaningful when `home == Solo`).
+    pub solo: Vec<SerialCache>,
+    /// Solo twins, one per layer.
+    pub twin: Vec<SerialCache>,
+    /// The expected layout (shared by every layer).
+    pub model: RowModel,
+    /// What the request's rows went through (for the guarantees table's classes).
+    pub history: History,
+}
+
+/// Events in a request's life that the guarantees table reports separately.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct History {
+    /// Went through merge, join or extract.
+    pub layout_event: bool,
+    /// Had a speculative rollback (a bypass trim of at least one position).
+    pub rolled_back: bool,
+}
+
+/// The attention family's layers of one run.
+pub struct Attention {
+    pub cfg: SimConfig,
+    pub vs: ValueSpace,
+    pub spec: KvSpec,
+    pub reqs: BTreeMap<u32, Request>,
+    /// The running batch, one per layer.
+    pub batch: Vec<RowBatch>,
+    /// Request id of each batch row.
+    pub rows: Vec<u32>,
+    pub next_id: u32,
+    pub counters: Counters,
+}
+
+type Res<T> = Result<T, Failure>;
+
+fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
+    Failure::new("mlx", format!("{what}: {e}"))
+}
+
+impl Attention {
+    pub fn new(cfg: SimConfig) -> Res<Attention> {
+        let dtype = match cfg.dtype {
+            DtypeChoice::F32 => KvDtype::F32,
+            DtypeChoice::Bf16 => KvDtype::Bf16,
+        };
+        let spec = KvSpec { heads_kv: cfg.heads_kv, head_dim: cfg.head_dim, dtype };
+        let vs = ValueSpace {
+            seed: cfg.payload_seed,
+            heads_kv: cfg.heads_kv,
+            heads_q: cfg.heads_q,
+            head_dim: cfg.head_dim,
+            dtype: match cfg.dtype {
+                DtypeChoice::F32 => RefDtype::F32,
+                DtypeChoice::Bf16 => RefDtype::Bf16,
+            },
+        };
+        let batch = (0..cfg.layers)
+            .map(|_| RowBatch::empty(spec, cfg.layout.max_size()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Failure::new("setup", e.to_string()))?;
+        Ok(Attention {
+            cfg,
+            vs,
+            spec,
+            reqs: BTreeMap::new(),
+            batch,
+            rows: vec![],
+            next_id: 0,
+            counters: Counters::default(),
+        })
+    }
+
+    pub fn view(&self) -> View {
+        View {
+            solo: self
+                .reqs
+                .values()
+                .filter(|r| r.home == Home::Solo)
+                .map(|r| (r.id, r.model.offset, r.model.last_concat))
+                .collect(),
+            rows: self.rows.clone(),
+            next_id: self.next_id,
+            live: self.reqs.len(),
+        }
+    }
+
+    fn max_size(&self) -> Option<usize> {
+        self.cfg.layout.max_size()
+    }
+
+    fn new_serial(&self) -> Res<SerialCache> {
+        SerialCache::new(self.spec, self.max_size()).map_err(|e| Failure::new("setup", e.to_string()))
+    }
+
+    // ----- payloads --------------------------------------------------------------------------------------------
+
+    /// `[B, heads, L, D]` for `tensor` of `layer`: row `b`, slot `i` holds `toks[b][i]`, or the pad poison when None.
+    fn block(&self, layer: usize, tensor: Tensor, toks: &[Vec<Option<Tok>>]) -> Res<Array> {
+        let heads = if tensor == Tensor::Q { self.cfg.heads_q } else { self.cfg.heads_kv };
+        let d = self.cfg.head_dim;
+        let b = toks.len();
+        let l = toks.iter().map(|r| r.len()).max().unwrap_or(0);
+        let mut data = vec![0f32; b * heads * l * d];
+        for (r, row) in toks.iter().enumerate() {
+            for (i, t) in row.iter().enumerate() {
+                let col: Vec<f32> = match t {
+                    Some(t) => self.vs.column_f32(layer as u32, tensor, *t),
+                    None => (0..heads * d)
+                        .map(|x| self.vs.pad_value(layer as u32, tensor, r as u32, i as u32, x / d, x % d))
+                        .collect(),
+                };
+                for h in 0..heads {
+                    for k in 0..d {
+                        data[((r * heads + h) * l + i) * d + k] = col[h * d + k];
+                    }
+                }
+            }
+        }
+        let shape = [b as i32, heads as i32, l as i32, d as i32];
+        Ok(match self.cfg.dtype {
+            DtypeChoice::F32 => Array::from_slice(&data, &shape),
+            // Values are already bf16-representable (reference::values rounds them): the conversion is exact, done
+            // on the host so that no MLX op is spent on it.
+            DtypeChoice::Bf16 => {
+                let h: Vec<half::bf16> = data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                Array::from_slice(&h, &shape)
+            }
+        })
+    }
+
+    fn kvq(&self, layer: usize, toks: &[Vec<Option<Tok>>]) -> Res<(Array, Array, Array)> {
+        Ok((
+            self.block(layer, Tensor::K, toks)?,
+            self.block(layer, Tensor::V, toks)?,
+            self.block(layer, Tensor::Q, toks)?,
+        ))
+    }
+
+    fn next_toks(&self, req: u32, n: usize) -> Vec<Option<Tok>> {
+        let off = self.reqs[&req].model.offset as u32;
+        (0..n as u32).map(|i| Some(Tok { req, pos: off + i })).collect()
+    }
+
+    // ----- the op interpreter ----------------------------------------------------------------------------------
+
+    /// Applies one op. `Ok(false)`: skipped (its references do not exist). `Err`: a check failed.
+    fn run_op(&mut self, cx: &mut Cx<'_>, op: &Op) -> Res<bool> {
+        Ok(match op {
+            Op::Admit { req } => self.admit(cx, *req)?,
+            Op::SoloWindow { req, len } => self.solo_window(cx, *req, *len as usize, true)?,
+            Op::SoloDecode { req } => self.solo_decode(cx, *req)?,
+            Op::SoloTrim { req, n, bypass } => self.solo_trim(cx, *req, *n as usize, *bypass)?,
+            Op::Merge { reqs } => self.enter(cx, reqs, true)?,
+            Op::Join { reqs } => self.enter(cx, reqs, false)?,
+            Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize)?,
+            Op::Decode => self.batch_decode(cx)?,
+            Op::Window { len } => self.batch_window(cx, *len as usize, true)?,
+            Op::Append { len } => self.batch_window(cx, *len as usize, false)?,
+            Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept)?,
+            Op::CommitSpan { len } => self.commit_span(cx, *len as usize)?,
+            Op::Extract { row, finish } => self.extract(cx, *row as usize, *finish)?,
+            Op::Filter { keep } => self.filter(cx, keep)?,
+            Op::Trim { n } => self.batch_trim(cx, *n as usize)?,
+        })
+    }
+
+    fn admit(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
+        if self.reqs.contains_key(&req) || req < self.next_id && self.reqs.contains_key(&req) {
+            return Ok(false);
+        }
+        if req < self.next_id {
+            // Ids are never reused: a finished request stays finished.
+            return Ok(false);
+        }
+        let layers = self.cfg.layers;
+        let solo = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
+        let twin = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
+        let model = RowModel::new(self.max_size());
+        self.reqs.insert(req, Request { id: req, home: Home::Solo, solo, twin, model, history: History::default() });
+        self.next_id = req + 1;
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Admit { req })?;
+        }
+        Ok(true)
+    }
+
+    fn solo_req(&self, req: u32) -> bool {
+        self.reqs.get(&req).is_some_and(|r| r.home == Home::Solo)
+    }
+
+    fn solo_window(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, read: bool) -> Res<bool> {
+        if !self.solo_req(req) || len == 0 {
+            return Ok(false);
+        }
+        let toks = self.next_toks(req, len);
+        let scale = self.cfg.scale();
+        let offset_before = self.reqs[&req].model.offset;
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let got = r.solo[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("solo window", e))?;
+            if cx.observer.wants_calls() {
+                let kind = if read { Read::Window } else { Read::Append };
+                emit(
+                    cx,
+                    Call::Solo {
+                        req,
+                        layer,
+                        read: kind,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                        offset: offset_before,
+                    },
+                )?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
+            let twin =
+                r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
+            if read {
+                let real: Vec<Tok> = toks.iter().flatten().copied().collect();
+                let model_after = {
+                    let mut m = self.reqs[&req].model.clone();
+                    m.window_write(&real);
+                    m
+                };
+                self.check_read(
+                    cx,
+                    layer,
+                    ReadKind::Window,
+                    &got.0,
+                    &[(0, req, real.clone(), Some(&twin.0))],
+                    &model_after_map(req, &model_after),
+                    &got.1,
+                )?;
+            }
+        }
+        let real: Vec<Tok> = toks.iter().flatten().copied().collect();
+        self.reqs.get_mut(&req).unwrap().model.window_write(&real);
+        Ok(true)
+    }
+
+    fn solo_decode(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
+        if !self.solo_req(req) {
+            return Ok(false);
+        }
+        let toks = self.next_toks(req, 1);
+        let scale = self.cfg.scale();
+        let mut model_after = self.reqs[&req].model.clone();
+        model_after.decode_write(toks[0].unwrap());
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let got =
+                r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
+            if cx.observer.wants_calls() {
+                let off = model_after.offset - 1;
+                emit(
+                    cx,
+                    Call::Solo {
+                        req,
+                        layer,
+                        read: Read::Decode,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                        offset: off,
+                    },
+                )?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
+            let twin =
+                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
+            let real = vec![toks[0].unwrap()];
+            self.check_read(
+                cx,
+                layer,
+                ReadKind::Decode,
+                &got.0,
+                &[(0, req, real, Some(&twin.0))],
+                &model_after_map(req, &model_after),
+                &got.1,
+            )?;
+        }
+        self.reqs.get_mut(&req).unwrap().model = model_after;
+        Ok(true)
+    }
+
+    fn solo_trim(&mut self, cx: &mut Cx<'_>, req: u32, n: usize, bypass: bool) -> Res<bool> {
+        if !self.solo_req(req) {
+            return Ok(false);
+        }
+        let mut model = self.reqs[&req].model.clone();
+        let recording = cx.observer.wants_calls();
+        let before = if recording {
+            self.reqs[&req].solo.first().map(|c| c.state().clone()).unwrap_or_default()
+        } else {
+            Default::default()
+        };
+        let expected = model.trim(n, bypass);
+        let mut first: Option<Result<usize, String>> = None;
+        for layer in 0..self.cfg.layers {
+            let r = self.reqs.get_mut(&req).unwrap();
+            let got = r.solo[layer].trim(n, bypass);
+            let twin = r.twin[layer].trim(n, bypass);
+            if recording && first.is_none() {
+                first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
+            }
+            check::error_matches("solo trim", &expected, &got.map(|_| ()))?;
+            check::error_matches("twin trim", &expected, &twin.map(|_| ()))?;
+        }
+        if cx.observer.wants_calls() {
+            let after_window = before.last_concat.is_some_and(|l| l >= n);
+            let kvsim = first.unwrap_or(Ok(0));
+            emit(
+                cx,
+                Call::SoloTrim {
+                    req,
+                    offset: before.offset,
+                    trim: &TrimInfo { n: vec![n], bypass, kvsim, after_window, live: vec![before.len] },
+                },
+            )?;
+        }
+        if expected.is_ok() {
+            let q = self.reqs.get_mut(&req).unwrap();
+            q.model = model;
+            if bypass && n > 0 {
+                q.history.rolled_back = true;
+            }
+        }
+        self.counters.expected_errors += expected.is_err() as u64;
+        Ok(true)
+    }
+
+    /// Solo requests enter the running batch: by temporal merge (`merge = true`) or keeping their phase (join).
+    fn enter(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool) -> Res<bool> {
+        let mut ids: Vec<u32> = vec![];
+        for &r in reqs {
+            if self.solo_req(r) && !ids.contains(&r) {
+                ids.push(r);
+            }
+        }
+        if ids.is_empty() {
+            return Ok(false);
+        }
+        let max = self.max_size();
+        if cx.observer.wants_calls() {
+            let offsets: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.offset).collect();
+            let sizes: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.cols.len()).collect();
+            emit(cx, Call::Enter { reqs: &ids, merge, offsets: &offsets, sizes: &sizes })?;
+        }
+        for layer in 0..self.cfg.layers {
+            let incoming = if merge {
+                let mut slices = vec![];
+                for id in &ids {
+                    let (k, v) =
+                        self.reqs[id].solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
+                    slices.push((k, v, self.reqs[id].model.offset));
+                }
+                RowBatch::merge(self.spec, max, &slices).map_err(|e| unexpected("merge", e))?
+            } else {
+                let sources: Vec<JoinSource> =
+                    ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
+                RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (serial rows)", e))?
+            };
+            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
+            let joined = RowBatch::join(
+                self.spec,
+                max,
+                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(&incoming, (0..ids.len()).collect())],
+            )
+            .map_err(|e| unexpected("join", e))?;
+            self.batch[layer] = joined;
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).unwrap();
+            r.home = Home::Batch;
+            r.history.layout_event = true;
+            if merge {
+                // Layout event: the row is rebuilt from its temporal view; the twin mirrors it.
+                let view = r.model.temporal_view();
+                let offset = r.model.offset;
+                r.model = RowModel::from_temporal(r.model.max_size, view.clone(), offset);
+                r.model.base = offset - view.len();
+                for twin in r.twin.iter_mut() {
+                    let (k, v) = twin.temporal_view().map_err(|e| unexpected("twin temporal_view", e))?;
+                    *twin = SerialCache::from_temporal(self.spec, max, &k, &v, offset)
+                        .map_err(|e| unexpected("twin from_temporal", e))?;
+                }
+            } else {
+                // join keeps the row's state whole (columns, phase, last window width).
+                r.model.base = r.model.offset - r.model.cols.len();
+            }
+            r.solo.clear();
+            self.rows.push(*id);
+        }
+        Ok(true)
+    }
+
+    fn batch_prefill(&mut self, cx: &mut Cx<'_>, reqs: &[u32], lengths: &[u32], chunk: usize) -> Res<bool> {
+        let mut ids: Vec<u32> = vec![];
+        let mut lens: Vec<usize> = vec![];
+        for (i, &r) in reqs.iter().enumerate() {
+            let fresh = self.reqs.get(&r).is_some_and(|q| q.home == Home::Solo && q.model.offset == 0);
+            if fresh && !ids.contains(&r) {
+                ids.push(r);
+                lens.push(lengths.get(i).copied().unwrap_or(1).max(1) as usize);
+            }
+        }
+        if ids.is_empty() || chunk == 0 {
+            return Ok(false);
+        }
+        let max = self.max_size();
+        let scale = self.cfg.scale();
+        let b = ids.len();
+        // Fresh rows, from the requests' own (empty) serial caches.
+        let mut pre: Vec<RowBatch> = vec![];
+        for layer in 0..self.cfg.layers {
+            let sources: Vec<JoinSource> =
+                ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
+            let mut p = RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (fresh rows)", e))?;
+            p.prepare(&lens).map_err(|e| unexpected("prepare", e))?;
+            pre.push(p);
+        }
+        for id in &ids {
+            self.reqs.get_mut(id).unwrap().model.base = 0;
+        }
+        let padded = lens.iter().any(|&x| x != lens[0]);
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Prefill { reqs: &ids, lengths: &lens, chunk })?;
+        }
+        let total = *lens.iter().max().unwrap();
+        let mut done = 0;
+        while done < total {
+            let l = chunk.min(total - done);
+            // Per row: the real positions of this chunk, then padding.
+            let mut toks: Vec<Vec<Option<Tok>>> = vec![];
+            let mut reals: Vec<Vec<Tok>> = vec![];
+            for (r, id) in ids.iter().enumerate() {
+                let remaining = lens[r].saturating_sub(done);
+                let n = remaining.min(l);
+                let off = self.reqs[id].model.offset as u32;
+                let real: Vec<Tok> = (0..n as u32).map(|i| Tok { req: *id, pos: off + i }).collect();
+                let mut row: Vec<Option<Tok>> = real.iter().map(|t| Some(*t)).collect();
+                row.resize(l, None);
+                toks.push(row);
+                reals.push(real);
+            }
+            let mut models: BTreeMap<u32, RowModel> = BTreeMap::new();
+            for (r, id) in ids.iter().enumerate() {
+                let mut m = self.reqs[id].model.clone();
+                if !reals[r].is_empty() {
+                    m.window_write(&reals[r]);
+                }
+                models.insert(*id, m);
+            }
+            for layer in 0..self.cfg.layers {
+                let masks = Masks::new();
+                let (k, v, q) = self.kvq(layer, &toks)?;
+                let got = pre[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
+                if cx.observer.wants_calls() {
+                    let real: Vec<usize> = reals.iter().map(Vec::len).collect();
+                    emit(
+                        cx,
+                        Call::PrefillChunk {
+                            layer,
+                            reqs: &ids,
+                            k: &k,
+                            v: &v,
+                            q: &q,
+                            real: &real,
+                            out: &got.0,
+                            done,
+                            padded,
+                        },
+                    )?;
+                }
+                let mut twin_outs = vec![];
+                for (r, id) in ids.iter().enumerate() {
+                    if reals[r].is_empty() {
+                        twin_outs.push(None);
+                        continue;
+                    }
+                    let one: Vec<Vec<Option<Tok>>> = vec![reals[r].iter().map(|t| Some(*t)).collect()];
+                    let (tk, tv, tq) = self.kvq(layer, &one)?;
+                    let t = self.reqs.get_mut(id).unwrap().twin[layer]
+                        .window(&tk, &tv, &tq, scale, &Masks::new())
+                        .map_err(|e| unexpected("twin window", e))?;
+                    twin_outs.push(Some(t.0));
+                }
+                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> =
+                    ids.iter().enumerate().map(|(r, id)| (r, *id, reals[r].clone(), twin_outs[r].as_ref())).collect();
+                self.check_read(cx, layer, ReadKind::PaddedWindow, &got.0, &rows, &models, &got.1)?;
+            }
+            for (id, m) in models {
+                self.reqs.get_mut(&id).unwrap().model = m;
+            }
+            done += l;
+        }
+        for (layer, p) in pre.iter_mut().enumerate() {
+            p.finalize().map_err(|e| unexpected("finalize", e))?;
+            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
+            self.batch[layer] = RowBatch::join(
+                self.spec,
+                max,
+                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
+            )
+            .map_err(|e| unexpected("join (prefilled rows)", e))?;
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).unwrap();
+            r.home = Home::Batch;
+            r.history.layout_event = true;
+            r.solo.clear();
+            self.rows.push(*id);
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::PrefillEnd { longest: total })?;
+        }
+        let _ = b;
+        Ok(true)
+    }
+
+    /// Every batch row's twin reads its request's next `len` positions (the same K/V/Q the row got); outputs in row
+    /// order.
+    fn twin_reads(&mut self, layer: usize, len: usize, how: TwinRead) -> Res<Vec<Array>> {
+        let scale = self.cfg.scale();
+        let mut outs = vec![];
+        for id in self.rows.clone() {
+            let one = vec![self.next_toks(id, len)];
+            let (k, v, q) = self.kvq(layer, &one)?;
+            let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+            let out = match how {
+                TwinRead::Decode => twin.decode(&k, &v, &q, scale, &Masks::new()).map(|o| o.0),
+                TwinRead::Window => twin.window(&k, &v, &q, scale, &Masks::new()).map(|o| o.0),
+                TwinRead::Span => twin.commit_span(&k, &v, &q, scale, &Masks::new()),
+            };
+            outs.push(out.map_err(|e| unexpected(&format!("twin {how:?}"), e))?);
+        }
+        Ok(outs)
+    }
+
+    /// The model's verdict on trimming row `r` by `n[r]`: every row's trimmed model, and the first row's error (the
+    /// production batch checks rows in order and changes nothing when one refuses).
+    fn model_trims(
+        &self,
+        n: &[usize],
+        bypass: bool,
+    ) -> (BTreeMap<u32, RowModel>, Result<(), crate::reference::ModelError>) {
+        let mut models = BTreeMap::new();
+        let mut expected = Ok(());
+        for (r, &id) in self.rows.iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            if let Err(e) = m.trim(n[r], bypass) {
+                if expected.is_ok() {
+                    expected = Err(e);
+                }
+            }
+            models.insert(id, m);
+        }
+        (models, expected)
+    }
+
+    fn batch_decode(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
+        if self.rows.is_empty() {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, 1)).collect();
+        let mut models = BTreeMap::new();
+        for &id in &self.rows {
+            let mut m = self.reqs[&id].model.clone();
+            m.decode_write(Tok { req: id, pos: m.offset as u32 });
+            models.insert(id, m);
+        }
+        let rope_before = self.batch[0].rope_offsets();
+        let rope_values = rope_before.values();
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
+            if cx.observer.wants_calls() {
+                let offsets: Vec<(usize, usize)> =
+                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                emit(
+                    cx,
+                    Call::Batch {
+                        layer,
+                        read: Read::Decode,
+                        reqs: &self.rows,
+                        rows: &offsets,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                    },
+                )?;
+            }
+            let twin_outs = self.twin_reads(layer, 1, TwinRead::Decode)?;
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
+                .rows
+                .iter()
+                .enumerate()
+                .map(|(r, &id)| (r, id, vec![toks[r][0].unwrap()], Some(&twin_outs[r])))
+                .collect();
+            self.check_read(cx, layer, ReadKind::Decode, &got.0, &rows, &models, &got.1)?;
+        }
+        check::rope_snapshot(
+            &rope_values,
+            &rope_before.values(),
+            &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
+        )?;
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: 1 })?;
+        }
+        self.counters.checks += 1;
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        Ok(true)
+    }
+
+    fn batch_window(&mut self, cx: &mut Cx<'_>, len: usize, read: bool) -> Res<bool> {
+        if self.rows.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, len)).collect();
+        let mut models = BTreeMap::new();
+        for (r, &id) in self.rows.iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
+            models.insert(id, m);
+        }
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            if read {
+                let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
+                if cx.observer.wants_calls() {
+                    let offsets: Vec<(usize, usize)> = self
+                        .rows
+                        .iter()
+                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                        .collect();
+                    emit(
+                        cx,
+                        Call::Batch {
+                            layer,
+                            read: Read::Window,
+                            reqs: &self.rows,
+                            rows: &offsets,
+                            k: &k,
+                            v: &v,
+                            q: Some(&q),
+                            out: Some(&got.0),
+                        },
+                    )?;
+                }
+                let twin_outs = self.twin_reads(layer, len, TwinRead::Window)?;
+                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
+                    .rows
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), Some(&twin_outs[r])))
+                    .collect();
+                self.check_read(cx, layer, ReadKind::Window, &got.0, &rows, &models, &got.1)?;
+            } else {
+                self.batch[layer].append(&k, &v).map_err(|e| unexpected("append", e))?;
+                if cx.observer.wants_calls() {
+                    let offsets: Vec<(usize, usize)> = self
+                        .rows
+                        .iter()
+                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                        .collect();
+                    emit(
+                        cx,
+                        Call::Batch {
+                            layer,
+                            read: Read::Append,
+                            reqs: &self.rows,
+                            rows: &offsets,
+                            k: &k,
+                            v: &v,
+                            q: None,
+                            out: None,
+                        },
+                    )?;
+                }
+                for &id in &self.rows.clone() {
+                    let one = vec![self.next_toks(id, len)];
+                    let (tk, tv, _) = self.kvq(layer, &one)?;
+                    self.reqs.get_mut(&id).unwrap().twin[layer]
+                        .append(&tk, &tv)
+                        .map_err(|e| unexpected("twin append", e))?;
+                }
+            }
+        }
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: len })?;
+        }
+        Ok(true)
+    }
+
+    fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
+        if self.rows.is_empty() || gamma == 0 {
+            return Ok(false);
+        }
+        self.batch_window(cx, gamma, true)?;
+        self.check_all(cx)?;
+        // The oracle compares the verify window's state before the rollback (a checkpoint of its own).
+        self.record_checkpoint(cx)?;
+        let rollback: Vec<usize> = (0..self.rows.len())
+            .map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma))
+            .collect();
+        let (models, expected) = self.model_trims(&rollback, true);
+        let recording = cx.observer.wants_calls();
+        let before: Vec<crate::cache::RingState> = if recording {
+            self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
+        } else {
+            vec![]
+        };
+        let mut first: Option<Result<usize, String>> = None;
+        for layer in 0..self.cfg.layers {
+            let got = self.batch[layer].trim_rows(&rollback, true);
+            if recording && first.is_none() {
+                first = Some(
+                    got.as_ref().map(|_| rollback.iter().copied().max().unwrap_or(0)).map_err(|e| format!("{e:?}")),
+                );
+            }
+            check::error_matches("verify rollback (trim_rows bypass)", &expected, &got)?;
+            for (r, &id) in self.rows.clone().iter().enumerate() {
+                let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(rollback[r], true);
+                check::error_matches("twin rollback", &expected, &t.map(|_| ()))?;
+            }
+        }
+        if cx.observer.wants_calls() {
+            let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
+            let after_window = before.iter().zip(&rollback).all(|(s, &n)| s.last_concat.is_some_and(|l| l >= n));
+            let live = before.iter().map(|s| s.len).collect();
+            let trim =
+                TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            emit(cx, Call::TrimRows { reqs: &self.rows, offsets: &offsets, trim: &trim })?;
+        }
+        if expected.is_ok() {
+            for (r, (id, m)) in models.into_iter().enumerate() {
+                let q = self.reqs.get_mut(&id).unwrap();
+                q.model = m;
+                let _ = r;
+            }
+            for (r, id) in self.rows.clone().iter().enumerate() {
+                if rollback[r] > 0 {
+                    self.reqs.get_mut(id).unwrap().history.rolled_back = true;
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
+        if self.rows.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, len)).collect();
+        let mut models = BTreeMap::new();
+        for (r, &id) in self.rows.iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            for t in toks[r].iter().flatten() {
+                m.decode_write(*t);
+            }
+            models.insert(id, m);
+        }
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            let got =
+                self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
+            if cx.observer.wants_calls() {
+                let offsets: Vec<(usize, usize)> =
+                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                emit(cx, Call::BatchSpan { layer, reqs: &self.rows, rows: &offsets, k: &k, v: &v, q: &q, out: &got })?;
+            }
+            let twin_outs = self.twin_reads(layer, len, TwinRead::Span)?;
+            // Outputs: compared with the twin (bytes) and the f64 model of each position's decode read.
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
+                .rows
+                .iter()
+                .enumerate()
+                .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), Some(&twin_outs[r])))
+                .collect();
+            self.check_span(cx, layer, &got, &rows)?;
+        }
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: len })?;
+        }
+        Ok(true)
+    }
+
+    fn extract(&mut self, cx: &mut Cx<'_>, row: usize, finish: bool) -> Res<bool> {
+        if self.rows.is_empty() {
+            return Ok(false);
+        }
+        if row >= self.rows.len() {
+            // An impossible request: every layer must refuse it with NoSuchRow, and change nothing.
+            for layer in 0..self.cfg.layers {
+                match self.batch[layer].extract(row) {
+                    Err(CacheError::NoSuchRow { .. }) => {}
+                    other => {
+                        return Err(Failure::new(
+                            "errors",
+                            format!(
+                                "extract of missing row {row} (rows {}): expected NoSuchRow, got {:?}",
+                                self.rows.len(),
+                                other.map(|_| ())
+                            ),
+                        ))
+                    }
+                }
+            }
+            self.counters.expected_errors += 1;
+            return Ok(true);
+        }
+        let id = self.rows[row];
+        let mut extracted = vec![];
+        for layer in 0..self.cfg.layers {
+            extracted.push(self.batch[layer].extract(row).map_err(|e| unexpected("extract", e))?);
+            let keep: Vec<usize> = (0..self.rows.len()).filter(|&r| r != row).collect();
+            self.batch[layer].filter(&keep).map_err(|e| unexpected("filter after extract", e))?;
+        }
+        self.rows.remove(row);
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Extract { row, req: id, finish, rows_left: self.rows.len() })?;
+        }
+        if finish {
+            self.reqs.remove(&id);
+            return Ok(true);
+        }
+        let max = self.max_size();
+        let r = self.reqs.get_mut(&id).unwrap();
+        r.home = Home::Solo;
+        r.history.layout_event = true;
+        r.solo = extracted;
+        // Layout event: extract de-rolls the row into a fresh serial cache (R-BROT-5); the twin and the model follow.
+        r.model = r.model.extract();
+        for twin in r.twin.iter_mut() {
+            twin.relinearize().map_err(|e| unexpected("twin relinearize", e))?;
+            let (k, v) = twin.physical().map_err(|e| unexpected("twin physical", e))?;
+            *twin = SerialCache::from_temporal(self.spec, max, &k, &v, r.model.offset)
+                .map_err(|e| unexpected("twin from_temporal", e))?;
+        }
+        let _ = max;
+        Ok(true)
+    }
+
+    fn filter(&mut self, cx: &mut Cx<'_>, keep: &[u32]) -> Res<bool> {
+        if self.rows.is_empty() {
+            return Ok(false);
+        }
+        let mut kept: Vec<usize> = vec![];
+        for &k in keep {
+            let k = k as usize;
+            if k < self.rows.len() && !kept.contains(&k) {
+                kept.push(k);
+            }
+        }
+        for layer in 0..self.cfg.layers {
+            self.batch[layer].filter(&kept).map_err(|e| unexpected("filter", e))?;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Filter { keep: &kept })?;
+        }
+        let dropped: Vec<u32> = (0..self.rows.len()).filter(|r| !kept.contains(r)).map(|r| self.rows[r]).collect();
+        self.rows = kept.iter().map(|&r| self.rows[r]).collect();
+        for id in dropped {
+            self.reqs.remove(&id);
+        }
+        Ok(true)
+    }
+
+    fn batch_trim(&mut self, cx: &mut Cx<'_>, n: usize) -> Res<bool> {
+        if self.rows.is_empty() {
+            return Ok(false);
+        }
+        let (models, expected) = self.model_trims(&vec![n; self.rows.len()], false);
+        let recording = cx.observer.wants_calls();
+        let before: Vec<crate::cache::RingState> = if recording {
+            self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
+        } else {
+            vec![]
+        };
+        let mut first: Option<Result<usize, String>> = None;
+        for layer in 0..self.cfg.layers {
+            let got = self.batch[layer].trim(n, false);
+            if recording && first.is_none() {
+                first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
+            }
+            check::error_matches("batch trim", &expected, &got.map(|_| ()))?;
+            if expected.is_ok() {
+                for &id in &self.rows.clone() {
+                    let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(n, false);
+                    check::error_matches("twin trim", &expected, &t.map(|_| ()))?;
+                }
+            }
+        }
+        if cx.observer.wants_calls() {
+            let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
+            let after_window = before.iter().all(|s| s.last_concat.is_some_and(|l| l >= n));
+            let live = before.iter().map(|s| s.len).collect();
+            let trim = TrimInfo { n: vec![n], bypass: false, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            emit(cx, Call::Trim { reqs: &self.rows, offsets: &offsets, trim: &trim })?;
+        }
+        match expected {
+            Ok(()) => {
+                for (id, m) in models {
+                    self.reqs.get_mut(&id).unwrap().model = m;
+                }
+            }
+            Err(_) => self.counters.expected_errors += 1,
+        }
+        Ok(true)
+    }
+
+    // ----- checks ----------------------------------------------------------------------------------------------
+
+    /// Checks one read: for each `(row, request, real query tokens, twin output)`, the row's output at its real
+    /// query positions against the twin's (bytes) and the model (f64, ULPs), and the mask it used against the model.
+    #[allow(clippy::too_many_arguments)]
+    fn check_read(
+        &mut self,
+        cx: &mut Cx<'_>,
+        layer: usize,
+        kind: ReadKind,
+        out: &Array,
+        rows: &[(usize, u32, Vec<Tok>, Option<&Array>)],
+        models: &BTreeMap<u32, RowModel>,
+        mask: &MaskUse,
+    ) -> Res<()> {
+        let mut to_read: Vec<&Array> = vec![out];
+        to_read.extend(rows.iter().filter_map(|r| r.3));
+        let mut read = ArrayBytes::read_many(&to_read).map_err(|e| mlx_fail("read output", e))?.into_iter();
+        let out_bytes = read.next().unwrap();
+        cx.hasher.update(&out_bytes.digest());
+        let l = out.shape()[2] as usize;
+        let width = rows.iter().map(|(_, id, _, _)| models[id].cols.len()).max().unwrap_or(0);
+        for (row, id, real, twin) in rows {
+            let model = &models[id];
+            let padded = model.cols.len() < width || real.len() < l;
+            let class = kind.class(padded);
+            // The mask each real query used must be exactly the model's visibility.
+            for (i, q) in real.iter().enumerate() {
+                let visible = match kind {
+                    ReadKind::Decode => model.decode_visible(),
+                    ReadKind::Window | ReadKind::PaddedWindow => model.window_visible(real.len(), i),
+                };
+                check::mask_row(mask, *row, i, &visible, l, width, kind)?;
+                self.counters.checks += 1;
+                let keys: Vec<Tok> = visible.iter().map(|&c| model.cols[c]).collect();
+                check::output_vs_model(
+                    &self.vs,
+                    layer as u32,
+                    *q,
+                    &keys,
+                    self.cfg.scale(),
+                    &out_bytes,
+                    *row,
+                    i,
+                    &mut self.counters,
+                )?;
+            }
+            if twin.is_some() {
+                let twin_bytes = read.next().unwrap();
+                let tags = self.tags(*id, model);
+                check::output_vs_twin(class, &tags, &out_bytes, *row, &twin_bytes, real.len(), &mut self.counters)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The guarantees-table classes a read of request `id` (state `model` after the write) also belongs to.
+    fn tags(&self, id: u32, model: &RowModel) -> Vec<&'static str> {
+        let mut t = vec![];
+        if model.max_size.is_some_and(|w| model.offset > w) {
+            t.push("after_rotation");
+        }
+        let h = self.reqs.get(&id).map(|r| r.history).unwrap_or_default();
+        if h.layout_event {
+            t.push("after_merge_join_extract");
+        }
+        if h.rolled_back {
+            t.push("after_speculative_rollback");
+        }
+        t
+    }
+
+    fn check_span(
+        &mut self,
+        cx: &mut Cx<'_>,
+        layer: usize,
+        out: &Array,
+        rows: &[(usize, u32, Vec<Tok>, Option<&Array>)],
+    ) -> Res<()> {
+        let out_bytes = ArrayBytes::of(out).map_err(|e| mlx_fail("read output", e))?;
+        cx.hasher.update(&out_bytes.digest());
+        for (row, id, real, twin) in rows {
+            // Rebuild the model position by position: position i is a decode read over the state after i+1 writes.
+            let mut m = self.reqs[id].model.clone();
+            for (i, q) in real.iter().enumerate() {
+                m.decode_write(*q);
+                let keys: Vec<Tok> = m.decode_visible().iter().map(|&c| m.cols[c]).collect();
+                check::output_vs_model(
+                    &self.vs,
+                    layer as u32,
+                    *q,
+                    &keys,
+                    self.cfg.scale(),
+                    &out_bytes,
+                    *row,
+                    i,
+                    &mut self.counters,
+                )?;
+            }
+            if let Some(twin) = twin {
+                let twin_bytes = ArrayBytes::of(twin).map_err(|e| mlx_fail("read twin output", e))?;
+                let tags = self.tags(*id, &m);
+                check::output_vs_twin(
+                    check::OutClass::DecodeUnpadded,
+                    &tags,
+                    &out_bytes,
+                    *row,
+                    &twin_bytes,
+                    real.len(),
+                    &mut self.counters,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands the observer every live request's offset and per-layer temporal K/V views, from the production
+    /// caches (batch rows first, in row order, then requests outside the batch). Nothing when it does not watch.
+    pub fn record_checkpoint(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        if !cx.observer.wants_calls() {
+            return Ok(());
+        }
+        let mut views = BTreeMap::new();
+        for (row, id) in self.rows.iter().enumerate() {
+            let mut layers = vec![];
+            for layer in 0..self.cfg.layers {
+                layers.push(self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
+            }
+            let offset = self.batch[0].row_states()[row].ring.offset;
+            views.insert(*id, StateView { offset, layers });
+        }
+        for r in self.reqs.values().filter(|r| r.home == Home::Solo) {
+            let mut layers = vec![];
+            for layer in 0..self.cfg.layers {
+                layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
+            }
+            views.insert(r.id, StateView { offset: r.solo[0].offset(), layers });
+        }
+        cx.observer.on_state(views).map_err(|e| mlx_fail("observe", e))
+    }
+
+    /// After every op: every live request's state, bytes and kinds, in production, twin and model.
+    pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let rows_model = self.rows.len();
+        for layer in 0..self.cfg.layers {
+            check::row_count(&self.batch[layer], rows_model)?;
+            check::kinds_batch(&self.batch[layer], self.max_size(), self.spec)?;
+            let width = self.rows.iter().map(|id| self.reqs[id].model.cols.len()).max().unwrap_or(0);
+            let expected_lp: Vec<i64> = self.rows.iter().map(|id| self.reqs[id].model.left_padding(width)).collect();
+            check::left_padding(&self.batch[layer].left_padding(), &expected_lp)?;
+            let trimmable = self.rows.iter().all(|id| self.reqs[id].model.is_trimmable());
+            check::flag("batch is_trimmable", self.batch[layer].is_trimmable(), trimmable)?;
+        }
+        // Host-side state first (cheap), then every byte with one device round trip.
+        let mut items: Vec<(String, u32, usize)> = vec![];
+        let mut arrays: Vec<Array> = vec![];
+        for (row, id) in self.rows.iter().enumerate() {
+            for layer in 0..self.cfg.layers {
+                let what = format!("row {row} (request {id}) layer {layer}");
+                let model = &self.reqs[id].model;
+                check::ring_state(&what, &self.batch[layer].row_states()[row].ring, model)?;
+                let p = self.batch[layer].row_physical(row).map_err(|e| unexpected("row_physical", e))?;
+                let t = self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?;
+                arrays.extend([p.0, p.1, t.0, t.1]);
+                items.push((what, *id, layer));
+            }
+        }
+        let solo: Vec<u32> = self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| r.id).collect();
+        for id in solo {
+            for layer in 0..self.cfg.layers {
+                let what = format!("solo request {id} layer {layer}");
+                let r = &self.reqs[&id];
+                check::ring_state(&what, r.solo[layer].state(), &r.model)?;
+                check::kinds_serial(&r.solo[layer], self.max_size(), self.spec)?;
+                check::flag("solo is_trimmable", r.solo[layer].is_trimmable(), r.model.is_trimmable())?;
+                let p = r.solo[layer].physical().map_err(|e| unexpected("physical", e))?;
+                let t = r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
+                arrays.extend([p.0, p.1, t.0, t.1]);
+                items.push((what, id, layer));
+            }
+        }
+        for (what, id, layer) in &items {
+            let r = &self.reqs[id];
+            let twin = &r.twin[*layer];
+            check::ring_state(&format!("twin of {what}"), twin.state(), &r.model)?;
+            let p = twin.physical().map_err(|e| unexpected("twin physical", e))?;
+            let t = twin.temporal_view().map_err(|e| unexpected("twin temporal_view", e))?;
+            arrays.extend([p.0, p.1, t.0, t.1]);
+        }
+        let refs: Vec<&Array> = arrays.iter().collect();
+        let bytes = ArrayBytes::read_many(&refs).map_err(|e| mlx_fail("read state", e))?;
+        let twins = items.len() * 4;
+        for (n, (what, id, layer)) in items.iter().enumerate() {
+            let ours = &bytes[4 * n..4 * n + 4];
+            let theirs = &bytes[twins + 4 * n..twins + 4 * n + 4];
+            self.check_storage(cx, what, *id, *layer, ours, theirs)?;
+        }
+        self.counters.checks += items.len() as u64;
+        Ok(())
+    }
+
+    /// Production physical columns == model tokens (bytes); == twin's physical columns (bytes, same order);
+    /// temporal views equal (bytes) and equal to the model's tail. `ours`/`theirs`: physical K, V, temporal K, V.
+    fn check_storage(
+        &mut self,
+        cx: &mut Cx<'_>,
+        what: &str,
+        id: u32,
+        layer: usize,
+        ours: &[ArrayBytes],
+        theirs: &[ArrayBytes],
+    ) -> Res<()> {
+        let model = &self.reqs[&id].model;
+        for (i, tensor) in [Tensor::K, Tensor::V].into_iter().enumerate() {
+            cx.hasher.update(&ours[i].digest());
+            check::columns_vs_model(what, &self.vs, layer as u32, tensor, &ours[i], &model.cols)?;
+            check::bytes_equal(&format!("{what} {tensor:?} physical vs twin"), &ours[i], &theirs[i])?;
+            check::bytes_equal(&format!("{what} {tensor:?} temporal_view vs twin"), &ours[2 + i], &theirs[2 + i])?;
+            check::columns_vs_model(
+                &format!("{what} temporal_view"),
+                &self.vs,
+                layer as u32,
+                tensor,
+                &ours[2 + i],
+                &model.temporal_view(),
+            )?;
+            self.counters.bit_exact_state += 3;
+            self.counters.record_state(ours[i].dtype, 3);
+            self.counters.checks += 4;
+        }
+        Ok(())
+    }
+}
+
+/// The read a solo twin performs for a batch op.
+#[derive(Debug, Clone, Copy)]
+enum TwinRead {
+    Decode,
+    Window,
+    Span,
+}
+
+fn model_after_map(id: u32, m: &RowModel) -> BTreeMap<u32, RowModel> {
+    let mut map = BTreeMap::new();
+    map.insert(id, m.clone());
+    map
+}
+
+/// Describes a production call to the observer.
+fn emit(cx: &mut Cx<'_>, call: Call<'_>) -> Res<()> {
+    cx.observer.on_call(call).map_err(|e| mlx_fail("observe", e))
+}
+
+fn unexpected(what: &str, e: CacheError) -> Failure {
+    Failure::new("errors", format!("{what}: unexpected error {e:?}"))
+}
+
+/// The attention family's name in `SimConfig::families`.
+pub const NAME: &str = "attention";
+
+/// The attention family: every op of the alphabet.
+pub const REGISTRATION: Registration = Registration {
+    name: NAME,
+    supports: |_kind: OpKind| true,
+    swarm_probability: 1.0,
+    build: |cfg| Ok(Box::new(Attention::new(cfg.clone())?)),
+};
+
+impl Family for Attention {
+    fn key(&self) -> &'static str {
+        match self.cfg.layout.max_size() {
+            None => "kv:plain",
+            Some(_) => "kv:rotating-plain",
+        }
+    }
+
+    fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        self.run_op(cx, op)
+    }
+
+    fn check_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        self.check_all(cx)
+    }
+
+    fn observe_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        self.record_checkpoint(cx)
+    }
+
+    fn view(&self) -> View {
+        Attention::view(self)
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn counters_mut(&mut self) -> &mut Counters {
+        &mut self.counters
+    }
+}

@@ -1,0 +1,111 @@
+//! Layout families: the plug-ins of the harness.
+//!
+//! A **family** is one kind of cache a model's layers may hold (attention K/V caches, quantized ones, a recurrent
+//! state, ...). It owns, for one run, everything about its layers: the production layouts (serial caches and rows
+//! of the running batch), one solo twin per request, its reference model, the ops it supports, its checks, and the
+//! counters of what it proved. The runner ([`crate::sim::runner::World`]) holds one instance per family of the
+//! run's swarm config and dispatches every op to each of them; it knows nothing else about any family.
+//!
+//! Adding a family is adding a module here that implements [`Family`] and one [`Registration`] in [`REGISTRY`]
+//! (ARCHITECTURE.md, "How to add a layout family").
+
+pub mod attention;
+
+use crate::sim::check::Failure;
+use crate::sim::config::SimConfig;
+use crate::sim::observe::RunObserver;
+use crate::sim::ops::{Op, OpKind};
+use crate::sim::summary::Counters;
+
+/// What a family hands its checks besides itself: the run's digest (every byte a check reads is chained into it, in
+/// order) and the observer.
+pub struct Cx<'a> {
+    pub hasher: &'a mut blake3::Hasher,
+    pub observer: &'a mut dyn RunObserver,
+}
+
+/// What the op generator may look at (the scheduler's picture; the same in every family of a run).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct View {
+    /// Requests outside the batch: (id, offset, width of the last window write if it was the last mutation).
+    pub solo: Vec<(u32, usize, Option<usize>)>,
+    /// Requests of the batch rows, in row order.
+    pub rows: Vec<u32>,
+    pub next_id: u32,
+    pub live: usize,
+}
+
+/// One layout family of one run.
+///
+/// Contract (what the runner relies on):
+/// - [`Family::apply`] executes `op` on production, twins and model, checks every read it makes, and returns
+///   `Ok(false)` (changing nothing) when the op's references do not exist in this family's state; an impossible
+///   request is executed and must yield the model's typed error. Ops of kinds the family does not
+///   [`support`](Registration::supports) never reach it.
+/// - [`Family::check_state`] runs after every applied op: every live request's state against twin and model.
+/// - Everything the checks read goes into `cx.hasher` in a deterministic order (the run's result hash).
+/// - Production calls are described to `cx.observer` only when `cx.observer.wants_calls()`.
+pub trait Family {
+    /// The storage-kind family this instance checks (the key of the summary's `layouts` object), e.g. `"kv:plain"`.
+    fn key(&self) -> &'static str;
+    /// Applies one op. `Ok(false)`: skipped (its references do not exist here). `Err`: a check failed.
+    fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Result<bool, Failure>;
+    /// After every applied op: every live request's state, bytes and kinds, in production, twin and model.
+    fn check_state(&mut self, cx: &mut Cx<'_>) -> Result<(), Failure>;
+    /// Hands every live request's production state to the observer (only called when it wants calls).
+    fn observe_state(&mut self, cx: &mut Cx<'_>) -> Result<(), Failure>;
+    /// The scheduler's picture, for the generator.
+    fn view(&self) -> View;
+    /// What this family counted so far.
+    fn counters(&self) -> &Counters;
+    fn counters_mut(&mut self) -> &mut Counters;
+}
+
+/// How the runner finds a family: its name (as in `SimConfig::families`), which op kinds it supports, and how to
+/// build its instance for a run.
+pub struct Registration {
+    /// The name in [`SimConfig::families`].
+    pub name: &'static str,
+    /// Whether the family executes ops of this kind. A run's generator draws only kinds every family of the run
+    /// supports (`SimConfig::from_seed` switches the others off), and a replayed op of another kind is skipped.
+    pub supports: fn(OpKind) -> bool,
+    /// Swarm: the probability that a seed's run includes this family (drawn from `Stream::Families`, in registry
+    /// order). A run always holds at least one family: the first registered one when the draw picks none.
+    pub swarm_probability: f64,
+    /// One instance for a run of `cfg`.
+    pub build: fn(&SimConfig) -> Result<Box<dyn Family>, Failure>,
+}
+
+/// Every family the harness knows, in the order the runner dispatches them.
+pub const REGISTRY: &[Registration] = &[attention::REGISTRATION];
+
+/// The registration of `name`.
+pub fn registration(name: &str) -> Option<&'static Registration> {
+    REGISTRY.iter().find(|r| r.name == name)
+}
+
+/// The families a run holds by default (a config that names none).
+pub fn default_families() -> Vec<String> {
+    vec![attention::NAME.to_string()]
+}
+
+/// Whether every family of `names` supports `kind` (an unknown name supports nothing).
+pub fn all_support(names: &[String], kind: OpKind) -> bool {
+    names.iter().all(|n| registration(n).is_some_and(|r| (r.supports)(kind)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_names_are_unique_and_the_default_is_registered() {
+        for (i, r) in REGISTRY.iter().enumerate() {
+            assert!(REGISTRY[..i].iter().all(|o| o.name != r.name), "{} registered twice", r.name);
+        }
+        for n in default_families() {
+            assert!(registration(&n).is_some());
+        }
+        assert!(!all_support(&["no-such-family".to_string()], OpKind::Decode));
+    }
+}
