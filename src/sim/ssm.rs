@@ -164,7 +164,7 @@ pub struct SsmCounters {
 pub fn ssm_model_bound(dtype: RefDtype) -> f64 {
     match dtype {
         RefDtype::Bf16 => 64.0,
-        RefDtype::F32 => 4096.0,
+        RefDtype::F32 => 256.0,
     }
 }
 
