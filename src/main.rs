@@ -500,7 +500,12 @@ fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, device: DeviceCh
 
 fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
     let mut rows = vec![];
-    for &m in Mutant::ALL.iter().filter(|m| m.in_simulator() && only.as_deref().is_none_or(|o| o == m.name())) {
+    // Quantized mutants are not reachable by a simulator family yet (`Mutant::in_simulator`); the recurrent cache's
+    // are hunted by its own runs (`sim::ssm`, its tests).
+    for &m in Mutant::ALL
+        .iter()
+        .filter(|m| m.in_simulator() && m.layout() == "kv" && only.as_deref().is_none_or(|o| o == m.name()))
+    {
         let hunt = campaign::MutantHunt::run(m, budget, shrink_budget);
         if let (true, Some(t)) = (save, hunt.corpus_trace()) {
             write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);

@@ -66,6 +66,24 @@ pub enum CacheError {
     /// into one another.
     #[error("storage mismatch: expected {expected}, found {found}")]
     StorageMismatch { expected: String, found: String },
+    /// `trim` on a recurrent cache: its state cannot drop positions; speculative decoding uses rounds (R-C-5, R-C-6).
+    #[error("a recurrent (ssm) cache is not trimmable; use a speculative round")]
+    RecurrentNotTrimmable,
+    /// A speculative round is armed: begin, merge, filter, extract and prepare wait until it resolves.
+    #[error("a speculative round is armed: commit or roll it back first")]
+    SpecRoundActive,
+    /// Commit or rollback without an armed round.
+    #[error("no armed speculative round")]
+    NoSpecRound,
+    /// Rollback of an armed round before its verify call recorded anything.
+    #[error("rollback before the verify call recorded the round")]
+    SpecRoundNotRecorded,
+    /// A second layer call inside one armed round (at most one call per round, R-SSM-4).
+    #[error("the speculative round already recorded its call")]
+    SpecRoundAlreadyRecorded,
+    /// A rollback keep larger than the recorded window.
+    #[error("keep {keep} outside the recorded window of {window} positions")]
+    KeepOutsideWindow { keep: usize, window: usize },
     /// The MLX runtime raised an exception.
     #[error("mlx: {0}")]
     Mlx(String),

@@ -22,6 +22,9 @@ pub const ROTATING_PLAIN: &str = "rotating-plain";
 pub const QUANT_PREFIX: &str = "kv:quant:";
 /// Prefix of the quantized ring kind `kv:rotating-quant:<bits>:<group>`.
 pub const ROTATING_QUANT_PREFIX: &str = "kv:rotating-quant:";
+/// The gated-DeltaNet recurrent cache (`SsmCache`, any number of rows). Not an attention kind: the attention
+/// router [`StorageKind::route`] refuses it (fail closed); hybrid sets ask [`is_ssm`] first.
+pub const SSM: &str = "ssm";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
 /// The stateless training cache (`TrainingCache`, R-TRN-1): never admitted, merged or persisted.
@@ -168,7 +171,13 @@ pub fn is_training(k: &StorageKind) -> bool {
     k.0 == TRAINING || k.0 == PREFIX_SHARED
 }
 
-/// True iff `k` is one of the known routable kinds (training kinds are known but never routed).
+/// True iff `k` is exactly the recurrent kind [`SSM`].
+pub fn is_ssm(k: &StorageKind) -> bool {
+    k.0 == SSM
+}
+
+/// True iff `k` is one of the known routable attention kinds (training and recurrent kinds are known but never
+/// routed here).
 pub fn is_known(k: &StorageKind) -> bool {
     k.route().is_ok()
 }

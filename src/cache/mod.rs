@@ -8,6 +8,7 @@
 //!   (R-TRN-*).
 //! - [`QuantizedKvCache`], [`RotatingQuantizedKvCache`], [`BatchQuantizedKvCache`]: the same core and rows with
 //!   affine-quantized [`Storage`] (six planes; see [`quant`]).
+//! - [`SsmCache`]: the gated-DeltaNet recurrent cache (conv tail + recurrent state, speculative rounds; R-SSM-*).
 //! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
 //! - [`mutation`]: the mutation catalog's fault hooks (inert unless armed).
 //!
@@ -31,6 +32,7 @@ pub mod mask;
 pub mod mutation;
 pub mod quant;
 pub mod ring;
+pub mod ssm;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod training;
@@ -41,8 +43,8 @@ pub use compiled::{int32_input, plain_decode_step, CompiledDecode, DecodePlan, S
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
-    is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_training, KindRoute, StorageKind, KV_PLAIN,
-    PREFIX_SHARED, QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, TRAINING,
+    is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training, KindRoute, StorageKind,
+    KV_PLAIN, PREFIX_SHARED, QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use quant::{
@@ -50,6 +52,7 @@ pub use quant::{
     QUANT_GROUPS,
 };
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
+pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
 pub use training::{PrefixSharedCache, TrainingCache};
 
 /// Result of every fallible cache operation.

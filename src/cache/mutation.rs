@@ -59,6 +59,23 @@ pub enum Mutant {
     /// The codec registry drops `minimum_reusable_offset` when saving (the reuse floor is not persisted). Hook:
     /// `persist::codec::Registry::encode`.
     FloorNotPersisted,
+    /// The recurrent mask of an `SsmCache` call ignores left padding (`pos < lengths` only), so a merged row's
+    /// left padding is folded into its recurrent state (bug catalog #1). Hook: `SsmCache::call`.
+    SsmMaskIgnoresLeftPadding,
+    /// A rollback replays one position more than accepted (capped at the window). Hook:
+    /// `SsmCache::spec_round_rollback_rows`.
+    SsmReplayOneMore,
+    /// A rollback replays one position fewer than accepted. Hook: `SsmCache::spec_round_rollback_rows`.
+    SsmReplayOneFewer,
+    /// With prepared padding, the new conv tail is the last `K-1` rows of the padded window, not each row's real
+    /// end. Hook: `forward`'s tail index in `ssm.rs`.
+    SsmConvTailAtPaddedEnd,
+    /// A padded (prepared) call advances each row's history by the window width and finalize does not roll it
+    /// back to the real count (mlx-lm#1821's class). Hook: `SsmCache::call` offsets.
+    SsmFinalizeKeepsPaddedHistory,
+    /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
+    /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
+    SsmFilterShiftsEmptyPadding,
 }
 
 impl Mutant {
@@ -80,6 +97,12 @@ impl Mutant {
         Mutant::QuantGqaMaskWrongAxis,
         Mutant::QuantConvertTemporalOrder,
         Mutant::FloorNotPersisted,
+        Mutant::SsmMaskIgnoresLeftPadding,
+        Mutant::SsmReplayOneMore,
+        Mutant::SsmReplayOneFewer,
+        Mutant::SsmConvTailAtPaddedEnd,
+        Mutant::SsmFinalizeKeepsPaddedHistory,
+        Mutant::SsmFilterShiftsEmptyPadding,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -101,12 +124,27 @@ impl Mutant {
             Mutant::QuantGqaMaskWrongAxis => "quant-gqa-mask-wrong-axis",
             Mutant::QuantConvertTemporalOrder => "quant-convert-temporal-order",
             Mutant::FloorNotPersisted => "floor-not-persisted",
+            Mutant::SsmMaskIgnoresLeftPadding => "ssm-mask-ignores-left-padding",
+            Mutant::SsmReplayOneMore => "ssm-replay-one-more",
+            Mutant::SsmReplayOneFewer => "ssm-replay-one-fewer",
+            Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
+            Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
+            Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
         }
     }
 
     /// The mutant whose [`Mutant::name`] is `s`.
     pub fn from_name(s: &str) -> Option<Mutant> {
         Self::ALL.iter().copied().find(|m| m.name() == s)
+    }
+
+    /// The layout family the mutant lives in: `"ssm"` for the recurrent cache's, `"kv"` for the attention layouts'.
+    pub fn layout(&self) -> &'static str {
+        if self.name().starts_with("ssm-") {
+            "ssm"
+        } else {
+            "kv"
+        }
     }
 
     /// One sentence: what the planted bug does.
@@ -142,6 +180,14 @@ impl Mutant {
                 "to_quantized converts a wrapped ring in temporal, not physical, order"
             }
             Mutant::FloorNotPersisted => "saving drops the minimum reusable offset (the reuse floor)",
+            Mutant::SsmMaskIgnoresLeftPadding => "the recurrent mask ignores left padding, folding it into the state",
+            Mutant::SsmReplayOneMore => "a speculative rollback replays one position more than accepted",
+            Mutant::SsmReplayOneFewer => "a speculative rollback replays one position fewer than accepted",
+            Mutant::SsmConvTailAtPaddedEnd => "the conv tail is taken at the padded end of a prepared window",
+            Mutant::SsmFinalizeKeepsPaddedHistory => {
+                "a padded call advances rows by the window width and finalize does not roll it back"
+            }
+            Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
         }
     }
 

@@ -293,6 +293,11 @@ thread_local! {
     static EVAL_AFTER_WRITE: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
 }
 
+/// The calling thread's [`set_eval_after_write`] setting.
+pub(crate) fn eval_after_write() -> bool {
+    EVAL_AFTER_WRITE.with(|e| e.get())
+}
+
 /// Whether caches evaluate their K/V buffers right after every write (default `true`, per thread).
 ///
 /// Evaluating after each write keeps every cache's graph one write deep whatever the caller does (bug catalog #11).

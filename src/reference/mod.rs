@@ -15,6 +15,8 @@
 //!
 //! 4. **What the training masks and special reads see** ([`training_visible`], [`prefix_shared_visible`],
 //!    [`bidirectional_visible`], [`read_block_context`]), in its own formulation of each rule.
+//! 4. **What a gated-DeltaNet layer's cache should hold and return** ([`SsmRowModel`], [`SsmValues`]): the exact
+//!    conv tail and the f64 recurrence (ssm.rs).
 //!
 //! Divergences are reported in these terms ([`compare_columns`], [`compare_fields`], [`Divergence`]): op, row,
 //! physical column, the token expected there and the token actually found.
@@ -28,6 +30,7 @@ pub mod error;
 pub mod model;
 pub mod quant;
 pub mod special;
+pub mod ssm;
 pub mod values;
 
 pub use attention::{attention_bits, attention_f64};
@@ -38,6 +41,7 @@ pub use quant::{Quantized, RefQuant};
 pub use special::{
     bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
 };
+pub use ssm::{SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
 pub use values::{
     bits_to_f32, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_distance, ulp_f32, BitsKind, FloatFormat, RefDtype, Tensor,
     Tok, ValueSpace,
@@ -59,6 +63,7 @@ mod tests {
             ("special.rs", include_str!("special.rs")),
             ("quant.rs", include_str!("quant.rs")),
             ("error.rs", include_str!("error.rs")),
+            ("ssm.rs", include_str!("ssm.rs")),
         ];
         for (name, src) in files {
             assert!(!src.to_lowercase().contains(&banned), "src/reference/{name} mentions {banned}");

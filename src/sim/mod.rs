@@ -10,6 +10,7 @@ pub mod ops;
 pub mod rng;
 pub mod runner;
 pub mod shrink;
+pub mod ssm;
 pub mod summary;
 pub mod trace;
 
