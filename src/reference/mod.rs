@@ -23,6 +23,7 @@ pub mod attention;
 pub mod compare;
 pub mod error;
 pub mod model;
+pub mod transition;
 pub mod values;
 
 pub use attention::{attention_bits, attention_f64};
@@ -48,6 +49,8 @@ mod tests {
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
             ("error.rs", include_str!("error.rs")),
+            ("transition.rs", include_str!("transition.rs")),
+            ("transition/tests.rs", include_str!("transition/tests.rs")),
         ];
         for (name, src) in files {
             assert!(!src.to_lowercase().contains(&banned), "src/reference/{name} mentions {banned}");
