@@ -15,13 +15,14 @@ use mlx_rs::Array;
 
 use super::error::{invalid, shape, CacheError};
 use super::kind::{KindRoute, StorageKind};
-use super::mask::{attend, MaskKey, MaskKind, MaskUse, Masks};
+use super::mask::{MaskKey, MaskKind, MaskUse, Masks};
 use super::mutation::{self, Mutant};
+use super::quant::{attend_planes, check_planes_shape, QuantSpec, Storage};
 use super::ring::{
     grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase,
     RingState, SerialCache,
 };
-use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, zeros};
+use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice};
 use super::{KvSpec, Result};
 
 /// One row of a [`RowBatch`].
@@ -54,10 +55,10 @@ impl JoinSource<'_> {
         }
     }
 
-    fn spec_and_window(&self) -> (KvSpec, Option<usize>) {
+    fn spec_window_storage(&self) -> (KvSpec, Option<usize>, Storage) {
         match self {
-            JoinSource::Rows(b, _) => (b.spec, b.max_size),
-            JoinSource::Serial(s) => (s.spec(), s.max_size()),
+            JoinSource::Rows(b, _) => (b.spec, b.max_size, b.storage),
+            JoinSource::Serial(s) => (s.spec(), s.max_size(), s.storage()),
         }
     }
 }
@@ -102,6 +103,7 @@ impl RopeOffsets {
 pub struct RowBatch {
     spec: KvSpec,
     max_size: Option<usize>,
+    storage: Storage,
     rows: Vec<RowState>,
     /// Present iff there are rows and `cap > 0`; `cap >= max len_r`.
     buf: Option<Buf>,
@@ -114,6 +116,7 @@ impl Clone for RowBatch {
         RowBatch {
             spec: self.spec,
             max_size: self.max_size,
+            storage: self.storage,
             rows: self.rows.clone(),
             buf: self.buf.clone(),
             live: Rc::new(RefCell::new(self.live.borrow().clone())),
@@ -126,6 +129,7 @@ impl std::fmt::Debug for RowBatch {
         f.debug_struct("RowBatch")
             .field("spec", &self.spec)
             .field("max_size", &self.max_size)
+            .field("storage", &self.storage)
             .field("rows", &self.rows)
             .field("cap", &self.cap())
             .finish()
@@ -164,35 +168,35 @@ impl BatchRotatingKvCache {
     }
 }
 
-/// Stack per-row live columns (`[1, H, len_r, D]` each) into a `[B, H, width, D]` buffer, zero-padded on the right.
-fn stack_rows(spec: &KvSpec, parts: &[(Array, Array)], lens: &[usize]) -> Result<Option<Buf>> {
+/// Stack per-row live planes (`[1, H, len_r, ·]` each) into `[B, H, width, ·]` planes, zero-padded on the right.
+fn stack_rows(spec: &KvSpec, storage: &Storage, parts: &[Vec<Array>], lens: &[usize]) -> Result<Option<Buf>> {
     let width = lens.iter().copied().max().unwrap_or(0);
     if parts.is_empty() || width == 0 {
         return Ok(None);
     }
-    let mut ks = Vec::with_capacity(parts.len());
-    let mut vs = Vec::with_capacity(parts.len());
-    for ((k, v), &len) in parts.iter().zip(lens) {
+    let mut per_plane: Vec<Vec<Array>> = vec![Vec::with_capacity(parts.len()); storage.planes()];
+    for (planes, &len) in parts.iter().zip(lens) {
         let pad = width - len;
-        let (k, v) = (cols(k, 0, len)?, cols(v, 0, len)?);
-        if pad > 0 {
-            let z = zeros(&[1, spec.heads_kv, pad, spec.head_dim], spec.dtype.to_mlx())?;
-            ks.push(mlx_rs::ops::concatenate(&[&k, &z], 2)?);
-            vs.push(mlx_rs::ops::concatenate(&[&v, &z], 2)?);
+        let row = Buf { planes: planes.clone() }.map(|p| cols(p, 0, len))?;
+        let row = if pad > 0 {
+            let z = Buf::zeros(spec, storage, 1, pad)?;
+            row.zip_map(&z.planes, |p, x| Ok(mlx_rs::ops::concatenate(&[p, x], 2)?))?
         } else {
-            ks.push(k);
-            vs.push(v);
+            row
+        };
+        for (dst, p) in per_plane.iter_mut().zip(row.planes) {
+            dst.push(p);
         }
     }
-    let b = Buf { k: mlx_rs::ops::concatenate(&ks, 0)?, v: mlx_rs::ops::concatenate(&vs, 0)? };
+    let b = Buf { planes: per_plane.iter().map(|ps| Ok(mlx_rs::ops::concatenate(ps, 0)?)).collect::<Result<_>>()? };
     b.eval()?;
     Ok(Some(b))
 }
 
 impl RowBatch {
-    fn build(spec: KvSpec, max_size: Option<usize>, rows: Vec<RowState>, buf: Option<Buf>) -> Self {
+    fn build(spec: KvSpec, max_size: Option<usize>, storage: Storage, rows: Vec<RowState>, buf: Option<Buf>) -> Self {
         let live = Rc::new(RefCell::new(Vec::new()));
-        let mut b = RowBatch { spec, max_size, rows, buf, live };
+        let mut b = RowBatch { spec, max_size, storage, rows, buf, live };
         b.sync();
         b
     }
@@ -211,9 +215,15 @@ impl RowBatch {
 
     /// A batch of `rows` empty rows (offset 0), e.g. for a prepared prefill.
     pub fn with_rows(spec: KvSpec, max_size: Option<usize>, rows: usize) -> Result<Self> {
+        Self::with_rows_storage(spec, max_size, Storage::Plain, rows)
+    }
+
+    /// A batch of `rows` empty rows of this storage; invalid quantization is [`CacheError::InvalidQuant`].
+    pub fn with_rows_storage(spec: KvSpec, max_size: Option<usize>, storage: Storage, rows: usize) -> Result<Self> {
         spec.validate()?;
         validate_max_size(max_size)?;
-        Ok(Self::build(spec, max_size, vec![RowState::default(); rows], None))
+        storage.validate(&spec)?;
+        Ok(Self::build(spec, max_size, storage, vec![RowState::default(); rows], None))
     }
 
     /// R-BROT-4 (static): from per-row temporal slices `(k, v, offset)` (`[1, H_kv, L_i, D]`, `L_i <= W`,
@@ -221,10 +231,27 @@ impl RowBatch {
     /// `base = offset_i - L_i`. A layout event for rows that had rotated.
     pub fn merge(spec: KvSpec, max_size: Option<usize>, rows: &[(Array, Array, usize)]) -> Result<Self> {
         spec.validate()?;
+        for (i, (k, v, _)) in rows.iter().enumerate() {
+            check_kv(&spec, k, v, 1, 0).map_err(|e| shape(format!("merge row {i}: {e}")))?;
+        }
+        let rows: Vec<(Vec<Array>, usize)> = rows.iter().map(|(k, v, o)| (vec![k.clone(), v.clone()], *o)).collect();
+        Self::merge_planes(spec, max_size, Storage::Plain, &rows)
+    }
+
+    /// [`RowBatch::merge`] for any storage: per-row temporal plane slices `(planes, offset)` of this storage (e.g.
+    /// serial caches' [`SerialCache::temporal_view_planes`]), stacked as they are.
+    pub fn merge_planes(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        rows: &[(Vec<Array>, usize)],
+    ) -> Result<Self> {
+        spec.validate()?;
         validate_max_size(max_size)?;
+        storage.validate(&spec)?;
         let mut lens = Vec::with_capacity(rows.len());
-        for (i, (k, v, off)) in rows.iter().enumerate() {
-            let l = check_kv(&spec, k, v, 1, 0).map_err(|e| shape(format!("merge row {i}: {e}")))?;
+        for (i, (planes, off)) in rows.iter().enumerate() {
+            let l = check_planes_shape(&spec, &storage, planes, 1).map_err(|e| shape(format!("merge row {i}: {e}")))?;
             if let Some(w) = max_size.filter(|&w| l > w) {
                 return Err(shape(format!("merge row {i}: a slice of {l} positions exceeds the window {w}")));
             }
@@ -237,7 +264,7 @@ impl RowBatch {
         let states = rows
             .iter()
             .zip(&lens)
-            .map(|((_, _, off), &l)| {
+            .map(|((_, off), &l)| {
                 let len = if mutation::is(Mutant::MergeSlicesByOffset) { (*off).min(width) } else { l };
                 RowState {
                     ring: RingState { offset: *off, len, idx: len, last_concat: None },
@@ -246,9 +273,9 @@ impl RowBatch {
                 }
             })
             .collect();
-        let parts: Vec<(Array, Array)> = rows.iter().map(|(k, v, _)| (k.clone(), v.clone())).collect();
-        let buf = stack_rows(&spec, &parts, &lens)?;
-        Ok(Self::build(spec, max_size, states, buf))
+        let parts: Vec<Vec<Array>> = rows.iter().map(|(p, _)| p.clone()).collect();
+        let buf = stack_rows(&spec, &storage, &parts, &lens)?;
+        Ok(Self::build(spec, max_size, storage, states, buf))
     }
 
     /// R-BROT-7: a new batch from running batches' rows and serial caches, in order, keeping every row's physical
@@ -257,13 +284,32 @@ impl RowBatch {
     /// one source are [`CacheError::DuplicateRow`]. Routing is by `storage_kind`, row batch first (R-BROT-10); an
     /// unknown kind is [`CacheError::UnknownStorageKind`].
     pub fn join(spec: KvSpec, max_size: Option<usize>, sources: &[JoinSource<'_>]) -> Result<Self> {
+        Self::join_storage(spec, max_size, Storage::Plain, sources)
+    }
+
+    /// [`RowBatch::join`] into a batch of this storage: every source must have it
+    /// ([`CacheError::StorageMismatch`]).
+    pub fn join_storage(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        sources: &[JoinSource<'_>],
+    ) -> Result<Self> {
         spec.validate()?;
         validate_max_size(max_size)?;
+        storage.validate(&spec)?;
         let mut parts = Vec::new();
         let mut states = Vec::new();
         for src in sources {
-            let route = src.storage_kind().route()?;
-            let (s_spec, s_max) = src.spec_and_window();
+            let kind = src.storage_kind();
+            let route = kind.route()?;
+            let (s_spec, s_max, s_storage) = src.spec_window_storage();
+            if s_storage != storage || kind.storage()? != storage {
+                return Err(CacheError::StorageMismatch {
+                    expected: StorageKind::serial_of(max_size, storage).0,
+                    found: kind.0,
+                });
+            }
             if s_max != max_size {
                 return Err(CacheError::WindowMismatch { expected: max_size, found: s_max });
             }
@@ -284,7 +330,7 @@ impl RowBatch {
                         if std::mem::replace(&mut seen[r], true) {
                             return Err(CacheError::DuplicateRow { row: r });
                         }
-                        parts.push(b.row_physical(r)?);
+                        parts.push(b.row_physical_planes(r)?);
                         states.push(b.rows[r].clone());
                     }
                 }
@@ -293,12 +339,12 @@ impl RowBatch {
                     // override does: the other rows are lost).
                     let r = *list.first().ok_or_else(|| invalid("a batch routed as a serial cache has no row"))?;
                     b.check_row(r)?;
-                    parts.push(b.row_physical(r)?);
+                    parts.push(b.row_physical_planes(r)?);
                     let ring = b.rows[r].ring.clone();
                     states.push(RowState { base: ring.offset - ring.len, ring, pending: None });
                 }
                 (KindRoute::Serial { .. }, JoinSource::Serial(s)) => {
-                    parts.push(s.physical()?);
+                    parts.push(s.physical_planes()?);
                     let ring = s.state().clone();
                     states.push(RowState { base: ring.offset - ring.len, ring, pending: None });
                 }
@@ -308,16 +354,30 @@ impl RowBatch {
             }
         }
         let lens: Vec<usize> = states.iter().map(|s| s.ring.len).collect();
-        let buf = stack_rows(&spec, &parts, &lens)?;
-        Ok(Self::build(spec, max_size, states, buf))
+        let buf = stack_rows(&spec, &storage, &parts, &lens)?;
+        Ok(Self::build(spec, max_size, storage, states, buf))
     }
 
     /// R-BROT-8 (static): take owned buffers `[B, H_kv, cap, D]` plus per-row state without moving any column.
     /// A state no writes could produce, `len_r > cap` or `base > offset` is [`CacheError::InvalidState`].
     pub fn adopt(spec: KvSpec, max_size: Option<usize>, k: Array, v: Array, rows: Vec<RowState>) -> Result<Self> {
         spec.validate()?;
+        check_kv(&spec, &k, &v, rows.len(), 0)?;
+        Self::adopt_planes(spec, max_size, Storage::Plain, vec![k, v], rows)
+    }
+
+    /// [`RowBatch::adopt`] for any storage: owned planes `[B, H_kv, cap, ·]` of this storage.
+    pub fn adopt_planes(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        planes: Vec<Array>,
+        rows: Vec<RowState>,
+    ) -> Result<Self> {
+        spec.validate()?;
         validate_max_size(max_size)?;
-        let cap = check_kv(&spec, &k, &v, rows.len(), 0)?;
+        storage.validate(&spec)?;
+        let cap = check_planes_shape(&spec, &storage, &planes, rows.len())?;
         for (i, r) in rows.iter().enumerate() {
             r.ring.validate(max_size).map_err(|e| invalid(format!("row {i}: {e}")))?;
             if r.ring.len > cap {
@@ -327,15 +387,20 @@ impl RowBatch {
                 return Err(invalid(format!("row {i}: base {} > offset {}", r.base, r.ring.offset)));
             }
         }
-        let buf = if rows.is_empty() || cap == 0 { None } else { Some(Buf { k, v }) };
+        let buf = if rows.is_empty() || cap == 0 { None } else { Some(Buf { planes }) };
         if let Some(b) = &buf {
             b.eval()?;
         }
-        Ok(Self::build(spec, max_size, rows, buf))
+        Ok(Self::build(spec, max_size, storage, rows, buf))
     }
 
     pub fn spec(&self) -> KvSpec {
         self.spec
+    }
+
+    /// How K and V are stored (plain or affine triples).
+    pub fn storage(&self) -> Storage {
+        self.storage
     }
 
     pub fn rows(&self) -> usize {
@@ -356,10 +421,55 @@ impl RowBatch {
         self.buf.as_ref().map_or(0, Buf::cap)
     }
 
-    /// The raw buffers `[B, H_kv, cap, D]` (every column, live or not), e.g. for [`RowBatch::adopt`] or persistence.
-    /// `None` while the batch holds no column.
+    /// The raw buffers `[B, H_kv, cap, D]` (every column, live or not), e.g. for [`RowBatch::adopt`] or persistence;
+    /// dense (dequantized for affine storage). `None` while the batch holds no column.
     pub fn buffers(&self) -> Option<(Array, Array)> {
-        self.buf.as_ref().map(|b| (b.k.clone(), b.v.clone()))
+        self.buf.as_ref().and_then(|b| self.storage.dense(&b.planes).ok())
+    }
+
+    /// The raw planes `[B, H_kv, cap, ·]` (for [`RowBatch::adopt_planes`]). `None` while the batch holds no column.
+    pub fn buffer_planes(&self) -> Option<Vec<Array>> {
+        self.buf.as_ref().map(|b| b.planes.clone())
+    }
+
+    /// [`SerialCache::to_quantized`] for every row: the whole buffer as laid out, every row's state and phase kept.
+    /// A prepared prefill pending (mid-round) is [`CacheError::PendingPrefill`]; errors change nothing. Mutation hook
+    /// [`Mutant::QuantConvertTemporalOrder`] (rows that have rotated are converted in temporal order).
+    pub fn to_quantized(&mut self, quant: QuantSpec) -> Result<()> {
+        let target = Storage::Affine(quant);
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        if self.storage == target {
+            return Ok(());
+        }
+        if self.storage != Storage::Plain {
+            return Err(CacheError::StorageMismatch {
+                expected: StorageKind::row_batch_of(self.max_size, Storage::Plain).0,
+                found: self.storage_kind().0,
+            });
+        }
+        target.validate(&self.spec)?;
+        let buf = match &self.buf {
+            None => None,
+            Some(b) if mutation::is(Mutant::QuantConvertTemporalOrder) && self.rows.iter().any(|r| r.ring.is_rotated()) => {
+                let cap = b.cap();
+                let mut idx = Vec::with_capacity(self.rows.len() * cap);
+                for r in &self.rows {
+                    let t = r.ring.temporal_columns();
+                    idx.extend((0..cap).map(|c| t.get(c).copied().unwrap_or(c)));
+                }
+                let g = self.gather_rows(b, None, &idx, cap)?;
+                Some(Buf { planes: target.convert(&g.planes)? })
+            }
+            Some(b) => Some(Buf { planes: target.convert(&b.planes)? }),
+        };
+        if let Some(b) = &buf {
+            b.eval()?;
+        }
+        self.buf = buf;
+        self.storage = target;
+        Ok(())
     }
 
     /// Whether a prepared prefill is pending (some row has `pending`).
@@ -386,8 +496,8 @@ impl RowBatch {
     pub fn extract(&self, row: usize) -> Result<SerialCache> {
         self.check_row(row)?;
         let st = &self.rows[row].ring;
-        let (k, v) = self.row_gather(row, &st.temporal_columns())?;
-        let mut out = SerialCache::from_temporal(self.spec, self.max_size, &k, &v, st.offset)?;
+        let planes = self.row_gather(row, &st.temporal_columns())?;
+        let mut out = SerialCache::from_temporal_planes(self.spec, self.max_size, self.storage, &planes, st.offset)?;
         if mutation::is(Mutant::PhaseKeptAfterExtract) {
             out.state_mut().idx = st.idx;
         }
@@ -407,7 +517,7 @@ impl RowBatch {
         let buf = match (&self.buf, keep.is_empty()) {
             (Some(b), false) => {
                 let at = index_array(keep, &[keep.len()])?;
-                let nb = Buf { k: b.k.take_axis(&at, 0)?, v: b.v.take_axis(&at, 0)? };
+                let nb = b.map(|p| Ok(p.take_axis(&at, 0)?))?;
                 nb.eval()?;
                 Some(nb)
             }
@@ -454,7 +564,7 @@ impl RowBatch {
         let cap = self.cap();
         let new_cap = grown_capacity(cap, needed, self.max_size);
         if new_cap > cap {
-            self.buf = Buf::grow(self.buf.take(), &self.spec, self.rows.len(), new_cap - cap)?;
+            self.buf = Buf::grow(self.buf.take(), &self.spec, &self.storage, self.rows.len(), new_cap - cap)?;
         }
         Ok(())
     }
@@ -498,19 +608,20 @@ impl RowBatch {
 
     /// New buffer `[B, H, width, D]` whose row `r`, column `j` is `source[r, :, idx[r * width + j], :]`, with
     /// `source = buffer ++ block ++ one zero column` along axis 2.
-    fn gather_rows(&self, b: &Buf, block: Option<(&Array, &Array)>, idx: &[usize], width: usize) -> Result<Buf> {
+    fn gather_rows(&self, b: &Buf, block: Option<&[Array]>, idx: &[usize], width: usize) -> Result<Buf> {
         let n = self.rows.len();
-        let z = zeros(&[n, self.spec.heads_kv, 1, self.spec.head_dim], self.spec.dtype.to_mlx())?;
+        let z = Buf::zeros(&self.spec, &self.storage, n, 1)?;
         let at = index_array(idx, &[n, 1, width, 1])?;
-        let src = |buf: &Array, blk: Option<&Array>| -> Result<Array> {
+        let mut planes = Vec::with_capacity(b.planes.len());
+        for (i, (buf, zc)) in b.planes.iter().zip(&z.planes).enumerate() {
             let mut parts = vec![buf];
-            if let Some(x) = blk {
+            if let Some(x) = block.and_then(|blk| blk.get(i)) {
                 parts.push(x);
             }
-            parts.push(&z);
-            Ok(mlx_rs::ops::concatenate(&parts, 2)?.take_along_axis(&at, 2)?)
-        };
-        let nb = Buf { k: src(&b.k, block.map(|x| x.0))?, v: src(&b.v, block.map(|x| x.1))? };
+            parts.push(zc);
+            planes.push(mlx_rs::ops::concatenate(&parts, 2)?.take_along_axis(&at, 2)?);
+        }
+        let nb = Buf { planes };
         nb.eval()?;
         Ok(nb)
     }
@@ -546,6 +657,7 @@ impl RowBatch {
     }
 
     fn write_decode(&mut self, k: &Array, v: &Array) -> Result<()> {
+        let block = self.storage.encode(k, v)?;
         let mut targets = self.prepare_decode_step()?;
         if mutation::is(Mutant::SharedWritePointer) {
             let shared = targets[0];
@@ -555,11 +667,11 @@ impl RowBatch {
         // Take the buffer out of `self` before evaluating: the scatter's input is then referenced by the graph only,
         // so MLX donates it and writes the B new columns in place instead of copying the whole cache.
         let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
-        let nb = match (b.k.put_along_axis(&at, k, 2), b.v.put_along_axis(&at, v, 2)) {
-            (Ok(nk), Ok(nv)) => Buf { k: nk, v: nv },
-            (Err(e), _) | (_, Err(e)) => {
+        let nb = match b.zip_map(&block, |p, x| Ok(p.put_along_axis(&at, x, 2)?)) {
+            Ok(nb) => nb,
+            Err(e) => {
                 self.buf = Some(b);
-                return Err(e.into());
+                return Err(e);
             }
         };
         drop(b);
@@ -576,10 +688,19 @@ impl RowBatch {
         let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
         let width = lens.iter().copied().max().unwrap_or(0).max(1);
         let b = self.buf.as_ref().ok_or_else(|| invalid("decode read without a buffer"))?;
-        let (kl, vl) = (cols(&b.k, 0, width)?, cols(&b.v, 0, width)?);
+        let live = b.map(|p| cols(p, 0, width))?.planes;
+        // Mutation hook [`Mutant::QuantMaskFromArrayOffset`] (mlx-vlm#1206): a quantized batch's mask built from
+        // the per-row array offset plus left padding (`offset_r - base_r + left_padding_r`, which is the batch width
+        // for every row) instead of the buffered-token count `len_r`.
+        let lens: Vec<usize> = if self.storage != Storage::Plain && mutation::is(Mutant::QuantMaskFromArrayOffset) {
+            let lp = self.left_padding();
+            self.rows.iter().zip(lp).map(|(r, p)| ((r.ring.offset - r.base) as i64 + p).max(0) as usize).collect()
+        } else {
+            lens
+        };
         let uniform = lens.iter().all(|&l| l == lens[0]);
         if uniform || mutation::is(Mutant::MaskIgnoresPadding) {
-            return Ok((attend(q, &kl, &vl, scale, None, false)?, MaskUse::None));
+            return Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None));
         }
         let key = MaskKey {
             kind: MaskKind::Decode,
@@ -590,7 +711,7 @@ impl RowBatch {
             cols: width,
         };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+        Ok((attend_planes(&self.storage, q, &live, scale, Some(&arr), false)?, MaskUse::Array(spec)))
     }
 
     /// A window read (R-BROT-2, R-C-2): `L >= 1` positions per row (`[B, H_kv, L, D]`, queries `[B, H_q, L, D]`).
@@ -607,16 +728,23 @@ impl RowBatch {
         let width = lens.iter().copied().max().unwrap_or(0).max(1);
         self.ensure_capacity(width)?;
         let b = self.buf.as_ref().ok_or_else(|| invalid("window read without a buffer"))?;
-        let (kl, vl) = (cols(&b.k, 0, width)?, cols(&b.v, 0, width)?);
+        let live = b.map(|p| cols(p, 0, width))?.planes;
+        if self.rows.len() == 1 && self.storage != Storage::Plain && mutation::is(Mutant::QuantSinglePlainPath) {
+            // Mutation hook [`Mutant::QuantSinglePlainPath`] (mlx-vlm#1310): a one-row quantized batch takes the
+            // plain single-request shortcut, which sees only this block; the quantized prompt context is lost.
+            let (k, v) = self.storage.dense(&live)?;
+            let (k, v) = (cols(&k, width - real[0], width)?, cols(&v, width - real[0], width)?);
+            return Ok((super::mask::attend(q, &k, &v, scale, None, true)?, MaskUse::Causal));
+        }
         let causal = real.iter().all(|&n| n == l)
             && lens.iter().all(|&n| n == lens[0])
             && self.max_size.is_none_or(|w| lens[0] <= w);
         if causal {
-            return Ok((attend(q, &kl, &vl, scale, None, true)?, MaskUse::Causal));
+            return Ok((attend_planes(&self.storage, q, &live, scale, None, true)?, MaskUse::Causal));
         }
         let key = MaskKey { kind: MaskKind::Window, lens, real, queries: l, window: self.max_size, cols: width };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+        Ok((attend_planes(&self.storage, q, &live, scale, Some(&arr), false)?, MaskUse::Array(spec)))
     }
 
     /// The window write without the read.
@@ -631,6 +759,7 @@ impl RowBatch {
     /// The window write: one gather. Returns each row's real count.
     fn write_window(&mut self, k: &Array, v: &Array) -> Result<Vec<usize>> {
         let l = ncols(k);
+        let block = self.storage.encode(k, v)?;
         let real: Vec<usize> = self.rows.iter().map(|r| r.pending.map_or(l, |p| p.min(l))).collect();
         let stored: Vec<usize> = self
             .rows
@@ -658,11 +787,11 @@ impl RowBatch {
             idx.extend((0..width).map(|j| m.get(j).copied().unwrap_or(zero_col)));
         }
         let nb = match &self.buf {
-            Some(b) => self.gather_rows(b, Some((k, v)), &idx, width)?,
+            Some(b) => self.gather_rows(b, Some(block.as_slice()), &idx, width)?,
             None => {
                 // No buffer yet: the block alone is the source.
-                let empty = Buf { k: cols(k, 0, 0)?, v: cols(v, 0, 0)? };
-                self.gather_rows(&empty, Some((k, v)), &idx, width)?
+                let empty = Buf { planes: block.clone() }.map(|p| cols(p, 0, 0))?;
+                self.gather_rows(&empty, Some(block.as_slice()), &idx, width)?
             }
         };
         self.buf = Some(nb);
@@ -736,36 +865,39 @@ impl RowBatch {
         self.rows.iter().all(|r| r.ring.is_trimmable(self.max_size))
     }
 
-    fn row_gather(&self, row: usize, columns: &[usize]) -> Result<(Array, Array)> {
+    fn row_gather(&self, row: usize, columns: &[usize]) -> Result<Vec<Array>> {
         match &self.buf {
             Some(b) if !columns.is_empty() => {
                 let at = index_array(columns, &[columns.len()])?;
-                let (k, v) = (row_slice(&b.k, row, row + 1)?, row_slice(&b.v, row, row + 1)?);
-                Ok((k.take_axis(&at, 2)?, v.take_axis(&at, 2)?))
+                Ok(b.map(|p| Ok(row_slice(p, row, row + 1)?.take_axis(&at, 2)?))?.planes)
             }
-            _ => {
-                let z = zeros(&[1, self.spec.heads_kv, 0, self.spec.head_dim], self.spec.dtype.to_mlx())?;
-                Ok((z.clone(), z))
-            }
+            _ => Ok(Buf::zeros(&self.spec, &self.storage, 1, 0)?.planes),
         }
     }
 
-    /// Row `row`'s live columns `[0, len_row)` in physical order, `[1, H_kv, len, D]`, contiguous.
+    /// Row `row`'s live columns `[0, len_row)` in physical order, `[1, H_kv, len, D]`, contiguous; dense
+    /// (dequantized for affine storage: [`RowBatch::row_physical_planes`] are the stored bytes).
     pub fn row_physical(&self, row: usize) -> Result<(Array, Array)> {
+        self.storage.dense(&self.row_physical_planes(row)?)
+    }
+
+    /// The stored planes of row `row`'s live columns `[0, len_row)` in physical order, contiguous.
+    pub fn row_physical_planes(&self, row: usize) -> Result<Vec<Array>> {
         self.check_row(row)?;
         let len = self.rows[row].ring.len;
         match &self.buf {
-            Some(b) if len > 0 => {
-                let k = cols(&row_slice(&b.k, row, row + 1)?, 0, len)?.contiguous()?;
-                let v = cols(&row_slice(&b.v, row, row + 1)?, 0, len)?.contiguous()?;
-                Ok((k, v))
-            }
+            Some(b) if len > 0 => Ok(b.map(|p| Ok(cols(&row_slice(p, row, row + 1)?, 0, len)?.contiguous()?))?.planes),
             _ => self.row_gather(row, &[]),
         }
     }
 
-    /// R-ROT-4 for one row: its newest `min(len, W)` positions in temporal order.
+    /// R-ROT-4 for one row: its newest `min(len, W)` positions in temporal order; dense.
     pub fn row_temporal_view(&self, row: usize) -> Result<(Array, Array)> {
+        self.storage.dense(&self.row_temporal_view_planes(row)?)
+    }
+
+    /// The stored planes of [`RowBatch::row_temporal_view`].
+    pub fn row_temporal_view_planes(&self, row: usize) -> Result<Vec<Array>> {
         self.check_row(row)?;
         self.row_gather(row, &temporal_view_columns(&self.rows[row].ring, self.max_size))
     }
@@ -794,15 +926,15 @@ impl RowBatch {
     /// The serial kind plus the row-batch marker (R-BROT-10). Mutation hook [`Mutant::MissingKindOverride`].
     pub fn storage_kind(&self) -> StorageKind {
         if mutation::is(Mutant::MissingKindOverride) {
-            StorageKind::serial(self.max_size)
+            StorageKind::serial_of(self.max_size, self.storage)
         } else {
-            StorageKind::row_batch(self.max_size)
+            StorageKind::row_batch_of(self.max_size, self.storage)
         }
     }
 
-    /// `2 * H_kv * D * itemsize`: one more token for one row (R-C-4, R-BROT-9).
+    /// Bytes one more token costs one row (R-C-4, R-BROT-9): [`Storage::bytes_per_token`].
     pub fn bytes_per_token(&self) -> usize {
-        self.spec.bytes_per_token()
+        self.storage.bytes_per_token(&self.spec)
     }
 
     /// Bytes `n` real tokens cost one row, capped at the window for rings (R-BROT-9).

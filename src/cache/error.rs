@@ -45,6 +45,14 @@ pub enum CacheError {
     /// A per-row length list of the wrong size or with impossible values.
     #[error("bad lengths: {what}")]
     BadLengths { what: String },
+    /// Affine quantization parameters MLX does not accept for this head dim (bits not in {2, 3, 4, 5, 6, 8},
+    /// group not in {32, 64, 128}, or `head_dim` not a multiple of the group).
+    #[error("invalid quantization: bits {bits}, group {group}, head_dim {head_dim}: {what}")]
+    InvalidQuant { bits: usize, group: usize, head_dim: usize, what: String },
+    /// Caches of different storage (plain vs quantized, or other bits/group) cannot be joined, merged or converted
+    /// into one another.
+    #[error("storage mismatch: expected {expected}, found {found}")]
+    StorageMismatch { expected: String, found: String },
     /// The MLX runtime raised an exception.
     #[error("mlx: {0}")]
     Mlx(String),

@@ -1,18 +1,25 @@
 //! Storage kinds (R-C-1, R-BROT-10): the identity string every router and capability predicate reads.
 //!
-//! Four kinds exist: [`KV_PLAIN`], [`ROTATING_PLAIN`] and their row batches (the serial kind plus
-//! [`ROW_BATCH_MARKER`]). Predicates compare whole strings: a string that is not one of the four is *unknown*, and
+//! The serial kinds are [`KV_PLAIN`], [`ROTATING_PLAIN`] and the quantized `kv:quant:<bits>:<group>` and
+//! `kv:rotating-quant:<bits>:<group>` (bits and group among MLX's affine ones, written exactly as
+//! [`StorageKind::serial_of`] writes them); each has a row batch (the serial kind plus [`ROW_BATCH_MARKER`]).
+//! Predicates compare whole strings: a string that is not one of these is *unknown*, and
 //! every predicate answers `false` for it, so a router that asks [`is_row_batch`] first, then the serial predicates,
 //! and finally fails with [`CacheError::UnknownStorageKind`] (see [`StorageKind::route`]) can never send an unknown or
 //! mislabelled cache down another kind's path.
 
 use super::error::CacheError;
+use super::quant::{QuantSpec, Storage, QUANT_BITS, QUANT_GROUPS};
 use super::Result;
 
 /// The serial linear cache (`KvCache`).
 pub const KV_PLAIN: &str = "kv-plain";
 /// The serial rotating ring (`RotatingKvCache`, keep = 0).
 pub const ROTATING_PLAIN: &str = "rotating-plain";
+/// Prefix of the linear quantized kind `kv:quant:<bits>:<group>`.
+pub const QUANT_PREFIX: &str = "kv:quant:";
+/// Prefix of the quantized ring kind `kv:rotating-quant:<bits>:<group>`.
+pub const ROTATING_QUANT_PREFIX: &str = "kv:rotating-quant:";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
 
@@ -46,6 +53,23 @@ impl StorageKind {
         StorageKind(format!("{}{}", Self::serial(max_size).0, ROW_BATCH_MARKER))
     }
 
+    /// The kind of a serial cache with this window and storage.
+    pub fn serial_of(max_size: Option<usize>, storage: Storage) -> Self {
+        StorageKind(storage.serial_kind(max_size))
+    }
+
+    /// The kind of a row batch whose rows have this window and storage.
+    pub fn row_batch_of(max_size: Option<usize>, storage: Storage) -> Self {
+        StorageKind(format!("{}{}", storage.serial_kind(max_size), ROW_BATCH_MARKER))
+    }
+
+    /// The storage this kind names; unknown kinds are [`CacheError::UnknownStorageKind`].
+    pub fn storage(&self) -> Result<Storage> {
+        self.route()?;
+        let serial = self.0.strip_suffix(ROW_BATCH_MARKER).unwrap_or(&self.0);
+        Ok(parse_quant(serial).map_or(Storage::Plain, |(_, q)| Storage::Affine(q)))
+    }
+
     /// The string.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -58,7 +82,7 @@ impl StorageKind {
             Ok(KindRoute::RowBatch { rotating: is_rotating(self) })
         } else if is_rotating(self) {
             Ok(KindRoute::Serial { rotating: true })
-        } else if is_plain_kv(self) {
+        } else if is_linear(self) {
             Ok(KindRoute::Serial { rotating: false })
         } else {
             Err(CacheError::UnknownStorageKind { kind: self.0.clone() })
@@ -67,11 +91,8 @@ impl StorageKind {
 
     /// The serial kind of the rows (the kind itself for a serial kind). Unknown kinds are an error.
     pub fn inner(&self) -> Result<StorageKind> {
-        match self.route()? {
-            KindRoute::RowBatch { rotating } | KindRoute::Serial { rotating } => {
-                Ok(StorageKind::new(if rotating { ROTATING_PLAIN } else { KV_PLAIN }))
-            }
-        }
+        self.route()?;
+        Ok(StorageKind::new(self.0.strip_suffix(ROW_BATCH_MARKER).unwrap_or(&self.0)))
     }
 }
 
@@ -81,8 +102,40 @@ impl std::fmt::Display for StorageKind {
     }
 }
 
+/// `(rotating, params)` of a quantized serial kind string, only if written exactly as [`StorageKind::serial_of`]
+/// writes it with valid bits and group.
+fn parse_quant(s: &str) -> Option<(bool, QuantSpec)> {
+    let (rotating, rest) = if let Some(r) = s.strip_prefix(ROTATING_QUANT_PREFIX) {
+        (true, r)
+    } else {
+        (false, s.strip_prefix(QUANT_PREFIX)?)
+    };
+    let (b, g) = rest.split_once(':')?;
+    let q = QuantSpec { bits: b.parse().ok()?, group: g.parse().ok()? };
+    let canonical = format!("{}:{}", q.bits, q.group) == rest;
+    (canonical && QUANT_BITS.contains(&q.bits) && QUANT_GROUPS.contains(&q.group)).then_some((rotating, q))
+}
+
 fn is_known_serial(s: &str) -> bool {
-    s == KV_PLAIN || s == ROTATING_PLAIN
+    s == KV_PLAIN || s == ROTATING_PLAIN || parse_quant(s).is_some()
+}
+
+fn is_rotating_serial(s: &str) -> bool {
+    s == ROTATING_PLAIN || parse_quant(s).is_some_and(|(r, _)| r)
+}
+
+fn is_linear_serial(s: &str) -> bool {
+    s == KV_PLAIN || parse_quant(s).is_some_and(|(r, _)| !r)
+}
+
+/// True iff `k` is a linear kind (plain or quantized) or a batch of linear rows.
+pub fn is_linear(k: &StorageKind) -> bool {
+    is_linear_serial(&k.0) || k.0.strip_suffix(ROW_BATCH_MARKER).is_some_and(is_linear_serial)
+}
+
+/// True iff `k` is a quantized kind (serial or row batch).
+pub fn is_quantized(k: &StorageKind) -> bool {
+    parse_quant(k.0.strip_suffix(ROW_BATCH_MARKER).unwrap_or(&k.0)).is_some()
 }
 
 /// True iff `k` is exactly a known serial kind plus the row-batch marker. Every router asks this first.
@@ -90,9 +143,9 @@ pub fn is_row_batch(k: &StorageKind) -> bool {
     k.0.strip_suffix(ROW_BATCH_MARKER).is_some_and(is_known_serial)
 }
 
-/// True iff `k` is the rotating ring or a batch of rotating rows.
+/// True iff `k` is a rotating ring (plain or quantized) or a batch of rotating rows.
 pub fn is_rotating(k: &StorageKind) -> bool {
-    k.0 == ROTATING_PLAIN || k.0.strip_suffix(ROW_BATCH_MARKER) == Some(ROTATING_PLAIN)
+    is_rotating_serial(&k.0) || k.0.strip_suffix(ROW_BATCH_MARKER).is_some_and(is_rotating_serial)
 }
 
 /// True iff `k` is the linear cache or a batch of linear rows.
@@ -100,7 +153,7 @@ pub fn is_plain_kv(k: &StorageKind) -> bool {
     k.0 == KV_PLAIN || k.0.strip_suffix(ROW_BATCH_MARKER) == Some(KV_PLAIN)
 }
 
-/// True iff `k` is one of the four known kinds.
+/// True iff `k` is one of the known kinds.
 pub fn is_known(k: &StorageKind) -> bool {
     k.route().is_ok()
 }
@@ -122,6 +175,26 @@ mod tests {
             let k = StorageKind::new(bad);
             assert!(!is_row_batch(&k) && !is_rotating(&k) && !is_plain_kv(&k) && !is_known(&k), "{bad}");
             assert_eq!(k.route(), Err(CacheError::UnknownStorageKind { kind: bad.to_string() }));
+        }
+    }
+
+    #[test]
+    fn quantized_kinds_route_and_parse_strictly() {
+        let q = QuantSpec { bits: 5, group: 32 };
+        let rot = StorageKind::serial_of(Some(8), Storage::Affine(q));
+        assert_eq!(rot.as_str(), "kv:rotating-quant:5:32");
+        assert_eq!(rot.route(), Ok(KindRoute::Serial { rotating: true }));
+        assert_eq!(rot.storage(), Ok(Storage::Affine(q)));
+        let lin = StorageKind::row_batch_of(None, Storage::Affine(q));
+        assert_eq!(lin.as_str(), "kv:quant:5:32+row-batch");
+        assert_eq!(lin.route(), Ok(KindRoute::RowBatch { rotating: false }));
+        assert!(is_quantized(&lin) && is_linear(&lin) && !is_plain_kv(&lin) && !is_rotating(&lin));
+        assert_eq!(lin.inner().unwrap().as_str(), "kv:quant:5:32");
+        assert_eq!(StorageKind::serial(None).storage(), Ok(Storage::Plain));
+        for bad in ["kv:quant:7:32", "kv:quant:4:16", "kv:quant:04:32", "kv:quant:4", "kv:quant:4:32:1", "kv:quant:4:32+x"] {
+            let k = StorageKind::new(bad);
+            assert!(!is_known(&k) && !is_quantized(&k), "{bad}");
+            assert_eq!(k.storage(), Err(CacheError::UnknownStorageKind { kind: bad.to_string() }));
         }
     }
 

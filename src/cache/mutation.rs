@@ -40,6 +40,22 @@ pub enum Mutant {
     /// A batched decode writes every row at one shared column (row 0's target), as mlx-lm's shared `_idx` does,
     /// instead of each row's own ring head (R-BROT-8). Hook: `RowBatch::decode` scatter.
     SharedWritePointer,
+    /// The packed width of a quantized plane is computed as `D / (32 / bits)` (mlx-lm's `QuantizedKVCache`
+    /// allocation), wrong for 3, 5 and 6 bits at `D = 128` (e.g. 21 words instead of 20). Hook:
+    /// `quant::packed_width`.
+    QuantPackedWidthDivides,
+    /// A quantized batch's decode mask is built from the per-row array offset plus left padding instead of each
+    /// row's buffered count `len_r` (mlx-vlm#1206). Hook: `RowBatch` decode read.
+    QuantMaskFromArrayOffset,
+    /// A one-row quantized batch's window read takes the plain single-request path over this block only: the
+    /// quantized prompt context is lost (mlx-vlm#1310). Hook: `RowBatch::window` read.
+    QuantSinglePlainPath,
+    /// The quantized read does not give the `[B, 1, L, S]` mask the GQA `rep` axis, so it broadcasts from the right
+    /// and its batch axis lands on the kv-head axis (mlx-lm#1322). Hook: `quant::quantized_attend`.
+    QuantGqaMaskWrongAxis,
+    /// `to_quantized` of a rotated ring converts the buffer in temporal order but keeps the ring phase (R-ROT-8).
+    /// Hook: `SerialCache::to_quantized`, `RowBatch::to_quantized`.
+    QuantConvertTemporalOrder,
 }
 
 impl Mutant {
@@ -55,6 +71,11 @@ impl Mutant {
         Mutant::PrefillPadStored,
         Mutant::ConcatKeepsWindow,
         Mutant::SharedWritePointer,
+        Mutant::QuantPackedWidthDivides,
+        Mutant::QuantMaskFromArrayOffset,
+        Mutant::QuantSinglePlainPath,
+        Mutant::QuantGqaMaskWrongAxis,
+        Mutant::QuantConvertTemporalOrder,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -70,6 +91,11 @@ impl Mutant {
             Mutant::PrefillPadStored => "prefill-pad-stored",
             Mutant::ConcatKeepsWindow => "concat-keeps-window",
             Mutant::SharedWritePointer => "shared-write-pointer",
+            Mutant::QuantPackedWidthDivides => "quant-packed-width-divides",
+            Mutant::QuantMaskFromArrayOffset => "quant-mask-from-array-offset",
+            Mutant::QuantSinglePlainPath => "quant-single-plain-path",
+            Mutant::QuantGqaMaskWrongAxis => "quant-gqa-mask-wrong-axis",
+            Mutant::QuantConvertTemporalOrder => "quant-convert-temporal-order",
         }
     }
 
@@ -95,6 +121,17 @@ impl Mutant {
             Mutant::PrefillPadStored => "window writes of a prepared prefill store padded positions as real",
             Mutant::ConcatKeepsWindow => "window writes keep min(len, W) history columns instead of W - 1",
             Mutant::SharedWritePointer => "batched decode writes every row at one shared column, as mlx-lm does",
+            Mutant::QuantPackedWidthDivides => "quantized packed width computed as D / (32 / bits), wrong for 3/5/6 bits",
+            Mutant::QuantMaskFromArrayOffset => {
+                "quantized batched decode mask built from the array offset plus left padding, not len"
+            }
+            Mutant::QuantSinglePlainPath => {
+                "a one-row quantized batch reads through the plain path over its block only (context lost)"
+            }
+            Mutant::QuantGqaMaskWrongAxis => {
+                "quantized GQA read broadcasts the batched mask without the rep axis (batch lands on kv heads)"
+            }
+            Mutant::QuantConvertTemporalOrder => "to_quantized converts a wrapped ring in temporal, not physical, order",
         }
     }
 

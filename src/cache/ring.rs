@@ -13,8 +13,9 @@ use mlx_rs::Array;
 
 use super::error::{invalid, shape, CacheError};
 use super::kind::StorageKind;
-use super::mask::{attend, MaskKey, MaskKind, MaskUse, Masks};
+use super::mask::{MaskKey, MaskKind, MaskUse, Masks};
 use super::mutation::{self, Mutant};
+use super::quant::{attend_planes, check_planes_shape, QuantSpec, Storage};
 use super::util::{check_kv, check_q, cols, eval, index_array, ncols, zeros};
 use super::{KvSpec, Result};
 
@@ -223,36 +224,64 @@ pub(crate) fn grown_capacity(cap: usize, needed: usize, max_size: Option<usize>)
     }
 }
 
-/// The K/V buffers of one cache: `[B, H_kv, cap, D]`.
+/// The planes of one cache, each `[B, H_kv, cap, ·]` with the token axis at 2: `[k, v]` for plain storage,
+/// `[kq, ks, kb, vq, vs, vb]` for affine storage ([`Storage`]). Every column op applies to every plane alike.
 #[derive(Clone)]
 pub(crate) struct Buf {
-    pub(crate) k: Array,
-    pub(crate) v: Array,
+    pub(crate) planes: Vec<Array>,
 }
 
 impl Buf {
     pub(crate) fn cap(&self) -> usize {
-        ncols(&self.k)
+        self.planes.first().map_or(0, ncols)
+    }
+
+    /// Zero planes of `rows` rows and `n` columns (a directly grown quantized plane holds code 0, scale 0, bias 0,
+    /// as mlx-lm's `QuantizedKVCache` growth).
+    pub(crate) fn zeros(spec: &KvSpec, storage: &Storage, rows: usize, n: usize) -> Result<Buf> {
+        let planes = storage
+            .plane_layout(spec)
+            .into_iter()
+            .map(|(w, dt)| zeros(&[rows, spec.heads_kv, n, w], dt))
+            .collect::<Result<_>>()?;
+        Ok(Buf { planes })
     }
 
     /// Append `extra` zero columns to `buf` (creating it for `rows` rows when absent).
-    pub(crate) fn grow(buf: Option<Buf>, spec: &KvSpec, rows: usize, extra: usize) -> Result<Option<Buf>> {
+    pub(crate) fn grow(
+        buf: Option<Buf>,
+        spec: &KvSpec,
+        storage: &Storage,
+        rows: usize,
+        extra: usize,
+    ) -> Result<Option<Buf>> {
         if extra == 0 {
             return Ok(buf);
         }
-        let z = zeros(&[rows, spec.heads_kv, extra, spec.head_dim], spec.dtype.to_mlx())?;
+        let z = Buf::zeros(spec, storage, rows, extra)?;
         Ok(Some(match buf {
-            None => Buf { k: z.clone(), v: z },
-            Some(b) => {
-                Buf { k: mlx_rs::ops::concatenate(&[&b.k, &z], 2)?, v: mlx_rs::ops::concatenate(&[&b.v, &z], 2)? }
-            }
+            None => z,
+            Some(b) => b.zip_map(&z.planes, |p, x| Ok(mlx_rs::ops::concatenate(&[p, x], 2)?))?,
         }))
+    }
+
+    /// Every plane through `f`.
+    pub(crate) fn map(&self, mut f: impl FnMut(&Array) -> Result<Array>) -> Result<Buf> {
+        Ok(Buf { planes: self.planes.iter().map(&mut f).collect::<Result<_>>()? })
+    }
+
+    /// Every plane with its counterpart in `other` (same plane order) through `f`.
+    pub(crate) fn zip_map(&self, other: &[Array], mut f: impl FnMut(&Array, &Array) -> Result<Array>) -> Result<Buf> {
+        if other.len() != self.planes.len() {
+            return Err(shape(format!("{} planes paired with {}", other.len(), self.planes.len())));
+        }
+        Ok(Buf { planes: self.planes.iter().zip(other).map(|(p, x)| f(p, x)).collect::<Result<_>>()? })
     }
 
     /// Evaluates the buffers after a write, unless the calling thread deferred it ([`set_eval_after_write`]).
     pub(crate) fn eval(&self) -> Result<()> {
         if EVAL_AFTER_WRITE.with(|e| e.get()) {
-            eval(&[&self.k, &self.v])
+            eval(&self.planes.iter().collect::<Vec<_>>())
         } else {
             Ok(())
         }
@@ -274,17 +303,21 @@ pub fn set_eval_after_write(on: bool) {
     EVAL_AFTER_WRITE.with(|e| e.set(on));
 }
 
-/// One serial cache: [`KvCache`] (`max_size == None`) or [`RotatingKvCache`] (`Some(W)`), per ARCHITECTURE.md.
+/// One serial cache: [`KvCache`] (`max_size == None`) or [`RotatingKvCache`] (`Some(W)`), per ARCHITECTURE.md, with
+/// plain storage; [`super::QuantizedKvCache`] and [`super::RotatingQuantizedKvCache`] are the same core with affine
+/// storage (six planes, [`Storage`]).
 ///
-/// Guarantees: columns `[0, len)` of [`SerialCache::physical`] hold exactly the bytes written for their positions
-/// (writes are copies), in the physical order the rules of [`RingState`] dictate. `decode` attends those columns
-/// with no mask; `window` attends them under MLX's `Causal` mask while `len <= W`, else an explicit boolean mask with
-/// the sliding window. The output is whatever MLX's fused SDPA computes for those inputs (deterministic for a given
-/// device and build).
+/// Guarantees: columns `[0, len)` of [`SerialCache::physical_planes`] hold exactly the bytes written for their
+/// positions (writes are copies of the incoming block, quantized per block through MLX for affine storage), in the
+/// physical order the rules of [`RingState`] dictate. `decode` attends those columns with no mask; `window` attends
+/// them under MLX's `Causal` mask while `len <= W`, else an explicit boolean mask with the sliding window (affine
+/// storage: mlx-lm's quantized attention with the same visibility). The output is whatever MLX computes for those
+/// inputs (deterministic for a given device and build).
 #[derive(Clone)]
 pub struct SerialCache {
     spec: KvSpec,
     max_size: Option<usize>,
+    storage: Storage,
     state: RingState,
     buf: Option<Buf>,
 }
@@ -294,6 +327,7 @@ impl std::fmt::Debug for SerialCache {
         f.debug_struct("SerialCache")
             .field("spec", &self.spec)
             .field("max_size", &self.max_size)
+            .field("storage", &self.storage)
             .field("state", &self.state)
             .field("cap", &self.cap())
             .finish()
@@ -327,9 +361,15 @@ impl RotatingKvCache {
 impl SerialCache {
     /// An empty cache; `max_size == Some(0)` is [`CacheError::InvalidState`].
     pub fn new(spec: KvSpec, max_size: Option<usize>) -> Result<Self> {
+        Self::with_storage(spec, max_size, Storage::Plain)
+    }
+
+    /// An empty cache of this storage; invalid quantization is [`CacheError::InvalidQuant`].
+    pub fn with_storage(spec: KvSpec, max_size: Option<usize>, storage: Storage) -> Result<Self> {
         spec.validate()?;
         validate_max_size(max_size)?;
-        Ok(SerialCache { spec, max_size, state: RingState::default(), buf: None })
+        storage.validate(&spec)?;
+        Ok(SerialCache { spec, max_size, storage, state: RingState::default(), buf: None })
     }
 
     /// A cache holding a temporal slice `k`, `v` (`[1, H_kv, L, D]`, oldest first) whose newest position is
@@ -337,23 +377,44 @@ impl SerialCache {
     /// accepted (the oversized temporal state a window write leaves). The buffers are contiguous copies.
     pub fn from_temporal(spec: KvSpec, max_size: Option<usize>, k: &Array, v: &Array, offset: usize) -> Result<Self> {
         spec.validate()?;
+        check_kv(&spec, k, v, 1, 0)?;
+        Self::from_temporal_planes(spec, max_size, Storage::Plain, &[k.clone(), v.clone()], offset)
+    }
+
+    /// [`SerialCache::from_temporal`] for any storage: `planes` are a temporal slice of this storage's planes
+    /// (`[1, H_kv, L, ·]` each, e.g. another cache's [`SerialCache::temporal_view_planes`]), copied as they are.
+    pub fn from_temporal_planes(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        planes: &[Array],
+        offset: usize,
+    ) -> Result<Self> {
+        spec.validate()?;
         validate_max_size(max_size)?;
-        let l = check_kv(&spec, k, v, 1, 0)?;
+        storage.validate(&spec)?;
+        let l = check_planes_shape(&spec, &storage, planes, 1)?;
         if l > offset {
             return Err(invalid(format!("a slice of {l} positions cannot end at offset {offset}")));
         }
         let buf = if l > 0 {
-            let b = Buf { k: k.contiguous()?, v: v.contiguous()? };
+            let b = Buf { planes: planes.iter().map(|p| p.contiguous()).collect::<std::result::Result<_, _>>()? };
             b.eval()?;
             Some(b)
         } else {
             None
         };
-        Ok(SerialCache { spec, max_size, state: RingState { offset, len: l, idx: l, last_concat: None }, buf })
+        let state = RingState { offset, len: l, idx: l, last_concat: None };
+        Ok(SerialCache { spec, max_size, storage, state, buf })
     }
 
     pub fn spec(&self) -> KvSpec {
         self.spec
+    }
+
+    /// How K and V are stored (plain or affine triples).
+    pub fn storage(&self) -> Storage {
+        self.storage
     }
 
     /// The window `W` (`None` = linear).
@@ -374,9 +435,15 @@ impl SerialCache {
         self.buf.as_ref().map_or(0, Buf::cap)
     }
 
-    /// The raw buffers `[1, H_kv, cap, D]` (every column, live or not). `None` while nothing was written.
+    /// The raw planes `[1, H_kv, cap, ·]` (every column, live or not). `None` while nothing was written.
+    pub fn buffer_planes(&self) -> Option<Vec<Array>> {
+        self.buf.as_ref().map(|b| b.planes.clone())
+    }
+
+    /// The raw buffers `[1, H_kv, cap, D]` (every column, live or not), dense (dequantized for affine storage).
+    /// `None` while nothing was written.
     pub fn buffers(&self) -> Option<(Array, Array)> {
-        self.buf.as_ref().map(|b| (b.k.clone(), b.v.clone()))
+        self.buf.as_ref().and_then(|b| self.storage.dense(&b.planes).ok())
     }
 
     /// Positions ever written.
@@ -402,7 +469,7 @@ impl SerialCache {
         if drop > 0 {
             if let Some(b) = &self.buf {
                 let end = drop + next.len;
-                let nb = Buf { k: cols(&b.k, drop, end)?.contiguous()?, v: cols(&b.v, drop, end)?.contiguous()? };
+                let nb = b.map(|p| Ok(cols(p, drop, end)?.contiguous()?))?;
                 nb.eval()?;
                 self.buf = Some(nb);
             }
@@ -416,18 +483,15 @@ impl SerialCache {
         let cap = self.cap();
         let new_cap = grown_capacity(cap, needed, self.max_size);
         if new_cap > cap {
-            self.buf = Buf::grow(self.buf.take(), &self.spec, 1, new_cap - cap)?;
+            self.buf = Buf::grow(self.buf.take(), &self.spec, &self.storage, 1, new_cap - cap)?;
         }
         Ok(())
     }
 
-    fn live(&self) -> Result<(Array, Array)> {
+    fn live(&self) -> Result<Vec<Array>> {
         match &self.buf {
-            Some(b) if self.state.len > 0 => Ok((cols(&b.k, 0, self.state.len)?, cols(&b.v, 0, self.state.len)?)),
-            _ => {
-                let z = zeros(&[1, self.spec.heads_kv, 0, self.spec.head_dim], self.spec.dtype.to_mlx())?;
-                Ok((z.clone(), z))
-            }
+            Some(b) if self.state.len > 0 => Ok(b.map(|p| cols(p, 0, self.state.len))?.planes),
+            _ => Ok(Buf::zeros(&self.spec, &self.storage, 1, 0)?.planes),
         }
     }
 
@@ -440,15 +504,16 @@ impl SerialCache {
         }
         check_q(&self.spec, q, 1, 1)?;
         self.write_decode(k, v)?;
-        let (kl, vl) = self.live()?;
-        Ok((attend(q, &kl, &vl, scale, None, false)?, MaskUse::None))
+        let live = self.live()?;
+        Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None))
     }
 
     fn write_decode(&mut self, k: &Array, v: &Array) -> Result<()> {
+        let block = self.storage.encode(k, v)?;
         let t = self.prepare_decode_step()?;
         let b = self.buf.as_ref().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
         let at = index_array(&[t], &[1, 1, 1, 1])?;
-        let nb = Buf { k: b.k.put_along_axis(&at, k, 2)?, v: b.v.put_along_axis(&at, v, 2)? };
+        let nb = b.zip_map(&block, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?;
         nb.eval()?;
         self.buf = Some(nb);
         self.state.after_decode_write();
@@ -463,9 +528,9 @@ impl SerialCache {
         check_q(&self.spec, q, 1, l)?;
         self.write_window(k, v)?;
         let len = self.state.len;
-        let (kl, vl) = self.live()?;
+        let live = self.live()?;
         if self.max_size.is_none_or(|w| len <= w) {
-            return Ok((attend(q, &kl, &vl, scale, None, true)?, MaskUse::Causal));
+            return Ok((attend_planes(&self.storage, q, &live, scale, None, true)?, MaskUse::Causal));
         }
         let key = MaskKey {
             kind: MaskKind::Window,
@@ -476,7 +541,7 @@ impl SerialCache {
             cols: len,
         };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+        Ok((attend_planes(&self.storage, q, &live, scale, Some(&arr), false)?, MaskUse::Array(spec)))
     }
 
     /// The window write without the read (appending context without attending).
@@ -487,6 +552,7 @@ impl SerialCache {
 
     fn write_window(&mut self, k: &Array, v: &Array) -> Result<()> {
         let l = ncols(k);
+        let block = self.storage.encode(k, v)?;
         let s = &self.state;
         let keep = window_keep(s.len, self.max_size);
         let t = s.temporal_columns();
@@ -498,14 +564,11 @@ impl SerialCache {
             let b = self.buf.as_ref().ok_or_else(|| invalid("no buffer after growth"))?;
             let span: Vec<usize> = (keep..keep + l).collect();
             let at = index_array(&span, &[1, 1, l, 1])?;
-            Buf { k: b.k.put_along_axis(&at, k, 2)?, v: b.v.put_along_axis(&at, v, 2)? }
+            b.zip_map(&block, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?
         } else {
             let b = self.buf.as_ref().ok_or_else(|| invalid("rotated ring without a buffer"))?;
             let at = index_array(kept, &[keep])?;
-            Buf {
-                k: mlx_rs::ops::concatenate(&[&b.k.take_axis(&at, 2)?, k], 2)?,
-                v: mlx_rs::ops::concatenate(&[&b.v.take_axis(&at, 2)?, v], 2)?,
-            }
+            b.zip_map(&block, |p, x| Ok(mlx_rs::ops::concatenate(&[&p.take_axis(&at, 2)?, x], 2)?))?
         };
         nb.eval()?;
         self.buf = Some(nb);
@@ -527,23 +590,34 @@ impl SerialCache {
         Ok(mlx_rs::ops::concatenate(&outs, 2)?)
     }
 
-    /// The live columns `[0, len)` in physical order, `[1, H_kv, len, D]`, contiguous.
+    /// The live columns `[0, len)` in physical order, `[1, H_kv, len, D]`, contiguous; dense (dequantized through
+    /// MLX for affine storage: see [`SerialCache::physical_planes`] for the stored bytes).
     pub fn physical(&self) -> Result<(Array, Array)> {
-        let (k, v) = self.live()?;
+        let (k, v) = self.storage.dense(&self.physical_planes()?)?;
         Ok((k.contiguous()?, v.contiguous()?))
     }
 
+    /// The stored planes of the live columns `[0, len)` in physical order (`[1, H_kv, len, ·]` each), contiguous.
+    pub fn physical_planes(&self) -> Result<Vec<Array>> {
+        self.live()?.iter().map(|p| Ok(p.contiguous()?)).collect()
+    }
+
     /// R-ROT-4: the newest `min(len, W)` positions in temporal order (the tail of the temporal order, never the
-    /// head), `[1, H_kv, n, D]`, contiguous copies.
+    /// head), `[1, H_kv, n, D]`, contiguous copies; dense (dequantized for affine storage).
     pub fn temporal_view(&self) -> Result<(Array, Array)> {
+        self.storage.dense(&self.temporal_view_planes()?)
+    }
+
+    /// The stored planes of [`SerialCache::temporal_view`].
+    pub fn temporal_view_planes(&self) -> Result<Vec<Array>> {
         self.gather(&temporal_view_columns(&self.state, self.max_size))
     }
 
-    fn gather(&self, columns: &[usize]) -> Result<(Array, Array)> {
+    fn gather(&self, columns: &[usize]) -> Result<Vec<Array>> {
         match &self.buf {
             Some(b) if !columns.is_empty() => {
                 let at = index_array(columns, &[columns.len()])?;
-                Ok((b.k.take_axis(&at, 2)?, b.v.take_axis(&at, 2)?))
+                Ok(b.map(|p| Ok(p.take_axis(&at, 2)?))?.planes)
             }
             _ => self.live(),
         }
@@ -573,22 +647,55 @@ impl SerialCache {
         if !self.state.is_rotated() {
             return Ok(());
         }
-        let (k, v) = self.gather(&self.state.temporal_columns())?;
-        let nb = Buf { k, v };
+        let nb = Buf { planes: self.gather(&self.state.temporal_columns())? };
         nb.eval()?;
         self.buf = Some(nb);
         self.state.idx = self.state.len;
         Ok(())
     }
 
-    /// `kv-plain` or `rotating-plain` (R-C-1).
-    pub fn storage_kind(&self) -> StorageKind {
-        StorageKind::serial(self.max_size)
+    /// R-ROT-8 / mlx-lm `KVCache.to_quantized`: convert plain storage to affine storage by quantizing the whole
+    /// buffer **as laid out** (physical ring order, every allocated column), keeping the state (offset, `len`, ring
+    /// phase `idx`, `last_concat`). Because quantization is per position, the result is byte-identical to a
+    /// quantized cache fed the same blocks. Already this storage: no-op; other quantized storage:
+    /// [`CacheError::StorageMismatch`]; invalid parameters: [`CacheError::InvalidQuant`]. Errors change nothing.
+    /// Mutation hook [`Mutant::QuantConvertTemporalOrder`].
+    pub fn to_quantized(&mut self, quant: QuantSpec) -> Result<()> {
+        let target = Storage::Affine(quant);
+        if self.storage == target {
+            return Ok(());
+        }
+        if self.storage != Storage::Plain {
+            return Err(CacheError::StorageMismatch {
+                expected: StorageKind::serial_of(self.max_size, Storage::Plain).0,
+                found: self.storage_kind().0,
+            });
+        }
+        target.validate(&self.spec)?;
+        let buf = match &self.buf {
+            None => None,
+            Some(_) if mutation::is(Mutant::QuantConvertTemporalOrder) && self.state.is_rotated() => {
+                Some(Buf { planes: target.convert(&self.gather(&self.state.temporal_columns())?)? })
+            }
+            Some(b) => Some(Buf { planes: target.convert(&b.planes)? }),
+        };
+        if let Some(b) = &buf {
+            b.eval()?;
+        }
+        self.buf = buf;
+        self.storage = target;
+        Ok(())
     }
 
-    /// `2 * H_kv * D * itemsize` (R-C-4).
+    /// `kv-plain`, `rotating-plain`, `kv:quant:<bits>:<group>` or `kv:rotating-quant:<bits>:<group>` (R-C-1).
+    pub fn storage_kind(&self) -> StorageKind {
+        StorageKind::serial_of(self.max_size, self.storage)
+    }
+
+    /// Bytes one token costs (R-C-4): `2 * H_kv * D * itemsize` plain; packed words, scales and biases of both
+    /// sides for affine storage ([`Storage::bytes_per_token`]).
     pub fn bytes_per_token(&self) -> usize {
-        self.spec.bytes_per_token()
+        self.storage.bytes_per_token(&self.spec)
     }
 
     /// Bytes that `n` tokens cost, capped at the window for rings (R-C-4).
@@ -614,6 +721,7 @@ impl SerialCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::mask::attend;
     use crate::cache::mutation::testlock;
     use crate::cache::testutil::*;
     use crate::cache::KvDtype;

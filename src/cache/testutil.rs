@@ -66,6 +66,10 @@ pub(crate) fn bits(a: &Array) -> Vec<u32> {
             v.eval().unwrap();
             v.as_slice::<u16>().iter().map(|&x| x as u32).collect()
         }
+        Dtype::Uint32 => {
+            a.eval().unwrap();
+            a.as_slice::<u32>().to_vec()
+        }
         d => panic!("bits of {d:?}"),
     }
 }
@@ -122,14 +126,13 @@ impl Twin {
             if &self.batch.row_states()[r].ring != s.state() {
                 return Some(format!("row {r} state {:?} vs {:?}", self.batch.row_states()[r].ring, s.state()));
             }
-            let (bk, bv) = self.batch.row_physical(r).unwrap();
-            let (sk, sv) = s.physical().unwrap();
-            if !same_bytes(&bk, &sk) || !same_bytes(&bv, &sv) {
+            // Every stored plane (K and V, or the six affine planes), byte for byte.
+            let (bp, sp) = (self.batch.row_physical_planes(r).unwrap(), s.physical_planes().unwrap());
+            if bp.len() != sp.len() || bp.iter().zip(&sp).any(|(a, b)| !same_bytes(a, b)) {
                 return Some(format!("row {r} physical bytes"));
             }
-            let (bk, bv) = self.batch.row_temporal_view(r).unwrap();
-            let (sk, sv) = s.temporal_view().unwrap();
-            if !same_bytes(&bk, &sk) || !same_bytes(&bv, &sv) {
+            let (bt, st) = (self.batch.row_temporal_view_planes(r).unwrap(), s.temporal_view_planes().unwrap());
+            if bt.len() != st.len() || bt.iter().zip(&st).any(|(a, b)| !same_bytes(a, b)) {
                 return Some(format!("row {r} temporal view"));
             }
         }

@@ -22,11 +22,18 @@ pub fn attention_f64(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scal
     if keys.is_empty() || vs.validate().is_err() {
         return vec![f64::NAN; out_len];
     }
-    let group = vs.heads_q / vs.heads_kv;
     let q = vs.column_f32(layer, Tensor::Q, q_tok);
     let ks: Vec<Vec<f32>> = keys.iter().map(|&t| vs.column_f32(layer, Tensor::K, t)).collect();
     let vs_: Vec<Vec<f32>> = keys.iter().map(|&t| vs.column_f32(layer, Tensor::V, t)).collect();
-    let mut out = vec![0.0f64; out_len];
+    attention_over(vs, &q, &ks, &vs_, scale)
+}
+
+/// f64 softmax attention of one query column `q` (`[heads_q * D]`) over explicit key and value columns
+/// (`[heads_kv * D]` each), GQA head mapping as [`attention_f64`]. `keys` must be non-empty.
+pub(crate) fn attention_over(vs: &ValueSpace, q: &[f32], ks: &[Vec<f32>], vs_: &[Vec<f32>], scale: f64) -> Vec<f64> {
+    let d = vs.head_dim;
+    let group = vs.heads_q / vs.heads_kv;
+    let mut out = vec![0.0f64; vs.heads_q * d];
     for h in 0..vs.heads_q {
         let kv = h / group;
         let qh = &q[h * d..(h + 1) * d];
@@ -40,7 +47,7 @@ pub fn attention_f64(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scal
         let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let z: f64 = w.iter().sum();
-        for (wj, v) in w.iter().zip(&vs_) {
+        for (wj, v) in w.iter().zip(vs_) {
             let vh = &v[kv * d..(kv + 1) * d];
             for (o, &x) in out[h * d..(h + 1) * d].iter_mut().zip(vh) {
                 *o += wj / z * x as f64;

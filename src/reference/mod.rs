@@ -23,6 +23,7 @@ pub mod attention;
 pub mod compare;
 pub mod error;
 pub mod model;
+pub mod quant;
 pub mod transition;
 pub mod values;
 
@@ -30,6 +31,7 @@ pub use attention::{attention_bits, attention_f64};
 pub use compare::{bits_summary, columns_of, compare_columns, compare_fields, describe_found, Divergence};
 pub use error::ModelError;
 pub use model::{BatchModel, JoinModelSource, RowFields, RowModel, Visibility};
+pub use quant::{Quantized, RefQuant};
 pub use values::{
     bits_to_f32, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_distance, ulp_f32, BitsKind, FloatFormat, RefDtype, Tensor,
     Tok, ValueSpace,
@@ -48,6 +50,7 @@ mod tests {
             ("model.rs", include_str!("model.rs")),
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
+            ("quant.rs", include_str!("quant.rs")),
             ("error.rs", include_str!("error.rs")),
             ("transition.rs", include_str!("transition.rs")),
             ("transition/tests.rs", include_str!("transition/tests.rs")),

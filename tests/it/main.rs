@@ -7,6 +7,7 @@ mod determinism;
 mod fuzz_corpus;
 mod mutants;
 mod oracle;
+mod quant;
 mod sim_smoke;
 mod snapshots;
 mod state_machine;

@@ -1,0 +1,126 @@
+//! The pure-Rust affine quantizer (`reference::quant`) against MLX's own bytes, for every bits x group x dtype and
+//! for special groups (zeros, constants, ties, one-signed, integer ramps, wide ranges); and the quantized caches
+//! against it (state checks of the family are byte compares of all three planes).
+
+use kvsim::bytes::ArrayBytes;
+use kvsim::cache::{KvDtype, KvSpec, Masks, QuantSpec, RotatingQuantizedKvCache, QUANT_BITS, QUANT_GROUPS};
+use kvsim::reference::quant::{dequantize, quantize, Quantized, RefQuant};
+use kvsim::reference::RefDtype;
+use mlx_rs::Array;
+
+fn pin_cpu() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| mlx_rs::Device::set_default(&mlx_rs::Device::cpu()));
+}
+
+fn words(a: &Array) -> Vec<u32> {
+    ArrayBytes::of(a).unwrap().words.to_u32()
+}
+
+fn hash(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51afd7ed558ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ceb9fe1a85ec53);
+    x ^ (x >> 33)
+}
+
+/// `rows` rows of `d` values in several regimes, each row rounded to the dtype.
+fn regimes(seed: u64, d: usize, rows: usize, dtype: RefDtype) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * d);
+    for r in 0..rows {
+        for i in 0..d {
+            let h = hash(seed ^ hash((r * d + i) as u64));
+            let u = (h >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+            let x = match r % 8 {
+                0 => u * 4.0 - 2.0,                                   // symmetric
+                1 => u * 3.0 + 0.5,                                   // one-signed positive
+                2 => -(u * 3.0) - 0.25,                               // one-signed negative
+                3 => 0.0,                                             // zeros
+                4 => 1.75,                                            // constant
+                5 => ((i % 16) as f32) - 7.0,                         // integer ramp (ties)
+                6 => (u - 0.5) * 2.0f32.powi((h % 40) as i32 - 20),   // wide magnitudes
+                _ => (if i % 2 == 0 { 0.5 } else { -0.5 }) * (1.0 + (i % 3) as f32), // few levels
+            };
+            out.push(x);
+        }
+    }
+    match dtype {
+        RefDtype::F32 => out,
+        RefDtype::Bf16 => out.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+    }
+}
+
+#[test]
+fn reference_quantize_and_dequantize_are_mlx_bytes_for_every_bits_group_dtype() {
+    pin_cpu();
+    let d = 128;
+    let rows = 24;
+    let mut cells = 0;
+    for dtype in [RefDtype::F32, RefDtype::Bf16] {
+        let mdt = if dtype == RefDtype::F32 { mlx_rs::Dtype::Float32 } else { mlx_rs::Dtype::Bfloat16 };
+        for &bits in &QUANT_BITS {
+            for &group in &QUANT_GROUPS {
+                let vals = regimes(bits as u64 * 1000 + group as u64, d, rows, dtype);
+                let w = Array::from_slice(&vals, &[rows as i32, d as i32]).as_dtype(mdt).unwrap();
+                let (wq, s, b) = mlx_rs::ops::quantize(&w, group as i32, bits as i32).unwrap();
+                let q = RefQuant { bits, group };
+                let r = quantize(&vals, d, dtype, q).unwrap();
+                let what = format!("{dtype:?} bits {bits} group {group}");
+                assert_eq!(wq.shape(), &[rows as i32, (d * bits / 32) as i32], "{what}: packed width D*bits/32");
+                assert_eq!(words(&wq), r.packed, "{what}: packed words");
+                assert_eq!(words(&s), r.scales, "{what}: scales");
+                assert_eq!(words(&b), r.biases, "{what}: biases");
+                let deq = mlx_rs::ops::dequantize(&wq, &s, &b, group as i32, bits as i32).unwrap();
+                let rd = dequantize(&Quantized { packed: r.packed, scales: r.scales, biases: r.biases }, vals.len(), dtype, q)
+                    .unwrap();
+                let rd_bits: Vec<u32> = rd
+                    .iter()
+                    .map(|x| if dtype == RefDtype::F32 { x.to_bits() } else { x.to_bits() >> 16 })
+                    .collect();
+                assert_eq!(words(&deq), rd_bits, "{what}: dequantized values");
+                cells += 1;
+            }
+        }
+    }
+    assert_eq!(cells, 2 * 6 * 3);
+}
+
+/// The packed width of a quantized cache is `D * bits / 32`, also for 3, 5 and 6 bits at D = 128 where mlx-lm's
+/// `D // (32 // bits)` is one word too wide (mlx-lm 0.32.2 `QuantizedKVCache`, its 5/6-bit broadcast error).
+#[test]
+fn quantized_ring_stores_reference_bytes_at_5_and_6_bits() {
+    pin_cpu();
+    let spec = KvSpec { heads_kv: 2, head_dim: 128, dtype: KvDtype::Bf16 };
+    for bits in [3usize, 5, 6] {
+        let q = QuantSpec { bits, group: 64 };
+        let mut c = RotatingQuantizedKvCache::new(spec, 4, q).unwrap();
+        let masks = Masks::new();
+        let mut all = Vec::new();
+        for step in 0..6u64 {
+            let n = 2 * 128;
+            let vals = regimes(step + 77, 128, 2, RefDtype::Bf16);
+            assert_eq!(vals.len(), n);
+            let k = Array::from_slice(&vals, &[1, 2, 1, 128]).as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+            let qv = Array::from_slice(&vals, &[1, 2, 1, 128]).as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+            c.decode(&k, &k, &qv, 0.1, &masks).unwrap();
+            all.push(vals);
+        }
+        // Ring of 4 after 6 decodes: columns hold positions 4, 5, 2, 3.
+        let planes = c.physical_planes().unwrap();
+        assert_eq!(planes[0].shape(), &[1, 2, 4, (128 * bits / 32) as i32]);
+        let rq = RefQuant { bits, group: 64 };
+        let packed = words(&planes[0]);
+        let scales = words(&planes[1]);
+        let per_col = 128 * bits / 32;
+        for (col, pos) in [4usize, 5, 2, 3].into_iter().enumerate() {
+            for h in 0..2 {
+                let r = quantize(&all[pos][h * 128..(h + 1) * 128], 128, RefDtype::Bf16, rq).unwrap();
+                let at = (h * 4 + col) * per_col;
+                assert_eq!(&packed[at..at + per_col], &r.packed[..], "bits {bits} col {col} head {h}");
+                let at = (h * 4 + col) * 2;
+                assert_eq!(&scales[at..at + 2], &r.scales[..], "bits {bits} col {col} head {h} scales");
+            }
+        }
+    }
+}
