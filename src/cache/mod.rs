@@ -26,6 +26,7 @@ pub mod mask;
 pub mod mutation;
 pub mod quant;
 pub mod ring;
+pub mod transition;
 #[cfg(test)]
 mod testutil;
 mod util;

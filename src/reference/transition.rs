@@ -160,17 +160,17 @@ impl LifecycleRow {
         let precision = self.precision();
         if decode {
             let [tok] = toks else {
-                return Err(ModelError::BadLengths { what: format!("a decode writes 1 position, not {}", toks.len()) }
-                    .into());
+                return Err(
+                    ModelError::BadLengths { what: format!("a decode writes 1 position, not {}", toks.len()) }.into()
+                );
             };
             self.ring.try_decode_write(*tok)?;
             let visible = self.ring.decode_visible().into_iter().map(|c| self.ring.cols[c]).collect();
             return Ok(RowRead { precision, queries: vec![visible] });
         }
         let l = self.ring.try_window_write(toks)?;
-        let queries = (0..l)
-            .map(|i| self.ring.window_visible(l, i).into_iter().map(|c| self.ring.cols[c]).collect())
-            .collect();
+        let queries =
+            (0..l).map(|i| self.ring.window_visible(l, i).into_iter().map(|c| self.ring.cols[c]).collect()).collect();
         Ok(RowRead { precision, queries })
     }
 }

@@ -205,11 +205,21 @@ enum Step {
     Decode,
     Window(usize),
     /// Planned chunk per row (by index modulo), split by a sibling at `split`.
-    Prefill { chunks: Vec<usize>, split: usize },
-    Round { l: usize, keep: Vec<usize> },
+    Prefill {
+        chunks: Vec<usize>,
+        split: usize,
+    },
+    Round {
+        l: usize,
+        keep: Vec<usize>,
+    },
     Admit(Vec<usize>),
     Filter(Vec<usize>),
-    Take { row: usize, common: usize, prompt: usize },
+    Take {
+        row: usize,
+        common: usize,
+        prompt: usize,
+    },
     BadRollback,
 }
 
@@ -387,7 +397,9 @@ impl World {
                 let before = self.rows.clone();
                 prop_assert!(self.rows.round_rollback(&vec![2; n]).is_err());
                 prop_assert_eq!(&self.rows, &before);
-                prop_assert!(self.rows.check_plain_read().is_err() == self.rows.rows.iter().any(|r| r.converted_at.is_some()));
+                prop_assert!(
+                    self.rows.check_plain_read().is_err() == self.rows.rows.iter().any(|r| r.converted_at.is_some())
+                );
                 self.rows.round_rollback(&vec![0; n]).unwrap();
                 for (t, b) in self.twins.iter_mut().zip(&all) {
                     t.round_begin().unwrap();
