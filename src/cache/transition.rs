@@ -438,6 +438,9 @@ impl TransitioningKvRows {
             }
             Store::Rows(caches) => {
                 let n = caches.len();
+                if n == 0 {
+                    return Err(CacheError::BadLengths { what: "a read of no rows".to_string() });
+                }
                 for a in [k, v, q] {
                     if a.shape().first().copied() != Some(n as i32) {
                         return Err(CacheError::ShapeMismatch {

@@ -12,3 +12,4 @@ mod sim_smoke;
 mod snapshots;
 mod state_machine;
 mod traces;
+mod transition;
