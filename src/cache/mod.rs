@@ -43,6 +43,10 @@ pub use quant::{
 };
 pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
+pub use transition::{
+    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, RowLifecycle, Transition,
+    TransitioningKvRows,
+};
 
 /// Result of every fallible cache operation.
 pub type Result<T> = std::result::Result<T, CacheError>;
