@@ -26,9 +26,9 @@ pub mod mask;
 pub mod mutation;
 pub mod quant;
 pub mod ring;
-pub mod transition;
 #[cfg(test)]
 mod testutil;
+pub mod transition;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
