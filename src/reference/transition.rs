@@ -353,8 +353,8 @@ impl RowsModel {
 
     fn maybe_pack(&mut self) -> bool {
         if !self.packed && !self.rows.is_empty() && self.rows.iter().all(|r| r.converted_at.is_some()) {
+            // Packing keeps every row's columns, phase and padding (the rows are joined as they are).
             self.packed = true;
-            self.align();
             return true;
         }
         false
