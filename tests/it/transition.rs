@@ -51,7 +51,6 @@ struct Seen {
 struct World {
     spec: KvSpec,
     w: Option<usize>,
-    t: Transition,
     rows: TransitioningKvRows,
     twins: Vec<Bf16FirstCache>,
     model: RowsModel,
@@ -164,7 +163,6 @@ fn run(seed: u64, seen: &mut Seen) {
     let mut wd = World {
         spec,
         w,
-        t,
         rows,
         twins,
         model,
