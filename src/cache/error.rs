@@ -84,6 +84,19 @@ pub enum CacheError {
     /// A rollback keep larger than the recorded window.
     #[error("keep {keep} outside the recorded window of {window} positions")]
     KeepOutsideWindow { keep: usize, window: usize },
+    /// A plain (dense, whole-batch) read of transitioning rows while some row is affine or the rows are packed:
+    /// mixed-precision rows use their attention read.
+    #[error("mixed precision rows use their attention read (row {row} is affine)")]
+    MixedPrecision { row: usize },
+    /// Prefix reuse whose usable prefix is below the entry's `minimum_reusable_offset`.
+    #[error("reuse below the floor: usable prefix {prefix} < minimum_reusable_offset {floor}")]
+    BelowFloor { prefix: usize, floor: usize },
+    /// A speculative rollback keeping more positions in a row than the round wrote into it.
+    #[error("row {row}: rollback keeps {keep} positions but the round wrote {written}")]
+    KeepTooLong { row: usize, keep: usize, written: usize },
+    /// A round or prefill call out of order (commit without a round, a round inside a prefill, ...).
+    #[error("lifecycle: {what}")]
+    Lifecycle { what: String },
     /// The MLX runtime raised an exception.
     #[error("mlx: {0}")]
     Mlx(String),

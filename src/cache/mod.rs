@@ -36,6 +36,7 @@ pub mod ssm;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod training;
+pub mod transition;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
@@ -54,6 +55,10 @@ pub use quant::{
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
 pub use training::{PrefixSharedCache, TrainingCache};
+pub use transition::{
+    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, RowLifecycle, Transition,
+    TransitioningKvRows,
+};
 
 /// Result of every fallible cache operation.
 pub type Result<T> = std::result::Result<T, CacheError>;

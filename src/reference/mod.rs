@@ -31,6 +31,7 @@ pub mod model;
 pub mod quant;
 pub mod special;
 pub mod ssm;
+pub mod transition;
 pub mod values;
 
 pub use attention::{attention_bits, attention_f64};
@@ -64,6 +65,8 @@ mod tests {
             ("quant.rs", include_str!("quant.rs")),
             ("error.rs", include_str!("error.rs")),
             ("ssm.rs", include_str!("ssm.rs")),
+            ("transition.rs", include_str!("transition.rs")),
+            ("transition/tests.rs", include_str!("transition/tests.rs")),
         ];
         for (name, src) in files {
             assert!(!src.to_lowercase().contains(&banned), "src/reference/{name} mentions {banned}");

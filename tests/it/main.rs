@@ -16,3 +16,4 @@ mod special_reads;
 mod ssm;
 mod state_machine;
 mod traces;
+mod transition;

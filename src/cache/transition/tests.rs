@@ -1,0 +1,181 @@
+//! The bf16-first family's contract: rows equal their serial lego twins byte for byte (planes and reads) through
+//! conversion, wrap, speculative rollback with unequal accepts, packing and extract; conversion happens exactly where
+//! the reference lifecycle model says; bad input is a typed error with the state unchanged.
+
+use super::*;
+use crate::cache::mask::Masks;
+use crate::cache::testutil::*;
+use crate::cache::KvDtype;
+
+fn tspec() -> KvSpec {
+    pin_cpu();
+    KvSpec { heads_kv: 2, head_dim: 64, dtype: KvDtype::Bf16 }
+}
+
+fn tr(start: Option<usize>) -> Transition {
+    Transition { start, quant: QuantSpec { bits: 4, group: 32 } }
+}
+
+fn planes_bits(p: &[Array]) -> Vec<Vec<u32>> {
+    p.iter().map(bits).collect()
+}
+
+#[test]
+fn lego_reads_the_crossing_append_in_bf16_then_converts_at_its_end() {
+    let spec = tspec();
+    let masks = Masks::new();
+    // Offsets after each step: 2, 3, 6, 7, 8, 10. Expected conversion offset and floor (docs/transitioning-rows.md).
+    for (w, start, conv, floor) in [
+        (None, Some(5), Some(6), 6),
+        (Some(4), Some(3), Some(3), 3),
+        (Some(4), Some(0), Some(2), 0),
+        (Some(3), None, None, 0),
+    ] {
+        let mut lego = Bf16FirstCache::new(spec, w, tr(start)).unwrap();
+        let mut plain = SerialCache::new(spec, w).unwrap();
+        for (j, &(win, l)) in
+            [(true, 2usize), (false, 1), (true, 3), (false, 1), (false, 1), (true, 2)].iter().enumerate()
+        {
+            let (k, v, q) = kvq(&spec, 40 + j as u64, 1, l);
+            let bf16_before = lego.converted_at().is_none();
+            let out = if win {
+                lego.window(&k, &v, &q, 0.3, &masks).unwrap().0
+            } else {
+                lego.decode(&k, &v, &q, 0.3, &masks).unwrap().0
+            };
+            let plain_out = if win {
+                plain.window(&k, &v, &q, 0.3, &masks).unwrap().0
+            } else {
+                plain.decode(&k, &v, &q, 0.3, &masks).unwrap().0
+            };
+            if bf16_before {
+                assert_same_bytes(&out, &plain_out, "a bf16 read (the crossing append included) is the plain cache's");
+            }
+            let expect = conv.filter(|&c| c <= lego.offset());
+            assert_eq!(lego.converted_at(), expect, "w {w:?} start {start:?} step {j}");
+            assert_eq!(lego.minimum_reusable_offset(), if expect.is_some() { floor } else { 0 });
+            let room = start.filter(|&s| expect.is_none() && lego.offset() < s).map(|s| s - lego.offset());
+            assert_eq!(lego.max_append_tokens(), room);
+            if lego.converted_at().is_some() {
+                // Converted storage = the plain history quantized as laid out (per-position quantization).
+                let mut conv = plain.clone();
+                conv.to_quantized(tr(start).quant).unwrap();
+                assert_eq!(
+                    planes_bits(&lego.inner().physical_planes().unwrap()),
+                    planes_bits(&conv.physical_planes().unwrap())
+                );
+                assert!(lego.storage_kind().0.contains("quant"));
+            }
+        }
+    }
+}
+
+#[test]
+fn conversion_is_irreversible_and_reuse_respects_the_floor() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let mut lego = Bf16FirstQuantizedKvCache::new(spec, tr(Some(4))).unwrap();
+    let (k, v, q) = kvq(&spec, 7, 1, 6);
+    lego.window(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_eq!((lego.converted_at(), lego.minimum_reusable_offset()), (Some(6), 6));
+    assert!(matches!(lego.take(5, 30), Err(CacheError::BelowFloor { prefix: 5, floor: 6 })));
+    assert_eq!(lego.offset(), 6, "a refused reuse changes nothing");
+    let reused = lego.take(30, 7).unwrap();
+    assert_eq!(reused.offset(), 6);
+    lego.trim(4, false).unwrap();
+    assert!(lego.storage_kind().0.starts_with("kv:quant:"), "a trim below start keeps quantized storage");
+    assert_eq!(lego.minimum_reusable_offset(), 6);
+}
+
+/// Two rows and their legos: decodes, a window crossing `start`, a round with unequal accepts across the wrap, a
+/// rollback, packing, extract. After every op each row's planes and read are byte-identical to its lego's.
+#[test]
+fn rows_equal_their_lego_twins_through_conversion_wrap_rollback_and_packing() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let w = Some(4);
+    let t = tr(Some(6));
+    let mut twins = vec![Bf16FirstCache::new(spec, w, t).unwrap(), Bf16FirstCache::new(spec, w, t).unwrap()];
+    // Histories before the merge: row 0 wrapped (offset 5), row 1 short (offset 2).
+    for (i, n) in [5usize, 2].iter().enumerate() {
+        let (k, v, q) = kvq(&spec, 100 + i as u64, 1, *n);
+        twins[i].window(&k, &v, &q, 0.3, &masks).unwrap();
+    }
+    let mut rows = TransitioningKvRows::merge(spec, w, t, twins.clone()).unwrap();
+    assert_eq!(rows.lifecycle().iter().map(|m| m.left_pad).collect::<Vec<_>>(), vec![0, 2]);
+    // Layout event: the merged rows are temporal slices of their newest min(offset, W) positions.
+    for tw in &mut twins {
+        let planes = tw.inner().temporal_view_planes().unwrap();
+        tw.cache = SerialCache::from_temporal_planes(spec, w, tw.inner().storage(), &planes, tw.offset()).unwrap();
+    }
+    let check = |rows: &TransitioningKvRows, twins: &[Bf16FirstCache], what: &str| {
+        for (i, tw) in twins.iter().enumerate() {
+            assert_eq!(rows.lifecycle()[i].converted_at, tw.converted_at(), "{what}: row {i} conversion");
+            assert_eq!(rows.lifecycle()[i].floor, tw.minimum_reusable_offset(), "{what}: row {i} floor");
+            assert_eq!(
+                planes_bits(&rows.row_physical_planes(i).unwrap()),
+                planes_bits(&tw.inner().physical_planes().unwrap()),
+                "{what}: row {i} planes"
+            );
+        }
+    };
+    let step = |rows: &mut TransitioningKvRows, twins: &mut Vec<Bf16FirstCache>, seed: u64, l: usize, win: bool| {
+        let (k, v, q) = kvq(&spec, seed, 2, l);
+        let out = if win {
+            rows.window(&k, &v, &q, 0.3, &masks).unwrap().0
+        } else {
+            rows.decode(&k, &v, &q, 0.3, &masks).unwrap().0
+        };
+        for (i, tw) in twins.iter_mut().enumerate() {
+            let (ki, vi, qi) = (row(&k, i), row(&v, i), row(&q, i));
+            let o = if win {
+                tw.window(&ki, &vi, &qi, 0.3, &masks).unwrap().0
+            } else {
+                tw.decode(&ki, &vi, &qi, 0.3, &masks).unwrap().0
+            };
+            if !rows.is_packed() || !win {
+                assert_same_bytes(&row(&out, i), &o, "row read vs its lego");
+            }
+        }
+    };
+    step(&mut rows, &mut twins, 1, 1, false);
+    check(&rows, &twins, "decode");
+    assert_eq!(rows.lifecycle()[0].converted_at, Some(6), "row 0 reached start 6");
+    assert!(matches!(rows.check_plain_read(), Err(CacheError::MixedPrecision { row: 0 })));
+    // A round: both rows get a verify window of 3, row 0 keeps 1, row 1 keeps 0 (row 1 crossed start 6 at 6? no: 3+3).
+    rows.round_begin().unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    step(&mut rows, &mut twins, 2, 3, true);
+    let before = (rows.offsets(), rows.lifecycle().to_vec());
+    assert!(matches!(rows.round_rollback(&[1, 4]), Err(CacheError::KeepTooLong { row: 1, keep: 4, written: 3 })));
+    assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), before, "a refused rollback changes nothing");
+    let (shifts, converted) = rows.round_rollback(&[1, 0]).unwrap();
+    assert_eq!(shifts, vec![2, 3]);
+    assert!(converted.is_empty(), "row 1's committed offset 3 < start: the uncommitted 6 did not convert it");
+    twins[0].round_rollback(1).unwrap();
+    twins[1].round_rollback(0).unwrap();
+    assert_eq!(rows.lifecycle().iter().map(|m| m.left_pad).collect::<Vec<_>>(), vec![2, 5]);
+    check(&rows, &twins, "rollback");
+    for s in 0..4 {
+        step(&mut rows, &mut twins, 10 + s, 1, false);
+        check(&rows, &twins, "decode after rollback");
+    }
+    assert!(rows.is_packed(), "every row converted: packed");
+    assert_eq!(rows.max_append_tokens(), None);
+    step(&mut rows, &mut twins, 20, 1, false);
+    check(&rows, &twins, "packed decode");
+    let back = rows.extract(1).unwrap();
+    // Extract de-rolls to temporal order (a layout event): compare the temporal views.
+    assert_eq!(
+        planes_bits(&back.inner().temporal_view_planes().unwrap()),
+        planes_bits(&twins[1].inner().temporal_view_planes().unwrap())
+    );
+    assert_eq!(back.minimum_reusable_offset(), twins[1].minimum_reusable_offset(), "extract keeps the floor");
+    let snapshot = (rows.offsets(), rows.lifecycle().to_vec());
+    assert!(rows.filter(&[1, 1]).is_err());
+    assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), snapshot);
+    rows.filter(&[1]).unwrap();
+    assert_eq!(rows.minimum_reusable_offset(), twins[1].minimum_reusable_offset());
+}
