@@ -68,13 +68,13 @@ impl ReadKind {
 
 /// The production result of an op must be exactly the model's verdict: Ok, or the same error kind.
 pub fn error_matches(what: &str, expected: &Result<(), ModelError>, got: &Result<(), CacheError>) -> Res {
-    let same = match (expected, got) {
-        (Ok(()), Ok(())) => true,
-        (Err(ModelError::NotTrimmable), Err(CacheError::NotTrimmable { .. })) => true,
-        (Err(ModelError::TrimTooLong), Err(CacheError::TrimTooLong { .. })) => true,
-        (Err(ModelError::BypassNotAfterWindow), Err(CacheError::BypassNotAfterWindow)) => true,
-        _ => false,
-    };
+    let same = matches!(
+        (expected, got),
+        (Ok(()), Ok(()))
+            | (Err(ModelError::NotTrimmable), Err(CacheError::NotTrimmable { .. }))
+            | (Err(ModelError::TrimTooLong), Err(CacheError::TrimTooLong { .. }))
+            | (Err(ModelError::BypassNotAfterWindow), Err(CacheError::BypassNotAfterWindow))
+    );
     if same {
         Ok(())
     } else {

@@ -134,7 +134,7 @@ fn exact_mode_on_cpu_reads_as_fused() {
     let spec = KvSpec { heads_kv: 2, head_dim: 8, dtype: KvDtype::F32 };
     let run = |mode: ReadMode| {
         set_read_mode(mode);
-        assert_eq!(exact_kernels_active(), false);
+        assert!(!exact_kernels_active());
         let mut c = RotatingKvCache::new(spec, 6).unwrap();
         let masks = Masks::new();
         let mut outs = vec![];
