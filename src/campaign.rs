@@ -397,7 +397,7 @@ pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
 /// The seed budget the tests give each mutant (README "Mutation catalog" lists the measured catch seed).
 pub fn test_budget(m: Mutant) -> u64 {
     match m {
-        Mutant::MergeSlicesByOffset => 150,
+        Mutant::MergeSlicesByOffset => 600,
         Mutant::PrefillPadStored => 60,
         _ => 20,
     }

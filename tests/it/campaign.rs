@@ -63,7 +63,7 @@ fn two_shards_merge_into_the_unsharded_summary_and_jobs_agree() {
 #[test]
 fn a_short_soak_reports_memory_and_a_verdict() {
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("soak-smoke.json");
-    let o = kvsim(&["soak", "--ops", "400", "--json", "--out", &out.display().to_string()]);
+    let o = kvsim(&["soak", "--ops", "1500", "--json", "--out", &out.display().to_string()]);
     let report = last_json(&o);
     assert!(report["ops"].as_u64().unwrap() >= 400);
     assert!(report["at_end"]["rss"].as_u64().unwrap() > 0);

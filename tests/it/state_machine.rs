@@ -878,7 +878,14 @@ fn every_catalog_mutant_is_caught() {
     // (`Mutant::in_simulator`; `src/cache/quant/tests.rs` catches them).
     for &m in Mutant::ALL
         .iter()
-        .filter(|m| m.in_simulator() && m.layout() == "kv" && only.as_deref().is_none_or(|o| o == m.name()))
+        // `floor-not-persisted` lives in the persistence codecs, which the state machine never calls (the simulator's
+        // save/restore step catches it).
+        .filter(|m| {
+            m.in_simulator()
+                && m.layout() == "kv"
+                && **m != Mutant::FloorNotPersisted
+                && only.as_deref().is_none_or(|o| o == m.name())
+        })
     {
         mutation::arm(Some(m));
         let config = Config {

@@ -1,0 +1,521 @@
+//! The handlers of the kvsim subcommands: each calls the library and prints. Part of the binary (with `main.rs` and
+//! `cli.rs`): the only code that writes to stdout or chooses exit codes.
+
+use kvsim::cache::mutation::Mutant;
+use kvsim::campaign;
+use kvsim::oracle;
+use kvsim::shard::{self, Shard};
+use kvsim::sim::trace::{Expect, Trace};
+use kvsim::sim::{self, DeviceChoice};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::cli::CacheCmd;
+
+pub(crate) fn cache_cmd(cmd: CacheCmd) -> ExitCode {
+    use kvsim::persist::inspect;
+    match cmd {
+        CacheCmd::Inspect { file, json } => match inspect::inspect_file(&file) {
+            Ok(i) => {
+                if json {
+                    println!("{}", serde_json::to_string(&i).expect("inspection serializes"));
+                } else {
+                    print!("{}", inspect::render(&i));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsim cache inspect: {}: {e}", file.display());
+                ExitCode::FAILURE
+            }
+        },
+        CacheCmd::Convert { input, output, to } => match inspect::convert(&input, &output, to) {
+            Ok(()) => {
+                println!("wrote {}", output.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsim cache convert: {}: {e}", input.display());
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+pub(crate) fn oracle_record_cmd(
+    count: usize,
+    scan: u64,
+    seeds: &[u64],
+    include: &[u64],
+    out: &Path,
+    keep: bool,
+) -> ExitCode {
+    let mut log = |err: bool, line: String| if err { eprintln!("{line}") } else { println!("{line}") };
+    match oracle::record_set(count, scan, seeds, include, out, keep, &mut log) {
+        Ok(all) => exit(all),
+        Err(e) => fail("oracle record", e, 1),
+    }
+}
+
+pub(crate) fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
+    match oracle::describe_choice(count, scan, include) {
+        Ok(seeds) => {
+            seeds.iter().for_each(|(s, feats)| println!("seed {s}: {}", feats.join(" ")));
+            println!("{}", seeds.iter().map(|s| s.0.to_string()).collect::<Vec<_>>().join(" "));
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail("oracle record", e, 1),
+    }
+}
+
+pub(crate) fn oracle_diff_cmd(path: &Path) -> ExitCode {
+    let rep = oracle::diff_recorded(path);
+    if let Some(e) = &rep.error {
+        return fail("oracle diff", e, 2);
+    }
+    print_all(&rep.diff_lines());
+    exit(rep.status() != "unclassified")
+}
+
+pub(crate) fn oracle_check_cmd(dir: &Path, json: bool) -> ExitCode {
+    let report = match oracle::check_dir(dir) {
+        Ok(r) => r,
+        Err(e) => return fail("oracle check", e, 2),
+    };
+    print_all(&report.lines());
+    if json {
+        println!("{}", report.json_line());
+    }
+    exit(report.count("unclassified") == 0)
+}
+
+pub(crate) fn doctor() -> ExitCode {
+    let (lines, ok) = kvsim::doctor::report();
+    print_all(&lines);
+    exit(ok)
+}
+
+pub(crate) fn print_all(lines: &[String]) {
+    lines.iter().for_each(|l| println!("{l}"));
+}
+
+pub(crate) fn exit(ok: bool) -> ExitCode {
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+pub(crate) fn fail(what: &str, e: impl std::fmt::Display, code: u8) -> ExitCode {
+    eprintln!("kvsim {what}: {e}");
+    ExitCode::from(code)
+}
+
+pub(crate) fn write_trace(dir: &Path, name: &str, t: &Trace) -> PathBuf {
+    let _ = std::fs::create_dir_all(dir);
+    let p = dir.join(name);
+    if let Err(e) = std::fs::write(&p, t.to_json()) {
+        eprintln!("kvsim: cannot write {}: {e}", p.display());
+    }
+    p
+}
+
+pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
+    stop_on_ctrl_c();
+    if a.jobs > 1 {
+        return sim_jobs_cmd(a);
+    }
+    let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
+    let bar = seed_bar(seeds.len(), a.progress_lines);
+    // Few seeds: each seed's swarm config is printed with its result (every trace stores it; failures repeat it).
+    let (show_configs, mut failures) = (seeds.len() <= 10 && !a.progress_lines, 0);
+    let s = campaign::run_seeds_until(&seeds, a.device, a.time, &STOP, |r| {
+        let config = serde_json::to_string(&r.config).unwrap();
+        if show_configs {
+            bar.suspend(|| println!("config of seed {}: {config}", r.seed));
+        }
+        let written = r.failure().map(|f| {
+            failures += 1;
+            let p = write_trace(&a.out, &format!("seed-{}.json", r.seed), &r.run.trace);
+            let (seed, op, check, msg) = (r.seed, f.op_index, f.check, f.message);
+            bar.suspend(|| {
+                eprintln!(
+                    "FAIL seed {seed} op {op} [{check}] {msg}\n     trace: {}\n     config: {config}",
+                    p.display()
+                )
+            });
+            p.display().to_string()
+        });
+        if a.progress_lines {
+            let ops = r.run.trace.ops.len() as u64 - r.run.skipped;
+            eprintln!("{}", shard::Progress { seed: r.seed, ops, failed: r.run.failed() }.line());
+        }
+        bar.set_message(format!("{failures} failures"));
+        bar.inc(1);
+        written
+    });
+    bar.finish_and_clear();
+    print_summary(&s, a);
+    exit(s.failures == 0)
+}
+
+/// Set by Ctrl-C: campaigns stop before their next seed and still print the summary of what ran.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// The first Ctrl-C asks for a clean stop (after the current seed); a second one quits at once (exit 130).
+///
+/// SIGINT through the C library's `signal` (POSIX; the handler only touches atomics, which is async-signal-safe).
+/// The `ctrlc` crate does the same; adding it re-resolved shared dependencies' features and rebuilt MLX's bindings
+/// (about 40 minutes on the 2 shared cores), so it waits for a quiet machine.
+pub(crate) fn stop_on_ctrl_c() {
+    extern "C" {
+        fn signal(signum: i32, handler: extern "C" fn(i32)) -> usize;
+        fn _exit(status: i32) -> !;
+    }
+    extern "C" fn on_sigint(_: i32) {
+        if STOP.swap(true, Ordering::SeqCst) {
+            // SAFETY: `_exit` is async-signal-safe and ends the process without running anything else.
+            unsafe { _exit(130) }
+        }
+    }
+    const SIGINT: i32 = 2;
+    // SAFETY: installs a handler that only swaps an atomic (or exits); called once, before any campaign starts.
+    unsafe {
+        signal(SIGINT, on_sigint);
+    }
+}
+
+/// A progress bar over `n` seeds: rate, ETA and failures so far (hidden for workers, which report progress lines).
+pub(crate) fn seed_bar(n: usize, hidden: bool) -> indicatif::ProgressBar {
+    if hidden {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(n as u64);
+    let style = indicatif::ProgressStyle::with_template(
+        "{elapsed_precise} [{bar:40}] {pos}/{len} seeds  {per_sec}  ETA {eta}  {msg}",
+    );
+    bar.set_style(style.unwrap().progress_chars("=> "));
+    bar.set_message("0 failures");
+    bar
+}
+
+/// The campaign `kvsim sim` was asked for.
+pub(crate) struct SimArgs {
+    pub(crate) first: u64,
+    pub(crate) requested: u64,
+    pub(crate) shard: Option<Shard>,
+    pub(crate) device: DeviceChoice,
+    pub(crate) time: Option<f64>,
+    pub(crate) json: bool,
+    pub(crate) out: PathBuf,
+    pub(crate) jobs: u64,
+    pub(crate) progress_lines: bool,
+}
+
+pub(crate) fn print_summary(s: &campaign::Summary, a: &SimArgs) {
+    print_all(&s.lines());
+    if s.interrupted {
+        eprintln!("kvsim sim: interrupted; the summary covers the {} seeds that ran", s.seeds);
+    }
+    if a.json {
+        let line = match a.shard {
+            Some(_) => serde_json::to_string(&campaign::Part::of(s, a.first, a.requested, a.shard)),
+            None => serde_json::to_string(s),
+        };
+        let mut line = line.unwrap();
+        if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
+            // The summary says which read the outputs went through (only when it is not the default fused read).
+            let mut v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            v["read_mode"] = serde_json::json!(kvsim::cache::read_mode());
+            line = v.to_string();
+        }
+        println!("{line}");
+    }
+}
+
+pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return fail("sim --jobs", e, 2),
+    };
+    let mut args: Vec<String> = vec!["sim".into(), "--first".into(), a.first.to_string()];
+    args.extend(["--seeds".into(), a.requested.to_string(), "--device".into(), a.device.name().into()]);
+    args.extend(["--json".into(), "--progress-lines".into(), "--out".into(), a.out.display().to_string()]);
+    if let Some(t) = a.time {
+        args.extend(["--time".into(), t.to_string()]);
+    }
+    if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
+        args.push("--exact-read".into());
+    }
+    let shards = shard::split(a.shard, a.jobs);
+    let bar = seed_bar(shard::campaign_seeds(a.first, a.requested, a.shard).len(), a.progress_lines);
+    let mut failures = 0;
+    let outs = shard::run_workers(&exe, &args, &shards, |p| {
+        failures += p.failed as u64;
+        bar.set_message(format!("{failures} failures"));
+        bar.inc(1);
+        if a.progress_lines {
+            eprintln!("{}", p.line());
+        }
+    });
+    bar.finish_and_clear();
+    let outs = match outs {
+        Ok(o) => o,
+        Err(e) => return fail("sim --jobs", e, 2),
+    };
+    let mut parts = vec![];
+    for o in outs {
+        let part = o.summary.ok_or_else(|| format!("printed no summary (exit status {:?})", o.status)).and_then(|v| {
+            serde_json::from_value::<campaign::Part>(v).map_err(|e| format!("printed an unreadable summary: {e}"))
+        });
+        match part {
+            Ok(p) => parts.push(p),
+            Err(e) => return fail("sim --jobs", format!("worker {}: {e}", o.shard), 2),
+        }
+    }
+    match campaign::merge(&parts) {
+        Ok(s) => {
+            print_summary(&s, a);
+            exit(s.failures == 0)
+        }
+        Err(e) => fail("sim --jobs", e, 2),
+    }
+}
+
+pub(crate) fn merge_cmd(paths: &[PathBuf], json: bool) -> ExitCode {
+    let mut parts = vec![];
+    for p in paths {
+        let text = match std::fs::read_to_string(p) {
+            Ok(t) => t,
+            Err(e) => return fail("merge", format!("{}: {e}", p.display()), 2),
+        };
+        match campaign::Part::from_output(&p.display().to_string(), &text) {
+            Ok(part) => parts.push(part),
+            Err(e) => return fail("merge", e, 2),
+        }
+    }
+    match campaign::merge(&parts) {
+        Ok(s) => {
+            println!("kvsim merge: {} parts", parts.len());
+            print_all(&s.lines());
+            if json {
+                println!("{}", serde_json::to_string(&s).unwrap());
+            }
+            exit(s.failures == 0)
+        }
+        Err(e) => fail("merge", e, 2),
+    }
+}
+
+pub(crate) fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+pub(crate) fn soak_cmd(
+    ops: Option<u64>,
+    time: Option<f64>,
+    first: u64,
+    device: DeviceChoice,
+    out: Option<PathBuf>,
+    json: bool,
+) -> ExitCode {
+    use kvsim::soak::{Budget, SeedRun, SoakConfig};
+    stop_on_ctrl_c();
+    let budget = match (ops, time) {
+        (Some(n), _) => Budget::Ops(n),
+        (None, Some(t)) => Budget::Seconds(t),
+        (None, None) => return fail("soak", "give --ops N or --time S", 2),
+    };
+    let (len, unit) = match budget {
+        Budget::Ops(n) => (n, "ops"),
+        Budget::Seconds(t) => (t.ceil() as u64, "s"),
+    };
+    let bar = indicatif::ProgressBar::new(len);
+    let style = format!("{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {unit}  ETA {{eta}}  {{msg}}");
+    bar.set_style(indicatif::ProgressStyle::with_template(&style).unwrap().progress_chars("=> "));
+    let failures_dir = PathBuf::from("target/kvsim-failures");
+    let report = kvsim::soak::soak(
+        SoakConfig::new(budget, first),
+        &STOP,
+        |seed| {
+            let r = campaign::run_seed(seed, device);
+            if let Some(f) = r.failure() {
+                let p = write_trace(&failures_dir, &format!("seed-{seed}.json"), &r.run.trace);
+                bar.suspend(|| {
+                    eprintln!(
+                        "FAIL seed {seed} op {} [{}] {}\n     trace: {}",
+                        f.op_index,
+                        f.check,
+                        f.message,
+                        p.display()
+                    )
+                });
+            }
+            SeedRun { ops: r.run.trace.ops.len() as u64 - r.run.skipped, failed: r.run.failed() }
+        },
+        |s, failures| {
+            bar.set_position(match budget {
+                Budget::Ops(_) => s.ops,
+                Budget::Seconds(_) => s.seconds as u64,
+            });
+            bar.set_message(format!(
+                "{} seeds, {:.0} ops/s, MLX active {:.1} MiB, RSS {:.1} MiB, {failures} failures",
+                s.seeds,
+                s.ops as f64 / s.seconds.max(1e-9),
+                mib(s.mlx_active),
+                mib(s.rss)
+            ));
+        },
+    );
+    bar.finish_and_clear();
+    let line = |what: &str, s: &kvsim::soak::MemorySample| {
+        println!(
+            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB",
+            s.ops,
+            mib(s.mlx_active),
+            mib(s.mlx_cache),
+            mib(s.mlx_peak),
+            mib(s.rss)
+        )
+    };
+    println!(
+        "kvsim soak: {} seeds, {} ops in {:.1}s ({:.0} ops/s) on {}, {} failures{}",
+        report.seeds,
+        report.ops,
+        report.seconds,
+        report.ops_per_s,
+        device.name(),
+        report.failures,
+        if report.interrupted { " (interrupted)" } else { "" }
+    );
+    line("start", &report.at_start);
+    if let Some(w) = &report.at_warmup {
+        line("warm-up", w);
+    }
+    line("end", &report.at_end);
+    let v = &report.verdict;
+    println!(
+        "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS {:.3}x ({:.2} -> {:.2} MiB); allowed {}x: {}",
+        v.mlx_active.ratio,
+        mib(v.mlx_active.post_warmup),
+        mib(v.mlx_active.final_level),
+        v.rss.ratio,
+        mib(v.rss.post_warmup),
+        mib(v.rss.final_level),
+        report.config.tolerance,
+        if v.pass { "pass" } else { v.reason.as_deref().unwrap_or("fail") }
+    );
+    let text = serde_json::to_string(&report).unwrap();
+    if let Some(p) = &out {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        if let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&report).unwrap()) {
+            return fail("soak", format!("cannot write {}: {e}", p.display()), 2);
+        }
+        println!("  report: {}", p.display());
+    }
+    if json {
+        println!("{text}");
+    }
+    exit(v.pass && report.failures == 0)
+}
+
+pub(crate) fn replay_cmd(path: &Path, device: DeviceChoice) -> ExitCode {
+    match Trace::load(path) {
+        Ok(trace) => {
+            let (lines, ok) = sim::replay_report(&trace, device);
+            print_all(&lines);
+            exit(ok)
+        }
+        Err(e) => fail("replay", e, 2),
+    }
+}
+
+pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, device: DeviceChoice) -> ExitCode {
+    let trace = match Trace::load(path) {
+        Ok(t) => t,
+        Err(e) => return fail("shrink", e, 2),
+    };
+    match sim::shrink::shrink(&trace, device, budget) {
+        Ok(s) => {
+            let mut t = s.trace;
+            t.expect = Expect::Fail;
+            let p = match out {
+                Some(p) => write_trace(
+                    p.parent().unwrap_or(Path::new(".")),
+                    &p.file_name().unwrap_or_default().to_string_lossy(),
+                    &t,
+                ),
+                None => write_trace(Path::new("corpus"), &format!("seed-{}-{}ops.json", t.seed, t.ops.len()), &t),
+            };
+            println!("shrunk {} ops to {} in {} replays: {}", trace.ops.len(), t.ops.len(), s.runs, p.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail("shrink", e, 1),
+    }
+}
+
+pub(crate) fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
+    let mut rows = vec![];
+    // Quantized mutants are not reachable by a simulator family yet (`Mutant::in_simulator`); the recurrent cache's
+    // are hunted by its own runs (`sim::ssm`, its tests).
+    for &m in Mutant::ALL
+        .iter()
+        .filter(|m| m.in_simulator() && m.layout() == "kv" && only.as_deref().is_none_or(|o| o == m.name()))
+    {
+        let hunt = campaign::MutantHunt::run(m, budget, shrink_budget);
+        if let (true, Some(t)) = (save, hunt.corpus_trace()) {
+            write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);
+        }
+        println!("{}", hunt.line());
+        rows.push(hunt);
+    }
+    if json {
+        println!("{}", serde_json::json!({ "mutants": rows }));
+    }
+    exit(rows.iter().all(|h| h.caught))
+}
+
+pub(crate) fn bench_cmd(
+    device: DeviceChoice,
+    what: &str,
+    anchor: Option<kvsim::bench::Anchor>,
+    quick: bool,
+    out: &Path,
+    json: bool,
+    exact: bool,
+) -> ExitCode {
+    let mut r = kvsim::bench::bench(device, what, anchor.as_ref(), quick, exact);
+    kvsim::bench::stamp(&mut r);
+    print_all(&kvsim::bench::summary_lines(&r));
+    if let Some(e) = r.get("exact") {
+        println!(
+            "exact read, rows byte-identical batch vs alone: exact {} / {}, fused SDPA {} / {}",
+            e["exact_rows_byte_identical"], e["rows_compared"], e["fused_rows_byte_identical"], e["rows_compared"]
+        );
+    }
+    let _ = std::fs::create_dir_all(out);
+    let p = out.join(format!("bench-{}-{}.json", device.name(), r["unix_time"]));
+    let _ = std::fs::write(&p, serde_json::to_string_pretty(&r).unwrap());
+    println!("saved {}", p.display());
+    if json {
+        println!("{}", serde_json::to_string(&r).unwrap());
+    }
+    ExitCode::SUCCESS
+}
+
+pub(crate) fn fuzz_case_cmd(input: &Path, out: &Path) -> ExitCode {
+    let data = match std::fs::read(input) {
+        Ok(d) => d,
+        Err(e) => return fail("fuzz-case", format!("cannot read {}: {e}", input.display()), 2),
+    };
+    let Some(t) = kvsim::fuzzing::case_to_trace(&data) else {
+        return fail("fuzz-case", format!("{} does not decode to a fuzz case", input.display()), 2);
+    };
+    let p = write_trace(out, &format!("fuzz-{}.json", &blake3::hash(&data).to_hex()[..12]), &t);
+    println!("{} ops, outcome {:?}: {}", t.ops.len(), t.outcome, p.display());
+    ExitCode::SUCCESS
+}
