@@ -80,6 +80,29 @@ pub fn draw_families(seed: u64) -> Vec<String> {
 }
 
 impl SimConfig {
+    /// The K/V geometry and dtype every family of this run builds its caches with.
+    pub fn kv_spec(&self) -> crate::cache::KvSpec {
+        let dtype = match self.dtype {
+            DtypeChoice::F32 => crate::cache::KvDtype::F32,
+            DtypeChoice::Bf16 => crate::cache::KvDtype::Bf16,
+        };
+        crate::cache::KvSpec { heads_kv: self.heads_kv, head_dim: self.head_dim, dtype }
+    }
+
+    /// The self-identifying payload space of this run (the same values in production, twins and the model).
+    pub fn value_space(&self) -> crate::reference::ValueSpace {
+        crate::reference::ValueSpace {
+            seed: self.payload_seed,
+            heads_kv: self.heads_kv,
+            heads_q: self.heads_q,
+            head_dim: self.head_dim,
+            dtype: match self.dtype {
+                DtypeChoice::F32 => crate::reference::RefDtype::F32,
+                DtypeChoice::Bf16 => crate::reference::RefDtype::Bf16,
+            },
+        }
+    }
+
     /// The swarm configuration of `seed`.
     pub fn from_seed(seed: u64) -> SimConfig {
         let mut rng = stream(seed, Stream::Config);

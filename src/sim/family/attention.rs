@@ -16,10 +16,10 @@ use mlx_rs::Array;
 
 use crate::bytes::ArrayBytes;
 use crate::cache::{
-    plain_decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvDtype, KvSpec, MaskUse, Masks, RowBatch,
+    plain_decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvSpec, MaskUse, Masks, RowBatch,
     SerialCache,
 };
-use crate::reference::{bidirectional_visible, read_block_context, RefDtype, RowModel, Tensor, Tok, ValueSpace};
+use crate::reference::{bidirectional_visible, read_block_context, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
 use crate::sim::config::{DtypeChoice, SimConfig};
 use crate::sim::family::{Cx, Family, Registration, View};
@@ -81,21 +81,7 @@ fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
 
 impl Attention {
     pub fn new(cfg: SimConfig) -> Res<Attention> {
-        let dtype = match cfg.dtype {
-            DtypeChoice::F32 => KvDtype::F32,
-            DtypeChoice::Bf16 => KvDtype::Bf16,
-        };
-        let spec = KvSpec { heads_kv: cfg.heads_kv, head_dim: cfg.head_dim, dtype };
-        let vs = ValueSpace {
-            seed: cfg.payload_seed,
-            heads_kv: cfg.heads_kv,
-            heads_q: cfg.heads_q,
-            head_dim: cfg.head_dim,
-            dtype: match cfg.dtype {
-                DtypeChoice::F32 => RefDtype::F32,
-                DtypeChoice::Bf16 => RefDtype::Bf16,
-            },
-        };
+        let (spec, vs) = (cfg.kv_spec(), cfg.value_space());
         let batch = (0..cfg.layers)
             .map(|_| RowBatch::empty(spec, cfg.layout.max_size()))
             .collect::<Result<Vec<_>, _>>()

@@ -8,10 +8,8 @@
 use mlx_rs::Array;
 
 use crate::bytes::ArrayBytes;
-use crate::cache::{
-    CacheError, JoinSource, KvDtype, KvSpec, MaskUse, Masks, PrefixSharedCache, RowBatch, TrainingCache,
-};
-use crate::reference::{prefix_shared_visible, training_visible, RefDtype, Tensor, Tok, ValueSpace};
+use crate::cache::{CacheError, JoinSource, KvSpec, MaskUse, Masks, PrefixSharedCache, RowBatch, TrainingCache};
+use crate::reference::{prefix_shared_visible, training_visible, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::{DtypeChoice, SimConfig};
 use crate::sim::family::{Cx, Family, Registration, View};
@@ -54,21 +52,7 @@ fn bytes_of(a: &Array) -> Res<ArrayBytes> {
 
 impl Training {
     pub fn new(cfg: SimConfig) -> Res<Training> {
-        let dtype = match cfg.dtype {
-            DtypeChoice::F32 => KvDtype::F32,
-            DtypeChoice::Bf16 => KvDtype::Bf16,
-        };
-        let spec = KvSpec { heads_kv: cfg.heads_kv, head_dim: cfg.head_dim, dtype };
-        let vs = ValueSpace {
-            seed: cfg.payload_seed,
-            heads_kv: cfg.heads_kv,
-            heads_q: cfg.heads_q,
-            head_dim: cfg.head_dim,
-            dtype: match cfg.dtype {
-                DtypeChoice::F32 => RefDtype::F32,
-                DtypeChoice::Bf16 => RefDtype::Bf16,
-            },
-        };
+        let (spec, vs) = (cfg.kv_spec(), cfg.value_space());
         let held = (0..cfg.layers)
             .map(|_| TrainingCache::new(spec, cfg.layout.max_size()))
             .collect::<Result<Vec<_>, _>>()
