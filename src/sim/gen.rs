@@ -35,6 +35,7 @@ impl Generator {
                 OpKind::Extract | OpKind::Filter | OpKind::Trim => rows > 0,
                 OpKind::ReadBlock | OpKind::BidirPrefill | OpKind::CompiledStep => !v.solo.is_empty(),
                 OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal => true,
+                OpKind::Quantize => true,
             }
         };
         let choices: Vec<(OpKind, u32)> = OpKind::ALL
@@ -169,6 +170,7 @@ impl Generator {
                 Op::PrefixSharedForward { prompt, chosen, rejected, len, window }
             }
             OpKind::TrainingRefusal => Op::TrainingRefusal { persist: w.random_bool(0.5) },
+            OpKind::Quantize => crate::sim::family::quant::draw_quantize(cfg, w),
         }
     }
 }

@@ -65,6 +65,12 @@ pub enum Op {
     PrefixSharedForward { prompt: u32, chosen: u32, rejected: u32, len: u32, window: u32 },
     /// A training cache asked to be merged into a batch (`persist = false`) or persisted (`true`): `TrainingOnly`.
     TrainingRefusal { persist: bool },
+    /// Convert every cache of the run to affine storage of `bits` and `group` (`to_quantized`, R-ROT-8): every
+    /// request outside the batch, the running batch, and the twins at the same point, ring phase and offset kept.
+    /// With `mid_round`, the conversion is first asked of a copy of the running batch with a right-padded prefill
+    /// prepared and not finalized, which must refuse with `PendingPrefill` and change nothing. Invalid parameters
+    /// (for the cache's head dim), or other parameters than a cache already holds, are typed errors.
+    Quantize { bits: u32, group: u32, mid_round: bool },
 }
 
 /// The kinds of op, for weights, counters and coverage.
@@ -92,6 +98,7 @@ pub enum OpKind {
     TrainingForward,
     PrefixSharedForward,
     TrainingRefusal,
+    Quantize,
 }
 
 impl OpKind {
@@ -117,6 +124,7 @@ impl OpKind {
         OpKind::TrainingForward,
         OpKind::PrefixSharedForward,
         OpKind::TrainingRefusal,
+        OpKind::Quantize,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -143,6 +151,7 @@ impl OpKind {
             OpKind::TrainingForward => "training_forward",
             OpKind::PrefixSharedForward => "prefix_shared_forward",
             OpKind::TrainingRefusal => "training_refusal",
+            OpKind::Quantize => "quantize",
         }
     }
 
@@ -170,12 +179,19 @@ impl OpKind {
             OpKind::TrainingForward => 6,
             OpKind::PrefixSharedForward => 3,
             OpKind::TrainingRefusal => 1,
+            OpKind::Quantize => 1,
         }
     }
 
     /// The training kinds: executed by the training family only (never drawn in a run without it).
     pub fn is_training(self) -> bool {
         matches!(self, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal)
+    }
+
+    /// The conversion op: drawn only in runs that hold the quantized family (`sim::family::quant`), with a weight
+    /// from its own stream, so that the swarm draws of every other run are unchanged.
+    pub fn is_quant(self) -> bool {
+        matches!(self, OpKind::Quantize)
     }
 
     /// Kinds every run keeps, so that requests can reach the batch and make progress.
@@ -209,6 +225,7 @@ impl Op {
             Op::TrainingForward { .. } => OpKind::TrainingForward,
             Op::PrefixSharedForward { .. } => OpKind::PrefixSharedForward,
             Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,
+            Op::Quantize { .. } => OpKind::Quantize,
         }
     }
 

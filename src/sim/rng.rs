@@ -22,6 +22,9 @@ pub enum Stream {
     Payload = 4,
     /// Which layout families a run holds (`sim::family::REGISTRY`).
     Families = 5,
+    /// The quantized family's parameters (bits, group, head dim, native or converted) and the weight of its
+    /// conversion op (`sim::family::quant`); drawn only for runs that hold that family.
+    Quant = 6,
 }
 
 /// A generator for one subsystem of one seed.
