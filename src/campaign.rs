@@ -399,6 +399,8 @@ pub fn test_budget(m: Mutant) -> u64 {
     match m {
         Mutant::MergeSlicesByOffset => 600,
         Mutant::PrefillPadStored => 60,
+        // Needs a run of the quantized family (30% of seeds) that starts plain and converts a ring after it wrapped.
+        Mutant::QuantConvertTemporalOrder => 60,
         _ => 20,
     }
 }
