@@ -202,7 +202,9 @@ impl Attention {
             Op::ReadBlock { req, len } => self.solo_read_block(cx, *req, *len as usize)?,
             Op::BidirPrefill { req, len, image } => self.bidir_prefill(cx, *req, *len as usize, *image)?,
             Op::CompiledStep { req } => self.compiled_step(cx, *req)?,
-            Op::Quantize { bits, group, mid_round } => self.quantize(cx, *bits as usize, *group as usize, *mid_round)?,
+            Op::Quantize { bits, group, mid_round } => {
+                self.quantize(cx, *bits as usize, *group as usize, *mid_round)?
+            }
             // The training family's forwards use their own stateless caches: every inference cache of this family
             // must come out of them unchanged, which `check_all` verifies after the op.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => true,
@@ -359,16 +361,7 @@ impl Attention {
             check::bytes_equal("compiled step output vs the ordinary append", &read[0], &read[1])?;
             self.counters.record_twin(check::OutClass::DecodeUnpadded, &["compiled_step"], read[0].dtype, 0);
             let keys: Vec<Tok> = model_after.decode_visible().iter().map(|&c| model_after.cols[c]).collect();
-            self.out_vs_model(
-                layer as u32,
-                toks[0].unwrap(),
-                &keys,
-                keys.len(),
-                scale,
-                &read[0],
-                0,
-                0,
-            )?;
+            self.out_vs_model(layer as u32, toks[0].unwrap(), &keys, keys.len(), scale, &read[0], 0, 0)?;
         }
         self.reqs.get_mut(&req).unwrap().model = model_after;
         Ok(true)
@@ -566,9 +559,8 @@ impl Attention {
             let incoming = if merge {
                 let mut slices = vec![];
                 for id in &ids {
-                    let planes = self.reqs[id].solo[layer]
-                        .temporal_view_planes()
-                        .map_err(|e| unexpected("temporal_view", e))?;
+                    let planes =
+                        self.reqs[id].solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?;
                     slices.push((planes, self.reqs[id].model.offset));
                 }
                 RowBatch::merge_planes(self.spec, max, self.storage, &slices).map_err(|e| unexpected("merge", e))?
@@ -1191,16 +1183,7 @@ impl Attention {
                 check::mask_row(mask, *row, i, &visible, l, width, kind)?;
                 self.counters.checks += 1;
                 let keys: Vec<Tok> = visible.iter().map(|&c| model.cols[c]).collect();
-                self.out_vs_model(
-                    layer as u32,
-                    *q,
-                    &keys,
-                    keys.len(),
-                    self.cfg.scale(),
-                    &out_bytes,
-                    *row,
-                    i,
-                )?;
+                self.out_vs_model(layer as u32, *q, &keys, keys.len(), self.cfg.scale(), &out_bytes, *row, i)?;
             }
             if twin.is_some() {
                 let twin_bytes = read.next().unwrap();
@@ -1278,16 +1261,7 @@ impl Attention {
             for (i, q) in real.iter().enumerate() {
                 m.decode_write(*q);
                 let keys: Vec<Tok> = m.decode_visible().iter().map(|&c| m.cols[c]).collect();
-                self.out_vs_model(
-                    layer as u32,
-                    *q,
-                    &keys,
-                    keys.len(),
-                    self.cfg.scale(),
-                    &out_bytes,
-                    *row,
-                    i,
-                )?;
+                self.out_vs_model(layer as u32, *q, &keys, keys.len(), self.cfg.scale(), &out_bytes, *row, i)?;
             }
             if let Some(twin) = twin {
                 let twin_bytes = ArrayBytes::of(twin).map_err(|e| mlx_fail("read twin output", e))?;

@@ -264,7 +264,11 @@ impl Attention {
             let bytes = ArrayBytes::read_many(&arrays).map_err(|e| mlx_fail("read planes", e))?;
             let n = before.len();
             for p in 0..n {
-                check::bytes_equal(&format!("layer {layer} plane {p} after a refused conversion"), &bytes[p], &bytes[n + p])?;
+                check::bytes_equal(
+                    &format!("layer {layer} plane {p} after a refused conversion"),
+                    &bytes[p],
+                    &bytes[n + p],
+                )?;
             }
             self.counters.expected_errors += 1;
         }
@@ -438,7 +442,10 @@ fn planes_vs_model(
             if shape != [1, h, toks.len(), w] {
                 return Err(Failure::new(
                     "layout",
-                    format!("{what} {tensor:?} {name}: shape {shape:?}, the model expects [1, {h}, {}, {w}]", toks.len()),
+                    format!(
+                        "{what} {tensor:?} {name}: shape {shape:?}, the model expects [1, {h}, {}, {w}]",
+                        toks.len()
+                    ),
                 ));
             }
         }
