@@ -885,7 +885,20 @@ fn i32_of(v: usize, name: &str) -> Result<i32> {
 ///   positions (its temporal view) right-aligned at `width = max len_r`, `left_padding_r = width - len_r`,
 ///   `_idx = _offset = width`, `rotated = False`. A batch with a pending prefill is refused (mlx-lm's files cannot
 ///   carry it).
+/// - Affine storage (`kv:quant:..`, `kv:rotating-quant:..`) is refused ([`PersistError::Unsupported`]): the forms
+///   above hold dense K/V, and writing the dequantized values would restore a plain cache (found by the simulator's
+///   quantized family); mlx-lm's `QuantizedKVCache` form is not written yet.
 pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
+    let storage = match cache {
+        AnyCache::Serial(c) => c.storage(),
+        AnyCache::Rows(b) => b.storage(),
+    };
+    if storage != crate::cache::Storage::Plain {
+        return Err(PersistError::unsupported(format!(
+            "{} has no mlx-lm form here: only plain caches are written as KVCache / RotatingKVCache",
+            cache.storage_kind()
+        )));
+    }
     match cache {
         AnyCache::Serial(c) => {
             let s = c.state();

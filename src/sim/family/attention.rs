@@ -1057,13 +1057,9 @@ impl Attention {
         // continues solo; the state checks after this op and every later read compare the restored caches with
         // the twin and the model. Even requests go through kvsim's format, odd ones through an mlx-lm prompt-cache
         // file when every layer has an mlx-lm form (else kvsim's format).
-        // Affine storage has no codec in `persist` yet: quantized rows continue without the round trip.
-        let extracted = if self.storage == Storage::Plain {
-            self.counters.persist_roundtrips += 1;
-            persist_roundtrip(extracted, id % 2 == 1)?
-        } else {
-            extracted
-        };
+        // Affine storage goes through kvsim's format (its codecs store the six planes as they are).
+        let extracted = persist_roundtrip(extracted, id % 2 == 1)?;
+        self.counters.persist_roundtrips += 1;
         let r = self.reqs.get_mut(&id).unwrap();
         r.home = Home::Solo;
         r.history.layout_event = true;
