@@ -167,6 +167,19 @@ pub fn model_bound(dtype: Dtype, loose: bool) -> f64 {
     }
 }
 
+/// [`model_bound`] for reads of head dim `head_dim`. The attention family's head dims (4, 8, 16) use it as is; the
+/// quantized family's plain phase (before its conversion op) reads head dims of 32 to 128, where bf16 SDPA sums
+/// longer dot products: 1000 CPU seeds measured 32.7 scaled ULPs there (seed 816, head dim 128), so bf16 reads of
+/// head dims above 16 get twice the plain bound.
+pub fn model_bound_at(dtype: Dtype, loose: bool, head_dim: usize) -> f64 {
+    let b = model_bound(dtype, loose);
+    if head_dim > 16 && dtype == Dtype::Bfloat16 && !loose {
+        2.0 * b
+    } else {
+        b
+    }
+}
+
 /// One query's output (row, query i; `[B, H_q, L, D]`) against softmax attention in f64 over `keys`.
 #[allow(clippy::too_many_arguments)]
 pub fn output_vs_model(
@@ -184,7 +197,7 @@ pub fn output_vs_model(
     let worst = distance_to(&expected, q, out, row, i)?;
     counters.record_model_ulp(out.dtype, worst);
     counters.checks += 1;
-    let bound = model_bound(out.dtype, !counters.guarantees.exact_unpadded_decode);
+    let bound = model_bound_at(out.dtype, !counters.guarantees.exact_unpadded_decode, vs.head_dim);
     if worst > bound {
         return Err(Failure::new(
             "output_vs_model",
