@@ -563,8 +563,13 @@ impl RowBatch {
         let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
         let width = lens.iter().copied().max().unwrap_or(0).max(1);
         let b = self.buf.as_ref().ok_or_else(|| invalid("decode read without a buffer"))?;
-        let (kl, vl) = (cols(&b.k, 0, width)?, cols(&b.v, 0, width)?);
+        let (mut kl, mut vl) = (cols(&b.k, 0, width)?, cols(&b.v, 0, width)?);
         let uniform = lens.iter().all(|&l| l == lens[0]);
+        let scale = if mutation::is(Mutant::DecodeScaleUlp) { f32::from_bits(scale.to_bits() + 1) } else { scale };
+        if uniform && mutation::is(Mutant::DecodeKeyOrder) {
+            let at = index_array(&(0..width).rev().collect::<Vec<_>>(), &[width])?;
+            (kl, vl) = (kl.take_axis(&at, 2)?, vl.take_axis(&at, 2)?);
+        }
         if uniform || mutation::is(Mutant::MaskIgnoresPadding) {
             return Ok((attend(q, &kl, &vl, scale, None, false)?, MaskUse::None));
         }

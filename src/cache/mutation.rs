@@ -40,6 +40,15 @@ pub enum Mutant {
     /// A batched decode writes every row at one shared column (row 0's target), as mlx-lm's shared `_idx` does,
     /// instead of each row's own ring head (R-BROT-8). Hook: `RowBatch::decode` scatter.
     SharedWritePointer,
+    /// A batched decode read of rows of equal `len` attends the key/value columns in reverse physical order. The
+    /// attention is mathematically the same (every column is visible, K and V are permuted alike); only the
+    /// summation order changes, so only a rounding-level difference reveals it: the byte comparison of decode
+    /// outputs with the solo twin (`decode_vs_solo`), never the f64 model's ULP bound. Hook: `RowBatch::decode`
+    /// read.
+    DecodeKeyOrder,
+    /// A batched decode read scales the scores by the next representable f32 above `scale` (one ULP of the scale):
+    /// a rounding-level difference only the byte comparison with the solo twin sees. Hook: `RowBatch::decode` read.
+    DecodeScaleUlp,
 }
 
 impl Mutant {
@@ -55,6 +64,8 @@ impl Mutant {
         Mutant::PrefillPadStored,
         Mutant::ConcatKeepsWindow,
         Mutant::SharedWritePointer,
+        Mutant::DecodeKeyOrder,
+        Mutant::DecodeScaleUlp,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -70,6 +81,8 @@ impl Mutant {
             Mutant::PrefillPadStored => "prefill-pad-stored",
             Mutant::ConcatKeepsWindow => "concat-keeps-window",
             Mutant::SharedWritePointer => "shared-write-pointer",
+            Mutant::DecodeKeyOrder => "decode-key-order",
+            Mutant::DecodeScaleUlp => "decode-scale-ulp",
         }
     }
 
@@ -95,6 +108,8 @@ impl Mutant {
             Mutant::PrefillPadStored => "window writes of a prepared prefill store padded positions as real",
             Mutant::ConcatKeepsWindow => "window writes keep min(len, W) history columns instead of W - 1",
             Mutant::SharedWritePointer => "batched decode writes every row at one shared column, as mlx-lm does",
+            Mutant::DecodeKeyOrder => "batched decode reads attend the key columns in reverse order (rounding only)",
+            Mutant::DecodeScaleUlp => "batched decode reads scale scores by one f32 ULP more (rounding only)",
         }
     }
 
