@@ -51,7 +51,8 @@ fn error_matches_tells_every_verdict_apart() {
         Err(C::TrimTooLong { requested: 3, available: 2 }),
         Err(C::BypassNotAfterWindow),
     ];
-    let model = [Ok(()), Err(ModelError::NotTrimmable), Err(ModelError::TrimTooLong), Err(ModelError::BypassNotAfterWindow)];
+    let model =
+        [Ok(()), Err(ModelError::NotTrimmable), Err(ModelError::TrimTooLong), Err(ModelError::BypassNotAfterWindow)];
     for (i, m) in model.iter().enumerate() {
         for (j, p) in prod.iter().enumerate() {
             let r = error_matches("trim", m, p);
@@ -223,11 +224,9 @@ fn plain_checks_see_the_last_row_and_field() {
     m.last_concat = Some(3);
     assert_eq!(ring_state("row", &s, &m).unwrap_err().check, "ring_state");
     m.last_concat = None;
-    for bad in [
-        RingState { offset: 4, ..s.clone() },
-        RingState { len: 2, ..s.clone() },
-        RingState { idx: 0, ..s.clone() },
-    ] {
+    for bad in
+        [RingState { offset: 4, ..s.clone() }, RingState { len: 2, ..s.clone() }, RingState { idx: 0, ..s.clone() }]
+    {
         assert!(ring_state("row", &bad, &m).is_err(), "{bad:?}");
     }
 }

@@ -379,7 +379,8 @@ impl Attention {
     /// observers as a `filter` keeping every row in that order (mlx-lm's `filter` reorders rows alike).
     fn join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
         let rows = self.rows.len();
-        let perm: Vec<usize> = if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
+        let perm: Vec<usize> =
+            if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
         let mut sorted = perm.clone();
         sorted.sort_unstable();
         if sorted != (0..rows).collect::<Vec<_>>() || !reqs.iter().any(|&r| self.solo_req(r)) {
