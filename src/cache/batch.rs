@@ -18,6 +18,7 @@ use super::ring::{
     grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase,
     RingState, SerialCache,
 };
+use super::training::TrainingCache;
 use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, zeros};
 use super::{KvSpec, Result};
 
@@ -40,6 +41,9 @@ pub enum JoinSource<'a> {
     Rows(&'a RowBatch, Vec<usize>),
     /// A serial cache, as one row.
     Serial(&'a SerialCache),
+    /// A training cache: routed like every source, and refused ([`CacheError::TrainingOnly`]): training caches are
+    /// never admitted or merged (R-TRN-1).
+    Training(&'a TrainingCache),
 }
 
 impl JoinSource<'_> {
@@ -48,6 +52,7 @@ impl JoinSource<'_> {
         match self {
             JoinSource::Rows(b, _) => b.storage_kind(),
             JoinSource::Serial(s) => s.storage_kind(),
+            JoinSource::Training(t) => t.storage_kind(),
         }
     }
 
@@ -55,6 +60,7 @@ impl JoinSource<'_> {
         match self {
             JoinSource::Rows(b, _) => (b.spec, b.max_size),
             JoinSource::Serial(s) => (s.spec(), s.max_size()),
+            JoinSource::Training(t) => (t.spec(), t.window_size()),
         }
     }
 }
@@ -242,7 +248,7 @@ impl RowBatch {
     /// columns and phase (and, for batch rows, `base` and `pending`). Sources are borrowed. Every source must have
     /// this window ([`CacheError::WindowMismatch`]) and spec ([`CacheError::ShapeMismatch`]); rows listed twice in
     /// one source are [`CacheError::DuplicateRow`]. Routing is by `storage_kind`, row batch first (R-BROT-10); an
-    /// unknown kind is [`CacheError::UnknownStorageKind`].
+    /// unknown kind is [`CacheError::UnknownStorageKind`], a training kind [`CacheError::TrainingOnly`].
     pub fn join(spec: KvSpec, max_size: Option<usize>, sources: &[JoinSource<'_>]) -> Result<Self> {
         spec.validate()?;
         validate_max_size(max_size)?;
@@ -291,6 +297,9 @@ impl RowBatch {
                 }
                 (KindRoute::RowBatch { .. }, JoinSource::Serial(_)) => {
                     return Err(invalid("a serial cache reported a row-batch kind"));
+                }
+                (_, JoinSource::Training(t)) => {
+                    return Err(CacheError::TrainingOnly { kind: t.storage_kind().0 });
                 }
             }
         }

@@ -45,6 +45,19 @@ pub enum CacheError {
     /// A per-row length list of the wrong size or with impossible values.
     #[error("bad lengths: {what}")]
     BadLengths { what: String },
+    /// A training-only cache (`train:*`, R-TRN-1) asked to be admitted, merged, joined or persisted.
+    #[error("{kind} is a training-only cache: never admitted, merged or persisted")]
+    TrainingOnly { kind: String },
+    /// A prefix-shared training forward whose length is not prompt + chosen + rejected.
+    #[error("prefix-shared cache: N={n} != P+Rc+Rr={expected}")]
+    PrefixSharedSize { n: usize, expected: usize },
+    /// A read defined only at offset 0 (the bidirectional vision prefill, R-ROT-9) on a cache that holds positions.
+    #[error("{read} is defined only at offset 0; the cache is at offset {offset}")]
+    NotAtOffsetZero { read: &'static str, offset: usize },
+    /// A compiled decode step applied with outputs that do not belong to its plan (count, shape or dtype), or to
+    /// a cache whose state moved since the plan was made.
+    #[error("compiled decode step: {what}")]
+    StepMismatch { what: String },
     /// The MLX runtime raised an exception.
     #[error("mlx: {0}")]
     Mlx(String),

@@ -1,10 +1,12 @@
 //! Storage kinds (R-C-1, R-BROT-10): the identity string every router and capability predicate reads.
 //!
-//! Four kinds exist: [`KV_PLAIN`], [`ROTATING_PLAIN`] and their row batches (the serial kind plus
+//! Four routable kinds exist: [`KV_PLAIN`], [`ROTATING_PLAIN`] and their row batches (the serial kind plus
 //! [`ROW_BATCH_MARKER`]). Predicates compare whole strings: a string that is not one of the four is *unknown*, and
 //! every predicate answers `false` for it, so a router that asks [`is_row_batch`] first, then the serial predicates,
 //! and finally fails with [`CacheError::UnknownStorageKind`] (see [`StorageKind::route`]) can never send an unknown or
-//! mislabelled cache down another kind's path.
+//! mislabelled cache down another kind's path. The training kinds ([`TRAINING`], [`PREFIX_SHARED`]) are known but
+//! never routed: [`StorageKind::route`] answers [`CacheError::TrainingOnly`] for them (R-TRN-1: never admitted,
+//! merged or persisted).
 
 use super::error::CacheError;
 use super::Result;
@@ -15,6 +17,11 @@ pub const KV_PLAIN: &str = "kv-plain";
 pub const ROTATING_PLAIN: &str = "rotating-plain";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
+/// The stateless training cache (`TrainingCache`, R-TRN-1): never admitted, merged or persisted.
+pub const TRAINING: &str = "train:training";
+/// The prefix-shared training cache for chosen/rejected pairs (`PrefixSharedCache`): never admitted, merged or
+/// persisted.
+pub const PREFIX_SHARED: &str = "train:prefix-shared";
 
 /// A cache's stable identity string (R-C-1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -51,10 +58,13 @@ impl StorageKind {
         &self.0
     }
 
-    /// The route of this kind: row batch first, then the serial kinds; an unknown string is
+    /// The route of this kind: row batch first, then the serial kinds; a training kind (`train:*`) is
+    /// [`CacheError::TrainingOnly`] (never admitted, merged or persisted, R-TRN-1); any other string is
     /// [`CacheError::UnknownStorageKind`] (fail closed, R-C-1).
     pub fn route(&self) -> Result<KindRoute> {
-        if is_row_batch(self) {
+        if is_training(self) {
+            Err(CacheError::TrainingOnly { kind: self.0.clone() })
+        } else if is_row_batch(self) {
             Ok(KindRoute::RowBatch { rotating: is_rotating(self) })
         } else if is_rotating(self) {
             Ok(KindRoute::Serial { rotating: true })
@@ -100,7 +110,12 @@ pub fn is_plain_kv(k: &StorageKind) -> bool {
     k.0 == KV_PLAIN || k.0.strip_suffix(ROW_BATCH_MARKER) == Some(KV_PLAIN)
 }
 
-/// True iff `k` is one of the four known kinds.
+/// True iff `k` is a known training-only kind ([`TRAINING`], [`PREFIX_SHARED`]).
+pub fn is_training(k: &StorageKind) -> bool {
+    k.0 == TRAINING || k.0 == PREFIX_SHARED
+}
+
+/// True iff `k` is one of the four known routable kinds (training kinds are known but never routed).
 pub fn is_known(k: &StorageKind) -> bool {
     k.route().is_ok()
 }
@@ -132,5 +147,19 @@ mod tests {
         assert_eq!(StorageKind::serial(Some(3)).route(), Ok(KindRoute::Serial { rotating: true }));
         assert_eq!(StorageKind::serial(None).route(), Ok(KindRoute::Serial { rotating: false }));
         assert_eq!(StorageKind::row_batch(Some(3)).inner().unwrap(), StorageKind::serial(Some(3)));
+    }
+
+    #[test]
+    fn training_kinds_are_never_routed() {
+        for kind in [TRAINING, PREFIX_SHARED] {
+            let k = StorageKind::new(kind);
+            assert!(is_training(&k) && !is_known(&k) && !is_row_batch(&k) && !is_rotating(&k) && !is_plain_kv(&k));
+            assert_eq!(k.route(), Err(CacheError::TrainingOnly { kind: kind.to_string() }));
+            assert!(k.inner().is_err());
+        }
+        // Only the exact strings: anything else under the prefix is unknown, not training.
+        let odd = StorageKind::new("train:training+row-batch");
+        assert!(!is_training(&odd));
+        assert_eq!(odd.route(), Err(CacheError::UnknownStorageKind { kind: odd.0.clone() }));
     }
 }

@@ -110,11 +110,117 @@ pub enum MaskUse {
     Array(Rc<MaskSpec>),
 }
 
-/// The masks of one forward (R-C-3): a memo from [`MaskKey`] to its matrix and MLX array.
+/// The mask families that are not a cache geometry (R-TRN-3, R-ROT-9): each is keyed by everything its visibility
+/// depends on and memoized by [`Masks`] beside the [`MaskKey`] geometries. Every matrix is `[1, 1, N, N]` except
+/// [`FamilyKey::Training`] with row lengths (`[B, 1, N, N]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FamilyKey {
+    /// The offset-0 training mask of `queries` positions (R-TRN-3). `lengths: None` is the unpadded batch (one row,
+    /// broadcast over the batch); `Some(l)` a right-padded batch whose row `b` holds `l[b]` real positions. Key `j`
+    /// is visible to query `i` of row `b` iff `j <= i`, `j < l[b]` and (with a window) `i - j < window`: exactly
+    /// mlx-lm 0.32.2's `create_causal_mask(N, 0, window, right_padding = N - l)` (`mlx_lm/models/base.py`), padded
+    /// query rows included (their outputs are unspecified; a padded row may see no key at all).
+    Training { lengths: Option<Vec<usize>>, queries: usize, window: Option<usize> },
+    /// Chosen/rejected pairs sharing a prompt (`P` prompt, `Rc` chosen, `Rr` rejected positions, `N = P + Rc + Rr`):
+    /// causal, and no rejected query (`i >= P + Rc`) sees a chosen key (`P <= j < P + Rc`); with a window also
+    /// `logpos(i) - logpos(j) < window`, where `logpos(x) = x` for `x < P + Rc` and `x - Rc` after (the rejected
+    /// answer continues the prompt's positions). Rule of the upstream engine's `PrefixSharedCache` (mlx-bun
+    /// `packages/inference/src/state/training-cache.ts`).
+    PrefixShared { prompt: usize, chosen: usize, rejected: usize, window: Option<usize> },
+    /// Gemma 4's vision prefill at offset 0 (R-ROT-9a): `causal(window) OR (image[i] AND image[j])`: image tokens
+    /// see each other regardless of order and window (mlx-bun `bidirMask`, `src/model/gemma4-base.ts`).
+    Bidirectional { image: Vec<bool>, window: Option<usize> },
+}
+
+impl FamilyKey {
+    /// The memo family (one build per family and geometry per forward): `training:<w>`, `prefix-shared:<w>`,
+    /// `bidirectional:<w>` (`w` = the window or `inf`).
+    pub fn family(&self) -> String {
+        let (name, w) = match self {
+            FamilyKey::Training { window, .. } => ("training", window),
+            FamilyKey::PrefixShared { window, .. } => ("prefix-shared", window),
+            FamilyKey::Bidirectional { window, .. } => ("bidirectional", window),
+        };
+        format!("{name}:{}", w.map_or("inf".to_string(), |w| w.to_string()))
+    }
+
+    /// Positions (queries = keys) of the matrix.
+    pub fn size(&self) -> usize {
+        match self {
+            FamilyKey::Training { queries, .. } => *queries,
+            FamilyKey::PrefixShared { prompt, chosen, rejected, .. } => prompt + chosen + rejected,
+            FamilyKey::Bidirectional { image, .. } => image.len(),
+        }
+    }
+
+    /// The matrix (pure; see the variants for the rules).
+    pub fn build(&self) -> MaskSpec {
+        let n = self.size();
+        let causal = |i: usize, j: usize, w: &Option<usize>| j <= i && w.is_none_or(|w| i - j < w);
+        let rows = match self {
+            FamilyKey::Training { lengths: Some(l), .. } => l.len(),
+            _ => 1,
+        };
+        let mut visible = vec![false; rows * n * n];
+        for b in 0..rows {
+            for i in 0..n {
+                for j in 0..n {
+                    visible[(b * n + i) * n + j] = match self {
+                        FamilyKey::Training { lengths, window, .. } => {
+                            causal(i, j, window) && lengths.as_ref().is_none_or(|l| j < l[b])
+                        }
+                        FamilyKey::PrefixShared { prompt, chosen, window, .. } => {
+                            let split = prompt + chosen;
+                            let logpos = |x: usize| if x < split { x } else { x - chosen };
+                            let hidden = i >= split && (*prompt..split).contains(&j);
+                            j <= i && !hidden && window.is_none_or(|w| logpos(i) - logpos(j) < w)
+                        }
+                        FamilyKey::Bidirectional { image, window } => causal(i, j, window) || (image[i] && image[j]),
+                    };
+                }
+            }
+        }
+        MaskSpec { rows, queries: n, cols: n, visible }
+    }
+}
+
+/// A memo key of [`Masks`]: a cache geometry or a family mask.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum AnyKey {
+    Geometry(MaskKey),
+    Family(FamilyKey),
+}
+
+impl AnyKey {
+    fn family(&self) -> String {
+        match self {
+            AnyKey::Geometry(k) => {
+                let w = k.window.map_or("inf".to_string(), |w| w.to_string());
+                match k.kind {
+                    MaskKind::Decode => format!("decode:{w}"),
+                    MaskKind::Window => format!("window:{w}"),
+                }
+            }
+            AnyKey::Family(k) => k.family(),
+        }
+    }
+
+    fn build(&self) -> MaskSpec {
+        match self {
+            AnyKey::Geometry(k) => MaskSpec::build(k),
+            AnyKey::Family(k) => k.build(),
+        }
+    }
+}
+
+/// The masks of one forward (R-C-3): a memo from [`MaskKey`] (cache geometries) and [`FamilyKey`] (training,
+/// prefix-shared and bidirectional masks) to the matrix and its MLX array. Each distinct key is built once;
+/// [`Masks::builds`] and [`Masks::builds_of`] count the builds, so tests prove the sharing.
 #[derive(Default)]
 pub struct Masks {
-    memo: RefCell<HashMap<MaskKey, (Rc<MaskSpec>, Array)>>,
+    memo: RefCell<HashMap<AnyKey, (Rc<MaskSpec>, Array)>>,
     builds: Cell<usize>,
+    by_family: RefCell<HashMap<String, usize>>,
 }
 
 impl std::fmt::Debug for Masks {
@@ -137,15 +243,37 @@ impl Masks {
         self.builds.get()
     }
 
+    /// How many masks of one family were built (`decode:<w>`, `window:<w>`, or a [`FamilyKey::family`]).
+    pub fn builds_of(&self, family: &str) -> usize {
+        self.by_family.borrow().get(family).copied().unwrap_or(0)
+    }
+
+    /// Builds per family, sorted by family name.
+    pub fn families(&self) -> Vec<(String, usize)> {
+        let mut v: Vec<(String, usize)> = self.by_family.borrow().iter().map(|(k, &n)| (k.clone(), n)).collect();
+        v.sort();
+        v
+    }
+
     /// The mask of this geometry, building it on first request.
     pub fn get(&self, key: &MaskKey) -> Result<(Rc<MaskSpec>, Array)> {
-        if let Some((spec, arr)) = self.memo.borrow().get(key) {
+        self.get_any(AnyKey::Geometry(key.clone()))
+    }
+
+    /// The mask of this family key, building it on first request.
+    pub fn get_family(&self, key: &FamilyKey) -> Result<(Rc<MaskSpec>, Array)> {
+        self.get_any(AnyKey::Family(key.clone()))
+    }
+
+    fn get_any(&self, key: AnyKey) -> Result<(Rc<MaskSpec>, Array)> {
+        if let Some((spec, arr)) = self.memo.borrow().get(&key) {
             return Ok((spec.clone(), arr.clone()));
         }
-        let spec = Rc::new(MaskSpec::build(key));
+        let spec = Rc::new(key.build());
         let arr = spec.to_array()?;
         self.builds.set(self.builds.get() + 1);
-        self.memo.borrow_mut().insert(key.clone(), (spec.clone(), arr.clone()));
+        *self.by_family.borrow_mut().entry(key.family()).or_insert(0) += 1;
+        self.memo.borrow_mut().insert(key, (spec.clone(), arr.clone()));
         Ok((spec, arr))
     }
 }
@@ -196,6 +324,38 @@ mod tests {
     }
 
     #[test]
+    fn training_mask_is_mlx_lm_causal_with_right_padding() {
+        // N = 4, lengths [4, 2], window 3: row 1 keys 2, 3 are padding; the window drops key 0 for query 3.
+        let k = FamilyKey::Training { lengths: Some(vec![4, 2]), queries: 4, window: Some(3) };
+        let m = k.build();
+        assert_eq!((m.rows, m.queries, m.cols), (2, 4, 4));
+        assert_eq!(m.visible_columns(0, 3), vec![1, 2, 3]);
+        assert_eq!(m.visible_columns(1, 1), vec![0, 1]);
+        assert_eq!(m.visible_columns(1, 3), vec![1], "a padded query follows the same formula");
+        let unpadded = FamilyKey::Training { lengths: None, queries: 3, window: None }.build();
+        assert_eq!(unpadded.rows, 1);
+        assert_eq!(unpadded.visible_columns(0, 2), vec![0, 1, 2]);
+        assert_eq!(k.family(), "training:3");
+    }
+
+    #[test]
+    fn prefix_shared_and_bidirectional_rules() {
+        // P 2, Rc 2, Rr 2: rejected queries 4, 5 skip the chosen keys 2, 3.
+        let m = FamilyKey::PrefixShared { prompt: 2, chosen: 2, rejected: 2, window: None }.build();
+        assert_eq!(m.visible_columns(0, 3), vec![0, 1, 2, 3]);
+        assert_eq!(m.visible_columns(0, 5), vec![0, 1, 4, 5]);
+        // Window 2 on logical positions: query 4 (logpos 2) sees key 1 (logpos 1) and itself.
+        let w = FamilyKey::PrefixShared { prompt: 2, chosen: 2, rejected: 2, window: Some(2) }.build();
+        assert_eq!(w.visible_columns(0, 4), vec![1, 4]);
+        assert_eq!(w.visible_columns(0, 3), vec![2, 3]);
+        // Image tokens 1 and 3 see each other both ways, past the window of 1.
+        let b = FamilyKey::Bidirectional { image: vec![false, true, false, true], window: Some(1) }.build();
+        assert_eq!(b.visible_columns(0, 1), vec![1, 3]);
+        assert_eq!(b.visible_columns(0, 2), vec![2]);
+        assert_eq!(b.visible_columns(0, 3), vec![1, 3]);
+    }
+
+    #[test]
     fn masks_build_each_geometry_once() {
         let _g = super::super::mutation::testlock::shared();
         let masks = Masks::new();
@@ -208,6 +368,8 @@ mod tests {
             assert_ne!(a, b);
         }
         assert_eq!(masks.builds(), 2);
+        assert_eq!(masks.builds_of("decode:4"), 1);
+        assert_eq!(masks.builds_of("window:4"), 1);
         let (_, arr) = masks.get(&k1).unwrap();
         assert_eq!(arr.shape(), &[2, 1, 1, 4]);
         assert_eq!(arr.dtype(), mlx_rs::Dtype::Bool);

@@ -3,6 +3,9 @@
 //! - [`SerialCache`] ([`KvCache`], [`RotatingKvCache`]): the serial ring/linear core (R-ROT-*).
 //! - [`RowBatch`] ([`BatchKvCache`], [`BatchRotatingKvCache`]): rows of serial rings in one buffer, each row keeping
 //!   its own physical columns and phase (R-BROT-*).
+//! - [`CompiledDecode`], [`DecodePlan`]: the compiled-decode protocol (R-C-9): host plan, pure step, apply.
+//! - [`TrainingCache`], [`PrefixSharedCache`]: stateless training adapters, never admitted, merged or persisted
+//!   (R-TRN-*).
 //! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
 //! - [`mutation`]: the mutation catalog's fault hooks (inert unless armed).
 //!
@@ -18,6 +21,7 @@
 //!   write, so no lazy graph grows across steps.
 
 pub mod batch;
+pub mod compiled;
 pub mod error;
 pub mod kind;
 pub mod mask;
@@ -25,15 +29,19 @@ pub mod mutation;
 pub mod ring;
 #[cfg(test)]
 mod testutil;
+pub mod training;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
+pub use compiled::{int32_input, plain_decode_step, CompiledDecode, DecodePlan, StepRope};
 pub use error::CacheError;
 pub use kind::{
-    is_plain_kv, is_rotating, is_row_batch, KindRoute, StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER,
+    is_plain_kv, is_rotating, is_row_batch, is_training, KindRoute, StorageKind, KV_PLAIN, PREFIX_SHARED,
+    ROTATING_PLAIN, ROW_BATCH_MARKER, TRAINING,
 };
-pub use mask::{MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
+pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
+pub use training::{PrefixSharedCache, TrainingCache};
 
 /// Result of every fallible cache operation.
 pub type Result<T> = std::result::Result<T, CacheError>;

@@ -11,9 +11,10 @@
 
 use mlx_rs::Array;
 
+use super::compiled::DecodePlan;
 use super::error::{invalid, shape, CacheError};
 use super::kind::StorageKind;
-use super::mask::{attend, MaskKey, MaskKind, MaskUse, Masks};
+use super::mask::{attend, FamilyKey, MaskKey, MaskKind, MaskUse, Masks};
 use super::mutation::{self, Mutant};
 use super::util::{check_kv, check_q, cols, eval, index_array, ncols, zeros};
 use super::{KvSpec, Result};
@@ -395,21 +396,56 @@ impl SerialCache {
     }
 
     /// The host-side bookkeeping of a one-position decode step without the write (R-C-9): drops the oversize left
-    /// by a window write, rotates the head at `W`, grows the buffer. Returns the column the next decode writes.
-    /// Idempotent; changes no live byte and no position.
-    pub fn prepare_decode_step(&mut self) -> Result<usize> {
+    /// by a window write, rotates the head at `W`, grows the buffer. Returns the plan of the step (see
+    /// [`super::compiled`]): `fetch` (= [`SerialCache::decode_phase`] before the call), `write_pos` (the column the
+    /// next decode writes) and `active_len` (the live columns before it). Idempotent; changes no live byte and no
+    /// position.
+    pub fn prepare_decode_step(&mut self) -> Result<DecodePlan> {
         let (drop, next) = self.state.prepared_for_decode(self.max_size);
+        let mut buf = self.buf.clone();
         if drop > 0 {
-            if let Some(b) = &self.buf {
+            if let Some(b) = &buf {
                 let end = drop + next.len;
                 let nb = Buf { k: cols(&b.k, drop, end)?.contiguous()?, v: cols(&b.v, drop, end)?.contiguous()? };
                 nb.eval()?;
-                self.buf = Some(nb);
+                buf = Some(nb);
             }
         }
+        let cap = buf.as_ref().map_or(0, Buf::cap);
+        let new_cap = grown_capacity(cap, next.idx + 1, self.max_size);
+        if new_cap > cap {
+            buf = Buf::grow(buf, &self.spec, 1, new_cap - cap)?;
+        }
+        // Commit only once every fallible step has succeeded.
+        self.buf = buf;
         self.state = next;
-        self.ensure_capacity(self.state.idx + 1)?;
-        Ok(self.state.idx)
+        Ok(self.plan())
+    }
+
+    /// The plan of the prepared state (`idx` is the target column).
+    fn plan(&self) -> DecodePlan {
+        let s = &self.state;
+        let fetch = if s.idx == s.len { DecodePhase::Concat } else { DecodePhase::Ring };
+        DecodePlan { fetch, write_pos: s.idx, active_len: s.len }
+    }
+
+    /// [`CacheError::StepMismatch`] unless `plan` is the plan of this (prepared) state and the buffer holds it.
+    pub(crate) fn check_plan(&self, plan: &DecodePlan) -> Result<()> {
+        let (drop, prepared) = self.state.prepared_for_decode(self.max_size);
+        if drop > 0 || prepared != self.state || self.plan() != *plan || self.cap() < plan.write_pos + 1 {
+            return Err(CacheError::StepMismatch {
+                what: format!("plan {plan:?} does not match the prepared state {:?} (cap {})", self.state, self.cap()),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn buf_ref(&self) -> Option<&Buf> {
+        self.buf.as_ref()
+    }
+
+    pub(crate) fn set_buf(&mut self, b: Buf) {
+        self.buf = Some(b);
     }
 
     fn ensure_capacity(&mut self, needed: usize) -> Result<()> {
@@ -445,7 +481,7 @@ impl SerialCache {
     }
 
     fn write_decode(&mut self, k: &Array, v: &Array) -> Result<()> {
-        let t = self.prepare_decode_step()?;
+        let t = self.prepare_decode_step()?.write_pos;
         let b = self.buf.as_ref().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
         let at = index_array(&[t], &[1, 1, 1, 1])?;
         let nb = Buf { k: b.k.put_along_axis(&at, k, 2)?, v: b.v.put_along_axis(&at, v, 2)? };
@@ -525,6 +561,62 @@ impl SerialCache {
             outs.push(o);
         }
         Ok(mlx_rs::ops::concatenate(&outs, 2)?)
+    }
+
+    /// Gemma 4's vision prefill (R-ROT-9a): the first write of a cache at offset 0 (else
+    /// [`CacheError::NotAtOffsetZero`]), attended under the bidirectional mask: query `i` sees its causal window
+    /// (this cache's `W`; none for a linear cache) and, when `image[i]`, every image token of the block, earlier or
+    /// later, inside the window or not ([`FamilyKey::Bidirectional`], built once per forward through `masks`). The
+    /// write is the ordinary window append: on an empty ring it stores the whole block, even past `W`.
+    /// `image.len() != L` is [`CacheError::BadLengths`]. Errors change nothing.
+    pub fn bidir_prefill(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        image: &[bool],
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, MaskUse)> {
+        if self.state.offset != 0 {
+            return Err(CacheError::NotAtOffsetZero { read: "bidir_prefill", offset: self.state.offset });
+        }
+        let l = check_kv(&self.spec, k, v, 1, 1)?;
+        check_q(&self.spec, q, 1, l)?;
+        if image.len() != l {
+            return Err(CacheError::BadLengths { what: format!("{} image flags for {l} positions", image.len()) });
+        }
+        let key = FamilyKey::Bidirectional { image: image.to_vec(), window: self.max_size };
+        let (spec, arr) = masks.get_family(&key)?;
+        self.write_window(k, v)?;
+        let (kl, vl) = self.live()?;
+        Ok((attend(q, &kl, &vl, scale, Some(&arr), false)?, MaskUse::Array(spec)))
+    }
+
+    /// The physical columns a canvas block attends before itself (R-ROT-9c): the temporal view, cut to its newest
+    /// `W - 1` positions on a ring; every live column of a linear cache.
+    pub(crate) fn block_context_columns(&self) -> Vec<usize> {
+        let view = temporal_view_columns(&self.state, self.max_size);
+        let keep = self.max_size.map_or(view.len(), |w| view.len().min(w - 1));
+        view[view.len() - keep..].to_vec()
+    }
+
+    /// DiffusionGemma's canvas read (R-ROT-9c): the block `k`, `v`, `q` (`L >= 1` positions) attends the stored
+    /// context ([`SerialCache::block_context_columns`]: the live window in temporal order, its newest `W - 1`
+    /// positions once full) and the whole block, with no mask (every block query sees every context column and
+    /// every block column: the decoder's mask sliced to the kept columns is all ones). Nothing is stored; offsets
+    /// never move (`&self`).
+    pub fn read_block(&self, k: &Array, v: &Array, q: &Array, scale: f32) -> Result<(Array, MaskUse)> {
+        let l = check_kv(&self.spec, k, v, 1, 1)?;
+        check_q(&self.spec, q, 1, l)?;
+        let ctx = self.block_context_columns();
+        let (keys, vals) = if ctx.is_empty() {
+            (k.clone(), v.clone())
+        } else {
+            let (ck, cv) = self.gather(&ctx)?;
+            (mlx_rs::ops::concatenate(&[&ck, k], 2)?, mlx_rs::ops::concatenate(&[&cv, v], 2)?)
+        };
+        Ok((attend(q, &keys, &vals, scale, None, false)?, MaskUse::None))
     }
 
     /// The live columns `[0, len)` in physical order, `[1, H_kv, len, D]`, contiguous.
@@ -809,8 +901,9 @@ mod tests {
         let (tk, _) = c.temporal_view().unwrap();
         assert_same_bytes(&tk, &cols(&ak, 5, 9).unwrap(), "tail of the plateau");
         assert_eq!(c.decode_phase(), DecodePhase::Ring);
-        assert_eq!(c.prepare_decode_step().unwrap(), 0);
-        assert_eq!(c.prepare_decode_step().unwrap(), 0, "idempotent");
+        let plan = DecodePlan { fetch: DecodePhase::Ring, write_pos: 0, active_len: 4 };
+        assert_eq!(c.prepare_decode_step().unwrap(), plan);
+        assert_eq!(c.prepare_decode_step().unwrap(), plan, "idempotent");
         assert_eq!(c.state(), &RingState { offset: 9, len: 4, idx: 0, last_concat: None });
         let (k, v, q) = kvq(&spec, 99, 1, 1);
         c.decode(&k, &v, &q, 0.3, &masks).unwrap();

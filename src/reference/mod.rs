@@ -13,6 +13,9 @@
 //!    ([`RowModel::decode_visible`], [`RowModel::window_visible`]), measured against the found output in ULPs
 //!    ([`max_ulp`]).
 //!
+//! 4. **What the training masks and special reads see** ([`training_visible`], [`prefix_shared_visible`],
+//!    [`bidirectional_visible`], [`read_block_context`]), in its own formulation of each rule.
+//!
 //! Divergences are reported in these terms ([`compare_columns`], [`compare_fields`], [`Divergence`]): op, row,
 //! physical column, the token expected there and the token actually found.
 //!
@@ -23,12 +26,16 @@ pub mod attention;
 pub mod compare;
 pub mod error;
 pub mod model;
+pub mod special;
 pub mod values;
 
 pub use attention::{attention_bits, attention_f64};
 pub use compare::{bits_summary, columns_of, compare_columns, compare_fields, describe_found, Divergence};
 pub use error::ModelError;
 pub use model::{BatchModel, JoinModelSource, RowFields, RowModel, Visibility};
+pub use special::{
+    bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
+};
 pub use values::{
     bits_to_f32, max_ulp, round_to, ulp_bf16, ulp_bits, ulp_distance, ulp_f32, BitsKind, FloatFormat, RefDtype, Tensor,
     Tok, ValueSpace,
@@ -47,6 +54,7 @@ mod tests {
             ("model.rs", include_str!("model.rs")),
             ("attention.rs", include_str!("attention.rs")),
             ("compare.rs", include_str!("compare.rs")),
+            ("special.rs", include_str!("special.rs")),
             ("error.rs", include_str!("error.rs")),
         ];
         for (name, src) in files {

@@ -33,6 +33,8 @@ impl Generator {
                 OpKind::BatchPrefill => !fresh.is_empty() && room > 0,
                 OpKind::Decode | OpKind::Window | OpKind::Append | OpKind::Verify | OpKind::CommitSpan => rows > 0,
                 OpKind::Extract | OpKind::Filter | OpKind::Trim => rows > 0,
+                OpKind::ReadBlock | OpKind::BidirPrefill | OpKind::CompiledStep => !v.solo.is_empty(),
+                OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal => true,
             }
         };
         let choices: Vec<(OpKind, u32)> = OpKind::ALL
@@ -137,6 +139,49 @@ impl Generator {
                 let n = self.spec.random_range(1..=3);
                 Op::Trim { n, bypass: self.spec.random_bool(0.5) }
             }
+            OpKind::ReadBlock => {
+                Op::ReadBlock { req: v.solo[w.random_range(0..v.solo.len())].0, len: w.random_range(1..=8) }
+            }
+            OpKind::BidirPrefill => {
+                // Mostly a fresh request (offset 0, the only place it is defined); sometimes one that holds positions,
+                // where the typed error is the expected answer.
+                let req = if !fresh.is_empty() && w.random_bool(0.85) {
+                    fresh[w.random_range(0..fresh.len())]
+                } else {
+                    v.solo[w.random_range(0..v.solo.len())].0
+                };
+                Op::BidirPrefill { req, len: w.random_range(1..=cfg.max_prompt as u32), image: w.random() }
+            }
+            OpKind::CompiledStep => Op::CompiledStep { req: v.solo[w.random_range(0..v.solo.len())].0 },
+            OpKind::TrainingForward => {
+                let len = w.random_range(1..=12u32);
+                let rows = w.random_range(1..=3);
+                let mut lengths: Vec<u32> =
+                    (0..rows).map(|_| if w.random_bool(0.3) { len } else { w.random_range(0..=len) }).collect();
+                if w.random_bool(0.05) {
+                    lengths[0] = len + 1; // a row longer than the forward: BadLengths
+                }
+                let window = if w.random_bool(0.5) { 0 } else { w.random_range(1..=6) };
+                Op::TrainingForward { lengths, len, window }
+            }
+            OpKind::PrefixSharedForward => {
+                let (prompt, chosen) = (w.random_range(0..=4u32), w.random_range(0..=3u32));
+                let rejected = w.random_range(u32::from(prompt + chosen == 0)..=3);
+                let n = prompt + chosen + rejected;
+                // One in ten has the wrong length: PrefixSharedSize.
+                let len = if w.random_bool(0.1) {
+                    if w.random_bool(0.5) {
+                        n + 1
+                    } else {
+                        n - 1
+                    }
+                } else {
+                    n
+                };
+                let window = if w.random_bool(0.5) { 0 } else { w.random_range(1..=5) };
+                Op::PrefixSharedForward { prompt, chosen, rejected, len, window }
+            }
+            OpKind::TrainingRefusal => Op::TrainingRefusal { persist: w.random_bool(0.5) },
         }
     }
 }

@@ -58,6 +58,24 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         bypass: bool,
     },
+    /// DiffusionGemma's canvas read (R-ROT-9c) of `len` block positions on a request outside the batch: the block
+    /// attends the stored context and itself; nothing is stored, offsets never move.
+    ReadBlock { req: u32, len: u32 },
+    /// Gemma 4's bidirectional vision prefill (R-ROT-9a) of `len` positions on a request outside the batch; bit `i`
+    /// of `image` marks position `i` an image token. Defined only at offset 0: elsewhere the typed error is expected.
+    BidirPrefill { req: u32, len: u32, image: u64 },
+    /// One decode step of a request outside the batch through the compiled-decode protocol (R-C-9): plan, pure step,
+    /// apply; it must equal the ordinary append byte for byte.
+    CompiledStep { req: u32 },
+    /// A stateless training forward (R-TRN-3) of `len` positions on a right-padded batch whose row `r` holds
+    /// `lengths[r]` real positions, under a sliding window `window` (0 = none). A length above `len` is the typed
+    /// error `BadLengths`.
+    TrainingForward { lengths: Vec<u32>, len: u32, window: u32 },
+    /// A prefix-shared training forward of `len` positions for `prompt ++ chosen ++ rejected`; `len` other than
+    /// `prompt + chosen + rejected` is the typed error `PrefixSharedSize`.
+    PrefixSharedForward { prompt: u32, chosen: u32, rejected: u32, len: u32, window: u32 },
+    /// A training cache asked to be merged into a batch (`persist = false`) or persisted (`true`): `TrainingOnly`.
+    TrainingRefusal { persist: bool },
 }
 
 /// The kinds of op, for weights, counters and coverage.
@@ -79,6 +97,12 @@ pub enum OpKind {
     Extract,
     Filter,
     Trim,
+    ReadBlock,
+    BidirPrefill,
+    CompiledStep,
+    TrainingForward,
+    PrefixSharedForward,
+    TrainingRefusal,
 }
 
 impl OpKind {
@@ -98,6 +122,12 @@ impl OpKind {
         OpKind::Extract,
         OpKind::Filter,
         OpKind::Trim,
+        OpKind::ReadBlock,
+        OpKind::BidirPrefill,
+        OpKind::CompiledStep,
+        OpKind::TrainingForward,
+        OpKind::PrefixSharedForward,
+        OpKind::TrainingRefusal,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -118,6 +148,12 @@ impl OpKind {
             OpKind::Extract => "extract",
             OpKind::Filter => "filter",
             OpKind::Trim => "trim",
+            OpKind::ReadBlock => "read_block",
+            OpKind::BidirPrefill => "bidir_prefill",
+            OpKind::CompiledStep => "compiled_step",
+            OpKind::TrainingForward => "training_forward",
+            OpKind::PrefixSharedForward => "prefix_shared_forward",
+            OpKind::TrainingRefusal => "training_refusal",
         }
     }
 
@@ -139,7 +175,18 @@ impl OpKind {
             OpKind::Extract => 2,
             OpKind::Filter => 1,
             OpKind::Trim => 1,
+            OpKind::ReadBlock => 2,
+            OpKind::BidirPrefill => 2,
+            OpKind::CompiledStep => 3,
+            OpKind::TrainingForward => 6,
+            OpKind::PrefixSharedForward => 3,
+            OpKind::TrainingRefusal => 1,
         }
+    }
+
+    /// The training kinds: executed by the training family only (never drawn in a run without it).
+    pub fn is_training(self) -> bool {
+        matches!(self, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal)
     }
 
     /// Kinds every run keeps, so that requests can reach the batch and make progress.
@@ -150,7 +197,7 @@ impl OpKind {
 
 /// Every public operation and parameter class the generator is meant to reach: the keys of `api_coverage` in
 /// `kvsim sim --json` (applied ops per class; a class at 0 is an input the simulator never produces). The classes
-/// after `trim/bypass` are not generated yet (issue #17): they are listed so that the summary shows the gap.
+/// after `training_refusal/persist` are not generated yet (issue #17): they are listed so that the summary shows the gap.
 pub const API_CLASSES: &[&str] = &[
     "admit",
     "solo_window",
@@ -174,6 +221,13 @@ pub const API_CLASSES: &[&str] = &[
     "filter/reordered",
     "trim/plain",
     "trim/bypass",
+    "read_block",
+    "bidir_prefill",
+    "compiled_step",
+    "training_forward",
+    "prefix_shared_forward",
+    "training_refusal/merge",
+    "training_refusal/persist",
     "adopt",
     "decode_phase",
     "prepare/non_empty_rows",
@@ -222,6 +276,14 @@ impl Op {
                 vec![if reordered { "filter/reordered" } else { "filter/subset" }]
             }
             Op::Trim { bypass, .. } => vec![if *bypass { "trim/bypass" } else { "trim/plain" }],
+            Op::ReadBlock { .. } => vec!["read_block"],
+            Op::BidirPrefill { .. } => vec!["bidir_prefill"],
+            Op::CompiledStep { .. } => vec!["compiled_step"],
+            Op::TrainingForward { .. } => vec!["training_forward"],
+            Op::PrefixSharedForward { .. } => vec!["prefix_shared_forward"],
+            Op::TrainingRefusal { persist } => {
+                vec![if *persist { "training_refusal/persist" } else { "training_refusal/merge" }]
+            }
         }
     }
 
@@ -243,6 +305,12 @@ impl Op {
             Op::Extract { .. } => OpKind::Extract,
             Op::Filter { .. } => OpKind::Filter,
             Op::Trim { .. } => OpKind::Trim,
+            Op::ReadBlock { .. } => OpKind::ReadBlock,
+            Op::BidirPrefill { .. } => OpKind::BidirPrefill,
+            Op::CompiledStep { .. } => OpKind::CompiledStep,
+            Op::TrainingForward { .. } => OpKind::TrainingForward,
+            Op::PrefixSharedForward { .. } => OpKind::PrefixSharedForward,
+            Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,
         }
     }
 

@@ -124,6 +124,13 @@ fn op_within_limits(op: &Op) -> bool {
         Op::Extract { row, .. } => ok(*row),
         // Request ids index the world's maps and positions are u32: keep them far from overflow.
         Op::Admit { req } => *req <= 1 << 20,
-        Op::SoloDecode { .. } | Op::Decode => true,
+        Op::SoloDecode { .. } | Op::Decode | Op::CompiledStep { .. } | Op::TrainingRefusal { .. } => true,
+        Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
+        Op::TrainingForward { lengths, len, window } => {
+            ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
+        }
+        Op::PrefixSharedForward { prompt, chosen, rejected, len, window } => {
+            [*prompt, *chosen, *rejected, *len, *window].into_iter().all(ok)
+        }
     }
 }

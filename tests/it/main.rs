@@ -9,5 +9,6 @@ mod mutants;
 mod oracle;
 mod sim_smoke;
 mod snapshots;
+mod special_reads;
 mod state_machine;
 mod traces;

@@ -1,0 +1,204 @@
+//! The compiled-decode protocol (R-C-9, R-ROT-5): a one-position decode step split into host bookkeeping, a pure
+//! function of arrays, and an apply.
+//!
+//! 1. [`CompiledDecode::prepare_decode_step`] does the host-side bookkeeping of the decode write (growth, oversize
+//!    trim, rotation: steps 1-2 of ARCHITECTURE.md's decode write) without the write and returns a [`DecodePlan`]:
+//!    how the step fetches (`Concat`: the live columns plus the new one; `Ring`: the buffer with the new column
+//!    written in at `write_pos`), where it writes, and how many buffer columns it reads. `decode_phase()` is its
+//!    non-mutating twin and always equals `plan.fetch`.
+//! 2. [`CompiledDecode::step_inputs`] hands out the slot's closure inputs, in order; [`plain_decode_step`] is the
+//!    step itself, a pure function of its inputs (no host integer of the cache inside): the RoPE offset and, on a
+//!    ring, the write position travel as int32 arrays, so one traced or compiled closure serves every step of a
+//!    geometry.
+//! 3. [`CompiledDecode::apply_decode_step`] takes ownership of the step's outputs, advances the host state, and
+//!    returns the arrays to evaluate with the step.
+//!
+//! Guarantee (tested through growth at [`super::ring::GROW_STEP`], oversize trim after a window write, the first
+//! wrap and later rotations, for linear and rotating caches, f32 and bf16, eager and under `mlx_rs` `compile`): a
+//! prepared, stepped and applied cache holds exactly the bytes and host state the ordinary
+//! [`SerialCache::decode`] leaves, and the step's output is byte-identical to the ordinary read of the same
+//! RoPE-rotated inputs (RoPE with the static int offset). The quantized caches implement the same trait with their
+//! own step.
+
+use mlx_rs::Array;
+
+use super::error::CacheError;
+use super::mask::attend;
+use super::ring::{Buf, DecodePhase, SerialCache};
+use super::util::{cols, dim, ncols};
+use super::Result;
+
+/// The plan of one compiled decode step: host-side integers only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodePlan {
+    /// `Concat`: the step reads the `active_len` live columns and the new one after them (an append); `Ring`: it
+    /// writes the new column into the `active_len`-column buffer at `write_pos` and reads the whole buffer (an
+    /// overwrite of the oldest position).
+    pub fetch: DecodePhase,
+    /// The physical column the new position lands in (`== active_len` for `Concat`).
+    pub write_pos: usize,
+    /// Buffer columns the step takes as input (the live columns before the write).
+    pub active_len: usize,
+}
+
+/// RoPE of the step (MLX `fast::rope` parameters). The offset is not here: it is an input array.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepRope {
+    pub dims: usize,
+    pub base: f32,
+    pub traditional: bool,
+}
+
+impl StepRope {
+    /// The static-int path: RoPE of `x` (`[B, H, L, D]`) at `offset` (what an uncompiled model does).
+    pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
+        Ok(mlx_rs::fast::rope(x, dim(self.dims)?, self.traditional, self.base, 1.0, dim(offset)?, None)?)
+    }
+
+    /// The array path: RoPE of `x` at the int32 array `offset` (`[1]`), as a compiled step computes it.
+    pub fn apply_dynamic(&self, x: &Array, offset: &Array) -> Result<Array> {
+        Ok(mlx_rs::fast::rope_dynamic(x, dim(self.dims)?, self.traditional, self.base, 1.0, offset, None)?)
+    }
+}
+
+/// A position as the int32 `[1]` array a compiled step takes (R-C-9).
+pub fn int32_input(n: usize) -> Result<Array> {
+    Ok(Array::from_slice(&[dim(n)?], &[1]))
+}
+
+/// Caches that implement the compiled-decode protocol (see the module documentation).
+pub trait CompiledDecode {
+    /// R-C-9: the host bookkeeping of the next one-position step, without the write. Idempotent.
+    fn prepare_decode_step(&mut self) -> Result<DecodePlan>;
+    /// R-ROT-5: the fetch the next step's plan will have (non-mutating).
+    fn decode_phase(&self) -> DecodePhase;
+    /// The RoPE position of the step, as the int32 `[1]` input array.
+    fn rope_input(&self) -> Result<Array>;
+    /// The slot's closure inputs, in order, for a plan just returned by `prepare_decode_step`.
+    fn step_inputs(&self, plan: &DecodePlan) -> Result<Vec<Array>>;
+    /// Apply the step's outputs (ownership taken), advance the host state; returns the arrays to evaluate with the
+    /// step. A plan that no longer matches the cache, or outputs that do not fit it, are
+    /// [`CacheError::StepMismatch`] with the cache unchanged.
+    fn apply_decode_step(&mut self, plan: &DecodePlan, outputs: Vec<Array>) -> Result<Vec<Array>>;
+}
+
+/// The step of the plain caches, a pure function of `inputs` = the slot inputs ++ `[q, k, v, rope_offset]`:
+///
+/// - `Concat` slot `[k_active, v_active]` (`[1, H_kv, active_len, D]`): returns `[out, k_new, v_new]`, the new
+///   column RoPE-rotated (keys) and as given (values);
+/// - `Ring` slot `[k_buf, v_buf, write_pos]` (`write_pos` int32 `[1]`): returns `[out, k_buf', v_buf']`, the
+///   buffers with the new column written in.
+///
+/// `q`, `k` are pre-RoPE (`[1, H, 1, D]`) and rotated inside the step at `rope_offset` (int32 `[1]`); with
+/// `rope: None` (a caller that rotates before the step, or a layer without RoPE) they are used as given and the
+/// offset input only travels. `out` is MLX's fused SDPA, unmasked, over the columns the ordinary decode read
+/// attends, in the same physical order.
+pub fn plain_decode_step(
+    fetch: DecodePhase,
+    rope: Option<StepRope>,
+    scale: f32,
+    inputs: &[Array],
+) -> Result<Vec<Array>> {
+    let bad = |what: &str| CacheError::StepMismatch { what: what.to_string() };
+    let slot = match fetch {
+        DecodePhase::Concat => 2,
+        DecodePhase::Ring => 3,
+    };
+    if inputs.len() != slot + 4 {
+        return Err(bad(&format!("{} inputs for a {fetch:?} step, {} expected", inputs.len(), slot + 4)));
+    }
+    let (q, k, v, offset) = (&inputs[slot], &inputs[slot + 1], &inputs[slot + 2], &inputs[slot + 3]);
+    let (qr, kr) = match rope {
+        Some(r) => (r.apply_dynamic(q, offset)?, r.apply_dynamic(k, offset)?),
+        None => (q.clone(), k.clone()),
+    };
+    match fetch {
+        DecodePhase::Concat => {
+            let keys = mlx_rs::ops::concatenate(&[&inputs[0], &kr], 2)?;
+            let vals = mlx_rs::ops::concatenate(&[&inputs[1], v], 2)?;
+            let out = attend(&qr, &keys, &vals, scale, None, false)?;
+            Ok(vec![out, kr, v.clone()])
+        }
+        DecodePhase::Ring => {
+            let at = inputs[2].reshape(&[1, 1, 1, 1])?;
+            let kb = inputs[0].put_along_axis(&at, &kr, 2)?;
+            let vb = inputs[1].put_along_axis(&at, v, 2)?;
+            let out = attend(&qr, &kb, &vb, scale, None, false)?;
+            Ok(vec![out, kb, vb])
+        }
+    }
+}
+
+impl CompiledDecode for SerialCache {
+    fn prepare_decode_step(&mut self) -> Result<DecodePlan> {
+        SerialCache::prepare_decode_step(self)
+    }
+
+    fn decode_phase(&self) -> DecodePhase {
+        SerialCache::decode_phase(self)
+    }
+
+    fn rope_input(&self) -> Result<Array> {
+        int32_input(self.rope_offset())
+    }
+
+    fn step_inputs(&self, plan: &DecodePlan) -> Result<Vec<Array>> {
+        self.check_plan(plan)?;
+        let b = self.buf_ref().ok_or_else(|| CacheError::StepMismatch { what: "no buffer: prepare first".into() })?;
+        match plan.fetch {
+            DecodePhase::Concat => Ok(vec![cols(&b.k, 0, plan.active_len)?, cols(&b.v, 0, plan.active_len)?]),
+            DecodePhase::Ring => {
+                Ok(vec![cols(&b.k, 0, plan.active_len)?, cols(&b.v, 0, plan.active_len)?, int32_input(plan.write_pos)?])
+            }
+        }
+    }
+
+    fn apply_decode_step(&mut self, plan: &DecodePlan, outputs: Vec<Array>) -> Result<Vec<Array>> {
+        self.check_plan(plan)?;
+        let spec = self.spec();
+        let bad = |what: String| CacheError::StepMismatch { what };
+        let [_, k, v]: [Array; 3] =
+            outputs.try_into().map_err(|o: Vec<Array>| bad(format!("{} outputs, 3 expected", o.len())))?;
+        let want = match plan.fetch {
+            DecodePhase::Concat => 1,
+            DecodePhase::Ring => plan.active_len,
+        };
+        for a in [&k, &v] {
+            let s = a.shape();
+            let fits = s.len() == 4
+                && s[0] == 1
+                && s[1] as usize == spec.heads_kv
+                && ncols(a) == want
+                && s[3] as usize == spec.head_dim
+                && a.dtype() == spec.dtype.to_mlx();
+            if !fits {
+                return Err(bad(format!("output {:?} {:?} does not fit a {:?} step", s, a.dtype(), plan.fetch)));
+            }
+        }
+        let b = self.buf_ref().ok_or_else(|| bad("no buffer: prepare first".into()))?;
+        let nb = match plan.fetch {
+            DecodePhase::Concat => {
+                let at = super::util::index_array(&[plan.write_pos], &[1, 1, 1, 1])?;
+                Buf { k: b.k.put_along_axis(&at, &k, 2)?, v: b.v.put_along_axis(&at, &v, 2)? }
+            }
+            DecodePhase::Ring if ncols(&b.k) == plan.active_len => Buf { k, v },
+            DecodePhase::Ring => {
+                // The buffer is wider than the live ring (a linear buffer never is; a ring is capped at W, but a
+                // buffer grown before a trim may be): write the step's columns back over [0, active_len).
+                let at =
+                    super::util::index_array(&(0..plan.active_len).collect::<Vec<_>>(), &[1, 1, plan.active_len, 1])?;
+                Buf { k: b.k.put_along_axis(&at, &k, 2)?, v: b.v.put_along_axis(&at, &v, 2)? }
+            }
+        };
+        let roots = match plan.fetch {
+            DecodePhase::Concat => vec![nb.k.clone(), nb.v.clone()],
+            DecodePhase::Ring => Vec::new(),
+        };
+        self.set_buf(nb);
+        self.state_mut().after_decode_write();
+        Ok(roots)
+    }
+}
+
+#[cfg(test)]
+mod tests;
