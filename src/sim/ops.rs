@@ -246,7 +246,7 @@ impl Op {
             Op::Admit { .. } => vec!["admit"],
             Op::SoloWindow { .. } => vec!["solo_window"],
             Op::SoloDecode { .. } => vec!["solo_decode"],
-            Op::SoloTrim { n, bypass } => {
+            Op::SoloTrim { n, bypass, .. } => {
                 let mut v = vec![if *bypass { "solo_trim/bypass" } else { "solo_trim/plain" }];
                 if *n == 0 {
                     v.push("solo_trim/zero");
