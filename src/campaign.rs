@@ -111,6 +111,10 @@ pub struct Summary {
     pub checks: u64,
     pub failures: u64,
     pub ops_by_kind: BTreeMap<String, u64>,
+    /// Applied ops per public operation / parameter class (`sim::ops::API_CLASSES`); a 0 is an input class the
+    /// generator never produced.
+    #[serde(default)]
+    pub api_coverage: BTreeMap<String, u64>,
     pub bit_exact: BitExact,
     pub compared: Compared,
     pub max_ulp: MaxUlp,
@@ -156,6 +160,9 @@ impl Summary {
         self.skipped_ops += run.skipped;
         for (k, v) in &run.ops_by_kind {
             *self.ops_by_kind.entry(k.clone()).or_insert(0) += v;
+        }
+        for (k, v) in &run.api_coverage {
+            *self.api_coverage.entry(k.clone()).or_insert(0) += v;
         }
         self.counters.add(&run.counters);
         for (k, v) in &run.layouts {
@@ -213,6 +220,10 @@ impl Summary {
         }
         let kinds: Vec<String> = s.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect();
         lines.push(format!("  ops by kind: {}", kinds.join(" ")));
+        let never: Vec<&str> = s.api_coverage.iter().filter(|(_, &v)| v == 0).map(|(k, _)| k.as_str()).collect();
+        if !never.is_empty() {
+            lines.push(format!("  api classes never generated: {}", never.join(" ")));
+        }
         lines
     }
 

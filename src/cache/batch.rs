@@ -685,7 +685,7 @@ impl RowBatch {
         let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
         let width = lens.iter().copied().max().unwrap_or(0).max(1);
         let b = self.buf.as_ref().ok_or_else(|| invalid("decode read without a buffer"))?;
-        let live = b.map(|p| cols(p, 0, width))?.planes;
+        let mut live = b.map(|p| cols(p, 0, width))?.planes;
         // Mutation hook [`Mutant::QuantMaskFromArrayOffset`] (mlx-vlm#1206): a quantized batch's mask built from
         // the per-row array offset plus left padding (`offset_r - base_r + left_padding_r`, which is the batch width
         // for every row) instead of the buffered-token count `len_r`.
@@ -696,6 +696,12 @@ impl RowBatch {
             lens
         };
         let uniform = lens.iter().all(|&l| l == lens[0]);
+        let scale = if mutation::is(Mutant::DecodeScaleUlp) { f32::from_bits(scale.to_bits() + 1) } else { scale };
+        if uniform && mutation::is(Mutant::DecodeKeyOrder) {
+            // Every plane (K, V and, when quantized, their scales and biases) is permuted alike.
+            let at = index_array(&(0..width).rev().collect::<Vec<_>>(), &[width])?;
+            live = live.iter().map(|p| Ok(p.take_axis(&at, 2)?)).collect::<Result<_>>()?;
+        }
         if uniform || mutation::is(Mutant::MaskIgnoresPadding) {
             return Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None));
         }

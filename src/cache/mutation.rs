@@ -76,6 +76,15 @@ pub enum Mutant {
     /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
     /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
     SsmFilterShiftsEmptyPadding,
+    /// A batched decode read of rows of equal `len` attends the key/value columns in reverse physical order. The
+    /// attention is mathematically the same (every column is visible, K and V are permuted alike); only the
+    /// summation order changes, so only a rounding-level difference reveals it: the byte comparison of decode
+    /// outputs with the solo twin (`decode_vs_solo`), never the f64 model's ULP bound. Hook: `RowBatch::decode`
+    /// read.
+    DecodeKeyOrder,
+    /// A batched decode read scales the scores by the next representable f32 above `scale` (one ULP of the scale):
+    /// a rounding-level difference only the byte comparison with the solo twin sees. Hook: `RowBatch::decode` read.
+    DecodeScaleUlp,
 }
 
 impl Mutant {
@@ -103,6 +112,8 @@ impl Mutant {
         Mutant::SsmConvTailAtPaddedEnd,
         Mutant::SsmFinalizeKeepsPaddedHistory,
         Mutant::SsmFilterShiftsEmptyPadding,
+        Mutant::DecodeKeyOrder,
+        Mutant::DecodeScaleUlp,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -130,6 +141,8 @@ impl Mutant {
             Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
             Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
             Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
+            Mutant::DecodeKeyOrder => "decode-key-order",
+            Mutant::DecodeScaleUlp => "decode-scale-ulp",
         }
     }
 
@@ -188,6 +201,8 @@ impl Mutant {
                 "a padded call advances rows by the window width and finalize does not roll it back"
             }
             Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
+            Mutant::DecodeKeyOrder => "batched decode reads attend the key columns in reverse order (rounding only)",
+            Mutant::DecodeScaleUlp => "batched decode reads scale scores by one f32 ULP more (rounding only)",
         }
     }
 

@@ -91,7 +91,15 @@ impl Generator {
                 if kind == OpKind::Merge {
                     Op::Merge { reqs }
                 } else {
-                    Op::Join { reqs }
+                    // Half the joins list the running batch's rows in a shuffled order (join keeps any order).
+                    let mut order: Vec<u32> = vec![];
+                    if rows > 1 && w.random_bool(0.5) {
+                        order = (0..rows as u32).collect();
+                        for i in (1..order.len()).rev() {
+                            order.swap(i, w.random_range(0..=i));
+                        }
+                    }
+                    Op::Join { reqs, order }
                 }
             }
             OpKind::BatchPrefill => {
@@ -125,7 +133,12 @@ impl Generator {
                 }
                 Op::Filter { keep }
             }
-            OpKind::Trim => Op::Trim { n: self.spec.random_range(1..=3) },
+            OpKind::Trim => {
+                // Half the batch trims take the speculative-rollback path: right after a batch window of L >= n
+                // positions it is valid for every row, otherwise it must be the typed error with nothing changed.
+                let n = self.spec.random_range(1..=3);
+                Op::Trim { n, bypass: self.spec.random_bool(0.5) }
+            }
             OpKind::ReadBlock => {
                 Op::ReadBlock { req: v.solo[w.random_range(0..v.solo.len())].0, len: w.random_range(1..=8) }
             }

@@ -25,7 +25,13 @@ pub enum Op {
     /// running batch. A layout event: rows come out in temporal order (the twins are re-linearized with them).
     Merge { reqs: Vec<u32> },
     /// Requests outside the batch are joined into the running batch keeping their physical columns and phase (R-BROT-7).
-    Join { reqs: Vec<u32> },
+    /// `order`: the running batch's rows as the join lists them (a permutation of its row indices; empty = identity
+    /// order). Any other list (a shrunk or fuzzed one) makes the op skipped.
+    Join {
+        reqs: Vec<u32>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        order: Vec<u32>,
+    },
     /// Fresh (empty) requests are prefilled together: right-padded to the longest with `prepare(lengths)`, fed in
     /// chunks of `chunk` (each a window read), `finalize`d, then joined into the running batch (R-BROT-2).
     BatchPrefill { reqs: Vec<u32>, lengths: Vec<u32>, chunk: u32 },
@@ -45,8 +51,13 @@ pub enum Op {
     Extract { row: u32, finish: bool },
     /// Keep only these rows (R-BROT-6): the others' requests are dropped.
     Filter { keep: Vec<u32> },
-    /// Trim every row of the batch by `n` (R-C-5, no bypass).
-    Trim { n: u32 },
+    /// Trim every row of the batch by `n` (R-C-5); `bypass` is the speculative-rollback path (every row must have
+    /// just taken a window of at least `n` positions, else the typed error with every row unchanged).
+    Trim {
+        n: u32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        bypass: bool,
+    },
     /// DiffusionGemma's canvas read (R-ROT-9c) of `len` block positions on a request outside the batch: the block
     /// attends the stored context and itself; nothing is stored, offsets never move.
     ReadBlock { req: u32, len: u32 },
@@ -184,7 +195,98 @@ impl OpKind {
     }
 }
 
+/// Every public operation and parameter class the generator is meant to reach: the keys of `api_coverage` in
+/// `kvsim sim --json` (applied ops per class; a class at 0 is an input the simulator never produces). The classes
+/// after `training_refusal/persist` are not generated yet (issue #17): they are listed so that the summary shows the gap.
+pub const API_CLASSES: &[&str] = &[
+    "admit",
+    "solo_window",
+    "solo_decode",
+    "solo_trim/plain",
+    "solo_trim/bypass",
+    "solo_trim/zero",
+    "merge",
+    "join/identity_order",
+    "join/permuted",
+    "batch_prefill",
+    "batch_prefill/uneven_lengths",
+    "decode",
+    "window",
+    "append",
+    "verify",
+    "commit_span",
+    "extract/continue",
+    "extract/finish",
+    "filter/subset",
+    "filter/reordered",
+    "trim/plain",
+    "trim/bypass",
+    "read_block",
+    "bidir_prefill",
+    "compiled_step",
+    "training_forward",
+    "prefix_shared_forward",
+    "training_refusal/merge",
+    "training_refusal/persist",
+    "adopt",
+    "decode_phase",
+    "prepare/non_empty_rows",
+    "prepare/zero_length",
+    "finalize/early",
+    "ill_formed/dtype",
+    "ill_formed/shape",
+    "ill_formed/heads",
+    "ill_formed/storage_kind",
+];
+
 impl Op {
+    /// The [`API_CLASSES`] this op exercises (from the op alone).
+    pub fn api_classes(&self) -> Vec<&'static str> {
+        match self {
+            Op::Admit { .. } => vec!["admit"],
+            Op::SoloWindow { .. } => vec!["solo_window"],
+            Op::SoloDecode { .. } => vec!["solo_decode"],
+            Op::SoloTrim { n, bypass, .. } => {
+                let mut v = vec![if *bypass { "solo_trim/bypass" } else { "solo_trim/plain" }];
+                if *n == 0 {
+                    v.push("solo_trim/zero");
+                }
+                v
+            }
+            Op::Merge { .. } => vec!["merge"],
+            Op::Join { order, .. } => {
+                let permuted = order.iter().enumerate().any(|(i, &r)| r as usize != i);
+                vec![if permuted { "join/permuted" } else { "join/identity_order" }]
+            }
+            Op::BatchPrefill { lengths, .. } => {
+                let mut v = vec!["batch_prefill"];
+                if lengths.iter().any(|&l| l != lengths[0]) {
+                    v.push("batch_prefill/uneven_lengths");
+                }
+                v
+            }
+            Op::Decode => vec!["decode"],
+            Op::Window { .. } => vec!["window"],
+            Op::Append { .. } => vec!["append"],
+            Op::Verify { .. } => vec!["verify"],
+            Op::CommitSpan { .. } => vec!["commit_span"],
+            Op::Extract { finish, .. } => vec![if *finish { "extract/finish" } else { "extract/continue" }],
+            Op::Filter { keep } => {
+                let reordered = keep.windows(2).any(|w| w[0] > w[1]);
+                vec![if reordered { "filter/reordered" } else { "filter/subset" }]
+            }
+            Op::Trim { bypass, .. } => vec![if *bypass { "trim/bypass" } else { "trim/plain" }],
+            Op::ReadBlock { .. } => vec!["read_block"],
+            Op::BidirPrefill { .. } => vec!["bidir_prefill"],
+            Op::CompiledStep { .. } => vec!["compiled_step"],
+            Op::TrainingForward { .. } => vec!["training_forward"],
+            Op::PrefixSharedForward { .. } => vec!["prefix_shared_forward"],
+            Op::TrainingRefusal { persist } => {
+                vec![if *persist { "training_refusal/persist" } else { "training_refusal/merge" }]
+            }
+        }
+    }
+
     /// This op's kind.
     pub fn kind(&self) -> OpKind {
         match self {
@@ -235,20 +337,23 @@ impl Op {
             Op::Window { len } => out.extend(halve(*len).into_iter().map(|len| Op::Window { len })),
             Op::Append { len } => out.extend(halve(*len).into_iter().map(|len| Op::Append { len })),
             Op::CommitSpan { len } => out.extend(halve(*len).into_iter().map(|len| Op::CommitSpan { len })),
-            Op::Trim { n } => out.extend(halve(*n).into_iter().map(|n| Op::Trim { n })),
+            Op::Trim { n, bypass } => out.extend(halve(*n).into_iter().map(|n| Op::Trim { n, bypass: *bypass })),
             Op::Verify { gamma, accept } => {
                 for g in halve(*gamma) {
                     out.push(Op::Verify { gamma: g, accept: accept.iter().map(|&a| a.min(g)).collect() });
                 }
             }
-            Op::Merge { reqs } | Op::Join { reqs } if reqs.len() > 1 => {
+            Op::Join { reqs, order } if !order.is_empty() => {
+                out.push(Op::Join { reqs: reqs.clone(), order: vec![] });
+            }
+            Op::Merge { reqs } | Op::Join { reqs, .. } if reqs.len() > 1 => {
                 for i in 0..reqs.len() {
                     let mut r = reqs.clone();
                     r.remove(i);
                     out.push(if matches!(self, Op::Merge { .. }) {
                         Op::Merge { reqs: r }
                     } else {
-                        Op::Join { reqs: r }
+                        Op::Join { reqs: r, order: vec![] }
                     });
                 }
             }
