@@ -115,6 +115,9 @@ pub struct Summary {
     /// generator never produced.
     #[serde(default)]
     pub api_coverage: BTreeMap<String, u64>,
+    /// Generated ill-formed inputs refused with the expected typed error and nothing changed, per input class.
+    #[serde(default)]
+    pub ill_formed_rejected: BTreeMap<String, u64>,
     pub bit_exact: BitExact,
     pub compared: Compared,
     pub max_ulp: MaxUlp,
@@ -224,6 +227,8 @@ impl Summary {
         if !never.is_empty() {
             lines.push(format!("  api classes never generated: {}", never.join(" ")));
         }
+        let rejected: Vec<String> = s.ill_formed_rejected.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        lines.push(format!("  ill-formed inputs rejected (typed error, nothing changed): {}", rejected.join(" ")));
         lines
     }
 
@@ -233,6 +238,7 @@ impl Summary {
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
+        self.ill_formed_rejected = t.ill_formed_rejected.clone();
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
             decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,
@@ -381,6 +387,9 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
         out.seconds = out.seconds.max(s.seconds);
         for (k, v) in &s.ops_by_kind {
             *out.ops_by_kind.entry(k.clone()).or_insert(0) += v;
+        }
+        for (k, v) in &s.api_coverage {
+            *out.api_coverage.entry(k.clone()).or_insert(0) += v;
         }
         for (k, v) in &s.layouts {
             out.layouts.entry(k.clone()).or_default().add(v);

@@ -27,6 +27,8 @@ use crate::sim::observe::{Call, Read, StateView, TrimInfo};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::summary::Counters;
 
+mod probes;
+
 /// Where a request's storage lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Home {
@@ -195,6 +197,10 @@ impl Attention {
             // The training family's forwards use their own stateless caches: every inference cache of this family
             // must come out of them unchanged, which `check_all` verifies after the op.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => true,
+            Op::Adopt { invalid } => self.adopt(*invalid)?,
+            Op::DecodePhase => self.decode_phases()?,
+            Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,
+            Op::IllFormed { req, batch, input, variant } => self.ill_formed(*req, *batch, *input, *variant)?,
         })
     }
 
@@ -635,7 +641,6 @@ impl Attention {
             return Ok(false);
         }
         let max = self.max_size();
-        let scale = self.cfg.scale();
         let b = ids.len();
         // Fresh rows, from the requests' own (empty) serial caches.
         let mut pre: Vec<RowBatch> = vec![];
@@ -649,13 +654,57 @@ impl Attention {
         for id in &ids {
             self.reqs.get_mut(id).unwrap().model.base = 0;
         }
-        let padded = lens.iter().any(|&x| x != lens[0]);
         if cx.observer.wants_calls() {
             emit(cx, Call::Prefill { reqs: &ids, lengths: &lens, chunk })?;
         }
         let total = *lens.iter().max().unwrap();
+        self.padded_chunks(cx, &mut pre, &ids, &lens, chunk, usize::MAX, true)?;
+        for (layer, p) in pre.iter_mut().enumerate() {
+            p.finalize().map_err(|e| unexpected("finalize", e))?;
+            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
+            self.batch[layer] = RowBatch::join(
+                self.spec,
+                max,
+                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
+            )
+            .map_err(|e| unexpected("join (prefilled rows)", e))?;
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).unwrap();
+            r.home = Home::Batch;
+            r.history.layout_event = true;
+            r.solo.clear();
+            self.rows.push(*id);
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::PrefillEnd { longest: total })?;
+        }
+        let _ = b;
+        Ok(true)
+    }
+
+    /// The chunks of a prepared (right-padded) prefill on `batches` (one per layer, rows `ids`, `lens[r]` real
+    /// positions still to come for row `r`): at most `max_chunks` window reads of `chunk` positions, each checked
+    /// row by row against the twins (fed only the row's real positions) and the model. Returns the positions
+    /// delivered to the longest row. Calls are described to the observer only with `observe`.
+    #[allow(clippy::too_many_arguments)]
+    fn padded_chunks(
+        &mut self,
+        cx: &mut Cx<'_>,
+        batches: &mut [RowBatch],
+        ids: &[u32],
+        lens: &[usize],
+        chunk: usize,
+        max_chunks: usize,
+        observe: bool,
+    ) -> Res<usize> {
+        let scale = self.cfg.scale();
+        let padded = lens.iter().any(|&x| x != lens[0]);
+        let total = lens.iter().copied().max().unwrap_or(0);
         let mut done = 0;
-        while done < total {
+        let mut chunks = 0;
+        while done < total && chunks < max_chunks {
+            chunks += 1;
             let l = chunk.min(total - done);
             // Per row: the real positions of this chunk, then padding.
             let mut toks: Vec<Vec<Option<Tok>>> = vec![];
@@ -681,14 +730,14 @@ impl Attention {
             for layer in 0..self.cfg.layers {
                 let masks = Masks::new();
                 let (k, v, q) = self.kvq(layer, &toks)?;
-                let got = pre[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
-                if cx.observer.wants_calls() {
+                let got = batches[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
+                if observe && cx.observer.wants_calls() {
                     let real: Vec<usize> = reals.iter().map(Vec::len).collect();
                     emit(
                         cx,
                         Call::PrefillChunk {
                             layer,
-                            reqs: &ids,
+                            reqs: ids,
                             k: &k,
                             v: &v,
                             q: &q,
@@ -721,28 +770,7 @@ impl Attention {
             }
             done += l;
         }
-        for (layer, p) in pre.iter_mut().enumerate() {
-            p.finalize().map_err(|e| unexpected("finalize", e))?;
-            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
-            self.batch[layer] = RowBatch::join(
-                self.spec,
-                max,
-                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
-            )
-            .map_err(|e| unexpected("join (prefilled rows)", e))?;
-        }
-        for id in &ids {
-            let r = self.reqs.get_mut(id).unwrap();
-            r.home = Home::Batch;
-            r.history.layout_event = true;
-            r.solo.clear();
-            self.rows.push(*id);
-        }
-        if cx.observer.wants_calls() {
-            emit(cx, Call::PrefillEnd { longest: total })?;
-        }
-        let _ = b;
-        Ok(true)
+        Ok(done)
     }
 
     /// Every batch row's twin reads its request's next `len` positions (the same K/V/Q the row got); outputs in row
