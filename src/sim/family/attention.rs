@@ -730,7 +730,8 @@ impl Attention {
             for layer in 0..self.cfg.layers {
                 let masks = Masks::new();
                 let (k, v, q) = self.kvq(layer, &toks)?;
-                let got = batches[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
+                let got =
+                    batches[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
                 if observe && cx.observer.wants_calls() {
                     let real: Vec<usize> = reals.iter().map(Vec::len).collect();
                     emit(

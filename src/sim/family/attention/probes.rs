@@ -215,7 +215,9 @@ impl Attention {
         let before = self.snapshot(on_batch, req)?;
         let layer = variant as usize % self.cfg.layers;
         let what = match input {
-            IllInput::Dtype | IllInput::Shape | IllInput::Heads => self.bad_tensor(on_batch, req, layer, input, variant)?,
+            IllInput::Dtype | IllInput::Shape | IllInput::Heads => {
+                self.bad_tensor(on_batch, req, layer, input, variant)?
+            }
             IllInput::StorageKind => self.bad_kind(on_batch, req, layer, variant)?,
             IllInput::RowId => self.bad_row(layer, variant)?,
         };
@@ -322,7 +324,8 @@ impl Attention {
             _ => kind.replace(['-', ':'], "_"),
         };
         // Case 1 is a valid kind for a serial cache (its row-batch kind): double the marker there.
-        let bad = if bad.strip_suffix(ROW_BATCH_MARKER).is_some_and(|s| s == kind) && !kind.ends_with(ROW_BATCH_MARKER) {
+        let bad = if bad.strip_suffix(ROW_BATCH_MARKER).is_some_and(|s| s == kind) && !kind.ends_with(ROW_BATCH_MARKER)
+        {
             format!("{bad}{ROW_BATCH_MARKER}")
         } else {
             bad
@@ -335,9 +338,8 @@ impl Attention {
         }
         let registry = Registry::default();
         if registry.kinds().contains(&kind.as_str()) {
-            let mut entry = registry
-                .encode(&Persisted::new(cache))
-                .map_err(|e| Failure::new("persist", format!("encode: {e}")))?;
+            let mut entry =
+                registry.encode(&Persisted::new(cache)).map_err(|e| Failure::new("persist", format!("encode: {e}")))?;
             entry.storage_kind = bad.clone();
             match registry.decode(&entry) {
                 Err(PersistError::UnknownKind { kind: k }) if k == bad => {}
@@ -352,24 +354,31 @@ impl Attention {
         Ok(what)
     }
 
-    /// A row id that does not exist or is listed twice: `filter` and `extract` refuse it.
+    /// A row id that does not exist or is listed twice, somewhere in a `filter` list of the other rows in reverse
+    /// order (so that a filter that validated as it went would already have changed the batch), or an `extract`
+    /// past the end: `NoSuchRow`, `DuplicateRow`.
     fn bad_row(&mut self, layer: usize, variant: u32) -> Res<String> {
         let n = self.rows.len();
         let past = n + (variant as usize / 3 % 3);
+        let at = variant as usize / 9 % (n + 1);
+        let dup = n.saturating_sub(1);
         let b = &mut self.batch[layer];
         let (what, got) = match variant % 3 {
             0 => {
-                let keep: Vec<usize> = (0..n).chain([past]).collect();
+                let mut keep: Vec<usize> = (0..n).rev().collect();
+                keep.insert(at, past);
                 (format!("filter {keep:?} of {n} rows"), b.filter(&keep))
             }
             1 => {
-                let keep: Vec<usize> = (0..n).chain([variant as usize / 9 % n]).collect();
+                // The first listed row again, after its first place.
+                let mut keep: Vec<usize> = (0..n).rev().collect();
+                keep.insert(1 + at % n, dup);
                 (format!("filter {keep:?} of {n} rows"), b.filter(&keep))
             }
             _ => (format!("extract row {past} of {n} rows"), b.extract(past).map(|_| ())),
         };
         let ok = match (variant % 3, &got) {
-            (1, Err(CacheError::DuplicateRow { row })) => *row == variant as usize / 9 % n,
+            (1, Err(CacheError::DuplicateRow { row })) => *row == dup,
             (0 | 2, Err(CacheError::NoSuchRow { row, rows })) => *row == past && *rows == n,
             _ => false,
         };
