@@ -261,13 +261,7 @@ impl Attention {
             },
             IllInput::Heads => {
                 // Keys and values: H_kv + 1 heads. Queries: a count that is not a positive multiple of H_kv.
-                let h = if which != 2 {
-                    hkv + 1
-                } else if hkv > 1 {
-                    hkv + 1
-                } else {
-                    0
-                };
+                let h = if which == 2 && hkv == 1 { 0 } else { hkv + 1 };
                 (zeros(&[b, h, l as i32, d], dtype)?, format!("{h} heads"))
             }
             _ => unreachable!("bad_tensor is called for tensor inputs only"),
