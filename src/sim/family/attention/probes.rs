@@ -331,7 +331,7 @@ impl Attention {
             return Err(errors(format!("{what}: route {:?}, storage {:?}", k.route(), k.storage())));
         }
         let registry = Registry::default();
-        if registry.kinds().contains(&kind.as_str()) {
+        if registry.codec(&kind).is_ok() {
             let mut entry =
                 registry.encode(&Persisted::new(cache)).map_err(|e| Failure::new("persist", format!("encode: {e}")))?;
             entry.storage_kind = bad.clone();
