@@ -249,7 +249,11 @@ fn planes_of<'a>(e: &'a Entry, spec: &KvSpec, storage: &Storage, rows: usize) ->
         let t = e.tensor(name)?;
         let want = TensorDtype::from_mlx(dt).ok_or_else(|| PersistError::malformed(format!("{name}: dtype {dt:?}")))?;
         if t.dtype != want {
-            return Err(PersistError::Dtype { name: (*name).into(), expected: want.to_string(), found: t.dtype.to_string() });
+            return Err(PersistError::Dtype {
+                name: (*name).into(),
+                expected: want.to_string(),
+                found: t.dtype.to_string(),
+            });
         }
         let [b, h, c, d] = t.dims4(name)?;
         if b != rows || h != spec.heads_kv || d != w {
