@@ -29,6 +29,9 @@ fn forty_seeds_pass_and_cover_every_op_kind() {
     // Issue #17: every public operation / parameter class of `API_CLASSES` is applied (join permutations, bypass
     // batch trims, adopt, decode_phase, prepare on rows holding positions and with a length of 0, early finalize,
     // ill-formed inputs of every class), and every ill-formed input class was refused with nothing changed.
+    let listed: BTreeSet<&str> = kvsim::sim::ops::API_CLASSES.iter().copied().collect();
+    let applied: BTreeSet<&str> = classes.keys().map(String::as_str).collect();
+    assert_eq!(applied, listed, "api_coverage keys are exactly API_CLASSES");
     for c in kvsim::sim::ops::API_CLASSES {
         assert!(classes.get(*c).copied().unwrap_or(0) > 0, "api class {c} never applied in 40 seeds: {classes:?}");
     }
