@@ -336,7 +336,10 @@ impl Attention {
             return Ok(false);
         }
         if self.storage != Storage::Plain {
-            return self.compiled_step_refused(req);
+            // Affine storage has no compiled step: the refusal (state unchanged), then the ordinary decode a caller
+            // falls back to, so that the request advances as in every other family of the run.
+            self.compiled_step_refused(req)?;
+            return self.solo_decode(cx, req);
         }
         let toks = self.next_toks(req, 1);
         let scale = self.cfg.scale();

@@ -276,7 +276,7 @@ impl Attention {
     }
 
     /// The compiled-decode protocol on a cache of affine storage: refused with `StorageMismatch` before any change
-    /// (its step is plain). The model does not move; the state check after the op proves nothing did.
+    /// (its step is plain); checked here before the caller falls back to the ordinary decode.
     pub(crate) fn compiled_step_refused(&mut self, req: u32) -> Res<bool> {
         for layer in 0..self.cfg.layers {
             let c = &mut self.reqs.get_mut(&req).unwrap().solo[layer];
