@@ -155,7 +155,7 @@ fn quant_config(native: bool) -> SimConfig {
 fn conversion_ops() -> Vec<Op> {
     let mut ops = vec![Op::Admit { req: 0 }, Op::SoloWindow { req: 0, len: 3 }];
     ops.extend((0..3).map(|_| Op::SoloDecode { req: 0 }));
-    ops.extend([Op::Admit { req: 1 }, Op::SoloWindow { req: 1, len: 2 }, Op::Join { reqs: vec![1] }]);
+    ops.extend([Op::Admit { req: 1 }, Op::SoloWindow { req: 1, len: 2 }, Op::Join { reqs: vec![1], order: vec![] }]);
     ops.extend((0..3).map(|_| Op::Decode));
     ops.extend([
         // Invalid bits: InvalidQuant in both families; mid-round: PendingPrefill on a prepared copy of the batch.
