@@ -118,6 +118,10 @@ pub struct Summary {
     pub expected_errors: u64,
     /// Rows saved and restored mid-run (`src/persist`) before continuing, checked like every other state.
     pub persist_roundtrips: u64,
+    /// The recurrent family's speculative rounds, rollbacks (with unequal per-row keeps) and replays, summed over
+    /// its runs (absent when no run held it).
+    #[serde(default, skip_serializing_if = "crate::sim::summary::Recurrent::is_zero")]
+    pub recurrent: crate::sim::summary::Recurrent,
     pub device: String,
     pub mlx_version: String,
     /// blake3 of the ordered per-seed result hashes.
@@ -222,6 +226,7 @@ impl Summary {
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
+        self.recurrent = t.recurrent;
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
             decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,

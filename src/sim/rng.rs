@@ -22,6 +22,8 @@ pub enum Stream {
     Payload = 4,
     /// Which layout families a run holds (`sim::family::REGISTRY`).
     Families = 5,
+    /// The recurrent family's set and DeltaNet geometry (`sim::family::ssm`), seeded by the run's payload seed.
+    Recurrent = 6,
 }
 
 /// A generator for one subsystem of one seed.

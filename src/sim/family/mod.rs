@@ -10,6 +10,7 @@
 //! (ARCHITECTURE.md, "How to add a layout family").
 
 pub mod attention;
+pub mod ssm;
 pub mod training;
 
 use crate::sim::check::Failure;
@@ -78,7 +79,7 @@ pub struct Registration {
 }
 
 /// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] = &[attention::REGISTRATION, training::REGISTRATION];
+pub const REGISTRY: &[Registration] = &[attention::REGISTRATION, training::REGISTRATION, ssm::REGISTRATION];
 
 /// The registration of `name`.
 pub fn registration(name: &str) -> Option<&'static Registration> {
