@@ -404,6 +404,11 @@ pub fn test_budget(m: Mutant) -> u64 {
     match m {
         Mutant::MergeSlicesByOffset => 600,
         Mutant::PrefillPadStored => 60,
+        // The recurrent family's: reached only by seeds that hold it (swarm probability 0.4); the padding ones only
+        // by its left-padded prefills (the `ssm` set), the filter one by a left-padded cohort of two or more.
+        Mutant::SsmConvTailAtPaddedEnd | Mutant::SsmFinalizeKeepsPaddedHistory => 40,
+        Mutant::SsmMaskIgnoresLeftPadding => 150,
+        Mutant::SsmFilterShiftsEmptyPadding => 250,
         _ => 20,
     }
 }

@@ -76,6 +76,9 @@ pub enum Mutant {
     /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
     /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
     SsmFilterShiftsEmptyPadding,
+    /// A per-row rollback restores each row from its neighbour's pre-round snapshot (row `b` gets row `(b + 1) mod
+    /// B`'s states): a state handed to the wrong request. Hook: `SsmCache::spec_round_rollback_rows`.
+    SsmRollbackNeighbourSnapshot,
 }
 
 impl Mutant {
@@ -103,6 +106,7 @@ impl Mutant {
         Mutant::SsmConvTailAtPaddedEnd,
         Mutant::SsmFinalizeKeepsPaddedHistory,
         Mutant::SsmFilterShiftsEmptyPadding,
+        Mutant::SsmRollbackNeighbourSnapshot,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -130,6 +134,7 @@ impl Mutant {
             Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
             Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
             Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
+            Mutant::SsmRollbackNeighbourSnapshot => "ssm-rollback-neighbour-snapshot",
         }
     }
 
@@ -188,6 +193,7 @@ impl Mutant {
                 "a padded call advances rows by the window width and finalize does not roll it back"
             }
             Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
+            Mutant::SsmRollbackNeighbourSnapshot => "a rollback restores each row from its neighbour's snapshot",
         }
     }
 

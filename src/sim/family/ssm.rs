@@ -14,7 +14,7 @@
 //! **Ops.** `admit` (empty caches), `solo_window` / `solo_decode` (a request outside the batch), `merge` and `join`
 //! (both: `SsmCache::merge` of the batch and the requests' one-row caches; attention layers join), `batch_prefill`
 //! (the fresh requests' caches merged into the running batch, one prepared prefill over the *whole* batch with the
-//! running rows all padding, in chunks, then `finalize`; left padding in the `ssm` set when the first request's id plus the chunk width is even, right
+//! running rows all padding, in chunks, then `finalize`; left padding in the `ssm` set unless the first request's id plus the chunk width is a multiple of 3, right
 //! padding otherwise), `decode`, `window` / `append` (S positions per row), `commit_span` (S decodes), `verify`
 //! (a speculative round: DeltaNet layers `spec_round_begin`, the armed window of `gamma` draft positions, then
 //! `spec_round_commit` when every row accepts all, else `spec_round_rollback_rows(keep)` with replay; attention
@@ -72,7 +72,7 @@ pub const REGISTRATION: Registration = Registration {
                 | OpKind::PrefixSharedForward
         )
     },
-    swarm_probability: 0.3,
+    swarm_probability: 0.4,
     build: |cfg| Ok(Box::new(Recurrent::new(cfg)?)),
 };
 
@@ -125,7 +125,7 @@ impl SsmSet {
                 DtypeChoice::Bf16 => RefDtype::Bf16,
             },
         };
-        let (name, layers) = if rng.random_bool(0.4) {
+        let (name, layers) = if rng.random_bool(0.5) {
             ("ssm", vec![LayerKind::DeltaNet, LayerKind::DeltaNet])
         } else {
             match cfg.layout {
@@ -677,12 +677,14 @@ impl Recurrent {
         if ids.is_empty() || chunk == 0 {
             return Ok(false);
         }
-        let left = !self.set.hybrid() && (ids[0] as usize + chunk) % 2 == 0;
+        let left = !self.set.hybrid() && (ids[0] as usize + chunk) % 3 != 0;
         let old = self.rows.len();
         self.enter(&ids)?;
         let width = *lens.iter().max().unwrap();
-        let mut lengths = vec![0usize; old];
-        let mut lefts = vec![0usize; old];
+        // Running rows are all padding: right padding (`lengths = 0`), or with left padding `left = lengths =
+        // width`, so a mask that ignored left padding would step their states (bug catalog #1).
+        let mut lengths = vec![if left { width } else { 0 }; old];
+        let mut lefts = vec![if left { width } else { 0 }; old];
         for &p in &lens {
             lengths.push(if left { width } else { p });
             lefts.push(if left { width - p } else { 0 });
@@ -696,10 +698,10 @@ impl Recurrent {
         }
         self.counters.recurrent.padded_prefills += 1;
         self.counters.recurrent.left_padded_prefills += u64::from(left);
-        // A side run: on a batch that was empty, the same prefill with the longest row filtered out right after
-        // `prepare` (a filter of an empty batch whose left padding is pending); its rows must end equal to the main
-        // run's.
-        let side_keep: Option<Vec<usize>> = (old == 0 && left && ids.len() > 1).then(|| {
+        // A side run: the cohort alone in a fresh batch, prepared with the same padding, its longest row filtered
+        // out right after `prepare` (a filter of an empty batch whose left padding is pending), then the same
+        // chunks; its rows must end byte-identical to theirs in the main run.
+        let side_keep: Option<Vec<usize>> = (left && ids.len() > 1).then(|| {
             let longest = (0..lens.len()).max_by_key(|&i| (lens[i], usize::MAX - i)).unwrap_or(0);
             (0..lens.len()).filter(|&r| r != longest).collect()
         });
@@ -707,8 +709,9 @@ impl Recurrent {
         if let Some(keep) = &side_keep {
             for b in &self.batch {
                 side.push(match b {
-                    Rows::Ssm(b) => {
-                        let mut c = b.clone();
+                    Rows::Ssm(_) => {
+                        let mut c = SsmCache::new(self.spec, ids.len()).map_err(|e| mlx("new", e))?;
+                        c.prepare(&lengths[old..], &lefts[old..]).map_err(|e| mlx("prepare (side)", e))?;
                         c.filter(keep).map_err(|e| mlx("filter (pending prefill)", e))?;
                         Some(c)
                     }
@@ -731,8 +734,8 @@ impl Recurrent {
                 let rows: Vec<RowIn> = keep
                     .iter()
                     .map(|&r| {
-                        let id = self.rows[r];
-                        (id as u64, self.reqs[&id].pos, real[r].0, real[r].1)
+                        let id = self.rows[old + r];
+                        (id as u64, self.reqs[&id].pos, real[old + r].0, real[old + r].1)
                     })
                     .collect();
                 for li in 0..self.layers.len() {
@@ -767,8 +770,9 @@ impl Recurrent {
                 c.finalize().map_err(|e| mlx("side finalize", e))?;
                 for (i, &r) in keep.iter().enumerate() {
                     let (sc, sr) = c.row_states(i).map_err(|e| mlx("side row", e))?;
-                    let (bc, br) = b.row_states(r).map_err(|e| mlx("row", e))?;
-                    if words(&sc)? != words(&bc)? || words(&sr)? != words(&br)? || c.offsets()[i] != b.offsets()[r] {
+                    let (bc, br) = b.row_states(old + r).map_err(|e| mlx("row", e))?;
+                    if words(&sc)? != words(&bc)? || words(&sr)? != words(&br)? || c.offsets()[i] != b.offsets()[old + r]
+                    {
                         return Err(Failure::new(
                             "ssm_filter_pending",
                             format!("layer {li} row {r}: filtered during a pending left-padded prefill, it differs"),
