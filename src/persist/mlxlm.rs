@@ -887,6 +887,9 @@ fn i32_of(v: usize, name: &str) -> Result<i32> {
 ///   carry it).
 pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
     match cache {
+        // mlx-lm's `ArraysCache` carries no offsets, so a file written from it could not be loaded back as the same
+        // cache; the recurrent cache is persisted in kvsim's format only (docs/persistence.md).
+        AnyCache::Ssm(_) => Err(PersistError::unsupported("the ssm cache has no mlx-lm form that keeps its offsets")),
         AnyCache::Serial(c) => {
             let s = c.state();
             let (k, v) = c.physical()?;

@@ -19,7 +19,7 @@
 //! (a speculative round: DeltaNet layers `spec_round_begin`, the armed window of `gamma` draft positions, then
 //! `spec_round_commit` when every row accepts all, else `spec_round_rollback_rows(keep)` with replay; attention
 //! layers `trim_rows(gamma - keep, bypass)`), `extract` (with `finish`: the request ends; else it continues outside
-//! the batch), `filter`, and the training kinds
+//! the batch, its layers saved to a kvsim file and restored from the bytes alone first), `filter`, and the training kinds
 //! (`training_forward`: the training DeltaNet cache [`TrainingSsmCache`]; `training_refusal`). Trims, the
 //! attention-only special reads and the prefix-shared forward are not supported (`supports` answers false, so a
 //! run holding this family never draws them).
@@ -771,7 +771,9 @@ impl Recurrent {
                 for (i, &r) in keep.iter().enumerate() {
                     let (sc, sr) = c.row_states(i).map_err(|e| mlx("side row", e))?;
                     let (bc, br) = b.row_states(old + r).map_err(|e| mlx("row", e))?;
-                    if words(&sc)? != words(&bc)? || words(&sr)? != words(&br)? || c.offsets()[i] != b.offsets()[old + r]
+                    if words(&sc)? != words(&bc)?
+                        || words(&sr)? != words(&br)?
+                        || c.offsets()[i] != b.offsets()[old + r]
                     {
                         return Err(Failure::new(
                             "ssm_filter_pending",
@@ -859,7 +861,8 @@ impl Recurrent {
                         .enumerate()
                         .map(|(r, &k)| {
                             let id = self.rows[r];
-                            (k > 0).then(|| self.ssm_inputs(li as u32, &[(id as u64, self.reqs[&id].pos, 0, k)], k, None))
+                            (k > 0)
+                                .then(|| self.ssm_inputs(li as u32, &[(id as u64, self.reqs[&id].pos, 0, k)], k, None))
                         })
                         .collect();
                     let Rows::Ssm(b) = &mut self.batch[li] else { unreachable!() };
@@ -973,6 +976,8 @@ impl Recurrent {
             self.reqs.remove(&id);
             return Ok(true);
         }
+        let out = persist_roundtrip(out)?;
+        self.counters.persist_roundtrips += 1;
         let attn = self.attn;
         let r = self.reqs.get_mut(&id).unwrap();
         r.home = Home::Solo;
@@ -983,7 +988,8 @@ impl Recurrent {
                 t.relinearize().map_err(|e| mlx("twin relinearize", e))?;
                 let (k, v) = t.physical().map_err(|e| mlx("twin physical", e))?;
                 let off = t.state().offset;
-                *t = SerialCache::from_temporal(attn, *window, &k, &v, off).map_err(|e| mlx("twin from_temporal", e))?;
+                *t =
+                    SerialCache::from_temporal(attn, *window, &k, &v, off).map_err(|e| mlx("twin from_temporal", e))?;
             }
         }
         Ok(true)
@@ -1127,7 +1133,10 @@ impl Recurrent {
         cx.hasher.update(&tr.digest());
         self.counters.checks += 2;
         if !same_slice(conv.0, conv.1, &tc) {
-            return Err(Failure::new("ssm_state_vs_twin", format!("layer {li} {what}: conv state differs from the solo run")));
+            return Err(Failure::new(
+                "ssm_state_vs_twin",
+                format!("layer {li} {what}: conv state differs from the solo run"),
+            ));
         }
         if !same_slice(rec.0, rec.1, &tr) {
             return Err(Failure::new(
@@ -1156,7 +1165,14 @@ impl Recurrent {
         Ok(())
     }
 
-    fn check_attn(&mut self, cx: &mut Cx<'_>, li: usize, what: &str, id: u32, prod: (crate::cache::RingState, Array, Array)) -> Res {
+    fn check_attn(
+        &mut self,
+        cx: &mut Cx<'_>,
+        li: usize,
+        what: &str,
+        id: u32,
+        prod: (crate::cache::RingState, Array, Array),
+    ) -> Res {
         let Cache::Attn(twin) = &self.reqs[&id].twin[li] else { unreachable!() };
         let pos = self.reqs[&id].pos;
         let (tk, tv) = twin.physical().map_err(|e| mlx("twin", e))?;
@@ -1193,7 +1209,15 @@ impl Recurrent {
                     let (cw, rw) = (conv.words.len() / n.max(1), rec.words.len() / n.max(1));
                     for r in 0..n {
                         let id = self.rows[r];
-                        self.check_ssm_row(cx, li, &format!("row {r}"), (&conv, r * cw), (&rec, r * rw), offsets[r], id)?;
+                        self.check_ssm_row(
+                            cx,
+                            li,
+                            &format!("row {r}"),
+                            (&conv, r * cw),
+                            (&rec, r * rw),
+                            offsets[r],
+                            id,
+                        )?;
                     }
                 }
                 Rows::Attn(b) => {
@@ -1214,7 +1238,15 @@ impl Recurrent {
                 match self.reqs[&id].solo[li].clone() {
                     Cache::Ssm(c) => {
                         let (conv, rec) = (words(c.conv())?, words(c.recurrent())?);
-                        self.check_ssm_row(cx, li, &format!("request {id}"), (&conv, 0), (&rec, 0), c.offsets()[0], id)?;
+                        self.check_ssm_row(
+                            cx,
+                            li,
+                            &format!("request {id}"),
+                            (&conv, 0),
+                            (&rec, 0),
+                            c.offsets()[0],
+                            id,
+                        )?;
                     }
                     Cache::Attn(c) => {
                         let (k, v) = c.physical().map_err(|e| mlx("solo", e))?;
@@ -1225,6 +1257,46 @@ impl Recurrent {
         }
         Ok(())
     }
+}
+
+/// Saves an extracted request's caches (every layer, one kvsim file, each with a reuse floor of half its offset),
+/// drops them and restores them from the bytes alone; the floors must come back and the layers keep their kinds.
+/// The state checks after the op and every later read compare the restored caches with the twins and the model.
+fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
+    use crate::persist::inspect::{load_any, save_as, Format};
+    use crate::persist::{AnyCache, Persisted};
+    let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
+    let persisted: Vec<Persisted> = caches
+        .into_iter()
+        .map(|c| {
+            let cache = match c {
+                Cache::Ssm(c) => AnyCache::Ssm(c),
+                Cache::Attn(c) => AnyCache::Serial(c),
+            };
+            Persisted { minimum_reusable_offset: cache.offset() / 2, cache }
+        })
+        .collect();
+    let floors: Vec<usize> = persisted.iter().map(|p| p.minimum_reusable_offset).collect();
+    let kinds: Vec<String> = persisted.iter().map(|p| p.cache.storage_kind().to_string()).collect();
+    let bytes = save_as(Format::Kvsim, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    drop(persisted);
+    let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
+    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
+    if back != floors {
+        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+    }
+    let got: Vec<String> = restored.iter().map(|p| p.cache.storage_kind().to_string()).collect();
+    if got != kinds {
+        return Err(Failure::new("persist", format!("kinds {kinds:?} saved, {got:?} restored")));
+    }
+    restored
+        .into_iter()
+        .map(|p| match p.cache {
+            AnyCache::Ssm(c) => Ok(Cache::Ssm(c)),
+            AnyCache::Serial(c) => Ok(Cache::Attn(c)),
+            AnyCache::Rows(_) => Err(Failure::new("persist", "a row batch restored from a request's layers")),
+        })
+        .collect()
 }
 
 impl Family for Recurrent {
