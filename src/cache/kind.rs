@@ -34,7 +34,7 @@ pub const TRAINING: &str = "train:training";
 pub const PREFIX_SHARED: &str = "train:prefix-shared";
 /// The training DeltaNet cache (`TrainingSsmCache`): zero state every call, state discarded; never admitted, merged
 /// or persisted.
-pub const TRAINING_SSM: &str = "train:ssm";
+pub const TRAINING_SSM: &str = "train:training-ssm";
 
 /// A cache's stable identity string (R-C-1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -249,7 +249,7 @@ impl PrefixSharedCache {
     }
 }
 
-/// The training DeltaNet cache (`train:ssm`, R-TRN-1 for the gated-DeltaNet layers of a hybrid model): every call
+/// The training DeltaNet cache (`train:training-ssm`, R-TRN-1 for the gated-DeltaNet layers of a hybrid model): every call
 /// starts from the zero state (a fresh [`SsmCache`] of the batch's rows) and discards the state it ends with, so
 /// calling it twice gives the same bytes and nothing is carried between forwards. With row lengths (a right-padded
 /// batch), row `b`'s positions past `lengths[b]` are padding: they are zeroed and their recurrence steps are masked,
@@ -279,7 +279,7 @@ impl TrainingSsmCache {
         Ok(TrainingSsmCache { spec, lengths: Some(lengths) })
     }
 
-    /// `train:ssm`.
+    /// `train:training-ssm`.
     pub fn storage_kind(&self) -> StorageKind {
         StorageKind::new(TRAINING_SSM)
     }
