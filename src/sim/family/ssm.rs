@@ -375,8 +375,15 @@ impl Recurrent {
                             [tensor, layer as u64, req, (p0 + t - st) as u64]
                         };
                         let base = SsmValues { seed: self.values.seed ^ key[0], dims: self.set.dims };
-                        let bits = base.pad_bits(key[1] as u32, key[2], key[3] * 64 + h as u64);
-                        v.extend(bits.0.into_iter().take(sp.head_dim).map(|b| {
+                        // One draw gives conv_dim values; more draws (further slots) until the head is full.
+                        let mut bits = vec![];
+                        for j in 0u64.. {
+                            if bits.len() >= sp.head_dim {
+                                break;
+                            }
+                            bits.extend(base.pad_bits(key[1] as u32, key[2], (key[3] * 64 + h as u64) * 64 + j).0);
+                        }
+                        v.extend(bits.into_iter().take(sp.head_dim).map(|b| {
                             let x = crate::reference::bits_to_f32(d, b) / 8.0;
                             crate::reference::round_to(d, x as f64)
                         }));

@@ -66,3 +66,14 @@ fn the_same_seed_gives_the_same_hash() {
     let replayed = crate::sim::replay(&a.trace, DeviceChoice::Cpu);
     assert_eq!(replayed.trace.result_hash, a.trace.result_hash);
 }
+
+#[test]
+fn attention_inputs_fill_heads_wider_than_one_draw() {
+    // Seed 395: a hybrid set with head_dim 16, wider than the DeltaNet conv_dim of one value draw (it panicked once).
+    let cfg = SimConfig::from_seed(395);
+    let fam = Recurrent::new(&cfg).unwrap();
+    assert!(fam.set().hybrid() && cfg.head_dim > fam.set().dims.conv_dim(), "{:?}", fam.set());
+    for x in fam.attn_inputs(1, &[(0, 0, 0, 2)], 2, None) {
+        assert_eq!(x.shape()[3], cfg.head_dim as i32);
+    }
+}
