@@ -111,6 +111,13 @@ pub struct Summary {
     pub checks: u64,
     pub failures: u64,
     pub ops_by_kind: BTreeMap<String, u64>,
+    /// Applied ops per public operation / parameter class (`sim::ops::API_CLASSES`); a 0 is an input class the
+    /// generator never produced.
+    #[serde(default)]
+    pub api_coverage: BTreeMap<String, u64>,
+    /// Generated ill-formed inputs refused with the expected typed error and nothing changed, per input class.
+    #[serde(default)]
+    pub ill_formed_rejected: BTreeMap<String, u64>,
     pub bit_exact: BitExact,
     pub compared: Compared,
     pub max_ulp: MaxUlp,
@@ -160,6 +167,9 @@ impl Summary {
         self.skipped_ops += run.skipped;
         for (k, v) in &run.ops_by_kind {
             *self.ops_by_kind.entry(k.clone()).or_insert(0) += v;
+        }
+        for (k, v) in &run.api_coverage {
+            *self.api_coverage.entry(k.clone()).or_insert(0) += v;
         }
         self.counters.add(&run.counters);
         for (k, v) in &run.layouts {
@@ -217,6 +227,12 @@ impl Summary {
         }
         let kinds: Vec<String> = s.ops_by_kind.iter().map(|(k, v)| format!("{k}={v}")).collect();
         lines.push(format!("  ops by kind: {}", kinds.join(" ")));
+        let never: Vec<&str> = s.api_coverage.iter().filter(|(_, &v)| v == 0).map(|(k, _)| k.as_str()).collect();
+        if !never.is_empty() {
+            lines.push(format!("  api classes never generated: {}", never.join(" ")));
+        }
+        let rejected: Vec<String> = s.ill_formed_rejected.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        lines.push(format!("  ill-formed inputs rejected (typed error, nothing changed): {}", rejected.join(" ")));
         lines
     }
 
@@ -227,6 +243,7 @@ impl Summary {
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
         self.recurrent = t.recurrent;
+        self.ill_formed_rejected = t.ill_formed_rejected.clone();
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
             decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,
@@ -376,6 +393,9 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
         for (k, v) in &s.ops_by_kind {
             *out.ops_by_kind.entry(k.clone()).or_insert(0) += v;
         }
+        for (k, v) in &s.api_coverage {
+            *out.api_coverage.entry(k.clone()).or_insert(0) += v;
+        }
         for (k, v) in &s.layouts {
             out.layouts.entry(k.clone()).or_default().add(v);
         }
@@ -402,8 +422,8 @@ pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
 /// The seed budget the tests give each mutant (README "Mutation catalog" lists the measured catch seed).
 pub fn test_budget(m: Mutant) -> u64 {
     match m {
-        Mutant::MergeSlicesByOffset => 600,
-        Mutant::PrefillPadStored => 60,
+        // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 5, 2 and 14.
+        Mutant::MergeSlicesByOffset | Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
         // The recurrent family's: reached only by seeds that hold it (swarm probability 0.4); the padding ones only
         // by its left-padded prefills (the `ssm` set), the filter one by a left-padded cohort of two or more.
         Mutant::SsmConvTailAtPaddedEnd | Mutant::SsmFinalizeKeepsPaddedHistory => 40,

@@ -397,13 +397,17 @@ pub(crate) fn soak_cmd(
     line("end", &report.at_end);
     let v = &report.verdict;
     println!(
-        "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS {:.3}x ({:.2} -> {:.2} MiB); allowed {}x: {}",
+        "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS outside MLX's cache {:.3}x ({:.2} -> \
+         {:.2} MiB) [raw RSS {:.3}x, MLX cache {:.2} -> {:.2} MiB, reported only]; allowed {}x: {}",
         v.mlx_active.ratio,
         mib(v.mlx_active.post_warmup),
         mib(v.mlx_active.final_level),
+        v.rss_outside_cache.ratio,
+        mib(v.rss_outside_cache.post_warmup),
+        mib(v.rss_outside_cache.final_level),
         v.rss.ratio,
-        mib(v.rss.post_warmup),
-        mib(v.rss.final_level),
+        mib(v.mlx_cache.post_warmup),
+        mib(v.mlx_cache.final_level),
         report.config.tolerance,
         if v.pass { "pass" } else { v.reason.as_deref().unwrap_or("fail") }
     );

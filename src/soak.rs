@@ -2,13 +2,19 @@
 //! (when its world, caches and twins are dropped) a [`MemorySample`] records MLX's active, cached and peak memory
 //! and the process's resident set. The verdict ([`Verdict`]) fails when memory grows after warm-up: the level of the
 //! last window of samples must stay within `tolerance` (1.1x) of the level just after warm-up, for MLX active memory
-//! and for RSS. A leak of one buffer per op, a cache that never lets go of a request, or a lazy graph that grows
+//! and for the RSS outside MLX's allocator cache. A leak of one buffer per op, a cache that never lets go of a request, or a lazy graph that grows
 //! across steps (bug catalog #11) all show as growth over a million ops.
 //!
 //! What is measured, precisely:
 //! - MLX memory: `mlx::core::get_active_memory`, `get_cache_memory`, `get_peak_memory` (MLX 0.32.2, through mlx-rs'
 //!   `memory` module); the peak is reset when warm-up ends, so the reported peak is the peak after warm-up.
 //! - RSS: the second field of `/proc/self/statm` (resident pages) times the page size; `None` off Linux.
+//! - What is judged: MLX active memory, and `rss - mlx_cache` (the resident set outside MLX's allocator cache). MLX
+//!   keeps freed buffers in a cache for reuse (bounded by its cache limit) and keeps one for each new buffer size a
+//!   seed asks for, so the raw RSS climbs with the cache for a while as new shapes appear: measured on a 20,000-op
+//!   CPU soak (16-core Xeon), raw RSS grew 1.71x after warm-up while `rss - mlx_cache` grew 1.02x and MLX active
+//!   memory stayed 0 between seeds. A leak holds memory outside that cache (host vectors, live MLX arrays, which
+//!   count as active), so those are the judged metrics; raw RSS and the cache level are reported beside them.
 //!
 //! Levels: a window's level is the maximum over its samples (a leak raises every sample; a transient spike inside one
 //! seed is not sampled at all, since samples are taken between seeds). Levels below [`FLOOR_BYTES`] count as that
@@ -137,7 +143,11 @@ pub struct Growth {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Verdict {
     pub mlx_active: Growth,
+    /// The judged resident set: `rss - mlx_cache`.
+    pub rss_outside_cache: Growth,
+    /// Raw RSS and MLX's allocator cache: reported, not judged (their `ok` says whether they stayed within tolerance).
     pub rss: Growth,
+    pub mlx_cache: Growth,
     /// Samples judged in each window.
     pub post_warmup_samples: usize,
     pub final_samples: usize,
@@ -169,7 +179,9 @@ pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
     let fin_start = (reached - cfg.window).max(cfg.warmup + cfg.window);
     let fin: Vec<&MemorySample> = samples.iter().filter(|s| cfg.progress(s) >= fin_start).collect();
     let mlx_active = growth(&post, &fin, |s| s.mlx_active, cfg.tolerance);
+    let rss_outside_cache = growth(&post, &fin, |s| s.rss.saturating_sub(s.mlx_cache), cfg.tolerance);
     let rss = growth(&post, &fin, |s| s.rss, cfg.tolerance);
+    let mlx_cache = growth(&post, &fin, |s| s.mlx_cache, cfg.tolerance);
     let reason = if post.is_empty() || fin.is_empty() {
         Some(format!(
             "not enough samples to judge ({} after warm-up, {} in the final window; the run reached {:.0}% of its budget)",
@@ -177,17 +189,19 @@ pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
             fin.len(),
             100.0 * reached
         ))
-    } else if !mlx_active.ok || !rss.ok {
+    } else if !mlx_active.ok || !rss_outside_cache.ok {
         Some(format!(
-            "memory grew after warm-up: MLX active {:.3}x, RSS {:.3}x (allowed {}x)",
-            mlx_active.ratio, rss.ratio, cfg.tolerance
+            "memory grew after warm-up: MLX active {:.3}x, RSS outside MLX's cache {:.3}x (allowed {}x)",
+            mlx_active.ratio, rss_outside_cache.ratio, cfg.tolerance
         ))
     } else {
         None
     };
     Verdict {
         mlx_active,
+        rss_outside_cache,
         rss,
+        mlx_cache,
         post_warmup_samples: post.len(),
         final_samples: fin.len(),
         pass: reason.is_none(),
@@ -322,13 +336,28 @@ mod tests {
         // RSS leaks 1 MiB per 10 ops: 100 MiB at 100 ops, 190 MiB at the end.
         let leak = steady(100, |i| (4 * MIB, (90 + i) * MIB));
         let v = judge(&cfg, &leak);
-        assert!(!v.pass && !v.rss.ok && v.mlx_active.ok, "{v:?}");
+        assert!(!v.pass && !v.rss_outside_cache.ok && v.mlx_active.ok, "{v:?}");
         assert!(v.reason.unwrap().contains("grew"));
         // MLX active grows by 20%: fails even though RSS is flat.
         let mlx = steady(100, |i| (if i < 50 { 10 * MIB } else { 12 * MIB }, 100 * MIB));
         let v = judge(&cfg, &mlx);
-        assert!(!v.pass && !v.mlx_active.ok && v.rss.ok, "{v:?}");
+        assert!(!v.pass && !v.mlx_active.ok && v.rss_outside_cache.ok, "{v:?}");
         assert!((v.mlx_active.ratio - 1.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn mlx_cache_growth_alone_is_reported_not_judged() {
+        let cfg = SoakConfig::new(Budget::Ops(1000), 0);
+        // The allocator cache grows by 60 MiB and RSS with it: the resident set outside the cache is flat (40 MiB).
+        let cached = steady(100, |i| (2 * MIB, (40 + 60 * i / 100) * MIB));
+        let with_cache: Vec<MemorySample> =
+            cached.iter().map(|s| MemorySample { mlx_cache: s.rss - 40 * MIB, ..*s }).collect();
+        let v = judge(&cfg, &with_cache);
+        assert!(v.pass, "{v:?}");
+        assert!(!v.rss.ok && !v.mlx_cache.ok && v.rss_outside_cache.ok, "{v:?}");
+        // The same RSS growth with nothing in the cache is a leak.
+        let v = judge(&cfg, &cached);
+        assert!(!v.pass && !v.rss_outside_cache.ok, "{v:?}");
     }
 
     #[test]

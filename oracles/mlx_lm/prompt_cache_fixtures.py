@@ -61,13 +61,23 @@ def mask_for(c, L):
     return create_attention_mask(L, c.offset, False, None) if L > 1 else None
 
 
-def continue_cache(c, steps, B):
+def attend(c, q, ks, vs, scale, mask):
+    """The read an mlx-lm attention layer does over what `update_and_fetch` returned (`base.scaled_dot_product_attention`
+    picks the quantized path for a QuantizedKVCache)."""
+    if isinstance(c, QuantizedKVCache):
+        # It scales the queries in place (`queries *= scale`): hand it a copy so the recorded `q.<i>` stay the inputs.
+        return _BASE.quantized_scaled_dot_product_attention(
+            q * 1, ks, vs, scale=scale, mask=mask, group_size=c.group_size, bits=c.bits)
+    return mx.fast.scaled_dot_product_attention(q, ks, vs, scale=scale, mask=mask)
+
+
+def continue_cache(c, steps, B, d=D):
     io = {}
     for i, L in enumerate(steps):
-        k, v, q = rnd((B, H, L, D)), rnd((B, H, L, D)), rnd((B, HQ, L, D))
+        k, v, q = rnd((B, H, L, d)), rnd((B, H, L, d)), rnd((B, HQ, L, d))
         mask = mask_for(c, L)
         ks, vs = c.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=SCALE, mask=mask)
+        out = attend(c, q, ks, vs, SCALE, mask)
         io.update({f"k.{i}": k, f"v.{i}": v, f"q.{i}": q, f"out.{i}": out})
     mx.eval(io)
     return io
@@ -77,7 +87,7 @@ def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     manifest = {}
 
-    def save(name, caches, steps=None, B=1, bugs=None):
+    def save(name, caches, steps=None, B=1, bugs=None, d=D):
         path = os.path.join(out_dir, f"{name}.safetensors")
         save_prompt_cache(path, caches, {"model": "kvsim-fixture", "fixture": name})
         entry = {"class": type(caches[0]).__name__, "batch": B}
@@ -85,7 +95,7 @@ def main(out_dir):
             loaded = load_prompt_cache(path)
             c = loaded[0]
             entry["bugs"] = bugs(c) if bugs else []
-            io = continue_cache(c, steps, B)
+            io = continue_cache(c, steps, B, d)
             mx.save_safetensors(os.path.join(out_dir, f"{name}.io.safetensors"), io)
             save_prompt_cache(os.path.join(out_dir, f"{name}.continued.safetensors"), loaded)
             entry.update({"steps": steps, "scale": SCALE})
@@ -113,10 +123,13 @@ def main(out_dir):
     feed(c, 3)
     save("rotating_kv_cache_oversized", [c], steps=[1, 1, 2])
 
-    # QuantizedKVCache(group 32, 4 bits), D = 32 (file level only in kvsim).
+    # QuantizedKVCache(group 32, 4 bits), D = 32. Its continuation draws from keys 10001.. so that every later
+    # fixture keeps the bytes it had before the continuation was added.
     q = QuantizedKVCache(group_size=32, bits=4)
     q.update_and_fetch(rnd((1, H, 3, 32)), rnd((1, H, 3, 32)))
-    save("quantized_kv_cache", [q])
+    resume, _key[0] = _key[0], 10_000
+    save("quantized_kv_cache", [q], steps=[1, 1, 3, 1], d=32)
+    _key[0] = resume
 
     # ArraysCache(2): a conv tail and a recurrent state (file level only).
     a = ArraysCache(2)
@@ -207,7 +220,7 @@ def check_kvsim_written(fixtures):
         for i, L in enumerate(e["steps"]):
             mask = mask_for(c, L)
             ks, vs = c.update_and_fetch(io[f"k.{i}"], io[f"v.{i}"])
-            out = mx.fast.scaled_dot_product_attention(io[f"q.{i}"], ks, vs, scale=e["scale"], mask=mask)
+            out = attend(c, io[f"q.{i}"], ks, vs, e["scale"], mask)
             want = io[f"out.{i}"]
             same = bool(mx.all(out.view(mx.uint16) == want.view(mx.uint16)).item())
             diff = float(mx.max(mx.abs(out.astype(mx.float32) - want.astype(mx.float32))).item())

@@ -417,11 +417,26 @@ impl SerialCache {
     /// A cache that takes owned buffers `k`, `v` (`[1, H_kv, cap, D]`) and a state without moving any column (the
     /// serial twin of [`super::RowBatch::adopt`]; used by persistence). A state no writes could produce
     /// ([`RingState::validate`]) or `len > cap` is [`CacheError::InvalidState`]; buffers of another spec are
-    /// [`CacheError::ShapeMismatch`]. Columns `[len, cap)` are never read. Plain storage only.
+    /// [`CacheError::ShapeMismatch`]. Columns `[len, cap)` are never read. Plain storage.
     pub fn adopt(spec: KvSpec, max_size: Option<usize>, k: Array, v: Array, state: RingState) -> Result<Self> {
         spec.validate()?;
+        check_kv(&spec, &k, &v, 1, 0)?;
+        Self::adopt_planes(spec, max_size, Storage::Plain, vec![k, v], state)
+    }
+
+    /// [`SerialCache::adopt`] for any storage: owned planes `[1, H_kv, cap, ·]` of this storage (shapes and dtypes
+    /// checked against the storage's plane layout; invalid quantization is [`CacheError::InvalidQuant`]).
+    pub fn adopt_planes(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        planes: Vec<Array>,
+        state: RingState,
+    ) -> Result<Self> {
+        spec.validate()?;
         validate_max_size(max_size)?;
-        let cap = check_kv(&spec, &k, &v, 1, 0)?;
+        storage.validate(&spec)?;
+        let cap = check_planes_shape(&spec, &storage, &planes, 1)?;
         state.validate(max_size)?;
         if state.len > cap {
             return Err(invalid(format!("len {} exceeds the buffer's {cap} columns", state.len)));
@@ -429,11 +444,11 @@ impl SerialCache {
         let buf = if cap == 0 {
             None
         } else {
-            let b = Buf { planes: vec![k, v] };
+            let b = Buf { planes };
             b.eval()?;
             Some(b)
         };
-        Ok(SerialCache { spec, max_size, storage: Storage::Plain, state, buf })
+        Ok(SerialCache { spec, max_size, storage, state, buf })
     }
 
     pub fn spec(&self) -> KvSpec {

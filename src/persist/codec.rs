@@ -8,6 +8,10 @@
 //! |---|---|---|
 //! | `kv-plain`, `rotating-plain` | `keys`, `values` `[1, H_kv, len, D]`: the live columns `[0, len)` in physical order (for a ring: the ring as laid out, rotated or not) | spec, window, `offset`, `idx`, `last_concat` (`len` is the tensors' column count) |
 //! | `kv-plain+row-batch`, `rotating-plain+row-batch` | `keys`, `values` `[B, H_kv, width, D]` with `width = max_r len_r`: every row's columns `[0, width)` | spec, window, per row `offset`, `len`, `idx`, `last_concat`, `base`, `pending` |
+//! | `kv:quant:<bits>:<group>`, `kv:rotating-quant:<bits>:<group>` (and their `+row-batch`) | the six stored planes instead of `keys`, `values`: `keys.packed` (U32, `D * bits / 32` words), `keys.scales`, `keys.biases` (`D / group`, the spec's dtype), and the same three for `values`; columns as for the plain kinds | as for the plain kinds, plus `quant` = `{bits, group}` |
+//!
+//! Quantized caches are stored as quantized: the planes' bytes are exactly what MLX's `quantize` wrote, never
+//! dequantized and quantized again, so a loaded cache continues byte for byte.
 //!
 //! Nothing past the live columns is stored (a linear cache's spare capacity is zeros kvsim never reads), so the file
 //! size follows the content. Every field that decides a later operation is stored: the ring phase (`idx`), what a
@@ -29,8 +33,8 @@ use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
 use crate::cache::mutation::{self, Mutant};
 use crate::cache::{
-    KvDtype, KvSpec, RingState, RowBatch, RowState, SerialCache, SsmCache, SsmSpec, StorageKind, KV_PLAIN,
-    ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
+    KindRoute, KvDtype, KvSpec, QuantSpec, RingState, RowBatch, RowState, SerialCache, SsmCache, SsmSpec, Storage,
+    StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
 };
 
 /// A cache of any persistable kind.
@@ -116,8 +120,13 @@ impl Entry {
 
 /// The codec of one storage kind.
 pub trait Codec: Send + Sync {
-    /// The exact storage kind string this codec handles.
+    /// The storage kind this codec handles: the exact string, or for a parametrized family of kinds its pattern
+    /// (e.g. `kv:quant:<bits>:<group>`).
     fn storage_kind(&self) -> &'static str;
+    /// Whether this codec persists caches of `kind` (default: `kind` is exactly [`Codec::storage_kind`]).
+    fn handles(&self, kind: &str) -> bool {
+        kind == self.storage_kind()
+    }
     /// The entry of `cache` (whose kind is [`Codec::storage_kind`]).
     fn encode(&self, cache: &AnyCache) -> Result<Entry>;
     /// The cache of a validated entry; any inconsistency is a typed error.
@@ -133,10 +142,14 @@ impl Default for Registry {
     fn default() -> Self {
         Registry {
             codecs: vec![
-                Box::new(SerialCodec { rotating: false }),
-                Box::new(SerialCodec { rotating: true }),
-                Box::new(RowsCodec { rotating: false }),
-                Box::new(RowsCodec { rotating: true }),
+                Box::new(SerialCodec { rotating: false, quantized: false }),
+                Box::new(SerialCodec { rotating: true, quantized: false }),
+                Box::new(RowsCodec { rotating: false, quantized: false }),
+                Box::new(RowsCodec { rotating: true, quantized: false }),
+                Box::new(SerialCodec { rotating: false, quantized: true }),
+                Box::new(SerialCodec { rotating: true, quantized: true }),
+                Box::new(RowsCodec { rotating: false, quantized: true }),
+                Box::new(RowsCodec { rotating: true, quantized: true }),
                 Box::new(SsmCodec),
             ],
         }
@@ -154,9 +167,10 @@ impl Registry {
         self.codecs.iter().map(|c| c.storage_kind()).collect()
     }
 
-    /// The one codec of `kind`: none is [`PersistError::UnknownKind`], several [`PersistError::AmbiguousCodec`].
+    /// The one codec that handles `kind`: none is [`PersistError::UnknownKind`], several
+    /// [`PersistError::AmbiguousCodec`].
     pub fn codec(&self, kind: &str) -> Result<&dyn Codec> {
-        let mut it = self.codecs.iter().filter(|c| c.storage_kind() == kind);
+        let mut it = self.codecs.iter().filter(|c| c.handles(kind));
         match (it.next(), it.count()) {
             (Some(c), 0) => Ok(c.as_ref()),
             (None, _) => Err(PersistError::UnknownKind { kind: kind.to_string() }),
@@ -225,23 +239,44 @@ fn kv_dtype(d: KvDtype) -> TensorDtype {
     }
 }
 
-/// Checks a stored K or V tensor against the spec and row count; returns its column count.
-fn check_buffer(name: &str, t: &HostTensor, spec: &KvSpec, rows: usize) -> Result<usize> {
-    if t.dtype != kv_dtype(spec.dtype) {
-        return Err(PersistError::Dtype {
-            name: name.into(),
-            expected: kv_dtype(spec.dtype).to_string(),
-            found: t.dtype.to_string(),
-        });
+/// The tensor names of a storage's planes, in plane order.
+fn plane_names(storage: &Storage) -> &'static [&'static str] {
+    match storage {
+        Storage::Plain => &["keys", "values"],
+        Storage::Affine(_) => {
+            &["keys.packed", "keys.scales", "keys.biases", "values.packed", "values.scales", "values.biases"]
+        }
     }
-    let [b, h, c, d] = t.dims4(name)?;
-    if b != rows || h != spec.heads_kv || d != spec.head_dim {
-        return Err(PersistError::shape(
-            name,
-            format!("shape {:?}, expected [{rows}, {}, L, {}]", t.shape, spec.heads_kv, spec.head_dim),
-        ));
+}
+
+/// The stored planes of an entry, each checked against the storage's plane layout (dtype, `[rows, H_kv, L, w]`,
+/// one `L` for all); returns them and `L`.
+fn planes_of<'a>(e: &'a Entry, spec: &KvSpec, storage: &Storage, rows: usize) -> Result<(Vec<&'a HostTensor>, usize)> {
+    let mut len = None;
+    let mut out = vec![];
+    for (name, (w, dt)) in plane_names(storage).iter().zip(storage.plane_layout(spec)) {
+        let t = e.tensor(name)?;
+        let want = TensorDtype::from_mlx(dt).ok_or_else(|| PersistError::malformed(format!("{name}: dtype {dt:?}")))?;
+        if t.dtype != want {
+            return Err(PersistError::Dtype {
+                name: (*name).into(),
+                expected: want.to_string(),
+                found: t.dtype.to_string(),
+            });
+        }
+        let [b, h, c, d] = t.dims4(name)?;
+        if b != rows || h != spec.heads_kv || d != w {
+            return Err(PersistError::shape(
+                *name,
+                format!("shape {:?}, expected [{rows}, {}, L, {w}]", t.shape, spec.heads_kv),
+            ));
+        }
+        if *len.get_or_insert(c) != c {
+            return Err(PersistError::shape(*name, format!("{c} columns, the first plane has {}", len.unwrap_or(0))));
+        }
+        out.push(t);
     }
-    Ok(c)
+    Ok((out, len.unwrap_or(0)))
 }
 
 fn state_of<T: for<'de> Deserialize<'de>>(e: &Entry) -> Result<T> {
@@ -249,38 +284,57 @@ fn state_of<T: for<'de> Deserialize<'de>>(e: &Entry) -> Result<T> {
         .map_err(|err| PersistError::malformed(format!("state of {} entry: {err}", e.storage_kind)))
 }
 
-/// Host copies of a buffer's columns `[0, n)` (`n = 0`: an empty `[rows, H, 0, D]` tensor).
+/// Host copies of every plane's columns `[0, n)`, named (`n = 0` or no buffer: empty `[rows, H, 0, w]` tensors).
 fn host_cols(
-    buf: Option<(mlx_rs::Array, mlx_rs::Array)>,
+    buf: Option<Vec<mlx_rs::Array>>,
     spec: &KvSpec,
+    storage: &Storage,
     rows: usize,
     n: usize,
-) -> Result<[HostTensor; 2]> {
+) -> Result<Vec<(String, HostTensor)>> {
+    let names = plane_names(storage);
     match buf {
-        Some((k, v)) if n > 0 => {
-            let mut out = Vec::with_capacity(2);
-            for (name, a) in [("keys", k), ("values", v)] {
-                let t = HostTensor::from_array(&a)?;
-                out.push(t.cols(name, 0, n)?);
-            }
-            let v = out.pop().expect("two tensors");
-            let k = out.pop().expect("two tensors");
-            Ok([k, v])
-        }
-        _ => {
-            let empty = HostTensor {
-                dtype: kv_dtype(spec.dtype),
-                shape: vec![rows, spec.heads_kv, 0, spec.head_dim],
-                data: Vec::new(),
-            };
-            Ok([empty.clone(), empty])
-        }
+        Some(planes) if n > 0 => names
+            .iter()
+            .zip(planes.iter())
+            .map(|(name, a)| Ok((name.to_string(), HostTensor::from_array(a)?.cols(name, 0, n)?)))
+            .collect(),
+        _ => names
+            .iter()
+            .zip(storage.plane_layout(spec))
+            .map(|(name, (w, dt))| {
+                let dtype = TensorDtype::from_mlx(dt).unwrap_or(kv_dtype(spec.dtype));
+                Ok((name.to_string(), HostTensor { dtype, shape: vec![rows, spec.heads_kv, 0, w], data: Vec::new() }))
+            })
+            .collect(),
     }
 }
 
-/// `kv-plain` and `rotating-plain`: one serial cache.
+/// The quantized storage a codec's kind names, checked against the stored `quant` state.
+fn storage_of(quantized: bool, kind: &str, quant: Option<QuantSpec>) -> Result<Storage> {
+    let named = StorageKind::new(kind).storage()?;
+    let stored = quant.map_or(Storage::Plain, Storage::Affine);
+    if named != stored || named.quant().is_some() != quantized {
+        return Err(PersistError::malformed(format!("entry of kind {kind} with quant state {quant:?}")));
+    }
+    Ok(stored)
+}
+
+/// Whether `kind` is a quantized kind with this route (`serial` or row batch, `rotating` or linear).
+fn quant_kind(kind: &str, rotating: bool, rows: bool) -> bool {
+    let k = StorageKind::new(kind);
+    let route_ok = match k.route() {
+        Ok(KindRoute::RowBatch { rotating: r }) => rows && r == rotating,
+        Ok(KindRoute::Serial { rotating: r }) => !rows && r == rotating,
+        Err(_) => false,
+    };
+    route_ok && k.storage().is_ok_and(|s| s.quant().is_some())
+}
+
+/// `kv-plain` and `rotating-plain` (and the quantized `kv:quant:*`, `kv:rotating-quant:*`): one serial cache.
 struct SerialCodec {
     rotating: bool,
+    quantized: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -291,14 +345,25 @@ struct SerialState {
     offset: usize,
     idx: usize,
     last_concat: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    quant: Option<QuantSpec>,
 }
 
 impl Codec for SerialCodec {
     fn storage_kind(&self) -> &'static str {
-        if self.rotating {
-            ROTATING_PLAIN
+        match (self.rotating, self.quantized) {
+            (false, false) => KV_PLAIN,
+            (true, false) => ROTATING_PLAIN,
+            (false, true) => "kv:quant:<bits>:<group>",
+            (true, true) => "kv:rotating-quant:<bits>:<group>",
+        }
+    }
+
+    fn handles(&self, kind: &str) -> bool {
+        if self.quantized {
+            quant_kind(kind, self.rotating, false)
         } else {
-            KV_PLAIN
+            kind == self.storage_kind()
         }
     }
 
@@ -308,17 +373,18 @@ impl Codec for SerialCodec {
         };
         let s = c.state();
         let n = if whole_buffer() { c.cap() } else { s.len };
-        let [k, v] = host_cols(c.buffers(), &c.spec(), 1, n)?;
+        let tensors = host_cols(c.buffer_planes(), &c.spec(), &c.storage(), 1, n)?;
         let state = SerialState {
             spec: SpecHeader::of(c.spec(), c.max_size()),
             offset: s.offset,
             idx: s.idx,
             last_concat: s.last_concat,
+            quant: c.storage().quant(),
         };
         Ok(Entry {
-            storage_kind: self.storage_kind().to_string(),
+            storage_kind: c.storage_kind().0,
             state: serde_json::to_value(state).map_err(|e| PersistError::malformed(e.to_string()))?,
-            tensors: vec![("keys".into(), k), ("values".into(), v)],
+            tensors,
             minimum_reusable_offset: 0,
         })
     }
@@ -332,20 +398,21 @@ impl Codec for SerialCodec {
             )));
         }
         let spec = st.spec.spec();
-        let (k, v) = (e.tensor("keys")?, e.tensor("values")?);
-        let len = check_buffer("keys", k, &spec, 1)?;
-        if check_buffer("values", v, &spec, 1)? != len {
-            return Err(PersistError::shape("values", "keys and values differ in length"));
-        }
+        let storage = storage_of(self.quantized, &e.storage_kind, st.quant)?;
+        storage.validate(&spec)?;
+        let (planes, len) = planes_of(e, &spec, &storage, 1)?;
         let ring = RingState { offset: st.offset, len, idx: st.idx, last_concat: st.last_concat };
-        let cache = SerialCache::adopt(spec, st.spec.max_size, k.to_array()?, v.to_array()?, ring)?;
+        let arrays = planes.iter().map(|t| t.to_array()).collect::<Result<Vec<_>>>()?;
+        let cache = SerialCache::adopt_planes(spec, st.spec.max_size, storage, arrays, ring)?;
         Ok(AnyCache::Serial(cache))
     }
 }
 
-/// `kv-plain+row-batch` and `rotating-plain+row-batch`: a batch of rows, each keeping its columns and phase.
+/// `kv-plain+row-batch` and `rotating-plain+row-batch` (and the quantized kinds' row batches): a batch of rows, each
+/// keeping its columns and phase.
 struct RowsCodec {
     rotating: bool,
+    quantized: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -365,14 +432,25 @@ struct RowsState {
     #[serde(flatten)]
     spec: SpecHeader,
     rows: Vec<RowHeader>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    quant: Option<QuantSpec>,
 }
 
 impl Codec for RowsCodec {
     fn storage_kind(&self) -> &'static str {
-        if self.rotating {
-            "rotating-plain+row-batch"
+        match (self.rotating, self.quantized) {
+            (false, false) => "kv-plain+row-batch",
+            (true, false) => "rotating-plain+row-batch",
+            (false, true) => "kv:quant:<bits>:<group>+row-batch",
+            (true, true) => "kv:rotating-quant:<bits>:<group>+row-batch",
+        }
+    }
+
+    fn handles(&self, kind: &str) -> bool {
+        if self.quantized {
+            quant_kind(kind, self.rotating, true)
         } else {
-            "kv-plain+row-batch"
+            kind == self.storage_kind()
         }
     }
 
@@ -381,7 +459,7 @@ impl Codec for RowsCodec {
             return Err(PersistError::malformed(format!("{} codec given a serial cache", self.storage_kind())));
         };
         let width = b.row_states().iter().map(|r| r.ring.len).max().unwrap_or(0);
-        let [k, v] = host_cols(b.buffers(), &b.spec(), b.rows(), width)?;
+        let tensors = host_cols(b.buffer_planes(), &b.spec(), &b.storage(), b.rows(), width)?;
         let rows = b
             .row_states()
             .iter()
@@ -394,11 +472,11 @@ impl Codec for RowsCodec {
                 pending: if pending_dropped() { None } else { r.pending },
             })
             .collect();
-        let state = RowsState { spec: SpecHeader::of(b.spec(), b.max_size()), rows };
+        let state = RowsState { spec: SpecHeader::of(b.spec(), b.max_size()), rows, quant: b.storage().quant() };
         Ok(Entry {
-            storage_kind: self.storage_kind().to_string(),
+            storage_kind: b.storage_kind().0,
             state: serde_json::to_value(state).map_err(|e| PersistError::malformed(e.to_string()))?,
-            tensors: vec![("keys".into(), k), ("values".into(), v)],
+            tensors,
             minimum_reusable_offset: 0,
         })
     }
@@ -412,14 +490,15 @@ impl Codec for RowsCodec {
             )));
         }
         let spec = st.spec.spec();
-        let (k, v) = (e.tensor("keys")?, e.tensor("values")?);
-        let width = check_buffer("keys", k, &spec, st.rows.len())?;
-        if check_buffer("values", v, &spec, st.rows.len())? != width {
-            return Err(PersistError::shape("values", "keys and values differ in length"));
-        }
+        let storage = storage_of(self.quantized, &e.storage_kind, st.quant)?;
+        storage.validate(&spec)?;
+        let (planes, width) = planes_of(e, &spec, &storage, st.rows.len())?;
         let want = st.rows.iter().map(|r| r.len).max().unwrap_or(0);
         if want != width {
-            return Err(PersistError::shape("keys", format!("{width} columns stored, the rows need exactly {want}")));
+            return Err(PersistError::shape(
+                plane_names(&storage)[0],
+                format!("{width} columns stored, the rows need exactly {want}"),
+            ));
         }
         let rows: Vec<RowState> = st
             .rows
@@ -430,7 +509,8 @@ impl Codec for RowsCodec {
                 pending: r.pending,
             })
             .collect();
-        let b = RowBatch::adopt(spec, st.spec.max_size, k.to_array()?, v.to_array()?, rows)?;
+        let arrays = planes.iter().map(|t| t.to_array()).collect::<Result<Vec<_>>>()?;
+        let b = RowBatch::adopt_planes(spec, st.spec.max_size, storage, arrays, rows)?;
         Ok(AnyCache::Rows(b))
     }
 }

@@ -25,9 +25,9 @@
 //!
 //! [`MlxFile`] is the file-level structure of every class above: typed tensors and scalars, read and written
 //! faithfully (a file read and written again holds the same tensors, scalars and metadata). Continuing a cache in
-//! kvsim needs a kvsim layout: [`to_kvsim`] maps `KVCache`, `RotatingKVCache` (keep = 0), `BatchKVCache` and
-//! `BatchRotatingKVCache` onto [`AnyCache`]; [`from_kvsim`] maps back. The other classes are readable, writable and
-//! inspectable, and [`to_kvsim`] refuses them with [`PersistError::Unsupported`].
+//! kvsim needs a kvsim layout: [`to_kvsim`] maps `KVCache`, `RotatingKVCache` (keep = 0), `QuantizedKVCache`,
+//! `BatchKVCache` and `BatchRotatingKVCache` onto [`AnyCache`]; [`from_kvsim`] maps back. The other classes are
+//! readable, writable and inspectable, and [`to_kvsim`] refuses them with [`PersistError::Unsupported`].
 //!
 //! mlx-lm 0.32.2's own load bugs (wave2 anchors d.2) and what kvsim does instead:
 //! - a loaded `BatchKVCache` has no `_right_padding` (so `finalize()` raises) and a loaded `BatchRotatingKVCache`
@@ -45,7 +45,7 @@ use safetensors::SafeTensors;
 use super::codec::AnyCache;
 use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
-use crate::cache::{KvDtype, KvSpec, RingState, RowBatch, RowState, SerialCache};
+use crate::cache::{KvDtype, KvSpec, QuantSpec, QuantizedKvCache, RingState, RowBatch, RowState, SerialCache, Storage};
 
 /// The file-level leaf of a state tree.
 #[derive(Debug, Clone, PartialEq)]
@@ -661,6 +661,7 @@ fn rows_of(t: &HostTensor, rows: usize, name: &str) -> Result<Vec<i64>> {
 /// physical order for serial rings, same offsets). `spec_hint` gives the spec of a cache that holds no array yet.
 ///
 /// - `KVCache` (B = 1) -> `kv-plain`: columns `[0, offset)`.
+/// - `QuantizedKVCache` (B = 1) -> `kv:quant:<bits>:<group>`: the six planes' columns `[0, offset)` as stored.
 /// - `RotatingKVCache` (keep = 0, B = 1) -> `rotating-plain`: the ring as laid out, `len = min(offset, columns)`,
 ///   `idx = _idx` (mlx-lm's live columns: `keys_and_values`).
 /// - `BatchKVCache` -> `kv-plain+row-batch`: row `r` = columns `[left_padding_r, _idx)` (mlx-lm's `extract`),
@@ -773,6 +774,47 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
                 Ok(order[padding..end].to_vec())
             })
         }
+        MlxLayer::QuantizedKvCache { keys, values, offset, group_size, bits } => {
+            let offset = usize_of(*offset, "offset")?;
+            let q = QuantSpec { bits: usize_of(*bits, "bits")?, group: usize_of(*group_size, "group_size")? };
+            match (keys, values) {
+                (None, None) => {
+                    let spec = spec_hint
+                        .ok_or_else(|| PersistError::unsupported("an empty QuantizedKVCache carries no spec"))?;
+                    if offset != 0 {
+                        return Err(PersistError::malformed(format!("empty QuantizedKVCache with offset {offset}")));
+                    }
+                    Ok(AnyCache::Serial(QuantizedKvCache::new(spec, q)?))
+                }
+                (Some(k), Some(v)) => {
+                    let [b, h, c, w] = k[0].dims4("keys.0")?;
+                    if b != 1 {
+                        return Err(PersistError::unsupported(format!(
+                            "QuantizedKVCache with batch {b} (kvsim serial caches hold one row)"
+                        )));
+                    }
+                    // `quantize` packs D elements into D * bits / 32 words.
+                    if q.bits == 0 || (w * 32) % q.bits != 0 {
+                        return Err(PersistError::shape("keys.0", format!("{w} packed words at {} bits", q.bits)));
+                    }
+                    let spec = KvSpec { heads_kv: h, head_dim: w * 32 / q.bits, dtype: kv_dtype_of(&k[1], "keys.1")? };
+                    let storage = Storage::Affine(q);
+                    storage.validate(&spec)?;
+                    if offset > c {
+                        return Err(PersistError::shape(
+                            "keys.0",
+                            format!("offset {offset} past the buffer's {c} columns"),
+                        ));
+                    }
+                    let planes = k.iter().chain(v.iter()).map(HostTensor::to_array).collect::<Result<Vec<_>>>()?;
+                    let ring = RingState { offset, len: offset, idx: offset, last_concat: None };
+                    Ok(AnyCache::Serial(SerialCache::adopt_planes(spec, None, storage, planes, ring)?))
+                }
+                _ => Err(PersistError::Missing {
+                    name: format!("{class}: keys and values must both be present or both None"),
+                }),
+            }
+        }
         other => Err(PersistError::unsupported(format!(
             "kvsim has no layout that continues an mlx-lm {} (it reads and writes it at the file level only)",
             other.class_name()
@@ -871,6 +913,51 @@ fn stack_rows(parts: &[HostTensor], name: &str) -> Result<HostTensor> {
     Ok(HostTensor { dtype: first.dtype, shape, data })
 }
 
+fn cache_quant(cache: &AnyCache) -> Option<QuantSpec> {
+    match cache {
+        AnyCache::Serial(c) => c.storage().quant(),
+        AnyCache::Rows(b) => b.storage().quant(),
+        AnyCache::Ssm(_) => None,
+    }
+}
+
+/// `kv:quant:<bits>:<group>` -> `QuantizedKVCache`: the six planes' columns `[0, offset)` as stored (never
+/// requantized), zeros up to the next multiple of 256 as mlx-lm allocates them. mlx-lm 0.32.2 has no rotating or
+/// batched quantized class, so those kinds have no mlx-lm form.
+fn quantized_from_kvsim(cache: &AnyCache, q: QuantSpec) -> Result<MlxLayer> {
+    let AnyCache::Serial(c) = cache else {
+        return Err(PersistError::unsupported("mlx-lm 0.32.2 has no batched quantized cache class"));
+    };
+    if c.max_size().is_some() {
+        return Err(PersistError::unsupported("mlx-lm 0.32.2 has no rotating quantized cache class"));
+    }
+    let s = c.state();
+    if s.len != s.offset {
+        return Err(PersistError::unsupported(format!(
+            "a quantized cache holding {} positions at offset {} has no QuantizedKVCache form",
+            s.len, s.offset
+        )));
+    }
+    let (group_size, bits) = (i32_of(q.group, "group_size")? as i64, i32_of(q.bits, "bits")? as i64);
+    if s.len == 0 {
+        return Ok(MlxLayer::QuantizedKvCache { keys: None, values: None, offset: 0, group_size, bits });
+    }
+    let total = s.len.div_ceil(crate::cache::ring::GROW_STEP) * crate::cache::ring::GROW_STEP;
+    let mut planes = vec![];
+    for (i, p) in c.physical_planes()?.iter().enumerate() {
+        planes.push(pad_cols(&HostTensor::from_array(p)?, &format!("plane {i}"), total, 0)?);
+    }
+    let v: [HostTensor; 3] = planes.split_off(3).try_into().map_err(|_| PersistError::malformed("six planes"))?;
+    let k: [HostTensor; 3] = planes.try_into().map_err(|_| PersistError::malformed("six planes"))?;
+    Ok(MlxLayer::QuantizedKvCache {
+        keys: Some(k),
+        values: Some(v),
+        offset: i32_of(s.offset, "offset")? as i64,
+        group_size,
+        bits,
+    })
+}
+
 fn i32_of(v: usize, name: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| PersistError::unsupported(format!("{name} = {v} exceeds int32")))
 }
@@ -886,6 +973,9 @@ fn i32_of(v: usize, name: &str) -> Result<i32> {
 ///   `_idx = _offset = width`, `rotated = False`. A batch with a pending prefill is refused (mlx-lm's files cannot
 ///   carry it).
 pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
+    if let Some(q) = cache_quant(cache) {
+        return quantized_from_kvsim(cache, q);
+    }
     match cache {
         // mlx-lm's `ArraysCache` carries no offsets, so a file written from it could not be loaded back as the same
         // cache; the recurrent cache is persisted in kvsim's format only (docs/persistence.md).

@@ -7,7 +7,10 @@ use super::error::PersistError;
 use super::{inspect, kvsim, mlxlm};
 use crate::cache::mutation::testlock;
 use crate::cache::testutil::{assert_same_bytes, kvq, row, spec};
-use crate::cache::{KvDtype, Masks, RowBatch, SerialCache};
+use crate::cache::{
+    BatchQuantizedKvCache, JoinSource, KvDtype, KvSpec, Masks, QuantSpec, QuantizedKvCache, RotatingQuantizedKvCache,
+    RowBatch, SerialCache, Storage,
+};
 
 const SCALE: f32 = 0.35;
 
@@ -173,7 +176,33 @@ fn floor_is_persisted_and_validated() {
 fn registry_routes_by_exact_kind_and_fails_closed() {
     let _g = testlock::shared();
     let reg = Registry::default();
-    assert_eq!(reg.kinds(), ["kv-plain", "rotating-plain", "kv-plain+row-batch", "rotating-plain+row-batch", "ssm"]);
+    assert_eq!(
+        reg.kinds(),
+        [
+            "kv-plain",
+            "rotating-plain",
+            "kv-plain+row-batch",
+            "rotating-plain+row-batch",
+            "kv:quant:<bits>:<group>",
+            "kv:rotating-quant:<bits>:<group>",
+            "kv:quant:<bits>:<group>+row-batch",
+            "kv:rotating-quant:<bits>:<group>+row-batch",
+            "ssm"
+        ]
+    );
+    // Quantized kinds route by their parsed form; anything MLX's quantizer does not accept, or not written
+    // canonically, is unknown.
+    for (kind, pattern) in [
+        ("kv:quant:4:64", "kv:quant:<bits>:<group>"),
+        ("kv:rotating-quant:3:32", "kv:rotating-quant:<bits>:<group>"),
+        ("kv:quant:8:128+row-batch", "kv:quant:<bits>:<group>+row-batch"),
+        ("kv:rotating-quant:5:64+row-batch", "kv:rotating-quant:<bits>:<group>+row-batch"),
+    ] {
+        assert_eq!(reg.codec(kind).unwrap().storage_kind(), pattern, "{kind}");
+    }
+    for bad in ["kv:quant:7:64", "kv:quant:4:48", "kv:quant:04:64", "kv:quant:4", "kv:quant:<bits>:<group>"] {
+        assert!(matches!(reg.codec(bad), Err(PersistError::UnknownKind { .. })), "{bad}");
+    }
     for bad in ["", "kv-plain+row-batch+x", "KV-PLAIN", "quantized", "rotating-plain "] {
         assert!(matches!(reg.codec(bad), Err(PersistError::UnknownKind { .. })), "{bad}");
     }
@@ -452,4 +481,120 @@ fn the_recurrent_cache_round_trips_continues_and_refuses_bad_entries() {
             std::fs::write(dir.join("bad-kvsim-ssm-truncated.kvsim"), &bytes[..bytes.len() - 7]).unwrap();
         }
     }
+}
+/// A spec whose head dim every group divides (the shared test spec's D = 8 is below MLX's smallest group).
+fn qspec(dtype: KvDtype) -> KvSpec {
+    KvSpec { heads_kv: 2, head_dim: 128, ..spec(dtype) }
+}
+
+fn quant_serial(max: Option<usize>, q: QuantSpec, dtype: KvDtype) -> SerialCache {
+    let sp = qspec(dtype);
+    let mut c = match max {
+        None => QuantizedKvCache::new(sp, q).unwrap(),
+        Some(w) => RotatingQuantizedKvCache::new(sp, w, q).unwrap(),
+    };
+    window_s(&mut c, 1, 3);
+    for s in 0..5 {
+        decode_s(&mut c, 10 + s);
+    }
+    c
+}
+
+fn assert_planes_same(a: &SerialCache, b: &SerialCache, what: &str) {
+    assert_eq!((a.state(), a.storage(), a.spec(), a.max_size()), (b.state(), b.storage(), b.spec(), b.max_size()));
+    for (i, (x, y)) in a.physical_planes().unwrap().iter().zip(b.physical_planes().unwrap().iter()).enumerate() {
+        assert_same_bytes(x, y, &format!("{what}: plane {i}"));
+    }
+}
+
+#[test]
+fn quantized_kinds_round_trip_as_stored_and_continue_byte_identically() {
+    let _g = testlock::shared();
+    // 3-, 5- and 6-bit planes run across word boundaries; a window of 4 after 8 positions has wrapped.
+    for (max, bits, group, dtype) in [
+        (None, 4, 64, KvDtype::Bf16),
+        (Some(4), 3, 32, KvDtype::F32),
+        (Some(5), 5, 128, KvDtype::Bf16),
+        (None, 6, 32, KvDtype::F32),
+        (Some(16), 8, 64, KvDtype::Bf16),
+        (None, 2, 128, KvDtype::F32),
+    ] {
+        let q = QuantSpec { bits, group };
+        let what = format!("{max:?} {bits}/{group} {dtype:?}");
+        let mut orig = quant_serial(max, q, dtype);
+        let p = roundtrip(&Persisted::new(AnyCache::Serial(orig.clone())));
+        assert_eq!(p.cache.storage_kind(), orig.storage_kind(), "{what}");
+        let AnyCache::Serial(mut back) = p.cache else { panic!("kind changed") };
+        assert_planes_same(&orig, &back, &what);
+        for s in 0..6 {
+            let (o1, o2) = (decode_s(&mut orig, 100 + s), decode_s(&mut back, 100 + s));
+            assert_same_bytes(&o1, &o2, &format!("{what}: decode {s}"));
+        }
+        let (o1, o2) = (window_s(&mut orig, 200, 3), window_s(&mut back, 200, 3));
+        assert_same_bytes(&o1, &o2, &format!("{what}: window"));
+        assert_planes_same(&orig, &back, &format!("{what}: after continuing"));
+    }
+}
+
+#[test]
+fn quantized_row_batches_round_trip_and_continue() {
+    let _g = testlock::shared();
+    for max in [None, Some(4)] {
+        let q = QuantSpec { bits: 4, group: 32 };
+        let (a, b) = (quant_serial(max, q, KvDtype::Bf16), {
+            let mut b = quant_serial(max, q, KvDtype::Bf16);
+            decode_s(&mut b, 77);
+            b
+        });
+        let sp = qspec(KvDtype::Bf16);
+        let mut orig =
+            RowBatch::join_storage(sp, max, Storage::Affine(q), &[JoinSource::Serial(&a), JoinSource::Serial(&b)])
+                .unwrap();
+        decode_b(&mut orig, 40);
+        let AnyCache::Rows(mut back) = roundtrip(&Persisted::new(AnyCache::Rows(orig.clone()))).cache else {
+            panic!("kind changed")
+        };
+        assert_eq!(orig.row_states(), back.row_states());
+        assert_eq!(orig.storage_kind(), back.storage_kind());
+        for s in 0..4 {
+            let (o1, o2) = (decode_b(&mut orig, 60 + s), decode_b(&mut back, 60 + s));
+            assert_same_bytes(&o1, &o2, &format!("{max:?} decode {s}"));
+        }
+        assert_planes_same(&orig.extract(1).unwrap(), &back.extract(1).unwrap(), "extract");
+        // The batch constructor the seeds name gives the same kind.
+        let empty = BatchQuantizedKvCache::with_rows(sp, max, q, 2).unwrap();
+        assert_eq!(empty.storage_kind(), orig.storage_kind());
+    }
+}
+
+#[test]
+fn quantized_entries_that_lie_are_typed_errors() {
+    let _g = testlock::shared();
+    let reg = Registry::default();
+    let q = QuantSpec { bits: 4, group: 64 };
+    let good = reg.encode(&Persisted::new(AnyCache::Serial(quant_serial(Some(4), q, KvDtype::Bf16)))).unwrap();
+    assert!(reg.decode(&good).is_ok());
+    // The kind says 8 bits, the state and planes 4.
+    let mut e = good.clone();
+    e.storage_kind = "kv:rotating-quant:8:64".into();
+    assert!(matches!(reg.decode(&e), Err(PersistError::Malformed { .. })), "{:?}", reg.decode(&e).err());
+    // State and kind agree on 8 bits, the packed plane holds 4-bit words.
+    e.state["quant"]["bits"] = 8.into();
+    assert!(matches!(reg.decode(&e), Err(PersistError::Shape { .. })), "{:?}", reg.decode(&e).err());
+    // Relabelled as a plain ring: no `keys` tensor, and the quant state is refused.
+    let mut e = good.clone();
+    e.storage_kind = "rotating-plain".into();
+    assert!(reg.decode(&e).is_err());
+    // A missing plane, a plane of the wrong dtype.
+    let mut e = good.clone();
+    e.tensors.retain(|(n, _)| n != "values.biases");
+    assert!(matches!(reg.decode(&e), Err(PersistError::Missing { .. })));
+    let mut e = good.clone();
+    let scales = e.tensors.iter_mut().find(|(n, _)| n == "keys.scales").unwrap();
+    scales.1.dtype = super::tensor::TensorDtype::F16;
+    assert!(matches!(reg.decode(&e), Err(PersistError::Dtype { .. })));
+    // A group the head dim does not divide cannot even be named; one that MLX rejects is unknown.
+    let mut e = good;
+    e.storage_kind = "kv:rotating-quant:4:48".into();
+    assert!(matches!(reg.decode(&e), Err(PersistError::UnknownKind { .. })));
 }

@@ -386,3 +386,6 @@ pub fn bytes_equal(what: &str, a: &ArrayBytes, b: &ArrayBytes) -> Res {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

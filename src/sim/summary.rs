@@ -94,6 +94,11 @@ pub struct Counters {
     /// The recurrent family's rounds, replays and model distances (zero in runs without it).
     #[serde(default, skip_serializing_if = "Recurrent::is_zero")]
     pub recurrent: Recurrent,
+    /// Generated ill-formed inputs (`Op::IllFormed`, impossible adopted states) that production refused with the
+    /// expected typed error and every byte and state unchanged, per input class (`dtype`, `shape`, `heads`,
+    /// `storage_kind`, `row_id`, `adopt_state`).
+    #[serde(default)]
+    pub ill_formed_rejected: BTreeMap<String, u64>,
 }
 
 impl Default for Counters {
@@ -112,6 +117,7 @@ impl Default for Counters {
             guarantees: Guarantees { exact_unpadded_decode: true },
             table: BTreeMap::new(),
             recurrent: Recurrent::default(),
+            ill_formed_rejected: BTreeMap::new(),
         }
     }
 }
@@ -177,6 +183,16 @@ impl Counters {
             self.table.entry(k.clone()).or_default().add(v);
         }
         self.recurrent.add(&o.recurrent);
+        for (k, v) in &o.ill_formed_rejected {
+            *self.ill_formed_rejected.entry(k.clone()).or_insert(0) += v;
+        }
+    }
+
+    /// One ill-formed input of class `class` refused as expected (typed error, nothing changed).
+    pub fn record_rejected(&mut self, class: &str) {
+        *self.ill_formed_rejected.entry(class.to_string()).or_insert(0) += 1;
+        self.expected_errors += 1;
+        self.checks += 1;
     }
 }
 

@@ -99,18 +99,14 @@ fn layer0(bytes: &[u8]) -> AnyCache {
     mlxlm::to_kvsim(&f.layers[0], None).unwrap()
 }
 
-/// Each row's temporal view (the newest `min(offset, W)` positions, oldest first) and offset.
-fn rows_view(c: &AnyCache) -> Vec<(usize, ArrayBytes, ArrayBytes)> {
+/// Each row's offset and temporal view (the newest `min(offset, W)` positions, oldest first) as stored: K and V, or
+/// the six quantized planes (compared as stored, never dequantized).
+fn rows_view(c: &AnyCache) -> Vec<(usize, Vec<ArrayBytes>)> {
+    let all = |planes: Vec<Array>| planes.iter().map(bytes_of).collect::<Vec<_>>();
     match c {
-        AnyCache::Serial(s) => {
-            let (k, v) = s.temporal_view().unwrap();
-            vec![(s.offset(), bytes_of(&k), bytes_of(&v))]
-        }
+        AnyCache::Serial(s) => vec![(s.offset(), all(s.temporal_view_planes().unwrap()))],
         AnyCache::Rows(b) => (0..b.rows())
-            .map(|r| {
-                let (k, v) = b.row_temporal_view(r).unwrap();
-                (b.row_states()[r].ring.offset, bytes_of(&k), bytes_of(&v))
-            })
+            .map(|r| (b.row_states()[r].ring.offset, all(b.row_temporal_view_planes(r).unwrap())))
             .collect(),
     }
 }
@@ -162,7 +158,7 @@ fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
             assert!(bug["error"].as_str().unwrap().starts_with("AttributeError"), "{name}: {bug}");
         }
     }
-    assert_eq!(compared, 4 + 6 + 3 + 4 + 4, "every recorded step compared");
+    assert_eq!(compared, 4 + 6 + 3 + 4 + 4 + 4, "every recorded step compared");
 }
 
 /// The other direction: the files in `kvsim-written/` are exactly what kvsim writes today for each fixture (so the
@@ -192,7 +188,7 @@ fn files_written_here_continue_in_mlxlm_as_mlxlm_files_do() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 5);
+    assert_eq!(checked, 6);
 }
 
 /// kvsim's mlx-lm writer reproduces mlx-lm's layout for what it writes: a loaded file written back through kvsim's

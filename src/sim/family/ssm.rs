@@ -58,7 +58,8 @@ type Res<T = ()> = Result<T, Failure>;
 
 pub const NAME: &str = "ssm";
 
-/// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward.
+/// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward, and
+/// the attention API probes of issue #17 (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs).
 pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports: |k: OpKind| {
@@ -70,6 +71,10 @@ pub const REGISTRATION: Registration = Registration {
                 | OpKind::BidirPrefill
                 | OpKind::CompiledStep
                 | OpKind::PrefixSharedForward
+                | OpKind::Adopt
+                | OpKind::DecodePhase
+                | OpKind::Prepare
+                | OpKind::IllFormed
         )
     },
     swarm_probability: 0.4,
@@ -621,13 +626,22 @@ impl Recurrent {
         Ok(true)
     }
 
-    /// Requests outside the batch enter it: DeltaNet layers merge the batch and the requests' one-row caches
-    /// (`SsmCache::merge`, sources borrowed); attention layers join their serial caches.
-    fn enter(&mut self, ids: &[u32]) -> Res {
+    /// Requests outside the batch enter it after the running rows, listed in `perm` order (a permutation of the
+    /// batch's rows): DeltaNet layers merge the (filtered) batch and the requests' one-row caches (`SsmCache::merge`,
+    /// sources borrowed); attention layers join the batch's rows in that order and the requests' serial caches.
+    fn enter(&mut self, ids: &[u32], perm: &[usize]) -> Res {
+        let identity = perm.iter().enumerate().all(|(i, &r)| i == r);
         for li in 0..self.layers.len() {
             let joined = match &self.batch[li] {
                 Rows::Ssm(b) => {
-                    let mut src: Vec<&SsmCache> = vec![b];
+                    let permuted = if identity {
+                        None
+                    } else {
+                        let mut p = b.clone();
+                        p.filter(perm).map_err(|e| mlx("filter (join order)", e))?;
+                        Some(p)
+                    };
+                    let mut src: Vec<&SsmCache> = vec![permuted.as_ref().unwrap_or(b)];
                     for id in ids {
                         let Cache::Ssm(c) = &self.reqs[id].solo[li] else { unreachable!() };
                         src.push(c);
@@ -636,7 +650,7 @@ impl Recurrent {
                 }
                 Rows::Attn(b) => {
                     let LayerDef::Attention { window } = self.layers[li] else { unreachable!() };
-                    let mut src = vec![JoinSource::Rows(b, (0..b.rows()).collect())];
+                    let mut src = vec![JoinSource::Rows(b, perm.to_vec())];
                     for id in ids {
                         let Cache::Attn(c) = &self.reqs[id].solo[li] else { unreachable!() };
                         src.push(JoinSource::Serial(c));
@@ -646,6 +660,7 @@ impl Recurrent {
             };
             self.batch[li] = joined;
         }
+        self.rows = perm.iter().map(|&r| self.rows[r]).collect();
         for id in ids {
             let r = self.reqs.get_mut(id).unwrap();
             r.home = Home::Batch;
@@ -655,7 +670,16 @@ impl Recurrent {
         Ok(())
     }
 
-    fn merge_or_join(&mut self, reqs: &[u32]) -> Res<bool> {
+    /// `merge` (identity order) or `join` (the running rows in `order`; empty = identity; anything but a
+    /// permutation of the rows makes the op skipped, as in the attention family).
+    fn merge_or_join(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
+        let n = self.rows.len();
+        let perm: Vec<usize> = if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
+        let mut sorted = perm.clone();
+        sorted.sort_unstable();
+        if sorted != (0..n).collect::<Vec<_>>() {
+            return Ok(false);
+        }
         let mut ids: Vec<u32> = vec![];
         for &r in reqs {
             if self.solo_req(r) && !ids.contains(&r) {
@@ -665,7 +689,7 @@ impl Recurrent {
         if ids.is_empty() {
             return Ok(false);
         }
-        self.enter(&ids)?;
+        self.enter(&ids, &perm)?;
         Ok(true)
     }
 
@@ -686,7 +710,7 @@ impl Recurrent {
         }
         let left = !self.set.hybrid() && (ids[0] as usize + chunk) % 3 != 0;
         let old = self.rows.len();
-        self.enter(&ids)?;
+        self.enter(&ids, &(0..old).collect::<Vec<_>>())?;
         let width = *lens.iter().max().unwrap();
         // Running rows are all padding: right padding (`lengths = 0`), or with left padding `left = lengths =
         // width`, so a mask that ignored left padding would step their states (bug catalog #1).
@@ -1328,7 +1352,8 @@ impl Family for Recurrent {
                 self.solo_forward(cx, *req, 1, true)?;
                 Ok(true)
             }
-            Op::Merge { reqs } | Op::Join { reqs } => self.merge_or_join(reqs),
+            Op::Merge { reqs } => self.merge_or_join(reqs, &[]),
+            Op::Join { reqs, order } => self.merge_or_join(reqs, order),
             Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.decode(cx),
             Op::Window { len } | Op::Append { len } => self.window(cx, *len as usize),
@@ -1344,7 +1369,11 @@ impl Family for Recurrent {
             | Op::ReadBlock { .. }
             | Op::BidirPrefill { .. }
             | Op::CompiledStep { .. }
-            | Op::PrefixSharedForward { .. } => Ok(false),
+            | Op::PrefixSharedForward { .. }
+            | Op::Adopt { .. }
+            | Op::DecodePhase
+            | Op::Prepare { .. }
+            | Op::IllFormed { .. } => Ok(false),
         }
     }
 
