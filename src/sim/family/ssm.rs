@@ -674,7 +674,8 @@ impl Recurrent {
     /// permutation of the rows makes the op skipped, as in the attention family).
     fn merge_or_join(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
         let n = self.rows.len();
-        let perm: Vec<usize> = if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
+        let perm: Vec<usize> =
+            if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
         let mut sorted = perm.clone();
         sorted.sort_unstable();
         if sorted != (0..n).collect::<Vec<_>>() {
