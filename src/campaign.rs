@@ -125,6 +125,10 @@ pub struct Summary {
     pub expected_errors: u64,
     /// Rows saved and restored mid-run (`src/persist`) before continuing, checked like every other state.
     pub persist_roundtrips: u64,
+    /// The recurrent family's speculative rounds, rollbacks (with unequal per-row keeps) and replays, summed over
+    /// its runs (absent when no run held it).
+    #[serde(default, skip_serializing_if = "crate::sim::summary::Recurrent::is_zero")]
+    pub recurrent: crate::sim::summary::Recurrent,
     pub device: String,
     pub mlx_version: String,
     /// blake3 of the ordered per-seed result hashes.
@@ -238,6 +242,7 @@ impl Summary {
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
+        self.recurrent = t.recurrent;
         self.ill_formed_rejected = t.ill_formed_rejected.clone();
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
@@ -417,12 +422,15 @@ pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
 /// The seed budget the tests give each mutant (README "Mutation catalog" lists the measured catch seed).
 pub fn test_budget(m: Mutant) -> u64 {
     match m {
-        // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 5, 2 and 14.
+        // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 2 and 14.
         Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
-        // Seed 5 caught it on main; it is a quantized-family run here (its op stream draws conversion ops), so the
-        // first catch is seed 475.
+        // Caught at seed 123 on main since the recurrent family joined the swarm (its runs never draw trims, and this bug
+        // needs a bypass-trimmed ring).
         Mutant::MergeSlicesByOffset => 600,
-        // Needs a run of the quantized family (30% of seeds) that starts plain and converts a ring after it wrapped.
+        // The recurrent family's left-padding mutants: reached only by seeds that hold it (swarm probability 0.4)
+        // with the `ssm` set and a left-padded prefill (measured catch seed 46 for both; the others at seed 2).
+        Mutant::SsmMaskIgnoresLeftPadding | Mutant::SsmFilterShiftsEmptyPadding => 100,
+        // Needs a run of the quantized family that starts plain and converts a ring after it wrapped.
         Mutant::QuantConvertTemporalOrder => 60,
         _ => 20,
     }

@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod quant;
+pub mod ssm;
 pub mod training;
 
 use crate::sim::check::Failure;
@@ -84,7 +85,8 @@ pub struct Registration {
 }
 
 /// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] = &[attention::REGISTRATION, training::REGISTRATION, quant::REGISTRATION];
+pub const REGISTRY: &[Registration] =
+    &[attention::REGISTRATION, training::REGISTRATION, ssm::REGISTRATION, quant::REGISTRATION];
 
 /// The registration of `name`.
 pub fn registration(name: &str) -> Option<&'static Registration> {
