@@ -677,8 +677,15 @@ fn forward(
     let mut win_idx = Vec::with_capacity(rows * s * k);
     for (r, &(st, en)) in real.iter().enumerate() {
         for t in 0..s {
-            let base = if t >= st && t < en { t - st } else { 0 };
-            win_idx.extend((0..k).map(|j| stream(r, base + j)));
+            if t >= st && t < en {
+                win_idx.extend((0..k).map(|j| stream(r, t - st + j)));
+            } else {
+                // A padded position: its output is discarded and its state step masked, but it must still read
+                // inside `cat` (`k - 1 + s` rows): the `k` rows ending at its own zeroed input. (Reading the row's
+                // stream from its start ran one past the end for a row whose real range starts at `s`, and MLX's
+                // gather then read memory outside the array: padded outputs, and the run hash, varied run to run.)
+                win_idx.extend((0..k).map(|j| t + j));
+            }
         }
     }
     let win = take_along_axis(&cat, index_array(&win_idx, &[rows, s * k, 1])?, 1)?.reshape(&[bi, si, dim(k)?, ci])?;

@@ -3,7 +3,9 @@ use kvsim::sim::{run_seed, DeviceChoice};
 
 #[test]
 fn same_seed_same_trace_and_hash() {
-    for seed in [1u64, 17, 4242] {
+    // Seed 46 holds the recurrent family with a row whose real range starts at the window's end: its padded
+    // positions once gathered one row past the conv input (MLX read outside the array), so its hash varied per run.
+    for seed in [1u64, 17, 46, 4242] {
         let a = run_seed(seed, DeviceChoice::Cpu, None);
         let b = run_seed(seed, DeviceChoice::Cpu, None);
         assert_eq!(a.trace.ops, b.trace.ops, "seed {seed}: op streams differ");
