@@ -118,6 +118,19 @@ pub struct Summary {
     pub expected_errors: u64,
     /// Rows saved and restored mid-run (`src/persist`) before continuing, checked like every other state.
     pub persist_roundtrips: u64,
+    /// The bf16-first family (issue #13): conversions to affine storage (rows and legos), of which at a prefill
+    /// chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the ring's wrap; prefix
+    /// reuses of a stored entry.
+    #[serde(default)]
+    pub conversions: u64,
+    #[serde(default)]
+    pub prefill_conversions: u64,
+    #[serde(default)]
+    pub rounds: u64,
+    #[serde(default)]
+    pub rollbacks_across_wrap: u64,
+    #[serde(default)]
+    pub reuses: u64,
     pub device: String,
     pub mlx_version: String,
     /// blake3 of the ordered per-seed result hashes.
@@ -222,6 +235,11 @@ impl Summary {
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
+        self.conversions = t.conversions;
+        self.prefill_conversions = t.prefill_conversions;
+        self.rounds = t.rounds;
+        self.rollbacks_across_wrap = t.rollbacks_across_wrap;
+        self.reuses = t.reuses;
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
             decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,

@@ -65,6 +65,13 @@ pub enum Op {
     PrefixSharedForward { prompt: u32, chosen: u32, rejected: u32, len: u32, window: u32 },
     /// A training cache asked to be merged into a batch (`persist = false`) or persisted (`true`): `TrainingOnly`.
     TrainingRefusal { persist: bool },
+    /// Prefix reuse from the bf16-first family's stored entry (the lego of the last finished request): `take` the
+    /// usable prefix `p = min(common, prompt - 1)` (refused below the entry's floor, `BelowFloor`, and when a
+    /// wrapped ring would need a trim, `NotTrimmable`; nothing changed), then continue it with `extra` positions.
+    PrefixReuse { common: u32, prompt: u32, extra: u32 },
+    /// The plain (dense `update_and_fetch`) read of the bf16-first rows: refused with `MixedPrecision` while any row
+    /// is affine, nothing changed; the dense fetch is checked beside it.
+    PlainRead,
 }
 
 /// The kinds of op, for weights, counters and coverage.
@@ -92,6 +99,8 @@ pub enum OpKind {
     TrainingForward,
     PrefixSharedForward,
     TrainingRefusal,
+    PrefixReuse,
+    PlainRead,
 }
 
 impl OpKind {
@@ -117,6 +126,8 @@ impl OpKind {
         OpKind::TrainingForward,
         OpKind::PrefixSharedForward,
         OpKind::TrainingRefusal,
+        OpKind::PrefixReuse,
+        OpKind::PlainRead,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -143,6 +154,8 @@ impl OpKind {
             OpKind::TrainingForward => "training_forward",
             OpKind::PrefixSharedForward => "prefix_shared_forward",
             OpKind::TrainingRefusal => "training_refusal",
+            OpKind::PrefixReuse => "prefix_reuse",
+            OpKind::PlainRead => "plain_read",
         }
     }
 
@@ -170,12 +183,19 @@ impl OpKind {
             OpKind::TrainingForward => 6,
             OpKind::PrefixSharedForward => 3,
             OpKind::TrainingRefusal => 1,
+            OpKind::PrefixReuse => 3,
+            OpKind::PlainRead => 1,
         }
     }
 
     /// The training kinds: executed by the training family only (never drawn in a run without it).
     pub fn is_training(self) -> bool {
         matches!(self, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal)
+    }
+
+    /// The bf16-first family's own kinds: drawn only in runs that hold it.
+    pub fn is_transition(self) -> bool {
+        matches!(self, OpKind::PrefixReuse | OpKind::PlainRead)
     }
 
     /// Kinds every run keeps, so that requests can reach the batch and make progress.
@@ -209,6 +229,8 @@ impl Op {
             Op::TrainingForward { .. } => OpKind::TrainingForward,
             Op::PrefixSharedForward { .. } => OpKind::PrefixSharedForward,
             Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,
+            Op::PrefixReuse { .. } => OpKind::PrefixReuse,
+            Op::PlainRead => OpKind::PlainRead,
         }
     }
 

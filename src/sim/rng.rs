@@ -22,6 +22,8 @@ pub enum Stream {
     Payload = 4,
     /// Which layout families a run holds (`sim::family::REGISTRY`).
     Families = 5,
+    /// The bf16-first family's parameters (bits, group, head dim, `start`), a stream of the run's payload seed.
+    Transition = 9,
 }
 
 /// A generator for one subsystem of one seed.

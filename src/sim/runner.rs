@@ -124,6 +124,8 @@ fn op_within_limits(op: &Op) -> bool {
         // Request ids index the world's maps and positions are u32: keep them far from overflow.
         Op::Admit { req } => *req <= 1 << 20,
         Op::SoloDecode { .. } | Op::Decode | Op::CompiledStep { .. } | Op::TrainingRefusal { .. } => true,
+        Op::PlainRead => true,
+        Op::PrefixReuse { common, prompt, extra } => ok(*common) && ok(*prompt) && ok(*extra),
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::TrainingForward { lengths, len, window } => {
             ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))

@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod training;
+pub mod transition;
 
 use crate::sim::check::Failure;
 use crate::sim::config::SimConfig;
@@ -78,7 +79,7 @@ pub struct Registration {
 }
 
 /// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] = &[attention::REGISTRATION, training::REGISTRATION];
+pub const REGISTRY: &[Registration] = &[attention::REGISTRATION, training::REGISTRATION, transition::REGISTRATION];
 
 /// The registration of `name`.
 pub fn registration(name: &str) -> Option<&'static Registration> {
