@@ -396,12 +396,22 @@ impl TransitionFamily {
 
     // ----- the running batch ----------------------------------------------------------------------------------
 
-    /// The twins of every row rewritten in temporal order, as a merge of several rows rewrites the rows (through
-    /// the same public merge: two copies of the twin merged, the first handed back).
+    /// A twin rewritten in temporal order as a merge of several rows rewrites each row (its newest
+    /// `min(offset, W)` positions), through the same public merge: two copies of the twin merged, the first handed
+    /// back.
     fn relayout_twin(&self, twin: &Bf16FirstCache) -> Res<Bf16FirstCache> {
         let pair = TransitioningKvRows::merge(self.spec, self.max_size(), self.t, vec![twin.clone(), twin.clone()])
             .map_err(|e| unexpected("twin relayout merge", e))?;
         pair.extract(0).map_err(|e| unexpected("twin relayout extract", e))
+    }
+
+    /// A converted twin de-rolled as a packed layout hands a row back (every live column, temporal order): the
+    /// twin alone merged (it packs, keeping its columns and phase) and handed back.
+    fn deroll_twin(&self, twin: &Bf16FirstCache) -> Res<Bf16FirstCache> {
+        let one = TransitioningKvRows::merge(self.spec, self.max_size(), self.t, vec![twin.clone()])
+            .map_err(|e| unexpected("twin de-roll merge", e))?;
+        check::flag("a converted twin packs alone", one.is_packed(), true)?;
+        one.extract(0).map_err(|e| unexpected("twin de-roll extract", e))
     }
 
     /// Rows `ids` (requests outside the batch) enter it: every running row is handed back to its lego and merged
@@ -722,7 +732,7 @@ impl TransitionFamily {
             if n > 1 && cohort.first().is_some_and(|c| c.is_packed()) {
                 // A packed cohort hands its rows back de-rolled to temporal order: so are the twins.
                 for layer in 0..self.cfg.layers {
-                    let t = self.relayout_twin(&self.reqs[id].twin[layer])?;
+                    let t = self.deroll_twin(&self.reqs[id].twin[layer])?;
                     self.reqs.get_mut(id).unwrap().twin[layer] = t;
                 }
             }
@@ -769,7 +779,7 @@ impl TransitionFamily {
         let mut r = self.reqs.remove(&id).unwrap();
         if packed {
             for layer in 0..self.cfg.layers {
-                r.twin[layer] = self.relayout_twin(&r.twin[layer])?;
+                r.twin[layer] = self.deroll_twin(&r.twin[layer])?;
             }
         }
         if finish {
