@@ -76,6 +76,23 @@ pub enum Mutant {
     /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
     /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
     SsmFilterShiftsEmptyPadding,
+    /// Transitioning rows settle (convert if due) after every append even inside an armed speculative round, so a
+    /// conversion looks at an uncommitted suffix (issue #13). Hook: `TransitioningKvRows::settle_all`.
+    TkvConvertUncommitted,
+    /// Transitioning rows settle after every append of a prefill cohort, so a sibling's split forward moves a
+    /// row's boundary to the split (R-C-7). Hook: `TransitioningKvRows::settle_all`.
+    TkvSplitMovesBoundary,
+    /// Prefix reuse (`take`) skips the floor check and trims below `minimum_reusable_offset`. Hook:
+    /// `Bf16FirstCache::take`.
+    TkvReuseBelowFloor,
+    /// Rows pack as soon as one row has converted, not once every row has. Hook: `TransitioningKvRows::maybe_pack`.
+    TkvPackBeforeAllConverted,
+    /// A rollback of unpacked rows drops one kept position of every row that rejected some (the kept bytes are not
+    /// all kept). Hook: `TransitioningKvRows::round_rollback`.
+    TkvRollbackDropsKept,
+    /// A row handed back to serial use loses its floor (`extract` composes the lego with floor 0). Hook:
+    /// `TransitioningKvRows::extract`.
+    TkvFloorLostByExtract,
 }
 
 impl Mutant {
@@ -103,6 +120,12 @@ impl Mutant {
         Mutant::SsmConvTailAtPaddedEnd,
         Mutant::SsmFinalizeKeepsPaddedHistory,
         Mutant::SsmFilterShiftsEmptyPadding,
+        Mutant::TkvConvertUncommitted,
+        Mutant::TkvSplitMovesBoundary,
+        Mutant::TkvReuseBelowFloor,
+        Mutant::TkvPackBeforeAllConverted,
+        Mutant::TkvRollbackDropsKept,
+        Mutant::TkvFloorLostByExtract,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -130,6 +153,12 @@ impl Mutant {
             Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
             Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
             Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
+            Mutant::TkvConvertUncommitted => "tkv-convert-uncommitted",
+            Mutant::TkvSplitMovesBoundary => "tkv-split-moves-boundary",
+            Mutant::TkvReuseBelowFloor => "tkv-reuse-below-floor",
+            Mutant::TkvPackBeforeAllConverted => "tkv-pack-before-all-converted",
+            Mutant::TkvRollbackDropsKept => "tkv-rollback-drops-kept",
+            Mutant::TkvFloorLostByExtract => "tkv-floor-lost-by-extract",
         }
     }
 
@@ -188,6 +217,12 @@ impl Mutant {
                 "a padded call advances rows by the window width and finalize does not roll it back"
             }
             Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
+            Mutant::TkvConvertUncommitted => "transitioning rows convert inside an armed round (an uncommitted suffix)",
+            Mutant::TkvSplitMovesBoundary => "transitioning rows convert at a sibling's split forward inside a prefill",
+            Mutant::TkvReuseBelowFloor => "prefix reuse trims below minimum_reusable_offset",
+            Mutant::TkvPackBeforeAllConverted => "transitioning rows pack once any row has converted",
+            Mutant::TkvRollbackDropsKept => "a round's rollback drops one kept position of every rejecting row",
+            Mutant::TkvFloorLostByExtract => "a row handed back to serial use loses its reuse floor",
         }
     }
 
