@@ -29,7 +29,7 @@ use mlx_rs::Array;
 
 use super::batch::{JoinSource, RowBatch};
 use super::error::CacheError;
-use super::kind::StorageKind;
+use super::kind::{DelayedKind, StorageKind};
 use super::mask::{MaskUse, Masks};
 use super::mutation::{self, Mutant};
 use super::quant::{QuantSpec, Storage};
@@ -61,12 +61,7 @@ impl Transition {
 
     /// The rows layout's storage kind (upstream parameter order; an infinite start is `inf`).
     pub fn rows_kind(&self, max_size: Option<usize>) -> StorageKind {
-        let start = self.start.map_or("inf".to_string(), |s| s.to_string());
-        let (b, g) = (self.quant.bits, self.quant.group);
-        StorageKind(match max_size {
-            None => format!("kv:delayed-quant:{b}:{g}:{start}"),
-            Some(w) => format!("kv:delayed-rotating-quant:{w}:{b}:{g}:{start}"),
-        })
+        DelayedKind { max_size, quant: self.quant, start: self.start }.kind()
     }
 }
 

@@ -1080,7 +1080,14 @@ impl TransitionFamily {
                     ),
                 ));
             }
-            check::flag("storage kind", b.storage_kind().0 == self.ts.signature(), true)?;
+            let kind = b.storage_kind();
+            let parsed = cache::parse_delayed(&kind);
+            let want = cache::DelayedKind { max_size: self.max_size(), quant: self.t.quant, start: self.t.start };
+            check::flag(
+                "storage kind (the model's signature, parsed back)",
+                kind.0 == self.ts.signature() && parsed == Some(want),
+                true,
+            )?;
             if b.minimum_reusable_offset() != m.minimum_reusable_offset()
                 || b.max_append_tokens() != m.max_append_tokens()
             {
