@@ -375,6 +375,56 @@ mod tests {
         assert!(matches!(flat.select_columns(0, &[0]), Err(BytesError::Shape(_))));
     }
 
+    /// Canaries: two arrays that differ only in their last element, their last row or their last byte must be told
+    /// apart by every face of the byte view (`of`, `read_many`, `bit_equal`, `first_difference`, `digest`,
+    /// `max_ulp`). A byte view weakened to read or compare a prefix fails here.
+    #[test]
+    fn the_last_element_row_and_byte_count() {
+        let data: Vec<f32> = (0..12).map(|x| x as f32 * 0.5).collect();
+        let mut last = data.clone();
+        *last.last_mut().unwrap() = f32::from_bits(last[11].to_bits() + 1);
+        let mut last_row = data.clone();
+        last_row[8..].iter_mut().for_each(|x| *x = -*x - 1.0);
+        let a = Array::from_slice(&data, &[3, 4]);
+        for (other, first) in [(last, 11), (last_row, 8)] {
+            let b = Array::from_slice(&other, &[3, 4]);
+            assert!(!bit_equal(&a, &b).unwrap());
+            let (x, y) = (ArrayBytes::of(&a).unwrap(), ArrayBytes::of(&b).unwrap());
+            assert_ne!(x, y);
+            assert_ne!(x.digest(), y.digest());
+            assert_eq!(x.first_difference(&y), Some(first));
+            assert!(max_ulp(&x, &y).unwrap() >= 1);
+            let many = ArrayBytes::read_many(&[&a, &b]).unwrap();
+            assert_eq!(many[0], x);
+            assert_eq!(many[1], y);
+            // Through strided views (transposed): the last logical element differs only where the data does.
+            let (ta, tb) = (a.transpose().unwrap(), b.transpose().unwrap());
+            let tv = ArrayBytes::read_many(&[&ta, &tb]).unwrap();
+            assert_ne!(tv[0], tv[1]);
+            assert_eq!(tv[0], ArrayBytes::of(&ta).unwrap());
+            assert_eq!(tv[1], ArrayBytes::of(&tb).unwrap());
+        }
+        // The last byte of a u8 array, and the last bit of a bf16 array.
+        let u = Array::from_slice(&[1u8, 2, 3, 4, 5, 6, 7], &[7]);
+        let v = Array::from_slice(&[1u8, 2, 3, 4, 5, 6, 6], &[7]);
+        assert!(!bit_equal(&u, &v).unwrap());
+        assert_eq!(ArrayBytes::of(&u).unwrap().first_difference(&ArrayBytes::of(&v).unwrap()), Some(6));
+        // bf16 values exactly representable: 1 + i/128, and the last one moved by one bf16 ULP (2^-7 at 1.0).
+        let fa: Vec<f32> = (0..9).map(|i| 1.0 + i as f32 / 128.0).collect();
+        let mut fb = fa.clone();
+        fb[8] += 1.0 / 128.0;
+        let ba = Array::from_slice(&fa, &[9]).as_dtype(Dtype::Bfloat16).unwrap();
+        let bb = Array::from_slice(&fb, &[9]).as_dtype(Dtype::Bfloat16).unwrap();
+        let (x, y) = (ArrayBytes::of(&ba).unwrap(), ArrayBytes::of(&bb).unwrap());
+        assert_eq!(x.first_difference(&y), Some(8));
+        assert_eq!(max_ulp(&x, &y), Some(1));
+        // Same bits, another shape or dtype: different.
+        let r = Array::from_slice(&data, &[4, 3]);
+        assert!(!bit_equal(&a, &r).unwrap());
+        let i = Array::from_slice(&data.iter().map(|x| x.to_bits() as i32).collect::<Vec<_>>(), &[3, 4]);
+        assert!(!bit_equal(&a, &i).unwrap());
+    }
+
     #[test]
     fn ulp_line_is_monotone() {
         let d = Dtype::Float32;

@@ -373,6 +373,10 @@ impl RowBatch {
         validate_max_size(max_size)?;
         storage.validate(&spec)?;
         let cap = check_planes_shape(&spec, &storage, &planes, rows.len())?;
+        let mut rows = rows;
+        if mutation::is(Mutant::AdoptDropsPhase) {
+            rows.iter_mut().for_each(|r| r.ring.idx = r.ring.len);
+        }
         for (i, r) in rows.iter().enumerate() {
             r.ring.validate(max_size).map_err(|e| invalid(format!("row {i}: {e}")))?;
             if r.ring.len > cap {
@@ -485,7 +489,11 @@ impl RowBatch {
     /// R-ROT-5 for one row.
     pub fn row_decode_phase(&self, row: usize) -> Result<DecodePhase> {
         self.check_row(row)?;
-        Ok(self.rows[row].ring.decode_phase(self.max_size))
+        let s = &self.rows[row].ring;
+        if mutation::is(Mutant::RowPhaseIgnoresOversize) {
+            return Ok(if s.idx == s.len { DecodePhase::Concat } else { DecodePhase::Ring });
+        }
+        Ok(s.decode_phase(self.max_size))
     }
 
     /// R-BROT-5: row `row` as a fresh serial cache: its `len` live columns de-rolled to temporal order (owned
@@ -505,10 +513,17 @@ impl RowBatch {
     /// [`CacheError::DuplicateRow`]. Kept rows' columns and state are unchanged.
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
         let mut seen = vec![false; self.rows.len()];
-        for &r in keep {
-            self.check_row(r)?;
-            if std::mem::replace(&mut seen[r], true) {
-                return Err(CacheError::DuplicateRow { row: r });
+        for (i, &r) in keep.iter().enumerate() {
+            let bad = match self.check_row(r) {
+                Err(e) => Some(e),
+                Ok(()) if std::mem::replace(&mut seen[r], true) => Some(CacheError::DuplicateRow { row: r }),
+                Ok(()) => None,
+            };
+            if let Some(e) = bad {
+                if mutation::is(Mutant::FilterPartialOnError) {
+                    self.filter(&keep[..i])?;
+                }
+                return Err(e);
             }
         }
         let buf = match (&self.buf, keep.is_empty()) {
@@ -685,7 +700,7 @@ impl RowBatch {
         let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
         let width = lens.iter().copied().max().unwrap_or(0).max(1);
         let b = self.buf.as_ref().ok_or_else(|| invalid("decode read without a buffer"))?;
-        let live = b.map(|p| cols(p, 0, width))?.planes;
+        let mut live = b.map(|p| cols(p, 0, width))?.planes;
         // Mutation hook [`Mutant::QuantMaskFromArrayOffset`] (mlx-vlm#1206): a quantized batch's mask built from
         // the per-row array offset plus left padding (`offset_r - base_r + left_padding_r`, which is the batch width
         // for every row) instead of the buffered-token count `len_r`.
@@ -696,6 +711,12 @@ impl RowBatch {
             lens
         };
         let uniform = lens.iter().all(|&l| l == lens[0]);
+        let scale = if mutation::is(Mutant::DecodeScaleUlp) { f32::from_bits(scale.to_bits() + 1) } else { scale };
+        if uniform && mutation::is(Mutant::DecodeKeyOrder) {
+            // Every plane (K, V and, when quantized, their scales and biases) is permuted alike.
+            let at = index_array(&(0..width).rev().collect::<Vec<_>>(), &[width])?;
+            live = live.iter().map(|p| Ok(p.take_axis(&at, 2)?)).collect::<Result<_>>()?;
+        }
         if uniform || mutation::is(Mutant::MaskIgnoresPadding) {
             return Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None));
         }
@@ -757,7 +778,15 @@ impl RowBatch {
     fn write_window(&mut self, k: &Array, v: &Array) -> Result<Vec<usize>> {
         let l = ncols(k);
         let block = self.storage.encode(k, v)?;
-        let real: Vec<usize> = self.rows.iter().map(|r| r.pending.map_or(l, |p| p.min(l))).collect();
+        let real: Vec<usize> = self
+            .rows
+            .iter()
+            .map(|r| match r.pending {
+                // Mutation hook [`Mutant::PendingZeroTakesAll`]: 0 read as "no limit".
+                Some(0) if mutation::is(Mutant::PendingZeroTakesAll) => l,
+                p => p.map_or(l, |p| p.min(l)),
+            })
+            .collect();
         let stored: Vec<usize> = self
             .rows
             .iter()
@@ -797,7 +826,7 @@ impl RowBatch {
                 r.ring = RingState { offset: r.ring.offset + n, len: m.len(), idx: m.len(), last_concat: Some(n) };
             }
             if let Some(p) = r.pending.as_mut() {
-                *p -= rl;
+                *p = p.saturating_sub(rl);
             }
         }
         self.sync();

@@ -76,6 +76,30 @@ pub enum Mutant {
     /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
     /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
     SsmFilterShiftsEmptyPadding,
+    /// A batched decode read of rows of equal `len` attends the key/value columns in reverse physical order. The
+    /// attention is mathematically the same (every column is visible, K and V are permuted alike); only the
+    /// summation order changes, so only a rounding-level difference reveals it: the byte comparison of decode
+    /// outputs with the solo twin (`decode_vs_solo`), never the f64 model's ULP bound. Hook: `RowBatch::decode`
+    /// read.
+    DecodeKeyOrder,
+    /// A batched decode read scales the scores by the next representable f32 above `scale` (one ULP of the scale):
+    /// a rounding-level difference only the byte comparison with the solo twin sees. Hook: `RowBatch::decode` read.
+    DecodeScaleUlp,
+    /// `adopt` / `adopt_planes` drop each row's ring phase (`idx` set to `len`): a rotated row's next decode
+    /// overwrites the wrong column. Hook: `RowBatch::adopt_planes`. Reached only by generated adopts (issue #17).
+    AdoptDropsPhase,
+    /// `filter` validates as it goes: on a missing or repeated row id it has already kept the rows listed before
+    /// it, and returns the typed error with the batch changed. Hook: `RowBatch::filter`. Reached only by generated
+    /// ill-formed row ids (issue #17).
+    FilterPartialOnError,
+    /// A prepared length of 0 is read as "no limit": the row stores every position of the next chunks (padding
+    /// included) instead of none. Hook: `RowBatch` window write. Reached only by generated prepares with a length
+    /// of 0 (issue #17).
+    PendingZeroTakesAll,
+    /// `row_decode_phase` answers from the row's raw state, before the oversize drop and the head rotation a decode
+    /// would first do (R-ROT-5). Hook: `RowBatch::row_decode_phase`. Reached only by generated decode-phase probes
+    /// (issue #17).
+    RowPhaseIgnoresOversize,
     /// Transitioning rows settle (convert if due) after every append even inside an armed speculative round, so a
     /// conversion looks at an uncommitted suffix (issue #13). Hook: `TransitioningKvRows::settle_all`.
     TkvConvertUncommitted,
@@ -120,6 +144,12 @@ impl Mutant {
         Mutant::SsmConvTailAtPaddedEnd,
         Mutant::SsmFinalizeKeepsPaddedHistory,
         Mutant::SsmFilterShiftsEmptyPadding,
+        Mutant::DecodeKeyOrder,
+        Mutant::DecodeScaleUlp,
+        Mutant::AdoptDropsPhase,
+        Mutant::FilterPartialOnError,
+        Mutant::PendingZeroTakesAll,
+        Mutant::RowPhaseIgnoresOversize,
         Mutant::TkvConvertUncommitted,
         Mutant::TkvSplitMovesBoundary,
         Mutant::TkvReuseBelowFloor,
@@ -153,6 +183,12 @@ impl Mutant {
             Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
             Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
             Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
+            Mutant::DecodeKeyOrder => "decode-key-order",
+            Mutant::DecodeScaleUlp => "decode-scale-ulp",
+            Mutant::AdoptDropsPhase => "adopt-drops-phase",
+            Mutant::FilterPartialOnError => "filter-partial-on-error",
+            Mutant::PendingZeroTakesAll => "pending-zero-takes-all",
+            Mutant::RowPhaseIgnoresOversize => "row-phase-ignores-oversize",
             Mutant::TkvConvertUncommitted => "tkv-convert-uncommitted",
             Mutant::TkvSplitMovesBoundary => "tkv-split-moves-boundary",
             Mutant::TkvReuseBelowFloor => "tkv-reuse-below-floor",
@@ -217,6 +253,12 @@ impl Mutant {
                 "a padded call advances rows by the window width and finalize does not roll it back"
             }
             Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
+            Mutant::DecodeKeyOrder => "batched decode reads attend the key columns in reverse order (rounding only)",
+            Mutant::DecodeScaleUlp => "batched decode reads scale scores by one f32 ULP more (rounding only)",
+            Mutant::AdoptDropsPhase => "adopt drops each row's ring phase (idx = len)",
+            Mutant::FilterPartialOnError => "a refused filter keeps the rows it validated before the bad id",
+            Mutant::PendingZeroTakesAll => "a prepared length of 0 stores every position of the next chunks",
+            Mutant::RowPhaseIgnoresOversize => "row_decode_phase answers before the oversize drop and rotation",
             Mutant::TkvConvertUncommitted => "transitioning rows convert inside an armed round (an uncommitted suffix)",
             Mutant::TkvSplitMovesBoundary => "transitioning rows convert at a sibling's split forward inside a prefill",
             Mutant::TkvReuseBelowFloor => "prefix reuse trims below minimum_reusable_offset",

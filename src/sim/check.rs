@@ -387,3 +387,6 @@ pub fn bytes_equal(what: &str, a: &ArrayBytes, b: &ArrayBytes) -> Res {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -6,7 +6,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::sim::config::SimConfig;
 use crate::sim::family::View;
-use crate::sim::ops::{Op, OpKind};
+use crate::sim::ops::{IllInput, Op, OpKind};
 use crate::sim::rng::{stream, Stream};
 
 /// Draws ops for one seed.
@@ -37,6 +37,8 @@ impl Generator {
                 OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal => true,
                 OpKind::PrefixReuse => true,
                 OpKind::PlainRead => rows > 0,
+                OpKind::Adopt | OpKind::Prepare => rows > 0,
+                OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
             }
         };
         let choices: Vec<(OpKind, u32)> = OpKind::ALL
@@ -93,7 +95,15 @@ impl Generator {
                 if kind == OpKind::Merge {
                     Op::Merge { reqs }
                 } else {
-                    Op::Join { reqs }
+                    // Half the joins list the running batch's rows in a shuffled order (join keeps any order).
+                    let mut order: Vec<u32> = vec![];
+                    if rows > 1 && w.random_bool(0.5) {
+                        order = (0..rows as u32).collect();
+                        for i in (1..order.len()).rev() {
+                            order.swap(i, w.random_range(0..=i));
+                        }
+                    }
+                    Op::Join { reqs, order }
                 }
             }
             OpKind::BatchPrefill => {
@@ -127,7 +137,12 @@ impl Generator {
                 }
                 Op::Filter { keep }
             }
-            OpKind::Trim => Op::Trim { n: self.spec.random_range(1..=3) },
+            OpKind::Trim => {
+                // Half the batch trims take the speculative-rollback path: right after a batch window of L >= n
+                // positions it is valid for every row, otherwise it must be the typed error with nothing changed.
+                let n = self.spec.random_range(1..=3);
+                Op::Trim { n, bypass: self.spec.random_bool(0.5) }
+            }
             OpKind::ReadBlock => {
                 Op::ReadBlock { req: v.solo[w.random_range(0..v.solo.len())].0, len: w.random_range(1..=8) }
             }
@@ -181,6 +196,25 @@ impl Generator {
                 }
             }
             OpKind::PlainRead => Op::PlainRead,
+            OpKind::Adopt => Op::Adopt { invalid: w.random_bool(0.2) },
+            OpKind::DecodePhase => Op::DecodePhase,
+            OpKind::Prepare => {
+                // A quarter of the rows take no position; a third of the ops finalize before every chunk arrived.
+                let lengths: Vec<u32> = (0..rows)
+                    .map(|_| if w.random_bool(0.25) { 0 } else { w.random_range(1..=cfg.max_prompt as u32) })
+                    .collect();
+                let chunk = chunk(w);
+                let longest = lengths.iter().copied().max().unwrap_or(0);
+                let needed = longest.div_ceil(chunk);
+                let chunks = if needed > 0 && w.random_bool(0.33) { w.random_range(0..needed) } else { needed };
+                Op::Prepare { lengths, chunk, chunks }
+            }
+            OpKind::IllFormed => {
+                let input = IllInput::ALL[w.random_range(0..IllInput::ALL.len())];
+                let batch = rows > 0 && (v.solo.is_empty() || w.random_bool(0.5));
+                let req = if v.solo.is_empty() { v.next_id } else { v.solo[w.random_range(0..v.solo.len())].0 };
+                Op::IllFormed { req, batch, input, variant: w.random() }
+            }
         }
     }
 }

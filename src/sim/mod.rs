@@ -91,6 +91,8 @@ pub struct RunResult {
     pub trace: Trace,
     pub counters: Counters,
     pub ops_by_kind: BTreeMap<String, u64>,
+    /// Applied ops per [`ops::API_CLASSES`] entry (every class present, 0 when never applied).
+    pub api_coverage: BTreeMap<String, u64>,
     pub skipped: u64,
     /// Per storage-kind family of the run: its ops, checks, byte-identical comparisons and failure.
     pub layouts: BTreeMap<String, LayoutStats>,
@@ -159,6 +161,7 @@ fn run_inner(
         note: String::new(),
     };
     let mut ops_by_kind = BTreeMap::new();
+    let mut api_coverage: BTreeMap<String, u64> = ops::API_CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
     let mut skipped = 0;
     let mut world = match World::new(config.clone()) {
         Ok(w) => w,
@@ -169,6 +172,7 @@ fn run_inner(
                 trace,
                 counters: Counters::default(),
                 ops_by_kind,
+                api_coverage,
                 skipped,
                 layouts: BTreeMap::new(),
                 failure,
@@ -198,6 +202,11 @@ fn run_inner(
         observer.on_op_end(i, &op, result.as_ref().copied().map_err(|f| f.failure.check.as_str()));
         world.hasher.update(serde_json::to_string(&op).unwrap().as_bytes());
         trace.digests.push(world.hasher.clone().finalize().to_hex()[..16].to_string());
+        if !matches!(result, Ok(false)) {
+            for c in op.api_classes() {
+                *api_coverage.entry(c.to_string()).or_insert(0) += 1;
+            }
+        }
         match result {
             Ok(true) => *ops_by_kind.entry(op.kind().name().to_string()).or_insert(0) += 1,
             Ok(false) => skipped += 1,
@@ -225,7 +234,7 @@ fn run_inner(
         );
         layouts.entry(f.key().to_string()).or_insert_with(LayoutStats::default).add(&stats);
     }
-    RunResult { trace, counters: world.counters(), ops_by_kind, skipped, layouts, failure }
+    RunResult { trace, counters: world.counters(), ops_by_kind, api_coverage, skipped, layouts, failure }
 }
 
 /// Runs a seed with its generated op stream.

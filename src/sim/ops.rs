@@ -25,7 +25,13 @@ pub enum Op {
     /// running batch. A layout event: rows come out in temporal order (the twins are re-linearized with them).
     Merge { reqs: Vec<u32> },
     /// Requests outside the batch are joined into the running batch keeping their physical columns and phase (R-BROT-7).
-    Join { reqs: Vec<u32> },
+    /// `order`: the running batch's rows as the join lists them (a permutation of its row indices; empty = identity
+    /// order). Any other list (a shrunk or fuzzed one) makes the op skipped.
+    Join {
+        reqs: Vec<u32>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        order: Vec<u32>,
+    },
     /// Fresh (empty) requests are prefilled together: right-padded to the longest with `prepare(lengths)`, fed in
     /// chunks of `chunk` (each a window read), `finalize`d, then joined into the running batch (R-BROT-2).
     BatchPrefill { reqs: Vec<u32>, lengths: Vec<u32>, chunk: u32 },
@@ -45,8 +51,13 @@ pub enum Op {
     Extract { row: u32, finish: bool },
     /// Keep only these rows (R-BROT-6): the others' requests are dropped.
     Filter { keep: Vec<u32> },
-    /// Trim every row of the batch by `n` (R-C-5, no bypass).
-    Trim { n: u32 },
+    /// Trim every row of the batch by `n` (R-C-5); `bypass` is the speculative-rollback path (every row must have
+    /// just taken a window of at least `n` positions, else the typed error with every row unchanged).
+    Trim {
+        n: u32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        bypass: bool,
+    },
     /// DiffusionGemma's canvas read (R-ROT-9c) of `len` block positions on a request outside the batch: the block
     /// attends the stored context and itself; nothing is stored, offsets never move.
     ReadBlock { req: u32, len: u32 },
@@ -72,6 +83,61 @@ pub enum Op {
     /// The plain (dense `update_and_fetch`) read of the bf16-first rows: refused with `MixedPrecision` while any row
     /// is affine, nothing changed; the dense fetch is checked beside it.
     PlainRead,
+    /// The running batch is rebuilt, every layer, from its own owned buffers and per-row states through
+    /// `RowBatch::adopt` (plain storage) / `adopt_planes` (R-BROT-8): the adopted batch must hold every byte and
+    /// every row state as before. With `invalid`, row `0`'s state is made impossible first (`len` past the buffer's
+    /// columns): the typed error `InvalidState`, the running batch untouched.
+    Adopt { invalid: bool },
+    /// Asks every batch row (`row_decode_phase`) and every request outside the batch (`decode_phase`) whether its
+    /// next decode write appends or overwrites (R-ROT-5), against the model; row `rows` (one past the end) must be
+    /// the typed error `NoSuchRow`. Changes nothing.
+    DecodePhase,
+    /// A right-padded prefill into the running batch, whose rows already hold positions: `prepare(lengths)` (one
+    /// length per row; 0 = the row takes no position), at most `chunks` window chunks of `chunk` positions, then
+    /// `finalize`; when that is before every position arrived, the positions not yet delivered are forgotten
+    /// (R-BROT-2). While pending, a decode and a second `prepare` must be the typed error
+    /// `PendingPrefill`; after it, a second `finalize` must be `NoPendingPrefill`. A `lengths` list of another size
+    /// than the batch makes the op skipped.
+    Prepare { lengths: Vec<u32>, chunk: u32, chunks: u32 },
+    /// An ill-formed input offered to a live cache: the running batch (`batch` and it has rows) or request `req`
+    /// outside it. `variant` picks the call and the tensor. Every one must be the typed error with the cache's
+    /// bytes and state unchanged (checked before/after, then against twin and model).
+    IllFormed { req: u32, batch: bool, input: IllInput, variant: u32 },
+}
+
+/// What is wrong with an [`Op::IllFormed`] input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Arbitrary)]
+#[serde(rename_all = "snake_case")]
+pub enum IllInput {
+    /// K, V or Q in another float dtype than the cache's: `ShapeMismatch`.
+    Dtype,
+    /// K, V or Q of another head dim, row count or rank, or K and V of different lengths: `ShapeMismatch`.
+    Shape,
+    /// K or V with `H_kv + 1` heads, or Q with a head count that is not a positive multiple of `H_kv`:
+    /// `ShapeMismatch`.
+    Heads,
+    /// A malformed storage-kind string (the cache's own kind, altered): routing refuses it with
+    /// `UnknownStorageKind`, and a saved entry carrying it does not load (`UnknownKind`).
+    StorageKind,
+    /// A row id that does not exist or is listed twice (`filter`, `extract`, `row_decode_phase`): `NoSuchRow`,
+    /// `DuplicateRow`.
+    RowId,
+}
+
+impl IllInput {
+    pub const ALL: &'static [IllInput] =
+        &[IllInput::Dtype, IllInput::Shape, IllInput::Heads, IllInput::StorageKind, IllInput::RowId];
+
+    /// Snake-case name (the key of `ill_formed_rejected` and of the `ill_formed/*` API classes).
+    pub fn name(self) -> &'static str {
+        match self {
+            IllInput::Dtype => "dtype",
+            IllInput::Shape => "shape",
+            IllInput::Heads => "heads",
+            IllInput::StorageKind => "storage_kind",
+            IllInput::RowId => "row_id",
+        }
+    }
 }
 
 /// The kinds of op, for weights, counters and coverage.
@@ -101,6 +167,10 @@ pub enum OpKind {
     TrainingRefusal,
     PrefixReuse,
     PlainRead,
+    Adopt,
+    DecodePhase,
+    Prepare,
+    IllFormed,
 }
 
 impl OpKind {
@@ -128,6 +198,10 @@ impl OpKind {
         OpKind::TrainingRefusal,
         OpKind::PrefixReuse,
         OpKind::PlainRead,
+        OpKind::Adopt,
+        OpKind::DecodePhase,
+        OpKind::Prepare,
+        OpKind::IllFormed,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -156,6 +230,10 @@ impl OpKind {
             OpKind::TrainingRefusal => "training_refusal",
             OpKind::PrefixReuse => "prefix_reuse",
             OpKind::PlainRead => "plain_read",
+            OpKind::Adopt => "adopt",
+            OpKind::DecodePhase => "decode_phase",
+            OpKind::Prepare => "prepare",
+            OpKind::IllFormed => "ill_formed",
         }
     }
 
@@ -185,6 +263,10 @@ impl OpKind {
             OpKind::TrainingRefusal => 1,
             OpKind::PrefixReuse => 3,
             OpKind::PlainRead => 1,
+            OpKind::Adopt => 1,
+            OpKind::DecodePhase => 1,
+            OpKind::Prepare => 1,
+            OpKind::IllFormed => 2,
         }
     }
 
@@ -204,7 +286,124 @@ impl OpKind {
     }
 }
 
+/// Every public operation and parameter class the generator is meant to reach: the keys of `api_coverage` in
+/// `kvsim sim --json` (applied ops per class; a class at 0 is an input the simulator never produces).
+pub const API_CLASSES: &[&str] = &[
+    "admit",
+    "solo_window",
+    "solo_decode",
+    "solo_trim/plain",
+    "solo_trim/bypass",
+    "solo_trim/zero",
+    "merge",
+    "join/identity_order",
+    "join/permuted",
+    "batch_prefill",
+    "batch_prefill/uneven_lengths",
+    "decode",
+    "window",
+    "append",
+    "verify",
+    "commit_span",
+    "extract/continue",
+    "extract/finish",
+    "filter/subset",
+    "filter/reordered",
+    "trim/plain",
+    "trim/bypass",
+    "read_block",
+    "bidir_prefill",
+    "compiled_step",
+    "training_forward",
+    "prefix_shared_forward",
+    "training_refusal/merge",
+    "training_refusal/persist",
+    "adopt",
+    "adopt/invalid_state",
+    "decode_phase",
+    "prepare/non_empty_rows",
+    "prepare/zero_length",
+    "finalize/early",
+    "ill_formed/dtype",
+    "ill_formed/shape",
+    "ill_formed/heads",
+    "ill_formed/storage_kind",
+    "ill_formed/row_id",
+    "prefix_reuse",
+    "plain_read",
+];
+
 impl Op {
+    /// The [`API_CLASSES`] this op exercises (from the op alone).
+    pub fn api_classes(&self) -> Vec<&'static str> {
+        match self {
+            Op::Admit { .. } => vec!["admit"],
+            Op::SoloWindow { .. } => vec!["solo_window"],
+            Op::SoloDecode { .. } => vec!["solo_decode"],
+            Op::SoloTrim { n, bypass, .. } => {
+                let mut v = vec![if *bypass { "solo_trim/bypass" } else { "solo_trim/plain" }];
+                if *n == 0 {
+                    v.push("solo_trim/zero");
+                }
+                v
+            }
+            Op::Merge { .. } => vec!["merge"],
+            Op::Join { order, .. } => {
+                let permuted = order.iter().enumerate().any(|(i, &r)| r as usize != i);
+                vec![if permuted { "join/permuted" } else { "join/identity_order" }]
+            }
+            Op::BatchPrefill { lengths, .. } => {
+                let mut v = vec!["batch_prefill"];
+                if lengths.iter().any(|&l| l != lengths[0]) {
+                    v.push("batch_prefill/uneven_lengths");
+                }
+                v
+            }
+            Op::Decode => vec!["decode"],
+            Op::Window { .. } => vec!["window"],
+            Op::Append { .. } => vec!["append"],
+            Op::Verify { .. } => vec!["verify"],
+            Op::CommitSpan { .. } => vec!["commit_span"],
+            Op::Extract { finish, .. } => vec![if *finish { "extract/finish" } else { "extract/continue" }],
+            Op::Filter { keep } => {
+                let reordered = keep.windows(2).any(|w| w[0] > w[1]);
+                vec![if reordered { "filter/reordered" } else { "filter/subset" }]
+            }
+            Op::Trim { bypass, .. } => vec![if *bypass { "trim/bypass" } else { "trim/plain" }],
+            Op::ReadBlock { .. } => vec!["read_block"],
+            Op::BidirPrefill { .. } => vec!["bidir_prefill"],
+            Op::CompiledStep { .. } => vec!["compiled_step"],
+            Op::TrainingForward { .. } => vec!["training_forward"],
+            Op::PrefixSharedForward { .. } => vec!["prefix_shared_forward"],
+            Op::TrainingRefusal { persist } => {
+                vec![if *persist { "training_refusal/persist" } else { "training_refusal/merge" }]
+            }
+            Op::Adopt { invalid } => vec![if *invalid { "adopt/invalid_state" } else { "adopt" }],
+            Op::DecodePhase => vec!["decode_phase"],
+            // Applied only on a running batch, whose rows hold positions (the family skips it otherwise).
+            Op::Prepare { lengths, chunk, chunks } => {
+                let mut v = vec!["prepare/non_empty_rows"];
+                if lengths.contains(&0) {
+                    v.push("prepare/zero_length");
+                }
+                let longest = lengths.iter().copied().max().unwrap_or(0);
+                if (*chunks as u64) * (*chunk as u64) < longest as u64 {
+                    v.push("finalize/early");
+                }
+                v
+            }
+            Op::IllFormed { input, .. } => vec![match input {
+                IllInput::Dtype => "ill_formed/dtype",
+                IllInput::Shape => "ill_formed/shape",
+                IllInput::Heads => "ill_formed/heads",
+                IllInput::StorageKind => "ill_formed/storage_kind",
+                IllInput::RowId => "ill_formed/row_id",
+            }],
+            Op::PrefixReuse { .. } => vec!["prefix_reuse"],
+            Op::PlainRead => vec!["plain_read"],
+        }
+    }
+
     /// This op's kind.
     pub fn kind(&self) -> OpKind {
         match self {
@@ -231,6 +430,10 @@ impl Op {
             Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,
             Op::PrefixReuse { .. } => OpKind::PrefixReuse,
             Op::PlainRead => OpKind::PlainRead,
+            Op::Adopt { .. } => OpKind::Adopt,
+            Op::DecodePhase => OpKind::DecodePhase,
+            Op::Prepare { .. } => OpKind::Prepare,
+            Op::IllFormed { .. } => OpKind::IllFormed,
         }
     }
 
@@ -257,21 +460,36 @@ impl Op {
             Op::Window { len } => out.extend(halve(*len).into_iter().map(|len| Op::Window { len })),
             Op::Append { len } => out.extend(halve(*len).into_iter().map(|len| Op::Append { len })),
             Op::CommitSpan { len } => out.extend(halve(*len).into_iter().map(|len| Op::CommitSpan { len })),
-            Op::Trim { n } => out.extend(halve(*n).into_iter().map(|n| Op::Trim { n })),
+            Op::Trim { n, bypass } => out.extend(halve(*n).into_iter().map(|n| Op::Trim { n, bypass: *bypass })),
             Op::Verify { gamma, accept } => {
                 for g in halve(*gamma) {
                     out.push(Op::Verify { gamma: g, accept: accept.iter().map(|&a| a.min(g)).collect() });
                 }
             }
-            Op::Merge { reqs } | Op::Join { reqs } if reqs.len() > 1 => {
+            Op::Join { reqs, order } if !order.is_empty() => {
+                out.push(Op::Join { reqs: reqs.clone(), order: vec![] });
+            }
+            Op::Merge { reqs } | Op::Join { reqs, .. } if reqs.len() > 1 => {
                 for i in 0..reqs.len() {
                     let mut r = reqs.clone();
                     r.remove(i);
                     out.push(if matches!(self, Op::Merge { .. }) {
                         Op::Merge { reqs: r }
                     } else {
-                        Op::Join { reqs: r }
+                        Op::Join { reqs: r, order: vec![] }
                     });
+                }
+            }
+            Op::Prepare { lengths, chunk, chunks } => {
+                for c in halve(*chunk) {
+                    out.push(Op::Prepare { lengths: lengths.clone(), chunk: c, chunks: *chunks });
+                }
+                for (i, &l) in lengths.iter().enumerate() {
+                    for s in halve(l) {
+                        let mut ls = lengths.clone();
+                        ls[i] = s;
+                        out.push(Op::Prepare { lengths: ls, chunk: *chunk, chunks: *chunks });
+                    }
                 }
             }
             Op::BatchPrefill { reqs, lengths, chunk } => {

@@ -113,12 +113,13 @@ fn op_within_limits(op: &Op) -> bool {
     let ok = |x: u32| x <= MAX_OP_LEN;
     match op {
         Op::SoloWindow { len, .. } | Op::Window { len } | Op::Append { len } | Op::CommitSpan { len } => ok(*len),
-        Op::SoloTrim { n, .. } | Op::Trim { n } => ok(*n),
+        Op::SoloTrim { n, .. } | Op::Trim { n, .. } => ok(*n),
         Op::Verify { gamma, accept } => ok(*gamma) && accept.len() <= MAX_OP_LEN as usize,
         Op::BatchPrefill { reqs, lengths, chunk } => {
             ok(*chunk) && reqs.len() <= 64 && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
         }
-        Op::Merge { reqs } | Op::Join { reqs } => reqs.len() <= 64,
+        Op::Merge { reqs } => reqs.len() <= 64,
+        Op::Join { reqs, order } => reqs.len() <= 64 && order.len() <= MAX_OP_LEN as usize,
         Op::Filter { keep } => keep.len() <= MAX_OP_LEN as usize,
         Op::Extract { row, .. } => ok(*row),
         // Request ids index the world's maps and positions are u32: keep them far from overflow.
@@ -126,6 +127,10 @@ fn op_within_limits(op: &Op) -> bool {
         Op::SoloDecode { .. } | Op::Decode | Op::CompiledStep { .. } | Op::TrainingRefusal { .. } => true,
         Op::PlainRead => true,
         Op::PrefixReuse { common, prompt, extra } => ok(*common) && ok(*prompt) && ok(*extra),
+        Op::Adopt { .. } | Op::DecodePhase | Op::IllFormed { .. } => true,
+        Op::Prepare { lengths, chunk, chunks } => {
+            ok(*chunk) && ok(*chunks) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
+        }
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::TrainingForward { lengths, len, window } => {
             ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))

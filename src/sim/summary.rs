@@ -59,6 +59,11 @@ pub struct Counters {
     pub guarantees: Guarantees,
     /// The guarantees table: `class/dtype` -> comparisons with the solo twin (see README "Guarantees").
     pub table: BTreeMap<String, ClassCount>,
+    /// Generated ill-formed inputs (`Op::IllFormed`, impossible adopted states) that production refused with the
+    /// expected typed error and every byte and state unchanged, per input class (`dtype`, `shape`, `heads`,
+    /// `storage_kind`, `row_id`, `adopt_state`).
+    #[serde(default)]
+    pub ill_formed_rejected: BTreeMap<String, u64>,
 }
 
 impl Default for Counters {
@@ -81,6 +86,7 @@ impl Default for Counters {
             model_checks: 0,
             guarantees: Guarantees { exact_unpadded_decode: true },
             table: BTreeMap::new(),
+            ill_formed_rejected: BTreeMap::new(),
         }
     }
 }
@@ -150,6 +156,16 @@ impl Counters {
         for (k, v) in &o.table {
             self.table.entry(k.clone()).or_default().add(v);
         }
+        for (k, v) in &o.ill_formed_rejected {
+            *self.ill_formed_rejected.entry(k.clone()).or_insert(0) += v;
+        }
+    }
+
+    /// One ill-formed input of class `class` refused as expected (typed error, nothing changed).
+    pub fn record_rejected(&mut self, class: &str) {
+        *self.ill_formed_rejected.entry(class.to_string()).or_insert(0) += 1;
+        self.expected_errors += 1;
+        self.checks += 1;
     }
 }
 

@@ -7,9 +7,17 @@ use kvsim::sim::{run_seed, DeviceChoice};
 fn forty_seeds_pass_and_cover_every_op_kind() {
     let mut kinds = BTreeSet::new();
     let mut failures = vec![];
+    let mut classes = std::collections::BTreeMap::<String, u64>::new();
+    let mut rejected = std::collections::BTreeMap::<String, u64>::new();
     for seed in 0..40u64 {
         let r = run_seed(seed, DeviceChoice::Cpu, None);
         kinds.extend(r.ops_by_kind.keys().cloned());
+        for (c, n) in &r.api_coverage {
+            *classes.entry(c.clone()).or_default() += n;
+        }
+        for (c, n) in &r.counters.ill_formed_rejected {
+            *rejected.entry(c.clone()).or_default() += n;
+        }
         if r.failed() {
             failures.push(format!("seed {seed}: {:?}", r.trace.outcome));
         }
@@ -17,5 +25,20 @@ fn forty_seeds_pass_and_cover_every_op_kind() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     for k in kvsim::sim::ops::OpKind::ALL {
         assert!(kinds.contains(k.name()), "op kind {} never ran in 40 seeds", k.name());
+    }
+    // Issue #17: every public operation / parameter class of `API_CLASSES` is applied (join permutations, bypass
+    // batch trims, adopt, decode_phase, prepare on rows holding positions and with a length of 0, early finalize,
+    // ill-formed inputs of every class), and every ill-formed input class was refused with nothing changed.
+    let listed: BTreeSet<&str> = kvsim::sim::ops::API_CLASSES.iter().copied().collect();
+    let applied: BTreeSet<&str> = classes.keys().map(String::as_str).collect();
+    assert_eq!(applied, listed, "api_coverage keys are exactly API_CLASSES");
+    for c in kvsim::sim::ops::API_CLASSES {
+        assert!(classes.get(*c).copied().unwrap_or(0) > 0, "api class {c} never applied in 40 seeds: {classes:?}");
+    }
+    for c in kvsim::sim::ops::IllInput::ALL.iter().map(|i| i.name()).chain(["adopt_state"]) {
+        assert!(
+            rejected.get(c).copied().unwrap_or(0) > 0,
+            "no ill-formed {c} input rejected in 40 seeds: {rejected:?}"
+        );
     }
 }

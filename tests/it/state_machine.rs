@@ -8,7 +8,7 @@
 //!   `SerialCache`s with their own twins.
 //!
 //! After every transition: row counts, every row's `RingState` (and `base`, `pending`, left padding, trimmability,
-//! RoPE offsets) against the model; every row's physical and temporal K/V bytes against its twin's *and* against the
+//! RoPE offsets, `row_decode_phase`) against the model, `adopt` of the batch's own buffers and states; every row's physical and temporal K/V bytes against its twin's *and* against the
 //! model's tokens (`kvsim::bytes::ArrayBytes`); during the transition, every read's outputs (decode, window, padded
 //! prefill window, commit span) byte-identical to the twin's (CPU), and every illegal request's error kind equal to
 //! the model's prediction.
@@ -21,7 +21,7 @@
 //! Runs `cases: 48` by default; `PROPTEST_CASES=N` overrides it for longer runs. Failures are persisted to
 //! `proptest-regressions/it/state_machine.txt` and replayed first.
 
-use kvsim::cache::{CacheError, JoinSource, KvDtype, KvSpec, Masks, RingState, RowBatch, SerialCache};
+use kvsim::cache::{CacheError, DecodePhase, JoinSource, KvDtype, KvSpec, Masks, RingState, RowBatch, SerialCache};
 use kvsim::reference::{BatchModel, ModelError, RowModel, Tensor, Tok};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
@@ -819,9 +819,16 @@ impl StateMachineTest for CacheMachine {
             assert_eq!(st.ring, ring(&req.m), "{what}: RingState vs model ({})", req.m.picture());
             assert_eq!(st.base, req.m.base, "{what}: base");
             assert_eq!(st.pending, req.m.pending, "{what}: pending");
+            let ring_phase = b.row_decode_phase(i).unwrap() == DecodePhase::Ring;
+            assert_eq!(ring_phase, req.m.decode_phase_is_ring(), "{what}: row_decode_phase vs model");
             let phys = b.row_physical(i).unwrap();
             let temporal = b.row_temporal_view(i).unwrap();
             sut.check_storage(&what, &req.m, phys, temporal, &sut.twins[i]);
+        }
+        // `adopt` of the batch's own buffers and row states is the same batch (R-BROT-8).
+        if let Some((k, v)) = b.buffers() {
+            let adopted = RowBatch::adopt(b.spec(), b.max_size(), k, v, b.row_states().to_vec()).unwrap();
+            assert_eq!(adopted.row_states(), b.row_states(), "adopt of the batch's own buffers and states");
         }
         for (i, req) in r.solo.iter().enumerate() {
             let what = format!("solo request {}", req.id);

@@ -27,6 +27,8 @@ use crate::sim::observe::{Call, Read, StateView, TrimInfo};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::summary::Counters;
 
+mod probes;
+
 /// Where a request's storage lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Home {
@@ -179,7 +181,7 @@ impl Attention {
             Op::SoloDecode { req } => self.solo_decode(cx, *req)?,
             Op::SoloTrim { req, n, bypass } => self.solo_trim(cx, *req, *n as usize, *bypass)?,
             Op::Merge { reqs } => self.enter(cx, reqs, true)?,
-            Op::Join { reqs } => self.enter(cx, reqs, false)?,
+            Op::Join { reqs, order } => self.join(cx, reqs, order)?,
             Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize)?,
             Op::Decode => self.batch_decode(cx)?,
             Op::Window { len } => self.batch_window(cx, *len as usize, true)?,
@@ -188,7 +190,7 @@ impl Attention {
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize)?,
             Op::Extract { row, finish } => self.extract(cx, *row as usize, *finish)?,
             Op::Filter { keep } => self.filter(cx, keep)?,
-            Op::Trim { n } => self.batch_trim(cx, *n as usize)?,
+            Op::Trim { n, bypass } => self.batch_trim(cx, *n as usize, *bypass)?,
             Op::ReadBlock { req, len } => self.solo_read_block(cx, *req, *len as usize)?,
             Op::BidirPrefill { req, len, image } => self.bidir_prefill(cx, *req, *len as usize, *image)?,
             Op::CompiledStep { req } => self.compiled_step(cx, *req)?,
@@ -198,6 +200,10 @@ impl Attention {
             // The bf16-first family's own ops (prefix reuse from its stored entry, the refused plain read) touch
             // no cache here: `check_all` after the op proves it.
             Op::PrefixReuse { .. } | Op::PlainRead => true,
+            Op::Adopt { invalid } => self.adopt(*invalid)?,
+            Op::DecodePhase => self.decode_phases()?,
+            Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,
+            Op::IllFormed { req, batch, input, variant } => self.ill_formed(*req, *batch, *input, *variant)?,
         })
     }
 
@@ -534,7 +540,26 @@ impl Attention {
     }
 
     /// Solo requests enter the running batch: by temporal merge (`merge = true`) or keeping their phase (join).
+    /// `join` with the running batch's rows listed in `order` (empty: identity). A permutation is first described to
+    /// observers as a `filter` keeping every row in that order (mlx-lm's `filter` reorders rows alike).
+    fn join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
+        let rows = self.rows.len();
+        let perm: Vec<usize> =
+            if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
+        let mut sorted = perm.clone();
+        sorted.sort_unstable();
+        if sorted != (0..rows).collect::<Vec<_>>() || !reqs.iter().any(|&r| self.solo_req(r)) {
+            return Ok(false);
+        }
+        self.enter_ordered(cx, reqs, false, &perm)
+    }
+
     fn enter(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool) -> Res<bool> {
+        let perm: Vec<usize> = (0..self.rows.len()).collect();
+        self.enter_ordered(cx, reqs, merge, &perm)
+    }
+
+    fn enter_ordered(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool, perm: &[usize]) -> Res<bool> {
         let mut ids: Vec<u32> = vec![];
         for &r in reqs {
             if self.solo_req(r) && !ids.contains(&r) {
@@ -545,7 +570,11 @@ impl Attention {
             return Ok(false);
         }
         let max = self.max_size();
+        let identity = perm.iter().enumerate().all(|(i, &r)| i == r);
         if cx.observer.wants_calls() {
+            if !identity {
+                emit(cx, Call::Filter { keep: perm })?;
+            }
             let offsets: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.offset).collect();
             let sizes: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.cols.len()).collect();
             emit(cx, Call::Enter { reqs: &ids, merge, offsets: &offsets, sizes: &sizes })?;
@@ -564,15 +593,18 @@ impl Attention {
                     ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
                 RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (serial rows)", e))?
             };
-            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
             let joined = RowBatch::join(
                 self.spec,
                 max,
-                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(&incoming, (0..ids.len()).collect())],
+                &[
+                    JoinSource::Rows(&self.batch[layer], perm.to_vec()),
+                    JoinSource::Rows(&incoming, (0..ids.len()).collect()),
+                ],
             )
             .map_err(|e| unexpected("join", e))?;
             self.batch[layer] = joined;
         }
+        self.rows = perm.iter().map(|&r| self.rows[r]).collect();
         for id in &ids {
             let r = self.reqs.get_mut(id).unwrap();
             r.home = Home::Batch;
@@ -612,7 +644,6 @@ impl Attention {
             return Ok(false);
         }
         let max = self.max_size();
-        let scale = self.cfg.scale();
         let b = ids.len();
         // Fresh rows, from the requests' own (empty) serial caches.
         let mut pre: Vec<RowBatch> = vec![];
@@ -626,13 +657,57 @@ impl Attention {
         for id in &ids {
             self.reqs.get_mut(id).unwrap().model.base = 0;
         }
-        let padded = lens.iter().any(|&x| x != lens[0]);
         if cx.observer.wants_calls() {
             emit(cx, Call::Prefill { reqs: &ids, lengths: &lens, chunk })?;
         }
         let total = *lens.iter().max().unwrap();
+        self.padded_chunks(cx, &mut pre, &ids, &lens, chunk, usize::MAX, true)?;
+        for (layer, p) in pre.iter_mut().enumerate() {
+            p.finalize().map_err(|e| unexpected("finalize", e))?;
+            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
+            self.batch[layer] = RowBatch::join(
+                self.spec,
+                max,
+                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
+            )
+            .map_err(|e| unexpected("join (prefilled rows)", e))?;
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).unwrap();
+            r.home = Home::Batch;
+            r.history.layout_event = true;
+            r.solo.clear();
+            self.rows.push(*id);
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::PrefillEnd { longest: total })?;
+        }
+        let _ = b;
+        Ok(true)
+    }
+
+    /// The chunks of a prepared (right-padded) prefill on `batches` (one per layer, rows `ids`, `lens[r]` real
+    /// positions still to come for row `r`): at most `max_chunks` window reads of `chunk` positions, each checked
+    /// row by row against the twins (fed only the row's real positions) and the model. Returns the positions
+    /// delivered to the longest row. Calls are described to the observer only with `observe`.
+    #[allow(clippy::too_many_arguments)]
+    fn padded_chunks(
+        &mut self,
+        cx: &mut Cx<'_>,
+        batches: &mut [RowBatch],
+        ids: &[u32],
+        lens: &[usize],
+        chunk: usize,
+        max_chunks: usize,
+        observe: bool,
+    ) -> Res<usize> {
+        let scale = self.cfg.scale();
+        let padded = lens.iter().any(|&x| x != lens[0]);
+        let total = lens.iter().copied().max().unwrap_or(0);
         let mut done = 0;
-        while done < total {
+        let mut chunks = 0;
+        while done < total && chunks < max_chunks {
+            chunks += 1;
             let l = chunk.min(total - done);
             // Per row: the real positions of this chunk, then padding.
             let mut toks: Vec<Vec<Option<Tok>>> = vec![];
@@ -658,14 +733,15 @@ impl Attention {
             for layer in 0..self.cfg.layers {
                 let masks = Masks::new();
                 let (k, v, q) = self.kvq(layer, &toks)?;
-                let got = pre[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
-                if cx.observer.wants_calls() {
+                let got =
+                    batches[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
+                if observe && cx.observer.wants_calls() {
                     let real: Vec<usize> = reals.iter().map(Vec::len).collect();
                     emit(
                         cx,
                         Call::PrefillChunk {
                             layer,
-                            reqs: &ids,
+                            reqs: ids,
                             k: &k,
                             v: &v,
                             q: &q,
@@ -698,28 +774,7 @@ impl Attention {
             }
             done += l;
         }
-        for (layer, p) in pre.iter_mut().enumerate() {
-            p.finalize().map_err(|e| unexpected("finalize", e))?;
-            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
-            self.batch[layer] = RowBatch::join(
-                self.spec,
-                max,
-                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
-            )
-            .map_err(|e| unexpected("join (prefilled rows)", e))?;
-        }
-        for id in &ids {
-            let r = self.reqs.get_mut(id).unwrap();
-            r.home = Home::Batch;
-            r.history.layout_event = true;
-            r.solo.clear();
-            self.rows.push(*id);
-        }
-        if cx.observer.wants_calls() {
-            emit(cx, Call::PrefillEnd { longest: total })?;
-        }
-        let _ = b;
-        Ok(true)
+        Ok(done)
     }
 
     /// Every batch row's twin reads its request's next `len` positions (the same K/V/Q the row got); outputs in row
@@ -1091,11 +1146,11 @@ impl Attention {
         Ok(true)
     }
 
-    fn batch_trim(&mut self, cx: &mut Cx<'_>, n: usize) -> Res<bool> {
+    fn batch_trim(&mut self, cx: &mut Cx<'_>, n: usize, bypass: bool) -> Res<bool> {
         if self.rows.is_empty() {
             return Ok(false);
         }
-        let (models, expected) = self.model_trims(&vec![n; self.rows.len()], false);
+        let (models, expected) = self.model_trims(&vec![n; self.rows.len()], bypass);
         let recording = cx.observer.wants_calls();
         let before: Vec<crate::cache::RingState> = if recording {
             self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
@@ -1104,14 +1159,14 @@ impl Attention {
         };
         let mut first: Option<Result<usize, String>> = None;
         for layer in 0..self.cfg.layers {
-            let got = self.batch[layer].trim(n, false);
+            let got = self.batch[layer].trim(n, bypass);
             if recording && first.is_none() {
                 first = Some(got.as_ref().map(|x| *x).map_err(|e| format!("{e:?}")));
             }
             check::error_matches("batch trim", &expected, &got.map(|_| ()))?;
             if expected.is_ok() {
                 for &id in &self.rows.clone() {
-                    let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(n, false);
+                    let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(n, bypass);
                     check::error_matches("twin trim", &expected, &t.map(|_| ()))?;
                 }
             }
@@ -1120,7 +1175,7 @@ impl Attention {
             let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
             let after_window = before.iter().all(|s| s.last_concat.is_some_and(|l| l >= n));
             let live = before.iter().map(|s| s.len).collect();
-            let trim = TrimInfo { n: vec![n], bypass: false, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            let trim = TrimInfo { n: vec![n], bypass, kvsim: first.unwrap_or(Ok(0)), after_window, live };
             emit(cx, Call::Trim { reqs: &self.rows, offsets: &offsets, trim: &trim })?;
         }
         match expected {

@@ -415,8 +415,17 @@ impl TransitionFamily {
     }
 
     /// Rows `ids` (requests outside the batch) enter it: every running row is handed back to its lego and merged
-    /// with theirs (`Merge` and `Join` alike: the rows layout has one merge).
-    fn enter(&mut self, reqs: &[u32]) -> Res<bool> {
+    /// with theirs (`Merge` and `Join` alike: the rows layout has one merge), the running rows listed in `order`
+    /// (empty: identity; anything but a permutation of the rows skips the op, as in the attention family).
+    fn enter(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
+        let n = self.rows.len();
+        let perm: Vec<usize> =
+            if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
+        let mut sorted = perm.clone();
+        sorted.sort_unstable();
+        if sorted != (0..n).collect::<Vec<_>>() {
+            return Ok(false);
+        }
         let mut ids: Vec<u32> = vec![];
         for &r in reqs {
             if self.solo_req(r) && !ids.contains(&r) {
@@ -425,6 +434,10 @@ impl TransitionFamily {
         }
         if ids.is_empty() {
             return Ok(false);
+        }
+        if perm.iter().enumerate().any(|(i, &r)| i != r) {
+            // The running rows reordered first (a filter keeping every row in that order).
+            self.filter_rows(&perm)?;
         }
         self.enter_ids(&ids)?;
         Ok(true)
@@ -1168,7 +1181,8 @@ impl Family for TransitionFamily {
             Op::Admit { req } => self.admit(*req),
             Op::SoloWindow { req, len } => self.solo_append(cx, *req, *len as usize, false),
             Op::SoloDecode { req } => self.solo_append(cx, *req, 1, true),
-            Op::Merge { reqs } | Op::Join { reqs } => self.enter(reqs),
+            Op::Merge { reqs } => self.enter(reqs, &[]),
+            Op::Join { reqs, order } => self.enter(reqs, order),
             Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.batch_read(cx, 1, true),
             Op::Window { len } => self.batch_read(cx, *len as usize, false),
