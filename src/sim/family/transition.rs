@@ -989,37 +989,25 @@ impl TransitionFamily {
 
     /// Temporal-view planes `[1, H, n, X]` against the model's tokens: bf16 K, V bits, or the affine triples.
     fn planes_vs_model(&self, layer: usize, what: &str, planes: &[ArrayBytes], toks: &[Tok], affine: bool) -> Res<()> {
-        let expect: Vec<Box<dyn Fn(Tok) -> Vec<u32>>> = if affine {
-            let (vs, q, l) = (self.vs.clone(), self.rq(), layer as u32);
-            let mk = move |t: Tensor, part: usize| -> Box<dyn Fn(Tok) -> Vec<u32>> {
-                let vs = vs.clone();
-                Box::new(move |tok| {
-                    let x = quantized_column(&vs, l, t, tok, q);
-                    [x.packed, x.scales, x.biases].into_iter().nth(part).unwrap_or_default()
-                })
-            };
-            vec![
-                mk(Tensor::K, 0),
-                mk(Tensor::K, 1),
-                mk(Tensor::K, 2),
-                mk(Tensor::V, 0),
-                mk(Tensor::V, 1),
-                mk(Tensor::V, 2),
-            ]
-        } else {
-            let (vk, vv, l) = (self.vs.clone(), self.vs.clone(), layer as u32);
-            vec![
-                Box::new(move |tok| vk.column_bits(l, Tensor::K, tok)),
-                Box::new(move |tok| vv.column_bits(l, Tensor::V, tok)),
-            ]
+        let (vs, q, l) = (self.vs, self.rq(), layer as u32);
+        // Plane order: [k, v] (bf16), or [kq, ks, kb, vq, vs, vb] (affine).
+        let expect = |p: usize, tok: Tok| -> Vec<u32> {
+            if affine {
+                let t = if p < 3 { Tensor::K } else { Tensor::V };
+                let x = quantized_column(&vs, l, t, tok, q);
+                [x.packed, x.scales, x.biases].into_iter().nth(p % 3).unwrap_or_default()
+            } else {
+                vs.column_bits(l, if p == 0 { Tensor::K } else { Tensor::V }, tok)
+            }
         };
-        if planes.len() != expect.len() {
+        let n_planes = if affine { 6 } else { 2 };
+        if planes.len() != n_planes {
             return Err(Failure::new(
                 "state_vs_model",
-                format!("{what}: {} planes, expected {}", planes.len(), expect.len()),
+                format!("{what}: {} planes, expected {n_planes}", planes.len()),
             ));
         }
-        for (p, (plane, f)) in planes.iter().zip(&expect).enumerate() {
+        for (p, plane) in planes.iter().enumerate() {
             let (h, n, x) = (plane.shape[1] as usize, plane.shape[2] as usize, plane.shape[3] as usize);
             if n != toks.len() {
                 return Err(Failure::new(
@@ -1028,7 +1016,7 @@ impl TransitionFamily {
                 ));
             }
             for (c, &tok) in toks.iter().enumerate() {
-                let e = f(tok);
+                let e = expect(p, tok);
                 for hh in 0..h {
                     for k in 0..x {
                         if plane.words.get((hh * n + c) * x + k) != e[hh * x + k] as u64 {
