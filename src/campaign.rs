@@ -138,6 +138,10 @@ pub struct Summary {
     pub rollbacks_across_wrap: u64,
     #[serde(default)]
     pub reuses: u64,
+    /// The recurrent family's speculative rounds, rollbacks (with unequal per-row keeps) and replays, summed over
+    /// its runs (absent when no run held it).
+    #[serde(default, skip_serializing_if = "crate::sim::summary::Recurrent::is_zero")]
+    pub recurrent: crate::sim::summary::Recurrent,
     pub device: String,
     pub mlx_version: String,
     /// blake3 of the ordered per-seed result hashes.
@@ -256,6 +260,7 @@ impl Summary {
         self.rounds = t.rounds;
         self.rollbacks_across_wrap = t.rollbacks_across_wrap;
         self.reuses = t.reuses;
+        self.recurrent = t.recurrent;
         self.ill_formed_rejected = t.ill_formed_rejected.clone();
         self.bit_exact = BitExact {
             state: t.bit_exact_state,
@@ -442,8 +447,14 @@ pub fn test_budget(m: Mutant) -> u64 {
         | Mutant::TkvPackBeforeAllConverted
         | Mutant::TkvRollbackDropsKept
         | Mutant::TkvFloorLostByExtract => 120,
-        // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 5, 2 and 14.
-        Mutant::MergeSlicesByOffset | Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
+        // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 2 and 14.
+        Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
+        // Caught at seed 123 since the recurrent family joined the swarm (its runs never draw trims, and this bug
+        // needs a bypass-trimmed ring).
+        Mutant::MergeSlicesByOffset => 200,
+        // The recurrent family's left-padding mutants: reached only by seeds that hold it (swarm probability 0.4)
+        // with the `ssm` set and a left-padded prefill (measured catch seed 46 for both; the others at seed 2).
+        Mutant::SsmMaskIgnoresLeftPadding | Mutant::SsmFilterShiftsEmptyPadding => 100,
         _ => 20,
     }
 }

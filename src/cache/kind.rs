@@ -32,6 +32,9 @@ pub const TRAINING: &str = "train:training";
 /// The prefix-shared training cache for chosen/rejected pairs (`PrefixSharedCache`): never admitted, merged or
 /// persisted.
 pub const PREFIX_SHARED: &str = "train:prefix-shared";
+/// The training DeltaNet cache (`TrainingSsmCache`): zero state every call, state discarded; never admitted, merged
+/// or persisted.
+pub const TRAINING_SSM: &str = "train:training-ssm";
 
 /// A cache's stable identity string (R-C-1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -220,9 +223,9 @@ pub fn is_plain_kv(k: &StorageKind) -> bool {
     k.0 == KV_PLAIN || k.0.strip_suffix(ROW_BATCH_MARKER) == Some(KV_PLAIN)
 }
 
-/// True iff `k` is a known training-only kind ([`TRAINING`], [`PREFIX_SHARED`]).
+/// True iff `k` is a known training-only kind ([`TRAINING`], [`PREFIX_SHARED`], [`TRAINING_SSM`]).
 pub fn is_training(k: &StorageKind) -> bool {
-    k.0 == TRAINING || k.0 == PREFIX_SHARED
+    k.0 == TRAINING || k.0 == PREFIX_SHARED || k.0 == TRAINING_SSM
 }
 
 /// True iff `k` is exactly the recurrent kind [`SSM`].
@@ -323,7 +326,7 @@ mod tests {
 
     #[test]
     fn training_kinds_are_never_routed() {
-        for kind in [TRAINING, PREFIX_SHARED] {
+        for kind in [TRAINING, PREFIX_SHARED, TRAINING_SSM] {
             let k = StorageKind::new(kind);
             assert!(is_training(&k) && !is_known(&k) && !is_row_batch(&k) && !is_rotating(&k) && !is_plain_kv(&k));
             assert_eq!(k.route(), Err(CacheError::TrainingOnly { kind: kind.to_string() }));

@@ -46,7 +46,7 @@ pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
     is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training, parse_delayed,
     DelayedKind, KindRoute, StorageKind, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX, KV_PLAIN, PREFIX_SHARED,
-    QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING,
+    QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING, TRAINING_SSM,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use quant::{
@@ -55,7 +55,7 @@ pub use quant::{
 };
 pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
 pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
-pub use training::{PrefixSharedCache, TrainingCache};
+pub use training::{PrefixSharedCache, TrainingCache, TrainingSsmCache};
 pub use transition::{
     Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, RowLifecycle, Transition,
     TransitioningKvRows,

@@ -76,6 +76,9 @@ pub enum Mutant {
     /// `filter` on an empty batch with pending left padding shifts the padding off as if columns had been
     /// dropped (mlx-lm#1736's class). Hook: `SsmCache::filter`.
     SsmFilterShiftsEmptyPadding,
+    /// A per-row rollback restores each row from its neighbour's pre-round snapshot (row `b` gets row `(b + 1) mod
+    /// B`'s states): a state handed to the wrong request. Hook: `SsmCache::spec_round_rollback_rows`.
+    SsmRollbackNeighbourSnapshot,
     /// A batched decode read of rows of equal `len` attends the key/value columns in reverse physical order. The
     /// attention is mathematically the same (every column is visible, K and V are permuted alike); only the
     /// summation order changes, so only a rounding-level difference reveals it: the byte comparison of decode
@@ -144,6 +147,7 @@ impl Mutant {
         Mutant::SsmConvTailAtPaddedEnd,
         Mutant::SsmFinalizeKeepsPaddedHistory,
         Mutant::SsmFilterShiftsEmptyPadding,
+        Mutant::SsmRollbackNeighbourSnapshot,
         Mutant::DecodeKeyOrder,
         Mutant::DecodeScaleUlp,
         Mutant::AdoptDropsPhase,
@@ -183,6 +187,7 @@ impl Mutant {
             Mutant::SsmConvTailAtPaddedEnd => "ssm-conv-tail-at-padded-end",
             Mutant::SsmFinalizeKeepsPaddedHistory => "ssm-finalize-keeps-padded-history",
             Mutant::SsmFilterShiftsEmptyPadding => "ssm-filter-shifts-empty-padding",
+            Mutant::SsmRollbackNeighbourSnapshot => "ssm-rollback-neighbour-snapshot",
             Mutant::DecodeKeyOrder => "decode-key-order",
             Mutant::DecodeScaleUlp => "decode-scale-ulp",
             Mutant::AdoptDropsPhase => "adopt-drops-phase",
@@ -253,6 +258,7 @@ impl Mutant {
                 "a padded call advances rows by the window width and finalize does not roll it back"
             }
             Mutant::SsmFilterShiftsEmptyPadding => "filter on an empty batch shifts its pending left padding off",
+            Mutant::SsmRollbackNeighbourSnapshot => "a rollback restores each row from its neighbour's snapshot",
             Mutant::DecodeKeyOrder => "batched decode reads attend the key columns in reverse order (rounding only)",
             Mutant::DecodeScaleUlp => "batched decode reads scale scores by one f32 ULP more (rounding only)",
             Mutant::AdoptDropsPhase => "adopt drops each row's ring phase (idx = len)",

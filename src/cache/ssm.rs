@@ -594,6 +594,13 @@ impl SsmCache {
             .collect();
         let count = keep.iter().copied().max().unwrap_or(0);
         let (mut conv, mut recurrent, mut offsets) = (rec.conv.clone(), rec.recurrent.clone(), rec.offsets.clone());
+        if mutation::is(Mutant::SsmRollbackNeighbourSnapshot) && self.rows() > 1 {
+            // The planted bug: each row gets its neighbour's pre-round states.
+            let n = self.rows();
+            let idx = index_array(&(0..n).map(|b| (b + 1) % n).collect::<Vec<_>>(), &[n])?;
+            conv = conv.take_axis(&idx, 0)?;
+            recurrent = recurrent.take_axis(&idx, 0)?;
+        }
         if count > 0 {
             let c = dim(count)?;
             let qkv = rec.qkv.try_index((.., 0..c, ..))?;

@@ -20,8 +20,9 @@
 use mlx_rs::Array;
 
 use super::error::{invalid, CacheError};
-use super::kind::{StorageKind, PREFIX_SHARED, TRAINING};
+use super::kind::{StorageKind, PREFIX_SHARED, TRAINING, TRAINING_SSM};
 use super::mask::{attend, FamilyKey, MaskUse, Masks};
+use super::ssm::{GdnParams, SsmCache, SsmSpec};
 use super::util::{check_kv, check_q, ncols};
 use super::{KvSpec, Result};
 
@@ -245,6 +246,61 @@ impl PrefixSharedCache {
             _ => return Err(CacheError::InvalidState { what: "prefix-shared mask is always an array".into() }),
         };
         Ok((attend(q, &kf, &vf, scale, Some((&spec, &arr)), false)?, used))
+    }
+}
+
+/// The training DeltaNet cache (`train:training-ssm`, R-TRN-1 for the gated-DeltaNet layers of a hybrid model): every call
+/// starts from the zero state (a fresh [`SsmCache`] of the batch's rows) and discards the state it ends with, so
+/// calling it twice gives the same bytes and nothing is carried between forwards. With row lengths (a right-padded
+/// batch), row `b`'s positions past `lengths[b]` are padding: they are zeroed and their recurrence steps are masked,
+/// as in a prepared prefill ([`SsmCache::prepare`]), so every real position's output equals the row run alone
+/// (byte for byte on CPU, the simulator checks it). Its kind routes nowhere: no merge, join or persistence path can
+/// take it. Rule: mlx-lm 0.32.2 `mlx_lm/models/qwen3_5.py` `GatedDeltaNet.__call__` with `cache=None` (zero conv
+/// and recurrent state, nothing stored).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainingSsmCache {
+    spec: SsmSpec,
+    lengths: Option<Vec<usize>>,
+}
+
+impl TrainingSsmCache {
+    /// Unpadded rows.
+    pub fn new(spec: SsmSpec) -> Result<Self> {
+        SsmCache::new(spec, 0)?;
+        Ok(TrainingSsmCache { spec, lengths: None })
+    }
+
+    /// A right-padded batch whose row `b` holds `lengths[b]` real positions; no rows is [`CacheError::BadLengths`].
+    pub fn padded(spec: SsmSpec, lengths: Vec<usize>) -> Result<Self> {
+        SsmCache::new(spec, 0)?;
+        if lengths.is_empty() {
+            return Err(CacheError::BadLengths { what: "a padded training batch of no rows".into() });
+        }
+        Ok(TrainingSsmCache { spec, lengths: Some(lengths) })
+    }
+
+    /// `train:training-ssm`.
+    pub fn storage_kind(&self) -> StorageKind {
+        StorageKind::new(TRAINING_SSM)
+    }
+
+    /// The layer's cache-side forward of `qkv [B, N, conv_dim]`, `a`, `b` `[B, N, Hv]` from the zero state; returns
+    /// `y [B, N, Hv, Dv]` (unspecified at padded positions). Lengths that do not match the batch (count, or a row
+    /// longer than `N`) are [`CacheError::BadLengths`]; bad shapes [`CacheError::ShapeMismatch`].
+    pub fn forward(&self, qkv: &Array, a: &Array, b: &Array, params: &GdnParams) -> Result<Array> {
+        let shape = qkv.shape();
+        let rows = shape.first().map_or(0, |&x| x.max(0) as usize);
+        let n = shape.get(1).map_or(0, |&x| x.max(0) as usize);
+        let mut cache = SsmCache::new(self.spec, rows)?;
+        if let Some(lengths) = &self.lengths {
+            if lengths.len() != rows || lengths.iter().any(|&l| l > n) {
+                return Err(CacheError::BadLengths {
+                    what: format!("lengths {lengths:?} for {rows} rows of {n} positions"),
+                });
+            }
+            cache.prepare(lengths, &[])?;
+        }
+        cache.window(qkv, a, b, params)
     }
 }
 

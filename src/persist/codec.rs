@@ -33,8 +33,8 @@ use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
 use crate::cache::mutation::{self, Mutant};
 use crate::cache::{
-    KindRoute, KvDtype, KvSpec, QuantSpec, RingState, RowBatch, RowState, SerialCache, Storage, StorageKind, KV_PLAIN,
-    ROTATING_PLAIN, ROW_BATCH_MARKER,
+    KindRoute, KvDtype, KvSpec, QuantSpec, RingState, RowBatch, RowState, SerialCache, SsmCache, SsmSpec, Storage,
+    StorageKind, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
 };
 
 /// A cache of any persistable kind.
@@ -42,6 +42,8 @@ use crate::cache::{
 pub enum AnyCache {
     Serial(SerialCache),
     Rows(RowBatch),
+    /// The gated-DeltaNet recurrent cache (`ssm`), any number of rows.
+    Ssm(SsmCache),
 }
 
 impl AnyCache {
@@ -50,6 +52,7 @@ impl AnyCache {
         match self {
             AnyCache::Serial(c) => c.storage_kind(),
             AnyCache::Rows(b) => b.storage_kind(),
+            AnyCache::Ssm(c) => c.storage_kind(),
         }
     }
 
@@ -58,20 +61,25 @@ impl AnyCache {
         match self {
             AnyCache::Serial(c) => c.offset(),
             AnyCache::Rows(b) => b.offset(),
+            AnyCache::Ssm(c) => c.offset(),
         }
     }
 
-    pub fn spec(&self) -> KvSpec {
+    /// The K/V spec of an attention layout (`None` for the recurrent cache).
+    pub fn spec(&self) -> Option<KvSpec> {
         match self {
-            AnyCache::Serial(c) => c.spec(),
-            AnyCache::Rows(b) => b.spec(),
+            AnyCache::Serial(c) => Some(c.spec()),
+            AnyCache::Rows(b) => Some(b.spec()),
+            AnyCache::Ssm(_) => None,
         }
     }
 
+    /// The window of an attention layout (`None` for a linear one and for the recurrent cache).
     pub fn max_size(&self) -> Option<usize> {
         match self {
             AnyCache::Serial(c) => c.max_size(),
             AnyCache::Rows(b) => b.max_size(),
+            AnyCache::Ssm(_) => None,
         }
     }
 }
@@ -142,6 +150,7 @@ impl Default for Registry {
                 Box::new(SerialCodec { rotating: true, quantized: true }),
                 Box::new(RowsCodec { rotating: false, quantized: true }),
                 Box::new(RowsCodec { rotating: true, quantized: true }),
+                Box::new(SsmCodec),
             ],
         }
     }
@@ -503,6 +512,98 @@ impl Codec for RowsCodec {
         let arrays = planes.iter().map(|t| t.to_array()).collect::<Result<Vec<_>>>()?;
         let b = RowBatch::adopt_planes(spec, st.spec.max_size, storage, arrays, rows)?;
         Ok(AnyCache::Rows(b))
+    }
+}
+
+/// `ssm`: the gated-DeltaNet recurrent cache, every row. Tensors `conv` `[B, K-1, conv_dim]` (input dtype) and
+/// `recurrent` `[B, Hv, Dv, Dk]` (f32), whole (the state does not grow); state: the spec and per-row `offsets`. A
+/// cache with a pending prefill or an armed speculative round is refused (neither is a resting state: finalize or
+/// resolve the round first), so a loaded cache is always at rest.
+struct SsmCodec;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SsmState {
+    kernel: usize,
+    heads_k: usize,
+    heads_v: usize,
+    dk: usize,
+    dv: usize,
+    dtype: KvDtype,
+    offsets: Vec<usize>,
+}
+
+impl Codec for SsmCodec {
+    fn storage_kind(&self) -> &'static str {
+        SSM
+    }
+
+    fn encode(&self, cache: &AnyCache) -> Result<Entry> {
+        let AnyCache::Ssm(c) = cache else {
+            return Err(PersistError::malformed("ssm codec given an attention cache"));
+        };
+        if c.is_pending() || c.in_round() {
+            return Err(PersistError::unsupported("an ssm cache with a pending prefill or an armed round"));
+        }
+        let sp = c.spec();
+        let state = SsmState {
+            kernel: sp.kernel,
+            heads_k: sp.heads_k,
+            heads_v: sp.heads_v,
+            dk: sp.dk,
+            dv: sp.dv,
+            dtype: sp.dtype,
+            offsets: c.offsets().to_vec(),
+        };
+        Ok(Entry {
+            storage_kind: SSM.to_string(),
+            state: serde_json::to_value(state).map_err(|e| PersistError::malformed(e.to_string()))?,
+            tensors: vec![
+                ("conv".into(), HostTensor::from_array(c.conv())?),
+                ("recurrent".into(), HostTensor::from_array(c.recurrent())?),
+            ],
+            minimum_reusable_offset: 0,
+        })
+    }
+
+    fn decode(&self, e: &Entry) -> Result<AnyCache> {
+        let st: SsmState = state_of(e)?;
+        let spec = SsmSpec {
+            kernel: st.kernel,
+            heads_k: st.heads_k,
+            heads_v: st.heads_v,
+            dk: st.dk,
+            dv: st.dv,
+            dtype: st.dtype,
+        };
+        let rows = st.offsets.len();
+        let (conv, rec) = (e.tensor("conv")?, e.tensor("recurrent")?);
+        for (name, t, dtype) in [("conv", conv, kv_dtype(st.dtype)), ("recurrent", rec, TensorDtype::F32)] {
+            if t.dtype != dtype {
+                return Err(PersistError::Dtype {
+                    name: name.into(),
+                    expected: dtype.to_string(),
+                    found: t.dtype.to_string(),
+                });
+            }
+        }
+        // Shapes are checked on the host before any array exists (checked arithmetic: a lying header is an error).
+        let dims = |v: &[usize]| v.iter().try_fold(1usize, |a, &x| a.checked_mul(x));
+        let conv_dim = st
+            .heads_k
+            .checked_mul(st.dk)
+            .and_then(|x| x.checked_mul(2))
+            .and_then(|x| x.checked_add(st.heads_v.checked_mul(st.dv)?));
+        let want_conv = conv_dim.map(|c| vec![rows, st.kernel.saturating_sub(1), c]);
+        let want_rec = vec![rows, st.heads_v, st.dv, st.dk];
+        if st.kernel == 0 || want_conv.as_deref() != Some(conv.shape.as_slice()) || dims(&conv.shape).is_none() {
+            return Err(PersistError::shape("conv", format!("shape {:?} for {rows} rows of {spec:?}", conv.shape)));
+        }
+        if rec.shape != want_rec || dims(&rec.shape).is_none() {
+            return Err(PersistError::shape("recurrent", format!("shape {:?}, expected {want_rec:?}", rec.shape)));
+        }
+        let c = SsmCache::from_states(spec, conv.to_array()?, rec.to_array()?, st.offsets)?;
+        Ok(AnyCache::Ssm(c))
     }
 }
 

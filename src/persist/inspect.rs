@@ -172,6 +172,7 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
                     super::AnyCache::Rows(b) => {
                         serde_json::json!(b.row_states().iter().map(|r| r.ring.offset).collect::<Vec<_>>())
                     }
+                    super::AnyCache::Ssm(c) => serde_json::json!(c.offsets()),
                 };
                 layers.push(LayerInfo {
                     kind: e.storage_kind.clone(),

@@ -917,6 +917,7 @@ fn cache_quant(cache: &AnyCache) -> Option<QuantSpec> {
     match cache {
         AnyCache::Serial(c) => c.storage().quant(),
         AnyCache::Rows(b) => b.storage().quant(),
+        AnyCache::Ssm(_) => None,
     }
 }
 
@@ -976,6 +977,9 @@ pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
         return quantized_from_kvsim(cache, q);
     }
     match cache {
+        // mlx-lm's `ArraysCache` carries no offsets, so a file written from it could not be loaded back as the same
+        // cache; the recurrent cache is persisted in kvsim's format only (docs/persistence.md).
+        AnyCache::Ssm(_) => Err(PersistError::unsupported("the ssm cache has no mlx-lm form that keeps its offsets")),
         AnyCache::Serial(c) => {
             let s = c.state();
             let (k, v) = c.physical()?;

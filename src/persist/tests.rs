@@ -186,7 +186,8 @@ fn registry_routes_by_exact_kind_and_fails_closed() {
             "kv:quant:<bits>:<group>",
             "kv:rotating-quant:<bits>:<group>",
             "kv:quant:<bits>:<group>+row-batch",
-            "kv:rotating-quant:<bits>:<group>+row-batch"
+            "kv:rotating-quant:<bits>:<group>+row-batch",
+            "ssm"
         ]
     );
     // Quantized kinds route by their parsed form; anything MLX's quantizer does not accept, or not written
@@ -398,6 +399,89 @@ fn mlxlm_reader_refuses_malformed_files() {
     }
 }
 
+/// A two-row recurrent cache after a few positions (deterministic values), and its layer's params.
+fn ssm_cache(dtype: KvDtype) -> (crate::cache::SsmCache, crate::cache::GdnParams) {
+    use crate::cache::{GdnParams, SsmCache, SsmSpec};
+    use mlx_rs::Array;
+    let spec = SsmSpec { kernel: 4, heads_k: 1, heads_v: 2, dk: 4, dv: 2, dtype };
+    let c = spec.conv_dim();
+    let vals = |n: usize, seed: u32| -> Vec<f32> {
+        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 20) as f32 / 4096.0) - 0.5).collect()
+    };
+    let arr = |v: Vec<f32>, shape: &[i32]| Array::from_slice(&v, shape).as_dtype(dtype.to_mlx()).unwrap();
+    let params = GdnParams {
+        conv_weight: arr(vals(c * 4, 1), &[c as i32, 4, 1]),
+        a_log: Array::from_slice(&vals(2, 2), &[2]),
+        dt_bias: arr(vals(2, 3), &[2]),
+    };
+    let mut cache = SsmCache::new(spec, 2).unwrap();
+    let s = 5;
+    cache
+        .window(
+            &arr(vals(2 * s * c, 4), &[2, s as i32, c as i32]),
+            &arr(vals(2 * s * 2, 5), &[2, s as i32, 2]),
+            &arr(vals(2 * s * 2, 6), &[2, s as i32, 2]),
+            &params,
+        )
+        .unwrap();
+    (cache, params)
+}
+
+#[test]
+fn the_recurrent_cache_round_trips_continues_and_refuses_bad_entries() {
+    let _g = testlock::shared();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let (orig, params) = ssm_cache(dtype);
+        let p = Persisted { cache: AnyCache::Ssm(orig.clone()), minimum_reusable_offset: 3 };
+        let back = roundtrip(&p);
+        assert_eq!(back.minimum_reusable_offset, 3);
+        let AnyCache::Ssm(mut b) = back.cache else { panic!("kind changed") };
+        assert_eq!(b.offsets(), orig.offsets());
+        assert_same_bytes(b.conv(), orig.conv(), "conv");
+        assert_same_bytes(b.recurrent(), orig.recurrent(), "recurrent");
+        // Continuation: the restored cache decodes exactly as the one never saved.
+        let mut a = orig.clone();
+        let c = a.spec().conv_dim();
+        let one = |n: usize, x: f32| {
+            mlx_rs::Array::from_slice(&vec![x; n], &[2, 1, (n / 2) as i32]).as_dtype(dtype.to_mlx()).unwrap()
+        };
+        let (q, ga, gb) = (one(2 * c, 0.25), one(4, -0.5), one(4, 0.125));
+        let (y1, y2) = (a.decode(&q, &ga, &gb, &params).unwrap(), b.decode(&q, &ga, &gb, &params).unwrap());
+        assert_same_bytes(&y1, &y2, "decode after restore");
+        assert_same_bytes(a.recurrent(), b.recurrent(), "state after restore");
+        // Not at rest: a pending prefill or an armed round is refused, the cache unchanged.
+        let reg = Registry::default();
+        let mut pending = orig.clone();
+        pending.prepare(&[1, 1], &[]).unwrap();
+        assert!(matches!(reg.encode(&Persisted::new(AnyCache::Ssm(pending))), Err(PersistError::Unsupported { .. })));
+        let mut armed = orig.clone();
+        armed.spec_round_begin().unwrap();
+        assert!(matches!(reg.encode(&Persisted::new(AnyCache::Ssm(armed))), Err(PersistError::Unsupported { .. })));
+        // Lying entries: a row count the tensors do not have, a wrong dtype, a floor past the offset.
+        let good = reg.encode(&p).unwrap();
+        let mut e = good.clone();
+        e.state["offsets"] = serde_json::json!([5, 5, 5]);
+        assert!(matches!(reg.decode(&e), Err(PersistError::Shape { .. })), "{:?}", reg.decode(&e).err());
+        let mut e = good.clone();
+        e.state["dk"] = serde_json::json!(usize::MAX);
+        assert!(reg.decode(&e).is_err());
+        let mut e = good.clone();
+        e.tensors[1].1.dtype = crate::persist::tensor::TensorDtype::BF16;
+        assert!(matches!(reg.decode(&e), Err(PersistError::Dtype { .. })));
+        let mut e = good.clone();
+        e.minimum_reusable_offset = 99;
+        assert!(matches!(reg.decode(&e), Err(PersistError::InvalidFloor { .. })));
+        // No mlx-lm form (mlx-lm's ArraysCache carries no offsets).
+        assert!(matches!(mlxlm::from_kvsim(&AnyCache::Ssm(orig.clone())), Err(PersistError::Unsupported { .. })));
+        // The fuzz seed corpus holds this file (valid) and a truncated copy (bad); refresh with KVSIM_WRITE_SEEDS=1.
+        if dtype == KvDtype::Bf16 && std::env::var_os("KVSIM_WRITE_SEEDS").is_some() {
+            let bytes = kvsim::encode(&reg, &BTreeMap::new(), std::slice::from_ref(&p)).unwrap();
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/cache_file");
+            std::fs::write(dir.join("valid-kvsim-ssm_cache.kvsim"), &bytes).unwrap();
+            std::fs::write(dir.join("bad-kvsim-ssm-truncated.kvsim"), &bytes[..bytes.len() - 7]).unwrap();
+        }
+    }
+}
 /// A spec whose head dim every group divides (the shared test spec's D = 8 is below MLX's smallest group).
 fn qspec(dtype: KvDtype) -> KvSpec {
     KvSpec { heads_kv: 2, head_dim: 128, ..spec(dtype) }

@@ -10,7 +10,6 @@ pub mod ops;
 pub mod rng;
 pub mod runner;
 pub mod shrink;
-pub mod ssm;
 pub mod summary;
 pub mod trace;
 

@@ -24,6 +24,8 @@ pub enum Stream {
     Families = 5,
     /// The bf16-first family's parameters (bits, group, head dim, `start`), a stream of the run's payload seed.
     Transition = 9,
+    /// The recurrent family's set and DeltaNet geometry (`sim::family::ssm`), seeded by the run's payload seed.
+    Recurrent = 6,
 }
 
 /// A generator for one subsystem of one seed.

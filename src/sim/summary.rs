@@ -26,6 +26,51 @@ impl ClassCount {
     }
 }
 
+/// What the recurrent family (`sim::family::ssm`) counted: speculative rounds and their replays, padded prefills,
+/// and the largest distances to the f64 model (ULPs of the input dtype at output scale).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Recurrent {
+    /// Verify rounds (`spec_round_begin` ... commit or rollback).
+    pub rounds: u64,
+    /// Rounds every row accepted in full (`spec_round_commit`).
+    pub commits: u64,
+    /// Rounds rolled back (`spec_round_rollback_rows`).
+    pub rollbacks: u64,
+    /// Rollbacks whose rows accepted different counts.
+    pub rollbacks_unequal: u64,
+    /// Rollbacks that replayed at least one position (production's own count).
+    pub replays: u64,
+    /// Recurrence steps replayed, summed over rows.
+    pub replayed_steps: u64,
+    /// Rolled-back rows whose state was compared byte for byte with a fresh run of the accepted prefix.
+    pub replay_vs_fresh: u64,
+    /// Prepared (padded) prefills, and those with left padding.
+    pub padded_prefills: u64,
+    pub left_padded_prefills: u64,
+    pub model_max_ulp_output: f64,
+    pub model_max_ulp_state: f64,
+}
+
+impl Recurrent {
+    pub fn is_zero(&self) -> bool {
+        *self == Recurrent::default()
+    }
+
+    pub fn add(&mut self, o: &Recurrent) {
+        self.rounds += o.rounds;
+        self.commits += o.commits;
+        self.rollbacks += o.rollbacks;
+        self.rollbacks_unequal += o.rollbacks_unequal;
+        self.replays += o.replays;
+        self.replayed_steps += o.replayed_steps;
+        self.replay_vs_fresh += o.replay_vs_fresh;
+        self.padded_prefills += o.padded_prefills;
+        self.left_padded_prefills += o.left_padded_prefills;
+        self.model_max_ulp_output = self.model_max_ulp_output.max(o.model_max_ulp_output);
+        self.model_max_ulp_state = self.model_max_ulp_state.max(o.model_max_ulp_state);
+    }
+}
+
 /// Everything counted during a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Counters {
@@ -59,6 +104,9 @@ pub struct Counters {
     pub guarantees: Guarantees,
     /// The guarantees table: `class/dtype` -> comparisons with the solo twin (see README "Guarantees").
     pub table: BTreeMap<String, ClassCount>,
+    /// The recurrent family's rounds, replays and model distances (zero in runs without it).
+    #[serde(default, skip_serializing_if = "Recurrent::is_zero")]
+    pub recurrent: Recurrent,
     /// Generated ill-formed inputs (`Op::IllFormed`, impossible adopted states) that production refused with the
     /// expected typed error and every byte and state unchanged, per input class (`dtype`, `shape`, `heads`,
     /// `storage_kind`, `row_id`, `adopt_state`).
@@ -86,6 +134,7 @@ impl Default for Counters {
             model_checks: 0,
             guarantees: Guarantees { exact_unpadded_decode: true },
             table: BTreeMap::new(),
+            recurrent: Recurrent::default(),
             ill_formed_rejected: BTreeMap::new(),
         }
     }
@@ -156,6 +205,7 @@ impl Counters {
         for (k, v) in &o.table {
             self.table.entry(k.clone()).or_default().add(v);
         }
+        self.recurrent.add(&o.recurrent);
         for (k, v) in &o.ill_formed_rejected {
             *self.ill_formed_rejected.entry(k.clone()).or_insert(0) += v;
         }
@@ -190,6 +240,9 @@ pub struct LayoutStats {
     pub bit_exact: u64,
     /// `class/dtype` -> comparisons with the solo twin (the family's guarantees table).
     pub guarantees: BTreeMap<String, ClassCount>,
+    /// The recurrent family's rounds, rollbacks (with unequal per-row keeps), replays and model distances.
+    #[serde(default, skip_serializing_if = "Recurrent::is_zero")]
+    pub recurrent: Recurrent,
 }
 
 impl LayoutStats {
@@ -201,6 +254,7 @@ impl LayoutStats {
             failures: failed as u64,
             bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
             guarantees: c.table.clone(),
+            recurrent: c.recurrent,
         }
     }
 
@@ -212,5 +266,6 @@ impl LayoutStats {
         for (k, v) in &o.guarantees {
             self.guarantees.entry(k.clone()).or_default().add(v);
         }
+        self.recurrent.add(&o.recurrent);
     }
 }

@@ -108,6 +108,7 @@ fn rows_view(c: &AnyCache) -> Vec<(usize, Vec<ArrayBytes>)> {
         AnyCache::Rows(b) => (0..b.rows())
             .map(|r| (b.row_states()[r].ring.offset, all(b.row_temporal_view_planes(r).unwrap())))
             .collect(),
+        AnyCache::Ssm(_) => panic!("no mlx-lm fixture loads as the recurrent cache"),
     }
 }
 
@@ -146,6 +147,7 @@ fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
             let out = match &mut cache {
                 AnyCache::Serial(c) => step_serial(c, k, v, q, scale),
                 AnyCache::Rows(b) => step_rows(b, k, v, q, scale),
+                AnyCache::Ssm(_) => panic!("no mlx-lm fixture loads as the recurrent cache"),
             };
             let want = &io[&format!("out.{i}")];
             assert_eq!(bytes_of(&out), bytes_of(want), "{name}: output of step {i} (L = {l})");

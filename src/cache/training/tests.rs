@@ -160,3 +160,44 @@ fn prefix_shared_size_mismatch_is_typed() {
     c.mask(6, &masks).unwrap();
     assert_eq!(masks.families(), vec![("decode:inf".to_string(), 1), ("prefix-shared:4".to_string(), 1)]);
 }
+
+/// The training DeltaNet cache: zero state every call (two calls, same bytes), each right-padded row's real outputs
+/// equal the row run alone from the zero state, bad lengths are typed errors, the kind routes nowhere.
+#[test]
+fn training_ssm_cache_starts_from_zero_every_call_and_rows_equal_their_solo_runs() {
+    use crate::cache::{GdnParams, SsmSpec};
+    use mlx_rs::ops::indexing::TryIndexOp;
+    let _g = testlock::shared();
+    let sp = SsmSpec { kernel: 3, heads_k: 1, heads_v: 2, dk: 4, dv: 2, dtype: KvDtype::F32 };
+    let c = sp.conv_dim();
+    let vals = |n: usize, seed: u32| -> Vec<f32> {
+        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 20) as f32 / 4096.0) - 0.5).collect()
+    };
+    let params = GdnParams {
+        conv_weight: Array::from_slice(&vals(c * 3, 1), &[c as i32, 3, 1]),
+        a_log: Array::from_slice(&vals(2, 2), &[2]),
+        dt_bias: Array::from_slice(&vals(2, 3), &[2]),
+    };
+    let (b, n) = (3usize, 5usize);
+    let q = Array::from_slice(&vals(b * n * c, 4), &[b as i32, n as i32, c as i32]);
+    let a = Array::from_slice(&vals(b * n * 2, 5), &[b as i32, n as i32, 2]);
+    let g = Array::from_slice(&vals(b * n * 2, 6), &[b as i32, n as i32, 2]);
+    let lengths = vec![5, 2, 0];
+    let t = TrainingSsmCache::padded(sp, lengths.clone()).unwrap();
+    let y1 = t.forward(&q, &a, &g, &params).unwrap();
+    let y2 = t.forward(&q, &a, &g, &params).unwrap();
+    assert_same_bytes(&y1, &y2, "a second call");
+    for (r, &l) in lengths.iter().enumerate().filter(|(_, &l)| l > 0) {
+        let (r, l) = (r as i32, l as i32);
+        let pick = |x: &Array| x.try_index((r..r + 1, 0..l, ..)).unwrap();
+        let solo = TrainingSsmCache::new(sp).unwrap().forward(&pick(&q), &pick(&a), &pick(&g), &params).unwrap();
+        let got = y1.try_index((r..r + 1, 0..l, .., ..)).unwrap();
+        assert_same_bytes(&got, &solo, &format!("row {r}"));
+    }
+    assert!(matches!(TrainingSsmCache::padded(sp, vec![]), Err(CacheError::BadLengths { .. })));
+    let long = TrainingSsmCache::padded(sp, vec![6, 1, 1]).unwrap();
+    assert!(matches!(long.forward(&q, &a, &g, &params), Err(CacheError::BadLengths { .. })));
+    let few = TrainingSsmCache::padded(sp, vec![1, 1]).unwrap();
+    assert!(matches!(few.forward(&q, &a, &g, &params), Err(CacheError::BadLengths { .. })));
+    assert_eq!(t.storage_kind().route(), Err(CacheError::TrainingOnly { kind: "train:training-ssm".into() }));
+}

@@ -10,6 +10,7 @@
 //! (ARCHITECTURE.md, "How to add a layout family").
 
 pub mod attention;
+pub mod ssm;
 pub mod training;
 pub mod transition;
 
@@ -79,7 +80,8 @@ pub struct Registration {
 }
 
 /// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] = &[attention::REGISTRATION, training::REGISTRATION, transition::REGISTRATION];
+pub const REGISTRY: &[Registration] =
+    &[attention::REGISTRATION, training::REGISTRATION, ssm::REGISTRATION, transition::REGISTRATION];
 
 /// The registration of `name`.
 pub fn registration(name: &str) -> Option<&'static Registration> {
