@@ -450,12 +450,14 @@ pub fn test_budget(m: Mutant) -> u64 {
         Mutant::TkvSplitMovesBoundary => 200,
         // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 2 and 14.
         Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
-        // Caught at seed 123 since the recurrent family joined the swarm (its runs never draw trims, and this bug
+        // Caught at seed 123 on main since the recurrent family joined the swarm (its runs never draw trims, and this bug
         // needs a bypass-trimmed ring).
-        Mutant::MergeSlicesByOffset => 200,
+        Mutant::MergeSlicesByOffset => 600,
         // The recurrent family's left-padding mutants: reached only by seeds that hold it (swarm probability 0.4)
         // with the `ssm` set and a left-padded prefill (measured catch seed 46 for both; the others at seed 2).
         Mutant::SsmMaskIgnoresLeftPadding | Mutant::SsmFilterShiftsEmptyPadding => 100,
+        // Needs a run of the quantized family that starts plain and converts a ring after it wrapped.
+        Mutant::QuantConvertTemporalOrder => 60,
         _ => 20,
     }
 }

@@ -464,7 +464,7 @@ pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, devic
 
 pub(crate) fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
     let mut rows = vec![];
-    // Quantized mutants are not reachable by a simulator family yet (`Mutant::in_simulator`); the recurrent cache's
+    // The quantized mutants are hunted through the quantized family (`sim::family::quant`); the recurrent cache's
     // are hunted through the recurrent family (`sim::family::ssm`) like every other.
     for &m in Mutant::ALL.iter().filter(|m| m.in_simulator() && only.as_deref().is_none_or(|o| o == m.name())) {
         let hunt = campaign::MutantHunt::run(m, budget, shrink_budget);

@@ -17,8 +17,8 @@
 //! wrap and later rotations, for linear and rotating caches, f32 and bf16, eager and under `mlx_rs` `compile`): a
 //! prepared, stepped and applied cache holds exactly the bytes and host state the ordinary
 //! [`SerialCache::decode`] leaves, and the step's output is byte-identical to the ordinary read of the same
-//! RoPE-rotated inputs (RoPE with the static int offset). The quantized caches implement the same trait with their
-//! own step.
+//! RoPE-rotated inputs (RoPE with the static int offset). Caches of affine storage (`kv:quant:..`) have no compiled
+//! step: the protocol refuses them with [`CacheError::StorageMismatch`] before any change.
 
 use mlx_rs::Array;
 
@@ -129,8 +129,22 @@ pub fn plain_decode_step(
     }
 }
 
+/// The step above is plain: its slot inputs are the `[k, v]` planes. A cache of affine storage has six planes and
+/// no compiled step yet, so the protocol refuses it up front ([`CacheError::StorageMismatch`], nothing changed)
+/// instead of feeding packed words to a dense read.
+fn plain_only(c: &SerialCache) -> Result<()> {
+    if c.storage() == super::quant::Storage::Plain {
+        return Ok(());
+    }
+    Err(CacheError::StorageMismatch {
+        expected: super::kind::StorageKind::serial_of(c.max_size(), super::quant::Storage::Plain).0,
+        found: c.storage_kind().0,
+    })
+}
+
 impl CompiledDecode for SerialCache {
     fn prepare_decode_step(&mut self) -> Result<DecodePlan> {
+        plain_only(self)?;
         SerialCache::prepare_decode_step(self)
     }
 
@@ -143,6 +157,7 @@ impl CompiledDecode for SerialCache {
     }
 
     fn step_inputs(&self, plan: &DecodePlan) -> Result<Vec<Array>> {
+        plain_only(self)?;
         self.check_plan(plan)?;
         let b = self.buf_ref().ok_or_else(|| CacheError::StepMismatch { what: "no buffer: prepare first".into() })?;
         match plan.fetch {
@@ -158,6 +173,7 @@ impl CompiledDecode for SerialCache {
     }
 
     fn apply_decode_step(&mut self, plan: &DecodePlan, outputs: Vec<Array>) -> Result<Vec<Array>> {
+        plain_only(self)?;
         self.check_plan(plan)?;
         let spec = self.spec();
         let bad = |what: String| CacheError::StepMismatch { what };

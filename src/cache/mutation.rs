@@ -275,18 +275,10 @@ impl Mutant {
     }
 
     /// Whether the simulator's layout families reach this mutant's hook, so that `kvsim mutants` and the catalog
-    /// tests can hunt it. The quantized mutants' hooks are reached only by the affine-quantized caches, which are not
-    /// yet a simulator family (docs/quantized-kv.md, "Not done yet"); `src/cache/quant/tests.rs` proves each of them
-    /// visible to the batch-vs-twin byte comparison instead.
+    /// tests can hunt it. Every mutant of the catalog is: the quantized ones through the quantized family
+    /// (`sim::family::quant`), whose state check compares every plane with the twin and the reference's triples.
     pub fn in_simulator(self) -> bool {
-        !matches!(
-            self,
-            Mutant::QuantPackedWidthDivides
-                | Mutant::QuantMaskFromArrayOffset
-                | Mutant::QuantSinglePlainPath
-                | Mutant::QuantGqaMaskWrongAxis
-                | Mutant::QuantConvertTemporalOrder
-        )
+        true
     }
 
     fn code(self) -> u8 {

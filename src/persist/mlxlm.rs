@@ -972,6 +972,9 @@ fn i32_of(v: usize, name: &str) -> Result<i32> {
 ///   positions (its temporal view) right-aligned at `width = max len_r`, `left_padding_r = width - len_r`,
 ///   `_idx = _offset = width`, `rotated = False`. A batch with a pending prefill is refused (mlx-lm's files cannot
 ///   carry it).
+/// - Affine storage never takes the dense forms above (their dequantized values would restore a plain cache: the
+///   simulator's quantized family caught that): `kv:quant:..` -> `QuantizedKVCache`, the rotating and batched
+///   quantized kinds are [`PersistError::Unsupported`] (see `quantized_from_kvsim`).
 pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
     if let Some(q) = cache_quant(cache) {
         return quantized_from_kvsim(cache, q);

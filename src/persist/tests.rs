@@ -598,3 +598,23 @@ fn quantized_entries_that_lie_are_typed_errors() {
     e.storage_kind = "kv:rotating-quant:4:48".into();
     assert!(matches!(reg.decode(&e), Err(PersistError::UnknownKind { .. })));
 }
+
+/// A quantized cache never takes a dense mlx-lm form (its dequantized values would restore a plain cache): the linear
+/// one is a `QuantizedKVCache`, the ring and the rows have no mlx-lm form.
+#[test]
+fn quantized_caches_never_take_the_dense_mlxlm_forms() {
+    let _g = testlock::shared();
+    let spec = KvSpec { heads_kv: 1, head_dim: 32, dtype: KvDtype::F32 };
+    let q = QuantSpec { bits: 4, group: 32 };
+    let mut lin = QuantizedKvCache::new(spec, q).unwrap();
+    window_s(&mut lin, 3, 3);
+    let r = mlxlm::from_kvsim(&AnyCache::Serial(lin));
+    assert!(matches!(r, Ok(mlxlm::MlxLayer::QuantizedKvCache { .. })), "{r:?}");
+    let mut ring = RotatingQuantizedKvCache::new(spec, 4, q).unwrap();
+    window_s(&mut ring, 4, 5);
+    let rows = BatchQuantizedKvCache::with_rows(spec, Some(4), q, 2).unwrap();
+    for c in [AnyCache::Serial(ring), AnyCache::Rows(rows)] {
+        let r = mlxlm::from_kvsim(&c);
+        assert!(matches!(r, Err(PersistError::Unsupported { .. })), "{}: {r:?}", c.storage_kind());
+    }
+}

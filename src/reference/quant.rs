@@ -196,12 +196,33 @@ pub fn attention_f64_quantized(
     scale: f64,
     q: RefQuant,
 ) -> Vec<f64> {
+    attention_f64_partly_quantized(vs, layer, q_tok, keys, keys.len(), scale, q)
+}
+
+/// [`attention_f64_quantized`] where only the first `stored` keys come from the quantized cache (dequantized) and
+/// the others are attended as given: a canvas block read beside a quantized context (R-ROT-9c) is never stored.
+pub fn attention_f64_partly_quantized(
+    vs: &ValueSpace,
+    layer: u32,
+    q_tok: Tok,
+    keys: &[Tok],
+    stored: usize,
+    scale: f64,
+    q: RefQuant,
+) -> Vec<f64> {
     if keys.is_empty() || vs.validate().is_err() || q.validate(vs.head_dim).is_err() {
         return vec![f64::NAN; vs.heads_q * vs.head_dim];
     }
     let query = vs.column_f32(layer, Tensor::Q, q_tok);
-    let ks: Vec<Vec<f32>> = keys.iter().map(|&t| dequantized_column(vs, layer, Tensor::K, t, q)).collect();
-    let vals: Vec<Vec<f32>> = keys.iter().map(|&t| dequantized_column(vs, layer, Tensor::V, t, q)).collect();
+    let column = |i: usize, t: Tok, tensor: Tensor| {
+        if i < stored {
+            dequantized_column(vs, layer, tensor, t, q)
+        } else {
+            vs.column_f32(layer, tensor, t)
+        }
+    };
+    let ks: Vec<Vec<f32>> = keys.iter().enumerate().map(|(i, &t)| column(i, t, Tensor::K)).collect();
+    let vals: Vec<Vec<f32>> = keys.iter().enumerate().map(|(i, &t)| column(i, t, Tensor::V)).collect();
     attention_over(vs, &query, &ks, &vals, scale)
 }
 

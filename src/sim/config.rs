@@ -58,6 +58,9 @@ pub struct SimConfig {
     /// trace = the default (`["attention"]`), so traces written before families existed replay unchanged.
     #[serde(default = "family::default_families", skip_serializing_if = "is_default_families")]
     pub families: Vec<String>,
+    /// The quantized family's parameters, when the run holds it (`sim::family::quant`); absent from older traces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<family::quant::QuantChoice>,
 }
 
 fn is_default_families(f: &[String]) -> bool {
@@ -117,7 +120,10 @@ impl SimConfig {
         let head_dim = [4usize, 8, 16][rng.random_range(0..3)];
         let layers = rng.random_range(1..=2);
         let window = layout.max_size().unwrap_or(8);
-        let mut weights: Vec<(OpKind, u32)> = OpKind::ALL.iter().map(|&k| (k, k.base_weight())).collect();
+        // The conversion op is not in the swarm's list (its length is part of every seed's draws): the quantized
+        // family appends it below, from its own stream.
+        let mut weights: Vec<(OpKind, u32)> =
+            OpKind::ALL.iter().filter(|k| !k.is_quant()).map(|&k| (k, k.base_weight())).collect();
         // Swarm: switch off up to three kinds (never the ones every run needs to make progress).
         for _ in 0..rng.random_range(0..=3) {
             let i = rng.random_range(0..weights.len());
@@ -141,6 +147,12 @@ impl SimConfig {
                 w.1 = 0;
             }
         }
+        let quant = family::quant::QuantChoice::draw(seed, &families);
+        if let Some(q) = &quant {
+            if family::all_support(&families, OpKind::Quantize) {
+                weights.push((OpKind::Quantize, q.convert_weight));
+            }
+        }
         SimConfig {
             layout,
             dtype,
@@ -157,6 +169,7 @@ impl SimConfig {
             weights,
             payload_seed: rng.random(),
             families,
+            quant,
         }
     }
 

@@ -39,6 +39,7 @@ impl Generator {
                 OpKind::PlainRead => rows > 0,
                 OpKind::Adopt | OpKind::Prepare => rows > 0,
                 OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
+                OpKind::Quantize => true,
             }
         };
         let choices: Vec<(OpKind, u32)> = OpKind::ALL
@@ -215,6 +216,7 @@ impl Generator {
                 let req = if v.solo.is_empty() { v.next_id } else { v.solo[w.random_range(0..v.solo.len())].0 };
                 Op::IllFormed { req, batch, input, variant: w.random() }
             }
+            OpKind::Quantize => crate::sim::family::quant::draw_quantize(cfg, w),
         }
     }
 }

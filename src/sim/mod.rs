@@ -230,7 +230,8 @@ fn run_inner(
             world.ops.get(f.key()).copied().unwrap_or(0),
             f.counters(),
             failure.as_ref().is_some_and(|x: &FamilyFailure| x.family == Some(f.key())),
-        );
+        )
+        .with_variant(f.variant());
         layouts.entry(f.key().to_string()).or_insert_with(LayoutStats::default).add(&stats);
     }
     RunResult { trace, counters: world.counters(), ops_by_kind, api_coverage, skipped, layouts, failure }

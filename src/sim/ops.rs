@@ -103,6 +103,12 @@ pub enum Op {
     /// outside it. `variant` picks the call and the tensor. Every one must be the typed error with the cache's
     /// bytes and state unchanged (checked before/after, then against twin and model).
     IllFormed { req: u32, batch: bool, input: IllInput, variant: u32 },
+    /// Convert every cache of the run to affine storage of `bits` and `group` (`to_quantized`, R-ROT-8): every
+    /// request outside the batch, the running batch, and the twins at the same point, ring phase and offset kept.
+    /// With `mid_round`, the conversion is first asked of a copy of the running batch with a right-padded prefill
+    /// prepared and not finalized, which must refuse with `PendingPrefill` and change nothing. Invalid parameters
+    /// (for the cache's head dim), or other parameters than a cache already holds, are typed errors.
+    Quantize { bits: u32, group: u32, mid_round: bool },
 }
 
 /// What is wrong with an [`Op::IllFormed`] input.
@@ -171,6 +177,7 @@ pub enum OpKind {
     DecodePhase,
     Prepare,
     IllFormed,
+    Quantize,
 }
 
 impl OpKind {
@@ -202,6 +209,7 @@ impl OpKind {
         OpKind::DecodePhase,
         OpKind::Prepare,
         OpKind::IllFormed,
+        OpKind::Quantize,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -234,6 +242,7 @@ impl OpKind {
             OpKind::DecodePhase => "decode_phase",
             OpKind::Prepare => "prepare",
             OpKind::IllFormed => "ill_formed",
+            OpKind::Quantize => "quantize",
         }
     }
 
@@ -267,6 +276,7 @@ impl OpKind {
             OpKind::DecodePhase => 1,
             OpKind::Prepare => 1,
             OpKind::IllFormed => 2,
+            OpKind::Quantize => 1,
         }
     }
 
@@ -278,6 +288,12 @@ impl OpKind {
     /// The bf16-first family's own kinds: drawn only in runs that hold it.
     pub fn is_transition(self) -> bool {
         matches!(self, OpKind::PrefixReuse | OpKind::PlainRead)
+    }
+
+    /// The conversion op: drawn only in runs that hold the quantized family (`sim::family::quant`), with a weight
+    /// from its own stream, so that the swarm draws of every other run are unchanged.
+    pub fn is_quant(self) -> bool {
+        matches!(self, OpKind::Quantize)
     }
 
     /// Kinds every run keeps, so that requests can reach the batch and make progress.
@@ -331,6 +347,8 @@ pub const API_CLASSES: &[&str] = &[
     "ill_formed/row_id",
     "prefix_reuse",
     "plain_read",
+    "to_quantized",
+    "to_quantized/mid_round",
 ];
 
 impl Op {
@@ -379,6 +397,13 @@ impl Op {
                 vec![if *persist { "training_refusal/persist" } else { "training_refusal/merge" }]
             }
             Op::Adopt { invalid } => vec![if *invalid { "adopt/invalid_state" } else { "adopt" }],
+            Op::Quantize { mid_round, .. } => {
+                let mut v = vec!["to_quantized"];
+                if *mid_round {
+                    v.push("to_quantized/mid_round");
+                }
+                v
+            }
             Op::DecodePhase => vec!["decode_phase"],
             // Applied only on a running batch, whose rows hold positions (the family skips it otherwise).
             Op::Prepare { lengths, chunk, chunks } => {
@@ -434,6 +459,7 @@ impl Op {
             Op::DecodePhase => OpKind::DecodePhase,
             Op::Prepare { .. } => OpKind::Prepare,
             Op::IllFormed { .. } => OpKind::IllFormed,
+            Op::Quantize { .. } => OpKind::Quantize,
         }
     }
 

@@ -26,6 +26,9 @@ pub enum Stream {
     Transition = 9,
     /// The recurrent family's set and DeltaNet geometry (`sim::family::ssm`), seeded by the run's payload seed.
     Recurrent = 6,
+    /// The quantized family's parameters (bits, group, head dim, native or converted) and the weight of its
+    /// conversion op (`sim::family::quant`); drawn only for runs that hold that family.
+    Quant = 7,
 }
 
 /// A generator for one subsystem of one seed.

@@ -131,6 +131,7 @@ fn op_within_limits(op: &Op) -> bool {
         Op::Prepare { lengths, chunk, chunks } => {
             ok(*chunk) && ok(*chunks) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
         }
+        Op::Quantize { bits, group, .. } => ok(*bits) && ok(*group),
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::TrainingForward { lengths, len, window } => {
             ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))

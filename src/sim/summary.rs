@@ -157,6 +157,20 @@ impl Counters {
         e.bit_exact += n;
     }
 
+    /// One read of an affine-quantized cache against the f64 attention over the dequantized keys and values
+    /// (`reference::quant`): its scaled-ULP distance, kept apart from the plain reads' `model_max_ulp_*` (the
+    /// quantized matmuls round every product and sum to the dtype, so the distance is of another order), in the
+    /// table under `vs_f64_dequantized/<dtype>` (`max_ulp` rounded up).
+    pub fn record_quant_model_ulp(&mut self, dtype: Dtype, ulp: f64) {
+        self.model_checks += 1;
+        let e = self.table.entry(format!("vs_f64_dequantized/{}", dtype_name(dtype))).or_default();
+        e.compared += 1;
+        if ulp == 0.0 {
+            e.bit_exact += 1;
+        }
+        e.max_ulp = e.max_ulp.max(ulp.ceil() as u64);
+    }
+
     pub fn record_twin(&mut self, class: OutClass, tags: &[&'static str], dtype: Dtype, worst: u64) {
         let base = match class {
             OutClass::DecodeUnpadded => "decode_unpadded",
@@ -243,6 +257,20 @@ pub struct LayoutStats {
     /// The recurrent family's rounds, rollbacks (with unequal per-row keeps), replays and model distances.
     #[serde(default, skip_serializing_if = "Recurrent::is_zero")]
     pub recurrent: Recurrent,
+    /// Coverage per variant of a family that draws parameters per seed (`Family::variant`, e.g. the quantized
+    /// family's `"<bits>:<group>"`): the runs, ops and checks of each. Empty (and not serialized) for the others.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub variants: BTreeMap<String, VariantStats>,
+}
+
+/// One variant's share of a family's line (see [`LayoutStats::variants`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VariantStats {
+    /// Runs (seeds) of this variant.
+    pub seeds: u64,
+    pub ops: u64,
+    pub checks: u64,
+    pub failures: u64,
 }
 
 impl LayoutStats {
@@ -255,7 +283,17 @@ impl LayoutStats {
             bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
             guarantees: c.table.clone(),
             recurrent: c.recurrent,
+            variants: BTreeMap::new(),
         }
+    }
+
+    /// The same line, counted under `variant` too (one run).
+    pub fn with_variant(mut self, variant: Option<String>) -> LayoutStats {
+        if let Some(v) = variant {
+            let e = VariantStats { seeds: 1, ops: self.ops, checks: self.checks, failures: self.failures };
+            self.variants.insert(v, e);
+        }
+        self
     }
 
     pub fn add(&mut self, o: &LayoutStats) {
@@ -267,5 +305,12 @@ impl LayoutStats {
             self.guarantees.entry(k.clone()).or_default().add(v);
         }
         self.recurrent.add(&o.recurrent);
+        for (k, v) in &o.variants {
+            let e = self.variants.entry(k.clone()).or_default();
+            e.seeds += v.seeds;
+            e.ops += v.ops;
+            e.checks += v.checks;
+            e.failures += v.failures;
+        }
     }
 }

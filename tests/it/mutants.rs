@@ -4,8 +4,8 @@ use kvsim::campaign::{hunt_mutant, test_budget};
 
 #[test]
 fn every_mutant_is_caught_within_its_budget() {
-    // The quantized mutants are not reachable by a simulator family yet (`Mutant::in_simulator`); their teeth are
-    // proven by `src/cache/quant/tests.rs`.
+    // The quantized mutants are hunted through the quantized family (`sim::family::quant`); the recurrent cache's by
+    // its own runs (`tests/it/ssm.rs`).
     let survivors: Vec<&str> = Mutant::ALL
         .iter()
         .filter(|m| m.in_simulator())

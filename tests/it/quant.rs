@@ -127,3 +127,88 @@ fn quantized_ring_stores_reference_bytes_at_5_and_6_bits() {
         }
     }
 }
+
+// ----- the quantized family in the simulator (`sim::family::quant`) ----------------------------------------------
+
+use kvsim::cache::mutation::Mutant;
+use kvsim::sim::config::{LayoutChoice, SimConfig};
+use kvsim::sim::family::quant::QuantChoice;
+use kvsim::sim::ops::Op;
+use kvsim::sim::{run, DeviceChoice};
+
+/// A run of the attention and quantized families (no training family), window 4, one layer.
+fn quant_config(native: bool) -> SimConfig {
+    // The swarm weights of the first seed without the training family (whose runs draw training kinds only).
+    let mut c = (0..).map(SimConfig::from_seed).find(|c| !c.families.iter().any(|f| f == "training")).unwrap();
+    c.weights.retain(|w| w.0 != kvsim::sim::ops::OpKind::Quantize);
+    c.weights.push((kvsim::sim::ops::OpKind::Quantize, 2));
+    c.layout = LayoutChoice::Rotating { window: 4 };
+    c.layers = 1;
+    c.heads_kv = 2;
+    c.heads_q = 4;
+    c.families = vec!["attention".into(), "quant".into()];
+    c.quant = Some(QuantChoice { bits: 5, group: 32, head_dim: 64, native, convert_weight: 1 });
+    c
+}
+
+/// Two wrapped rings (one solo, one a batch row), then the conversion op in every verdict the model knows.
+fn conversion_ops() -> Vec<Op> {
+    let mut ops = vec![Op::Admit { req: 0 }, Op::SoloWindow { req: 0, len: 3 }];
+    ops.extend((0..3).map(|_| Op::SoloDecode { req: 0 }));
+    ops.extend([Op::Admit { req: 1 }, Op::SoloWindow { req: 1, len: 2 }, Op::Join { reqs: vec![1], order: vec![] }]);
+    ops.extend((0..3).map(|_| Op::Decode));
+    ops.extend([
+        // Invalid bits: InvalidQuant in both families; mid-round: PendingPrefill on a prepared copy of the batch.
+        Op::Quantize { bits: 7, group: 32, mid_round: true },
+        // Head dim 64 is not a multiple of 128: InvalidQuant.
+        Op::Quantize { bits: 5, group: 128, mid_round: false },
+        // Converts the quantized family (the attention family's head dim is below every group: InvalidQuant).
+        Op::Quantize { bits: 5, group: 32, mid_round: true },
+        // The same parameters again: nothing changes; others: StorageMismatch.
+        Op::Quantize { bits: 5, group: 32, mid_round: false },
+        Op::Quantize { bits: 8, group: 32, mid_round: false },
+        Op::Decode,
+        Op::SoloDecode { req: 0 },
+        Op::CompiledStep { req: 0 },
+        Op::Verify { gamma: 2, accept: vec![1] },
+        Op::Extract { row: 0, finish: false },
+        Op::SoloWindow { req: 1, len: 2 },
+        Op::Merge { reqs: vec![0, 1] },
+        Op::Decode,
+    ]);
+    ops
+}
+
+#[test]
+fn conversion_op_converts_wrapped_rings_mid_run_and_refuses_the_impossible() {
+    pin_cpu();
+    let r = run(3, quant_config(false), Some(conversion_ops()), DeviceChoice::Cpu, None);
+    assert!(r.failure.is_none(), "{:?}", r.failure);
+    assert_eq!(r.skipped, 0);
+    let q = &r.layouts["kv:rotating-quant"];
+    assert_eq!(q.ops, conversion_ops().len() as u64);
+    assert_eq!(q.guarantees.get("to_quantized/f32").or(q.guarantees.get("to_quantized/bf16")).unwrap().compared, 1);
+    assert_eq!(q.variants["5:32"].seeds, 1);
+    // Attention: 5 refused conversions + 2 mid-round refusals; quant: 2 invalid + 1 mismatch + 2 mid-round + the
+    // compiled step's refusal.
+    assert_eq!(r.counters.expected_errors, 7 + 6, "{:?}", r.counters);
+    // The conversion converts in physical order, phase kept: converting in temporal order is caught.
+    let m =
+        run(3, quant_config(false), Some(conversion_ops()), DeviceChoice::Cpu, Some(Mutant::QuantConvertTemporalOrder));
+    assert_eq!(m.failure.map(|f| (f.family, f.failure.check)), Some((Some("kv:rotating-quant"), "layout".to_string())));
+}
+
+#[test]
+fn native_quantized_runs_pass_and_count_their_variant() {
+    pin_cpu();
+    let mut cfg = quant_config(true);
+    cfg.layout = LayoutChoice::Linear;
+    let r = run(3, cfg.clone(), None, DeviceChoice::Cpu, None);
+    assert!(r.failure.is_none(), "{:?}", r.failure);
+    let q = &r.layouts["kv:quant"];
+    assert!(q.ops > 0 && q.checks > 0 && q.bit_exact > 0, "{q:?} {:?}", r.ops_by_kind);
+    assert_eq!(q.variants["5:32"].ops, q.ops);
+    // A replay of the recorded trace gives the same result hash (the quant parameters travel in the config).
+    let again = kvsim::sim::replay(&r.trace, DeviceChoice::Cpu);
+    assert_eq!(again.trace.result_hash, r.trace.result_hash);
+}

@@ -17,7 +17,7 @@ use mlx_rs::Array;
 use crate::bytes::ArrayBytes;
 use crate::cache::{
     plain_decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvSpec, MaskUse, Masks, RowBatch,
-    SerialCache,
+    SerialCache, Storage,
 };
 use crate::reference::{bidirectional_visible, read_block_context, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
@@ -73,19 +73,27 @@ pub struct Attention {
     pub rows: Vec<u32>,
     pub next_id: u32,
     pub counters: Counters,
+    /// How every cache of this instance stores K and V: plain (the attention family), or affine triples (the
+    /// quantized family, `sim::family::quant`, which may also start plain and convert mid-run).
+    pub storage: Storage,
 }
 
-type Res<T> = Result<T, Failure>;
+pub(crate) type Res<T> = Result<T, Failure>;
 
-fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
+pub(crate) fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
     Failure::new("mlx", format!("{what}: {e}"))
 }
 
 impl Attention {
     pub fn new(cfg: SimConfig) -> Res<Attention> {
+        Attention::with_storage(cfg, Storage::Plain)
+    }
+
+    /// The family's layers with caches of `storage` (the geometry is `cfg`'s: `kv_spec`, `value_space`, `scale`).
+    pub fn with_storage(cfg: SimConfig, storage: Storage) -> Res<Attention> {
         let (spec, vs) = (cfg.kv_spec(), cfg.value_space());
         let batch = (0..cfg.layers)
-            .map(|_| RowBatch::empty(spec, cfg.layout.max_size()))
+            .map(|_| RowBatch::with_rows_storage(spec, cfg.layout.max_size(), storage, 0))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Failure::new("setup", e.to_string()))?;
         Ok(Attention {
@@ -97,6 +105,7 @@ impl Attention {
             rows: vec![],
             next_id: 0,
             counters: Counters::default(),
+            storage,
         })
     }
 
@@ -119,7 +128,8 @@ impl Attention {
     }
 
     fn new_serial(&self) -> Res<SerialCache> {
-        SerialCache::new(self.spec, self.max_size()).map_err(|e| Failure::new("setup", e.to_string()))
+        SerialCache::with_storage(self.spec, self.max_size(), self.storage)
+            .map_err(|e| Failure::new("setup", e.to_string()))
     }
 
     // ----- payloads --------------------------------------------------------------------------------------------
@@ -194,6 +204,9 @@ impl Attention {
             Op::ReadBlock { req, len } => self.solo_read_block(cx, *req, *len as usize)?,
             Op::BidirPrefill { req, len, image } => self.bidir_prefill(cx, *req, *len as usize, *image)?,
             Op::CompiledStep { req } => self.compiled_step(cx, *req)?,
+            Op::Quantize { bits, group, mid_round } => {
+                self.quantize(cx, *bits as usize, *group as usize, *mid_round)?
+            }
             // The training family's forwards use their own stateless caches: every inference cache of this family
             // must come out of them unchanged, which `check_all` verifies after the op.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => true,
@@ -220,6 +233,8 @@ impl Attention {
         let off = model.offset as u32;
         let block: Vec<Tok> = (0..len as u32).map(|i| Tok { req: u32::MAX - req, pos: off + i }).collect();
         let mut keys = read_block_context(&model);
+        // The context is stored (quantized, for affine storage); the block is attended as given.
+        let stored = keys.len();
         keys.extend(&block);
         let scale = self.cfg.scale();
         for layer in 0..self.cfg.layers {
@@ -230,7 +245,7 @@ impl Attention {
             let read = ArrayBytes::read_many(&[&out, &tw]).map_err(|e| mlx_fail("read output", e))?;
             cx.hasher.update(&read[0].digest());
             for (i, t) in block.iter().enumerate() {
-                check::output_vs_model(&self.vs, layer as u32, *t, &keys, scale, &read[0], 0, i, &mut self.counters)?;
+                self.out_vs_model(layer as u32, *t, &keys, stored, scale, &read[0], 0, i)?;
             }
             check::output_vs_twin(
                 check::OutClass::Window,
@@ -294,7 +309,7 @@ impl Attention {
             cx.hasher.update(&read[0].digest());
             for (i, t) in real.iter().enumerate() {
                 let keys: Vec<Tok> = bidirectional_visible(&image, max_size, i).into_iter().map(|j| real[j]).collect();
-                check::output_vs_model(&self.vs, layer as u32, *t, &keys, scale, &read[0], 0, i, &mut self.counters)?;
+                self.out_vs_model(layer as u32, *t, &keys, keys.len(), scale, &read[0], 0, i)?;
             }
             check::output_vs_twin(
                 check::OutClass::Window,
@@ -322,6 +337,12 @@ impl Attention {
     fn compiled_step(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
         if !self.solo_req(req) {
             return Ok(false);
+        }
+        if self.storage != Storage::Plain {
+            // Affine storage has no compiled step: the refusal (state unchanged), then the ordinary decode a caller
+            // falls back to, so that the request advances as in every other family of the run.
+            self.compiled_step_refused(req)?;
+            return self.solo_decode(cx, req);
         }
         let toks = self.next_toks(req, 1);
         let scale = self.cfg.scale();
@@ -352,17 +373,7 @@ impl Attention {
             check::bytes_equal("compiled step output vs the ordinary append", &read[0], &read[1])?;
             self.counters.record_twin(check::OutClass::DecodeUnpadded, &["compiled_step"], read[0].dtype, 0);
             let keys: Vec<Tok> = model_after.decode_visible().iter().map(|&c| model_after.cols[c]).collect();
-            check::output_vs_model(
-                &self.vs,
-                layer as u32,
-                toks[0].unwrap(),
-                &keys,
-                scale,
-                &read[0],
-                0,
-                0,
-                &mut self.counters,
-            )?;
+            self.out_vs_model(layer as u32, toks[0].unwrap(), &keys, keys.len(), scale, &read[0], 0, 0)?;
         }
         self.reqs.get_mut(&req).unwrap().model = model_after;
         Ok(true)
@@ -583,19 +594,21 @@ impl Attention {
             let incoming = if merge {
                 let mut slices = vec![];
                 for id in &ids {
-                    let (k, v) =
-                        self.reqs[id].solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?;
-                    slices.push((k, v, self.reqs[id].model.offset));
+                    let planes =
+                        self.reqs[id].solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?;
+                    slices.push((planes, self.reqs[id].model.offset));
                 }
-                RowBatch::merge(self.spec, max, &slices).map_err(|e| unexpected("merge", e))?
+                RowBatch::merge_planes(self.spec, max, self.storage, &slices).map_err(|e| unexpected("merge", e))?
             } else {
                 let sources: Vec<JoinSource> =
                     ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
-                RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (serial rows)", e))?
+                RowBatch::join_storage(self.spec, max, self.storage, &sources)
+                    .map_err(|e| unexpected("join (serial rows)", e))?
             };
-            let joined = RowBatch::join(
+            let joined = RowBatch::join_storage(
                 self.spec,
                 max,
+                self.storage,
                 &[
                     JoinSource::Rows(&self.batch[layer], perm.to_vec()),
                     JoinSource::Rows(&incoming, (0..ids.len()).collect()),
@@ -616,8 +629,8 @@ impl Attention {
                 r.model = RowModel::from_temporal(r.model.max_size, view.clone(), offset);
                 r.model.base = offset - view.len();
                 for twin in r.twin.iter_mut() {
-                    let (k, v) = twin.temporal_view().map_err(|e| unexpected("twin temporal_view", e))?;
-                    *twin = SerialCache::from_temporal(self.spec, max, &k, &v, offset)
+                    let planes = twin.temporal_view_planes().map_err(|e| unexpected("twin temporal_view", e))?;
+                    *twin = SerialCache::from_temporal_planes(self.spec, max, self.storage, &planes, offset)
                         .map_err(|e| unexpected("twin from_temporal", e))?;
                 }
             } else {
@@ -650,7 +663,8 @@ impl Attention {
         for layer in 0..self.cfg.layers {
             let sources: Vec<JoinSource> =
                 ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
-            let mut p = RowBatch::join(self.spec, max, &sources).map_err(|e| unexpected("join (fresh rows)", e))?;
+            let mut p = RowBatch::join_storage(self.spec, max, self.storage, &sources)
+                .map_err(|e| unexpected("join (fresh rows)", e))?;
             p.prepare(&lens).map_err(|e| unexpected("prepare", e))?;
             pre.push(p);
         }
@@ -665,9 +679,10 @@ impl Attention {
         for (layer, p) in pre.iter_mut().enumerate() {
             p.finalize().map_err(|e| unexpected("finalize", e))?;
             let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
-            self.batch[layer] = RowBatch::join(
+            self.batch[layer] = RowBatch::join_storage(
                 self.spec,
                 max,
+                self.storage,
                 &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
             )
             .map_err(|e| unexpected("join (prefilled rows)", e))?;
@@ -1103,6 +1118,7 @@ impl Attention {
         // continues solo; the state checks after this op and every later read compare the restored caches with
         // the twin and the model. Even requests go through kvsim's format, odd ones through an mlx-lm prompt-cache
         // file when every layer has an mlx-lm form (else kvsim's format).
+        // Affine storage goes through kvsim's format (its codecs store the six planes as they are).
         let extracted = persist_roundtrip(extracted, id % 2 == 1)?;
         self.counters.persist_roundtrips += 1;
         let r = self.reqs.get_mut(&id).unwrap();
@@ -1113,8 +1129,8 @@ impl Attention {
         r.model = r.model.extract();
         for twin in r.twin.iter_mut() {
             twin.relinearize().map_err(|e| unexpected("twin relinearize", e))?;
-            let (k, v) = twin.physical().map_err(|e| unexpected("twin physical", e))?;
-            *twin = SerialCache::from_temporal(self.spec, max, &k, &v, r.model.offset)
+            let planes = twin.physical_planes().map_err(|e| unexpected("twin physical", e))?;
+            *twin = SerialCache::from_temporal_planes(self.spec, max, self.storage, &planes, r.model.offset)
                 .map_err(|e| unexpected("twin from_temporal", e))?;
         }
         let _ = max;
@@ -1224,17 +1240,7 @@ impl Attention {
                 check::mask_row(mask, *row, i, &visible, l, width, kind)?;
                 self.counters.checks += 1;
                 let keys: Vec<Tok> = visible.iter().map(|&c| model.cols[c]).collect();
-                check::output_vs_model(
-                    &self.vs,
-                    layer as u32,
-                    *q,
-                    &keys,
-                    self.cfg.scale(),
-                    &out_bytes,
-                    *row,
-                    i,
-                    &mut self.counters,
-                )?;
+                self.out_vs_model(layer as u32, *q, &keys, keys.len(), self.cfg.scale(), &out_bytes, *row, i)?;
             }
             if twin.is_some() {
                 let twin_bytes = read.next().unwrap();
@@ -1243,6 +1249,42 @@ impl Attention {
             }
         }
         Ok(())
+    }
+
+    /// One query's output against the model: the f64 attention over `keys` (plain storage), or over their
+    /// dequantized values (affine storage, where only the first `stored` keys are stored; the others are attended
+    /// as given).
+    #[allow(clippy::too_many_arguments)]
+    fn out_vs_model(
+        &mut self,
+        layer: u32,
+        q: Tok,
+        keys: &[Tok],
+        stored: usize,
+        scale: f32,
+        out: &ArrayBytes,
+        row: usize,
+        i: usize,
+    ) -> Res<()> {
+        match self.storage.quant() {
+            None => check::output_vs_model(&self.vs, layer, q, keys, scale, out, row, i, &mut self.counters),
+            Some(qs) => {
+                let rq = crate::reference::RefQuant { bits: qs.bits, group: qs.group };
+                check::output_vs_model_quantized(
+                    &self.vs,
+                    rq,
+                    layer,
+                    q,
+                    keys,
+                    stored,
+                    scale,
+                    out,
+                    row,
+                    i,
+                    &mut self.counters,
+                )
+            }
+        }
     }
 
     /// The guarantees-table classes a read of request `id` (state `model` after the write) also belongs to.
@@ -1276,17 +1318,7 @@ impl Attention {
             for (i, q) in real.iter().enumerate() {
                 m.decode_write(*q);
                 let keys: Vec<Tok> = m.decode_visible().iter().map(|&c| m.cols[c]).collect();
-                check::output_vs_model(
-                    &self.vs,
-                    layer as u32,
-                    *q,
-                    &keys,
-                    self.cfg.scale(),
-                    &out_bytes,
-                    *row,
-                    i,
-                    &mut self.counters,
-                )?;
+                self.out_vs_model(layer as u32, *q, &keys, keys.len(), self.cfg.scale(), &out_bytes, *row, i)?;
             }
             if let Some(twin) = twin {
                 let twin_bytes = ArrayBytes::of(twin).map_err(|e| mlx_fail("read twin output", e))?;
@@ -1332,6 +1364,9 @@ impl Attention {
 
     /// After every op: every live request's state, bytes and kinds, in production, twin and model.
     pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        if self.storage != Storage::Plain {
+            return self.check_all_planes(cx);
+        }
         let rows_model = self.rows.len();
         for layer in 0..self.cfg.layers {
             check::row_count(&self.batch[layer], rows_model)?;
@@ -1522,7 +1557,7 @@ fn emit(cx: &mut Cx<'_>, call: Call<'_>) -> Res<()> {
     cx.observer.on_call(call).map_err(|e| mlx_fail("observe", e))
 }
 
-fn unexpected(what: &str, e: CacheError) -> Failure {
+pub(crate) fn unexpected(what: &str, e: CacheError) -> Failure {
     Failure::new("errors", format!("{what}: unexpected error {e:?}"))
 }
 

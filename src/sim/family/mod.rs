@@ -10,6 +10,7 @@
 //! (ARCHITECTURE.md, "How to add a layout family").
 
 pub mod attention;
+pub mod quant;
 pub mod ssm;
 pub mod training;
 pub mod transition;
@@ -62,6 +63,11 @@ pub trait Family {
     /// What this family counted so far.
     fn counters(&self) -> &Counters;
     fn counters_mut(&mut self) -> &mut Counters;
+    /// The parameters this run's instance was drawn with, when the family draws some per seed (the quantized
+    /// family's `"<bits>:<group>"`): the summary's `layouts.<key>.variants` counts coverage per variant.
+    fn variant(&self) -> Option<String> {
+        None
+    }
 }
 
 /// How the runner finds a family: its name (as in `SimConfig::families`), which op kinds it supports, and how to
@@ -80,8 +86,13 @@ pub struct Registration {
 }
 
 /// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] =
-    &[attention::REGISTRATION, training::REGISTRATION, ssm::REGISTRATION, transition::REGISTRATION];
+pub const REGISTRY: &[Registration] = &[
+    attention::REGISTRATION,
+    training::REGISTRATION,
+    ssm::REGISTRATION,
+    quant::REGISTRATION,
+    transition::REGISTRATION,
+];
 
 /// The registration of `name`.
 pub fn registration(name: &str) -> Option<&'static Registration> {

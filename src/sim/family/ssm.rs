@@ -76,6 +76,7 @@ pub const REGISTRATION: Registration = Registration {
                 | OpKind::DecodePhase
                 | OpKind::Prepare
                 | OpKind::IllFormed
+                | OpKind::Quantize
                 | OpKind::PrefixReuse
                 | OpKind::PlainRead
         )
@@ -1378,6 +1379,7 @@ impl Family for Recurrent {
             | Op::DecodePhase
             | Op::Prepare { .. }
             | Op::IllFormed { .. }
+            | Op::Quantize { .. }
             | Op::PrefixReuse { .. }
             | Op::PlainRead => Ok(false),
         }
