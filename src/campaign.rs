@@ -125,6 +125,19 @@ pub struct Summary {
     pub expected_errors: u64,
     /// Rows saved and restored mid-run (`src/persist`) before continuing, checked like every other state.
     pub persist_roundtrips: u64,
+    /// The bf16-first family (issue #13): conversions to affine storage (rows and legos), of which at a prefill
+    /// chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the ring's wrap; prefix
+    /// reuses of a stored entry.
+    #[serde(default)]
+    pub conversions: u64,
+    #[serde(default)]
+    pub prefill_conversions: u64,
+    #[serde(default)]
+    pub rounds: u64,
+    #[serde(default)]
+    pub rollbacks_across_wrap: u64,
+    #[serde(default)]
+    pub reuses: u64,
     /// The recurrent family's speculative rounds, rollbacks (with unequal per-row keeps) and replays, summed over
     /// its runs (absent when no run held it).
     #[serde(default, skip_serializing_if = "crate::sim::summary::Recurrent::is_zero")]
@@ -242,6 +255,11 @@ impl Summary {
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
+        self.conversions = t.conversions;
+        self.prefill_conversions = t.prefill_conversions;
+        self.rounds = t.rounds;
+        self.rollbacks_across_wrap = t.rollbacks_across_wrap;
+        self.reuses = t.reuses;
         self.recurrent = t.recurrent;
         self.ill_formed_rejected = t.ill_formed_rejected.clone();
         self.bit_exact = BitExact {
@@ -422,6 +440,14 @@ pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
 /// The seed budget the tests give each mutant (README "Mutation catalog" lists the measured catch seed).
 pub fn test_budget(m: Mutant) -> u64 {
     match m {
+        // The bf16-first mutants live in the transition family, which about a quarter of the seeds hold.
+        Mutant::TkvConvertUncommitted
+        | Mutant::TkvReuseBelowFloor
+        | Mutant::TkvPackBeforeAllConverted
+        | Mutant::TkvRollbackDropsKept
+        | Mutant::TkvFloorLostByExtract => 120,
+        // Needs a prefill cohort whose planned chunk crosses `start` and is split (measured catch seed 140).
+        Mutant::TkvSplitMovesBoundary => 300,
         // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 2 and 14.
         Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
         // Caught at seed 123 on main since the recurrent family joined the swarm (its runs never draw trims, and this bug

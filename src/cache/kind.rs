@@ -132,6 +132,60 @@ fn parse_quant(s: &str) -> Option<(bool, QuantSpec)> {
     (canonical && QUANT_BITS.contains(&q.bits) && QUANT_GROUPS.contains(&q.group)).then_some((rotating, q))
 }
 
+/// Prefix of the transitioning rows' kind `kv:delayed-quant:<bits>:<group>:<start>` (issue #13).
+pub const DELAYED_QUANT_PREFIX: &str = "kv:delayed-quant:";
+/// Prefix of the rotating transitioning rows' kind `kv:delayed-rotating-quant:<W>:<bits>:<group>:<start>`.
+pub const DELAYED_ROTATING_QUANT_PREFIX: &str = "kv:delayed-rotating-quant:";
+
+/// The parameters of a transitioning rows' kind: window (`None`: full attention), the affine format, and the
+/// precision boundary (`None`: `inf`, never converts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DelayedKind {
+    pub max_size: Option<usize>,
+    pub quant: QuantSpec,
+    pub start: Option<usize>,
+}
+
+impl DelayedKind {
+    /// The canonical string (upstream's parameter order; an infinite start is `inf`).
+    pub fn kind(&self) -> StorageKind {
+        let start = self.start.map_or("inf".to_string(), |s| s.to_string());
+        let (b, g) = (self.quant.bits, self.quant.group);
+        StorageKind(match self.max_size {
+            None => format!("{DELAYED_QUANT_PREFIX}{b}:{g}:{start}"),
+            Some(w) => format!("{DELAYED_ROTATING_QUANT_PREFIX}{w}:{b}:{g}:{start}"),
+        })
+    }
+}
+
+/// The parameters of a transitioning rows' kind, only if written exactly as [`DelayedKind::kind`] writes it with
+/// valid bits and group and a window of at least 1 (strict like the quantized kinds: no leading zeros, no extra
+/// fields, no marker). These kinds are rows of bf16-first legos; no router sends a cache to them
+/// ([`StorageKind::route`] answers `UnknownStorageKind`): `TransitioningKvRows` is built from its legos only.
+pub fn parse_delayed(k: &StorageKind) -> Option<DelayedKind> {
+    let s = k.as_str();
+    let (max_size, rest) = if let Some(r) = s.strip_prefix(DELAYED_ROTATING_QUANT_PREFIX) {
+        let (w, rest) = r.split_once(':')?;
+        (Some(w.parse::<usize>().ok().filter(|&w| w >= 1)?), rest)
+    } else {
+        (None, s.strip_prefix(DELAYED_QUANT_PREFIX)?)
+    };
+    let mut it = rest.split(':');
+    let (b, g, st) = (it.next()?, it.next()?, it.next()?);
+    if it.next().is_some() {
+        return None;
+    }
+    let quant = QuantSpec { bits: b.parse().ok()?, group: g.parse().ok()? };
+    let start = if st == "inf" { None } else { Some(st.parse::<usize>().ok()?) };
+    let d = DelayedKind { max_size, quant, start };
+    (QUANT_BITS.contains(&quant.bits) && QUANT_GROUPS.contains(&quant.group) && d.kind() == *k).then_some(d)
+}
+
+/// True iff `k` is a transitioning rows' kind (`kv:delayed-quant:..`, `kv:delayed-rotating-quant:..`).
+pub fn is_delayed(k: &StorageKind) -> bool {
+    parse_delayed(k).is_some()
+}
+
 fn is_known_serial(s: &str) -> bool {
     s == KV_PLAIN || s == ROTATING_PLAIN || parse_quant(s).is_some()
 }
@@ -202,6 +256,40 @@ mod tests {
             let k = StorageKind::new(bad);
             assert!(!is_row_batch(&k) && !is_rotating(&k) && !is_plain_kv(&k) && !is_known(&k), "{bad}");
             assert_eq!(k.route(), Err(CacheError::UnknownStorageKind { kind: bad.to_string() }));
+        }
+    }
+
+    #[test]
+    fn delayed_kinds_parse_strictly_and_route_nowhere() {
+        for (s, w, b, g, st) in [
+            ("kv:delayed-quant:4:32:8", None, 4, 32, Some(8)),
+            ("kv:delayed-quant:8:128:0", None, 8, 128, Some(0)),
+            ("kv:delayed-rotating-quant:6:3:64:inf", Some(6), 3, 64, None),
+            ("kv:delayed-rotating-quant:1:2:32:17", Some(1), 2, 32, Some(17)),
+        ] {
+            let k = StorageKind::new(s);
+            let d = parse_delayed(&k).unwrap_or_else(|| panic!("{s}"));
+            assert_eq!(d, DelayedKind { max_size: w, quant: QuantSpec { bits: b, group: g }, start: st });
+            assert_eq!(d.kind(), k);
+            assert!(is_delayed(&k) && !is_known(&k) && !is_quantized(&k) && !is_row_batch(&k), "{s}");
+            assert!(matches!(k.route(), Err(CacheError::UnknownStorageKind { .. })));
+        }
+        for bad in [
+            "kv:delayed-quant:4:32",
+            "kv:delayed-quant:4:32:8:1",
+            "kv:delayed-quant:7:32:8",
+            "kv:delayed-quant:4:48:8",
+            "kv:delayed-quant:04:32:8",
+            "kv:delayed-quant:4:32:08",
+            "kv:delayed-quant:4:32:-1",
+            "kv:delayed-quant:4:32:Inf",
+            "kv:delayed-quant:4:32:8+row-batch",
+            "kv:delayed-rotating-quant:0:4:32:8",
+            "kv:delayed-rotating-quant:4:32:8",
+            "kv:delayed-rotating-quant:06:4:32:8",
+            "kv:delayed-quant::32:8",
+        ] {
+            assert!(!is_delayed(&StorageKind::new(bad)), "{bad}");
         }
     }
 

@@ -103,6 +103,23 @@ pub enum Mutant {
     /// would first do (R-ROT-5). Hook: `RowBatch::row_decode_phase`. Reached only by generated decode-phase probes
     /// (issue #17).
     RowPhaseIgnoresOversize,
+    /// Transitioning rows settle (convert if due) after every append even inside an armed speculative round, so a
+    /// conversion looks at an uncommitted suffix (issue #13). Hook: `TransitioningKvRows::settle_all`.
+    TkvConvertUncommitted,
+    /// Transitioning rows settle after every append of a prefill cohort, so a sibling's split forward moves a
+    /// row's boundary to the split (R-C-7). Hook: `TransitioningKvRows::settle_all`.
+    TkvSplitMovesBoundary,
+    /// Prefix reuse (`take`) skips the floor check and trims below `minimum_reusable_offset`. Hook:
+    /// `Bf16FirstCache::take`.
+    TkvReuseBelowFloor,
+    /// Rows pack as soon as one row has converted, not once every row has. Hook: `TransitioningKvRows::maybe_pack`.
+    TkvPackBeforeAllConverted,
+    /// A rollback of unpacked rows drops one kept position of every row that rejected some (the kept bytes are not
+    /// all kept). Hook: `TransitioningKvRows::round_rollback`.
+    TkvRollbackDropsKept,
+    /// A row handed back to serial use loses its floor (`extract` composes the lego with floor 0). Hook:
+    /// `TransitioningKvRows::extract`.
+    TkvFloorLostByExtract,
 }
 
 impl Mutant {
@@ -137,6 +154,12 @@ impl Mutant {
         Mutant::FilterPartialOnError,
         Mutant::PendingZeroTakesAll,
         Mutant::RowPhaseIgnoresOversize,
+        Mutant::TkvConvertUncommitted,
+        Mutant::TkvSplitMovesBoundary,
+        Mutant::TkvReuseBelowFloor,
+        Mutant::TkvPackBeforeAllConverted,
+        Mutant::TkvRollbackDropsKept,
+        Mutant::TkvFloorLostByExtract,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -171,6 +194,12 @@ impl Mutant {
             Mutant::FilterPartialOnError => "filter-partial-on-error",
             Mutant::PendingZeroTakesAll => "pending-zero-takes-all",
             Mutant::RowPhaseIgnoresOversize => "row-phase-ignores-oversize",
+            Mutant::TkvConvertUncommitted => "tkv-convert-uncommitted",
+            Mutant::TkvSplitMovesBoundary => "tkv-split-moves-boundary",
+            Mutant::TkvReuseBelowFloor => "tkv-reuse-below-floor",
+            Mutant::TkvPackBeforeAllConverted => "tkv-pack-before-all-converted",
+            Mutant::TkvRollbackDropsKept => "tkv-rollback-drops-kept",
+            Mutant::TkvFloorLostByExtract => "tkv-floor-lost-by-extract",
         }
     }
 
@@ -236,6 +265,12 @@ impl Mutant {
             Mutant::FilterPartialOnError => "a refused filter keeps the rows it validated before the bad id",
             Mutant::PendingZeroTakesAll => "a prepared length of 0 stores every position of the next chunks",
             Mutant::RowPhaseIgnoresOversize => "row_decode_phase answers before the oversize drop and rotation",
+            Mutant::TkvConvertUncommitted => "transitioning rows convert inside an armed round (an uncommitted suffix)",
+            Mutant::TkvSplitMovesBoundary => "transitioning rows convert at a sibling's split forward inside a prefill",
+            Mutant::TkvReuseBelowFloor => "prefix reuse trims below minimum_reusable_offset",
+            Mutant::TkvPackBeforeAllConverted => "transitioning rows pack once any row has converted",
+            Mutant::TkvRollbackDropsKept => "a round's rollback drops one kept position of every rejecting row",
+            Mutant::TkvFloorLostByExtract => "a row handed back to serial use loses its reuse floor",
         }
     }
 

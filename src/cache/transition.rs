@@ -29,8 +29,9 @@ use mlx_rs::Array;
 
 use super::batch::{JoinSource, RowBatch};
 use super::error::CacheError;
-use super::kind::StorageKind;
+use super::kind::{DelayedKind, StorageKind};
 use super::mask::{MaskUse, Masks};
+use super::mutation::{self, Mutant};
 use super::quant::{QuantSpec, Storage};
 use super::ring::SerialCache;
 use super::util::rows as row_slice;
@@ -60,12 +61,7 @@ impl Transition {
 
     /// The rows layout's storage kind (upstream parameter order; an infinite start is `inf`).
     pub fn rows_kind(&self, max_size: Option<usize>) -> StorageKind {
-        let start = self.start.map_or("inf".to_string(), |s| s.to_string());
-        let (b, g) = (self.quant.bits, self.quant.group);
-        StorageKind(match max_size {
-            None => format!("kv:delayed-quant:{b}:{g}:{start}"),
-            Some(w) => format!("kv:delayed-rotating-quant:{w}:{b}:{g}:{start}"),
-        })
+        DelayedKind { max_size, quant: self.quant, start: self.start }.kind()
     }
 }
 
@@ -227,7 +223,8 @@ impl Bf16FirstCache {
     /// wrapped ring is [`CacheError::NotTrimmable`]. `self` is never changed.
     pub fn take(&self, common: usize, prompt_len: usize) -> Result<Bf16FirstCache> {
         let p = common.min(prompt_len.saturating_sub(1)).min(self.offset());
-        if p < self.floor {
+        // Mutation hook [`Mutant::TkvReuseBelowFloor`]: the floor check skipped.
+        if p < self.floor && !mutation::is(Mutant::TkvReuseBelowFloor) {
             return Err(CacheError::BelowFloor { prefix: p, floor: self.floor });
         }
         let mut out = self.clone();
@@ -382,7 +379,13 @@ impl TransitioningKvRows {
 
     fn maybe_pack(&mut self) -> Result<bool> {
         let Store::Rows(caches) = &self.store else { return Ok(false) };
-        if caches.is_empty() || self.meta.iter().any(|m| m.converted_at.is_none()) {
+        // Mutation hook [`Mutant::TkvPackBeforeAllConverted`]: pack once any row has converted.
+        let unconverted = if mutation::is(Mutant::TkvPackBeforeAllConverted) {
+            self.meta.iter().all(|m| m.converted_at.is_none())
+        } else {
+            self.meta.iter().any(|m| m.converted_at.is_none())
+        };
+        if caches.is_empty() || unconverted {
             return Ok(false);
         }
         let batch = {
@@ -412,7 +415,11 @@ impl TransitioningKvRows {
     }
 
     fn settle_all(&mut self) -> Result<Vec<usize>> {
-        if self.prefilling || self.round.is_some() {
+        // Mutation hooks [`Mutant::TkvConvertUncommitted`] (settles inside a round) and
+        // [`Mutant::TkvSplitMovesBoundary`] (settles after every append of a prefill cohort).
+        let round = self.round.is_some() && !mutation::is(Mutant::TkvConvertUncommitted);
+        let prefilling = self.prefilling && !mutation::is(Mutant::TkvSplitMovesBoundary);
+        if prefilling || round {
             return Ok(Vec::new());
         }
         let all: Vec<usize> = (0..self.rows()).collect();
@@ -596,9 +603,11 @@ impl TransitioningKvRows {
         match &mut next.store {
             Store::Packed(b) => b.trim_rows(&shifts, true)?,
             Store::Rows(caches) => {
-                for (c, &s) in caches.iter_mut().zip(&shifts) {
+                for ((c, &s), &k) in caches.iter_mut().zip(&shifts).zip(keep) {
                     if s > 0 {
-                        c.trim(s, true)?;
+                        // Mutation hook [`Mutant::TkvRollbackDropsKept`]: one kept position dropped too.
+                        let extra = usize::from(mutation::is(Mutant::TkvRollbackDropsKept) && k > 0);
+                        c.trim(s + extra, true)?;
                     }
                 }
             }
@@ -623,7 +632,9 @@ impl TransitioningKvRows {
             Store::Packed(b) => b.extract(i)?,
         };
         let m = self.meta[i];
-        Ok(Bf16FirstCache::compose(cache, self.transition, m.converted_at, m.floor))
+        // Mutation hook [`Mutant::TkvFloorLostByExtract`]: the floor is not carried.
+        let floor = if mutation::is(Mutant::TkvFloorLostByExtract) { 0 } else { m.floor };
+        Ok(Bf16FirstCache::compose(cache, self.transition, m.converted_at, floor))
     }
 
     /// Keeps these rows in this order (floors kept; the padding every kept row shares is shifted off); then packs if

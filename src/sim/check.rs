@@ -136,7 +136,8 @@ pub fn mask_row(
     Ok(())
 }
 
-fn value_of(dtype: Dtype, w: u64) -> f64 {
+/// The value of one stored word of `dtype` (bf16 bits in the low 16 bits).
+pub fn value_of(dtype: Dtype, w: u64) -> f64 {
     match dtype {
         Dtype::Bfloat16 => f32::from_bits((w as u32) << 16) as f64,
         _ => f32::from_bits(w as u32) as f64,

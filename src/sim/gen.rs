@@ -35,6 +35,8 @@ impl Generator {
                 OpKind::Extract | OpKind::Filter | OpKind::Trim => rows > 0,
                 OpKind::ReadBlock | OpKind::BidirPrefill | OpKind::CompiledStep => !v.solo.is_empty(),
                 OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal => true,
+                OpKind::PrefixReuse => true,
+                OpKind::PlainRead => rows > 0,
                 OpKind::Adopt | OpKind::Prepare => rows > 0,
                 OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
                 OpKind::Quantize => true,
@@ -185,6 +187,16 @@ impl Generator {
                 Op::PrefixSharedForward { prompt, chosen, rejected, len, window }
             }
             OpKind::TrainingRefusal => Op::TrainingRefusal { persist: w.random_bool(0.5) },
+            OpKind::PrefixReuse => {
+                // Prompts around the stored entry's length: usable prefixes below its floor (refused), at it, above.
+                let most = 3 * cfg.max_prompt as u32 + 4;
+                Op::PrefixReuse {
+                    common: w.random_range(0..=most),
+                    prompt: w.random_range(0..=most),
+                    extra: w.random_range(0..=cfg.max_chunk as u32),
+                }
+            }
+            OpKind::PlainRead => Op::PlainRead,
             OpKind::Adopt => Op::Adopt { invalid: w.random_bool(0.2) },
             OpKind::DecodePhase => Op::DecodePhase,
             OpKind::Prepare => {

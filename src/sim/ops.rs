@@ -76,6 +76,13 @@ pub enum Op {
     PrefixSharedForward { prompt: u32, chosen: u32, rejected: u32, len: u32, window: u32 },
     /// A training cache asked to be merged into a batch (`persist = false`) or persisted (`true`): `TrainingOnly`.
     TrainingRefusal { persist: bool },
+    /// Prefix reuse from the bf16-first family's stored entry (the lego of the last finished request): `take` the
+    /// usable prefix `p = min(common, prompt - 1)` (refused below the entry's floor, `BelowFloor`, and when a
+    /// wrapped ring would need a trim, `NotTrimmable`; nothing changed), then continue it with `extra` positions.
+    PrefixReuse { common: u32, prompt: u32, extra: u32 },
+    /// The plain (dense `update_and_fetch`) read of the bf16-first rows: refused with `MixedPrecision` while any row
+    /// is affine, nothing changed; the dense fetch is checked beside it.
+    PlainRead,
     /// The running batch is rebuilt, every layer, from its own owned buffers and per-row states through
     /// `RowBatch::adopt` (plain storage) / `adopt_planes` (R-BROT-8): the adopted batch must hold every byte and
     /// every row state as before. With `invalid`, row `0`'s state is made impossible first (`len` past the buffer's
@@ -164,6 +171,8 @@ pub enum OpKind {
     TrainingForward,
     PrefixSharedForward,
     TrainingRefusal,
+    PrefixReuse,
+    PlainRead,
     Adopt,
     DecodePhase,
     Prepare,
@@ -194,6 +203,8 @@ impl OpKind {
         OpKind::TrainingForward,
         OpKind::PrefixSharedForward,
         OpKind::TrainingRefusal,
+        OpKind::PrefixReuse,
+        OpKind::PlainRead,
         OpKind::Adopt,
         OpKind::DecodePhase,
         OpKind::Prepare,
@@ -225,6 +236,8 @@ impl OpKind {
             OpKind::TrainingForward => "training_forward",
             OpKind::PrefixSharedForward => "prefix_shared_forward",
             OpKind::TrainingRefusal => "training_refusal",
+            OpKind::PrefixReuse => "prefix_reuse",
+            OpKind::PlainRead => "plain_read",
             OpKind::Adopt => "adopt",
             OpKind::DecodePhase => "decode_phase",
             OpKind::Prepare => "prepare",
@@ -257,6 +270,8 @@ impl OpKind {
             OpKind::TrainingForward => 6,
             OpKind::PrefixSharedForward => 3,
             OpKind::TrainingRefusal => 1,
+            OpKind::PrefixReuse => 3,
+            OpKind::PlainRead => 1,
             OpKind::Adopt => 1,
             OpKind::DecodePhase => 1,
             OpKind::Prepare => 1,
@@ -268,6 +283,11 @@ impl OpKind {
     /// The training kinds: executed by the training family only (never drawn in a run without it).
     pub fn is_training(self) -> bool {
         matches!(self, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal)
+    }
+
+    /// The bf16-first family's own kinds: drawn only in runs that hold it.
+    pub fn is_transition(self) -> bool {
+        matches!(self, OpKind::PrefixReuse | OpKind::PlainRead)
     }
 
     /// The conversion op: drawn only in runs that hold the quantized family (`sim::family::quant`), with a weight
@@ -325,6 +345,8 @@ pub const API_CLASSES: &[&str] = &[
     "ill_formed/heads",
     "ill_formed/storage_kind",
     "ill_formed/row_id",
+    "prefix_reuse",
+    "plain_read",
     "to_quantized",
     "to_quantized/mid_round",
 ];
@@ -402,6 +424,8 @@ impl Op {
                 IllInput::StorageKind => "ill_formed/storage_kind",
                 IllInput::RowId => "ill_formed/row_id",
             }],
+            Op::PrefixReuse { .. } => vec!["prefix_reuse"],
+            Op::PlainRead => vec!["plain_read"],
         }
     }
 
@@ -429,6 +453,8 @@ impl Op {
             Op::TrainingForward { .. } => OpKind::TrainingForward,
             Op::PrefixSharedForward { .. } => OpKind::PrefixSharedForward,
             Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,
+            Op::PrefixReuse { .. } => OpKind::PrefixReuse,
+            Op::PlainRead => OpKind::PlainRead,
             Op::Adopt { .. } => OpKind::Adopt,
             Op::DecodePhase => OpKind::DecodePhase,
             Op::Prepare { .. } => OpKind::Prepare,

@@ -22,6 +22,8 @@ pub enum Stream {
     Payload = 4,
     /// Which layout families a run holds (`sim::family::REGISTRY`).
     Families = 5,
+    /// The bf16-first family's parameters (bits, group, head dim, `start`), a stream of the run's payload seed.
+    Transition = 9,
     /// The recurrent family's set and DeltaNet geometry (`sim::family::ssm`), seeded by the run's payload seed.
     Recurrent = 6,
     /// The quantized family's parameters (bits, group, head dim, native or converted) and the weight of its

@@ -79,6 +79,19 @@ pub struct Counters {
     /// Rows persisted mid-run and restored before they continued (kvsim's format or an mlx-lm prompt-cache file;
     /// `src/persist`), then checked against their solo twins like every other state.
     pub persist_roundtrips: u64,
+    /// bf16-first family: rows and legos that converted to affine storage (each checked against the model's
+    /// boundary); those converted at a prefill chunk's commit; speculative rounds with unequal per-row accepts;
+    /// rollbacks of rows whose ring had wrapped; prefix reuses that took a stored entry.
+    #[serde(default)]
+    pub conversions: u64,
+    #[serde(default)]
+    pub prefill_conversions: u64,
+    #[serde(default)]
+    pub rounds: u64,
+    #[serde(default)]
+    pub rollbacks_across_wrap: u64,
+    #[serde(default)]
+    pub reuses: u64,
     /// State comparisons (physical and temporal bytes vs twin and model) that were byte-identical.
     pub bit_exact_state: u64,
     pub decode_unpadded: ClassCount,
@@ -107,6 +120,11 @@ impl Default for Counters {
             checks: 0,
             expected_errors: 0,
             persist_roundtrips: 0,
+            conversions: 0,
+            prefill_conversions: 0,
+            rounds: 0,
+            rollbacks_across_wrap: 0,
+            reuses: 0,
             bit_exact_state: 0,
             decode_unpadded: ClassCount::default(),
             decode_padded: ClassCount::default(),
@@ -186,6 +204,11 @@ impl Counters {
         self.checks += o.checks;
         self.expected_errors += o.expected_errors;
         self.persist_roundtrips += o.persist_roundtrips;
+        self.conversions += o.conversions;
+        self.prefill_conversions += o.prefill_conversions;
+        self.rounds += o.rounds;
+        self.rollbacks_across_wrap += o.rollbacks_across_wrap;
+        self.reuses += o.reuses;
         self.bit_exact_state += o.bit_exact_state;
         self.decode_unpadded.add(&o.decode_unpadded);
         self.decode_padded.add(&o.decode_padded);

@@ -210,6 +210,9 @@ impl Attention {
             // The training family's forwards use their own stateless caches: every inference cache of this family
             // must come out of them unchanged, which `check_all` verifies after the op.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => true,
+            // The bf16-first family's own ops (prefix reuse from its stored entry, the refused plain read) touch
+            // no cache here: `check_all` after the op proves it.
+            Op::PrefixReuse { .. } | Op::PlainRead => true,
             Op::Adopt { invalid } => self.adopt(*invalid)?,
             Op::DecodePhase => self.decode_phases()?,
             Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,

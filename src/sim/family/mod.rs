@@ -13,6 +13,7 @@ pub mod attention;
 pub mod quant;
 pub mod ssm;
 pub mod training;
+pub mod transition;
 
 use crate::sim::check::Failure;
 use crate::sim::config::SimConfig;
@@ -85,8 +86,13 @@ pub struct Registration {
 }
 
 /// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] =
-    &[attention::REGISTRATION, training::REGISTRATION, ssm::REGISTRATION, quant::REGISTRATION];
+pub const REGISTRY: &[Registration] = &[
+    attention::REGISTRATION,
+    training::REGISTRATION,
+    ssm::REGISTRATION,
+    quant::REGISTRATION,
+    transition::REGISTRATION,
+];
 
 /// The registration of `name`.
 pub fn registration(name: &str) -> Option<&'static Registration> {

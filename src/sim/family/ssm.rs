@@ -59,7 +59,8 @@ type Res<T = ()> = Result<T, Failure>;
 pub const NAME: &str = "ssm";
 
 /// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward, and
-/// the attention API probes of issue #17 (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs).
+/// the attention API probes of issue #17 (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs)
+/// and the bf16-first family's own ops (`prefix_reuse`, `plain_read`).
 pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports: |k: OpKind| {
@@ -76,6 +77,8 @@ pub const REGISTRATION: Registration = Registration {
                 | OpKind::Prepare
                 | OpKind::IllFormed
                 | OpKind::Quantize
+                | OpKind::PrefixReuse
+                | OpKind::PlainRead
         )
     },
     swarm_probability: 0.4,
@@ -1376,7 +1379,9 @@ impl Family for Recurrent {
             | Op::DecodePhase
             | Op::Prepare { .. }
             | Op::IllFormed { .. }
-            | Op::Quantize { .. } => Ok(false),
+            | Op::Quantize { .. }
+            | Op::PrefixReuse { .. }
+            | Op::PlainRead => Ok(false),
         }
     }
 

@@ -1,0 +1,35 @@
+use super::*;
+use crate::sim::{run, DeviceChoice};
+
+/// The first `n` seeds whose swarm config holds this family.
+fn seeds_with_family(n: usize) -> Vec<(u64, SimConfig)> {
+    (0..).map(|s| (s, SimConfig::from_seed(s))).filter(|(_, c)| c.families.iter().any(|f| f == NAME)).take(n).collect()
+}
+
+#[test]
+fn choices_are_valid_and_cover_start_zero_infinity_and_crossed_values() {
+    let mut zero = 0;
+    let mut inf = 0;
+    for s in 0..400u64 {
+        let cfg = SimConfig::from_seed(s);
+        let c = TransitionChoice::draw(&cfg);
+        assert_eq!(c.head_dim % c.group, 0);
+        QuantSpec { bits: c.bits, group: c.group }.validate(c.head_dim).unwrap();
+        zero += usize::from(c.start == Some(0));
+        inf += usize::from(c.start.is_none());
+        assert_eq!(c, TransitionChoice::draw(&cfg), "one seed, one choice");
+    }
+    assert!(zero > 0 && inf > 0);
+}
+
+#[test]
+fn runs_holding_the_family_pass_and_count_its_events() {
+    let mut total = Counters::default();
+    for (seed, cfg) in seeds_with_family(6) {
+        let r = run(seed, cfg, None, DeviceChoice::Cpu, None);
+        assert!(!r.failed(), "seed {seed}: {:?}", r.failure);
+        assert!(r.layouts.keys().any(|k| k.starts_with("kv:delayed")), "seed {seed}: {:?}", r.layouts.keys());
+        total.add(&r.counters);
+    }
+    assert!(total.conversions > 0, "{total:?}");
+}
