@@ -679,11 +679,15 @@ fn forward(
         for t in 0..s {
             if t >= st && t < en {
                 win_idx.extend((0..k).map(|j| stream(r, t - st + j)));
+            } else if stream(r, k - 1) < k - 1 + s {
+                // A padded position: its output is discarded and its state step masked; it reads the first `k`
+                // rows of the row's stream.
+                win_idx.extend((0..k).map(|j| stream(r, j)));
             } else {
-                // A padded position: its output is discarded and its state step masked, but it must still read
-                // inside `cat` (`k - 1 + s` rows): the `k` rows ending at its own zeroed input. (Reading the row's
-                // stream from its start ran one past the end for a row whose real range starts at `s`, and MLX's
-                // gather then read memory outside the array: padded outputs, and the run hash, varied run to run.)
+                // A row with no real position in this window (its real range starts at `s`): its stream holds only
+                // the conv rows, so it reads the `k` rows ending at its own zeroed input, inside `cat` (`k - 1 + s`
+                // rows). Reading the stream from its start ran one row past the end, and MLX's gather then read
+                // memory outside the array: padded outputs, and the run hash, varied run to run (seed 46).
                 win_idx.extend((0..k).map(|j| t + j));
             }
         }
