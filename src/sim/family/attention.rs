@@ -1343,21 +1343,29 @@ impl Attention {
         if !cx.observer.wants_calls() {
             return Ok(());
         }
+        let affine = self.storage != Storage::Plain;
         let mut views = BTreeMap::new();
         for (row, id) in self.rows.iter().enumerate() {
-            let mut layers = vec![];
+            let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
-                layers.push(self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                let b = &self.batch[layer];
+                layers.push(b.row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                if affine {
+                    planes.push(b.row_temporal_view_planes(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                }
             }
             let offset = self.batch[0].row_states()[row].ring.offset;
-            views.insert(*id, StateView { offset, layers });
+            views.insert(*id, StateView { offset, layers, planes: affine.then_some(planes) });
         }
         for r in self.reqs.values().filter(|r| r.home == Home::Solo) {
-            let mut layers = vec![];
+            let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
                 layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
+                if affine {
+                    planes.push(r.solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?);
+                }
             }
-            views.insert(r.id, StateView { offset: r.solo[0].offset(), layers });
+            views.insert(r.id, StateView { offset: r.solo[0].offset(), layers, planes: affine.then_some(planes) });
         }
         cx.observer.on_state(views).map_err(|e| mlx_fail("observe", e))
     }
