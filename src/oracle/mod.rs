@@ -1227,8 +1227,9 @@ pub fn choose_seeds(count: usize, scan: u64, include: &[u64]) -> Result<Vec<u64>
 /// The run of `seed` whose calls the oracle records for `family`: for `attention` the seed's swarm run (the
 /// recorder watches its attention family); for another family of [`recorder::ORACLE_FAMILIES`] the seed's
 /// configuration with that family alone (`None` when the seed's swarm draw does not hold it: its parameters, e.g.
-/// the quantized family's bits and group, come from that draw). `None` too when the run fails or holds an op whose
-/// writes the recorder does not describe (a prepared prefill into running rows, a bidirectional prefill).
+/// the quantized family's bits and group, come from that draw), without the kinds listed below. `None` too when the
+/// run fails or holds an op whose writes the recorder does not describe (a prepared prefill into running rows, a
+/// bidirectional prefill).
 pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
     let r = if family == "attention" {
         crate::sim::run_seed(seed, DeviceChoice::Cpu, None)
@@ -1238,11 +1239,23 @@ pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
             return None;
         }
         cfg.families = vec![family.to_string()];
+        // The other families' own kinds (training forwards, the bf16-first family's reads) touch none of this
+        // family's caches, and the recorder does not describe the writes of a prepared prefill into running rows
+        // or of a bidirectional prefill: none is drawn.
+        use crate::sim::ops::OpKind;
+        for w in cfg.weights.iter_mut() {
+            if w.0.is_training() || w.0.is_transition() || matches!(w.0, OpKind::Prepare | OpKind::BidirPrefill) {
+                w.1 = 0;
+            }
+        }
         crate::sim::run(seed, cfg, None, DeviceChoice::Cpu, None)
     };
     let undescribed = |op: &crate::sim::ops::Op| {
         matches!(op, crate::sim::ops::Op::Prepare { .. } | crate::sim::ops::Op::BidirPrefill { .. })
     };
+    if std::env::var("KVSIM_ORACLE_DEBUG").is_ok() {
+        eprintln!("seed {seed}: failed {} undescribed {} ops {}", r.failed(), r.trace.ops.iter().any(undescribed), r.trace.ops.len());
+    }
     (!r.failed() && (family == "attention" || !r.trace.ops.iter().any(undescribed))).then_some(r)
 }
 
@@ -1297,7 +1310,15 @@ pub fn choose_family_seeds(family: &str, count: usize, scan: u64) -> Result<Vec<
     let mut cands: Vec<(u64, BTreeSet<String>, usize)> = vec![];
     for seed in 0..scan {
         let Some(r) = family_run(seed, family) else { continue };
-        let Ok(rec) = record(&r.trace, false) else { continue };
+        let rec = match record(&r.trace, false) {
+            Ok(rec) => rec,
+            Err(e) => {
+                if std::env::var("KVSIM_ORACLE_DEBUG").is_ok() {
+                    eprintln!("seed {seed}: {e}");
+                }
+                continue;
+            }
+        };
         let mut feats = features(&r.trace.config, &rec.infos);
         feats.extend(quant_features(&r.trace.config, &rec.infos));
         cands.push((seed, feats, rec.infos.len()));

@@ -152,7 +152,7 @@ pub struct StateView {
     pub offset: usize,
     pub layers: Vec<(Array, Array)>,
     /// Affine storage only: per layer, the six planes of the temporal view (K's packed words, scales, biases, then
-    /// V's); `layers` then holds their dequantization.
+    /// V's); `layers` is then empty.
     pub planes: Option<Vec<Vec<Array>>>,
 }
 

@@ -1349,9 +1349,10 @@ impl Attention {
             let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
                 let b = &self.batch[layer];
-                layers.push(b.row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
                 if affine {
                     planes.push(b.row_temporal_view_planes(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                } else {
+                    layers.push(b.row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
                 }
             }
             let offset = self.batch[0].row_states()[row].ring.offset;
@@ -1360,9 +1361,10 @@ impl Attention {
         for r in self.reqs.values().filter(|r| r.home == Home::Solo) {
             let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
-                layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
                 if affine {
                     planes.push(r.solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?);
+                } else {
+                    layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
                 }
             }
             views.insert(r.id, StateView { offset: r.solo[0].offset(), layers, planes: affine.then_some(planes) });
