@@ -613,6 +613,8 @@ fn root_scope(info: &StepInfo, rule: Option<Rule>) -> Scope {
         (Some(Rule::RotatingQuantNyi), "admit") => Scope::Some { reqs: info.reqs.clone(), batch: false },
         (Some(Rule::RotatingQuantNyi), "prefill") => Scope::Some { reqs: info.reqs.clone(), batch: true },
         (Some(Rule::QuantPackedWidth), "solo") => Scope::Some { reqs: info.reqs.clone(), batch: false },
+        // A solo request's trim explains that request (and the batch once it enters it).
+        (Some(_), "solo_trim") => Scope::Some { reqs: info.reqs.clone(), batch: false },
         _ => Scope::All,
     }
 }
@@ -1243,9 +1245,24 @@ pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
         // family's caches, and the recorder does not describe the writes of a prepared prefill into running rows
         // or of a bidirectional prefill: none is drawn.
         use crate::sim::ops::OpKind;
+        if cfg.weight(OpKind::Admit) == 0 {
+            // A family of the full draw supported none of the inference kinds (the training family's runs draw
+            // only its forwards): this family's run takes every kind at its base weight.
+            for w in cfg.weights.iter_mut() {
+                w.1 = w.0.base_weight();
+            }
+        }
         for w in cfg.weights.iter_mut() {
             if w.0.is_training() || w.0.is_transition() || matches!(w.0, OpKind::Prepare | OpKind::BidirPrefill) {
                 w.1 = 0;
+            }
+        }
+        // The conversion op is drawn when the family's parameters say so (a family of the full draw that does not
+        // support it had switched it off).
+        if let (Some(q), true) = (cfg.quant, family == "quant") {
+            match cfg.weights.iter_mut().find(|w| w.0 == OpKind::Quantize) {
+                Some(w) => w.1 = w.1.max(q.convert_weight),
+                None => cfg.weights.push((OpKind::Quantize, q.convert_weight)),
             }
         }
         crate::sim::run(seed, cfg, None, DeviceChoice::Cpu, None)
