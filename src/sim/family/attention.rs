@@ -366,6 +366,14 @@ impl Attention {
             let outputs = plain_decode_step(plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
             let out = outputs[0].clone();
             c.apply_decode_step(&plan, outputs).map_err(|e| unexpected("apply_decode_step", e))?;
+            if cx.observer.wants_calls() {
+                // The compiled step is a decode (checked byte-identical to the ordinary append below): observers see
+                // the ordinary decode call.
+                let offset = model_after.offset - 1;
+                let call =
+                    Call::Solo { req, layer, read: Read::Decode, k: &k, v: &v, q: Some(&q), out: Some(&out), offset };
+                emit(cx, call)?;
+            }
             let (tw, _) =
                 r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let read = ArrayBytes::read_many(&[&out, &tw]).map_err(|e| mlx_fail("read output", e))?;
