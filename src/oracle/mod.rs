@@ -821,6 +821,9 @@ pub struct TraceReport {
     pub steps: usize,
     /// Steps compared on their own (not explained by an earlier state-changing divergence; see [`diff_counted`]).
     pub steps_compared: usize,
+    /// Reads of quantized caches whose outputs agree byte for byte with mlx-lm's (`QuantizedKVCache` and
+    /// `quantized_scaled_dot_product_attention`).
+    pub quant_reads_agree: usize,
     pub divergences: Vec<Divergence>,
     /// Protocol step kinds this trace exercised (`batch/decode`, `enter/join`, ...).
     pub kinds: BTreeSet<String>,
@@ -883,6 +886,9 @@ impl TraceReport {
             self.steps_compared,
             self.status()
         );
+        if self.quant_reads_agree > 0 {
+            s.push_str(&format!("  {} quantized reads equal", self.quant_reads_agree));
+        }
         if !rules.is_empty() {
             s.push_str(&format!("  {}", rules.join(" ")));
         }
@@ -917,6 +923,7 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         config,
         steps: 0,
         steps_compared: 0,
+        quant_reads_agree: 0,
         divergences: vec![],
         kinds: BTreeSet::new(),
         error: Some(e),
@@ -939,11 +946,20 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
     };
     let (divergences, steps_compared) = diff_counted(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
     let kinds = step_kinds(&rec.infos);
+    let oracle_rows: BTreeMap<usize, &Outcome> = oracle.iter().map(|r| (r.step, &r.outcome)).collect();
+    let quant_reads_agree = rec
+        .results
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::Rows(_)))
+        .filter(|r| rec.infos.get(r.step).is_some_and(|i| i.quant.is_some()))
+        .filter(|r| oracle_rows.get(&r.step) == Some(&&r.outcome))
+        .count();
     TraceReport {
         name,
         config: trace.config.clone(),
         steps: rec.infos.len(),
         steps_compared,
+        quant_reads_agree,
         divergences,
         kinds,
         error: None,
@@ -1034,6 +1050,7 @@ pub const STEP_KINDS: &[&str] = &[
     "trim",
     "extract",
     "filter",
+    "quantize",
     "checkpoint",
 ];
 
@@ -1294,6 +1311,10 @@ pub fn quant_features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
     f.insert(format!("quant/bits-{}", q.bits));
     f.insert(format!("quant/group-{}", q.group));
     f.insert(format!("quant/{layout}/{}", if q.native { "native" } else { "converted" }));
+    if layout == "linear" && matches!(q.bits, 5 | 6) && q.head_dim * q.bits / 32 != q.head_dim / (32 / q.bits) {
+        // mlx-lm's packed-width crash: a QuantizedKVCache created quantized (native, or admitted after the conversion)
+        f.insert("quant/packed-width".into());
+    }
     for s in infos {
         match s.t {
             "quantize" => {
