@@ -621,7 +621,10 @@ fn root_scope(info: &StepInfo, rule: Option<Rule>) -> Scope {
 
 /// Step types that act on the running batch (or the pending prefill batch).
 fn is_batch_step(t: &str) -> bool {
-    matches!(t, "enter" | "prefill" | "prefill_chunk" | "prefill_end" | "batch" | "trim" | "trim_rows" | "extract" | "filter")
+    matches!(
+        t,
+        "enter" | "prefill" | "prefill_chunk" | "prefill_end" | "batch" | "trim" | "trim_rows" | "extract" | "filter"
+    )
 }
 
 /// Compares kvsim's results with the oracle's, step by step, and classifies every divergence.
@@ -1288,7 +1291,12 @@ pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
         matches!(op, crate::sim::ops::Op::Prepare { .. } | crate::sim::ops::Op::BidirPrefill { .. })
     };
     if std::env::var("KVSIM_ORACLE_DEBUG").is_ok() {
-        eprintln!("seed {seed}: failed {} undescribed {} ops {}", r.failed(), r.trace.ops.iter().any(undescribed), r.trace.ops.len());
+        eprintln!(
+            "seed {seed}: failed {} undescribed {} ops {}",
+            r.failed(),
+            r.trace.ops.iter().any(undescribed),
+            r.trace.ops.len()
+        );
     }
     (!r.failed() && (family == "attention" || !r.trace.ops.iter().any(undescribed))).then_some(r)
 }
@@ -1485,8 +1493,11 @@ pub fn describe_choice(
     scan: u64,
     include: &[u64],
 ) -> Result<Vec<(u64, Vec<String>)>, String> {
-    let seeds =
-        if family == "attention" { choose_seeds(count, scan, include)? } else { choose_family_seeds(family, count, scan)? };
+    let seeds = if family == "attention" {
+        choose_seeds(count, scan, include)?
+    } else {
+        choose_family_seeds(family, count, scan)?
+    };
     Ok(seeds
         .into_iter()
         .map(|s| {

@@ -751,7 +751,8 @@ impl RunObserver for Recorder {
                 for p in planes {
                     let refs: Vec<&mlx_rs::Array> = p.iter().collect();
                     let b = ArrayBytes::read_many(&refs).map_err(|e| e.to_string())?;
-                    let side = |x: &[ArrayBytes]| sha_hex(&x.iter().flat_map(|a| a.words.le_bytes()).collect::<Vec<u8>>());
+                    let side =
+                        |x: &[ArrayBytes]| sha_hex(&x.iter().flat_map(|a| a.words.le_bytes()).collect::<Vec<u8>>());
                     k.push(side(&b[..3]));
                     v.push(side(&b[3..6]));
                 }
