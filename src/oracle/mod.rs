@@ -1290,14 +1290,6 @@ pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
     let undescribed = |op: &crate::sim::ops::Op| {
         matches!(op, crate::sim::ops::Op::Prepare { .. } | crate::sim::ops::Op::BidirPrefill { .. })
     };
-    if std::env::var("KVSIM_ORACLE_DEBUG").is_ok() {
-        eprintln!(
-            "seed {seed}: failed {} undescribed {} ops {}",
-            r.failed(),
-            r.trace.ops.iter().any(undescribed),
-            r.trace.ops.len()
-        );
-    }
     (!r.failed() && (family == "attention" || !r.trace.ops.iter().any(undescribed))).then_some(r)
 }
 
@@ -1356,15 +1348,7 @@ pub fn choose_family_seeds(family: &str, count: usize, scan: u64) -> Result<Vec<
     let mut cands: Vec<(u64, BTreeSet<String>, usize)> = vec![];
     for seed in 0..scan {
         let Some(r) = family_run(seed, family) else { continue };
-        let rec = match record(&r.trace, false) {
-            Ok(rec) => rec,
-            Err(e) => {
-                if std::env::var("KVSIM_ORACLE_DEBUG").is_ok() {
-                    eprintln!("seed {seed}: {e}");
-                }
-                continue;
-            }
-        };
+        let Ok(rec) = record(&r.trace, false) else { continue };
         let mut feats = features(&r.trace.config, &rec.infos);
         feats.extend(quant_features(&r.trace.config, &rec.infos));
         cands.push((seed, feats, rec.infos.len()));
