@@ -1406,7 +1406,7 @@ pub fn record_set(
         // A fresh choice replaces the family's recorded traces.
         for p in recorded_traces(out).unwrap_or_default() {
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
-            if !name.strip_prefix(&prefix).is_some_and(|n| n.parse::<u64>().is_ok()) {
+            if name.strip_prefix(&prefix).is_none_or(|n| n.parse::<u64>().is_err()) {
                 continue;
             }
             let _ = std::fs::remove_file(&p);

@@ -403,7 +403,7 @@ fn dense_views_of_an_empty_quantized_cache_are_empty() {
         let spec = qspec(dtype);
         for w in [None, Some(4)] {
             let mut c = SerialCache::with_storage(spec, w, Storage::Affine(Q)).unwrap();
-            let mut check = |c: &SerialCache| {
+            let check = |c: &SerialCache| {
                 let (k, v) = c.temporal_view().unwrap();
                 for a in [&k, &v] {
                     assert_eq!(a.shape(), &[1, 2, 0, 64], "{dtype:?} {w:?}");
