@@ -23,6 +23,7 @@ import types
 from importlib import metadata
 
 import mlx.core as mx
+import mlx.nn as nn
 
 PINNED = {"mlx": "0.32.2", "mlx-lm": "0.32.2"}
 
@@ -48,6 +49,8 @@ def import_mlx_lm_models():
 
 
 BASE, CACHE = import_mlx_lm_models()
+# the recurrent family's ops (normalize_qk, compute_g, gated_delta_update and its ops path); imports only mlx
+GATED = importlib.import_module("mlx_lm.models.gated_delta")
 
 # ----------------------------------------------------------------------------------------------------------------
 # arrays: protocol encoding in, sha256 of raw little-endian element bytes out
@@ -99,6 +102,9 @@ def settle(caches):
     """Evaluate the cache arrays (as mlx-lm's generator does after every step) so graphs stay small."""
     arrs = []
     for c in caches:
+        if isinstance(c, CACHE.ArraysCache):  # the recurrent family: its slots and padding counters
+            arrs.extend(x for x in (*c.cache, c.left_padding, c.lengths) if isinstance(x, mx.array))
+            continue
         for name in ("keys", "values", "offset", "left_padding"):
             x = getattr(c, name, None)
             if isinstance(x, mx.array):
@@ -141,9 +147,14 @@ class Driver:
         self.prefill_rows = []
         self.lost = None  # why the running batch can no longer be trusted (set after a desyncing error)
         self.quant = None  # (bits, group) once the family's caches are affine-quantized (`quant` family)
+        self.family = "attention"
+        self.ssm = None  # `ssm` family: geometry dict and per-layer weights (see ssm_config)
+        self.ssm_offsets = {}  # `ssm` family: req -> real positions consumed (driver bookkeeping; ArraysCache has none)
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def new_cache(self):
+        if self.family == "ssm":
+            return CACHE.ArraysCache(size=2)  # qwen3_5.py / qwen3_next.py make_cache: a DeltaNet layer's cache
         if self.quant is not None:
             bits, group = self.quant
             if self.W is not None:
@@ -208,7 +219,8 @@ class Driver:
         if self.running is None or self.lost:
             return
         try:
-            sizes = [int(c.offset.shape[0]) for c in self.running]
+            sizes = [int(c.batch_size) if isinstance(c, CACHE.ArraysCache) else int(c.offset.shape[0])
+                     for c in self.running]
         except Exception as e:  # noqa: BLE001
             sizes = [f"{type(e).__name__}"]
         if any(s != len(self.rows) for s in sizes):
@@ -238,11 +250,14 @@ class Driver:
         W = step.get("max_size")
         self.W = None if W is None else int(W)
         self.layers = int(step["layers"])
-        self.scale = float(step["scale"])
+        self.scale = float(step.get("scale") or 0.0)
         if self.layers < 1 or (self.W is not None and self.W < 1):
             raise DriverError("layers and max_size must be >= 1")
-        if step.get("family", "attention") not in ("attention", "quant"):
-            raise DriverError(f"the driver maps the attention and quant families, not {step.get('family')!r}")
+        self.family = step.get("family", "attention")
+        if self.family not in ("attention", "quant", "ssm"):
+            raise DriverError(f"the driver maps the attention, quant and ssm families, not {step.get('family')!r}")
+        if self.family == "ssm":
+            self.ssm_config(step)
         q = step.get("quant")
         self.quant = None if q is None else (int(q["bits"]), int(q["group"]))
         self.cfg = step
@@ -253,12 +268,19 @@ class Driver:
         if self.live(req):
             raise DriverError(f"request {req} is already live")
         self.solo[req] = [self.new_cache() for _ in range(self.layers)]
+        self.ssm_offsets[req] = 0
 
     def s_solo(self, i, step):
         req = int(step["req"])
         if req not in self.solo:
             raise DriverError(f"request {req} has no solo cache")
         c = self.solo[req][self.layer(step)]
+        if self.family == "ssm":
+            y, spans = self.gdn(c, self.layer(step), step, 1)
+            settle([c])
+            if self.layer(step) == self.layers - 1:
+                self.ssm_offsets[req] += spans[0][1] - spans[0][0]
+            return {"rows": [sha(y[0, spans[0][0]: spans[0][1]])]}
         out = self.attend(c, step, 1)
         settle([c])
         if out is None:
@@ -353,6 +375,13 @@ class Driver:
     def s_batch(self, i, step):
         running = self.need_running()
         c = running[self.layer(step)]
+        if self.family == "ssm":
+            y, spans = self.gdn(c, self.layer(step), step, len(self.rows))
+            settle([c])
+            if self.layer(step) == self.layers - 1:
+                for req, (s0, s1) in zip(self.rows, spans):
+                    self.ssm_offsets[req] = self.ssm_offsets.get(req, 0) + s1 - s0
+            return {"rows": [sha(y[r, s0:s1]) for r, (s0, s1) in enumerate(spans)]}
         out = self.attend(c, step, len(self.rows))
         settle([c])
         if out is None:
@@ -385,9 +414,11 @@ class Driver:
         req = self.rows[row]
         exts = [c.extract(row) for c in running]
         others = [r for r in range(len(self.rows)) if r != row]
+        offset = self.ssm_offsets.get(req, 0)
         self.filter_running(i, others)
         if not step.get("finish", False):
             self.solo[req] = exts
+            self.ssm_offsets[req] = offset
             settle(exts)
 
     def s_filter(self, i, step):
@@ -400,6 +431,9 @@ class Driver:
     def filter_running(self, i, keep):
         # generate.py Batch.filter(): an empty keep clears the batch's cache list, else c.filter(keep) per layer
         if not keep:
+            for r in self.rows:
+                if r not in self.solo:
+                    self.ssm_offsets.pop(r, None)
             self.running, self.rows = None, []
             return
         try:
@@ -408,6 +442,9 @@ class Driver:
         except Exception:
             self.check_running(i)
             raise
+        for r in range(len(self.rows)):
+            if r not in keep and self.rows[r] not in self.solo:
+                self.ssm_offsets.pop(self.rows[r], None)
         self.rows = [self.rows[r] for r in keep]
         settle(self.running)
 
@@ -437,6 +474,8 @@ class Driver:
         return {"converted": True}
 
     def s_checkpoint(self, i, step):
+        if self.family == "ssm":
+            return self.ssm_checkpoint(step)
         reqs = {}
         for req, caches in self.solo.items():
             reqs[req] = self.solo_view(caches)
@@ -493,6 +532,138 @@ class Driver:
             ks.append(sha(self.window_tail(e.keys, offset)))
             vs.append(sha(self.window_tail(e.values, offset)))
         return {"offset": offset, "k": ks, "v": vs}
+
+
+    # ---- the recurrent family (`family: "ssm"`) -----------------------------------------------------------------
+    def ssm_config(self, step):
+        g = step.get("ssm") or {}
+        try:
+            dims = {k: int(g[k]) for k in ("kernel", "heads_k", "heads_v", "dk", "dv")}
+        except (KeyError, TypeError, ValueError) as e:
+            raise DriverError(f"ssm config needs kernel, heads_k, heads_v, dk, dv: {e}") from e
+        if min(dims.values()) < 1 or dims["heads_v"] % dims["heads_k"]:
+            raise DriverError(f"bad ssm geometry {dims}")
+        dims["conv_dim"] = 2 * dims["heads_k"] * dims["dk"] + dims["heads_v"] * dims["dv"]
+        weights = step.get("weights") or []
+        if len(weights) != int(step["layers"]):
+            raise DriverError(f"ssm config has {len(weights)} weight sets for {step['layers']} layers")
+        layers = []
+        for w in weights:
+            cw = decode_array(w["conv_weight"])
+            if tuple(cw.shape) != (dims["conv_dim"], dims["kernel"], 1):
+                raise DriverError(f"conv_weight shape {cw.shape}, expected {(dims['conv_dim'], dims['kernel'], 1)}")
+            # qwen3_5.py GatedDeltaNet: nn.Conv1d(conv_dim, conv_dim, bias=False, kernel_size=K, groups=conv_dim,
+            # padding=0); its weight after sanitize is [conv_dim, K, 1]
+            conv = nn.Conv1d(dims["conv_dim"], dims["conv_dim"], kernel_size=dims["kernel"], padding=0,
+                             groups=dims["conv_dim"], bias=False)
+            conv.weight = cw
+            layers.append({"conv1d": conv, "A_log": decode_array(w["a_log"]), "dt_bias": decode_array(w["dt_bias"])})
+        self.ssm = {"dims": dims, "layers": layers}
+
+    def gdn(self, cache, l, step, B):
+        """The cache-side part of mlx-lm 0.32.2's gated-DeltaNet layer (qwen3_5.py GatedDeltaNet.__call__, the same
+        in qwen3_next.py), from its projections on: the mask from the cache (base.create_ssm_mask = make_mask(S)),
+        padded qkv zeroed, conv over concat(conv_state, qkv), the conv state (take_along_axis at lengths, or the last
+        K-1 rows), silu, split, normalize_qk, gated_delta_update (the ops path on CPU), both slots written,
+        advance(S). Returns y [B, S, Hv, Dv] (before the gated norm and out_proj) and each row's real [start, end)."""
+        d = self.ssm["dims"]
+        w = self.ssm["layers"][l]
+        qkv, a, b = decode_array(step["qkv"]), decode_array(step["a"]), decode_array(step["b"])
+        S = qkv.shape[1]
+        if qkv.shape[0] != B or qkv.shape[2] != d["conv_dim"]:
+            raise DriverError(f"qkv shape {qkv.shape} for {B} rows, conv_dim {d['conv_dim']}")
+        mask = BASE.create_ssm_mask(_Hidden(B, S), cache)
+        spans = [(0, S)] * B
+        if mask is not None:
+            m = mask.tolist()
+            spans = []
+            for row in m:
+                idx = [t for t, x in enumerate(row) if x]
+                spans.append((idx[0], idx[-1] + 1) if idx else (0, 0))
+        conv_state = cache[0] if cache[0] is not None else mx.zeros((B, d["kernel"] - 1, d["conv_dim"]),
+                                                                     dtype=qkv.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        n_keep = d["kernel"] - 1
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        conv_out = nn.silu(w["conv1d"](conv_input))
+        kd = d["heads_k"] * d["dk"]
+        q, k, v = [
+            t.reshape(B, S, h, e)
+            for t, h, e in zip(mx.split(conv_out, [kd, 2 * kd], -1), [d["heads_k"], d["heads_k"], d["heads_v"]],
+                               [d["dk"], d["dk"], d["dv"]])
+        ]
+        state = cache[1]
+        q, k = GATED.normalize_qk(q, k, inv_scale=d["dk"] ** -0.5, eps=1e-6)
+        out, state = GATED.gated_delta_update(q, k, v, a, b, w["A_log"], w["dt_bias"], state, mask, use_kernel=True)
+        cache[1] = state
+        cache.advance(S)
+        return out, spans
+
+    def s_prepare(self, i, step):
+        """The recurrent family's prepared prefill over the running batch: `left_padding` set as
+        generate._make_cache's ArraysCache(size, left_padding) constructor sets it (ArraysCache has no other entry
+        for it), then `prepare(lengths=)`."""
+        if self.family != "ssm":
+            raise DriverError("prepare is a step of the ssm family")
+        running = self.need_running()
+        lengths = [int(x) for x in step["lengths"]]
+        left = [int(x) for x in (step.get("left") or [])]
+        if len(lengths) != len(self.rows) or (left and len(left) != len(self.rows)):
+            raise DriverError(f"prepare has {len(lengths)} lengths / {len(left)} lefts for {len(self.rows)} rows")
+        for c in running:
+            if left and any(left):
+                c.left_padding = mx.array(left)
+            c.prepare(lengths=lengths)
+        settle(running)
+
+    def s_finalize(self, i, step):
+        running = self.need_running()
+        for c in running:
+            c.finalize()
+        settle(running)
+
+    def s_round(self, i, step):
+        raise Unsupported("mlx-lm 0.32.2 has no speculative round for ArraysCache: is_trimmable() is False and "
+                          "generate.speculative_generate_step refuses caches that cannot be trimmed")
+
+    def ssm_checkpoint(self, step):
+        d = self.ssm["dims"]
+        reqs = {}
+
+        def view(caches, row):
+            conv, rec = [], []
+            for c in caches:
+                # a batch row's slots through mlx-lm's own extract (it does not modify the batch); a batch whose
+                # slots are still empty has nothing to extract (ArraysCache.extract would index None)
+                e = c.extract(row) if row is not None and c[0] is not None else c
+                # a slot mlx-lm has not filled yet is the zero state (ArraysCache.merge / extend zero-fill it and
+                # GatedDeltaNet starts from zeros)
+                cs = e[0] if e[0] is not None else mx.zeros((1, d["kernel"] - 1, d["conv_dim"]),
+                                                            dtype=DTYPES[self.cfg["dtype"]][0])
+                rs = e[1] if e[1] is not None else mx.zeros((1, d["heads_v"], d["dv"], d["dk"]), dtype=mx.float32)
+                conv.append(sha(cs[0]))
+                rec.append(sha(rs[0]))
+            return conv, rec
+
+        for req, caches in self.solo.items():
+            reqs[req] = (caches, None)
+        if self.running is not None:
+            if self.lost:
+                raise DriverError(self.lost)
+            for row, req in enumerate(self.rows):
+                reqs[req] = (self.running, row)
+        out = {}
+        for req in sorted(reqs):
+            conv, rec = view(*reqs[req])
+            out[str(req)] = {"offset": self.ssm_offsets.get(req, 0), "conv": conv, "rec": rec}
+        return {"op": step.get("op"), "reqs": out}
 
 
 # ----------------------------------------------------------------------------------------------------------------

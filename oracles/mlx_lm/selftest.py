@@ -345,6 +345,139 @@ def direct_qsdpa_sha(d, quant, req, q_pos, key_order, mask_kind):
     return hashlib.sha256(raw_words(out[0], mx)).hexdigest()
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the recurrent family (`family: "ssm"`): ArraysCache + the gated-DeltaNet layer arithmetic
+# ---------------------------------------------------------------------------------------------------------------
+SSM = {"kernel": 3, "heads_k": 1, "heads_v": 2, "dk": 4, "dv": 4}
+SSM_CD = 2 * SSM["heads_k"] * SSM["dk"] + SSM["heads_v"] * SSM["dv"]
+
+
+class SsmData(Data):
+    """Every (request, position) has its own qkv [conv_dim], a [Hv], b [Hv] (multiples of 1/16, exact in f32)."""
+
+    def __init__(self, seed):
+        super().__init__(seed, None, "f32")
+        r = self.rng
+        self.conv_w = [[[r.randint(-8, 8) / 16] for _ in range(SSM["kernel"])] for _ in range(SSM_CD)]
+        self.a_log = [r.randint(-16, 16) / 16 for _ in range(SSM["heads_v"])]
+        self.dt_bias = [r.randint(-16, 16) / 16 for _ in range(SSM["heads_v"])]
+
+    def tok(self, req, pos):
+        if (req, pos) not in self.tok_:
+            r = self.rng
+            self.tok_[(req, pos)] = {
+                "qkv": [r.randint(-32, 32) / 16 for _ in range(SSM_CD)],
+                "a": [r.randint(-16, 16) / 16 for _ in range(SSM["heads_v"])],
+                "b": [r.randint(-16, 16) / 16 for _ in range(SSM["heads_v"])],
+            }
+        return self.tok_[(req, pos)]
+
+    def config(self):
+        return {"t": "config", "max_size": None, "dtype": "f32", "layers": 1, "family": "ssm", "ssm": SSM,
+                "weights": [{"conv_weight": self.enc(self.conv_w), "a_log": self.enc(self.a_log),
+                             "dt_bias": self.enc(self.dt_bias)}]}
+
+    def call(self, t, rows, **kw):
+        """rows = [[(req, pos) or None (padding: large values the mask must keep out of both states), ...]]."""
+        def field(f, n):
+            return [[self.tok(*rp)[f] if rp else [self.rng.randint(-99, 99) / 4 for _ in range(n)] for rp in row]
+                    for row in rows]
+        return {"t": t, "layer": 0, "read": "window", **kw, "qkv": self.enc(field("qkv", SSM_CD)),
+                "a": self.enc(field("a", SSM["heads_v"])), "b": self.enc(field("b", SSM["heads_v"]))}
+
+    def conv_sha(self, req, n):
+        """sha256 of the request's conv state after n positions: its last K-1 qkv rows, zeros before its first."""
+        K1 = SSM["kernel"] - 1
+        rows = [[0.0] * SSM_CD if p < 0 else self.tok(req, p)["qkv"] for p in range(n - K1, n)]
+        return hashlib.sha256(self.pack(list(flat(rows)))).hexdigest()
+
+
+def direct_gdn(d, req, n):
+    """The request's first n positions in one call, written here from MLX's ops (mx.conv1d, mx.fast.rms_norm, the
+    delta rule step by step; no mlx-lm): returns (y [n, Hv, Dv], recurrent state [Hv, Dv, Dk])."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    K, Hk, Hv, Dk, Dv = (SSM[k] for k in ("kernel", "heads_k", "heads_v", "dk", "dv"))
+    toks = [d.tok(req, p) for p in range(n)]
+    qkv = mx.array([t["qkv"] for t in toks], dtype=mx.float32)[None]
+    a = mx.array([t["a"] for t in toks], dtype=mx.float32)[None]
+    b = mx.array([t["b"] for t in toks], dtype=mx.float32)[None]
+    x = mx.concatenate([mx.zeros((1, K - 1, SSM_CD)), qkv], axis=1)
+    conv = nn.silu(mx.conv1d(x, mx.array(d.conv_w), groups=SSM_CD))[0]
+    q = conv[:, : Hk * Dk].reshape(n, Hk, Dk)
+    k = conv[:, Hk * Dk: 2 * Hk * Dk].reshape(n, Hk, Dk)
+    v = conv[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
+    eps = 1e-6 / Dk
+    q = (1.0 / Dk) * mx.fast.rms_norm(q, None, eps)
+    k = (Dk ** -0.5) * mx.fast.rms_norm(k, None, eps)
+    q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    beta = mx.sigmoid(b[0])
+    g = mx.exp(-mx.exp(mx.array(d.a_log)) * nn.softplus(a[0] + mx.array(d.dt_bias)))
+    S = mx.zeros((Hv, Dv, Dk))
+    ys = []
+    for t in range(n):
+        S = S * g[t][:, None, None]
+        kv = (S * k[t][:, None, :]).sum(axis=-1)
+        delta = (v[t] - kv) * beta[t][:, None]
+        S = S + k[t][:, None, :] * delta[:, :, None]
+        ys.append((S * q[t][:, None, :]).sum(axis=-1))
+    return mx.stack(ys), S
+
+
+def ssm_scenario():
+    """f32, K = 3, Hk = 1, Hv = 2: solo window / decode calls, a merge, a fresh request entering (its empty slots
+    zero-filled by extend), a right-padded prepared prefill over the running batch (padded slots hold large values
+    the mask must keep out), finalize, a fresh row left-padded, an extract that continues solo, a reordering filter,
+    a speculative round (unsupported), a finishing extract."""
+    d, sc = SsmData(20251130), Script()
+    add = sc.add
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    add(d.call("solo", [[(1, 0), (1, 1), (1, 2)]], req=1), ("ssm_rows", [(1, 0, 3)]))
+    add(d.call("solo", [[(2, 0)]], req=2, read="decode"), ("ssm_rows", [(2, 0, 1)]))
+    add(d.call("solo", [[(1, 3)]], req=1, read="decode"), ("ssm_rows", [(1, 3, 4)]))
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})
+    add(d.call("batch", [[(1, 4)], [(2, 1)]], read="decode"), ("ssm_rows", [(1, 4, 5), (2, 1, 2)]))
+    add({"t": "admit", "req": 3})
+    add({"t": "enter", "reqs": [3], "how": "join"})
+    add({"t": "prepare", "lengths": [2, 1, 3], "left": None})
+    add(d.call("batch", [[(1, 5), (1, 6), None], [(2, 2), None, None], [(3, 0), (3, 1), (3, 2)]]),
+        ("ssm_rows", [(1, 5, 7), (2, 2, 3), (3, 0, 3)]))
+    add({"t": "finalize"})
+    add({"t": "checkpoint", "op": 0}, ("ssm_views", {1: 7, 2: 3, 3: 3}))
+    add({"t": "admit", "req": 4})
+    add({"t": "enter", "reqs": [4], "how": "merge"})
+    add({"t": "prepare", "lengths": [3, 3, 3, 3], "left": [0, 0, 0, 1]})
+    add(d.call("batch", [[(1, 7), (1, 8), (1, 9)], [(2, 3), (2, 4), (2, 5)], [(3, 3), (3, 4), (3, 5)],
+                         [None, (4, 0), (4, 1)]]),
+        ("ssm_rows", [(1, 7, 10), (2, 3, 6), (3, 3, 6), (4, 0, 2)]))
+    add({"t": "finalize"})
+    add({"t": "extract", "row": 1, "finish": False})
+    add({"t": "filter", "keep": [2, 0, 1]})
+    add(d.call("solo", [[(2, 6)]], req=2, read="decode"), ("ssm_rows", [(2, 6, 7)]))
+    add(d.call("batch", [[(4, 2)], [(1, 10)], [(3, 6)]], read="decode"),
+        ("ssm_rows", [(4, 2, 3), (1, 10, 11), (3, 6, 7)]))
+    add({"t": "checkpoint", "op": 1}, ("ssm_views", {1: 11, 2: 7, 3: 7, 4: 3}))
+    add({"t": "round", "gamma": 2}, ("unsupported",))
+    add({"t": "extract", "row": 0, "finish": True})
+    add({"t": "checkpoint", "op": 2}, ("ssm_views", {1: 11, 2: 7, 3: 7}))
+    return d, sc, {"unsupported": 1, "errors": 0}
+
+
+def ssm_rows_shas(d, spec):
+    """Per row (req, p0, p1): sha256 of the direct computation's outputs at positions [p0, p1)."""
+    import mlx.core as mx
+    out = []
+    for req, p0, p1 in spec:
+        y, _ = direct_gdn(d, req, p1)
+        out.append(hashlib.sha256(raw_words(y[p0:p1], mx)).hexdigest())
+    return out
+
+
+SCENARIOS["selftest_ssm_steps.jsonl"] = ssm_scenario
+
+
 def run_scenario(name, make, write):
     d, sc, want_counts = make()
     path = os.path.join(HERE, name)
@@ -385,6 +518,19 @@ def run_scenario(name, make, write):
         elif kind == "qsdpa":
             want = [direct_qsdpa_sha(d, exp[1], *args) for args in exp[2]]
             check(r.get("rows", []) == want, f"step {i}: output {r} != direct quantized attention {want}")
+        elif kind == "ssm_rows":
+            want = ssm_rows_shas(d, exp[1])
+            check(r.get("rows") == want, f"step {i}: outputs {r.get('rows')} != direct gated delta {want}")
+        elif kind == "ssm_views":
+            import mlx.core as mx
+            got = r.get("reqs", {})
+            check(sorted(got) == sorted(str(q) for q in exp[1]), f"step {i}: requests {sorted(got)} != {exp[1]}")
+            for req, n in exp[1].items():
+                g = got.get(str(req), {})
+                check(g.get("offset") == n, f"step {i} req {req}: offset {g.get('offset')} != {n}")
+                check(g.get("conv") == [d.conv_sha(req, n)], f"step {i} req {req}: conv state != last K-1 inputs")
+                want = hashlib.sha256(raw_words(direct_gdn(d, req, n)[1], mx)).hexdigest()
+                check(g.get("rec") == [want], f"step {i} req {req}: recurrent state != direct gated delta")
         elif kind == "converted":
             check(r.get("converted") is exp[1], f"step {i}: {r} expected converted {exp[1]}")
         elif kind == "qviews":
