@@ -630,6 +630,11 @@ class Driver:
         settle(running)
 
     def s_round(self, i, step):
+        """A resolved speculative round. A commit (every row keeps `gamma`) is the round's window call alone, which
+        mlx-lm made: nothing more to call, no record. A rollback has no mlx-lm counterpart."""
+        keep, gamma = step.get("keep"), step.get("gamma")
+        if keep is not None and gamma is not None and all(int(k) == int(gamma) for k in keep):
+            return None
         raise Unsupported("mlx-lm 0.32.2 has no speculative round for ArraysCache: is_trimmable() is False and "
                           "generate.speculative_generate_step refuses caches that cannot be trimmed")
 

@@ -1260,6 +1260,11 @@ pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
         if !cfg.families.iter().any(|f| f == family) {
             return None;
         }
+        // The recurrent family is recorded in its `ssm` set only (two DeltaNet layers; the hybrid sets' attention
+        // layers are not described).
+        if family == "ssm" && crate::sim::family::ssm::SsmSet::of(&cfg).name != "ssm" {
+            return None;
+        }
         cfg.families = vec![family.to_string()];
         // The other families' own kinds (training forwards, the bf16-first family's reads) touch none of this
         // family's caches, and the recorder does not describe the writes of a prepared prefill into running rows

@@ -117,8 +117,9 @@ impl Record {
             for (id, view) in r.as_object().ok_or("reqs must be an object")? {
                 let id: u32 = id.parse().map_err(|_| format!("request id {id:?}"))?;
                 let offset = view.get("offset").and_then(Value::as_i64).ok_or("view without offset")?;
-                let k = strings(view.get("k").ok_or("view without k")?)?;
-                let v = strings(view.get("v").ok_or("view without v")?)?;
+                // The recurrent family's views name their two states `conv` and `rec` (kept as `k` and `v`).
+                let k = strings(view.get("k").or(view.get("conv")).ok_or("view without k")?)?;
+                let v = strings(view.get("v").or(view.get("rec")).ok_or("view without v")?)?;
                 reqs.insert(id, ReqView { offset, k, v });
             }
             Outcome::Checkpoint { op, reqs }
@@ -179,11 +180,16 @@ pub struct StepInfo {
     pub batch_live: bool,
     /// The head dim of the recorded family's caches (the quantized family has its own).
     pub head_dim: usize,
+    /// The recurrent family: each row's real `[start, end)` in a layer call; `prepare`'s left padding per row.
+    pub spans: Vec<(usize, usize)>,
+    pub left: Vec<usize>,
+    /// The recurrent family's round: the keep per row (`gamma` in `l`).
+    pub keep: Vec<usize>,
 }
 
-/// The families the mlx-lm oracle maps (`oracles/PROTOCOL.md`): the attention family's plain caches and the
-/// quantized family's affine ones.
-pub const ORACLE_FAMILIES: &[&str] = &["attention", "quant"];
+/// The families the mlx-lm oracle maps (`oracles/PROTOCOL.md`): the attention family's plain caches, the
+/// quantized family's affine ones and the recurrent family's gated-DeltaNet states (its `ssm` set).
+pub const ORACLE_FAMILIES: &[&str] = &["attention", "quant", "ssm"];
 
 /// The family a recording of `cfg` describes: the first of the run's families the oracle maps.
 pub fn oracle_family(cfg: &crate::sim::config::SimConfig) -> Option<&'static str> {
@@ -283,6 +289,11 @@ impl Input {
     }
     fn len(&self) -> usize {
         self.ab.shape[2] as usize
+    }
+    /// The whole array in the protocol's encoding (any rank).
+    fn whole_json(&self) -> Value {
+        let shape: Vec<usize> = self.ab.shape.iter().map(|&x| x as usize).collect();
+        json!({"dtype": dtype_name(&self.ab), "shape": shape, "b64": base64::engine::general_purpose::STANDARD.encode(&self.le)})
     }
     fn json(&self, cols: std::ops::Range<usize>) -> Value {
         encode(&self.ab, &self.le, 0..self.rows(), cols)
@@ -680,6 +691,97 @@ impl Recorder {
         }
     }
 
+    /// The recurrent family's geometry and weights: the config step (the first, emitted before any other) is rewritten
+    /// with them (`family: "ssm"`).
+    pub fn ssm_layers(&mut self, spec: crate::cache::ssm::SsmSpec, params: &[crate::cache::ssm::GdnParams]) -> Result<(), String> {
+        if !self.emit_steps || self.steps.len() != 1 {
+            return Ok(());
+        }
+        let mut cfg: Value = serde_json::from_str(&self.steps[0]).map_err(|e| e.to_string())?;
+        let mut weights = vec![];
+        for p in params {
+            let w = |a: &mlx_rs::Array| Input::of(a).map(|i| i.whole_json());
+            weights.push(json!({"conv_weight": w(&p.conv_weight)?, "a_log": w(&p.a_log)?, "dt_bias": w(&p.dt_bias)?}));
+        }
+        cfg["family"] = json!("ssm");
+        cfg["layers"] = json!(params.len());
+        cfg["ssm"] = json!({"kernel": spec.kernel, "heads_k": spec.heads_k, "heads_v": spec.heads_v, "dk": spec.dk, "dv": spec.dv});
+        cfg["weights"] = Value::Array(weights);
+        self.steps[0] = serde_json::to_string(&cfg).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// A gated-DeltaNet layer call (solo when `req` is set); kvsim's result: per row the sha256 of its outputs at
+    /// its real positions (`[n, Hv, Dv]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ssm_call(
+        &mut self,
+        req: Option<u32>,
+        layer: usize,
+        read: Read,
+        reqs: &[u32],
+        qkv: &mlx_rs::Array,
+        a: &mlx_rs::Array,
+        b: &mlx_rs::Array,
+        out: &mlx_rs::Array,
+        spans: &[(usize, usize)],
+    ) -> Result<(), String> {
+        let (qkv, a, b, o) = (Input::of(qkv)?, Input::of(a)?, Input::of(b)?, Input::of(out)?);
+        let s = qkv.ab.shape.get(1).copied().unwrap_or(0) as usize;
+        let info = StepInfo {
+            t: if req.is_some() { "solo" } else { "batch" },
+            read: Some(read),
+            layer,
+            l: s,
+            reqs: reqs.to_vec(),
+            spans: spans.to_vec(),
+            ..Default::default()
+        };
+        let step = self.push(
+            || {
+                let mut j = json!({"t": if req.is_some() { "solo" } else { "batch" }, "layer": layer, "read": read.name(),
+                                   "qkv": qkv.whole_json(), "a": a.whole_json(), "b": b.whole_json()});
+                if let Some(r) = req {
+                    j["req"] = json!(r);
+                }
+                j
+            },
+            info,
+        );
+        // out [B, S, Hv, Dv]: row r's positions [s0, s1) are contiguous
+        let per = o.le.len() / o.rows().max(1) / s.max(1);
+        let rows = spans.iter().enumerate().map(|(r, &(s0, s1))| sha_hex(&o.le[(r * s + s0) * per..(r * s + s1) * per])).collect();
+        self.result(step, Outcome::Rows(rows));
+        Ok(())
+    }
+
+    pub fn ssm_prepare(&mut self, lengths: &[usize], left: &[usize]) {
+        let info = StepInfo {
+            t: "prepare",
+            reqs: self.rows.clone(),
+            real: lengths.to_vec(),
+            left: left.to_vec(),
+            padded: left.iter().any(|&x| x > 0) || lengths.iter().any(|&x| x != lengths[0]),
+            ..Default::default()
+        };
+        let left_json = if left.is_empty() { Value::Null } else { json!(left) };
+        self.push(|| json!({"t": "prepare", "lengths": lengths, "left": left_json}), info);
+    }
+
+    pub fn ssm_finalize(&mut self) {
+        self.push(|| json!({"t": "finalize"}), StepInfo { t: "finalize", reqs: self.rows.clone(), ..Default::default() });
+    }
+
+    /// A resolved speculative round: kvsim commits (every row keeps `gamma`; no record, as mlx-lm's window was the
+    /// whole call) or rolls back (`keep` per row; kvsim's result is what each row dropped).
+    pub fn ssm_round(&mut self, reqs: &[u32], gamma: usize, keep: &[usize]) {
+        let info = StepInfo { t: "round", reqs: reqs.to_vec(), l: gamma, keep: keep.to_vec(), ..Default::default() };
+        let step = self.push(|| json!({"t": "round", "gamma": gamma, "keep": keep}), info);
+        if keep.iter().any(|&k| k != gamma) {
+            self.result(step, Outcome::TrimmedRows(keep.iter().map(|&k| gamma - k).collect()));
+        }
+    }
+
     /// The state of every live request (`views`: request -> (offset, per-layer K shas, per-layer V shas)).
     pub fn checkpoint(&mut self, reqs: BTreeMap<u32, ReqView>) {
         let op = self.op;
@@ -738,6 +840,13 @@ impl RunObserver for Recorder {
             Call::Extract { row, req, finish, rows_left } => self.extract(row, req, finish, rows_left),
             Call::Filter { keep } => self.filter(keep),
             Call::Quantize { bits, group, converted } => self.quantize(bits, group, converted),
+            Call::SsmLayers { spec, params } => self.ssm_layers(spec, params)?,
+            Call::SsmCall { req, layer, read, reqs, qkv, a, b, out, spans } => {
+                self.ssm_call(req, layer, read, reqs, qkv, a, b, out, spans)?
+            }
+            Call::SsmPrepare { lengths, left } => self.ssm_prepare(lengths, left),
+            Call::SsmFinalize => self.ssm_finalize(),
+            Call::SsmRound { reqs, gamma, keep } => self.ssm_round(reqs, gamma, keep),
         }
         Ok(())
     }

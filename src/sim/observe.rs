@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use mlx_rs::Array;
 
+use crate::cache::ssm::{GdnParams, SsmSpec};
 use crate::sim::ops::Op;
 
 /// The read kind of a solo or batch call.
@@ -145,9 +146,41 @@ pub enum Call<'a> {
         group: usize,
         converted: bool,
     },
+    /// The recurrent family: its DeltaNet geometry and every layer's weights (described once, before its first call).
+    SsmLayers {
+        spec: SsmSpec,
+        params: &'a [GdnParams],
+    },
+    /// A gated-DeltaNet layer call (`SsmCache::decode` / `window`): on request `req`'s own cache (`Some`, one row) or
+    /// on the running batch (`reqs` in row order); `spans[r]` is row `r`'s real `[start, end)`; `out` `[B, S, Hv, Dv]`.
+    SsmCall {
+        req: Option<u32>,
+        layer: usize,
+        read: Read,
+        reqs: &'a [u32],
+        qkv: &'a Array,
+        a: &'a Array,
+        b: &'a Array,
+        out: &'a Array,
+        spans: &'a [(usize, usize)],
+    },
+    /// `SsmCache::prepare(lengths, left)` on the running batch (`left` empty: no left padding).
+    SsmPrepare {
+        lengths: &'a [usize],
+        left: &'a [usize],
+    },
+    /// `SsmCache::finalize()` on the running batch.
+    SsmFinalize,
+    /// A speculative round of `gamma` positions resolved with per-row `keep` (commit when every row keeps `gamma`).
+    SsmRound {
+        reqs: &'a [u32],
+        gamma: usize,
+        keep: &'a [usize],
+    },
 }
 
-/// One live request at a checkpoint: its offset and, per layer, its temporal K and V views (production).
+/// One live request at a checkpoint: its offset and, per layer, its temporal K and V views (production); for the
+/// recurrent family each layer's pair is the row's conv state `[K-1, conv_dim]` and recurrent state `[Hv, Dv, Dk]`.
 pub struct StateView {
     pub offset: usize,
     pub layers: Vec<(Array, Array)>,

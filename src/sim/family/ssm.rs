@@ -47,6 +47,7 @@ use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmW
 use crate::sim::check::{ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
 use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::observe::{Call, Read, StateView};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
 use crate::sim::summary::Counters;
@@ -219,6 +220,13 @@ pub struct Recurrent {
     next_id: u32,
     round_no: u64,
     counters: Counters,
+    /// The observer has been told the geometry and weights ([`Call::SsmLayers`]).
+    described: bool,
+}
+
+/// Describes a production call to the observer (only called when it wants calls).
+fn emit(cx: &mut Cx<'_>, call: Call<'_>) -> Res<()> {
+    cx.observer.on_call(call).map_err(|e| Failure::new("mlx", format!("observe: {e}")))
 }
 
 fn arr(bits: &[u32], shape: &[usize], d: RefDtype) -> Array {
@@ -309,6 +317,7 @@ impl Recurrent {
             next_id: 0,
             round_no: 0,
             counters: Counters::default(),
+            described: false,
         })
     }
 
@@ -474,12 +483,17 @@ impl Recurrent {
                     let (params, weights) = (params.clone(), weights.clone());
                     let [q, a, b] = self.ssm_inputs(idx, &rows, s, draft);
                     let Rows::Ssm(batch) = &mut self.batch[li] else { unreachable!() };
-                    let y = if s == 1 && draft.is_none() && batch.padding().is_none() {
-                        batch.decode(&q, &a, &b, &params)
-                    } else {
-                        batch.window(&q, &a, &b, &params)
+                    let decode = s == 1 && draft.is_none() && batch.padding().is_none();
+                    let y = if decode { batch.decode(&q, &a, &b, &params) } else { batch.window(&q, &a, &b, &params) }
+                        .map_err(|e| mlx("ssm window", e))?;
+                    if cx.observer.wants_calls() {
+                        let read = if decode { Read::Decode } else { Read::Window };
+                        let reqs = self.rows.clone();
+                        emit(
+                            cx,
+                            Call::SsmCall { req: None, layer: li, read, reqs: &reqs, qkv: &q, a: &a, b: &b, out: &y, spans: real },
+                        )?;
                     }
-                    .map_err(|e| mlx("ssm window", e))?;
                     let yb = words(&y)?;
                     cx.hasher.update(&yb.digest());
                     for (r, &(st, en)) in real.iter().enumerate() {
@@ -573,6 +587,23 @@ impl Recurrent {
                     };
                     let y = call(prod).map_err(|e| mlx("solo call", e))?;
                     let ty = call(twin).map_err(|e| mlx("twin call", e))?;
+                    if cx.observer.wants_calls() {
+                        let read = if decode { Read::Decode } else { Read::Window };
+                        emit(
+                            cx,
+                            Call::SsmCall {
+                                req: Some(id),
+                                layer: li,
+                                read,
+                                reqs: &[id],
+                                qkv: &q,
+                                a: &a,
+                                b: &b,
+                                out: &y,
+                                spans: &[(0, s)],
+                            },
+                        )?;
+                    }
                     let (yb, tb) = (words(&y)?, words(&ty)?);
                     cx.hasher.update(&yb.digest());
                     let mut model = req.models[li].take().unwrap();
@@ -633,8 +664,17 @@ impl Recurrent {
     /// Requests outside the batch enter it after the running rows, listed in `perm` order (a permutation of the
     /// batch's rows): DeltaNet layers merge the (filtered) batch and the requests' one-row caches (`SsmCache::merge`,
     /// sources borrowed); attention layers join the batch's rows in that order and the requests' serial caches.
-    fn enter(&mut self, ids: &[u32], perm: &[usize]) -> Res {
+    fn enter(&mut self, cx: &mut Cx<'_>, ids: &[u32], perm: &[usize]) -> Res {
         let identity = perm.iter().enumerate().all(|(i, &r)| i == r);
+        if cx.observer.wants_calls() {
+            // A join's new row order is a filter keeping every row in that order (mlx-lm's filter reorders alike),
+            // then the merge of the entering requests.
+            if !identity {
+                emit(cx, Call::Filter { keep: perm })?;
+            }
+            let offsets: Vec<usize> = ids.iter().map(|id| self.reqs[id].pos).collect();
+            emit(cx, Call::Enter { reqs: ids, merge: true, offsets: &offsets, sizes: &offsets })?;
+        }
         for li in 0..self.layers.len() {
             let joined = match &self.batch[li] {
                 Rows::Ssm(b) => {
@@ -676,7 +716,7 @@ impl Recurrent {
 
     /// `merge` (identity order) or `join` (the running rows in `order`; empty = identity; anything but a
     /// permutation of the rows makes the op skipped, as in the attention family).
-    fn merge_or_join(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
+    fn merge_or_join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
         let n = self.rows.len();
         let perm: Vec<usize> =
             if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
@@ -694,7 +734,7 @@ impl Recurrent {
         if ids.is_empty() {
             return Ok(false);
         }
-        self.enter(&ids, &perm)?;
+        self.enter(cx, &ids, &perm)?;
         Ok(true)
     }
 
@@ -715,7 +755,7 @@ impl Recurrent {
         }
         let left = !self.set.hybrid() && (ids[0] as usize + chunk) % 3 != 0;
         let old = self.rows.len();
-        self.enter(&ids, &(0..old).collect::<Vec<_>>())?;
+        self.enter(cx, &ids, &(0..old).collect::<Vec<_>>())?;
         let width = *lens.iter().max().unwrap();
         // Running rows are all padding: right padding (`lengths = 0`), or with left padding `left = lengths =
         // width`, so a mask that ignored left padding would step their states (bug catalog #1).
@@ -731,6 +771,9 @@ impl Recurrent {
                 Rows::Attn(b) => b.prepare(&lengths),
             }
             .map_err(|e| mlx("prepare", e))?;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::SsmPrepare { lengths: &lengths, left: if left { &lefts } else { &[] } })?;
         }
         self.counters.recurrent.padded_prefills += 1;
         self.counters.recurrent.left_padded_prefills += u64::from(left);
@@ -798,6 +841,9 @@ impl Recurrent {
                 Rows::Attn(b) => b.finalize(),
             }
             .map_err(|e| mlx("finalize", e))?;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::SsmFinalize)?;
         }
         if let Some(keep) = &side_keep {
             let mut matched = 0;
@@ -971,11 +1017,15 @@ impl Recurrent {
             self.counters.recurrent.rollbacks += 1;
             self.counters.recurrent.rollbacks_unequal += u64::from(unequal);
         }
+        if cx.observer.wants_calls() {
+            let reqs = self.rows.clone();
+            emit(cx, Call::SsmRound { reqs: &reqs, gamma, keep: &keep })?;
+        }
         self.advance(&keep);
         Ok(true)
     }
 
-    fn extract(&mut self, row: usize, finish: bool) -> Res<bool> {
+    fn extract(&mut self, cx: &mut Cx<'_>, row: usize, finish: bool) -> Res<bool> {
         if self.rows.is_empty() {
             return Ok(false);
         }
@@ -994,6 +1044,9 @@ impl Recurrent {
         }
         let id = self.rows[row];
         let keep: Vec<usize> = (0..self.rows.len()).filter(|&r| r != row).collect();
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Extract { row, req: id, finish, rows_left: keep.len() })?;
+        }
         let mut out = vec![];
         for b in &mut self.batch {
             match b {
@@ -1031,7 +1084,7 @@ impl Recurrent {
         Ok(true)
     }
 
-    fn filter(&mut self, keep: &[u32]) -> Res<bool> {
+    fn filter(&mut self, cx: &mut Cx<'_>, keep: &[u32]) -> Res<bool> {
         if self.rows.is_empty() {
             return Ok(false);
         }
@@ -1055,6 +1108,9 @@ impl Recurrent {
                 Rows::Attn(b) => b.filter(&kept),
             }
             .map_err(|e| mlx("filter", e))?;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Filter { keep: &kept })?;
         }
         let dropped: Vec<u32> = (0..self.rows.len()).filter(|r| !kept.contains(r)).map(|r| self.rows[r]).collect();
         self.rows = kept.iter().map(|&r| self.rows[r]).collect();
@@ -1341,8 +1397,26 @@ impl Family for Recurrent {
     }
 
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        if cx.observer.wants_calls() && !self.described {
+            self.described = true;
+            let params: Vec<GdnParams> = self
+                .layers
+                .iter()
+                .filter_map(|l| match l {
+                    LayerDef::DeltaNet { params, .. } => Some(params.clone()),
+                    LayerDef::Attention { .. } => None,
+                })
+                .collect();
+            emit(cx, Call::SsmLayers { spec: self.spec, params: &params })?;
+        }
         match op {
-            Op::Admit { req } => self.admit(*req),
+            Op::Admit { req } => {
+                let admitted = self.admit(*req)?;
+                if admitted && cx.observer.wants_calls() {
+                    emit(cx, Call::Admit { req: *req })?;
+                }
+                Ok(admitted)
+            }
             Op::SoloWindow { req, len } => {
                 if !self.solo_req(*req) || *len == 0 {
                     return Ok(false);
@@ -1357,15 +1431,15 @@ impl Family for Recurrent {
                 self.solo_forward(cx, *req, 1, true)?;
                 Ok(true)
             }
-            Op::Merge { reqs } => self.merge_or_join(reqs, &[]),
-            Op::Join { reqs, order } => self.merge_or_join(reqs, order),
+            Op::Merge { reqs } => self.merge_or_join(cx, reqs, &[]),
+            Op::Join { reqs, order } => self.merge_or_join(cx, reqs, order),
             Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.decode(cx),
             Op::Window { len } | Op::Append { len } => self.window(cx, *len as usize),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),
-            Op::Extract { row, finish } => self.extract(*row as usize, *finish),
-            Op::Filter { keep } => self.filter(keep),
+            Op::Extract { row, finish } => self.extract(cx, *row as usize, *finish),
+            Op::Filter { keep } => self.filter(cx, keep),
             Op::TrainingForward { lengths, len, .. } => self.training_forward(cx, lengths, *len as usize),
             Op::TrainingRefusal { .. } => self.training_refusal(),
             // Not supported (never dispatched here): trims, the attention-only special reads, prefix-shared forwards.
@@ -1389,9 +1463,31 @@ impl Family for Recurrent {
         self.check_all(cx)
     }
 
-    fn observe_state(&mut self, _cx: &mut Cx<'_>) -> Res<()> {
-        // The mlx-lm oracle does not record this family's calls (README "Not done").
-        Ok(())
+    /// Every live request's two states per DeltaNet layer (`[1, K-1, conv_dim]`, `[1, Hv, Dv, Dk]`) and positions.
+    fn observe_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        if !cx.observer.wants_calls() {
+            return Ok(());
+        }
+        let mut views = BTreeMap::new();
+        for (r, id) in self.rows.iter().enumerate() {
+            let mut layers = vec![];
+            for b in &self.batch {
+                if let Rows::Ssm(b) = b {
+                    layers.push(b.row_states(r).map_err(|e| mlx("row states", e))?);
+                }
+            }
+            views.insert(*id, StateView { offset: self.reqs[id].pos, layers, planes: None });
+        }
+        for (id, req) in self.reqs.iter().filter(|(_, r)| r.home == Home::Solo) {
+            let mut layers = vec![];
+            for c in &req.solo {
+                if let Cache::Ssm(c) = c {
+                    layers.push(c.row_states(0).map_err(|e| mlx("row states", e))?);
+                }
+            }
+            views.insert(*id, StateView { offset: req.pos, layers, planes: None });
+        }
+        cx.observer.on_state(views).map_err(|e| Failure::new("mlx", format!("observe: {e}")))
     }
 
     fn view(&self) -> View {
