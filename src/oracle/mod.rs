@@ -173,6 +173,11 @@ pub enum Rule {
     /// A conversion with parameters MLX refuses for the head dim: kvsim refuses with a typed error, mlx-lm raises
     /// from `mx.quantize` (or, with no data to quantize, converts and fails at the next write).
     InvalidQuantParams,
+    /// A speculative round of the recurrent family that rolled back: mlx-lm's `ArraysCache` has no rollback.
+    SsmRound,
+    /// A left-padded prepared prefill over running rows that have history: mlx-lm's convolution puts the zeroed
+    /// padding between a row's history and its new inputs; kvsim reads each row's own stream.
+    SsmLeftPadHistory,
 }
 
 impl Rule {
@@ -190,6 +195,8 @@ impl Rule {
         Rule::RotatingQuantNyi,
         Rule::QuantPackedWidth,
         Rule::InvalidQuantParams,
+        Rule::SsmRound,
+        Rule::SsmLeftPadHistory,
     ];
 
     pub fn id(self) -> &'static str {
@@ -207,6 +214,8 @@ impl Rule {
             Rule::RotatingQuantNyi => "rotating-quant-nyi",
             Rule::QuantPackedWidth => "quant-packed-width",
             Rule::InvalidQuantParams => "invalid-quant-params",
+            Rule::SsmRound => "ssm-round",
+            Rule::SsmLeftPadHistory => "ssm-left-pad-history",
         }
     }
 
@@ -216,7 +225,7 @@ impl Rule {
             | Rule::ExtractEmptyBatch
             | Rule::PrefillPaddingInWindow
             | Rule::QuantPackedWidth => Verdict::MlxLmBug,
-            Rule::PerRowTrim | Rule::QuantNoBatch | Rule::RotatingQuantNyi => Verdict::Unsupported,
+            Rule::PerRowTrim | Rule::QuantNoBatch | Rule::RotatingQuantNyi | Rule::SsmRound => Verdict::Unsupported,
             _ => Verdict::Documented,
         }
     }
@@ -313,6 +322,25 @@ impl Rule {
                  CacheError::InvalidQuant and changes nothing (ARCHITECTURE.md: impossible requests are typed errors); \
                  mlx-lm's KVCache.to_quantized calls mx.quantize, which raises ValueError on cached data and checks \
                  nothing when there is none (the conversion then succeeds and the next write raises)"
+            }
+            Rule::SsmLeftPadHistory => {
+                "a left-padded prepared prefill over running rows that already have history (kvsim's batch_prefill pads \
+                 the running rows on the left too): mlx-lm 0.32.2's GatedDeltaNet (mlx_lm/models/qwen3_5.py) convolves \
+                 concat(conv_state, where(mask, qkv, 0)), so the zeroed padding sits between the row's history and its \
+                 new inputs, and a row that is all padding in a chunk takes its new conv state at `lengths` = the chunk \
+                 width, i.e. K-1 zeroed padding rows: its conv state is wiped. kvsim reads each row's own stream (its \
+                 conv state followed directly by its real inputs) and keeps it (docs/ssm.md \"Padding\"; R-SSM-3). mlx-lm \
+                 uses left padding only for fresh rows (BatchGenerator), where the two agree (checked: the fresh rows \
+                 of the same prefill agree byte for byte). The differing rows are explained from here on; the others \
+                 keep being compared"
+            }
+            Rule::SsmRound => {
+                "a speculative round of the recurrent family that rolled rows back (kvsim's spec_round_rollback_rows: \
+                 restore the pre-round snapshot, replay the accepted prefix; docs/ssm.md, R-SSM-4, R-C-6): mlx-lm 0.32.2 \
+                 has no counterpart (mlx_lm/models/cache.py ArraysCache.is_trimmable() is False, and \
+                 generate.speculative_generate_step refuses caches that cannot be trimmed), so its rows keep every \
+                 draft position. The rows that rolled back are explained from here on; the other rows (which kept \
+                 all gamma positions, as mlx-lm did) keep being compared, in checkpoints and in batch outputs"
             }
         }
     }
@@ -482,11 +510,25 @@ fn checkpoint_rule(
     let (Some(Outcome::Checkpoint { reqs: a, .. }), Some(Outcome::Checkpoint { reqs: b, .. })) = (k, o) else {
         return None;
     };
-    let w = window?;
     let info = &infos[step];
     if info.op_kind != "batch_prefill" {
         return None;
     }
+    // The recurrent family: the rows a left-padded prepare padded on the left over their history.
+    if let Some(p) = infos[..step].iter().rev().take_while(|s| s.op == info.op).find(|s| s.t == "prepare") {
+        let history: BTreeSet<u32> = p
+            .reqs
+            .iter()
+            .zip(p.left.iter().zip(&p.lens))
+            .filter(|(_, (&left, &had))| left > 0 && had > 0)
+            .map(|(r, _)| *r)
+            .collect();
+        let differing: BTreeSet<u32> = a.keys().filter(|id| b.get(id) != Some(&a[id])).copied().collect();
+        let offsets_agree = differing.iter().all(|id| b.get(id).is_some_and(|v| v.offset == a[id].offset));
+        return (offsets_agree && !differing.is_empty() && differing.is_subset(&history))
+            .then_some(Rule::SsmLeftPadHistory);
+    }
+    let w = window?;
     // The prefill step of this op.
     let p = infos[..step].iter().rev().take_while(|s| s.op == info.op).find(|s| s.t == "prefill")?;
     if !p.padded || a.keys().ne(b.keys()) {
@@ -542,6 +584,9 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
             None
         }
         ("trim_rows", Some(Outcome::TrimmedRows(_)), Some(Outcome::Unsupported(_))) => Some(Rule::PerRowTrim),
+        ("round", Some(Outcome::TrimmedRows(_)), Some(Outcome::Unsupported(s))) if s.contains("ArraysCache") => {
+            Some(Rule::SsmRound)
+        }
         ("prefill_chunk", _, Some(Outcome::Error(e)))
             if info.l == 1 && info.padded && rotating && e.contains("finalize()") =>
         {
@@ -613,6 +658,11 @@ fn root_scope(info: &StepInfo, rule: Option<Rule>) -> Scope {
         (Some(Rule::RotatingQuantNyi), "admit") => Scope::Some { reqs: info.reqs.clone(), batch: false },
         (Some(Rule::RotatingQuantNyi), "prefill") => Scope::Some { reqs: info.reqs.clone(), batch: true },
         (Some(Rule::QuantPackedWidth), "solo") => Scope::Some { reqs: info.reqs.clone(), batch: false },
+        // A recurrent round explains the rows that rolled back (the others did what mlx-lm did).
+        (Some(Rule::SsmRound), _) => Scope::Some {
+            reqs: info.reqs.iter().zip(&info.keep).filter(|(_, &k)| k < info.l).map(|(r, _)| *r).collect(),
+            batch: false,
+        },
         // A solo request's trim explains that request (and the batch once it enters it).
         (Some(_), "solo_trim") => Scope::Some { reqs: info.reqs.clone(), batch: false },
         _ => Scope::All,
@@ -694,8 +744,25 @@ pub fn diff_counted(
                 explained.entry(*id).or_insert(r);
             }
         }
+        // A recurrent batch call: its rows are independent (each row's output is its own state's), so rows of
+        // explained requests are dropped and the others compared.
+        let row_filtered = !info.spans.is_empty()
+            && info.t == "batch"
+            && root.is_none()
+            && batch_root.is_none()
+            && info.reqs.iter().any(|r| explained.contains_key(r))
+            && info.reqs.iter().any(|r| !explained.contains_key(r));
+        let keep_rows = |x: Option<&Outcome>| match x {
+            Some(Outcome::Rows(rows)) if rows.len() == info.reqs.len() => Some(Outcome::Rows(
+                rows.iter().zip(&info.reqs).filter(|(_, r)| !explained.contains_key(r)).map(|(h, _)| h.clone()).collect(),
+            )),
+            other => other.cloned(),
+        };
+        let (k_rows, o_rows) = if row_filtered { (keep_rows(k), keep_rows(o)) } else { (None, None) };
+        let (k, o) = if row_filtered { (k_rows.as_ref(), o_rows.as_ref()) } else { (k, o) };
         // The narrow root that explains this step, if any (checkpoints: decided below, per request).
-        let narrow = if info.t == "checkpoint" {
+        // A recurrent round is a root of its own for the rows it rolls back (rows explained earlier stay so).
+        let narrow = if info.t == "checkpoint" || row_filtered || (info.t == "round" && root.is_none()) {
             None
         } else if batch_step && batch_root.is_some() {
             batch_root
@@ -768,6 +835,18 @@ pub fn diff_counted(
                     out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
                 }
                 d.class = Class::Rule(Rule::PrefillPaddingInWindow);
+                out.push(d);
+                continue;
+            }
+            if rule == Some(Rule::SsmLeftPadHistory) {
+                // Explains the differing rows only.
+                for r in differing.unwrap_or_default() {
+                    explained.entry(r).or_insert((step, rule));
+                }
+                for (i, tentative) in pending.drain(..) {
+                    out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+                }
+                d.class = Class::Rule(Rule::SsmLeftPadHistory);
                 out.push(d);
                 continue;
             }

@@ -748,6 +748,11 @@ impl Recorder {
             },
             info,
         );
+        for (r, &(s0, s1)) in reqs.iter().zip(spans) {
+            if s1 > s0 {
+                self.written.insert(*r);
+            }
+        }
         // out [B, S, Hv, Dv]: row r's positions [s0, s1) are contiguous
         let per = o.le.len() / o.rows().max(1) / s.max(1);
         let rows = spans.iter().enumerate().map(|(r, &(s0, s1))| sha_hex(&o.le[(r * s + s0) * per..(r * s + s1) * per])).collect();
@@ -759,6 +764,8 @@ impl Recorder {
         let info = StepInfo {
             t: "prepare",
             reqs: self.rows.clone(),
+            // 1 for a row whose request has consumed positions (history), else 0
+            lens: self.rows.iter().map(|r| usize::from(self.written.contains(r))).collect(),
             real: lengths.to_vec(),
             left: left.to_vec(),
             padded: left.iter().any(|&x| x > 0) || lengths.iter().any(|&x| x != lengths[0]),
