@@ -1387,9 +1387,33 @@ pub fn family_prefix(family: &str) -> String {
 }
 
 /// What a quantized-family recording covers besides [`features`]: its parameters, native or converted, the
-/// conversion and where each quantized rule's geometry occurs (from kvsim's side only).
+/// conversion and where each quantized rule's geometry occurs (from kvsim's side only). For a recurrent-family
+/// recording (its layer calls carry row spans): right / left-padded prepares, padded calls, enter, extract, filter,
+/// committed and rolled-back rounds.
 pub fn quant_features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
     let mut f = BTreeSet::new();
+    if infos.iter().any(|s| !s.spans.is_empty()) {
+        // A recurrent-family recording: what it covers (its caches are not quantized).
+        for s in infos {
+            let what = match s.t {
+                "prepare" if s.left.iter().any(|&l| l > 0) => "ssm/prepare-left",
+                "prepare" => "ssm/prepare-right",
+                "prepare" | "enter" | "extract" | "filter" | "finalize" => s.t,
+                "round" if s.keep.iter().all(|&k| k == s.l) => "ssm/round-commit",
+                "round" => "ssm/round-rollback",
+                "solo" | "batch" => {
+                    if s.spans.iter().any(|&(a, b)| b - a != s.l) {
+                        "ssm/padded-call"
+                    } else {
+                        "ssm/full-call"
+                    }
+                }
+                _ => continue,
+            };
+            f.insert(if what.starts_with("ssm/") { what.to_string() } else { format!("ssm/{what}") });
+        }
+        return f;
+    }
     let Some(q) = cfg.quant else { return f };
     let layout = if cfg.layout.max_size().is_some() { "rotating" } else { "linear" };
     f.insert(format!("quant/bits-{}", q.bits));
@@ -1578,7 +1602,7 @@ pub fn describe_choice(
                     })
                 })
                 .unwrap_or_default();
-            let shown = |f: &String| f.starts_with("geometry/") || f.starts_with("config/") || f.starts_with("quant/");
+            let shown = |f: &String| f.starts_with("geometry/") || f.starts_with("config/") || f.starts_with("quant/") || f.starts_with("ssm/");
             (s, feats.into_iter().filter(shown).collect())
         })
         .collect())
