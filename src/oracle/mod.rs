@@ -952,6 +952,18 @@ impl TraceReport {
         let rules: Vec<String> = self.rules().iter().map(|(r, n)| format!("{}x{n}", r.id())).collect();
         let consequences = self.divergences.iter().filter(|d| matches!(d.class, Class::Consequence { .. })).count();
         let shape = match (recorder::oracle_family(cfg), cfg.quant) {
+            (Some("ssm"), _) => {
+                let d = crate::sim::family::ssm::SsmSet::of(cfg).dims;
+                format!(
+                    "{:<4} ssm K {} H {}/{} D {}/{}",
+                    format!("{:?}", cfg.dtype).to_lowercase(),
+                    d.kernel,
+                    d.heads_k,
+                    d.heads_v,
+                    d.dk,
+                    d.dv
+                )
+            }
             (Some("quant"), Some(q)) => format!(
                 "{shape} quant {}:{} D {} {}",
                 q.bits,
@@ -1133,6 +1145,9 @@ pub const STEP_KINDS: &[&str] = &[
     "extract",
     "filter",
     "quantize",
+    "prepare",
+    "finalize",
+    "round",
     "checkpoint",
 ];
 

@@ -53,6 +53,17 @@ fn recorded_oracle_set_is_fully_classified() {
     for rule in [Rule::QuantNoBatch, Rule::RotatingQuantNyi, Rule::QuantPackedWidth] {
         assert!(rules.contains_key(&rule), "{} never shows up in the recorded set", rule.id());
     }
+    // The recurrent family (`ssm-seed-N`): mlx-lm's ArraysCache with its gated-DeltaNet layer arithmetic agrees
+    // byte for byte (outputs and both states) through merge, padding, filter and extract; its rounds and kvsim's
+    // own-stream left padding over history are classified, narrowly (most steps stay compared).
+    let ssm: Vec<_> = report.traces.iter().filter(|t| t.name.starts_with("ssm-seed-")).collect();
+    assert!(ssm.len() >= 8, "only {} recurrent-family traces", ssm.len());
+    assert!(ssm.iter().any(|t| t.status() == "agree"), "no recurrent trace agrees byte for byte");
+    let (compared, steps): (usize, usize) = ssm.iter().fold((0, 0), |(c, s), t| (c + t.steps_compared, s + t.steps));
+    assert!(compared * 10 > steps * 7, "recurrent traces: only {compared} of {steps} steps compared");
+    for rule in [Rule::SsmRound, Rule::SsmLeftPadHistory] {
+        assert!(rules.contains_key(&rule), "{} never shows up in the recorded set", rule.id());
+    }
     // Roots of a narrow scope leave the other requests compared: most steps are compared on their own.
     let line: serde_json::Value = serde_json::from_str(&report.json_line()).unwrap();
     assert!(line["steps_compared"].as_u64().unwrap() * 2 > line["steps"].as_u64().unwrap(), "{line}");
