@@ -1413,7 +1413,7 @@ pub fn quant_features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
             let what = match s.t {
                 "prepare" if s.left.iter().any(|&l| l > 0) => "ssm/prepare-left",
                 "prepare" => "ssm/prepare-right",
-                "prepare" | "enter" | "extract" | "filter" | "finalize" => s.t,
+                "enter" | "extract" | "filter" | "finalize" => s.t,
                 "round" if s.keep.iter().all(|&k| k == s.l) => "ssm/round-commit",
                 "round" => "ssm/round-rollback",
                 "solo" | "batch" => {
