@@ -754,7 +754,11 @@ pub fn diff_counted(
             && info.reqs.iter().any(|r| !explained.contains_key(r));
         let keep_rows = |x: Option<&Outcome>| match x {
             Some(Outcome::Rows(rows)) if rows.len() == info.reqs.len() => Some(Outcome::Rows(
-                rows.iter().zip(&info.reqs).filter(|(_, r)| !explained.contains_key(r)).map(|(h, _)| h.clone()).collect(),
+                rows.iter()
+                    .zip(&info.reqs)
+                    .filter(|(_, r)| !explained.contains_key(r))
+                    .map(|(h, _)| h.clone())
+                    .collect(),
             )),
             other => other.cloned(),
         };
@@ -1617,7 +1621,12 @@ pub fn describe_choice(
                     })
                 })
                 .unwrap_or_default();
-            let shown = |f: &String| f.starts_with("geometry/") || f.starts_with("config/") || f.starts_with("quant/") || f.starts_with("ssm/");
+            let shown = |f: &String| {
+                f.starts_with("geometry/")
+                    || f.starts_with("config/")
+                    || f.starts_with("quant/")
+                    || f.starts_with("ssm/")
+            };
             (s, feats.into_iter().filter(shown).collect())
         })
         .collect())

@@ -693,7 +693,11 @@ impl Recorder {
 
     /// The recurrent family's geometry and weights: the config step (the first, emitted before any other) is rewritten
     /// with them (`family: "ssm"`).
-    pub fn ssm_layers(&mut self, spec: crate::cache::ssm::SsmSpec, params: &[crate::cache::ssm::GdnParams]) -> Result<(), String> {
+    pub fn ssm_layers(
+        &mut self,
+        spec: crate::cache::ssm::SsmSpec,
+        params: &[crate::cache::ssm::GdnParams],
+    ) -> Result<(), String> {
         if !self.emit_steps || self.steps.len() != 1 {
             return Ok(());
         }
@@ -755,7 +759,11 @@ impl Recorder {
         }
         // out [B, S, Hv, Dv]: row r's positions [s0, s1) are contiguous
         let per = o.le.len() / o.rows().max(1) / s.max(1);
-        let rows = spans.iter().enumerate().map(|(r, &(s0, s1))| sha_hex(&o.le[(r * s + s0) * per..(r * s + s1) * per])).collect();
+        let rows = spans
+            .iter()
+            .enumerate()
+            .map(|(r, &(s0, s1))| sha_hex(&o.le[(r * s + s0) * per..(r * s + s1) * per]))
+            .collect();
         self.result(step, Outcome::Rows(rows));
         Ok(())
     }
@@ -776,7 +784,10 @@ impl Recorder {
     }
 
     pub fn ssm_finalize(&mut self) {
-        self.push(|| json!({"t": "finalize"}), StepInfo { t: "finalize", reqs: self.rows.clone(), ..Default::default() });
+        self.push(
+            || json!({"t": "finalize"}),
+            StepInfo { t: "finalize", reqs: self.rows.clone(), ..Default::default() },
+        );
     }
 
     /// A resolved speculative round: kvsim commits (every row keeps `gamma`; no record, as mlx-lm's window was the

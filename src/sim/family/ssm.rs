@@ -491,7 +491,17 @@ impl Recurrent {
                         let reqs = self.rows.clone();
                         emit(
                             cx,
-                            Call::SsmCall { req: None, layer: li, read, reqs: &reqs, qkv: &q, a: &a, b: &b, out: &y, spans: real },
+                            Call::SsmCall {
+                                req: None,
+                                layer: li,
+                                read,
+                                reqs: &reqs,
+                                qkv: &q,
+                                a: &a,
+                                b: &b,
+                                out: &y,
+                                spans: real,
+                            },
                         )?;
                     }
                     let yb = words(&y)?;
