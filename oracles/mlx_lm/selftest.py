@@ -13,7 +13,11 @@ Short hand-written scenarios:
 - selftest_quant*_steps.jsonl (the quantized family, D = 64 / 128): conversion of plain solo caches
   (KVCache.to_quantized), refused bits, quantized reads and views, a fresh QuantizedKVCache and its trim, the
   unsupported batch entry; the 5-bit packed-width crash at D = 128; RotatingKVCache.to_quantized's
-  NotImplementedError; a native rotating quantized cache (unsupported).
+  NotImplementedError; a native rotating quantized cache (unsupported);
+- selftest_ssm_steps.jsonl (the recurrent family, f32): ArraysCache with the gated-DeltaNet layer arithmetic through
+  solo calls, merge, a join of a fresh request, right- and left-padded prepares, finalize, extract, a reordering filter
+  and a round (unsupported); outputs and recurrent states checked against a direct computation from MLX ops (no
+  mlx-lm), conv states against the last K-1 inputs from the floats.
 The steps are written with the protocol's array encoding (the files are committed; the test fails when one is stale),
 the driver runs them in a subprocess, and the results are checked against facts computed here independently of it:
 K/V view hashes straight from the input floats (struct + hashlib, no MLX), attention outputs from a direct
