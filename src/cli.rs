@@ -206,8 +206,9 @@ pub enum OracleCmd {
         /// Only print the chosen seeds (and what each covers); record nothing.
         #[arg(long)]
         dry_run: bool,
-        /// The layout family to record: `attention` (files seed-N) or `quant` (files quant-seed-N: the seed's
-        /// configuration with the quantized family alone).
+        /// The layout family to record: `attention` (files seed-N), `quant` (files quant-seed-N: the seed's
+        /// configuration with the quantized family alone) or `ssm` (files ssm-seed-N: the recurrent family alone, in
+        /// its `ssm` set).
         #[arg(long, default_value = "attention")]
         family: String,
     },
