@@ -47,7 +47,8 @@ pub struct TrimInfo {
     pub live: Vec<usize>,
 }
 
-/// One production call of the attention family (`kv:*`), with its exact inputs and outputs. Offsets are the
+/// One production call of a family the oracle maps (the attention and quantized families' `kv:*` caches; the
+/// recurrent family's `Ssm*` calls), with its exact inputs and outputs. Offsets are the
 /// requests' positions before the call; `rows` pairs are `(offset, live columns)` per batch row.
 #[derive(Debug, Clone, Copy)]
 pub enum Call<'a> {
