@@ -298,13 +298,13 @@ pub fn run_seeds(
     time: Option<f64>,
     on_seed: impl FnMut(&SeedResult) -> Option<String>,
 ) -> Summary {
-    run_seeds_until(seeds, device, time, &AtomicBool::new(false), on_seed)
+    run_seeds_until(seeds.iter().copied(), device, time, &AtomicBool::new(false), on_seed)
 }
 
 /// [`run_seeds`], also stopping before the next seed once `stop` is set (Ctrl-C); the summary then covers the seeds
 /// that ran and says `interrupted`.
 pub fn run_seeds_until(
-    seeds: &[u64],
+    seeds: impl IntoIterator<Item = u64>,
     device: DeviceChoice,
     time: Option<f64>,
     stop: &AtomicBool,
@@ -312,7 +312,7 @@ pub fn run_seeds_until(
 ) -> Summary {
     let start = Instant::now();
     let mut summary = Summary::new(device);
-    for &seed in seeds {
+    for seed in seeds {
         if time.is_some_and(|t| start.elapsed().as_secs_f64() > t) {
             break;
         }
