@@ -79,7 +79,7 @@ fn a_short_soak_reports_memory_and_a_verdict() {
 #[test]
 fn ctrl_c_on_a_jobs_campaign_prints_the_summary_of_what_ran() {
     use std::process::Stdio;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvsim"))
+    let child = Command::new(env!("CARGO_BIN_EXE_kvsim"))
         .args(["sim", "--seeds", "100000", "--jobs", "2", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
