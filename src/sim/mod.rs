@@ -54,7 +54,7 @@ impl DeviceChoice {
     /// calling thread's exact read mode ([`crate::cache::exact`]).
     pub fn guarantees(self) -> Guarantees {
         let exact = crate::cache::read_mode() == crate::cache::ReadMode::Exact;
-        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu || exact }
+        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu || exact, gpu: self == DeviceChoice::Gpu }
     }
 }
 

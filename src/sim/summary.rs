@@ -132,7 +132,7 @@ impl Default for Counters {
             model_max_ulp_f32: 0.0,
             model_max_ulp_bf16: 0.0,
             model_checks: 0,
-            guarantees: Guarantees { exact_unpadded_decode: true },
+            guarantees: Guarantees { exact_unpadded_decode: true, gpu: false },
             table: BTreeMap::new(),
             recurrent: Recurrent::default(),
             ill_formed_rejected: BTreeMap::new(),
