@@ -212,7 +212,15 @@ fn cell(dt: Dtype, class: Class, b: usize, seed: u64) -> Result<Value, String> {
         let want = reference(&hq_, &ha, &hv, len, l, &aranges, scale);
         let got = host_f32(&ex_alone)?;
         let fgot = host_f32(&fu_alone)?;
-        let dims = ReadDims { rows: 1, heads_q: HQ, heads_kv: HKV, queries: l, cols: len, head_dim: D };
+        let dims = ReadDims {
+            rows: 1,
+            heads_q: HQ,
+            heads_kv: HKV,
+            queries: l,
+            cols: len,
+            head_dim: D,
+            kv_bytes: if dt == Dtype::Bfloat16 { 2 } else { 4 },
+        };
         let emu = emulate(&hq_, &ha, &hv, dims, &aranges, scale);
         for i in 0..got.len() {
             max_ref = max_ref.max(ulp_at_scale(got[i] as f64, want[i], dt));

@@ -20,8 +20,10 @@
 //!   2. **softmax of the chunk**: warp `r` takes query `r`; `m = max over V_r of s`; `p = exp(s - m)` on `V_r`, 0
 //!      elsewhere; `l` = sum of the 256 `p` as lane `i` sums columns `i, i + 32, ..., i + 224` in that order, then
 //!      a fixed xor butterfly 16, 8, 4, 2, 1;
-//!   3. **values**: thread `t` owns `d = t (+ 128)`; `acc_d = sum over the chunk's columns in increasing order of
-//!      p v_d`, one fused multiply-add per column whose `p` is not 0 (a 0 adds nothing: skipping it keeps the bits).
+//!   3. **values**: the columns of the chunk fall in `CG` classes `(c - c0) % CG` (`CG = 128 / ceil(D / E)`, `E`
+//!      = 8 bf16 or 4 f32 elements per 16-byte load); per class, `acc_d = sum over its columns in increasing order
+//!      of p v_d`, one fused multiply-add per column whose `p` is not 0 (a 0 adds nothing: skipping it keeps the
+//!      bits); then the class sums are added in class order.
 //!
 //!   Then a second kernel combines the chunk partials `(m, l, acc)` of a query in chunk order `0, 1, 2, ...`. A
 //!   chunk with no visible column is skipped by the combine, so a batch whose widest row has more chunks than this
@@ -182,13 +184,16 @@ pub struct ReadDims {
     pub queries: usize,
     pub cols: usize,
     pub head_dim: usize,
+    /// Bytes of one K/V element (2 for bf16, 4 for f32): the kernels' load width in elements is `16 / kv_bytes`,
+    /// which sets how the value pass splits columns into classes.
+    pub kv_bytes: usize,
 }
 
 /// The exact read on the host, in the kernels' order (module docs), on contiguous f32 data
 /// (`q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]`, `vis` from [`visible_ranges`]). Returns `[B, H_q, L, D]` in f32
 /// (before the final rounding to the K/V dtype). Used by tests and the GPU check; not a production path.
 pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, vis: &Visibility, scale: f32) -> Vec<f32> {
-    let ReadDims { rows, heads_q, heads_kv, queries, cols, head_dim: d } = dims;
+    let ReadDims { rows, heads_q, heads_kv, queries, cols, head_dim: d, .. } = dims;
     let g = heads_q / heads_kv.max(1);
     let nchunks = cols.div_ceil(CHUNK).max(1);
     let mut out = vec![0f32; rows * heads_q * queries * d];
@@ -224,14 +229,19 @@ pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, vis: &Visibility
                         }
                     }
                     let l = butterfly_sum(lanes);
-                    // 3. values, one fused multiply-add per visible column in order (p = 0 skipped).
-                    let mut acc = vec![0f32; d];
+                    // 3. values: per column class `(c - c0) % CG`, one fused multiply-add per visible column in
+                    //    order (p = 0 skipped); then the classes added in class order.
+                    let groups = d.div_ceil(16 / dims.kv_bytes.clamp(1, 16));
+                    let classes_n = (THREADS / groups.max(1)).max(1);
+                    let mut classes = vec![vec![0f32; d]; classes_n];
                     for &c in &visible {
                         let pc = p[c - c0];
                         if pc != 0.0 {
-                            acc.iter_mut().zip(&v[at(c)..at(c) + d]).for_each(|(a, x)| *a = pc.mul_add(*x, *a));
+                            let class = &mut classes[(c - c0) % classes_n];
+                            class.iter_mut().zip(&v[at(c)..at(c) + d]).for_each(|(a, x)| *a = pc.mul_add(*x, *a));
                         }
                     }
+                    let acc: Vec<f32> = (0..d).map(|x| classes.iter().fold(0f32, |a, cl| a + cl[x])).collect();
                     total.combine(&Part { m, l, acc });
                 }
                 let o = &mut out[((b * heads_q + h) * queries + i) * d..][..d];
@@ -324,8 +334,11 @@ template <int EPL> __device__ __forceinline__ void kvsim_combine(
 const PARTIAL_SRC: &str = r#"
   constexpr int CH = KVSIM_CHUNK, NT = KVSIM_THREADS, QT = KVSIM_QTILE;
   constexpr int CPT = CH / NT;
-  constexpr int DE = (D + NT - 1) / NT;
   constexpr int VEC = 16 / sizeof(T);
+  constexpr int VE = VEC;
+  constexpr int DG = (D + VE - 1) / VE;
+  constexpr int CG = (NT / DG) > 0 ? (NT / DG) : 1;
+  static_assert(DG <= NT, "head dim too large for the exact read");
   const int HQ = q_shape[1], L = q_shape[2];
   const int HKV = k_shape[1], N = k_shape[2];
   const int G = HQ / HKV;
@@ -340,6 +353,7 @@ const PARTIAL_SRC: &str = r#"
   const int c0 = chunk * CH;
   __shared__ float4 sq[D];
   __shared__ float4 sp[CH];
+  __shared__ float sred[CG * QT * D];
   __shared__ int slo[QT], shi[QT], sk0[QT], sk1[QT];
   __shared__ float sm[QT], sl[QT];
   // meta: the scale's bits, then `starts` (B L + 1 values), then the `[lo, hi)` intervals (module docs).
@@ -393,7 +407,7 @@ const PARTIAL_SRC: &str = r#"
     const bool vec = (D % VEC == 0) && k_strides[3] == 1 &&
                      ((reinterpret_cast<unsigned long long>(k + kr) & 15ull) == 0ull);
     if (vec) {
-      #pragma unroll
+      #pragma unroll 4
       for (int d0 = 0; d0 < D; d0 += VEC) {
         const uint4 raw = *reinterpret_cast<const uint4*>(k + kr + d0);
         const T* e = reinterpret_cast<const T*>(&raw);
@@ -451,28 +465,53 @@ const PARTIAL_SRC: &str = r#"
   }
   __syncthreads();
 
-  // 3. values: thread t owns d = t + 128 e; one fused multiply-add per column (p = 0 skipped), columns in order.
-  float acc[QT][DE];
+  // 3. values: thread t owns the d-group dg = t % DG (VE consecutive d) for the columns c with
+  //    (c - c0) % CG == t / DG, one fused multiply-add per column (p = 0 skipped) in increasing c; then the CG
+  //    column classes are added in class order.
+  float acc[QT][VE];
   #pragma unroll
   for (int j = 0; j < QT; ++j) {
     #pragma unroll
-    for (int e = 0; e < DE; ++e) acc[j][e] = 0.0f;
+    for (int x = 0; x < VE; ++x) acc[j][x] = 0.0f;
   }
-  #pragma unroll 8
-  for (int c = cs; c < ce; ++c) {
-    const float4 p = sp[c - c0];
+  const int dg = t % DG, cg = t / DG;
+  const int d0 = dg * VE;
+  if (cg < CG && d0 < D) {
+    int c = c0 + cg;
+    if (c < cs) c += ((cs - c + CG - 1) / CG) * CG;
+    #pragma unroll 4
+    for (; c < ce; c += CG) {
+      const float4 p = sp[c - c0];
+      float x[VE];
+      const long long vr = vb + (long long)c * v_strides[2];
+      const bool vec = (D % VE == 0) && v_strides[3] == 1 &&
+                       ((reinterpret_cast<unsigned long long>(v + vr + d0) & 15ull) == 0ull);
+      if (vec) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(v + vr + d0);
+        const T* e = reinterpret_cast<const T*>(&raw);
+        #pragma unroll
+        for (int y = 0; y < VE; ++y) x[y] = static_cast<float>(e[y]);
+      } else {
+        #pragma unroll
+        for (int y = 0; y < VE; ++y) x[y] = (d0 + y < D) ? kv_load(v, vr + (d0 + y) * v_strides[3]) : 0.0f;
+      }
+      #pragma unroll
+      for (int y = 0; y < VE; ++y) {
+        if (p.x != 0.0f) acc[0][y] = fmaf(p.x, x[y], acc[0][y]);
+        if (p.y != 0.0f) acc[1][y] = fmaf(p.y, x[y], acc[1][y]);
+        if (p.z != 0.0f) acc[2][y] = fmaf(p.z, x[y], acc[2][y]);
+        if (p.w != 0.0f) acc[3][y] = fmaf(p.w, x[y], acc[3][y]);
+      }
+    }
     #pragma unroll
-    for (int e = 0; e < DE; ++e) {
-      const int d = t + NT * e;
-      if (d < D) {
-        const float x = kv_load(v, vb + (long long)c * v_strides[2] + d * v_strides[3]);
-        if (p.x != 0.0f) acc[0][e] = fmaf(p.x, x, acc[0][e]);
-        if (p.y != 0.0f) acc[1][e] = fmaf(p.y, x, acc[1][e]);
-        if (p.z != 0.0f) acc[2][e] = fmaf(p.z, x, acc[2][e]);
-        if (p.w != 0.0f) acc[3][e] = fmaf(p.w, x, acc[3][e]);
+    for (int j = 0; j < QT; ++j) {
+      #pragma unroll
+      for (int y = 0; y < VE; ++y) {
+        if (d0 + y < D) sred[(cg * QT + j) * D + d0 + y] = acc[j][y];
       }
     }
   }
+  __syncthreads();
   #pragma unroll
   for (int j = 0; j < QT; ++j) {
     const int r = tile * QT + j;
@@ -480,10 +519,10 @@ const PARTIAL_SRC: &str = r#"
     const int g = r / L, i = r % L;
     const long long row = ((long long)(b * HQ + kvh * G + g)) * L + i;
     const long long slot = row * NC + chunk;
-    #pragma unroll
-    for (int e = 0; e < DE; ++e) {
-      const int d = t + NT * e;
-      if (d < D) pacc[slot * D + d] = acc[j][e];
+    for (int d = t; d < D; d += NT) {
+      float a = 0.0f;
+      for (int q = 0; q < CG; ++q) a += sred[(q * QT + j) * D + d];
+      pacc[slot * D + d] = a;
     }
     if (t == 0) { pml[2 * slot] = sm[j]; pml[2 * slot + 1] = sl[j]; }
   }
@@ -633,7 +672,10 @@ pub fn exact_attend(q: &Array, k: &Array, v: &Array, scale: f32, vis: &Visibilit
     let (b, hq, l, d) = (qs[0], qs[1], qs[2], qs[3]);
     let (hkv, n) = (ks[1], ks[2]);
     if hq % hkv != 0 || vis.queries() != (b as usize) * (l as usize) {
-        return Err(shape(format!("exact read: H_q {hq} / H_kv {hkv}, visibility of {} queries for B {b} L {l}", vis.queries())));
+        return Err(shape(format!(
+            "exact read: H_q {hq} / H_kv {hkv}, visibility of {} queries for B {b} L {l}",
+            vis.queries()
+        )));
     }
     if q.dtype() != k.dtype() || v.dtype() != k.dtype() || !matches!(k.dtype(), Dtype::Bfloat16 | Dtype::Float32) {
         return Err(shape(format!("exact read of dtypes {:?}/{:?}/{:?}", q.dtype(), k.dtype(), v.dtype())));

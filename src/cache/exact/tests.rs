@@ -78,7 +78,7 @@ fn emulated_read_with_holes_skips_the_holes() {
         visible[c] = true;
     }
     let mask = MaskSpec { rows: 1, queries: 1, cols: n, visible };
-    let dims = ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: 1, cols: n, head_dim: d };
+    let dims = ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: 1, cols: n, head_dim: d, kv_bytes: 4 };
     let out = emulate(&q, &k, &v, dims, &visible_ranges(1, 1, n, Some(&mask), false).unwrap(), 0.5);
     let nan_holes: Vec<f32> =
         k.iter().enumerate().map(|(x, &val)| if mask.visible[x / d] { val } else { f32::NAN }).collect();
@@ -100,7 +100,8 @@ fn emulated_read_is_batch_invariant() {
     for (case, &(len, window, l)) in
         [(37usize, None, 1usize), (300, None, 1), (600, Some(200), 3), (257, Some(64), 5)].iter().enumerate()
     {
-        let alone_dims = ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: l, cols: len, head_dim: d };
+        let alone_dims =
+            ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: l, cols: len, head_dim: d, kv_bytes: 2 };
         let q = vals(10 + case as u64, hq * l * d);
         let k = vals(20 + case as u64, hkv * len * d);
         let v = vals(30 + case as u64, hkv * len * d);
@@ -111,7 +112,7 @@ fn emulated_read_is_batch_invariant() {
         for (b, at) in [(2usize, 1usize), (5, 0), (8, 7)] {
             let lens: Vec<usize> = (0..b).map(|r| if r == at { len } else { 1 + (r * 97 + case * 13) % 700 }).collect();
             let n = *lens.iter().max().unwrap();
-            let dims = ReadDims { rows: b, heads_q: hq, heads_kv: hkv, queries: l, cols: n, head_dim: d };
+            let dims = ReadDims { rows: b, heads_q: hq, heads_kv: hkv, queries: l, cols: n, head_dim: d, kv_bytes: 2 };
             let mut bq = vals(40 + b as u64, b * hq * l * d);
             let mut bk = vals(50 + b as u64, b * hkv * n * d);
             let mut bv = vals(60 + b as u64, b * hkv * n * d);
@@ -137,7 +138,7 @@ fn emulated_read_matches_f64_attention() {
     let (hq, hkv, d, n, l) = (4usize, 1usize, 32usize, 700usize, 2usize);
     let (q, k, v) = (vals(1, hq * l * d), vals(2, hkv * n * d), vals(3, hkv * n * d));
     let ranges = visible_ranges(1, l, n, None, true).unwrap();
-    let dims = ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: l, cols: n, head_dim: d };
+    let dims = ReadDims { rows: 1, heads_q: hq, heads_kv: hkv, queries: l, cols: n, head_dim: d, kv_bytes: 4 };
     let out = emulate(&q, &k, &v, dims, &ranges, 0.5);
     let mut worst = 0f64;
     for h in 0..hq {
