@@ -28,6 +28,7 @@
 //!   Then a second kernel combines the chunk partials `(m, l, acc)` of a query in chunk order `0, 1, 2, ...`. A
 //!   chunk with no visible column is skipped by the combine, so a batch whose widest row has more chunks than this
 //!   row gives this row exactly the bits it gets alone.
+//!
 //! So the bits of row `r` depend only on row `r`'s queries, its K/V in its visible ranges (in physical order), the
 //! ranges themselves and `scale`: not on `B`, the other rows, the padding, the mask or the batch width. Rows keep
 //! their solo twin's physical columns (ARCHITECTURE.md "Rows"), so a row and its twin read the same inputs and get
