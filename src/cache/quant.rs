@@ -147,7 +147,9 @@ impl Storage {
             Storage::Plain => Ok(vec![k.clone(), v.clone()]),
             Storage::Affine(q) => {
                 let (g, b) = (dim(q.group)?, dim(q.bits)?);
-                mlx_rs::with_device(mlx_rs::Device::cpu(), || {
+                // The CPU's default stream (`with_device` would create a new stream, and MLX a new thread, per
+                // call: a long GPU run then fails with "Resource temporarily unavailable").
+                mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || {
                     let (kq, ks, kb) = mlx_rs::ops::quantize(k, g, b)?;
                     let (vq, vs, vb) = mlx_rs::ops::quantize(v, g, b)?;
                     Ok(vec![kq, ks, kb, vq, vs, vb])
