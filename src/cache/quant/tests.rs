@@ -373,22 +373,3 @@ fn quantized_batch_mutants_have_teeth() {
     assert_eq!(t.stats.decode_same, t.stats.decode_rows);
     assert_eq!(t.stats.window_same, t.stats.window_rows);
 }
-
-/// The compiled-decode protocol's step is plain: a cache of affine storage is refused up front
-/// (`StorageMismatch`), its state and planes unchanged; `decode_phase` (non-mutating) still answers.
-#[test]
-fn compiled_decode_refuses_affine_storage_unchanged() {
-    use crate::cache::compiled::CompiledDecode;
-    let _g = testlock::shared();
-    let spec = qspec(KvDtype::F32);
-    let mut c = RotatingQuantizedKvCache::new(spec, 4, Q).unwrap();
-    let (k, v, qq) = kvq(&spec, 11, 1, 5);
-    c.window(&k, &v, &qq, 0.35, &Masks::new()).unwrap();
-    let (state, before) = (c.state().clone(), c.physical_planes().unwrap());
-    assert_eq!(CompiledDecode::decode_phase(&c), DecodePhase::Ring);
-    assert!(matches!(CompiledDecode::prepare_decode_step(&mut c), Err(CacheError::StorageMismatch { .. })));
-    assert_eq!(c.state(), &state);
-    for (a, b) in c.physical_planes().unwrap().iter().zip(&before) {
-        assert_same_bytes(a, b, "unchanged after the refusal");
-    }
-}
