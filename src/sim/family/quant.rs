@@ -311,16 +311,14 @@ impl Attention {
                     outs
                 }
                 Storage::Affine(_) => {
-                    let (dk, dv) = c.storage().dense(&slot[..n]).map_err(step_err)?;
                     let (dk, dv) = match plan.fetch {
-                        DecodePhase::Ring => (dk, dv),
-                        // A plain concat step returns the new column only: one column of the dense shape.
+                        DecodePhase::Ring => c.storage().dense(&slot[..n]).map_err(step_err)?,
+                        // A plain concat step returns the new column only: one dense column (the slot may be empty).
                         DecodePhase::Concat => {
-                            let one = |x: &mlx_rs::Array| {
-                                mlx_rs::ops::zeros_dtype(&[1, x.shape()[1], 1, x.shape()[3]], x.dtype())
-                                    .map_err(|e| mlx_fail("zeros", e))
-                            };
-                            (one(&dk)?, one(&dv)?)
+                            let (h, d) = (self.spec.heads_kv as i32, self.spec.head_dim as i32);
+                            let one = mlx_rs::ops::zeros_dtype(&[1, h, 1, d], self.spec.dtype.to_mlx())
+                                .map_err(|e| mlx_fail("zeros", e))?;
+                            (one.clone(), one)
                         }
                     };
                     vec![dk.clone(), dk, dv]
