@@ -843,8 +843,9 @@ impl Attention {
         }
         let rope_before = self.batch[0].rope_offsets();
         let rope_values = rope_before.values();
+        // One memo for the forward: every layer reads the same geometry, built once (checked after the layers).
+        let masks = Masks::new();
         for layer in 0..self.cfg.layers {
-            let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
             if cx.observer.wants_calls() {
@@ -878,6 +879,8 @@ impl Attention {
             &rope_before.values(),
             &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
         )?;
+        check::mask_memo("batch decode", &masks.families())?;
+        self.counters.checks += 1;
         if cx.observer.wants_calls() {
             emit(cx, Call::BatchWritten { l: 1 })?;
         }
@@ -900,8 +903,9 @@ impl Attention {
             m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
             models.insert(id, m);
         }
+        // One memo for the forward (checked after the layers).
+        let masks = Masks::new();
         for layer in 0..self.cfg.layers {
-            let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
@@ -964,6 +968,8 @@ impl Attention {
                 }
             }
         }
+        check::mask_memo("batch window", &masks.families())?;
+        self.counters.checks += 1;
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;
         }

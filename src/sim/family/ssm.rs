@@ -44,7 +44,7 @@ use crate::cache::{
     CacheError, GdnParams, JoinSource, KvSpec, Masks, RowBatch, SerialCache, SsmCache, SsmSpec, TrainingSsmCache,
 };
 use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
-use crate::sim::check::{ulp_at, Failure};
+use crate::sim::check::{self, ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
 use crate::sim::family::{Cx, Family, Registration, View};
 use crate::sim::ops::{Op, OpKind};
@@ -550,6 +550,9 @@ impl Recurrent {
                 }
             }
         }
+        // The forward's attention layers shared one mask memo: each family built once.
+        check::mask_memo("hybrid batch forward", &masks.families())?;
+        self.counters.checks += 1;
         Ok(())
     }
 
