@@ -46,6 +46,7 @@ use crate::cache::{
 use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
 use crate::sim::check::{self, ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
+use crate::sim::family::attention::mlx_fail;
 use crate::sim::family::{Cx, Family, Registration, View};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
@@ -92,10 +93,6 @@ const TRAIN_REQ: u64 = 1 << 40;
 
 fn mlx(what: &str, e: CacheError) -> Failure {
     Failure::new("errors", format!("{what}: production refused a legal op: {e}"))
-}
-
-fn mlx_err(what: &str, e: impl std::fmt::Display) -> Failure {
-    Failure::new("mlx", format!("{what}: {e}"))
 }
 
 /// Bounds of the model distance (ULPs of the input dtype at output scale) beyond which a run fails: set from
@@ -890,7 +887,7 @@ impl Recurrent {
                                 (pick(&q, r, t, t + 1, 1)?, pick(&a, r, t, t + 1, 1)?, pick(&b, r, t, t + 1, 1)?);
                             steps.push(twin.decode(&pq, &pa, &pb, &params).map_err(|e| mlx("twin decode", e))?);
                         }
-                        let ty = mlx_rs::ops::concatenate(&steps, 1).map_err(|e| mlx_err("concatenate", e))?;
+                        let ty = mlx_rs::ops::concatenate(&steps, 1).map_err(|e| mlx_fail("concatenate", e))?;
                         let tb = words(&ty)?;
                         let mut model = req.models[li].take().unwrap();
                         let got = self.check_row_output(
@@ -926,7 +923,7 @@ impl Recurrent {
                                 .map_err(|e| mlx("twin attention decode", e))?;
                             steps.push(o);
                         }
-                        let to = mlx_rs::ops::concatenate(&steps, 2).map_err(|e| mlx_err("concatenate", e))?;
+                        let to = mlx_rs::ops::concatenate(&steps, 2).map_err(|e| mlx_fail("concatenate", e))?;
                         if words(&pick(&out, r, 0, len, 2)?)? == words(&to)? {
                             self.record("hybrid_attention_output_vs_twin", 1);
                         }
