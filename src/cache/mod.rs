@@ -40,7 +40,9 @@ pub mod transition;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
-pub use compiled::{int32_input, plain_decode_step, CompiledDecode, DecodePlan, StepRope};
+pub use compiled::{
+    decode_step, int32_input, plain_decode_step, quantized_decode_step, CompiledDecode, DecodePlan, StepRope,
+};
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{

@@ -460,6 +460,17 @@ pub fn columns_vs_model(
     Ok(())
 }
 
+/// The per-forward mask memo: every mask family a forward used (`cache::Masks::families`, one `Masks`
+/// shared by all the forward's layers) was built exactly once, however many layers read it.
+pub fn mask_memo(what: &str, families: &[(String, usize)]) -> Res {
+    match families.iter().find(|(_, n)| *n != 1) {
+        Some((f, n)) => {
+            Err(Failure::new("mask_memo", format!("{what}: mask family {f} built {n} times in one forward")))
+        }
+        None => Ok(()),
+    }
+}
+
 pub fn bytes_equal(what: &str, a: &ArrayBytes, b: &ArrayBytes) -> Res {
     if let Some(i) = a.first_difference(b) {
         return Err(Failure::new(

@@ -246,6 +246,10 @@ fn dtype_name(d: Dtype) -> &'static str {
 pub struct LayoutStats {
     /// Ops the family applied (not skipped).
     pub ops: u64,
+    /// The same ops per op kind (which kinds reached this family: e.g. `commit_span` in the quantized and recurrent
+    /// families, `compiled_step` in the quantized one).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub ops_by_kind: BTreeMap<String, u64>,
     /// Checks the family ran.
     pub checks: u64,
     /// Runs that failed on one of this family's checks.
@@ -278,6 +282,7 @@ impl LayoutStats {
     pub fn of(ops: u64, c: &Counters, failed: bool) -> LayoutStats {
         LayoutStats {
             ops,
+            ops_by_kind: BTreeMap::new(),
             checks: c.checks,
             failures: failed as u64,
             bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
@@ -296,8 +301,19 @@ impl LayoutStats {
         self
     }
 
+    /// The same line with its ops counted per kind.
+    pub fn with_ops_by_kind<'a>(mut self, kinds: impl IntoIterator<Item = (&'a str, u64)>) -> LayoutStats {
+        for (k, n) in kinds {
+            *self.ops_by_kind.entry(k.to_string()).or_insert(0) += n;
+        }
+        self
+    }
+
     pub fn add(&mut self, o: &LayoutStats) {
         self.ops += o.ops;
+        for (k, n) in &o.ops_by_kind {
+            *self.ops_by_kind.entry(k.clone()).or_insert(0) += n;
+        }
         self.checks += o.checks;
         self.failures += o.failures;
         self.bit_exact += o.bit_exact;

@@ -268,3 +268,13 @@ fn columns_vs_model_sees_the_last_byte_of_the_last_column() {
         }
     }
 }
+
+#[test]
+fn mask_memo_sees_a_second_build_of_the_last_family() {
+    let once = vec![("decode:4".to_string(), 1), ("window:inf".to_string(), 1)];
+    assert!(mask_memo("forward", &once).is_ok());
+    assert!(mask_memo("forward", &[]).is_ok());
+    let mut twice = once.clone();
+    twice[1].1 = 2;
+    assert_eq!(mask_memo("forward", &twice).unwrap_err().check, "mask_memo");
+}

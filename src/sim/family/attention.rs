@@ -16,8 +16,8 @@ use mlx_rs::Array;
 
 use crate::bytes::ArrayBytes;
 use crate::cache::{
-    plain_decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvSpec, MaskUse, Masks, RowBatch,
-    SerialCache, Storage,
+    decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvSpec, MaskUse, Masks, RowBatch, SerialCache,
+    Storage,
 };
 use crate::reference::{bidirectional_visible, read_block_context, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
@@ -331,18 +331,14 @@ impl Attention {
         Ok(true)
     }
 
-    /// One decode step of a request outside the batch through the compiled-decode protocol (plan, pure step,
-    /// apply); the twin runs the ordinary decode. Promised: the plan's fetch equals `decode_phase` and the model's
-    /// phase, and output and state are byte-identical to the ordinary append.
+    /// One decode step of a request outside the batch through the compiled-decode protocol (plan, pure step of
+    /// the family's storage: plain planes or the six affine planes, apply); the twin runs the ordinary decode.
+    /// Promised: the plan's fetch equals `decode_phase` and the model's phase, and output and state (every plane)
+    /// are byte-identical to the ordinary append (the state check after the op compares the planes with the
+    /// twin's and, for affine storage, with the reference's triples).
     fn compiled_step(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
         if !self.solo_req(req) {
             return Ok(false);
-        }
-        if self.storage != Storage::Plain {
-            // Affine storage has no compiled step: the refusal (state unchanged), then the ordinary decode a caller
-            // falls back to, so that the request advances as in every other family of the run.
-            self.compiled_step_refused(req)?;
-            return self.solo_decode(cx, req);
         }
         let toks = self.next_toks(req, 1);
         let scale = self.cfg.scale();
@@ -363,7 +359,8 @@ impl Attention {
             }
             let mut inputs = c.step_inputs(&plan).map_err(|e| unexpected("step_inputs", e))?;
             inputs.extend([q.clone(), k.clone(), v.clone(), c.rope_input().map_err(|e| unexpected("rope_input", e))?]);
-            let outputs = plain_decode_step(plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
+            let outputs =
+                decode_step(self.storage, plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
             let out = outputs[0].clone();
             c.apply_decode_step(&plan, outputs).map_err(|e| unexpected("apply_decode_step", e))?;
             let (tw, _) =
@@ -846,8 +843,9 @@ impl Attention {
         }
         let rope_before = self.batch[0].rope_offsets();
         let rope_values = rope_before.values();
+        // One memo for the forward: every layer reads the same geometry, built once (checked after the layers).
+        let masks = Masks::new();
         for layer in 0..self.cfg.layers {
-            let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
             if cx.observer.wants_calls() {
@@ -881,6 +879,8 @@ impl Attention {
             &rope_before.values(),
             &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
         )?;
+        check::mask_memo("batch decode", &masks.families())?;
+        self.counters.checks += 1;
         if cx.observer.wants_calls() {
             emit(cx, Call::BatchWritten { l: 1 })?;
         }
@@ -903,8 +903,9 @@ impl Attention {
             m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
             models.insert(id, m);
         }
+        // One memo for the forward (checked after the layers).
+        let masks = Masks::new();
         for layer in 0..self.cfg.layers {
-            let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
@@ -967,6 +968,8 @@ impl Attention {
                 }
             }
         }
+        check::mask_memo("batch window", &masks.families())?;
+        self.counters.checks += 1;
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;
         }

@@ -15,7 +15,7 @@
 //! (both: `SsmCache::merge` of the batch and the requests' one-row caches; attention layers join), `batch_prefill`
 //! (the fresh requests' caches merged into the running batch, one prepared prefill over the *whole* batch with the
 //! running rows all padding, in chunks, then `finalize`; left padding in the `ssm` set unless the first request's id plus the chunk width is a multiple of 3, right
-//! padding otherwise), `decode`, `window` / `append` (S positions per row), `commit_span` (S decodes), `verify`
+//! padding otherwise), `decode`, `window` / `append` (S positions per row), `commit_span` (production's span APIs, the twins' S single decodes), `verify`
 //! (a speculative round: DeltaNet layers `spec_round_begin`, the armed window of `gamma` draft positions, then
 //! `spec_round_commit` when every row accepts all, else `spec_round_rollback_rows(keep)` with replay; attention
 //! layers `trim_rows(gamma - keep, bypass)`), `extract` (with `finish`: the request ends; else it continues outside
@@ -44,8 +44,9 @@ use crate::cache::{
     CacheError, GdnParams, JoinSource, KvSpec, Masks, RowBatch, SerialCache, SsmCache, SsmSpec, TrainingSsmCache,
 };
 use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
-use crate::sim::check::{ulp_at, Failure};
+use crate::sim::check::{self, ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
+use crate::sim::family::attention::mlx_fail;
 use crate::sim::family::{Cx, Family, Registration, View};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
@@ -546,6 +547,9 @@ impl Recurrent {
                 }
             }
         }
+        // The forward's attention layers shared one mask memo: each family built once.
+        check::mask_memo("hybrid batch forward", &masks.families())?;
+        self.counters.checks += 1;
         Ok(())
     }
 
@@ -849,14 +853,85 @@ impl Recurrent {
         Ok(true)
     }
 
+    /// A committed span of `len` positions on every batch row, every layer: DeltaNet layers through
+    /// `SsmCache::commit_span` (the positions one recurrence step at a time), attention layers through
+    /// `RowBatch::commit_span`; each row's twin runs `len` single decodes. Promised: every DeltaNet output of the span
+    /// byte-identical to the twin's single steps (and within the bound of the f64 model); states are compared after
+    /// the op by `check_state`, as after any op. Attention outputs are recorded when byte-identical (a batch decode
+    /// of rows of different lengths is a padded read, measured by the attention family).
     fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
         if self.rows.is_empty() || len == 0 {
             return Ok(false);
         }
-        for _ in 0..len {
-            self.batch_forward(cx, 1, &vec![(0, 1); self.rows.len()], None)?;
-            self.advance(&vec![1; self.rows.len()]);
+        let rows: Vec<RowIn> = self.rows.iter().map(|id| (*id as u64, self.reqs[id].pos, 0, len)).collect();
+        let masks = Masks::new();
+        let per = self.set.dims.heads_v * self.set.dims.dv;
+        for li in 0..self.layers.len() {
+            let idx = li as u32;
+            match &self.layers[li] {
+                LayerDef::DeltaNet { params, weights } => {
+                    let (params, weights) = (params.clone(), weights.clone());
+                    let [q, a, b] = self.ssm_inputs(idx, &rows, len, None);
+                    let Rows::Ssm(batch) = &mut self.batch[li] else { unreachable!() };
+                    let y = batch.commit_span(&q, &a, &b, &params).map_err(|e| mlx("ssm commit_span", e))?;
+                    let yb = words(&y)?;
+                    cx.hasher.update(&yb.digest());
+                    for r in 0..self.rows.len() {
+                        let id = self.rows[r];
+                        let tokens = self.tokens(idx, id as u64, rows[r].1, len);
+                        let req = self.reqs.get_mut(&id).unwrap();
+                        let Cache::Ssm(twin) = &mut req.twin[li] else { unreachable!() };
+                        let mut steps = Vec::with_capacity(len);
+                        for t in 0..len {
+                            let (pq, pa, pb) =
+                                (pick(&q, r, t, t + 1, 1)?, pick(&a, r, t, t + 1, 1)?, pick(&b, r, t, t + 1, 1)?);
+                            steps.push(twin.decode(&pq, &pa, &pb, &params).map_err(|e| mlx("twin decode", e))?);
+                        }
+                        let ty = mlx_rs::ops::concatenate(&steps, 1).map_err(|e| mlx_fail("concatenate", e))?;
+                        let tb = words(&ty)?;
+                        let mut model = req.models[li].take().unwrap();
+                        let got = self.check_row_output(
+                            idx,
+                            &format!("row {r} span of {len} vs single steps"),
+                            &yb,
+                            r * len * per,
+                            &tb,
+                            &mut model,
+                            &weights,
+                            &tokens,
+                        );
+                        self.reqs.get_mut(&id).unwrap().models[li] = Some(model);
+                        got?;
+                        self.record("ssm_span_vs_single_steps", 1);
+                    }
+                }
+                LayerDef::Attention { .. } => {
+                    let [k, v, q] = self.attn_inputs(idx, &rows, len, None);
+                    let Rows::Attn(batch) = &mut self.batch[li] else { unreachable!() };
+                    let out =
+                        batch.commit_span(&k, &v, &q, SCALE, &masks).map_err(|e| mlx("attention commit_span", e))?;
+                    cx.hasher.update(&words(&out)?.digest());
+                    for r in 0..self.rows.len() {
+                        let id = self.rows[r];
+                        let Cache::Attn(twin) = &mut self.reqs.get_mut(&id).unwrap().twin[li] else { unreachable!() };
+                        let mut steps = Vec::with_capacity(len);
+                        for t in 0..len {
+                            let (pk, pv, pq) =
+                                (pick(&k, r, t, t + 1, 2)?, pick(&v, r, t, t + 1, 2)?, pick(&q, r, t, t + 1, 2)?);
+                            let (o, _) = twin
+                                .decode(&pk, &pv, &pq, SCALE, &Masks::new())
+                                .map_err(|e| mlx("twin attention decode", e))?;
+                            steps.push(o);
+                        }
+                        let to = mlx_rs::ops::concatenate(&steps, 2).map_err(|e| mlx_fail("concatenate", e))?;
+                        if words(&pick(&out, r, 0, len, 2)?)? == words(&to)? {
+                            self.record("hybrid_attention_output_vs_twin", 1);
+                        }
+                    }
+                }
+            }
         }
+        self.advance(&vec![len; self.rows.len()]);
         Ok(true)
     }
 
