@@ -34,7 +34,7 @@ use super::mask::{MaskUse, Masks};
 use super::mutation::{self, Mutant};
 use super::quant::{QuantSpec, Storage};
 use super::ring::SerialCache;
-use super::util::rows as row_slice;
+use super::util::{check_kv, check_q, cols, rows as row_slice};
 use super::{KvSpec, Result};
 
 /// When and to what a bf16-first cache converts: `start` (`None`: never, R-TKV-2) and the affine format.
@@ -62,6 +62,12 @@ impl Transition {
     /// The rows layout's storage kind (upstream parameter order; an infinite start is `inf`).
     pub fn rows_kind(&self, max_size: Option<usize>) -> StorageKind {
         DelayedKind { max_size, quant: self.quant, start: self.start }.kind()
+    }
+
+    /// The serial lego's kind (`kv:bf16-first-quant:..`, `kv:bf16-first-rotating-quant:..`; parsed strictly by
+    /// `kind::parse_bf16_first`).
+    pub fn lego_kind(&self, max_size: Option<usize>) -> StorageKind {
+        DelayedKind { max_size, quant: self.quant, start: self.start }.lego_kind()
     }
 }
 
@@ -138,6 +144,12 @@ impl Bf16FirstCache {
         self.cache.storage_kind()
     }
 
+    /// The layout's own kind, whichever storage it holds now: `kv:bf16-first-quant:<bits>:<group>:<start>` or
+    /// `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>`.
+    pub fn lego_kind(&self) -> StorageKind {
+        self.transition.lego_kind(self.cache.max_size())
+    }
+
     /// `minimum_reusable_offset`: prefix reuse never trims below it (kept by trims: conversion is irreversible).
     pub fn minimum_reusable_offset(&self) -> usize {
         self.floor
@@ -173,6 +185,25 @@ impl Bf16FirstCache {
     pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
         let out = self.cache.window(k, v, q, scale, masks)?;
         self.settle()?;
+        Ok(out)
+    }
+
+    /// A committed span (R-ROT-7, issue #15): `L` decodes, one per position (each keeps the single-position
+    /// reduction order), outputs concatenated along the token axis. Each decode is an ordinary append: the one that
+    /// reaches `start` is read in bf16 and the storage converts right after it, so the later positions of the same
+    /// span read affine (outside an armed round). Byte-identical, state and outputs, to `L` calls of
+    /// [`Bf16FirstCache::decode`]. Bad shapes are typed errors with nothing changed.
+    pub fn commit_span(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<Array> {
+        let spec = self.cache.spec();
+        let l = check_kv(&spec, k, v, 1, 1)?;
+        check_q(&spec, q, 1, l)?;
+        let mut next = self.clone();
+        let mut outs = Vec::with_capacity(l);
+        for i in 0..l {
+            outs.push(next.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?.0);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
         Ok(out)
     }
 
@@ -498,6 +529,33 @@ impl TransitioningKvRows {
         masks: &Masks,
     ) -> Result<(Array, Vec<usize>)> {
         self.read(k, v, q, scale, masks, false)
+    }
+
+    /// A committed span for every row (R-ROT-7, issue #15): `L` decodes, one per position, each an ordinary
+    /// [`TransitioningKvRows::decode`] (rows whose transition comes due convert between the span's positions, and
+    /// the rows pack as soon as every row has converted, outside a prefill and a round). Returns the outputs
+    /// concatenated along the token axis and the rows converted, in order. Byte-identical to `L` decode calls;
+    /// errors change nothing.
+    pub fn commit_span(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        let l = check_kv(&self.spec, k, v, self.rows(), 1)?;
+        check_q(&self.spec, q, self.rows(), l)?;
+        let mut next = self.clone();
+        let (mut outs, mut converted) = (Vec::with_capacity(l), Vec::new());
+        for i in 0..l {
+            let (o, c) = next.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?;
+            outs.push(o);
+            converted.extend(c);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
+        Ok((out, converted))
     }
 
     /// The plain read's guard (`update_and_fetch`, one dense K/V for the batch): refused while any row is affine
