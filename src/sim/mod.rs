@@ -231,7 +231,8 @@ fn run_inner(
             f.counters(),
             failure.as_ref().is_some_and(|x: &FamilyFailure| x.family == Some(f.key())),
         )
-        .with_variant(f.variant());
+        .with_variant(f.variant())
+        .with_kinds(world.kinds.iter().filter(|((k, _), _)| *k == f.key()).map(|((_, kind), &n)| (*kind, n)));
         layouts.entry(f.key().to_string()).or_insert_with(LayoutStats::default).add(&stats);
     }
     RunResult { trace, counters: world.counters(), ops_by_kind, api_coverage, skipped, layouts, failure }

@@ -27,6 +27,8 @@ pub struct World {
     pub hasher: blake3::Hasher,
     /// Applied ops per family key.
     pub ops: BTreeMap<&'static str, u64>,
+    /// Applied ops per family key and op kind (the summary's `layouts.<key>.ops_by_kind`).
+    pub kinds: BTreeMap<(&'static str, &'static str), u64>,
 }
 
 impl World {
@@ -38,7 +40,7 @@ impl World {
                 .ok_or_else(|| Failure::new("setup", format!("unknown layout family {n:?} in the config")))?;
             families.push((reg.build)(&cfg)?);
         }
-        Ok(World { cfg, families, hasher: blake3::Hasher::new(), ops: BTreeMap::new() })
+        Ok(World { cfg, families, hasher: blake3::Hasher::new(), ops: BTreeMap::new(), kinds: BTreeMap::new() })
     }
 
     /// The scheduler's picture (the first family's; every family of a run sees the same requests).
@@ -84,6 +86,7 @@ impl World {
         if applied {
             for f in &mut self.families {
                 *self.ops.entry(f.key()).or_insert(0) += 1;
+                *self.kinds.entry((f.key(), op.kind().name())).or_insert(0) += 1;
                 let key = f.key();
                 f.check_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             }
