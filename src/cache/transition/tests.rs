@@ -299,3 +299,86 @@ fn rows_commit_span_is_one_decode_per_position_and_packs_between_positions() {
     assert!(matches!(rows.commit_span(&k1, &v1, &q1, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })));
     assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), snapshot);
 }
+
+/// Right-padded prefill (issue #15 for this family): each row stores only its real positions, byte-identical to its
+/// lego fed them inside a lego round; a row converts only when its request commits (`commit_prefill`, `finalize`),
+/// never at a sibling's window; the rows may pack inside the prefill and take the rest padded.
+#[test]
+fn rows_right_padded_prefill_converts_each_row_only_at_its_commit() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let (w, t) = (Some(4), tr(Some(2)));
+    let fresh = || Bf16FirstCache::new(spec, w, t).unwrap();
+    // Scenario 1: lengths [5, 2], chunks of 3; row 0 commits after the first chunk, row 1 at finalize.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![fresh(), fresh()]).unwrap();
+    let mut twins = vec![fresh(), fresh()];
+    rows.prepare(&[5, 2]).unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    let snapshot = |r: &TransitioningKvRows| {
+        ((0..r.rows()).map(|i| planes_bits(&r.row_physical_planes(i).unwrap())).collect::<Vec<_>>(), r.offsets())
+    };
+    let before = snapshot(&rows);
+    let (k1, v1, q1) = kvq(&spec, 80, 2, 1);
+    assert!(matches!(rows.decode(&k1, &v1, &q1, 0.3, &masks), Err(CacheError::PendingPrefill)));
+    assert!(matches!(rows.prepare(&[1, 1]), Err(CacheError::PendingPrefill)));
+    assert!(matches!(rows.filter(&[0]), Err(CacheError::Lifecycle { .. })));
+    assert!(matches!(rows.end_prefill(), Err(CacheError::Lifecycle { .. })));
+    assert_eq!(snapshot(&rows), before, "refusals while pending change nothing");
+    let chunk = |rows: &mut TransitioningKvRows, twins: &mut [Bf16FirstCache], seed: u64, real: [usize; 2]| {
+        let (k, v, q) = kvq(&spec, seed, 2, 3);
+        let (out, conv) = rows.window(&k, &v, &q, 0.3, &masks).unwrap();
+        assert!(conv.is_empty(), "nothing converts at a window of a prepared prefill");
+        for (i, tw) in twins.iter_mut().enumerate() {
+            if real[i] > 0 {
+                let c = |a: &Array| cols(&row(a, i), 0, real[i]).unwrap();
+                let o = tw.window(&c(&k), &c(&v), &c(&q), 0.3, &masks).unwrap().0;
+                if !rows.is_packed() {
+                    assert_same_bytes(&cols(&row(&out, i), 0, real[i]).unwrap(), &o, "real positions vs the lego");
+                }
+            }
+        }
+    };
+    chunk(&mut rows, &mut twins, 81, [3, 2]);
+    assert_eq!(rows.pending(), Some(&[2usize, 0][..]));
+    assert_eq!(rows.lifecycle()[1].converted_at, None, "row 1 reached start 2 but its request has not committed");
+    assert_eq!(rows.commit_prefill(&[0]).unwrap(), vec![0]);
+    assert!(twins[0].round_commit().unwrap());
+    chunk(&mut rows, &mut twins, 82, [2, 0]);
+    assert_eq!(rows.finalize().unwrap(), vec![1]);
+    assert!(twins[1].round_commit().unwrap());
+    assert!(rows.is_packed(), "every row converted");
+    for (i, tw) in twins.iter().enumerate() {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&tw.inner().physical_planes().unwrap())
+        );
+        assert_eq!(rows.lifecycle()[i].converted_at, tw.converted_at());
+    }
+    let before = snapshot(&rows);
+    assert!(matches!(rows.finalize(), Err(CacheError::NoPendingPrefill)));
+    assert_eq!(snapshot(&rows), before);
+    // Scenario 2: both rows commit after the first chunk, pack inside the prefill, and take the rest padded.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![fresh(), fresh()]).unwrap();
+    let mut twins = vec![fresh(), fresh()];
+    rows.prepare(&[4, 3]).unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    chunk(&mut rows, &mut twins, 90, [3, 3]);
+    assert_eq!(rows.commit_prefill(&[0, 1]).unwrap(), vec![0, 1]);
+    for tw in &mut twins {
+        assert!(tw.round_commit().unwrap());
+    }
+    assert!(rows.is_packed(), "packed inside the prefill");
+    chunk(&mut rows, &mut twins, 91, [1, 0]);
+    assert_eq!(rows.finalize().unwrap(), Vec::<usize>::new());
+    for (i, tw) in twins.iter().enumerate() {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&tw.inner().physical_planes().unwrap())
+        );
+    }
+    assert_eq!(rows.offsets(), vec![4, 3]);
+}
