@@ -62,13 +62,30 @@ impl TSetup {
 /// An error both sides can name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TKind {
-    MixedPrecision { row: usize },
-    BelowFloor { prefix: usize, floor: usize },
-    KeepTooLong { row: usize, keep: usize, written: usize },
+    MixedPrecision {
+        row: usize,
+    },
+    BelowFloor {
+        prefix: usize,
+        floor: usize,
+    },
+    KeepTooLong {
+        row: usize,
+        keep: usize,
+        written: usize,
+    },
     NotTrimmable,
     TrimTooLong,
-    NoSuchRow { row: usize },
-    DuplicateRow { row: usize },
+    NoSuchRow {
+        row: usize,
+    },
+    DuplicateRow {
+        row: usize,
+    },
+    PendingPrefill,
+    NoPendingPrefill,
+    /// Round or prefill misuse (`Lifecycle` in production, `Round` / `Prefill` in the model).
+    Lifecycle,
     Other(String),
 }
 
@@ -83,6 +100,9 @@ fn model_kind<T>(r: &Result<T, TransitionError>) -> Result<(), TKind> {
             TransitionError::Model(ModelError::TrimTooLong) => TKind::TrimTooLong,
             TransitionError::Model(ModelError::NoSuchRow { row, .. }) => TKind::NoSuchRow { row },
             TransitionError::Model(ModelError::DuplicateRow { row }) => TKind::DuplicateRow { row },
+            TransitionError::Model(ModelError::PendingPrefill) => TKind::PendingPrefill,
+            TransitionError::Model(ModelError::NoPendingPrefill) => TKind::NoPendingPrefill,
+            TransitionError::Round { .. } | TransitionError::Prefill { .. } => TKind::Lifecycle,
             other => TKind::Other(format!("{other:?}")),
         }),
     }
@@ -99,6 +119,9 @@ fn cache_kind<T>(r: &Result<T, CacheError>) -> Result<(), TKind> {
             CacheError::TrimTooLong { .. } => TKind::TrimTooLong,
             CacheError::NoSuchRow { row, .. } => TKind::NoSuchRow { row },
             CacheError::DuplicateRow { row } => TKind::DuplicateRow { row },
+            CacheError::PendingPrefill => TKind::PendingPrefill,
+            CacheError::NoPendingPrefill => TKind::NoPendingPrefill,
+            CacheError::Lifecycle { .. } => TKind::Lifecycle,
             other => TKind::Other(format!("{other:?}")),
         }),
     }
@@ -183,6 +206,16 @@ pub enum TTr {
     /// `filter(keep)`; may name rows out of range or twice.
     Filter {
         keep: Vec<usize>,
+    },
+    /// A right-padded prefill into the rows: `prepare(lengths)`, `chunks` windows of `chunk`, each request
+    /// committing its boundary (`commit_prefill`) in the chunk that delivers its last position, then `finalize`.
+    /// With `probe`: a decode and a second prepare while pending (`PendingPrefill`), a filter and `end_prefill`
+    /// while pending (`Lifecycle`), and a second finalize (`NoPendingPrefill`), each with nothing changed.
+    Prefill {
+        lengths: Vec<usize>,
+        chunk: usize,
+        chunks: usize,
+        probe: bool,
     },
 }
 
@@ -272,6 +305,12 @@ impl ReferenceStateMachine for TMachine {
                 (2, Just(TTr::PlainRead).boxed()),
                 (2, (0..rows).prop_map(|row| TTr::Store { row }).boxed()),
                 (1, prop::collection::vec(0usize..=rows, 0..=rows + 1).prop_map(|keep| TTr::Filter { keep }).boxed()),
+                (
+                    2,
+                    (prop::collection::vec(0usize..=w + 3, rows), 1usize..=w + 1, 1usize..=4, any::<bool>())
+                        .prop_map(|(lengths, chunk, chunks, probe)| TTr::Prefill { lengths, chunk, chunks, probe })
+                        .boxed(),
+                ),
             ]);
         }
         proptest::strategy::Union::new_weighted(choices).boxed()
@@ -294,6 +333,9 @@ impl ReferenceStateMachine for TMachine {
             TTr::Store { row } => *row < rows,
             TTr::Reuse { .. } => s.stored.is_some(),
             TTr::Filter { .. } => rows > 0,
+            TTr::Prefill { lengths, chunk, chunks, .. } => {
+                rows > 0 && lengths.len() == rows && *chunk >= 1 && *chunks >= 1
+            }
         }
     }
 
@@ -384,6 +426,35 @@ impl ReferenceStateMachine for TMachine {
                 s.expect.push(model_kind(&r));
                 if let Ok(m) = r {
                     s.solo.push((id, m));
+                }
+            }
+            TTr::Prefill { lengths, chunk, chunks, probe } => {
+                s.expect.push(model_kind(&s.rows.prepare(lengths)));
+                if *probe {
+                    let before = s.rows.clone();
+                    let one = s.row_toks(1);
+                    s.expect.push(model_kind(&s.rows.append(&one, true)));
+                    s.expect.push(model_kind(&s.rows.prepare(lengths)));
+                    s.expect.push(model_kind(&s.rows.filter(&[0])));
+                    s.expect.push(model_kind(&s.rows.end_prefill()));
+                    assert_eq!(s.rows, before, "refusals while pending change the model");
+                }
+                let mut committed = vec![false; lengths.len()];
+                for _ in 0..*chunks {
+                    let tk = s.row_toks(*chunk);
+                    s.rows.append(&tk, false).unwrap();
+                    let pending = s.rows.pending.clone().unwrap();
+                    let done: Vec<usize> = (0..pending.len()).filter(|&r| pending[r] == 0 && !committed[r]).collect();
+                    if !done.is_empty() {
+                        s.conv.push(s.rows.commit_prefill(&done).unwrap());
+                        for r in done {
+                            committed[r] = true;
+                        }
+                    }
+                }
+                s.conv.push(s.rows.finalize().unwrap());
+                if *probe {
+                    s.expect.push(model_kind(&s.rows.finalize()));
                 }
             }
             TTr::Filter { keep } => {
@@ -666,6 +737,53 @@ impl StateMachineTest for TransitionMachine {
                     sut.solo.push(l);
                 }
             }
+            TTr::Prefill { lengths, chunk, chunks, probe } => {
+                let r = sut.rows.as_mut().unwrap();
+                expect_outcome("prepare", expect.next().unwrap(), cache_kind(&r.prepare(lengths)));
+                if *probe {
+                    let before = rows_snapshot(r);
+                    let one: Vec<Vec<Tok>> = sut.prev.row_toks(1);
+                    let (k, v, q) = sut.kvq(&one);
+                    let r = sut.rows.as_mut().unwrap();
+                    let got = cache_kind(&r.decode(&k, &v, &q, scale, &masks));
+                    expect_outcome("decode while pending", expect.next().unwrap(), got);
+                    expect_outcome("prepare while pending", expect.next().unwrap(), cache_kind(&r.prepare(lengths)));
+                    expect_outcome("filter while pending", expect.next().unwrap(), cache_kind(&r.filter(&[0])));
+                    expect_outcome("end_prefill while pending", expect.next().unwrap(), cache_kind(&r.end_prefill()));
+                    assert!(rows_snapshot(r) == before, "refusals while pending changed the rows");
+                }
+                // The model's positions advance per chunk: replay them from the state before the op.
+                let mut m = sut.prev.rows.clone();
+                m.prepare(lengths).unwrap();
+                let mut committed = vec![false; lengths.len()];
+                for _ in 0..*chunks {
+                    let tk: Vec<Vec<Tok>> =
+                        sut.prev.row_ids.iter().zip(&m.rows).map(|(&id, row)| toks(id, row.offset(), *chunk)).collect();
+                    m.append(&tk, false).unwrap();
+                    let (k, v, q) = sut.kvq(&tk);
+                    let r = sut.rows.as_mut().unwrap();
+                    let (_, c) = r.window(&k, &v, &q, scale, &masks).expect("prepared window");
+                    assert!(c.is_empty(), "converted at a window of a prepared prefill");
+                    let pending = r.pending().expect("pending").to_vec();
+                    assert_eq!(Some(&pending), m.pending.as_ref(), "pending positions");
+                    let done: Vec<usize> = (0..pending.len()).filter(|&i| pending[i] == 0 && !committed[i]).collect();
+                    if !done.is_empty() {
+                        let c = r.commit_prefill(&done).expect("commit_prefill");
+                        m.commit_prefill(&done).unwrap();
+                        assert_eq!(&c, conv.next().unwrap(), "rows converted at their request's commit");
+                        for i in done {
+                            committed[i] = true;
+                        }
+                    }
+                }
+                let r = sut.rows.as_mut().unwrap();
+                assert_eq!(&r.finalize().expect("finalize"), conv.next().unwrap(), "rows converted at finalize");
+                if *probe {
+                    let before = rows_snapshot(r);
+                    expect_outcome("finalize twice", expect.next().unwrap(), cache_kind(&r.finalize()));
+                    assert!(rows_snapshot(r) == before, "a second finalize changed the rows");
+                }
+            }
             TTr::Filter { keep } => {
                 let r = sut.rows_mut();
                 let before = rows_snapshot(r);
@@ -756,7 +874,16 @@ fn the_machine_reaches_every_bad_input() {
         .unwrap();
     let seen = SEEN.with(|s| s.borrow().clone());
     eprintln!("refusals seen: {seen:?}");
-    for kind in ["MixedPrecision", "BelowFloor", "KeepTooLong", "NotTrimmable", "TrimTooLong"] {
+    for kind in [
+        "MixedPrecision",
+        "BelowFloor",
+        "KeepTooLong",
+        "NotTrimmable",
+        "TrimTooLong",
+        "PendingPrefill",
+        "NoPendingPrefill",
+        "Lifecycle",
+    ] {
         assert!(seen.get(kind).copied().unwrap_or(0) > 0, "{kind} never refused: {seen:?}");
     }
 }
