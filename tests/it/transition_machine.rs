@@ -10,7 +10,8 @@
 //! state's bytes and lifecycle unchanged** (compared before/after): a plain read while some row is affine
 //! (`MixedPrecision`), prefix reuse below the entry's floor (`BelowFloor`), and a rollback keeping more than the
 //! round wrote into one row (`KeepTooLong`, tried in every round before its real end). Impossible trims and filters
-//! are executed too.
+//! are executed too, and a right-padded prefill (`prepare`, windows, per-request `commit_prefill`, `finalize`) with
+//! its refusals while pending (`PendingPrefill`, `Lifecycle`, `NoPendingPrefill`).
 //!
 //! After every transition: rows count, packing, every row's (conversion offset, floor, left padding, offset),
 //! `minimum_reusable_offset`, `max_append_tokens`, the storage kinds parsed back; every row's, lego's and the stored
