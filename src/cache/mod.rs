@@ -46,8 +46,9 @@ pub use compiled::{
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
-    is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training, parse_delayed,
-    DelayedKind, KindRoute, StorageKind, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX, KV_PLAIN, PREFIX_SHARED,
+    is_bf16_first, is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training,
+    parse_bf16_first, parse_delayed, DelayedKind, KindRoute, StorageKind, BF16_FIRST_QUANT_PREFIX,
+    BF16_FIRST_ROTATING_QUANT_PREFIX, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX, KV_PLAIN, PREFIX_SHARED,
     QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING, TRAINING_SSM,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};

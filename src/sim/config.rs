@@ -137,7 +137,7 @@ impl SimConfig {
         // Kinds some family of the run does not support are never drawn.
         let families = draw_families(seed);
         let training = families.iter().any(|f| f == family::training::NAME);
-        let transition = families.iter().any(|f| f == family::transition::NAME);
+        let transition = families.iter().any(|f| f == family::transition::NAME || f == family::transition::LEGO_NAME);
         for w in weights.iter_mut() {
             // The training kinds are forwards of the training family's own caches: drawn only when it is in the run.
             if !family::all_support(&families, w.0)

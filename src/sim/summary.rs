@@ -79,9 +79,11 @@ pub struct Counters {
     /// Rows persisted mid-run and restored before they continued (kvsim's format or an mlx-lm prompt-cache file;
     /// `src/persist`), then checked against their solo twins like every other state.
     pub persist_roundtrips: u64,
-    /// bf16-first family: rows and legos that converted to affine storage (each checked against the model's
-    /// boundary); those converted at a prefill chunk's commit; speculative rounds with unequal per-row accepts;
-    /// rollbacks of rows whose ring had wrapped; prefix reuses that took a stored entry.
+    /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
+    /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
+    /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
+    /// (or legos) whose ring had wrapped (one per round); prefix reuses that took a stored entry; trims that took a
+    /// converted lego below `start` (one per lego and layer; its storage stays affine).
     #[serde(default)]
     pub conversions: u64,
     #[serde(default)]
@@ -92,6 +94,8 @@ pub struct Counters {
     pub rollbacks_across_wrap: u64,
     #[serde(default)]
     pub reuses: u64,
+    #[serde(default)]
+    pub trims_below_start: u64,
     /// State comparisons (physical and temporal bytes vs twin and model) that were byte-identical.
     pub bit_exact_state: u64,
     pub decode_unpadded: ClassCount,
@@ -125,6 +129,7 @@ impl Default for Counters {
             rounds: 0,
             rollbacks_across_wrap: 0,
             reuses: 0,
+            trims_below_start: 0,
             bit_exact_state: 0,
             decode_unpadded: ClassCount::default(),
             decode_padded: ClassCount::default(),
@@ -208,6 +213,7 @@ impl Counters {
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;
         self.rollbacks_across_wrap += o.rollbacks_across_wrap;
+        self.trims_below_start += o.trims_below_start;
         self.reuses += o.reuses;
         self.bit_exact_state += o.bit_exact_state;
         self.decode_unpadded.add(&o.decode_unpadded);
