@@ -1330,7 +1330,7 @@ fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
         .map(|p| match p.cache {
             AnyCache::Ssm(c) => Ok(Cache::Ssm(c)),
             AnyCache::Serial(c) => Ok(Cache::Attn(c)),
-            AnyCache::Rows(_) => Err(Failure::new("persist", "a row batch restored from a request's layers")),
+            other => Err(Failure::new("persist", format!("a request's layer restored as {}", other.storage_kind()))),
         })
         .collect()
 }
