@@ -25,6 +25,12 @@ pub const ROTATING_QUANT_PREFIX: &str = "kv:rotating-quant:";
 /// The gated-DeltaNet recurrent cache (`SsmCache`, any number of rows). Not an attention kind: the attention
 /// router [`StorageKind::route`] refuses it (fail closed); hybrid sets ask [`is_ssm`] first.
 pub const SSM: &str = "ssm";
+/// Prefix of the chunked attention cache's kind `kv-chunked:<chunk_size>` ([`super::ChunkedKvCache`], mlx-lm's
+/// `ChunkedKVCache`). Not routed by [`StorageKind::route`] (fail closed): it is persisted and continued serially.
+pub const CHUNKED_PREFIX: &str = "kv-chunked:";
+/// The kind of one layer's list of caches (mlx-lm's `CacheList`: e.g. a DeltaNet state beside an attention cache);
+/// each child keeps its own kind. Persisted only (`persist::AnyCache::List`); never routed.
+pub const CACHE_LIST: &str = "cache-list";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
 /// The stateless training cache (`TrainingCache`, R-TRN-1): never admitted, merged or persisted.

@@ -135,6 +135,7 @@ fn op_within_limits(op: &Op) -> bool {
             ok(*chunk) && ok(*chunks) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
         }
         Op::Quantize { bits, group, .. } => ok(*bits) && ok(*group),
+        Op::Persist { .. } => true,
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::TrainingForward { lengths, len, window } => {
             ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))

@@ -217,7 +217,22 @@ impl Attention {
             Op::DecodePhase => self.decode_phases()?,
             Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,
             Op::IllFormed { req, batch, input, variant } => self.ill_formed(*req, *batch, *input, *variant)?,
+            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm)?,
         })
+    }
+
+    /// Save/restore of a request outside the batch (issue #16): every layer saved in one file, dropped, restored
+    /// from the bytes alone. `check_all` after the op compares the restored caches with the twins (state and bytes)
+    /// and the model; every later op continues them.
+    fn persist(&mut self, req: u32, mlxlm: bool) -> Res<bool> {
+        if !self.solo_req(req) {
+            return Ok(false);
+        }
+        let r = self.reqs.get_mut(&req).unwrap();
+        let caches = std::mem::take(&mut r.solo);
+        r.solo = persist_roundtrip(caches, mlxlm)?;
+        self.counters.persist_roundtrips += 1;
+        Ok(true)
     }
 
     // ----- special reads and the compiled step (R-ROT-9, R-C-9) -------------------------------------------------
@@ -1609,14 +1624,14 @@ impl Family for Attention {
 }
 
 /// Saves serial caches to bytes (kvsim's format, or an mlx-lm prompt-cache file when `via_mlxlm` and every cache
-/// has an mlx-lm form), drops them, and restores them from the bytes alone.
+/// has an mlx-lm form that keeps its state: positions held, and no bypass-trim record, which mlx-lm's classes do not
+/// carry), drops them, and restores them from the bytes alone.
 fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<SerialCache>> {
     use crate::persist::inspect::{load_any, save_as, Format};
     use crate::persist::{mlxlm, AnyCache, Persisted};
     let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
     let spec_hints: Vec<_> = caches.iter().map(|c| c.spec()).collect();
-    let mlx_ok =
-        via_mlxlm && caches.iter().all(|c| c.offset() > 0 && mlxlm::from_kvsim(&AnyCache::Serial(c.clone())).is_ok());
+    let mlx_ok = via_mlxlm && caches.iter().all(|c| mlxlm_keeps_state(&AnyCache::Serial(c.clone())));
     let format = if mlx_ok { Format::MlxLm } else { Format::Kvsim };
     // kvsim's format carries a reuse floor: attach one (half the offset) and require it back; mlx-lm files carry none.
     let floors: Vec<usize> = caches.iter().map(|c| if format == Format::Kvsim { c.offset() / 2 } else { 0 }).collect();
@@ -1650,4 +1665,17 @@ fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<Seria
             other => Err(Failure::new("persist", format!("restored as {}", other.storage_kind()))),
         })
         .collect()
+}
+
+/// Whether a cache's mlx-lm form restores its whole state: it holds positions (an empty mlx-lm cache carries no
+/// spec), has no bypass-trim record (`last_concat`: mlx-lm's classes carry none) and has an mlx-lm form at all.
+pub(crate) fn mlxlm_keeps_state(c: &crate::persist::AnyCache) -> bool {
+    use crate::persist::{mlxlm, AnyCache};
+    let serial_ok = |s: &SerialCache| s.offset() > 0 && s.state().last_concat.is_none();
+    let ok = match c {
+        AnyCache::Serial(s) => serial_ok(s),
+        AnyCache::Ssm(s) => !s.is_pending() && !s.in_round(),
+        _ => false,
+    };
+    ok && mlxlm::from_kvsim(c).is_ok()
 }

@@ -1087,7 +1087,7 @@ impl Recurrent {
             self.reqs.remove(&id);
             return Ok(true);
         }
-        let out = persist_roundtrip(out)?;
+        let out = persist_roundtrip(out, false)?;
         self.counters.persist_roundtrips += 1;
         let attn = self.attn;
         let r = self.reqs.get_mut(&id).unwrap();
@@ -1370,10 +1370,12 @@ impl Recurrent {
     }
 }
 
-/// Saves an extracted request's caches (every layer, one kvsim file, each with a reuse floor of half its offset),
-/// drops them and restores them from the bytes alone; the floors must come back and the layers keep their kinds.
-/// The state checks after the op and every later read compare the restored caches with the twins and the model.
-fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
+/// Saves a request's caches (every layer, one file) and restores them from the bytes alone: kvsim's format with a
+/// reuse floor of half each offset (the floors must come back), or with `via_mlxlm` an mlx-lm prompt-cache file
+/// (DeltaNet layers as `ArraysCache`, offsets in its user metadata) when every layer's mlx-lm form keeps its state.
+/// The layers keep their kinds. The state checks after the op and every later read compare the restored caches
+/// with the twins and the model.
+fn persist_roundtrip(caches: Vec<Cache>, via_mlxlm: bool) -> Res<Vec<Cache>> {
     use crate::persist::inspect::{load_any, save_as, Format};
     use crate::persist::{AnyCache, Persisted};
     let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
@@ -1387,9 +1389,16 @@ fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
             Persisted { minimum_reusable_offset: cache.offset() / 2, cache }
         })
         .collect();
+    let mlx = via_mlxlm && persisted.iter().all(|p| super::attention::mlxlm_keeps_state(&p.cache));
+    let (format, persisted) = if mlx {
+        let zero = persisted.into_iter().map(|p| Persisted::new(p.cache)).collect::<Vec<_>>();
+        (Format::MlxLm, zero)
+    } else {
+        (Format::Kvsim, persisted)
+    };
     let floors: Vec<usize> = persisted.iter().map(|p| p.minimum_reusable_offset).collect();
     let kinds: Vec<String> = persisted.iter().map(|p| p.cache.storage_kind().to_string()).collect();
-    let bytes = save_as(Format::Kvsim, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
     drop(persisted);
     let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
     let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
@@ -1405,7 +1414,7 @@ fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
         .map(|p| match p.cache {
             AnyCache::Ssm(c) => Ok(Cache::Ssm(c)),
             AnyCache::Serial(c) => Ok(Cache::Attn(c)),
-            AnyCache::Rows(_) => Err(Failure::new("persist", "a row batch restored from a request's layers")),
+            other => Err(Failure::new("persist", format!("a request's layer restored as {}", other.storage_kind()))),
         })
         .collect()
 }
@@ -1443,6 +1452,16 @@ impl Family for Recurrent {
             Op::Filter { keep } => self.filter(keep),
             Op::TrainingForward { lengths, len, .. } => self.training_forward(cx, lengths, *len as usize),
             Op::TrainingRefusal { .. } => self.training_refusal(),
+            Op::Persist { req, mlxlm } => {
+                if !self.solo_req(*req) {
+                    return Ok(false);
+                }
+                let r = self.reqs.get_mut(req).unwrap();
+                let caches = std::mem::take(&mut r.solo);
+                r.solo = persist_roundtrip(caches, *mlxlm)?;
+                self.counters.persist_roundtrips += 1;
+                Ok(true)
+            }
             // Not supported (never dispatched here): trims, the attention-only special reads, prefix-shared forwards.
             Op::Trim { .. }
             | Op::SoloTrim { .. }
