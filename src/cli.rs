@@ -210,6 +210,10 @@ pub enum OracleCmd {
         /// Only print the chosen seeds (and what each covers); record nothing.
         #[arg(long)]
         dry_run: bool,
+        /// The layout family to record: `attention` (files seed-N) or `quant` (files quant-seed-N: the seed's
+        /// configuration with the quantized family alone).
+        #[arg(long, default_value = "attention")]
+        family: String,
     },
     /// Re-run kvsim's side of one recorded trace and compare it with the stored oracle results, op by op.
     Diff { trace: PathBuf },

@@ -44,6 +44,7 @@ pub(crate) fn cache_cmd(cmd: CacheCmd) -> ExitCode {
 }
 
 pub(crate) fn oracle_record_cmd(
+    family: &str,
     count: usize,
     scan: u64,
     seeds: &[u64],
@@ -52,14 +53,14 @@ pub(crate) fn oracle_record_cmd(
     keep: bool,
 ) -> ExitCode {
     let mut log = |err: bool, line: String| if err { eprintln!("{line}") } else { println!("{line}") };
-    match oracle::record_set(count, scan, seeds, include, out, keep, &mut log) {
+    match oracle::record_set(family, count, scan, seeds, include, out, keep, &mut log) {
         Ok(all) => exit(all),
         Err(e) => fail("oracle record", e, 1),
     }
 }
 
-pub(crate) fn oracle_choose_cmd(count: usize, scan: u64, include: &[u64]) -> ExitCode {
-    match oracle::describe_choice(count, scan, include) {
+pub(crate) fn oracle_choose_cmd(family: &str, count: usize, scan: u64, include: &[u64]) -> ExitCode {
+    match oracle::describe_choice(family, count, scan, include) {
         Ok(seeds) => {
             seeds.iter().for_each(|(s, feats)| println!("seed {s}: {}", feats.join(" ")));
             println!("{}", seeds.iter().map(|s| s.0.to_string()).collect::<Vec<_>>().join(" "));

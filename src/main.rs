@@ -55,11 +55,11 @@ fn main() -> ExitCode {
             bench_cmd(device, &what, anchor, quick, &out, json, exact_read)
         }
         Cmd::Oracle { cmd } => match cmd {
-            OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run } => {
+            OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run, family } => {
                 if dry_run {
-                    oracle_choose_cmd(seeds, scan, &include)
+                    oracle_choose_cmd(&family, seeds, scan, &include)
                 } else {
-                    oracle_record_cmd(seeds, scan, &seed, &include, &out, keep_steps)
+                    oracle_record_cmd(&family, seeds, scan, &seed, &include, &out, keep_steps)
                 }
             }
             OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),

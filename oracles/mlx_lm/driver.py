@@ -57,7 +57,7 @@ DTYPES = {
     "f32": (mx.float32, mx.uint32, "I", 4),
     "bf16": (mx.bfloat16, mx.uint16, "H", 2),
 }
-BITS = {mx.float32: mx.uint32, mx.bfloat16: mx.uint16, mx.float16: mx.uint16}
+BITS = {mx.float32: mx.uint32, mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.uint32: mx.uint32}
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 
 
@@ -86,6 +86,15 @@ def sha(arr):
     return hashlib.sha256(memoryview(words).tobytes()).hexdigest()
 
 
+def sha_many(arrs):
+    """sha256 of the concatenated raw element bytes of several arrays (a quantized triple: packed, scales, biases)."""
+    h = hashlib.sha256()
+    for a in arrs:
+        if a.size:
+            h.update(memoryview(mx.contiguous(a.view(BITS.get(a.dtype, a.dtype)))).tobytes())
+    return h.hexdigest()
+
+
 def settle(caches):
     """Evaluate the cache arrays (as mlx-lm's generator does after every step) so graphs stay small."""
     arrs = []
@@ -94,6 +103,8 @@ def settle(caches):
             x = getattr(c, name, None)
             if isinstance(x, mx.array):
                 arrs.append(x)
+            elif isinstance(x, tuple):  # QuantizedKVCache: (packed, scales, biases)
+                arrs.extend(a for a in x if isinstance(a, mx.array))
     if arrs:
         mx.eval(arrs)
 
@@ -129,12 +140,29 @@ class Driver:
         self.prefill = None  # [batch cache per layer] of the pending right-padded prefill batch
         self.prefill_rows = []
         self.lost = None  # why the running batch can no longer be trusted (set after a desyncing error)
+        self.quant = None  # (bits, group) once the family's caches are affine-quantized (`quant` family)
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def new_cache(self):
+        if self.quant is not None:
+            bits, group = self.quant
+            if self.W is not None:
+                raise Unsupported(
+                    "mlx-lm 0.32.2 has no rotating quantized cache (mlx_lm/models/cache.py: "
+                    "RotatingKVCache.to_quantized raises NotImplementedError('RotatingKVCache Quantization NYI'))")
+            return CACHE.QuantizedKVCache(group_size=group, bits=bits)
         if self.W is None:
             return CACHE.KVCache()
         return CACHE.RotatingKVCache(max_size=self.W, keep=0)
+
+    @staticmethod
+    def mergeable(caches):
+        """generate.py _merge_caches raises ValueError("... does not yet support batching with history") for a cache
+        class without `merge` (QuantizedKVCache in 0.32.2): the step is unsupported."""
+        for c in caches:
+            if not hasattr(c, "merge"):
+                raise Unsupported(f"{type(c).__name__} does not yet support batching with history "
+                                  "(mlx-lm 0.32.2 generate._merge_caches; there is no batched quantized cache)")
 
     def mask(self, cache, B, L):
         # exactly what a model's forward does: base.create_attention_mask(h, cache, window_size=...)
@@ -154,7 +182,9 @@ class Driver:
         L = k.shape[2]
         mask = self.mask(cache, B, L)
         K, V = cache.update_and_fetch(k, v)
-        return BASE.scaled_dot_product_attention(q, K, V, cache=cache, scale=self.scale, mask=mask)
+        # For a QuantizedKVCache (it has `bits`) this is base.quantized_scaled_dot_product_attention, which scales its
+        # `queries` argument in place (`queries *= scale`): it gets a copy.
+        return BASE.scaled_dot_product_attention(mx.array(q), K, V, cache=cache, scale=self.scale, mask=mask)
 
     def layer(self, step):
         l = int(step.get("layer", 0))
@@ -211,6 +241,10 @@ class Driver:
         self.scale = float(step["scale"])
         if self.layers < 1 or (self.W is not None and self.W < 1):
             raise DriverError("layers and max_size must be >= 1")
+        if step.get("family", "attention") not in ("attention", "quant"):
+            raise DriverError(f"the driver maps the attention and quant families, not {step.get('family')!r}")
+        q = step.get("quant")
+        self.quant = None if q is None else (int(q["bits"]), int(q["group"]))
         self.cfg = step
         return None
 
@@ -249,6 +283,7 @@ class Driver:
         if self.running is not None and self.lost:
             raise DriverError(self.lost)
         # generate.py _merge_caches: caches[0][l].merge([c[l] for c in caches]); `join` is the same merge
+        self.mergeable([c for r in reqs for c in self.solo[r]])
         new = [self.solo[reqs[0]][l].merge([self.solo[r][l] for r in reqs]) for l in range(self.layers)]
         self.join_running(i, new, reqs)
         for r in reqs:
@@ -279,6 +314,7 @@ class Driver:
             raise DriverError(f"prefill requests {reqs} overlap the running batch")
         # fresh requests: their (empty) caches, the solo ones when admitted before, else new ones
         caches = [self.solo.get(r) or [self.new_cache() for _ in range(self.layers)] for r in reqs]
+        self.mergeable([c for cs in caches for c in cs])
         pb = [caches[0][l].merge([c[l] for c in caches]) for l in range(self.layers)]
         longest = max(lengths)
         padding = [longest - x for x in lengths]
@@ -375,6 +411,31 @@ class Driver:
         self.rows = [self.rows[r] for r in keep]
         settle(self.running)
 
+    def s_quantize(self, i, step):
+        """The conversion op, as mlx-lm's generate.maybe_quantize_kv_cache does it: `c.to_quantized(group_size, bits)`
+        for every cache that has the method (a QuantizedKVCache has none and stays as it is). All solo caches are
+        converted into new objects first and replace the old ones only when every call succeeded (mlx-lm raises from
+        mx.quantize on parameters it refuses, RotatingKVCache.to_quantized raises NotImplementedError). Later
+        admits get QuantizedKVCache(group, bits). A running batch or pending prefill is unsupported: BatchKVCache has
+        no to_quantized (maybe_quantize_kv_cache would silently leave it plain) and BatchRotatingKVCache's raises
+        NotImplementedError. Result: {"converted": true} when the driver's caches changed storage."""
+        bits, group = int(step["bits"]), int(step["group"])
+        if self.quant is not None:
+            return {"converted": False}
+        new = {}
+        for req, caches in self.solo.items():
+            new[req] = [c.to_quantized(group_size=group, bits=bits) if hasattr(c, "to_quantized") else c
+                        for c in caches]
+        for req, caches in new.items():
+            self.solo[req] = caches
+            settle(caches)
+        self.quant = (bits, group)
+        if self.running is not None or self.prefill is not None:
+            raise Unsupported("mlx-lm 0.32.2 has no batched quantized cache: BatchKVCache has no to_quantized "
+                              "(generate.maybe_quantize_kv_cache skips it), BatchRotatingKVCache.to_quantized raises "
+                              "NotImplementedError; the solo caches were converted")
+        return {"converted": True}
+
     def s_checkpoint(self, i, step):
         reqs = {}
         for req, caches in self.solo.items():
@@ -401,6 +462,12 @@ class Driver:
             if c.keys is None:
                 ks.append(EMPTY_SHA)
                 vs.append(EMPTY_SHA)
+                continue
+            if isinstance(c, CACHE.QuantizedKVCache):
+                # the (packed, scales, biases) triples of the first `offset` positions, hashed together
+                n = max(0, min(c.offset, c.keys[0].shape[2]))
+                ks.append(sha_many([x[0, :, :n, :] for x in c.keys]))
+                vs.append(sha_many([x[0, :, :n, :] for x in c.values]))
                 continue
             if isinstance(c, CACHE.RotatingKVCache):
                 k, v = c._temporal_order(c.keys), c._temporal_order(c.values)

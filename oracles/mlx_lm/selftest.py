@@ -4,17 +4,22 @@
     .venv/bin/python selftest.py            # run the checks
     .venv/bin/python selftest.py --write    # regenerate the steps files after editing a scenario
 
-Two short hand-written scenarios:
+Short hand-written scenarios:
 - selftest_steps.jsonl (W = 4, f32): two requests written solo past the window (one by decodes, one by a 6-token
   window read), a trim before and after the wrap, a merge into a batch, batch decodes / append / window read,
   per-row and uniform trims, an extract, a right-padded batch prefill, a join and a filter;
 - selftest_linear_steps.jsonl (no window, bf16): solo window/decode reads, a trim and rewrite, a left-padded merge,
-  a batch trim, a finishing extract and a two-chunk right-padded prefill (one chunk all padding for a row).
+  a batch trim, a finishing extract and a two-chunk right-padded prefill (one chunk all padding for a row);
+- selftest_quant*_steps.jsonl (the quantized family, D = 64 / 128): conversion of plain solo caches
+  (KVCache.to_quantized), refused bits, quantized reads and views, a fresh QuantizedKVCache and its trim, the
+  unsupported batch entry; the 5-bit packed-width crash at D = 128; RotatingKVCache.to_quantized's
+  NotImplementedError; a native rotating quantized cache (unsupported).
 The steps are written with the protocol's array encoding (the files are committed; the test fails when one is stale),
 the driver runs them in a subprocess, and the results are checked against facts computed here independently of it:
 K/V view hashes straight from the input floats (struct + hashlib, no MLX), attention outputs from a direct
 mx.fast.scaled_dot_product_attention call with hand-ordered keys and a hand-built mask (no mlx-lm), trim counts,
-and the summary line.
+and the summary line. Quantized views are checked against mx.quantize of the floats, quantized reads against a
+quantized attention written here from MLX's ops (mx.quantize, mx.quantized_matmul, mx.softmax; no mlx-lm).
 """
 import base64
 import hashlib
@@ -34,13 +39,14 @@ class Data:
     """Every (request, position) has its own q / k / v vectors, multiples of 1/16 in [-2, 2] (exact in f32 and bf16).
     A position >= 100 names a token written after a rollback (a different token at a reused position)."""
 
-    def __init__(self, seed, W, dtype):
+    def __init__(self, seed, W, dtype, dim=D, quant=None):
         self.rng, self.W, self.dtype, self.tok_ = random.Random(seed), W, dtype, {}
+        self.d, self.quant = dim, quant  # head dim; initial (bits, group) of a quantized-family config
 
     def tok(self, req, pos):
         if (req, pos) not in self.tok_:
             def vec(h):
-                return [[self.rng.randint(-32, 32) / 16 for _ in range(D)] for _ in range(h)]
+                return [[self.rng.randint(-32, 32) / 16 for _ in range(self.d)] for _ in range(h)]
 
             self.tok_[(req, pos)] = {"q": vec(HQ), "k": vec(HKV), "v": vec(HKV)}
         return self.tok_[(req, pos)]
@@ -48,7 +54,7 @@ class Data:
     def block(self, field, rows):
         """[B][H][L][D] nested list; rows = [[(req, pos) or None (padding: zeros), ...] per batch row]."""
         H = HQ if field == "q" else HKV
-        return [[[self.tok(*rp)[field][h] if rp else [0.0] * D for rp in row] for h in range(H)] for row in rows]
+        return [[[self.tok(*rp)[field][h] if rp else [0.0] * self.d for rp in row] for h in range(H)] for row in rows]
 
     def pack(self, vals):
         """Little-endian raw element bytes: f32, or bf16 as the top half of the (exact) f32 bit pattern."""
@@ -83,8 +89,12 @@ class Data:
                 "real": real}
 
     def config(self):
-        return {"t": "config", "max_size": self.W, "dtype": self.dtype, "heads_kv": HKV, "heads_q": HQ,
-                "head_dim": D, "layers": 1, "scale": SCALE}
+        c = {"t": "config", "max_size": self.W, "dtype": self.dtype, "heads_kv": HKV, "heads_q": HQ,
+             "head_dim": self.d, "layers": 1, "scale": SCALE}
+        if self.quant is not None or self.d != D:
+            c["family"] = "quant"
+            c["quant"] = None if self.quant is None else {"bits": self.quant[0], "group": self.quant[1]}
+        return c
 
     def view_sha(self, field, req, positions):
         """sha256 of the [H, n, D] view of these positions, straight from the floats."""
@@ -204,7 +214,69 @@ def linear_scenario():
     return d, sc, {"unsupported": 0, "errors": 0}
 
 
-SCENARIOS = {"selftest_steps.jsonl": rotating_scenario, "selftest_linear_steps.jsonl": linear_scenario}
+def quant_scenario():
+    """The quantized family, linear, f32, D = 64: plain solo caches converted by `quantize` (KVCache.to_quantized),
+    refused parameters, quantized reads and views, a fresh QuantizedKVCache, a trim, and the unsupported batch entry.
+    Views are checked against mx.quantize of the floats, reads against a quantized attention written here."""
+    d, sc = Data(12, None, "f32", dim=64), Script()
+    add, solo = sc.add, d.solo
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    add(solo(1, [0, 1, 2], "window"), ("sdpa", [(1, [0, 1, 2], [0, 1, 2], "causal")]))  # plain before conversion
+    add(solo(2, [0], "decode"))
+    add({"t": "quantize", "bits": 7, "group": 64}, ("error", "[quantize]"))  # mx.quantize refuses 7 bits on data
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (3, [0, 1, 2]), 2: (1, [0])}))  # nothing converted
+    add({"t": "quantize", "bits": 4, "group": 64}, ("converted", True))
+    add({"t": "checkpoint", "op": 2}, ("qviews", (4, 64), {1: (3, [0, 1, 2]), 2: (1, [0])}))
+    add(solo(1, [3], "decode"), ("qsdpa", (4, 64), [(1, [3], [0, 1, 2, 3], None)]))
+    add(solo(2, [1, 2], "window"), ("qsdpa", (4, 64), [(2, [1, 2], [0, 1, 2], "causal")]))
+    add({"t": "quantize", "bits": 8, "group": 32}, ("converted", False))  # QuantizedKVCache has no to_quantized
+    add({"t": "admit", "req": 3})  # now a QuantizedKVCache(64, 4)
+    add(solo(3, [0, 1], "window"), ("qsdpa", (4, 64), [(3, [0, 1], [0, 1], "causal")]))
+    add({"t": "solo_trim", "req": 3, "n": 1}, ("trimmed", 1))
+    add({"t": "checkpoint", "op": 3}, ("qviews", (4, 64), {1: (4, [0, 1, 2, 3]), 2: (3, [0, 1, 2]), 3: (1, [0])}))
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"}, ("unsupported",))  # no batched quantized cache
+    add({"t": "checkpoint", "op": 4}, ("qviews", (4, 64), {1: (4, [0, 1, 2, 3]), 2: (3, [0, 1, 2]), 3: (1, [0])}))
+    return d, sc, {"unsupported": 1, "errors": 1}
+
+
+def quant_wide_scenario():
+    """mlx-lm's packed-width bug: a native QuantizedKVCache at 5 bits, D = 128, raises on its first write after
+    advancing its offset; a rotating cache cannot be converted (NotImplementedError) nor created quantized."""
+    d, sc = Data(5, None, "bf16", dim=128, quant=(5, 32)), Script()
+    add, solo = sc.add, d.solo
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add(solo(1, [0, 1], "window"), ("error", "broadcast_shapes"))  # 21 words allocated, mx.quantize gives 20
+    add({"t": "checkpoint", "op": 1}, ("offsets", {1: 2}))  # the offset moved although nothing was stored
+    return d, sc, {"unsupported": 0, "errors": 1}
+
+
+def quant_rotating_scenario():
+    """W = 4, f32, D = 64: RotatingKVCache.to_quantized raises NotImplementedError (nothing changes)."""
+    d, sc = Data(3, 4, "f32", dim=64), Script()
+    add, solo = sc.add, d.solo
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add(solo(1, [0], "decode"))
+    add({"t": "quantize", "bits": 4, "group": 32}, ("error", "NotImplementedError"))
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (1, [0])}))
+    return d, sc, {"unsupported": 0, "errors": 1}
+
+
+def quant_rotating_native_scenario():
+    """W = 4 with quantized storage from the start: mlx-lm has no rotating quantized cache."""
+    d, sc = Data(4, 4, "f32", dim=64, quant=(4, 64)), Script()
+    sc.add(d.config())
+    sc.add({"t": "admit", "req": 1}, ("unsupported",))
+    return d, sc, {"unsupported": 1, "errors": 0}
+
+
+SCENARIOS = {"selftest_steps.jsonl": rotating_scenario, "selftest_linear_steps.jsonl": linear_scenario,
+             "selftest_quant_steps.jsonl": quant_scenario, "selftest_quant_wide_steps.jsonl": quant_wide_scenario,
+             "selftest_quant_rotating_steps.jsonl": quant_rotating_scenario,
+             "selftest_quant_rotating_native_steps.jsonl": quant_rotating_native_scenario}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,6 +298,51 @@ def direct_sdpa_sha(d, req, q_pos, key_order, mask_kind):
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)
     words = list(flat(out[0].view(words_dt).tolist()))
     return hashlib.sha256(struct.pack(f"<{len(words)}{fmt}", *words)).hexdigest()
+
+
+def raw_words(arr, mx):
+    """Little-endian raw element bytes of an mx array (uint32 / f32 as 4-byte words, bf16 as 2-byte words)."""
+    words_dt, fmt = {mx.uint32: (mx.uint32, "I"), mx.float32: (mx.uint32, "I"), mx.bfloat16: (mx.uint16, "H")}[arr.dtype]
+    words = list(flat(arr.view(words_dt).tolist()))
+    return struct.pack(f"<{len(words)}{fmt}", *words)
+
+
+def quant_view_sha(d, bits, group, field, req, positions):
+    """sha256 of the (packed, scales, biases) bytes of mx.quantize over these positions' [H, n, D] floats (no
+    mlx-lm; each position's groups are quantized independently, so one call over the view gives its bytes)."""
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    dt = mx.float32 if d.dtype == "f32" else mx.bfloat16
+    x = mx.array(d.block(field, [[(req, p) for p in positions]])[0], dtype=mx.float32).astype(dt)
+    return hashlib.sha256(b"".join(raw_words(a, mx) for a in mx.quantize(x, group_size=group, bits=bits))).hexdigest()
+
+
+def direct_qsdpa_sha(d, quant, req, q_pos, key_order, mask_kind):
+    """Quantized attention written here from MLX's ops (docs/quantized-kv.md "The read"): queries times the scale,
+    GQA axes, quantized_matmul against mx.quantize of the keys, causal mask by where(.., finfo.min), precise
+    softmax, quantized_matmul against the values. No mlx-lm."""
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    bits, group = quant
+    dt = mx.float32 if d.dtype == "f32" else mx.bfloat16
+    q = mx.array(d.block("q", [[(req, p) for p in q_pos]]), dtype=mx.float32).astype(dt)
+    k = mx.array(d.block("k", [[(req, p) for p in key_order]]), dtype=mx.float32).astype(dt)
+    v = mx.array(d.block("v", [[(req, p) for p in key_order]]), dtype=mx.float32).astype(dt)
+    kq = mx.quantize(k, group_size=group, bits=bits)
+    vq = mx.quantize(v, group_size=group, bits=bits)
+    L, n, rep = len(q_pos), len(key_order), HQ // HKV
+    q = (q * SCALE).reshape(1, HKV, rep, L, d.d)
+    kq = [mx.expand_dims(a, -3) for a in kq]
+    vq = [mx.expand_dims(a, -3) for a in vq]
+    s = mx.quantized_matmul(q, *kq, transpose=True, group_size=group, bits=bits)
+    if mask_kind == "causal":
+        m = mx.arange(n - L, n)[:, None] >= mx.arange(n)[None]
+        s = mx.where(m, s, mx.finfo(s.dtype).min)
+    p = mx.softmax(s, axis=-1, precise=True)
+    out = mx.quantized_matmul(p, *vq, transpose=False, group_size=group, bits=bits).reshape(1, HQ, L, d.d)
+    return hashlib.sha256(raw_words(out[0], mx)).hexdigest()
 
 
 def run_scenario(name, make, write):
@@ -265,6 +382,25 @@ def run_scenario(name, make, write):
         if kind == "sdpa":
             want = [direct_sdpa_sha(d, *args) for args in exp[1]]
             check(r.get("rows", [])[: len(want)] == want, f"step {i}: output {r} != direct SDPA {want}")
+        elif kind == "qsdpa":
+            want = [direct_qsdpa_sha(d, exp[1], *args) for args in exp[2]]
+            check(r.get("rows", []) == want, f"step {i}: output {r} != direct quantized attention {want}")
+        elif kind == "converted":
+            check(r.get("converted") is exp[1], f"step {i}: {r} expected converted {exp[1]}")
+        elif kind == "qviews":
+            (bits, group), views = exp[1], exp[2]
+            got = r.get("reqs", {})
+            check(sorted(got) == sorted(str(q) for q in views), f"step {i}: requests {sorted(got)} != {views}")
+            for req, (offset, positions) in views.items():
+                g = got.get(str(req), {})
+                check(g.get("offset") == offset, f"step {i} req {req}: offset {g.get('offset')} != {offset}")
+                for f in ("k", "v"):
+                    want = [quant_view_sha(d, bits, group, f, req, list(positions))]
+                    check(g.get(f) == want, f"step {i} req {req}: quantized {f.upper()} view differs")
+        elif kind == "offsets":
+            got = r.get("reqs", {})
+            for req, offset in exp[1].items():
+                check(got.get(str(req), {}).get("offset") == offset, f"step {i} req {req}: {got} offset != {offset}")
         elif kind == "trimmed":
             check(r.get("trimmed") == exp[1], f"step {i}: {r} expected trimmed {exp[1]}")
         elif kind == "unsupported":
@@ -287,7 +423,8 @@ def run_scenario(name, make, write):
                 check(g.get("v") == [d.view_sha("v", req, list(positions))], f"step {i} req {req}: V view differs")
     unexpected = [r for r in results if ("error" in r or "unsupported" in r) and r["step"] not in sc.expect]
     check(not unexpected, f"unexpected error/unsupported records: {unexpected}")
-    n_reads = sum(1 for s in sc.steps if s["t"] in ("solo", "batch", "prefill_chunk") and s.get("read") != "append")
+    n_reads = sum(1 for i, s in enumerate(sc.steps) if s["t"] in ("solo", "batch", "prefill_chunk")
+                  and s.get("read") != "append" and sc.expect.get(i, ("",))[0] != "error")
     want_summary = {"steps": len(sc.steps), "reads": n_reads, **want_counts, "mlx": "0.32.2", "mlx_lm": "0.32.2"}
     check(summary == want_summary, f"summary {summary} != {want_summary}")
     return {"file": name, "result": "FAIL" if failures else "PASS", "steps": len(sc.steps),

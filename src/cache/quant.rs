@@ -166,6 +166,17 @@ impl Storage {
             Storage::Plain => Ok((planes[0].clone(), planes[1].clone())),
             Storage::Affine(q) => {
                 let (g, b) = (dim(q.group)?, dim(q.bits)?);
+                if planes[0].size() == 0 {
+                    // MLX's dequantize cannot reshape an empty array: a view of no positions is the empty dense
+                    // array of the planes' shape with the head dim unpacked.
+                    let mut shape = planes[0].shape().to_vec();
+                    if let Some(last) = shape.last_mut() {
+                        *last = *last * 32 / b;
+                    }
+                    let dt = planes[1].dtype();
+                    let empty = mlx_rs::ops::zeros_dtype(&shape, dt)?;
+                    return Ok((empty.clone(), empty));
+                }
                 let k = mlx_rs::ops::dequantize(&planes[0], &planes[1], &planes[2], g, b)?;
                 let v = mlx_rs::ops::dequantize(&planes[3], &planes[4], &planes[5], g, b)?;
                 Ok((k, v))

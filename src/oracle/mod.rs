@@ -162,6 +162,17 @@ pub enum Rule {
     ExtractEmptyBatch,
     /// After a right-padded prefill on rings, mlx-lm's window of a row as long as the window holds a padding key.
     PrefillPaddingInWindow,
+    /// Quantized caches entering a batch (or converted with a batch live): mlx-lm 0.32.2 has no batched quantized
+    /// cache.
+    QuantNoBatch,
+    /// A rotating cache converted to (or created as) a quantized one: mlx-lm 0.32.2 raises NotImplementedError.
+    RotatingQuantNyi,
+    /// mlx-lm's `QuantizedKVCache` allocates `D // (32 // bits)` packed words: one too many for 5 and 6 bits at
+    /// D = 128, and the first write raises.
+    QuantPackedWidth,
+    /// A conversion with parameters MLX refuses for the head dim: kvsim refuses with a typed error, mlx-lm raises
+    /// from `mx.quantize` (or, with no data to quantize, converts and fails at the next write).
+    InvalidQuantParams,
 }
 
 impl Rule {
@@ -175,6 +186,10 @@ impl Rule {
         Rule::TrimPastStart,
         Rule::ExtractEmptyBatch,
         Rule::PrefillPaddingInWindow,
+        Rule::QuantNoBatch,
+        Rule::RotatingQuantNyi,
+        Rule::QuantPackedWidth,
+        Rule::InvalidQuantParams,
     ];
 
     pub fn id(self) -> &'static str {
@@ -188,13 +203,20 @@ impl Rule {
             Rule::TrimPastStart => "trim-past-start",
             Rule::ExtractEmptyBatch => "extract-empty-batch",
             Rule::PrefillPaddingInWindow => "prefill-padding-in-window",
+            Rule::QuantNoBatch => "quant-no-batch",
+            Rule::RotatingQuantNyi => "rotating-quant-nyi",
+            Rule::QuantPackedWidth => "quant-packed-width",
+            Rule::InvalidQuantParams => "invalid-quant-params",
         }
     }
 
     pub fn verdict(self) -> Verdict {
         match self {
-            Rule::TrimNoopAfterWrap | Rule::ExtractEmptyBatch | Rule::PrefillPaddingInWindow => Verdict::MlxLmBug,
-            Rule::PerRowTrim => Verdict::Unsupported,
+            Rule::TrimNoopAfterWrap
+            | Rule::ExtractEmptyBatch
+            | Rule::PrefillPaddingInWindow
+            | Rule::QuantPackedWidth => Verdict::MlxLmBug,
+            Rule::PerRowTrim | Rule::QuantNoBatch | Rule::RotatingQuantNyi => Verdict::Unsupported,
             _ => Verdict::Documented,
         }
     }
@@ -262,6 +284,35 @@ impl Rule {
                  padded positions (ARCHITECTURE.md; seed 000_7eb8175f52e88e8d.txt:21-22: prepared prefill padding is \
                  never visible). Not in the catalog (the family of bug-catalog.md #8 / #1, right-padded prefill chunks); \
                  the condition was checked against mlx-lm 0.32.2 on 4,122 random geometries"
+            }
+            Rule::QuantNoBatch => {
+                "quantized caches (kv:quant) entering a batch, or a conversion while a batch is live: mlx-lm 0.32.2 has \
+                 no batched quantized cache (mlx_lm/generate.py _merge_caches raises \"QuantizedKVCache does not yet \
+                 support batching with history\": QuantizedKVCache has no merge; BatchKVCache has no to_quantized, \
+                 generate.maybe_quantize_kv_cache skips it; generate.BatchGenerator takes no kv_bits). kvsim's quantized \
+                 rows (docs/quantized-kv.md) have no mlx-lm counterpart: the requests that entered and every later batch \
+                 step are explained by this step; requests outside the batch keep being compared"
+            }
+            Rule::RotatingQuantNyi => {
+                "a rotating cache quantized (kv:rotating-quant): mlx-lm 0.32.2's RotatingKVCache.to_quantized and \
+                 BatchRotatingKVCache.to_quantized raise NotImplementedError(\"... Quantization NYI\") \
+                 (mlx_lm/models/cache.py), and there is no rotating quantized cache class to create one native; kvsim \
+                 converts the ring as laid out, as the upstream engine's RotatingQuantizedKVCache does \
+                 (docs/quantized-kv.md)"
+            }
+            Rule::QuantPackedWidth => {
+                "a first write to a QuantizedKVCache at 5 or 6 bits with head_dim 128: mlx-lm 0.32.2's update_and_fetch \
+                 allocates D // (32 // bits) packed words (21 / 25) where mx.quantize returns D * bits / 32 (20 / 24), \
+                 and the assignment raises ValueError [broadcast_shapes] after offset was already advanced \
+                 (mlx_lm/models/cache.py QuantizedKVCache.update_and_fetch, init_quant); kvsim uses D * bits / 32 \
+                 (docs/quantized-kv.md; mutant quant-packed-width-divides)"
+            }
+            Rule::InvalidQuantParams => {
+                "a conversion with bits or group MLX refuses for the head dim (bits not in {2,3,4,5,6,8}, group not in \
+                 {32,64,128} or not dividing head_dim; mlx 0.32.2 mlx/ops.cpp quantize): kvsim refuses with \
+                 CacheError::InvalidQuant and changes nothing (ARCHITECTURE.md: impossible requests are typed errors); \
+                 mlx-lm's KVCache.to_quantized calls mx.quantize, which raises ValueError on cached data and checks \
+                 nothing when there is none (the conversion then succeeds and the next write raises)"
             }
         }
     }
@@ -334,6 +385,7 @@ fn show(o: Option<&Outcome>) -> String {
         }
         Some(Outcome::Trimmed(n)) => format!("trimmed {n}"),
         Some(Outcome::TrimmedRows(n)) => format!("trimmed rows {n:?}"),
+        Some(Outcome::Converted(c)) => format!("converted {c}"),
         Some(Outcome::Checkpoint { reqs, .. }) => format!("checkpoint of {} requests", reqs.len()),
         Some(Outcome::Unsupported(s)) => format!("unsupported: {s}"),
         Some(Outcome::Error(s)) => format!("error: {s}"),
@@ -500,18 +552,116 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
         {
             Some(Rule::ExtractEmptyBatch)
         }
+        _ => quant_rule(info, k, o, rotating),
+    }
+}
+
+/// Whether MLX 0.32.2 refuses `(bits, group)` for a head dim (`mlx/ops.cpp` `quantize`: bits 2, 3, 4, 5, 6, 8; group
+/// 32, 64, 128, dividing the last axis). Written here from MLX's messages, independently of kvsim's caches.
+pub fn mlx_refuses_quant(bits: usize, group: usize, head_dim: usize) -> bool {
+    ![2, 3, 4, 5, 6, 8].contains(&bits) || ![32, 64, 128].contains(&group) || head_dim % group != 0
+}
+
+/// The rules of the quantized family's divergences (`kv:quant`, `kv:rotating-quant`), from the step's geometry and
+/// the two results only.
+fn quant_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotating: bool) -> Option<Rule> {
+    let unsupported = |o: Option<&Outcome>, what: &str| matches!(o, Some(Outcome::Unsupported(s)) if s.contains(what));
+    let error = |o: Option<&Outcome>, what: &str| matches!(o, Some(Outcome::Error(s)) if s.contains(what));
+    match info.t {
+        "enter" | "prefill" if info.quant.is_some() && unsupported(o, "does not yet support batching") => {
+            Some(Rule::QuantNoBatch)
+        }
+        "admit" | "prefill" if rotating && info.quant.is_some() && unsupported(o, "no rotating quantized cache") => {
+            Some(Rule::RotatingQuantNyi)
+        }
+        "quantize" => {
+            let (bits, group) = info.target?;
+            if mlx_refuses_quant(bits, group, info.head_dim) {
+                let kvsim_refused = matches!(k, Some(Outcome::Converted(false)));
+                let mlx_lm = matches!(o, Some(Outcome::Converted(true))) || error(o, "[quantize]");
+                return (kvsim_refused && mlx_lm).then_some(Rule::InvalidQuantParams);
+            }
+            if rotating && info.quant.is_none() && error(o, "NotImplementedError") {
+                return Some(Rule::RotatingQuantNyi);
+            }
+            (info.batch_live && unsupported(o, "no batched quantized cache")).then_some(Rule::QuantNoBatch)
+        }
+        "solo" | "batch" | "prefill_chunk" => {
+            let (bits, _) = info.quant?;
+            let d = info.head_dim;
+            let wrong_width = matches!(bits, 5 | 6) && d * bits / 32 != d / (32 / bits);
+            (wrong_width && error(o, "broadcast_shapes")).then_some(Rule::QuantPackedWidth)
+        }
         _ => None,
     }
 }
 
+/// Which requests a state-changing divergence explains: `All` (every later divergence is its consequence, the rule
+/// of the attention family's roots), or only some requests and possibly the running batch (the quantized family's
+/// unsupported mappings: requests outside the batch keep being compared).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Scope {
+    All,
+    Some { reqs: Vec<u32>, batch: bool },
+}
+
+fn root_scope(info: &StepInfo, rule: Option<Rule>) -> Scope {
+    match (rule, info.t) {
+        // `quantize`'s requests are the batch rows of the moment.
+        (Some(Rule::QuantNoBatch), "quantize") => Scope::Some { reqs: info.reqs.clone(), batch: true },
+        (Some(Rule::QuantNoBatch), _) => Scope::Some { reqs: info.reqs.clone(), batch: true },
+        (Some(Rule::RotatingQuantNyi), "admit") => Scope::Some { reqs: info.reqs.clone(), batch: false },
+        (Some(Rule::RotatingQuantNyi), "prefill") => Scope::Some { reqs: info.reqs.clone(), batch: true },
+        (Some(Rule::QuantPackedWidth), "solo") => Scope::Some { reqs: info.reqs.clone(), batch: false },
+        // A solo request's trim explains that request (and the batch once it enters it).
+        (Some(_), "solo_trim") => Scope::Some { reqs: info.reqs.clone(), batch: false },
+        _ => Scope::All,
+    }
+}
+
+/// Step types that act on the running batch (or the pending prefill batch).
+fn is_batch_step(t: &str) -> bool {
+    matches!(
+        t,
+        "enter" | "prefill" | "prefill_chunk" | "prefill_end" | "batch" | "trim" | "trim_rows" | "extract" | "filter"
+    )
+}
+
 /// Compares kvsim's results with the oracle's, step by step, and classifies every divergence.
 pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Option<usize>) -> Vec<Divergence> {
+    diff_counted(infos, kvsim, oracle, window).0
+}
+
+/// A checkpoint's views restricted to the requests outside `drop`.
+fn without(o: Option<&Outcome>, drop: &BTreeMap<u32, (usize, Option<Rule>)>) -> Option<Outcome> {
+    match o {
+        Some(Outcome::Checkpoint { op, reqs }) => Some(Outcome::Checkpoint {
+            op: *op,
+            reqs: reqs.iter().filter(|(id, _)| !drop.contains_key(id)).map(|(id, v)| (*id, v.clone())).collect(),
+        }),
+        other => other.cloned(),
+    }
+}
+
+/// [`diff`], plus the number of steps compared on their own: every step but the config and those a state-changing
+/// divergence before them explains (its consequences, and the agreeing steps in its scope).
+pub fn diff_counted(
+    infos: &[StepInfo],
+    kvsim: &[Record],
+    oracle: &[Record],
+    window: Option<usize>,
+) -> (Vec<Divergence>, usize) {
     let rotating = window.is_some();
     let by_step =
         |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
     let (ks, os) = (by_step(kvsim), by_step(oracle));
     let mut out: Vec<Divergence> = vec![];
+    // A root that explains everything after it.
     let mut root: Option<(usize, Option<Rule>)> = None;
+    // Roots of a narrower scope: the requests they explain, and whether they explain the running batch.
+    let mut explained: BTreeMap<u32, (usize, Option<Rule>)> = BTreeMap::new();
+    let mut batch_root: Option<(usize, Option<Rule>)> = None;
+    let mut compared = 0usize;
     // Read divergences waiting for the next checkpoint (index into out, tentative rule).
     let mut pending: Vec<(usize, Option<Rule>)> = vec![];
     // Solo requests whose physical layout a one-position window after a wrap changed (step of that window).
@@ -531,6 +681,39 @@ pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Opt
         if info.t == "solo" && info.read == Some(Read::Window) && info.l == 1 && info.wrapped {
             layout_r3.insert(info.reqs[0], step);
         }
+        // Narrow roots spread: an explained request entering the batch explains the batch, and every request of
+        // an explained batch is explained.
+        let batch_step = is_batch_step(info.t);
+        if matches!(info.t, "enter" | "prefill") && batch_root.is_none() {
+            if let Some(r) = info.reqs.iter().find_map(|r| explained.get(r)) {
+                batch_root = Some(*r);
+            }
+        }
+        if let (true, Some(r)) = (batch_step, batch_root) {
+            for id in &info.reqs {
+                explained.entry(*id).or_insert(r);
+            }
+        }
+        // The narrow root that explains this step, if any (checkpoints: decided below, per request).
+        let narrow = if info.t == "checkpoint" {
+            None
+        } else if batch_step && batch_root.is_some() {
+            batch_root
+        } else if info.t == "quantize" {
+            // A conversion acts on every cache: explained when any is.
+            batch_root.or_else(|| explained.values().next().copied())
+        } else {
+            info.reqs.iter().find_map(|r| explained.get(r)).copied()
+        };
+        let (k_cmp, o_cmp) = if info.t == "checkpoint" && root.is_none() && !explained.is_empty() {
+            (without(k, &explained), without(o, &explained))
+        } else {
+            (k.cloned(), o.cloned())
+        };
+        let (k, o) = (k_cmp.as_ref(), o_cmp.as_ref());
+        if info.t != "config" && root.is_none() && narrow.is_none() {
+            compared += 1;
+        }
         if k == o {
             if info.t == "checkpoint" {
                 for (i, tentative) in pending.drain(..) {
@@ -548,7 +731,7 @@ pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Opt
             detail: detail(k, o),
             class: Class::Unclassified,
         };
-        if let Some((r, rule)) = root {
+        if let Some((r, rule)) = root.or(narrow) {
             d.class = Class::Consequence { root: r, rule };
             out.push(d);
             continue;
@@ -605,17 +788,29 @@ pub fn diff(infos: &[StepInfo], kvsim: &[Record], oracle: &[Record], window: Opt
         d.class = rule.map_or(Class::Unclassified, Class::Rule);
         let changes_state = match (k, o) {
             (Some(Outcome::TrimmedRows(n)), Some(Outcome::Unsupported(_))) => n.iter().any(|&x| x > 0),
+            // A conversion both refuse (kvsim's typed error, mlx-lm's exception) changes nothing.
+            (Some(Outcome::Converted(false)), Some(Outcome::Error(_))) => false,
             _ => true,
         };
         if changes_state {
-            root = Some((step, rule));
+            match root_scope(&info, rule) {
+                Scope::All => root = Some((step, rule)),
+                Scope::Some { reqs, batch } => {
+                    for r in reqs {
+                        explained.entry(r).or_insert((step, rule));
+                    }
+                    if batch && batch_root.is_none() {
+                        batch_root = Some((step, rule));
+                    }
+                }
+            }
         }
         out.push(d);
     }
     for (i, tentative) in pending.drain(..) {
         out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
     }
-    out
+    (out, compared)
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -627,6 +822,11 @@ pub struct TraceReport {
     pub name: String,
     pub config: SimConfig,
     pub steps: usize,
+    /// Steps compared on their own (not explained by an earlier state-changing divergence; see [`diff_counted`]).
+    pub steps_compared: usize,
+    /// Reads of quantized caches whose outputs agree byte for byte with mlx-lm's (`QuantizedKVCache` and
+    /// `quantized_scaled_dot_product_attention`).
+    pub quant_reads_agree: usize,
     pub divergences: Vec<Divergence>,
     /// Protocol step kinds this trace exercised (`batch/decode`, `enter/join`, ...).
     pub kinds: BTreeSet<String>,
@@ -672,7 +872,26 @@ impl TraceReport {
         );
         let rules: Vec<String> = self.rules().iter().map(|(r, n)| format!("{}x{n}", r.id())).collect();
         let consequences = self.divergences.iter().filter(|d| matches!(d.class, Class::Consequence { .. })).count();
-        let mut s = format!("{:<14} {shape}  {:>5} steps  {}", self.name, self.steps, self.status());
+        let shape = match (recorder::oracle_family(cfg), cfg.quant) {
+            (Some("quant"), Some(q)) => format!(
+                "{shape} quant {}:{} D {} {}",
+                q.bits,
+                q.group,
+                q.head_dim,
+                if q.native { "native" } else { "converted" }
+            ),
+            _ => shape,
+        };
+        let mut s = format!(
+            "{:<16} {shape}  {:>5} steps ({} compared)  {}",
+            self.name,
+            self.steps,
+            self.steps_compared,
+            self.status()
+        );
+        if self.quant_reads_agree > 0 {
+            s.push_str(&format!("  {} quantized reads equal", self.quant_reads_agree));
+        }
         if !rules.is_empty() {
             s.push_str(&format!("  {}", rules.join(" ")));
         }
@@ -706,6 +925,8 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         name: name.clone(),
         config,
         steps: 0,
+        steps_compared: 0,
+        quant_reads_agree: 0,
         divergences: vec![],
         kinds: BTreeSet::new(),
         error: Some(e),
@@ -726,9 +947,26 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         Ok(r) => r,
         Err(e) => return fail(trace.config.clone(), e),
     };
-    let divergences = diff(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
+    let (divergences, steps_compared) = diff_counted(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
     let kinds = step_kinds(&rec.infos);
-    TraceReport { name, config: trace.config.clone(), steps: rec.infos.len(), divergences, kinds, error: None }
+    let oracle_rows: BTreeMap<usize, &Outcome> = oracle.iter().map(|r| (r.step, &r.outcome)).collect();
+    let quant_reads_agree = rec
+        .results
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::Rows(_)))
+        .filter(|r| rec.infos.get(r.step).is_some_and(|i| i.quant.is_some()))
+        .filter(|r| oracle_rows.get(&r.step) == Some(&&r.outcome))
+        .count();
+    TraceReport {
+        name,
+        config: trace.config.clone(),
+        steps: rec.infos.len(),
+        steps_compared,
+        quant_reads_agree,
+        divergences,
+        kinds,
+        error: None,
+    }
 }
 
 /// The recorded traces of `dir` (sorted by name).
@@ -757,14 +995,16 @@ impl CheckReport {
         self.traces.iter().filter(|t| t.status() == status).count()
     }
 
-    /// `{"traces", "agree", "classified", "unclassified"}`.
+    /// `{"traces", "agree", "classified", "unclassified", "steps", "steps_compared"}` (steps summed over the traces).
     pub fn json_line(&self) -> String {
         format!(
-            "{{\"traces\":{},\"agree\":{},\"classified\":{},\"unclassified\":{}}}",
+            "{{\"traces\":{},\"agree\":{},\"classified\":{},\"unclassified\":{},\"steps\":{},\"steps_compared\":{}}}",
             self.traces.len(),
             self.count("agree"),
             self.count("classified"),
-            self.count("unclassified")
+            self.count("unclassified"),
+            self.traces.iter().map(|t| t.steps).sum::<usize>(),
+            self.traces.iter().map(|t| t.steps_compared).sum::<usize>()
         )
     }
 
@@ -813,6 +1053,7 @@ pub const STEP_KINDS: &[&str] = &[
     "trim",
     "extract",
     "filter",
+    "quantize",
     "checkpoint",
 ];
 
@@ -1005,10 +1246,142 @@ pub fn choose_seeds(count: usize, scan: u64, include: &[u64]) -> Result<Vec<u64>
 // recording a set
 // ------------------------------------------------------------------------------------------------------------
 
+/// The run of `seed` whose calls the oracle records for `family`: for `attention` the seed's swarm run (the
+/// recorder watches its attention family); for another family of [`recorder::ORACLE_FAMILIES`] the seed's
+/// configuration with that family alone (`None` when the seed's swarm draw does not hold it: its parameters, e.g.
+/// the quantized family's bits and group, come from that draw), without the kinds listed below. `None` too when the
+/// run fails or holds an op whose writes the recorder does not describe (a prepared prefill into running rows, a
+/// bidirectional prefill).
+pub fn family_run(seed: u64, family: &str) -> Option<crate::sim::RunResult> {
+    let r = if family == "attention" {
+        crate::sim::run_seed(seed, DeviceChoice::Cpu, None)
+    } else {
+        let mut cfg = SimConfig::from_seed(seed);
+        if !cfg.families.iter().any(|f| f == family) {
+            return None;
+        }
+        cfg.families = vec![family.to_string()];
+        // The other families' own kinds (training forwards, the bf16-first family's reads) touch none of this
+        // family's caches, and the recorder does not describe the writes of a prepared prefill into running rows
+        // or of a bidirectional prefill: none is drawn.
+        use crate::sim::ops::OpKind;
+        if cfg.weight(OpKind::Admit) == 0 {
+            // A family of the full draw supported none of the inference kinds (the training family's runs draw
+            // only its forwards): this family's run takes every kind at its base weight.
+            for w in cfg.weights.iter_mut() {
+                w.1 = w.0.base_weight();
+            }
+        }
+        for w in cfg.weights.iter_mut() {
+            if w.0.is_training() || w.0.is_transition() || matches!(w.0, OpKind::Prepare | OpKind::BidirPrefill) {
+                w.1 = 0;
+            }
+        }
+        // The conversion op is drawn when the family's parameters say so (a family of the full draw that does not
+        // support it had switched it off).
+        if let (Some(q), true) = (cfg.quant, family == "quant") {
+            match cfg.weights.iter_mut().find(|w| w.0 == OpKind::Quantize) {
+                Some(w) => w.1 = w.1.max(q.convert_weight),
+                None => cfg.weights.push((OpKind::Quantize, q.convert_weight)),
+            }
+        }
+        crate::sim::run(seed, cfg, None, DeviceChoice::Cpu, None)
+    };
+    let undescribed = |op: &crate::sim::ops::Op| {
+        matches!(op, crate::sim::ops::Op::Prepare { .. } | crate::sim::ops::Op::BidirPrefill { .. })
+    };
+    (!r.failed() && (family == "attention" || !r.trace.ops.iter().any(undescribed))).then_some(r)
+}
+
+/// The file-name prefix of a family's recorded traces (`seed-N` for the attention family, `quant-seed-N`, ...).
+pub fn family_prefix(family: &str) -> String {
+    if family == "attention" {
+        "seed-".into()
+    } else {
+        format!("{family}-seed-")
+    }
+}
+
+/// What a quantized-family recording covers besides [`features`]: its parameters, native or converted, the
+/// conversion and where each quantized rule's geometry occurs (from kvsim's side only).
+pub fn quant_features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
+    let mut f = BTreeSet::new();
+    let Some(q) = cfg.quant else { return f };
+    let layout = if cfg.layout.max_size().is_some() { "rotating" } else { "linear" };
+    f.insert(format!("quant/bits-{}", q.bits));
+    f.insert(format!("quant/group-{}", q.group));
+    f.insert(format!("quant/{layout}/{}", if q.native { "native" } else { "converted" }));
+    if layout == "linear" && matches!(q.bits, 5 | 6) && q.head_dim * q.bits / 32 != q.head_dim / (32 / q.bits) {
+        // mlx-lm's packed-width crash: a QuantizedKVCache created quantized (native, or admitted after the conversion)
+        f.insert("quant/packed-width".into());
+    }
+    for s in infos {
+        match s.t {
+            "quantize" => {
+                let (b, g) = s.target.unwrap_or_default();
+                let kind = if mlx_refuses_quant(b, g, s.head_dim) {
+                    "invalid"
+                } else if s.quant.is_some() {
+                    "already"
+                } else if s.batch_live {
+                    "with-batch"
+                } else {
+                    "solo"
+                };
+                f.insert(format!("quant/convert-{kind}/{layout}"));
+            }
+            "solo" | "batch" | "prefill_chunk" if s.quant.is_some() => {
+                f.insert(format!("quant/{}-read/{layout}", s.t));
+            }
+            "enter" | "prefill" if s.quant.is_some() => {
+                f.insert(format!("quant/{}-quantized/{layout}", s.t));
+            }
+            _ => {}
+        }
+    }
+    f
+}
+
+/// Seeds for a family's recorded set: among `0..scan`, the runs [`family_run`] gives, a greedy cover of
+/// [`features`] and [`quant_features`] (fewer steps first on ties), then the smallest remaining ones.
+pub fn choose_family_seeds(family: &str, count: usize, scan: u64) -> Result<Vec<u64>, String> {
+    let mut cands: Vec<(u64, BTreeSet<String>, usize)> = vec![];
+    for seed in 0..scan {
+        let Some(r) = family_run(seed, family) else { continue };
+        let Ok(rec) = record(&r.trace, false) else { continue };
+        let mut feats = features(&r.trace.config, &rec.infos);
+        feats.extend(quant_features(&r.trace.config, &rec.infos));
+        cands.push((seed, feats, rec.infos.len()));
+    }
+    if cands.is_empty() {
+        return Err(format!("no passing {family} seed in 0..{scan}"));
+    }
+    let mut chosen: Vec<u64> = vec![];
+    let mut covered: BTreeSet<String> = BTreeSet::new();
+    while chosen.len() < count {
+        let best = cands
+            .iter()
+            .filter(|c| !chosen.contains(&c.0))
+            .map(|c| (c.1.difference(&covered).count(), c))
+            .filter(|(n, _)| *n > 0)
+            .max_by(|(n1, c1), (n2, c2)| n1.cmp(n2).then(c2.2.cmp(&c1.2)));
+        let Some((_, c)) = best else { break };
+        covered.extend(c.1.iter().cloned());
+        chosen.push(c.0);
+    }
+    let mut rest: Vec<&(u64, BTreeSet<String>, usize)> = cands.iter().filter(|c| !chosen.contains(&c.0)).collect();
+    rest.sort_by_key(|c| (c.2, c.0));
+    chosen.extend(rest.iter().take(count.saturating_sub(chosen.len())).map(|c| c.0));
+    chosen.sort();
+    Ok(chosen)
+}
+
 /// `kvsim oracle record`: records `seeds` (or, when empty, a fresh choice of `count` seeds among `0..scan` that
 /// replaces the recorded set in `out`): kvsim's side, the mlx-lm driver's results, and the diff of each. Every
 /// line to show goes to `log` (`true` = an error line). Returns whether every seed was recorded.
+#[allow(clippy::too_many_arguments)]
 pub fn record_set(
+    family: &str,
     count: usize,
     scan: u64,
     seeds: &[u64],
@@ -1017,14 +1390,25 @@ pub fn record_set(
     keep_steps: bool,
     log: &mut dyn FnMut(bool, String),
 ) -> Result<bool, String> {
+    if !recorder::ORACLE_FAMILIES.contains(&family) {
+        return Err(format!("the oracle maps the families {:?}, not {family:?}", recorder::ORACLE_FAMILIES));
+    }
     let python = setup_driver()?;
     let explicit = !seeds.is_empty();
-    let seeds: Vec<u64> = if explicit { seeds.to_vec() } else { choose_seeds(count, scan, include)? };
+    let seeds: Vec<u64> = match (explicit, family) {
+        (true, _) => seeds.to_vec(),
+        (false, "attention") => choose_seeds(count, scan, include)?,
+        (false, _) => choose_family_seeds(family, count, scan)?,
+    };
+    let prefix = family_prefix(family);
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
     if !explicit {
-        // A fresh choice replaces the recorded set.
+        // A fresh choice replaces the family's recorded traces.
         for p in recorded_traces(out).unwrap_or_default() {
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
+            if name.strip_prefix(&prefix).is_none_or(|n| n.parse::<u64>().is_err()) {
+                continue;
+            }
             let _ = std::fs::remove_file(&p);
             let _ = std::fs::remove_file(out.join(format!("{name}.oracle.jsonl")));
         }
@@ -1032,8 +1416,8 @@ pub fn record_set(
     let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
     let mut all = true;
     for seed in seeds {
-        let name = format!("seed-{seed}");
-        match record_one(seed, &name, &python, &work, out, keep_steps) {
+        let name = format!("{prefix}{seed}");
+        match record_one(family, seed, &name, &python, &work, out, keep_steps) {
             Ok(line) => log(false, line),
             Err(e) => {
                 log(true, format!("{name}: {e}"));
@@ -1060,6 +1444,7 @@ pub fn record_set(
 
 /// Records one seed into `out`; the diff's summary line.
 fn record_one(
+    family: &str,
     seed: u64,
     name: &str,
     python: &Path,
@@ -1067,10 +1452,9 @@ fn record_one(
     out: &Path,
     keep_steps: bool,
 ) -> Result<String, String> {
-    let r = crate::sim::run_seed(seed, DeviceChoice::Cpu, None);
-    if r.failed() {
-        return Err("the kvsim run fails; not recorded".into());
-    }
+    let r = family_run(seed, family).ok_or_else(|| {
+        format!("no {family} run of seed {seed} to record (not in its swarm draw, failing, or undescribed ops)")
+    })?;
     let mut trace = r.trace;
     trace.note = "oracle: recorded against mlx-lm 0.32.2 (kvsim oracle record)".into();
     let rec = record(&trace, true)?;
@@ -1087,14 +1471,31 @@ fn record_one(
 }
 
 /// `kvsim oracle record --dry-run`: the chosen seeds, each with the geometry and config features it covers.
-pub fn describe_choice(count: usize, scan: u64, include: &[u64]) -> Result<Vec<(u64, Vec<String>)>, String> {
-    let seeds = choose_seeds(count, scan, include)?;
+pub fn describe_choice(
+    family: &str,
+    count: usize,
+    scan: u64,
+    include: &[u64],
+) -> Result<Vec<(u64, Vec<String>)>, String> {
+    let seeds = if family == "attention" {
+        choose_seeds(count, scan, include)?
+    } else {
+        choose_family_seeds(family, count, scan)?
+    };
     Ok(seeds
         .into_iter()
         .map(|s| {
-            let r = crate::sim::run_seed(s, DeviceChoice::Cpu, None);
-            let feats = record(&r.trace, false).map(|rec| features(&r.trace.config, &rec.infos)).unwrap_or_default();
-            (s, feats.into_iter().filter(|f| f.starts_with("geometry/") || f.starts_with("config/")).collect())
+            let feats = family_run(s, family)
+                .and_then(|r| {
+                    record(&r.trace, false).ok().map(|rec| {
+                        let mut f = features(&r.trace.config, &rec.infos);
+                        f.extend(quant_features(&r.trace.config, &rec.infos));
+                        f
+                    })
+                })
+                .unwrap_or_default();
+            let shown = |f: &String| f.starts_with("geometry/") || f.starts_with("config/") || f.starts_with("quant/");
+            (s, feats.into_iter().filter(shown).collect())
         })
         .collect())
 }

@@ -39,6 +39,8 @@ pub enum Outcome {
     Trimmed(i64),
     /// kvsim only: a per-row trim with unequal counts (what each row dropped; all 0 when kvsim refused).
     TrimmedRows(Vec<usize>),
+    /// A conversion: whether the caches changed storage.
+    Converted(bool),
     /// The state of every live request at the end of a kvsim op.
     Checkpoint {
         op: i64,
@@ -69,6 +71,9 @@ impl Record {
             }
             Outcome::TrimmedRows(n) => {
                 m.insert("trimmed_rows".into(), json!(n));
+            }
+            Outcome::Converted(c) => {
+                m.insert("converted".into(), json!(c));
             }
             Outcome::Checkpoint { op, reqs } => {
                 m.insert("op".into(), json!(op));
@@ -104,6 +109,8 @@ impl Record {
             Outcome::Rows(strings(r)?)
         } else if let Some(n) = o.get("trimmed") {
             Outcome::Trimmed(n.as_i64().ok_or("trimmed must be an integer")?)
+        } else if let Some(c) = o.get("converted") {
+            Outcome::Converted(c.as_bool().ok_or("converted must be a boolean")?)
         } else if let Some(r) = o.get("reqs") {
             let op = o.get("op").and_then(Value::as_i64).unwrap_or(-1);
             let mut reqs = BTreeMap::new();
@@ -164,6 +171,24 @@ pub struct StepInfo {
     /// `extract`: whether the running batch has held any position since it was built (mlx-lm's batch cache then
     /// has arrays; before, `keys is None`).
     pub batch_arrays: bool,
+    /// The caches' storage before the step: `Some((bits, group))` when affine-quantized (the `quant` family).
+    pub quant: Option<(usize, usize)>,
+    /// `quantize`: the parameters asked for.
+    pub target: Option<(usize, usize)>,
+    /// `quantize`: whether a running batch or a pending prefill holds rows.
+    pub batch_live: bool,
+    /// The head dim of the recorded family's caches (the quantized family has its own).
+    pub head_dim: usize,
+}
+
+/// The families the mlx-lm oracle maps (`oracles/PROTOCOL.md`): the attention family's plain caches and the
+/// quantized family's affine ones.
+pub const ORACLE_FAMILIES: &[&str] = &["attention", "quant"];
+
+/// The family a recording of `cfg` describes: the first of the run's families the oracle maps.
+pub fn oracle_family(cfg: &crate::sim::config::SimConfig) -> Option<&'static str> {
+    let names = if cfg.families.is_empty() { crate::sim::family::default_families() } else { cfg.families.clone() };
+    names.iter().find_map(|n| ORACLE_FAMILIES.iter().copied().find(|f| f == n))
 }
 
 /// Collects steps, kvsim's results and step infos.
@@ -183,6 +208,14 @@ pub struct Recorder {
     written: BTreeSet<u32>,
     /// The running batch has held a position since it was built (mlx-lm's batch cache has arrays).
     batch_arrays: bool,
+    /// The family whose calls are recorded (one of [`ORACLE_FAMILIES`]).
+    pub family: &'static str,
+    /// The family's storage now: `Some((bits, group))` once affine.
+    quant: Option<(usize, usize)>,
+    /// Requests of the running batch's rows, in row order, and of a pending prefill (for `quantize`).
+    rows: Vec<u32>,
+    prefill_rows: Vec<u32>,
+    head_dim: usize,
 }
 
 fn dtype_name(ab: &ArrayBytes) -> &'static str {
@@ -263,7 +296,16 @@ impl Input {
 impl Recorder {
     /// A recorder for a run of `cfg`; the first step (`config`) is appended here.
     pub fn new(cfg: &crate::sim::config::SimConfig, emit_steps: bool) -> Recorder {
+        let family = oracle_family(cfg).unwrap_or("attention");
+        let q = cfg.quant.filter(|_| family == "quant");
+        let quant = q.filter(|q| q.native).map(|q| (q.bits, q.group));
+        let head_dim = q.map_or(cfg.head_dim, |q| q.head_dim);
         let mut r = Recorder {
+            family,
+            quant,
+            rows: vec![],
+            prefill_rows: vec![],
+            head_dim,
             emit_steps,
             steps: vec![],
             infos: vec![],
@@ -282,9 +324,11 @@ impl Recorder {
         r.push(
             || {
                 json!({"t": "config", "max_size": cfg.layout.max_size(), "dtype": dtype, "heads_kv": cfg.heads_kv,
-                       "heads_q": cfg.heads_q, "head_dim": cfg.head_dim, "layers": cfg.layers, "scale": cfg.scale() as f64})
+                       "heads_q": cfg.heads_q, "head_dim": head_dim, "layers": cfg.layers,
+                       "scale": (1.0 / (head_dim as f32).sqrt()) as f64,
+                       "family": family, "quant": quant.map(|(bits, group)| json!({"bits": bits, "group": group}))})
             },
-            StepInfo { t: "config", ..Default::default() },
+            StepInfo { t: "config", quant, head_dim, ..Default::default() },
         );
         r
     }
@@ -302,6 +346,8 @@ impl Recorder {
         if info.t != "config" {
             info.op = self.op;
             info.op_kind = self.op_kind;
+            info.quant = self.quant;
+            info.head_dim = self.head_dim;
         } else {
             info.op = usize::MAX;
         }
@@ -394,6 +440,7 @@ impl Recorder {
             ..Default::default()
         };
         self.push(|| json!({"t": "enter", "reqs": reqs, "how": how}), info);
+        self.rows.extend_from_slice(reqs);
         self.bound = self.bound.max(offsets.iter().copied().max().unwrap_or(0));
         self.batch_arrays |= nonempty > 0;
     }
@@ -410,6 +457,7 @@ impl Recorder {
             ..Default::default()
         };
         self.push(|| json!({"t": "prefill", "reqs": reqs, "lengths": lengths}), info);
+        self.prefill_rows = reqs.to_vec();
         for r in reqs {
             self.written.insert(*r);
         }
@@ -457,6 +505,8 @@ impl Recorder {
     /// `finalize()` and join: the prefill batch (whose longest row holds `longest` positions) joins the running one.
     pub fn prefill_end(&mut self, longest: usize) {
         self.push(|| json!({"t": "prefill_end"}), StepInfo { t: "prefill_end", ..Default::default() });
+        let p = std::mem::take(&mut self.prefill_rows);
+        self.rows.extend(p);
         self.bound = self.bound.max(longest);
         self.batch_arrays |= longest > 0;
     }
@@ -595,6 +645,9 @@ impl Recorder {
     pub fn extract(&mut self, row: usize, req: u32, finish: bool, rows_left: usize) {
         let info = StepInfo { t: "extract", reqs: vec![req], batch_arrays: self.batch_arrays, ..Default::default() };
         self.push(|| json!({"t": "extract", "row": row, "finish": finish}), info);
+        if row < self.rows.len() {
+            self.rows.remove(row);
+        }
         if rows_left == 0 {
             self.bound = 0;
             self.batch_arrays = false;
@@ -603,9 +656,27 @@ impl Recorder {
 
     pub fn filter(&mut self, keep: &[usize]) {
         self.push(|| json!({"t": "filter", "keep": keep}), StepInfo { t: "filter", ..Default::default() });
+        self.rows = keep.iter().filter_map(|&r| self.rows.get(r).copied()).collect();
         if keep.is_empty() {
             self.bound = 0;
             self.batch_arrays = false;
+        }
+    }
+
+    /// The conversion op: `to_quantized(bits, group)` of every cache of the family; `converted` when kvsim's caches
+    /// changed storage.
+    pub fn quantize(&mut self, bits: usize, group: usize, converted: bool) {
+        let info = StepInfo {
+            t: "quantize",
+            target: Some((bits, group)),
+            batch_live: !(self.rows.is_empty() && self.prefill_rows.is_empty()),
+            reqs: self.rows.iter().chain(&self.prefill_rows).copied().collect(),
+            ..Default::default()
+        };
+        let step = self.push(|| json!({"t": "quantize", "bits": bits, "group": group}), info);
+        self.result(step, Outcome::Converted(converted));
+        if converted {
+            self.quant = Some((bits, group));
         }
     }
 
@@ -640,6 +711,10 @@ impl RunObserver for Recorder {
         true
     }
 
+    fn watches(&self, family: &str) -> bool {
+        family == self.family
+    }
+
     fn on_call(&mut self, call: Call<'_>) -> Result<(), String> {
         match call {
             Call::Admit { req } => self.admit(req),
@@ -662,6 +737,7 @@ impl RunObserver for Recorder {
             Call::Trim { reqs, offsets, trim } => self.trim(reqs, offsets, trim.clone()),
             Call::Extract { row, req, finish, rows_left } => self.extract(row, req, finish, rows_left),
             Call::Filter { keep } => self.filter(keep),
+            Call::Quantize { bits, group, converted } => self.quantize(bits, group, converted),
         }
         Ok(())
     }
@@ -670,9 +746,21 @@ impl RunObserver for Recorder {
         let mut reqs = BTreeMap::new();
         for (id, view) in views {
             let (mut k, mut v) = (vec![], vec![]);
-            for (tk, tv) in &view.layers {
-                k.push(sha_of(&ArrayBytes::of(tk).map_err(|e| e.to_string())?));
-                v.push(sha_of(&ArrayBytes::of(tv).map_err(|e| e.to_string())?));
+            if let Some(planes) = &view.planes {
+                // Affine storage: each side's (packed, scales, biases) bytes, concatenated in that order.
+                for p in planes {
+                    let refs: Vec<&mlx_rs::Array> = p.iter().collect();
+                    let b = ArrayBytes::read_many(&refs).map_err(|e| e.to_string())?;
+                    let side =
+                        |x: &[ArrayBytes]| sha_hex(&x.iter().flat_map(|a| a.words.le_bytes()).collect::<Vec<u8>>());
+                    k.push(side(&b[..3]));
+                    v.push(side(&b[3..6]));
+                }
+            } else {
+                for (tk, tv) in &view.layers {
+                    k.push(sha_of(&ArrayBytes::of(tk).map_err(|e| e.to_string())?));
+                    v.push(sha_of(&ArrayBytes::of(tv).map_err(|e| e.to_string())?));
+                }
             }
             reqs.insert(id, ReqView { offset: view.offset as i64, k, v });
         }

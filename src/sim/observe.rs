@@ -138,12 +138,22 @@ pub enum Call<'a> {
     Filter {
         keep: &'a [usize],
     },
+    /// The conversion op (`to_quantized` of every cache of the family): `converted` when the caches changed storage
+    /// (false: the same parameters, a typed refusal, or nothing to convert).
+    Quantize {
+        bits: usize,
+        group: usize,
+        converted: bool,
+    },
 }
 
 /// One live request at a checkpoint: its offset and, per layer, its temporal K and V views (production).
 pub struct StateView {
     pub offset: usize,
     pub layers: Vec<(Array, Array)>,
+    /// Affine storage only: per layer, the six planes of the temporal view (K's packed words, scales, biases, then
+    /// V's); `layers` is then empty.
+    pub planes: Option<Vec<Vec<Array>>>,
 }
 
 /// Hooks a run calls. Every method has a do-nothing default.
@@ -154,6 +164,11 @@ pub trait RunObserver {
     /// ([`RunObserver::on_state`]). When false, they build nothing for the observer.
     fn wants_calls(&self) -> bool {
         false
+    }
+    /// Whether the family registered as `family` (its name in `sim::family::REGISTRY`) should describe its calls and
+    /// states to this observer; the runner hands the others a [`NoObserver`]. Default: every family.
+    fn watches(&self, _family: &str) -> bool {
+        true
     }
     /// A production call, just made. An error (the observer could not read an array) fails the run.
     fn on_call(&mut self, _call: Call<'_>) -> Result<(), String> {

@@ -70,10 +70,14 @@ impl World {
         if !op_within_limits(op) || !family::all_support(&self.family_names(), op.kind()) {
             return Ok(false);
         }
-        let mut cx = Cx { hasher: &mut self.hasher, observer };
+        let names = self.family_names();
+        let watched: Vec<bool> = names.iter().map(|n| observer.watches(n)).collect();
+        let mut quiet = crate::sim::observe::NoObserver;
         let mut applied = None;
-        for f in &mut self.families {
+        for (i, f) in self.families.iter_mut().enumerate() {
             let key = f.key();
+            let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
+            let mut cx = Cx { hasher: &mut self.hasher, observer: obs };
             let a = f.apply(op, &mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             if *applied.get_or_insert(a) != a {
                 return Err(FamilyFailure {
@@ -84,15 +88,18 @@ impl World {
         }
         let applied = applied.unwrap_or(false);
         if applied {
-            for f in &mut self.families {
+            for (i, f) in self.families.iter_mut().enumerate() {
                 *self.ops.entry(f.key()).or_insert(0) += 1;
                 *self.ops_by_kind.entry(f.key()).or_default().entry(op.kind().name()).or_insert(0) += 1;
                 let key = f.key();
+                let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
+                let mut cx = Cx { hasher: &mut self.hasher, observer: obs };
                 f.check_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             }
-            if cx.observer.wants_calls() {
-                for f in &mut self.families {
+            if observer.wants_calls() {
+                for (_, f) in self.families.iter_mut().enumerate().filter(|(i, _)| watched[*i]) {
                     let key = f.key();
+                    let mut cx = Cx { hasher: &mut self.hasher, observer: &mut *observer };
                     f.observe_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
                 }
             }

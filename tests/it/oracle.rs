@@ -16,7 +16,7 @@ fn recorded_oracle_set_is_fully_classified() {
         }
     }
     assert!(problems.is_empty(), "unclassified divergences:\n{}", problems.join("\n"));
-    assert!(report.traces.len() >= 50, "only {} recorded traces", report.traces.len());
+    assert!(report.traces.len() >= 70, "only {} recorded traces", report.traces.len());
     // Every step kind kvsim's runner emits appears in the set.
     let kinds = report.kinds();
     for k in oracle::STEP_KINDS {
@@ -36,7 +36,26 @@ fn recorded_oracle_set_is_fully_classified() {
     for bug in [Rule::TrimNoopAfterWrap, Rule::ExtractEmptyBatch, Rule::PrefillPaddingInWindow] {
         assert!(rules.contains_key(&bug), "mlx-lm bug {} never shows up in the recorded set", bug.id());
     }
+    // The quantized family (`quant-seed-N`): mlx-lm's QuantizedKVCache and quantized SDPA agree byte for byte with
+    // kvsim's quantized solo caches, linear and converted or native, and what mlx-lm cannot do is classified with its
+    // upstream reason.
+    let quant: Vec<_> = report.traces.iter().filter(|t| t.name.starts_with("quant-seed-")).collect();
+    assert!(quant.len() >= 10, "only {} quantized-family traces", quant.len());
+    let equal_reads: usize = quant.iter().map(|t| t.quant_reads_agree).sum();
+    assert!(equal_reads >= 50, "only {equal_reads} quantized reads agree byte for byte with mlx-lm");
+    for native in [true, false] {
+        assert!(
+            quant.iter().any(|t| t.quant_reads_agree > 0 && t.config.quant.is_some_and(|q| q.native == native)),
+            "no {} quantized trace has a quantized read equal to mlx-lm's",
+            if native { "native" } else { "converted" }
+        );
+    }
+    for rule in [Rule::QuantNoBatch, Rule::RotatingQuantNyi, Rule::QuantPackedWidth] {
+        assert!(rules.contains_key(&rule), "{} never shows up in the recorded set", rule.id());
+    }
+    // Roots of a narrow scope leave the other requests compared: most steps are compared on their own.
     let line: serde_json::Value = serde_json::from_str(&report.json_line()).unwrap();
+    assert!(line["steps_compared"].as_u64().unwrap() * 2 > line["steps"].as_u64().unwrap(), "{line}");
     assert_eq!(line["traces"], report.traces.len());
     assert_eq!(line["unclassified"], 0);
     assert_eq!(line["agree"].as_u64().unwrap() + line["classified"].as_u64().unwrap(), report.traces.len() as u64);

@@ -408,3 +408,29 @@ fn commit_span_on_a_wrapping_ring_is_single_decodes_for_both_storages() {
         }
     }
 }
+
+/// The dense views of a quantized cache that holds no position (fresh, or trimmed to nothing) are empty arrays of
+/// the dense shape and dtype (MLX's dequantize cannot reshape an empty array; found by the mlx-lm oracle's
+/// recorder, which reads every admitted request's view).
+#[test]
+fn dense_views_of_an_empty_quantized_cache_are_empty() {
+    let _g = testlock::shared();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = qspec(dtype);
+        for w in [None, Some(4)] {
+            let mut c = SerialCache::with_storage(spec, w, Storage::Affine(Q)).unwrap();
+            let check = |c: &SerialCache| {
+                let (k, v) = c.temporal_view().unwrap();
+                for a in [&k, &v] {
+                    assert_eq!(a.shape(), &[1, 2, 0, 64], "{dtype:?} {w:?}");
+                    assert_eq!(a.dtype(), c.temporal_view_planes().unwrap()[1].dtype());
+                }
+            };
+            check(&c);
+            let (k, v, q) = kvq(&spec, 7, 1, 2);
+            c.window(&k, &v, &q, 0.35, &Masks::new()).unwrap();
+            c.trim(2, false).unwrap();
+            check(&c);
+        }
+    }
+}

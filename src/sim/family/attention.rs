@@ -378,6 +378,14 @@ impl Attention {
                 decode_step(self.storage, plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
             let out = outputs[0].clone();
             c.apply_decode_step(&plan, outputs).map_err(|e| unexpected("apply_decode_step", e))?;
+            if cx.observer.wants_calls() {
+                // The compiled step is a decode (checked byte-identical to the ordinary append below): observers see
+                // the ordinary decode call.
+                let offset = model_after.offset - 1;
+                let call =
+                    Call::Solo { req, layer, read: Read::Decode, k: &k, v: &v, q: Some(&q), out: Some(&out), offset };
+                emit(cx, call)?;
+            }
             let (tw, _) =
                 r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let read = ArrayBytes::read_many(&[&out, &tw]).map_err(|e| mlx_fail("read output", e))?;
@@ -1361,21 +1369,31 @@ impl Attention {
         if !cx.observer.wants_calls() {
             return Ok(());
         }
+        let affine = self.storage != Storage::Plain;
         let mut views = BTreeMap::new();
         for (row, id) in self.rows.iter().enumerate() {
-            let mut layers = vec![];
+            let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
-                layers.push(self.batch[layer].row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                let b = &self.batch[layer];
+                if affine {
+                    planes.push(b.row_temporal_view_planes(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                } else {
+                    layers.push(b.row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                }
             }
             let offset = self.batch[0].row_states()[row].ring.offset;
-            views.insert(*id, StateView { offset, layers });
+            views.insert(*id, StateView { offset, layers, planes: affine.then_some(planes) });
         }
         for r in self.reqs.values().filter(|r| r.home == Home::Solo) {
-            let mut layers = vec![];
+            let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
-                layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
+                if affine {
+                    planes.push(r.solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?);
+                } else {
+                    layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
+                }
             }
-            views.insert(r.id, StateView { offset: r.solo[0].offset(), layers });
+            views.insert(r.id, StateView { offset: r.solo[0].offset(), layers, planes: affine.then_some(planes) });
         }
         cx.observer.on_state(views).map_err(|e| mlx_fail("observe", e))
     }

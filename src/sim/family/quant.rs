@@ -131,10 +131,9 @@ impl Family for Quant {
             // On copies, before the real step: the typed refusal of a step of the other storage.
             self.inner.compiled_step_other_storage(*req, self.choice.spec())?;
         }
-        // The mlx-lm oracle does not cover this family: its calls are not described (the attention family's are).
-        let mut quiet = NoObserver;
-        let mut own = Cx { hasher: &mut *cx.hasher, observer: &mut quiet };
-        Family::apply(&mut self.inner, op, &mut own)
+        // Calls are described as the attention family's (the mlx-lm oracle maps them on `QuantizedKVCache`), plus
+        // the conversion op (`Call::Quantize`).
+        Family::apply(&mut self.inner, op, cx)
     }
 
     fn check_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
@@ -143,8 +142,8 @@ impl Family for Quant {
         self.inner.check_all(&mut own)
     }
 
-    fn observe_state(&mut self, _cx: &mut Cx<'_>) -> Res<()> {
-        Ok(())
+    fn observe_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        self.inner.record_checkpoint(cx)
     }
 
     fn view(&self) -> View {
@@ -208,7 +207,7 @@ impl Attention {
     /// The conversion op (see [`Op::Quantize`]). Production, twins and the family's storage convert together;
     /// the model's positions, columns and ring phases do not move (the state check after the op proves it, and,
     /// when the verdict is an error, that nothing changed).
-    pub(crate) fn quantize(&mut self, _cx: &mut Cx<'_>, bits: usize, group: usize, mid_round: bool) -> Res<bool> {
+    pub(crate) fn quantize(&mut self, cx: &mut Cx<'_>, bits: usize, group: usize, mid_round: bool) -> Res<bool> {
         let target = QuantSpec { bits, group };
         let v = verdict(self.storage, self.spec.head_dim, target);
         if mid_round && !self.rows.is_empty() {
@@ -227,6 +226,10 @@ impl Attention {
                 }
                 conversion_matches("twin to_quantized", v, &r.twin[layer].to_quantized(target))?;
             }
+        }
+        if cx.observer.wants_calls() {
+            let call = crate::sim::observe::Call::Quantize { bits, group, converted: v == Verdict::Converts };
+            cx.observer.on_call(call).map_err(|e| mlx_fail("observe", e))?;
         }
         match v {
             Verdict::Converts => {
