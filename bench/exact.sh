@@ -28,6 +28,6 @@ step step
 timeout "${STEP_TIMEOUT:-240}" "$R/kvsim" bench --device gpu --what step --exact-read ${QUICK:+--quick} --python python3 --anchor "$R/mlxlm_bench.py" --out /tmp/bench-step --json > "$OUT/step.log" 2>&1
 grep -v '^{' "$OUT/step.log" | tail -n 9; grep '^{' "$OUT/step.log" | tail -n 1 > "$OUT/step.json"
 step sim
-timeout "${SIM_TIMEOUT:-120}" "$R/kvsim" sim --device gpu --exact-read --seeds "${SEEDS:-1000}" --time "${SIM_TIME:-100}" --json --out /tmp/failures > "$OUT/sim-exact.log" 2>&1
+timeout "${SIM_TIMEOUT:-120}" "$R/kvsim" sim --device gpu --exact-read ${JOBS:+--jobs $JOBS} --seeds "${SEEDS:-1000}" --time "${SIM_TIME:-100}" --json --out /tmp/failures > "$OUT/sim-exact.log" 2>&1
 tail -n 14 "$OUT/sim-exact.log" | grep -v '^{'; tail -n 1 "$OUT/sim-exact.log" > "$OUT/sim-exact.json"
 step done

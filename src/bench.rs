@@ -57,6 +57,10 @@ fn sim_config(dtype: DtypeChoice, seed: u64) -> SimConfig {
     c.max_prompt = 19;
     c.max_chunk = 8;
     c.ops = 120;
+    // The anchor runs the rotating attention family only: so does this side (the swarm's other families, drawn per
+    // seed, would add work the anchor does not do).
+    c.families = crate::sim::family::default_families();
+    c.quant = None;
     c.weights = OpKind::ALL
         .iter()
         .map(|&k| {

@@ -45,13 +45,17 @@ pub enum Cmd {
         /// every seed's result hash, for `kvsim merge`.
         #[arg(long)]
         shard: Option<kvsim::shard::Shard>,
-        /// Spread the seeds over N worker processes (this binary again, each with a sub-shard) and merge their
-        /// summaries: the same summary and result hash as a serial run.
+        /// Spread the seeds over N worker processes (this binary again), handing each the next seed as it finishes
+        /// one, and merge their summaries: the same summary and result hash as a serial run.
         #[arg(long, default_value_t = 1)]
         jobs: u64,
         /// Worker mode: one progress line per seed on stderr instead of the progress bar.
         #[arg(long, hide = true)]
         progress_lines: bool,
+        /// Worker mode of `--jobs`: run the seeds read from stdin (one per line, as the parent hands them out)
+        /// instead of the campaign's, and print the summary as a part for `kvsim merge`.
+        #[arg(long, hide = true)]
+        seed_feed: bool,
     },
     /// Merge the JSON summaries of `kvsim sim --shard I/N --json` runs (their outputs) into the summary of the
     /// unsharded campaign (same fields, same result hash).

@@ -9,7 +9,7 @@ use kvsim::sim::trace::{Expect, Trace};
 use kvsim::sim::{self, DeviceChoice};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::cli::CacheCmd;
 
@@ -128,11 +128,19 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
     if a.jobs > 1 {
         return sim_jobs_cmd(a);
     }
-    let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
-    let bar = seed_bar(seeds.len(), a.progress_lines);
+    // A `--jobs` worker takes its seeds from stdin, as the parent hands them out; a bad line ends the feed.
+    let mut feed_error = None;
+    let seeds: Box<dyn Iterator<Item = u64>> = if a.seed_feed {
+        let lines = shard::read_seed_feed(std::io::stdin().lock());
+        Box::new(lines.map_while(|r| r.map_err(|e| feed_error = Some(e)).ok()))
+    } else {
+        Box::new(shard::campaign_seeds(a.first, a.requested, a.shard).into_iter())
+    };
+    let n = if a.seed_feed { 0 } else { shard::campaign_seeds(a.first, a.requested, a.shard).len() };
+    let bar = seed_bar(n, a.progress_lines);
     // Few seeds: each seed's swarm config is printed with its result (every trace stores it; failures repeat it).
-    let (show_configs, mut failures) = (seeds.len() <= 10 && !a.progress_lines, 0);
-    let s = campaign::run_seeds_until(&seeds, a.device, a.time, &STOP, |r| {
+    let (show_configs, mut failures) = (n <= 10 && !a.progress_lines, 0);
+    let s = campaign::run_seeds_until(seeds, a.device, a.time, &STOP, |r| {
         let config = serde_json::to_string(&r.config).unwrap();
         if show_configs {
             bar.suspend(|| println!("config of seed {}: {config}", r.seed));
@@ -158,6 +166,9 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
         written
     });
     bar.finish_and_clear();
+    if let Some(e) = feed_error {
+        return fail("sim --seed-feed", e, 2);
+    }
     print_summary(&s, a);
     exit(s.failures == 0)
 }
@@ -165,24 +176,36 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
 /// Set by Ctrl-C: campaigns stop before their next seed and still print the summary of what ran.
 static STOP: AtomicBool = AtomicBool::new(false);
 
-/// The first Ctrl-C asks for a clean stop (after the current seed); a second one quits at once (exit 130).
+/// When the first Ctrl-C arrived (milliseconds since the Unix epoch; 0 before it).
+static FIRST_STOP_MS: AtomicU64 = AtomicU64::new(0);
+
+/// The first Ctrl-C asks for a clean stop (after the current seed); a second one at least a second later quits at
+/// once (exit 130). A SIGINT repeated within that second counts as the first: `timeout -s INT` (GNU coreutils)
+/// signals the command and then its whole process group, so the command gets the signal twice at once.
 ///
-/// SIGINT through the C library's `signal` (POSIX; the handler only touches atomics, which is async-signal-safe).
-/// The `ctrlc` crate does the same; adding it re-resolved shared dependencies' features and rebuilt MLX's bindings
-/// (about 40 minutes on the 2 shared cores), so it waits for a quiet machine.
+/// SIGINT through the C library's `signal` (POSIX; the handler only touches atomics and reads the clock with
+/// `clock_gettime`, both async-signal-safe). The `ctrlc` crate does the same; adding it re-resolved shared
+/// dependencies' features and rebuilt MLX's bindings (about 40 minutes on the 2 shared cores).
 pub(crate) fn stop_on_ctrl_c() {
     extern "C" {
         fn signal(signum: i32, handler: extern "C" fn(i32)) -> usize;
         fn _exit(status: i32) -> !;
     }
     extern "C" fn on_sigint(_: i32) {
-        if STOP.swap(true, Ordering::SeqCst) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_millis() as u64)
+            .max(1);
+        if !STOP.swap(true, Ordering::SeqCst) {
+            FIRST_STOP_MS.store(now, Ordering::SeqCst);
+        } else if now.saturating_sub(FIRST_STOP_MS.load(Ordering::SeqCst)) >= 1000 {
             // SAFETY: `_exit` is async-signal-safe and ends the process without running anything else.
             unsafe { _exit(130) }
         }
     }
     const SIGINT: i32 = 2;
-    // SAFETY: installs a handler that only swaps an atomic (or exits); called once, before any campaign starts.
+    // SAFETY: installs a handler that only touches atomics, reads the clock (or exits); called once, before any
+    // campaign starts.
     unsafe {
         signal(SIGINT, on_sigint);
     }
@@ -213,6 +236,8 @@ pub(crate) struct SimArgs {
     pub(crate) out: PathBuf,
     pub(crate) jobs: u64,
     pub(crate) progress_lines: bool,
+    /// Worker mode of `--jobs`: seeds come from stdin, and the summary is always a [`campaign::Part`].
+    pub(crate) seed_feed: bool,
 }
 
 pub(crate) fn print_summary(s: &campaign::Summary, a: &SimArgs) {
@@ -221,9 +246,9 @@ pub(crate) fn print_summary(s: &campaign::Summary, a: &SimArgs) {
         eprintln!("kvsim sim: interrupted; the summary covers the {} seeds that ran", s.seeds);
     }
     if a.json {
-        let line = match a.shard {
-            Some(_) => serde_json::to_string(&campaign::Part::of(s, a.first, a.requested, a.shard)),
-            None => serde_json::to_string(s),
+        let line = match a.shard.is_some() || a.seed_feed {
+            true => serde_json::to_string(&campaign::Part::of(s, a.first, a.requested, a.shard)),
+            false => serde_json::to_string(s),
         };
         let mut line = line.unwrap();
         if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
@@ -250,10 +275,13 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
     if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
         args.push("--exact-read".into());
     }
-    let shards = shard::split(a.shard, a.jobs);
-    let bar = seed_bar(shard::campaign_seeds(a.first, a.requested, a.shard).len(), a.progress_lines);
+    if let Some(shard) = a.shard {
+        args.extend(["--shard".into(), shard.to_string()]);
+    }
+    let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
+    let bar = seed_bar(seeds.len(), a.progress_lines);
     let mut failures = 0;
-    let outs = shard::run_workers(&exe, &args, &shards, |p| {
+    let outs = shard::run_workers(&exe, &args, a.jobs as usize, &seeds, &STOP, |p| {
         failures += p.failed as u64;
         bar.set_message(format!("{failures} failures"));
         bar.inc(1);
@@ -273,11 +301,14 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
         });
         match part {
             Ok(p) => parts.push(p),
-            Err(e) => return fail("sim --jobs", format!("worker {}: {e}", o.shard), 2),
+            Err(e) => return fail("sim --jobs", format!("worker {}: {e}", o.worker), 2),
         }
     }
     match campaign::merge(&parts) {
-        Ok(s) => {
+        Ok(mut s) => {
+            // Ctrl-C reached only this process (the workers then ran out of seeds, not interrupted): the summary
+            // still says the campaign was cut short.
+            s.interrupted |= STOP.load(Ordering::SeqCst) && (s.seeds as usize) < seeds.len();
             print_summary(&s, a);
             exit(s.failures == 0)
         }

@@ -15,7 +15,7 @@ use mlx_rs::{Array, Dtype};
 use serde_json::{json, Value};
 
 use crate::bytes::ArrayBytes;
-use crate::cache::exact::{emulate, exact_attend, visible_ranges, ReadDims};
+use crate::cache::exact::{emulate, exact_attend, visible_ranges, ReadDims, Visibility};
 use crate::cache::{MaskKey, MaskKind, MaskSpec};
 
 const HQ: usize = 32;
@@ -111,17 +111,18 @@ fn raw_ulp(a: f32, b: f32, dt: Dtype) -> u64 {
     key(a).abs_diff(key(b))
 }
 
-/// f64 attention of one row (`q [HQ, L, D]`, `k`/`v` `[HKV, len, D]`) under `ranges`.
-fn reference(q: &[f32], k: &[f32], v: &[f32], len: usize, l: usize, ranges: &[i32], scale: f32) -> Vec<f64> {
+/// f64 attention of one row (`q [HQ, L, D]`, `k`/`v` `[HKV, len, D]`) under `vis`.
+fn reference(q: &[f32], k: &[f32], v: &[f32], len: usize, l: usize, vis: &Visibility, scale: f32) -> Vec<f64> {
     let g = HQ / HKV;
     let mut out = vec![0f64; HQ * l * D];
     for h in 0..HQ {
         let kvh = h / g;
         for i in 0..l {
-            let (lo, hi) = (ranges[2 * i] as usize, ranges[2 * i + 1] as usize);
+            let cols: Vec<usize> = (0..len).filter(|&c| vis.sees(i, c)).collect();
             let qr = &q[(h * l + i) * D..][..D];
-            let s: Vec<f64> = (lo..hi)
-                .map(|c| {
+            let s: Vec<f64> = cols
+                .iter()
+                .map(|&c| {
                     let kr = &k[(kvh * len + c) * D..][..D];
                     qr.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
                 })
@@ -129,7 +130,7 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], len: usize, l: usize, ranges: &[i3
             let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = w.iter().sum();
-            for (j, c) in (lo..hi).enumerate() {
+            for (j, &c) in cols.iter().enumerate() {
                 let vr = &v[(kvh * len + c) * D..][..D];
                 for x in 0..D {
                     out[(h * l + i) * D + x] += w[j] * vr[x] as f64 / z;
@@ -211,7 +212,15 @@ fn cell(dt: Dtype, class: Class, b: usize, seed: u64) -> Result<Value, String> {
         let want = reference(&hq_, &ha, &hv, len, l, &aranges, scale);
         let got = host_f32(&ex_alone)?;
         let fgot = host_f32(&fu_alone)?;
-        let dims = ReadDims { rows: 1, heads_q: HQ, heads_kv: HKV, queries: l, cols: len, head_dim: D };
+        let dims = ReadDims {
+            rows: 1,
+            heads_q: HQ,
+            heads_kv: HKV,
+            queries: l,
+            cols: len,
+            head_dim: D,
+            kv_bytes: if dt == Dtype::Bfloat16 { 2 } else { 4 },
+        };
         let emu = emulate(&hq_, &ha, &hv, dims, &aranges, scale);
         for i in 0..got.len() {
             max_ref = max_ref.max(ulp_at_scale(got[i] as f64, want[i], dt));

@@ -19,12 +19,25 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor => doctor(),
-        Cmd::Sim { seeds, first, seed, device, time, json, out, exact_read, shard, jobs, progress_lines } => {
+        Cmd::Sim {
+            seeds,
+            first,
+            seed,
+            device,
+            time,
+            json,
+            out,
+            exact_read,
+            shard,
+            jobs,
+            progress_lines,
+            seed_feed,
+        } => {
             if exact_read {
                 kvsim::cache::set_read_mode(kvsim::cache::ReadMode::Exact);
             }
             let (first, requested) = seed.map_or((first, seeds), |s| (s, 1));
-            let a = SimArgs { first, requested, shard, device, time, json, out, jobs, progress_lines };
+            let a = SimArgs { first, requested, shard, device, time, json, out, jobs, progress_lines, seed_feed };
             sim_cmd(&a)
         }
         Cmd::Merge { parts, json } => merge_cmd(&parts, json),

@@ -130,37 +130,53 @@ impl Progress {
 /// What one worker process left: its exit status and the last JSON line of its stdout.
 #[derive(Debug, Clone)]
 pub struct WorkerOutput {
-    pub shard: Shard,
+    pub worker: usize,
     pub status: Option<i32>,
     pub summary: Option<serde_json::Value>,
 }
 
-/// Runs `count` worker processes `exe ARGS... --shard i/count`, concurrently. Their stdout is collected (the summary
-/// is its last JSON line); their stderr is forwarded line by line, except progress lines, which go to `on_progress`
-/// (called on this thread, in arrival order). Ctrl-C reaches the workers too (same process group): each stops after
-/// its current seed and still prints its summary, which is collected here.
+/// Seeds a worker holds beyond the one it runs, so that it never waits for the next one.
+const PREFETCH: usize = 1;
+
+/// Runs `jobs` worker processes `exe ARGS... --seed-feed` concurrently and hands them `seeds` **on demand**: each
+/// worker reads seeds from its stdin (one per line) and writes a progress line per finished seed on stderr; every
+/// progress line is answered with the next seed of the queue, in seed order, to the worker that wrote it (a worker
+/// holds at most `1 + PREFETCH` seeds). So a worker that drew cheap seeds takes more of them, and all workers finish
+/// within about one seed of each other, whatever the seeds cost. Once the queue is empty (or `stop` is set) the
+/// workers' stdins are closed and each ends after the seeds it holds, printing its summary.
+///
+/// Which worker runs which seed depends on timing, but the merged summary does not: every seed's result is a
+/// function of the seed alone and the campaign hash is over seeds in seed order ([`campaign_hash`]).
+///
+/// Stdout is collected (the summary is its last JSON line); stderr is forwarded line by line, except progress
+/// lines, which go to `on_progress` (called on this thread, in arrival order). Ctrl-C reaches the workers too (same
+/// process group): each stops after its current seed and still prints its summary, which is collected here.
 pub fn run_workers(
     exe: &std::path::Path,
     args: &[String],
-    shards: &[Shard],
+    jobs: usize,
+    seeds: &[u64],
+    stop: &std::sync::atomic::AtomicBool,
     mut on_progress: impl FnMut(Progress),
 ) -> Result<Vec<WorkerOutput>, ShardError> {
-    use std::io::{BufRead, BufReader, Read};
+    use std::io::{BufRead, BufReader, Read, Write};
     use std::process::{Command, Stdio};
     use std::sync::mpsc;
 
-    let (tx, rx) = mpsc::channel::<Progress>();
+    let (tx, rx) = mpsc::channel::<(usize, Progress)>();
+    let mut queue = seeds.iter().copied();
     let mut children = vec![];
-    for &shard in shards {
+    let mut stdins = vec![];
+    for worker in 0..jobs.max(1) {
         let mut child = Command::new(exe)
             .args(args)
-            .arg("--shard")
-            .arg(shard.to_string())
+            .arg("--seed-feed")
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| ShardError::BadPart {
-                part: shard.to_string(),
+                part: format!("worker {worker}"),
                 message: format!("cannot start worker: {e}"),
             })?;
         let stderr = child.stderr.take();
@@ -170,7 +186,7 @@ pub fn run_workers(
                 for line in BufReader::new(err).lines().map_while(Result::ok) {
                     match Progress::parse(&line) {
                         Some(p) => {
-                            let _ = tx.send(p);
+                            let _ = tx.send((worker, p));
                         }
                         None => eprintln!("{line}"),
                     }
@@ -185,28 +201,58 @@ pub fn run_workers(
             }
             text
         });
-        children.push((shard, child, forward, collect));
+        stdins.push(child.stdin.take());
+        children.push((worker, child, forward, collect));
     }
     drop(tx);
-    for p in rx {
-        on_progress(p);
+    // A write to a worker that already ended (its `--time` ran out) fails with a broken pipe: that worker simply
+    // takes no more seeds, and the seed is not run, as a timed campaign leaves seeds unrun.
+    let mut feed = |stdin: &mut Option<std::process::ChildStdin>| match queue.next() {
+        Some(seed) => {
+            if let Some(w) = stdin.as_mut() {
+                if writeln!(w, "{seed}").and_then(|_| w.flush()).is_err() {
+                    *stdin = None;
+                }
+            }
+        }
+        None => *stdin = None,
+    };
+    for _ in 0..=PREFETCH {
+        for stdin in stdins.iter_mut() {
+            feed(stdin);
+        }
     }
+    for (worker, p) in rx {
+        on_progress(p);
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            stdins.iter_mut().for_each(|s| *s = None);
+        } else {
+            feed(&mut stdins[worker]);
+        }
+    }
+    drop(stdins);
     let mut outs = vec![];
-    for (shard, mut child, forward, collect) in children {
+    for (worker, mut child, forward, collect) in children {
         let status = child.wait().ok().and_then(|s| s.code());
         let _ = forward.join();
         let text = collect.join().unwrap_or_default();
-        outs.push(WorkerOutput { shard, status, summary: last_json_line(&text) });
+        outs.push(WorkerOutput { worker, status, summary: last_json_line(&text) });
     }
     Ok(outs)
 }
 
-/// The sub-shards a shard `I/N` (or the whole campaign) splits into for `jobs` workers: `(I + N j) / (N jobs)` for
-/// `j < jobs`. Together they own exactly the seeds `I/N` owns (round robin composes).
-pub fn split(shard: Option<Shard>, jobs: u64) -> Vec<Shard> {
-    let base = shard.unwrap_or(Shard { index: 0, count: 1 });
-    let jobs = jobs.max(1);
-    (0..jobs).map(|j| Shard { index: base.index + base.count * j, count: base.count * jobs }).collect()
+/// Reads a worker's seeds from `input`, one decimal `u64` per line (blank lines skipped), until the end of input.
+/// A line that is not a seed ends the feed with an error naming it.
+pub fn read_seed_feed(input: impl std::io::BufRead) -> impl Iterator<Item = Result<u64, ShardError>> {
+    input.lines().filter_map(|line| match line {
+        Err(e) => Some(Err(ShardError::BadPart { part: "seed feed".into(), message: e.to_string() })),
+        Ok(l) if l.trim().is_empty() => None,
+        Ok(l) => Some(
+            l.trim()
+                .parse::<u64>()
+                .map_err(|_| ShardError::BadPart { part: "seed feed".into(), message: format!("{l:?} is not a seed") }),
+        ),
+    })
 }
 
 #[cfg(test)]
@@ -257,14 +303,11 @@ mod tests {
     }
 
     #[test]
-    fn sub_shards_own_exactly_their_parent_seeds() {
-        for parent in [None, Some(Shard { index: 1, count: 3 })] {
-            let want = campaign_seeds(5, 40, parent);
-            let mut got: Vec<u64> = split(parent, 4).into_iter().flat_map(|s| campaign_seeds(5, 40, Some(s))).collect();
-            got.sort();
-            assert_eq!(got, want, "{parent:?}");
-        }
-        assert_eq!(split(None, 1), vec![Shard { index: 0, count: 1 }]);
+    fn seed_feeds_parse_or_fail_typed() {
+        let ok: Vec<_> = read_seed_feed(&b"3\n\n 17 \n"[..]).collect::<Result<_, _>>().unwrap();
+        assert_eq!(ok, vec![3, 17]);
+        let bad: Vec<_> = read_seed_feed(&b"3\nx\n"[..]).collect();
+        assert!(matches!(bad[1], Err(ShardError::BadPart { .. })), "{bad:?}");
     }
 
     #[test]

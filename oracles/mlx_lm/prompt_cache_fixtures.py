@@ -28,8 +28,13 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402  (imports mlx_lm.models.{base,cache} without the package __init__)
+import importlib  # noqa: E402
+
+import mlx.nn as nn  # noqa: E402
 
 _BASE, _CACHE = driver.BASE, driver.CACHE
+# mlx-lm 0.32.2 `mlx_lm/models/gated_delta.py` (normalize_qk, gated_delta_update), through the same stand-in package.
+_GDN = importlib.import_module("mlx_lm.models.gated_delta")
 create_attention_mask = _CACHE.create_attention_mask
 ArraysCache, BatchKVCache, BatchRotatingKVCache = _CACHE.ArraysCache, _CACHE.BatchKVCache, _CACHE.BatchRotatingKVCache
 CacheList, ChunkedKVCache, KVCache = _CACHE.CacheList, _CACHE.ChunkedKVCache, _CACHE.KVCache
@@ -71,34 +76,114 @@ def attend(c, q, ks, vs, scale, mask):
     return mx.fast.scaled_dot_product_attention(q, ks, vs, scale=scale, mask=mask)
 
 
-def continue_cache(c, steps, B, d=D):
+# One gated-DeltaNet layer's geometry (kvsim's `SsmSpec`): kernel K, key heads Hk, value heads Hv, Dk, Dv.
+GDN = {"kernel": 4, "heads_k": 2, "heads_v": 4, "dk": 8, "dv": 4}
+CONV_DIM = 2 * GDN["heads_k"] * GDN["dk"] + GDN["heads_v"] * GDN["dv"]
+
+
+def gdn_params():
+    """The layer weights the cache-side arithmetic reads: the depthwise conv weight `[conv_dim, K, 1]` (nn.Conv1d's
+    layout after mlx-lm's `sanitize`), `A_log` and `dt_bias` `[Hv]` (f32, as mlx-lm initializes them)."""
+    return {
+        "conv_weight": (rnd((CONV_DIM, GDN["kernel"], 1)) * 0.5).astype(DT),
+        "A_log": rnd((GDN["heads_v"],), mx.float32) * 0.5,
+        "dt_bias": rnd((GDN["heads_v"],), mx.float32) * 0.5,
+    }
+
+
+def gdn_layer(c, qkv, a, b, p):
+    """The cache side of mlx-lm 0.32.2's `GatedDeltaNet.__call__` (`mlx_lm/models/qwen3_5.py`) after the input
+    projections, unpadded (no mask, `lengths` None): conv state ++ qkv, the new conv tail, the depthwise conv
+    (`nn.Conv1d(groups=conv_dim, bias=False)`, i.e. `mx.conv1d`) and silu, the split, `normalize_qk`, and
+    `gated_delta_update` (its ops path: this runs on the CPU). Returns `y [B, S, Hv, Dv]` (before the gated norm and
+    the output projection, which are not the cache's business)."""
+    B, S, _ = qkv.shape
+    K = GDN["kernel"]
+    conv_state = c[0] if c[0] is not None else mx.zeros((B, K - 1, CONV_DIM), dtype=qkv.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    c[0] = mx.contiguous(conv_input[:, -(K - 1):, :])
+    conv_out = nn.silu(mx.conv1d(conv_input, p["conv_weight"], groups=CONV_DIM))
+    kd = GDN["heads_k"] * GDN["dk"]
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [kd, 2 * kd], -1),
+            [GDN["heads_k"], GDN["heads_k"], GDN["heads_v"]],
+            [GDN["dk"], GDN["dk"], GDN["dv"]],
+        )
+    ]
+    q, k = _GDN.normalize_qk(q, k, inv_scale=GDN["dk"] ** -0.5, eps=1e-6)
+    y, state = _GDN.gated_delta_update(q, k, v, a, b, p["A_log"], p["dt_bias"], c[1], None, use_kernel=False)
+    c[1] = state
+    c.advance(S)
+    return y
+
+
+def gdn_inputs(B, L):
+    return rnd((B, L, CONV_DIM)), rnd((B, L, GDN["heads_v"])), rnd((B, L, GDN["heads_v"]))
+
+
+def continue_cache(c, steps, B, d=D, params=None):
+    """mlx-lm's continuation of `c` (one cache object: attention, ArraysCache or CacheList), recorded per step.
+    Keys: attention `k.<i>`, `v.<i>`, `q.<i>`, `out.<i>`; gated DeltaNet `qkv.<i>`, `a.<i>`, `b.<i>`, `y.<i>` and
+    the layer's weights; a CacheList child `j` prefixes its keys with `c<j>.`."""
     io = {}
     for i, L in enumerate(steps):
-        k, v, q = rnd((B, H, L, d)), rnd((B, H, L, d)), rnd((B, HQ, L, d))
-        mask = mask_for(c, L)
-        ks, vs = c.update_and_fetch(k, v)
-        out = attend(c, q, ks, vs, SCALE, mask)
-        io.update({f"k.{i}": k, f"v.{i}": v, f"q.{i}": q, f"out.{i}": out})
+        step_layer(c, i, L, B, d, params, io, "", None)
     mx.eval(io)
     return io
+
+
+def step_layer(c, i, L, B, d, params, io, prefix, given):
+    """One step of one cache object. `given` (an io dict) replays recorded inputs instead of drawing new ones."""
+    if isinstance(c, CacheList):
+        for j, child in enumerate(c.caches):
+            step_layer(child, i, L, B, d, params, io, f"{prefix}c{j}.", given)
+        return
+    if isinstance(c, ArraysCache):
+        p = params[prefix]
+        for name, x in p.items():
+            io[f"{prefix}{name}"] = x
+        if given is None:
+            qkv, a, b = gdn_inputs(B, L)
+        else:
+            qkv, a, b = (given[f"{prefix}{n}.{i}"] for n in ("qkv", "a", "b"))
+        y = gdn_layer(c, qkv, a, b, p)
+        io.update({f"{prefix}qkv.{i}": qkv, f"{prefix}a.{i}": a, f"{prefix}b.{i}": b, f"{prefix}y.{i}": y})
+        return
+    if isinstance(c, ChunkedKVCache):
+        # llama4 (`mlx_lm/models/llama4.py`, `LlamaModel.__call__`) trims a chunked cache's front before every forward.
+        c.maybe_trim_front()
+    if given is None:
+        k, v, q = rnd((B, H, L, d)), rnd((B, H, L, d)), rnd((B, HQ, L, d))
+    else:
+        k, v, q = (given[f"{prefix}{n}.{i}"] for n in ("k", "v", "q"))
+    mask = mask_for(c, L)
+    ks, vs = c.update_and_fetch(k, v)
+    out = attend(c, q, ks, vs, SCALE, mask)
+    io.update({f"{prefix}k.{i}": k, f"{prefix}v.{i}": v, f"{prefix}q.{i}": q, f"{prefix}out.{i}": out})
 
 
 def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     manifest = {}
 
-    def save(name, caches, steps=None, B=1, bugs=None, d=D):
+    def save(name, caches, steps=None, B=1, bugs=None, d=D, params=None, extra=None, extra_continued=None):
         path = os.path.join(out_dir, f"{name}.safetensors")
-        save_prompt_cache(path, caches, {"model": "kvsim-fixture", "fixture": name})
+        meta = {"model": "kvsim-fixture", "fixture": name}
+        meta.update(extra or {})
+        save_prompt_cache(path, caches, meta)
         entry = {"class": type(caches[0]).__name__, "batch": B}
         if steps is not None:
             loaded = load_prompt_cache(path)
             c = loaded[0]
             entry["bugs"] = bugs(c) if bugs else []
-            io = continue_cache(c, steps, B, d)
+            io = continue_cache(c, steps, B, d, params)
             mx.save_safetensors(os.path.join(out_dir, f"{name}.io.safetensors"), io)
-            save_prompt_cache(os.path.join(out_dir, f"{name}.continued.safetensors"), loaded)
+            save_prompt_cache(os.path.join(out_dir, f"{name}.continued.safetensors"), loaded, extra_continued or {})
             entry.update({"steps": steps, "scale": SCALE})
+            if params:
+                entry["gdn"] = GDN
         manifest[name] = entry
 
     # KVCache: 5 prefilled + 2 decoded positions (a 256-column buffer).
@@ -131,11 +216,20 @@ def main(out_dir):
     save("quantized_kv_cache", [q], steps=[1, 1, 3, 1], d=32)
     _key[0] = resume
 
-    # ArraysCache(2): a conv tail and a recurrent state (file level only).
+    # ArraysCache(2): a gated-DeltaNet layer's [conv tail, recurrent state] after 5 + 1 positions run through
+    # mlx-lm's own layer arithmetic (`gdn_layer`), then continued. ArraysCache carries no offset: the row offsets go
+    # in the user metadata key `kvsim_ssm_offsets` (JSON: layer path -> per-row offsets), which kvsim requires. Draws
+    # from keys 20001.. (and consumes the two keys the earlier file-level fixture drew), so every later fixture keeps
+    # its bytes.
+    resume, _key[0] = _key[0], 20_000
     a = ArraysCache(2)
-    a[0] = rnd((1, 3, 8))
-    a[1] = rnd((1, H, 4, 4), mx.float32)
-    save("arrays_cache", [a])
+    p = gdn_params()
+    for L in (5, 1):
+        gdn_layer(a, *gdn_inputs(1, L), p)
+    save("arrays_cache", [a], steps=[1, 1, 3, 1], params={"": p},
+         extra={"kvsim_ssm_offsets": json.dumps({"0": [6]})},
+         extra_continued={"kvsim_ssm_offsets": json.dumps({"0": [12]})})
+    _key[0] = resume + 2
 
     # BatchKVCache: merge of 3- and 5-position caches, then 2 decodes.
     c1, c2 = KVCache(), KVCache()
@@ -177,18 +271,25 @@ def main(out_dir):
 
     save("batch_rotating_kv_cache", [b], steps=[1, 1, 2, 1], B=2, bugs=batch_rot_bugs)
 
-    # ChunkedKVCache(4) after 6 positions (file level only).
+    # ChunkedKVCache(4) after 6 positions, its front trimmed (start_position 2), then continued as llama4 drives
+    # it: `maybe_trim_front` before every forward, `update_and_fetch`, a causal read of what it returned. Keys 30001..
+    _key[0] = 30_000
     ch = ChunkedKVCache(4)
     feed(ch, 6)
     ch.maybe_trim_front()
-    save("chunked_kv_cache", [ch])
+    save("chunked_kv_cache", [ch], steps=[1, 2, 1, 3, 1])
 
-    # CacheList(ArraysCache(1), KVCache) (file level only).
-    a = ArraysCache(1)
-    a[0] = rnd((1, 3, 8))
+    # CacheList(ArraysCache(2), KVCache): a hybrid layer (a DeltaNet state beside an attention cache), both continued
+    # step by step. Keys 40001..
+    _key[0] = 40_000
+    a = ArraysCache(2)
+    p = gdn_params()
+    gdn_layer(a, *gdn_inputs(1, 3), p)
     kv = KVCache()
-    feed(kv, 2)
-    save("cache_list", [CacheList(a, kv)])
+    feed(kv, 3)
+    save("cache_list", [CacheList(a, kv)], steps=[1, 2, 1], params={"c0.": p},
+         extra={"kvsim_ssm_offsets": json.dumps({"0.0": [3]})},
+         extra_continued={"kvsim_ssm_offsets": json.dumps({"0.0": [7]})})
 
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -216,15 +317,19 @@ def check_kvsim_written(fixtures):
             c._lengths = None
             bugs.append("loaded BatchRotatingKVCache lacks _lengths (set to None)")
         io = mx.load(os.path.join(fixtures, f"{name}.io.safetensors"))
+        params = {}
+        for key in io:
+            for pn in ("conv_weight", "A_log", "dt_bias"):
+                if key.endswith(pn):
+                    params.setdefault(key[: -len(pn)], {})[pn] = io[key]
         steps = []
         for i, L in enumerate(e["steps"]):
-            mask = mask_for(c, L)
-            ks, vs = c.update_and_fetch(io[f"k.{i}"], io[f"v.{i}"])
-            out = attend(c, io[f"q.{i}"], ks, vs, e["scale"], mask)
-            want = io[f"out.{i}"]
-            same = bool(mx.all(out.view(mx.uint16) == want.view(mx.uint16)).item())
-            diff = float(mx.max(mx.abs(out.astype(mx.float32) - want.astype(mx.float32))).item())
-            steps.append({"L": L, "bit_identical": same, "max_abs_diff": diff})
+            got = {}
+            step_layer(c, i, L, e["batch"], None, params, got, "", io)
+            outs = sorted(k for k in got if k.count(".") >= 1 and k.rsplit(".", 2)[-2] in ("out", "y"))
+            same = all(bool(mx.all(got[k].view(mx.uint16) == io[k].view(mx.uint16)).item()) for k in outs)
+            diff = max(float(mx.max(mx.abs(got[k].astype(mx.float32) - io[k].astype(mx.float32))).item()) for k in outs)
+            steps.append({"L": L, "bit_identical": same, "max_abs_diff": diff, "outputs": outs})
         report[name] = {"class": type(c).__name__, "load_bugs_worked_around": bugs, "steps": steps}
     with open(os.path.join(fixtures, "kvsim-written.json"), "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)

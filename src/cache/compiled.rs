@@ -6,24 +6,28 @@
 //!    how the step fetches (`Concat`: the live columns plus the new one; `Ring`: the buffer with the new column
 //!    written in at `write_pos`), where it writes, and how many buffer columns it reads. `decode_phase()` is its
 //!    non-mutating twin and always equals `plan.fetch`.
-//! 2. [`CompiledDecode::step_inputs`] hands out the slot's closure inputs, in order; [`plain_decode_step`] is the
-//!    step itself, a pure function of its inputs (no host integer of the cache inside): the RoPE offset and, on a
-//!    ring, the write position travel as int32 arrays, so one traced or compiled closure serves every step of a
-//!    geometry.
+//! 2. [`CompiledDecode::step_inputs`] hands out the slot's closure inputs, in order; [`decode_step`] is the step
+//!    itself, a pure function of its inputs (no host integer of the cache inside): the RoPE offset and, on a ring,
+//!    the write position travel as int32 arrays, so one traced or compiled closure serves every step of a
+//!    geometry. [`plain_decode_step`] and [`quantized_decode_step`] are its two storages: the plain planes `[k, v]`
+//!    and the affine planes `[kq, ks, kb, vq, vs, vb]` (the new column quantized inside the step through MLX's
+//!    `quantize`, as the ordinary append quantizes it).
 //! 3. [`CompiledDecode::apply_decode_step`] takes ownership of the step's outputs, advances the host state, and
 //!    returns the arrays to evaluate with the step.
 //!
 //! Guarantee (tested through growth at [`super::ring::GROW_STEP`], oversize trim after a window write, the first
-//! wrap and later rotations, for linear and rotating caches, f32 and bf16, eager and under `mlx_rs` `compile`): a
-//! prepared, stepped and applied cache holds exactly the bytes and host state the ordinary
+//! wrap and later rotations, for linear and rotating caches, plain and affine storage (every bit width, groups 32
+//! to 128), f32 and bf16, eager and under `mlx_rs` `compile`): a prepared, stepped and applied cache holds exactly
+//! the bytes (all planes: K and V, or packed words, scales and biases of both) and host state the ordinary
 //! [`SerialCache::decode`] leaves, and the step's output is byte-identical to the ordinary read of the same
-//! RoPE-rotated inputs (RoPE with the static int offset). Caches of affine storage (`kv:quant:..`) have no compiled
-//! step: the protocol refuses them with [`CacheError::StorageMismatch`] before any change.
+//! RoPE-rotated inputs (RoPE with the static int offset). What stays impossible is a typed error with the cache
+//! unchanged: outputs of a step of the other storage (a cache converted by `to_quantized` between the step and its
+//! apply), of another shape or dtype, or a plan that no longer matches the cache ([`CacheError::StepMismatch`]).
 
 use mlx_rs::Array;
 
 use super::error::CacheError;
-use super::mask::attend;
+use super::quant::{attend_planes, QuantSpec, Storage};
 use super::ring::{Buf, DecodePhase, SerialCache};
 use super::util::{cols, dim, ncols};
 use super::Result;
@@ -82,69 +86,91 @@ pub trait CompiledDecode {
     fn apply_decode_step(&mut self, plan: &DecodePlan, outputs: Vec<Array>) -> Result<Vec<Array>>;
 }
 
-/// The step of the plain caches, a pure function of `inputs` = the slot inputs ++ `[q, k, v, rope_offset]`:
-///
-/// - `Concat` slot `[k_active, v_active]` (`[1, H_kv, active_len, D]`): returns `[out, k_new, v_new]`, the new
-///   column RoPE-rotated (keys) and as given (values);
-/// - `Ring` slot `[k_buf, v_buf, write_pos]` (`write_pos` int32 `[1]`): returns `[out, k_buf', v_buf']`, the
-///   buffers with the new column written in.
-///
-/// `q`, `k` are pre-RoPE (`[1, H, 1, D]`) and rotated inside the step at `rope_offset` (int32 `[1]`); with
-/// `rope: None` (a caller that rotates before the step, or a layer without RoPE) they are used as given and the
-/// offset input only travels. `out` is MLX's fused SDPA, unmasked, over the columns the ordinary decode read
-/// attends, in the same physical order.
+/// The step of the plain caches: [`decode_step`] with [`Storage::Plain`] (slot planes `[k, v]`).
 pub fn plain_decode_step(
     fetch: DecodePhase,
     rope: Option<StepRope>,
     scale: f32,
     inputs: &[Array],
 ) -> Result<Vec<Array>> {
+    decode_step(Storage::Plain, fetch, rope, scale, inputs)
+}
+
+/// The step of the affine-quantized caches (`kv:quant`, `kv:rotating-quant`): [`decode_step`] with
+/// [`Storage::Affine`] (slot planes `[kq, ks, kb, vq, vs, vb]`).
+pub fn quantized_decode_step(
+    quant: QuantSpec,
+    fetch: DecodePhase,
+    rope: Option<StepRope>,
+    scale: f32,
+    inputs: &[Array],
+) -> Result<Vec<Array>> {
+    decode_step(Storage::Affine(quant), fetch, rope, scale, inputs)
+}
+
+/// The step of a cache of `storage`, a pure function of `inputs` = the slot inputs ++ `[q, k, v, rope_offset]`,
+/// where the slot holds the storage's `n` planes ([`Storage::planes`]: `[k, v]`, or `[kq, ks, kb, vq, vs, vb]`):
+///
+/// - `Concat` slot: the `n` planes' `active_len` live columns (`[1, H_kv, active_len, ·]`); returns
+///   `[out, new_0, .., new_{n-1}]`, the new column as planes (`[1, H_kv, 1, ·]`);
+/// - `Ring` slot: the `n` planes' `active_len` buffer columns, then `write_pos` (int32 `[1]`); returns
+///   `[out, buf_0', .., buf_{n-1}']`, the planes with the new column written in.
+///
+/// `q`, `k` are pre-RoPE (`[1, H, 1, D]`) and rotated inside the step at `rope_offset` (int32 `[1]`); with
+/// `rope: None` (a caller that rotates before the step, or a layer without RoPE) they are used as given and the
+/// offset input only travels. The new column is encoded as the ordinary write encodes it ([`Storage::encode`]:
+/// as given for plain storage; MLX's `quantize` of the one-position block for affine storage, which per (head,
+/// group) gives the triple bytes the ordinary append stores). `out` is the ordinary decode's unmasked read of the
+/// same storage (MLX's fused SDPA over plain planes, mlx-lm's quantized attention over affine ones) over the
+/// columns the ordinary decode attends, in the same physical order. Inputs of another count are
+/// [`CacheError::StepMismatch`].
+pub fn decode_step(
+    storage: Storage,
+    fetch: DecodePhase,
+    rope: Option<StepRope>,
+    scale: f32,
+    inputs: &[Array],
+) -> Result<Vec<Array>> {
     let bad = |what: &str| CacheError::StepMismatch { what: what.to_string() };
+    let n = storage.planes();
     let slot = match fetch {
-        DecodePhase::Concat => 2,
-        DecodePhase::Ring => 3,
+        DecodePhase::Concat => n,
+        DecodePhase::Ring => n + 1,
     };
     if inputs.len() != slot + 4 {
-        return Err(bad(&format!("{} inputs for a {fetch:?} step, {} expected", inputs.len(), slot + 4)));
+        return Err(bad(&format!(
+            "{} inputs for a {fetch:?} step of {storage:?} storage, {} expected",
+            inputs.len(),
+            slot + 4
+        )));
     }
     let (q, k, v, offset) = (&inputs[slot], &inputs[slot + 1], &inputs[slot + 2], &inputs[slot + 3]);
     let (qr, kr) = match rope {
         Some(r) => (r.apply_dynamic(q, offset)?, r.apply_dynamic(k, offset)?),
         None => (q.clone(), k.clone()),
     };
-    match fetch {
-        DecodePhase::Concat => {
-            let keys = mlx_rs::ops::concatenate(&[&inputs[0], &kr], 2)?;
-            let vals = mlx_rs::ops::concatenate(&[&inputs[1], v], 2)?;
-            let out = attend(&qr, &keys, &vals, scale, None, false)?;
-            Ok(vec![out, kr, v.clone()])
-        }
+    let column = storage.encode(&kr, v)?;
+    let planes = match fetch {
+        DecodePhase::Concat => inputs[..n]
+            .iter()
+            .zip(&column)
+            .map(|(p, x)| Ok(mlx_rs::ops::concatenate(&[p, x], 2)?))
+            .collect::<Result<Vec<_>>>()?,
         DecodePhase::Ring => {
-            let at = inputs[2].reshape(&[1, 1, 1, 1])?;
-            let kb = inputs[0].put_along_axis(&at, &kr, 2)?;
-            let vb = inputs[1].put_along_axis(&at, v, 2)?;
-            let out = attend(&qr, &kb, &vb, scale, None, false)?;
-            Ok(vec![out, kb, vb])
+            let at = inputs[n].reshape(&[1, 1, 1, 1])?;
+            inputs[..n].iter().zip(&column).map(|(p, x)| Ok(p.put_along_axis(&at, x, 2)?)).collect::<Result<_>>()?
         }
-    }
-}
-
-/// The step above is plain: its slot inputs are the `[k, v]` planes. A cache of affine storage has six planes and
-/// no compiled step yet, so the protocol refuses it up front ([`CacheError::StorageMismatch`], nothing changed)
-/// instead of feeding packed words to a dense read.
-fn plain_only(c: &SerialCache) -> Result<()> {
-    if c.storage() == super::quant::Storage::Plain {
-        return Ok(());
-    }
-    Err(CacheError::StorageMismatch {
-        expected: super::kind::StorageKind::serial_of(c.max_size(), super::quant::Storage::Plain).0,
-        found: c.storage_kind().0,
-    })
+    };
+    let out = attend_planes(&storage, &qr, &planes, scale, None, false)?;
+    let written = match fetch {
+        DecodePhase::Concat => column,
+        DecodePhase::Ring => planes,
+    };
+    Ok(std::iter::once(out).chain(written).collect())
 }
 
 impl CompiledDecode for SerialCache {
     fn prepare_decode_step(&mut self) -> Result<DecodePlan> {
-        plain_only(self)?;
         SerialCache::prepare_decode_step(self)
     }
 
@@ -157,57 +183,62 @@ impl CompiledDecode for SerialCache {
     }
 
     fn step_inputs(&self, plan: &DecodePlan) -> Result<Vec<Array>> {
-        plain_only(self)?;
         self.check_plan(plan)?;
         let b = self.buf_ref().ok_or_else(|| CacheError::StepMismatch { what: "no buffer: prepare first".into() })?;
-        match plan.fetch {
-            DecodePhase::Concat => {
-                Ok(vec![cols(&b.planes[0], 0, plan.active_len)?, cols(&b.planes[1], 0, plan.active_len)?])
-            }
-            DecodePhase::Ring => Ok(vec![
-                cols(&b.planes[0], 0, plan.active_len)?,
-                cols(&b.planes[1], 0, plan.active_len)?,
-                int32_input(plan.write_pos)?,
-            ]),
+        let mut inputs = b.planes.iter().map(|p| cols(p, 0, plan.active_len)).collect::<Result<Vec<_>>>()?;
+        if plan.fetch == DecodePhase::Ring {
+            inputs.push(int32_input(plan.write_pos)?);
         }
+        Ok(inputs)
     }
 
     fn apply_decode_step(&mut self, plan: &DecodePlan, outputs: Vec<Array>) -> Result<Vec<Array>> {
-        plain_only(self)?;
         self.check_plan(plan)?;
-        let spec = self.spec();
+        let (spec, storage) = (self.spec(), self.storage());
         let bad = |what: String| CacheError::StepMismatch { what };
-        let [_, k, v]: [Array; 3] =
-            outputs.try_into().map_err(|o: Vec<Array>| bad(format!("{} outputs, 3 expected", o.len())))?;
+        let layout = storage.plane_layout(&spec);
+        if outputs.len() != 1 + layout.len() {
+            return Err(bad(format!(
+                "{} outputs, {} expected for {storage:?} storage (a step of another storage?)",
+                outputs.len(),
+                1 + layout.len()
+            )));
+        }
         let want = match plan.fetch {
             DecodePhase::Concat => 1,
             DecodePhase::Ring => plan.active_len,
         };
-        for a in [&k, &v] {
+        for (a, &(w, dt)) in outputs[1..].iter().zip(&layout) {
             let s = a.shape();
             let fits = s.len() == 4
                 && s[0] == 1
                 && s[1] as usize == spec.heads_kv
                 && ncols(a) == want
-                && s[3] as usize == spec.head_dim
-                && a.dtype() == spec.dtype.to_mlx();
+                && s[3] as usize == w
+                && a.dtype() == dt;
             if !fits {
-                return Err(bad(format!("output {:?} {:?} does not fit a {:?} step", s, a.dtype(), plan.fetch)));
+                return Err(bad(format!(
+                    "output {:?} {:?} does not fit a {:?} step of {storage:?} storage",
+                    s,
+                    a.dtype(),
+                    plan.fetch
+                )));
             }
         }
         let b = self.buf_ref().ok_or_else(|| bad("no buffer: prepare first".into()))?;
+        let written = &outputs[1..];
         let nb = match plan.fetch {
             DecodePhase::Concat => {
                 let at = super::util::index_array(&[plan.write_pos], &[1, 1, 1, 1])?;
-                Buf { planes: vec![b.planes[0].put_along_axis(&at, &k, 2)?, b.planes[1].put_along_axis(&at, &v, 2)?] }
+                b.zip_map(written, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?
             }
-            DecodePhase::Ring if ncols(&b.planes[0]) == plan.active_len => Buf { planes: vec![k, v] },
+            DecodePhase::Ring if b.cap() == plan.active_len => Buf { planes: written.to_vec() },
             DecodePhase::Ring => {
                 // The buffer is wider than the live ring (a linear buffer never is; a ring is capped at W, but a
                 // buffer grown before a trim may be): write the step's columns back over [0, active_len).
                 let at =
                     super::util::index_array(&(0..plan.active_len).collect::<Vec<_>>(), &[1, 1, plan.active_len, 1])?;
-                Buf { planes: vec![b.planes[0].put_along_axis(&at, &k, 2)?, b.planes[1].put_along_axis(&at, &v, 2)?] }
+                b.zip_map(written, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?
             }
         };
         let roots = match plan.fetch {

@@ -6,20 +6,28 @@
 //! CUDA kernels of kvsim's own (JIT-compiled by MLX through mlx-c's `mlx_fast_cuda_kernel_*`, MLX 0.32.2
 //! `mlx/backend/cuda/custom_kernel.cpp`) whose reduction order is a function of the row's own columns alone:
 //!
-//! - Every query `(row b, query head h, position i)` attends a contiguous range of physical key columns `[lo, hi)`
-//!   computed on the host from the read's visibility ([`visible_ranges`]: no mask, MLX's bottom-right `Causal`, or a
-//!   [`MaskSpec`] whose visible set per query is contiguous, which every kvsim mask is). Masks never enter the
-//!   arithmetic: a column outside the range is skipped, never added as `exp(-inf)`.
-//! - Columns are cut into fixed chunks of [`CHUNK`] = 256 **absolute** column indices (`[256 j, 256 (j + 1))`), each
-//!   chunk into [`WARPS`] = 4 slices of 64 columns; one warp walks its slice in increasing column order with an f32
-//!   online softmax (score = f32 dot product `q . k` over `D`, lanes holding `d = lane + 32 e`, summed per lane in
-//!   `e` order then by a fixed xor butterfly 16, 8, 4, 2, 1, times `scale`). The 4 warps of a chunk are combined in
-//!   warp order, then the chunks of a query in chunk order `0, 1, 2, ...` by a second kernel. An empty chunk or slice
-//!   (no visible column: beyond the row's length, or outside its window) is skipped by the combine, so a batch whose
-//!   widest row has more chunks than this row gives this row exactly the bits it gets alone.
-//! - GQA: query head `h` reads K/V head `h / (H_q / H_kv)`. K, V and Q are read through their strides (no copy of a
-//!   sliced cache buffer). The output is `acc / l` rounded once to the K/V dtype; a query with no visible column
-//!   (never produced by kvsim's reads) gives 0.
+//! - Every query `(row b, query head h, position i)` attends the physical key columns of its [`Visibility`]: sorted
+//!   `[lo, hi)` intervals computed on the host from the read's mask ([`visible_ranges`]: no mask, MLX's bottom-right
+//!   `Causal`, or any [`MaskSpec`], one per row or one broadcast over the rows). Masks never enter the arithmetic:
+//!   a column the query does not see is skipped, never added as `exp(-inf)`.
+//! - Columns are cut into fixed chunks of [`CHUNK`] = 256 **absolute** column indices (`[256 j, 256 (j + 1))`). One
+//!   block of 128 threads serves one chunk of one K/V head for a tile of up to 4 queries (the GQA group's heads at
+//!   one position, or several positions), so each K/V byte of the chunk is loaded once for the whole group. In the
+//!   chunk, query `r` sees the columns `V_r` of its range, and the block computes, in this order:
+//!   1. **scores**: thread `t` owns columns `c0 + t` and `c0 + t + 128`; `s = (sum over d = 0, 1, ..., D - 1 of
+//!      q_d k_d, one f32 fused multiply-add at a time) * scale` (16-byte loads of a key row where it is aligned,
+//!      element loads elsewhere: the same additions in the same order);
+//!   2. **softmax of the chunk**: warp `r` takes query `r`; `m = max over V_r of s`; `p = exp(s - m)` on `V_r`, 0
+//!      elsewhere; `l` = sum of the 256 `p` as lane `i` sums columns `i, i + 32, ..., i + 224` in that order, then
+//!      a fixed xor butterfly 16, 8, 4, 2, 1;
+//!   3. **values**: the columns of the chunk fall in `CG` classes `(c - c0) % CG` (`CG = 128 / ceil(D / E)`, `E`
+//!      = 8 bf16 or 4 f32 elements per 16-byte load); per class, `acc_d = sum over its columns in increasing order
+//!      of p v_d`, one fused multiply-add per column whose `p` is not 0 (a 0 adds nothing: skipping it keeps the
+//!      bits); then the class sums are added in class order.
+//!
+//!   Then a second kernel combines the chunk partials `(m, l, acc)` of a query in chunk order `0, 1, 2, ...`. A
+//!   chunk with no visible column is skipped by the combine, so a batch whose widest row has more chunks than this
+//!   row gives this row exactly the bits it gets alone.
 //!
 //! So the bits of row `r` depend only on row `r`'s queries, its K/V in its visible ranges (in physical order), the
 //! ranges themselves and `scale`: not on `B`, the other rows, the padding, the mask or the batch width. Rows keep
@@ -45,10 +53,13 @@ use super::Result;
 
 /// Columns per chunk: the fixed split over keys that makes the reduction order independent of the batch.
 pub const CHUNK: usize = 256;
-/// Warps per chunk (each walks `CHUNK / WARPS` consecutive columns).
-pub const WARPS: usize = 4;
-/// Query rows (head x position pairs of one K/V head) one block of the first kernel serves.
+/// Threads of one block of the first kernel (4 warps): `CHUNK / THREADS` columns per thread in the score pass.
+const THREADS: usize = 128;
+/// Query rows (head x position pairs of one K/V head) one block of the first kernel serves (one per warp in the
+/// softmax pass).
 const QTILE: usize = 4;
+/// Lanes of a warp (the softmax pass's sum runs over them).
+const LANES: usize = 32;
 
 /// How attention reads are computed (a per-thread setting, like [`super::set_eval_after_write`]; default `Fused`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -83,46 +94,86 @@ pub fn exact_kernels_active() -> bool {
     read_mode() == ReadMode::Exact && default_device_is_gpu()
 }
 
-/// The visible column range `[lo, hi)` of every query, `ranges[2 * (b * queries + i)..][..2]`.
+/// The visible columns of every query of a read, as sorted, disjoint, non-empty half-open intervals: query
+/// `q = b * queries + i` sees the intervals `starts[q] .. starts[q + 1]` of `spans` (each `[lo, hi)` as two values).
+/// One interval for every decode and window read; two or more for the reads whose visible set has holes (a
+/// prefix-shared pair's second response skips the first one's tokens; a bidirectional image span).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Visibility {
+    pub starts: Vec<i32>,
+    pub spans: Vec<i32>,
+}
+
+impl Visibility {
+    /// The intervals of query `q` (`(lo, hi)` pairs).
+    pub fn intervals(&self, q: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let (a, b) = (self.starts[q] as usize, self.starts[q + 1] as usize);
+        (a..b).map(move |k| (self.spans[2 * k] as usize, self.spans[2 * k + 1] as usize))
+    }
+
+    /// Whether query `q` sees column `c`.
+    pub fn sees(&self, q: usize, c: usize) -> bool {
+        self.intervals(q).any(|(lo, hi)| lo <= c && c < hi)
+    }
+
+    /// The number of queries described.
+    pub fn queries(&self) -> usize {
+        self.starts.len().saturating_sub(1)
+    }
+}
+
+/// The [`Visibility`] of a read of `rows x queries` over `cols` columns.
 ///
-/// `mask` (a host matrix over `cols` columns) wins over `causal`; with neither, every query sees `[0, cols)`;
-/// `causal` is MLX's bottom-right alignment: query `i` sees `[0, cols - queries + i + 1)`. A mask whose visible
-/// set of some query is not contiguous is [`super::CacheError::InvalidState`] (kvsim never builds one).
+/// `mask` (a host matrix over `cols` columns, one per row or one for every row) wins over `causal`; with neither,
+/// every query sees `[0, cols)`; `causal` is MLX's bottom-right alignment: query `i` sees `[0, cols - queries + i + 1)`.
 pub fn visible_ranges(
     rows: usize,
     queries: usize,
     cols: usize,
     mask: Option<&MaskSpec>,
     causal: bool,
-) -> Result<Vec<i32>> {
+) -> Result<Visibility> {
     let c32 = |n: usize| i32::try_from(n).map_err(|_| shape(format!("{n} columns exceed i32")));
-    let mut out = Vec::with_capacity(2 * rows * queries);
-    for b in 0..rows {
-        for i in 0..queries {
-            let (lo, hi) = match mask {
-                Some(m) => {
-                    if m.rows != rows || m.queries != queries || m.cols != cols {
-                        return Err(shape(format!(
-                            "mask [{}, {}, {}] for a read of [{rows}, {queries}, {cols}]",
-                            m.rows, m.queries, m.cols
-                        )));
-                    }
-                    let row = &m.visible[(b * queries + i) * cols..(b * queries + i + 1) * cols];
-                    let lo = row.iter().position(|&v| v).unwrap_or(0);
-                    let hi = row.iter().rposition(|&v| v).map_or(lo, |p| p + 1);
-                    if row[lo..hi].iter().any(|&v| !v) {
-                        return Err(invalid(format!("row {b} query {i}: visible columns are not contiguous")));
-                    }
-                    (lo, hi)
-                }
-                None if causal => (0, (cols + i + 1).saturating_sub(queries).min(cols)),
-                None => (0, cols),
-            };
-            out.push(c32(lo)?);
-            out.push(c32(hi)?);
+    let mut vis = Visibility { starts: Vec::with_capacity(rows * queries + 1), spans: vec![] };
+    vis.starts.push(0);
+    if let Some(m) = mask {
+        if (m.rows != rows && m.rows != 1) || m.queries != queries || m.cols != cols {
+            return Err(shape(format!(
+                "mask [{}, {}, {}] for a read of [{rows}, {queries}, {cols}]",
+                m.rows, m.queries, m.cols
+            )));
         }
     }
-    Ok(out)
+    for b in 0..rows {
+        for i in 0..queries {
+            match mask {
+                Some(m) => {
+                    let mb = if m.rows == 1 { 0 } else { b };
+                    let row = &m.visible[(mb * queries + i) * cols..(mb * queries + i + 1) * cols];
+                    let mut c = 0;
+                    while c < cols {
+                        if row[c] {
+                            let lo = c;
+                            while c < cols && row[c] {
+                                c += 1;
+                            }
+                            vis.spans.extend([c32(lo)?, c32(c)?]);
+                        } else {
+                            c += 1;
+                        }
+                    }
+                }
+                None => {
+                    let hi = if causal { (cols + i + 1).saturating_sub(queries).min(cols) } else { cols };
+                    if hi > 0 {
+                        vis.spans.extend([0, c32(hi)?]);
+                    }
+                }
+            }
+            vis.starts.push(c32(vis.spans.len() / 2)?);
+        }
+    }
+    Ok(vis)
 }
 
 /// Dimensions of one read: `q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]`.
@@ -134,37 +185,65 @@ pub struct ReadDims {
     pub queries: usize,
     pub cols: usize,
     pub head_dim: usize,
+    /// Bytes of one K/V element (2 for bf16, 4 for f32): the kernels' load width in elements is `16 / kv_bytes`,
+    /// which sets how the value pass splits columns into classes.
+    pub kv_bytes: usize,
 }
 
 /// The exact read on the host, in the kernels' order (module docs), on contiguous f32 data
-/// (`q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]`, `ranges` from [`visible_ranges`]). Returns `[B, H_q, L, D]` in f32
+/// (`q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]`, `vis` from [`visible_ranges`]). Returns `[B, H_q, L, D]` in f32
 /// (before the final rounding to the K/V dtype). Used by tests and the GPU check; not a production path.
-pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, ranges: &[i32], scale: f32) -> Vec<f32> {
-    let ReadDims { rows, heads_q, heads_kv, queries, cols, head_dim: d } = dims;
+pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, vis: &Visibility, scale: f32) -> Vec<f32> {
+    let ReadDims { rows, heads_q, heads_kv, queries, cols, head_dim: d, .. } = dims;
     let g = heads_q / heads_kv.max(1);
-    let per_warp = CHUNK / WARPS;
     let nchunks = cols.div_ceil(CHUNK).max(1);
     let mut out = vec![0f32; rows * heads_q * queries * d];
     for b in 0..rows {
         for h in 0..heads_q {
             let kvh = h / g.max(1);
             for i in 0..queries {
-                let (lo, hi) = (ranges[2 * (b * queries + i)] as usize, ranges[2 * (b * queries + i) + 1] as usize);
+                let qi = b * queries + i;
                 let qrow = &q[((b * heads_q + h) * queries + i) * d..][..d];
                 let mut total = Part::empty(d);
                 for chunk in 0..nchunks {
-                    let mut block = Part::empty(d);
-                    for w in 0..WARPS {
-                        let start = chunk * CHUNK + w * per_warp;
-                        let mut p = Part::empty(d);
-                        for c in start.max(lo)..(start + per_warp).min(hi).min(cols) {
-                            let kv = ((b * heads_kv + kvh) * cols + c) * d;
-                            let s = warp_dot(qrow, &k[kv..kv + d]) * scale;
-                            p.push(s, &v[kv..kv + d]);
-                        }
-                        block.combine(&p);
+                    let c0 = chunk * CHUNK;
+                    let visible: Vec<usize> = (c0..(c0 + CHUNK).min(cols)).filter(|&c| vis.sees(qi, c)).collect();
+                    if visible.is_empty() {
+                        continue;
                     }
-                    total.combine(&block);
+                    let at = |c: usize| ((b * heads_kv + kvh) * cols + c) * d;
+                    // 1. scores, one fused multiply-add per d in order.
+                    let s: Vec<f32> = visible
+                        .iter()
+                        .map(|&c| k[at(c)..at(c) + d].iter().zip(qrow).fold(0f32, |a, (x, y)| y.mul_add(*x, a)) * scale)
+                        .collect();
+                    // 2. softmax of the chunk: lane sums then the xor butterfly.
+                    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut p = [0f32; CHUNK];
+                    for (&c, sc) in visible.iter().zip(&s) {
+                        p[c - c0] = (sc - m).exp();
+                    }
+                    let mut lanes = [0f32; LANES];
+                    for (lane, sum) in lanes.iter_mut().enumerate() {
+                        for j in (lane..CHUNK).step_by(LANES) {
+                            *sum += p[j];
+                        }
+                    }
+                    let l = butterfly_sum(lanes);
+                    // 3. values: per column class `(c - c0) % CG`, one fused multiply-add per visible column in
+                    //    order (p = 0 skipped); then the classes added in class order.
+                    let groups = d.div_ceil(16 / dims.kv_bytes.clamp(1, 16));
+                    let classes_n = (THREADS / groups.max(1)).max(1);
+                    let mut classes = vec![vec![0f32; d]; classes_n];
+                    for &c in &visible {
+                        let pc = p[c - c0];
+                        if pc != 0.0 {
+                            let class = &mut classes[(c - c0) % classes_n];
+                            class.iter_mut().zip(&v[at(c)..at(c) + d]).for_each(|(a, x)| *a = pc.mul_add(*x, *a));
+                        }
+                    }
+                    let acc: Vec<f32> = (0..d).map(|x| classes.iter().fold(0f32, |a, cl| a + cl[x])).collect();
+                    total.combine(&Part { m, l, acc });
                 }
                 let o = &mut out[((b * heads_q + h) * queries + i) * d..][..d];
                 for (x, a) in o.iter_mut().zip(&total.acc) {
@@ -176,19 +255,11 @@ pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, ranges: &[i32], 
     out
 }
 
-/// `q . k` as a warp computes it: lane `t` sums `d = t + 32 e` in `e` order, then an xor butterfly.
-fn warp_dot(q: &[f32], k: &[f32]) -> f32 {
-    let mut lanes = [0f32; 32];
-    for (t, lane) in lanes.iter_mut().enumerate() {
-        let mut d = t;
-        while d < q.len() {
-            *lane = q[d].mul_add(k[d], *lane);
-            d += 32;
-        }
-    }
+/// The xor butterfly 16, 8, 4, 2, 1 over a warp's lanes (every lane ends with the same sum).
+fn butterfly_sum(mut lanes: [f32; LANES]) -> f32 {
     for o in [16, 8, 4, 2, 1] {
         let prev = lanes;
-        for t in 0..32 {
+        for t in 0..LANES {
             lanes[t] = prev[t] + prev[t ^ o];
         }
     }
@@ -205,18 +276,6 @@ struct Part {
 impl Part {
     fn empty(d: usize) -> Self {
         Part { m: f32::NEG_INFINITY, l: 0.0, acc: vec![0.0; d] }
-    }
-
-    fn push(&mut self, s: f32, v: &[f32]) {
-        if s > self.m {
-            let alpha = (self.m - s).exp();
-            self.l *= alpha;
-            self.acc.iter_mut().for_each(|a| *a *= alpha);
-            self.m = s;
-        }
-        let w = (s - self.m).exp();
-        self.l += w;
-        self.acc.iter_mut().zip(v).for_each(|(a, x)| *a = w.mul_add(*x, *a));
     }
 
     /// Fixed-order combine; an empty side is skipped, so empty chunks change no bit.
@@ -241,11 +300,14 @@ impl Part {
 /// The shared CUDA helpers (prepended to both kernels by MLX as the kernel header).
 const HEADER: &str = r#"
 #define KVSIM_CHUNK 256
+#define KVSIM_THREADS 128
 #define KVSIM_NEG_INF (-__int_as_float(0x7f800000))
-#define KVSIM_WARPS 4
 #define KVSIM_QTILE 4
 template <typename T> __device__ __forceinline__ float kv_load(const T* p, long long i) {
   return static_cast<float>(p[i]);
+}
+__device__ __forceinline__ float kvsim_get(const float4& v, int j) {
+  return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 // Fixed-order combine of two online-softmax partials; an empty side (m = KVSIM_NEG_INF) is skipped.
 template <int EPL> __device__ __forceinline__ void kvsim_combine(
@@ -266,148 +328,204 @@ template <int EPL> __device__ __forceinline__ void kvsim_combine(
 }
 "#;
 
-/// Kernel 1: one block per (chunk, K/V head x query tile, row); writes each query's chunk partial.
-/// Inputs `q`, `k`, `v` (strided), `meta` (int32: the scale's f32 bits, then `[lo, hi)` per (row, query)).
-/// Outputs `pacc [R, NC, D]`, `pml [R, NC, 2]` (f32), `R = B * H_q * L`. Template: `T`, `D`.
+/// Kernel 1: one block of 128 threads per (chunk, K/V head x query tile, row); writes each query's chunk partial
+/// (module docs: scores, softmax of the chunk, values). Inputs `q`, `k`, `v` (strided), `meta` (int32: the scale's
+/// f32 bits, then the [`Visibility`]: `starts`, then the intervals). Outputs `pacc [R, NC, D]`, `pml [R, NC, 2]` (f32),
+/// `R = B * H_q * L`. Template: `T`, `D`.
 const PARTIAL_SRC: &str = r#"
-  constexpr int EPL = (D + 31) / 32;
-  constexpr int KPW = KVSIM_CHUNK / KVSIM_WARPS;
-  constexpr int U = 4;
+  constexpr int CH = KVSIM_CHUNK, NT = KVSIM_THREADS, QT = KVSIM_QTILE;
+  constexpr int CPT = CH / NT;
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int VE = VEC;
+  constexpr int DG = (D + VE - 1) / VE;
+  constexpr int CG = (NT / DG) > 0 ? (NT / DG) : 1;
+  static_assert(DG <= NT, "head dim too large for the exact read");
   const int HQ = q_shape[1], L = q_shape[2];
   const int HKV = k_shape[1], N = k_shape[2];
   const int G = HQ / HKV;
   const int NC = gridDim.x;
   const int chunk = blockIdx.x;
   const int nrows = G * L;
-  const int ntiles = (nrows + KVSIM_QTILE - 1) / KVSIM_QTILE;
+  const int ntiles = (nrows + QT - 1) / QT;
   const int kvh = blockIdx.y / ntiles, tile = blockIdx.y % ntiles;
   const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const float scale = __int_as_float(meta[0]);
-  __shared__ float sm_m[KVSIM_WARPS][KVSIM_QTILE];
-  __shared__ float sm_l[KVSIM_WARPS][KVSIM_QTILE];
-  __shared__ float sm_a[KVSIM_WARPS][KVSIM_QTILE][EPL * 32];
+  const int c0 = chunk * CH;
+  __shared__ float4 sq[D];
+  __shared__ float4 sp[CH];
+  __shared__ float sred[CG * QT * D];
+  __shared__ int slo[QT], shi[QT], sk0[QT], sk1[QT];
+  __shared__ float sm[QT], sl[QT];
+  // meta: the scale's bits, then `starts` (B L + 1 values), then the `[lo, hi)` intervals (module docs).
+  const int NQ = q_shape[0] * L;
+  const int* spans = meta + 2 + NQ;
 
-  float qv[KVSIM_QTILE][EPL];
-  int lo[KVSIM_QTILE], hi[KVSIM_QTILE];
-  int tlo = 0x7fffffff, thi = 0;
-  #pragma unroll
-  for (int j = 0; j < KVSIM_QTILE; ++j) {
-    const int r = tile * KVSIM_QTILE + j;
-    lo[j] = 0; hi[j] = 0;
+  if (t < QT) {
+    const int r = tile * QT + t;
+    int lo = 0, hi = 0, k0 = 0, k1 = 0;
     if (r < nrows) {
-      const int g = r / L, i = r % L;
-      const int hq = kvh * G + g;
-      lo[j] = meta[1 + 2 * (b * L + i)];
-      hi[j] = meta[2 + 2 * (b * L + i)];
-      if (hi[j] > N) hi[j] = N;
-      if (lo[j] < hi[j]) { tlo = min(tlo, lo[j]); thi = max(thi, hi[j]); }
-      const long long qb = b * q_strides[0] + hq * q_strides[1] + i * q_strides[2];
-      #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        const int d = lane + 32 * e;
-        qv[j][e] = (d < D) ? kv_load(q, qb + d * q_strides[3]) : 0.0f;
-      }
-    } else {
-      #pragma unroll
-      for (int e = 0; e < EPL; ++e) qv[j][e] = 0.0f;
+      const int i = r % L;
+      k0 = meta[1 + b * L + i];
+      k1 = meta[2 + b * L + i];
+      if (k1 > k0) { lo = spans[2 * k0]; hi = spans[2 * k1 - 1]; }
     }
+    lo = max(lo, c0);
+    hi = min(min(hi, N), c0 + CH);
+    if (hi < lo) hi = lo;
+    slo[t] = lo; shi[t] = hi; sk0[t] = k0; sk1[t] = k1;
   }
-  float m[KVSIM_QTILE], l[KVSIM_QTILE], acc[KVSIM_QTILE][EPL];
-  #pragma unroll
-  for (int j = 0; j < KVSIM_QTILE; ++j) {
-    m[j] = KVSIM_NEG_INF; l[j] = 0.0f;
+  for (int d = t; d < D; d += NT) {
+    float qq[QT];
     #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[j][e] = 0.0f;
-  }
-  const int c0 = chunk * KVSIM_CHUNK + warp * KPW;
-  const int cs = max(c0, tlo), ce = min(c0 + KPW, thi);
-  const long long kb = b * k_strides[0] + kvh * k_strides[1];
-  const long long vb = b * v_strides[0] + kvh * v_strides[1];
-  for (int c = cs; c < ce; c += U) {
-    float kk[U][EPL], vv[U][EPL];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        const int d = lane + 32 * e;
-        const bool ok = (c + u < ce) && (d < D);
-        kk[u][e] = ok ? kv_load(k, kb + (c + u) * k_strides[2] + d * k_strides[3]) : 0.0f;
-        vv[u][e] = ok ? kv_load(v, vb + (c + u) * v_strides[2] + d * v_strides[3]) : 0.0f;
+    for (int j = 0; j < QT; ++j) {
+      const int r = tile * QT + j;
+      qq[j] = 0.0f;
+      if (r < nrows) {
+        const int g = r / L, i = r % L;
+        const long long qb = b * q_strides[0] + (kvh * G + g) * q_strides[1] + i * q_strides[2];
+        qq[j] = kv_load(q, qb + d * q_strides[3]);
       }
     }
-    #pragma unroll
-    for (int j = 0; j < KVSIM_QTILE; ++j) {
-      if (c >= hi[j] || c + U <= lo[j]) continue;
-      float p[U];
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        p[u] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) p[u] += qv[j][e] * kk[u][e];
-      }
-      // The xor butterfly 16, 8, 4, 2, 1 of each of the U = 4 dot products, as a reduce-scatter: every addition is
-      // one the full butterfly of that key makes (same operands, same tree), so the sums have the same bits; the
-      // sum of key u ends in lanes 8u..8u+7 and is broadcast from lane 8u.
-      const bool h16 = (lane & 16) != 0, h8 = (lane & 8) != 0;
-      const float r0 = __shfl_xor_sync(0xffffffffu, h16 ? p[0] : p[2], 16);
-      const float r1 = __shfl_xor_sync(0xffffffffu, h16 ? p[1] : p[3], 16);
-      const float a0 = (h16 ? p[2] : p[0]) + r0, a1 = (h16 ? p[3] : p[1]) + r1;
-      float t = (h8 ? a1 : a0) + __shfl_xor_sync(0xffffffffu, h8 ? a0 : a1, 8);
-      t += __shfl_xor_sync(0xffffffffu, t, 4);
-      t += __shfl_xor_sync(0xffffffffu, t, 2);
-      t += __shfl_xor_sync(0xffffffffu, t, 1);
-      #pragma unroll
-      for (int u = 0; u < U; ++u) p[u] = __shfl_sync(0xffffffffu, t, 8 * u);
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int cc = c + u;
-        if (cc >= ce || cc < lo[j] || cc >= hi[j]) continue;
-        const float s = p[u] * scale;
-        if (s > m[j]) {
-          const float alpha = expf(m[j] - s);
-          l[j] *= alpha;
-          #pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[j][e] *= alpha;
-          m[j] = s;
-        }
-        const float w = expf(s - m[j]);
-        l[j] += w;
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[j][e] += w * vv[u][e];
-      }
-    }
-  }
-  #pragma unroll
-  for (int j = 0; j < KVSIM_QTILE; ++j) {
-    if (lane == 0) { sm_m[warp][j] = m[j]; sm_l[warp][j] = l[j]; }
-    #pragma unroll
-    for (int e = 0; e < EPL; ++e) sm_a[warp][j][lane + 32 * e] = acc[j][e];
+    sq[d] = make_float4(qq[0], qq[1], qq[2], qq[3]);
   }
   __syncthreads();
-  if (warp != 0) return;
+  int cs = c0 + CH, ce = c0;
   #pragma unroll
-  for (int j = 0; j < KVSIM_QTILE; ++j) {
-    const int r = tile * KVSIM_QTILE + j;
-    if (r >= nrows) continue;
-    float M = sm_m[0][j], Ls = sm_l[0][j], a[EPL];
-    #pragma unroll
-    for (int e = 0; e < EPL; ++e) a[e] = sm_a[0][j][lane + 32 * e];
-    for (int w = 1; w < KVSIM_WARPS; ++w) {
-      float a2[EPL];
-      #pragma unroll
-      for (int e = 0; e < EPL; ++e) a2[e] = sm_a[w][j][lane + 32 * e];
-      kvsim_combine<EPL>(M, Ls, a, sm_m[w][j], sm_l[w][j], a2);
+  for (int j = 0; j < QT; ++j) {
+    if (slo[j] < shi[j]) { cs = min(cs, slo[j]); ce = max(ce, shi[j]); }
+  }
+  const long long kb = b * k_strides[0] + kvh * k_strides[1];
+  const long long vb = b * v_strides[0] + kvh * v_strides[1];
+
+  // 1. scores: one column per thread at a time, q . k one fused multiply-add per d in order.
+  #pragma unroll
+  for (int u = 0; u < CPT; ++u) {
+    const int c = c0 + t + NT * u;
+    if (c < cs || c >= ce) continue;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    const long long kr = kb + (long long)c * k_strides[2];
+    const bool vec = (D % VEC == 0) && k_strides[3] == 1 &&
+                     ((reinterpret_cast<unsigned long long>(k + kr) & 15ull) == 0ull);
+    if (vec) {
+      #pragma unroll 4
+      for (int d0 = 0; d0 < D; d0 += VEC) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(k + kr + d0);
+        const T* e = reinterpret_cast<const T*>(&raw);
+        #pragma unroll
+        for (int x = 0; x < VEC; ++x) {
+          const float kd = static_cast<float>(e[x]);
+          const float4 qd = sq[d0 + x];
+          a0 = fmaf(qd.x, kd, a0); a1 = fmaf(qd.y, kd, a1); a2 = fmaf(qd.z, kd, a2); a3 = fmaf(qd.w, kd, a3);
+        }
+      }
+    } else {
+      for (int d = 0; d < D; ++d) {
+        const float kd = kv_load(k, kr + d * k_strides[3]);
+        const float4 qd = sq[d];
+        a0 = fmaf(qd.x, kd, a0); a1 = fmaf(qd.y, kd, a1); a2 = fmaf(qd.z, kd, a2); a3 = fmaf(qd.w, kd, a3);
+      }
     }
+    sp[c - c0] = make_float4(a0 * scale, a1 * scale, a2 * scale, a3 * scale);
+  }
+  __syncthreads();
+
+  // 2. softmax of the chunk: warp j takes query j of the tile.
+  {
+    const int j = warp;
+    const int lo = slo[j], hi = shi[j], k0 = sk0[j], k1 = sk1[j];
+    float s[CH / 32];
+    bool vis[CH / 32];
+    float m = KVSIM_NEG_INF;
+    #pragma unroll
+    for (int x = 0; x < CH / 32; ++x) {
+      const int c = c0 + lane + 32 * x;
+      bool on = c >= lo && c < hi;
+      if (on && k1 - k0 > 1) {
+        on = false;
+        for (int q = k0; q < k1; ++q) on = on || (c >= spans[2 * q] && c < spans[2 * q + 1]);
+      }
+      vis[x] = on;
+      s[x] = on ? kvsim_get(sp[c - c0], j) : KVSIM_NEG_INF;
+      m = fmaxf(m, s[x]);
+    }
+    #pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __syncwarp();
+    float l = 0.0f;
+    #pragma unroll
+    for (int x = 0; x < CH / 32; ++x) {
+      const int c = c0 + lane + 32 * x;
+      const float p = vis[x] ? expf(s[x] - m) : 0.0f;
+      l += p;
+      if (c >= cs && c < ce) reinterpret_cast<float*>(&sp[c - c0])[j] = p;
+    }
+    #pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) { sm[j] = m; sl[j] = l; }
+  }
+  __syncthreads();
+
+  // 3. values: thread t owns the d-group dg = t % DG (VE consecutive d) for the columns c with
+  //    (c - c0) % CG == t / DG, one fused multiply-add per column (p = 0 skipped) in increasing c; then the CG
+  //    column classes are added in class order.
+  float acc[QT][VE];
+  #pragma unroll
+  for (int j = 0; j < QT; ++j) {
+    #pragma unroll
+    for (int x = 0; x < VE; ++x) acc[j][x] = 0.0f;
+  }
+  const int dg = t % DG, cg = t / DG;
+  const int d0 = dg * VE;
+  if (cg < CG && d0 < D) {
+    int c = c0 + cg;
+    if (c < cs) c += ((cs - c + CG - 1) / CG) * CG;
+    #pragma unroll 4
+    for (; c < ce; c += CG) {
+      const float4 p = sp[c - c0];
+      float x[VE];
+      const long long vr = vb + (long long)c * v_strides[2];
+      const bool vec = (D % VE == 0) && v_strides[3] == 1 &&
+                       ((reinterpret_cast<unsigned long long>(v + vr + d0) & 15ull) == 0ull);
+      if (vec) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(v + vr + d0);
+        const T* e = reinterpret_cast<const T*>(&raw);
+        #pragma unroll
+        for (int y = 0; y < VE; ++y) x[y] = static_cast<float>(e[y]);
+      } else {
+        #pragma unroll
+        for (int y = 0; y < VE; ++y) x[y] = (d0 + y < D) ? kv_load(v, vr + (d0 + y) * v_strides[3]) : 0.0f;
+      }
+      #pragma unroll
+      for (int y = 0; y < VE; ++y) {
+        if (p.x != 0.0f) acc[0][y] = fmaf(p.x, x[y], acc[0][y]);
+        if (p.y != 0.0f) acc[1][y] = fmaf(p.y, x[y], acc[1][y]);
+        if (p.z != 0.0f) acc[2][y] = fmaf(p.z, x[y], acc[2][y]);
+        if (p.w != 0.0f) acc[3][y] = fmaf(p.w, x[y], acc[3][y]);
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < QT; ++j) {
+      #pragma unroll
+      for (int y = 0; y < VE; ++y) {
+        if (d0 + y < D) sred[(cg * QT + j) * D + d0 + y] = acc[j][y];
+      }
+    }
+  }
+  __syncthreads();
+  #pragma unroll
+  for (int j = 0; j < QT; ++j) {
+    const int r = tile * QT + j;
+    if (r >= nrows) continue;
     const int g = r / L, i = r % L;
     const long long row = ((long long)(b * HQ + kvh * G + g)) * L + i;
     const long long slot = row * NC + chunk;
-    #pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      const int d = lane + 32 * e;
-      if (d < D) pacc[slot * D + d] = a[e];
+    for (int d = t; d < D; d += NT) {
+      float a = 0.0f;
+      for (int q = 0; q < CG; ++q) a += sred[(q * QT + j) * D + d];
+      pacc[slot * D + d] = a;
     }
-    if (lane == 0) { pml[2 * slot] = M; pml[2 * slot + 1] = Ls; }
+    if (t == 0) { pml[2 * slot] = sm[j]; pml[2 * slot + 1] = sl[j]; }
   }
 "#;
 
@@ -545,30 +663,34 @@ thread_local! {
     static KERNELS: std::cell::OnceCell<std::result::Result<(Kernel, Kernel), String>> = const { std::cell::OnceCell::new() };
 }
 
-/// The exact read on the GPU (module docs): `q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]` (any strides), `ranges`
+/// The exact read on the GPU (module docs): `q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]` (any strides), `vis`
 /// from [`visible_ranges`]. Returns `[B, H_q, L, D]` in the dtype of `q` (bf16 or f32). Lazy, like any MLX op.
-pub fn exact_attend(q: &Array, k: &Array, v: &Array, scale: f32, ranges: &[i32]) -> Result<Array> {
+pub fn exact_attend(q: &Array, k: &Array, v: &Array, scale: f32, vis: &Visibility) -> Result<Array> {
     let (qs, ks) = (q.shape(), k.shape());
     if qs.len() != 4 || ks.len() != 4 || v.shape() != ks || qs[0] != ks[0] || qs[3] != ks[3] || ks[1] == 0 {
         return Err(shape(format!("exact read of q {qs:?}, k {ks:?}, v {:?}", v.shape())));
     }
     let (b, hq, l, d) = (qs[0], qs[1], qs[2], qs[3]);
     let (hkv, n) = (ks[1], ks[2]);
-    if hq % hkv != 0 || ranges.len() != 2 * (b as usize) * (l as usize) {
-        return Err(shape(format!("exact read: H_q {hq} / H_kv {hkv}, {} range values for B {b} L {l}", ranges.len())));
+    if hq % hkv != 0 || vis.queries() != (b as usize) * (l as usize) {
+        return Err(shape(format!(
+            "exact read: H_q {hq} / H_kv {hkv}, visibility of {} queries for B {b} L {l}",
+            vis.queries()
+        )));
     }
     if q.dtype() != k.dtype() || v.dtype() != k.dtype() || !matches!(k.dtype(), Dtype::Bfloat16 | Dtype::Float32) {
         return Err(shape(format!("exact read of dtypes {:?}/{:?}/{:?}", q.dtype(), k.dtype(), v.dtype())));
     }
     let dtype = k.dtype();
-    let mut meta = Vec::with_capacity(1 + ranges.len());
+    let mut meta = Vec::with_capacity(1 + vis.starts.len() + vis.spans.len());
     meta.push(scale.to_bits() as i32);
-    meta.extend_from_slice(ranges);
+    meta.extend_from_slice(&vis.starts);
+    meta.extend_from_slice(&vis.spans);
     let meta = Array::from_slice(&meta, &[meta.len() as i32]);
     let nchunks = (n.max(1) as usize).div_ceil(CHUNK) as i32;
     let rows = b * hq * l;
     let tiles = ((hq / hkv) * l + QTILE as i32 - 1) / QTILE as i32;
-    let threads = (32 * WARPS) as i32;
+    let threads = THREADS as i32;
     KERNELS.with(|cell| {
         let ks = cell.get_or_init(|| {
             let p = Kernel::new("kvsim_exact_partial", &["q", "k", "v", "meta"], &["pacc", "pml"], PARTIAL_SRC);

@@ -25,6 +25,12 @@ pub const ROTATING_QUANT_PREFIX: &str = "kv:rotating-quant:";
 /// The gated-DeltaNet recurrent cache (`SsmCache`, any number of rows). Not an attention kind: the attention
 /// router [`StorageKind::route`] refuses it (fail closed); hybrid sets ask [`is_ssm`] first.
 pub const SSM: &str = "ssm";
+/// Prefix of the chunked attention cache's kind `kv-chunked:<chunk_size>` ([`super::ChunkedKvCache`], mlx-lm's
+/// `ChunkedKVCache`). Not routed by [`StorageKind::route`] (fail closed): it is persisted and continued serially.
+pub const CHUNKED_PREFIX: &str = "kv-chunked:";
+/// The kind of one layer's list of caches (mlx-lm's `CacheList`: e.g. a DeltaNet state beside an attention cache);
+/// each child keeps its own kind. Persisted only (`persist::AnyCache::List`); never routed.
+pub const CACHE_LIST: &str = "cache-list";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
 /// The stateless training cache (`TrainingCache`, R-TRN-1): never admitted, merged or persisted.
@@ -137,7 +143,14 @@ pub const DELAYED_QUANT_PREFIX: &str = "kv:delayed-quant:";
 /// Prefix of the rotating transitioning rows' kind `kv:delayed-rotating-quant:<W>:<bits>:<group>:<start>`.
 pub const DELAYED_ROTATING_QUANT_PREFIX: &str = "kv:delayed-rotating-quant:";
 
-/// The parameters of a transitioning rows' kind: window (`None`: full attention), the affine format, and the
+/// Prefix of the serial bf16-first lego's kind `kv:bf16-first-quant:<bits>:<group>:<start>`
+/// (`Bf16FirstQuantizedKvCache`).
+pub const BF16_FIRST_QUANT_PREFIX: &str = "kv:bf16-first-quant:";
+/// Prefix of the rotating lego's kind `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>`
+/// (`Bf16FirstRotatingQuantizedKvCache`).
+pub const BF16_FIRST_ROTATING_QUANT_PREFIX: &str = "kv:bf16-first-rotating-quant:";
+
+/// The parameters of a bf16-first kind (transitioning rows, or their serial lego): window (`None`: full attention), the affine format, and the
 /// precision boundary (`None`: `inf`, never converts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DelayedKind {
@@ -149,11 +162,22 @@ pub struct DelayedKind {
 impl DelayedKind {
     /// The canonical string (upstream's parameter order; an infinite start is `inf`).
     pub fn kind(&self) -> StorageKind {
+        self.write(DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX)
+    }
+
+    /// The serial lego's kind with the same parameters: `kv:bf16-first-quant:<bits>:<group>:<start>`,
+    /// `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>` (the layout as a whole, whichever storage it
+    /// holds now).
+    pub fn lego_kind(&self) -> StorageKind {
+        self.write(BF16_FIRST_QUANT_PREFIX, BF16_FIRST_ROTATING_QUANT_PREFIX)
+    }
+
+    fn write(&self, linear: &str, rotating: &str) -> StorageKind {
         let start = self.start.map_or("inf".to_string(), |s| s.to_string());
         let (b, g) = (self.quant.bits, self.quant.group);
         StorageKind(match self.max_size {
-            None => format!("{DELAYED_QUANT_PREFIX}{b}:{g}:{start}"),
-            Some(w) => format!("{DELAYED_ROTATING_QUANT_PREFIX}{w}:{b}:{g}:{start}"),
+            None => format!("{linear}{b}:{g}:{start}"),
+            Some(w) => format!("{rotating}{w}:{b}:{g}:{start}"),
         })
     }
 }
@@ -163,12 +187,29 @@ impl DelayedKind {
 /// fields, no marker). These kinds are rows of bf16-first legos; no router sends a cache to them
 /// ([`StorageKind::route`] answers `UnknownStorageKind`): `TransitioningKvRows` is built from its legos only.
 pub fn parse_delayed(k: &StorageKind) -> Option<DelayedKind> {
+    parse_params(k, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX).filter(|d| d.kind() == *k)
+}
+
+/// The parameters of a serial bf16-first lego's kind (`kv:bf16-first-quant:..`, `kv:bf16-first-rotating-quant:..`),
+/// only if written exactly as [`DelayedKind::lego_kind`] writes it (as strict as [`parse_delayed`]). A lego's
+/// storage routes as what it holds now (`kv-plain`, then `kv:quant:..`); this kind names the layout and routes
+/// nowhere.
+pub fn parse_bf16_first(k: &StorageKind) -> Option<DelayedKind> {
+    parse_params(k, BF16_FIRST_QUANT_PREFIX, BF16_FIRST_ROTATING_QUANT_PREFIX).filter(|d| d.lego_kind() == *k)
+}
+
+/// True iff `k` is a serial bf16-first lego's kind.
+pub fn is_bf16_first(k: &StorageKind) -> bool {
+    parse_bf16_first(k).is_some()
+}
+
+fn parse_params(k: &StorageKind, linear: &str, rotating: &str) -> Option<DelayedKind> {
     let s = k.as_str();
-    let (max_size, rest) = if let Some(r) = s.strip_prefix(DELAYED_ROTATING_QUANT_PREFIX) {
+    let (max_size, rest) = if let Some(r) = s.strip_prefix(rotating) {
         let (w, rest) = r.split_once(':')?;
         (Some(w.parse::<usize>().ok().filter(|&w| w >= 1)?), rest)
     } else {
-        (None, s.strip_prefix(DELAYED_QUANT_PREFIX)?)
+        (None, s.strip_prefix(linear)?)
     };
     let mut it = rest.split(':');
     let (b, g, st) = (it.next()?, it.next()?, it.next()?);
@@ -178,7 +219,7 @@ pub fn parse_delayed(k: &StorageKind) -> Option<DelayedKind> {
     let quant = QuantSpec { bits: b.parse().ok()?, group: g.parse().ok()? };
     let start = if st == "inf" { None } else { Some(st.parse::<usize>().ok()?) };
     let d = DelayedKind { max_size, quant, start };
-    (QUANT_BITS.contains(&quant.bits) && QUANT_GROUPS.contains(&quant.group) && d.kind() == *k).then_some(d)
+    (QUANT_BITS.contains(&quant.bits) && QUANT_GROUPS.contains(&quant.group)).then_some(d)
 }
 
 /// True iff `k` is a transitioning rows' kind (`kv:delayed-quant:..`, `kv:delayed-rotating-quant:..`).
@@ -290,6 +331,35 @@ mod tests {
             "kv:delayed-quant::32:8",
         ] {
             assert!(!is_delayed(&StorageKind::new(bad)), "{bad}");
+        }
+    }
+
+    #[test]
+    fn lego_kinds_parse_strictly_and_are_not_rows_kinds() {
+        for (s, w, st) in [
+            ("kv:bf16-first-quant:4:32:8", None, Some(8)),
+            ("kv:bf16-first-quant:4:32:inf", None, None),
+            ("kv:bf16-first-rotating-quant:6:4:32:0", Some(6), Some(0)),
+        ] {
+            let k = StorageKind::new(s);
+            let d = parse_bf16_first(&k).unwrap_or_else(|| panic!("{s}"));
+            assert_eq!(d, DelayedKind { max_size: w, quant: QuantSpec { bits: 4, group: 32 }, start: st });
+            assert_eq!(d.lego_kind(), k);
+            assert!(is_bf16_first(&k) && !is_delayed(&k) && !is_known(&k) && !is_quantized(&k), "{s}");
+            assert!(!is_bf16_first(&d.kind()), "{s}: the rows' kind is not the lego's");
+        }
+        for bad in [
+            "kv:bf16-first-quant:4:32",
+            "kv:bf16-first-quant:4:32:8:1",
+            "kv:bf16-first-quant:7:32:8",
+            "kv:bf16-first-quant:4:32:08",
+            "kv:bf16-first-quant:4:32:8+row-batch",
+            "kv:bf16-first-rotating-quant:0:4:32:8",
+            "kv:bf16-first-rotating-quant:4:32:8",
+            "kv:bf16-first-rotating-quant:06:4:32:8",
+            "kv:bf16-first-quant-rotating:6:4:32:8",
+        ] {
+            assert!(!is_bf16_first(&StorageKind::new(bad)), "{bad}");
         }
     }
 

@@ -8,6 +8,7 @@
 //!   (R-TRN-*).
 //! - [`QuantizedKvCache`], [`RotatingQuantizedKvCache`], [`BatchQuantizedKvCache`]: the same core and rows with
 //!   affine-quantized [`Storage`] (six planes; see [`quant`]).
+//! - [`ChunkedKvCache`]: a linear cache with mlx-lm's chunk rule (front trimmed to `chunk_size` on request).
 //! - [`SsmCache`]: the gated-DeltaNet recurrent cache (conv tail + recurrent state, speculative rounds; R-SSM-*).
 //! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
 //! - [`mutation`]: the mutation catalog's fault hooks (inert unless armed).
@@ -24,6 +25,7 @@
 //!   write, so no lazy graph grows across steps.
 
 pub mod batch;
+pub mod chunked;
 pub mod compiled;
 pub mod error;
 pub mod exact;
@@ -40,13 +42,18 @@ pub mod transition;
 mod util;
 
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
-pub use compiled::{int32_input, plain_decode_step, CompiledDecode, DecodePlan, StepRope};
+pub use chunked::ChunkedKvCache;
+pub use compiled::{
+    decode_step, int32_input, plain_decode_step, quantized_decode_step, CompiledDecode, DecodePlan, StepRope,
+};
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
-    is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training, parse_delayed,
-    DelayedKind, KindRoute, StorageKind, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX, KV_PLAIN, PREFIX_SHARED,
-    QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING, TRAINING_SSM,
+    is_bf16_first, is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training,
+    parse_bf16_first, parse_delayed, DelayedKind, KindRoute, StorageKind, BF16_FIRST_QUANT_PREFIX,
+    BF16_FIRST_ROTATING_QUANT_PREFIX, CACHE_LIST, CHUNKED_PREFIX, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX,
+    KV_PLAIN, PREFIX_SHARED, QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING,
+    TRAINING_SSM,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use quant::{

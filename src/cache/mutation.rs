@@ -59,6 +59,18 @@ pub enum Mutant {
     /// The codec registry drops `minimum_reusable_offset` when saving (the reuse floor is not persisted). Hook:
     /// `persist::codec::Registry::encode`.
     FloorNotPersisted,
+    /// Loading drops a row batch's pending right padding (each row's `pending`), as mlx-lm 0.32.2's
+    /// `load_prompt_cache` loses `_right_padding` / `_lengths` (wave-2 anchors d.2): a batch saved mid-prefill comes
+    /// back "finalized", so its padded positions are stored as real. Hook: `persist::codec::RowsCodec::decode`.
+    MlxlmLoadDropsRightPadding,
+    /// The `rotated` flag of a `BatchRotatingKVCache` is parsed with Python's truthiness from a string leaf
+    /// (`bool("False")` is `True`: older mlx-lm files wrote it as a string), instead of refusing anything but a
+    /// boolean. Hook: `persist::mlxlm` `boolean`.
+    MlxlmRotatedFlagFromString,
+    /// The serial codec saves the whole allocated buffer (`cap` columns) instead of the live columns `[0, len)`: for
+    /// a linear cache, whose offset marks the end of its data, the spare capacity comes back as live positions (or
+    /// the file is refused on load). Hook: `persist::codec::whole_buffer`.
+    CodecSavesWholeBuffer,
     /// The recurrent mask of an `SsmCache` call ignores left padding (`pos < lengths` only), so a merged row's
     /// left padding is folded into its recurrent state (bug catalog #1). Hook: `SsmCache::call`.
     SsmMaskIgnoresLeftPadding,
@@ -141,6 +153,9 @@ impl Mutant {
         Mutant::QuantGqaMaskWrongAxis,
         Mutant::QuantConvertTemporalOrder,
         Mutant::FloorNotPersisted,
+        Mutant::MlxlmLoadDropsRightPadding,
+        Mutant::MlxlmRotatedFlagFromString,
+        Mutant::CodecSavesWholeBuffer,
         Mutant::SsmMaskIgnoresLeftPadding,
         Mutant::SsmReplayOneMore,
         Mutant::SsmReplayOneFewer,
@@ -181,6 +196,9 @@ impl Mutant {
             Mutant::QuantGqaMaskWrongAxis => "quant-gqa-mask-wrong-axis",
             Mutant::QuantConvertTemporalOrder => "quant-convert-temporal-order",
             Mutant::FloorNotPersisted => "floor-not-persisted",
+            Mutant::MlxlmLoadDropsRightPadding => "mlxlm-load-drops-right-padding",
+            Mutant::MlxlmRotatedFlagFromString => "mlxlm-rotated-flag-from-string",
+            Mutant::CodecSavesWholeBuffer => "codec-saves-whole-buffer",
             Mutant::SsmMaskIgnoresLeftPadding => "ssm-mask-ignores-left-padding",
             Mutant::SsmReplayOneMore => "ssm-replay-one-more",
             Mutant::SsmReplayOneFewer => "ssm-replay-one-fewer",
@@ -208,12 +226,16 @@ impl Mutant {
         Self::ALL.iter().copied().find(|m| m.name() == s)
     }
 
-    /// The layout family the mutant lives in: `"ssm"` for the recurrent cache's, `"kv"` for the attention layouts'.
+    /// The layout family the mutant lives in: `"ssm"` for the recurrent cache's, `"persist"` for the persistence
+    /// codecs' (`src/persist`), `"kv"` for the attention layouts'.
     pub fn layout(&self) -> &'static str {
-        if self.name().starts_with("ssm-") {
-            "ssm"
-        } else {
-            "kv"
+        match self {
+            Mutant::FloorNotPersisted
+            | Mutant::MlxlmLoadDropsRightPadding
+            | Mutant::MlxlmRotatedFlagFromString
+            | Mutant::CodecSavesWholeBuffer => "persist",
+            _ if self.name().starts_with("ssm-") => "ssm",
+            _ => "kv",
         }
     }
 
@@ -250,6 +272,9 @@ impl Mutant {
                 "to_quantized converts a wrapped ring in temporal, not physical, order"
             }
             Mutant::FloorNotPersisted => "saving drops the minimum reusable offset (the reuse floor)",
+            Mutant::MlxlmLoadDropsRightPadding => "loading a batch drops its pending right padding (mlx-lm's load bug)",
+            Mutant::MlxlmRotatedFlagFromString => "the rotated flag is read from a string with Python's truthiness",
+            Mutant::CodecSavesWholeBuffer => "the serial codec saves the whole buffer, spare capacity included",
             Mutant::SsmMaskIgnoresLeftPadding => "the recurrent mask ignores left padding, folding it into the state",
             Mutant::SsmReplayOneMore => "a speculative rollback replays one position more than accepted",
             Mutant::SsmReplayOneFewer => "a speculative rollback replays one position fewer than accepted",
@@ -277,8 +302,12 @@ impl Mutant {
     /// Whether the simulator's layout families reach this mutant's hook, so that `kvsim mutants` and the catalog
     /// tests can hunt it. Every mutant of the catalog is: the quantized ones through the quantized family
     /// (`sim::family::quant`), whose state check compares every plane with the twin and the reference's triples.
+    /// Except two persistence mutants, caught by `src/persist/tests.rs` (`persistence_mutants_break_a_check`):
+    /// `mlxlm-rotated-flag-from-string` (mlx-lm 0.32.2 and kvsim write the flag as a boolean, so only a file in the
+    /// older string layout reaches it) and `mlxlm-load-drops-right-padding` (the simulator saves caches between ops,
+    /// where no prefill is ever pending: `Prepare` and `BatchPrefill` finalize inside their op).
     pub fn in_simulator(self) -> bool {
-        true
+        !matches!(self, Mutant::MlxlmRotatedFlagFromString | Mutant::MlxlmLoadDropsRightPadding)
     }
 
     fn code(self) -> u8 {

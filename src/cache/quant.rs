@@ -137,16 +137,23 @@ impl Storage {
         self.plane_layout(spec).iter().map(|&(w, d)| spec.heads_kv * w * itemsize(d)).sum()
     }
 
-    /// A write's incoming block as planes: `[k, v]`, or each quantized through MLX's `quantize` (per block, so the
-    /// stored bytes are MLX's).
+    /// A write's incoming block as planes: `[k, v]`, or each quantized through MLX's `quantize` **on the CPU
+    /// stream** (per block), so the stored bytes are MLX's CPU quantizer's on every device: MLX's CUDA quantizer
+    /// rounds some groups differently (measured on an H200: packed words and scales that differ from the CPU's), and
+    /// a cache whose bytes depended on the device could not be checked against one reference model, nor persisted
+    /// to the same file. On a GPU this costs a CPU hop per write of quantized storage.
     pub(crate) fn encode(&self, k: &Array, v: &Array) -> Result<Vec<Array>> {
         match self {
             Storage::Plain => Ok(vec![k.clone(), v.clone()]),
             Storage::Affine(q) => {
                 let (g, b) = (dim(q.group)?, dim(q.bits)?);
-                let (kq, ks, kb) = mlx_rs::ops::quantize(k, g, b)?;
-                let (vq, vs, vb) = mlx_rs::ops::quantize(v, g, b)?;
-                Ok(vec![kq, ks, kb, vq, vs, vb])
+                // The CPU's default stream (`with_device` would create a new stream, and MLX a new thread, per
+                // call: a long GPU run then fails with "Resource temporarily unavailable").
+                mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || {
+                    let (kq, ks, kb) = mlx_rs::ops::quantize(k, g, b)?;
+                    let (vq, vs, vb) = mlx_rs::ops::quantize(v, g, b)?;
+                    Ok(vec![kq, ks, kb, vq, vs, vb])
+                })
             }
         }
     }
@@ -198,7 +205,9 @@ impl Storage {
     }
 }
 
-/// The read of any storage: MLX's fused SDPA over `[k, v]` (`super::mask::attend`) or [`quantized_attend`].
+/// The read of any storage: MLX's fused SDPA over `[k, v]` (`super::mask::attend`) or [`quantized_attend`]; in
+/// [`super::ReadMode::Exact`] on a GPU, the exact read over `[k, v]`; on a GPU, quantized planes are dequantized
+/// first.
 pub(crate) fn attend_planes(
     storage: &Storage,
     q: &Array,
@@ -210,6 +219,15 @@ pub(crate) fn attend_planes(
     check_planes(storage, planes)?;
     match storage {
         Storage::Plain => super::mask::attend(q, &planes[0], &planes[1], scale, mask, causal),
+        // On a GPU: MLX's `dequantize` (elementwise: each value a function of its own code, scale and bias, whatever
+        // else is in the batch), then the read of dense K/V (`super::mask::attend`: fused SDPA, or in exact mode the
+        // batch-invariant kernels of `super::exact`). MLX 0.32.2's CUDA `quantized_matmul` has no kernel for most of
+        // the small shapes a simulator draws (measured on an H200: "No implementation for problem shape" for 4-,
+        // 5- and 6-bit reads of head dim 128 over a handful of keys), so mlx-lm's quantized read cannot run there.
+        Storage::Affine(_) if super::exact::default_device_is_gpu() => {
+            let (k, v) = storage.dense(planes)?;
+            super::mask::attend(q, &k, &v, scale, mask, causal)
+        }
         Storage::Affine(quant) => quantized_attend(q, planes, *quant, scale, mask.map(|m| m.1), causal),
     }
 }

@@ -434,6 +434,29 @@ impl SsmCache {
         self.call(qkv, a, b, params)
     }
 
+    /// A committed span (R-ROT-7, `decode_by_position`): the `S` positions of every row go through the layer one
+    /// step at a time (`S` calls of [`SsmCache::decode`]), so every output and both states after the span are
+    /// byte-identical to `S` single decodes: each position keeps the single-step conv and recurrence. Returns the
+    /// outputs concatenated, `y [B, S, Hv, Dv]`. Refused before any change: a pending prefill
+    /// ([`CacheError::PendingPrefill`]), an armed speculative round ([`CacheError::SpecRoundActive`]: a span is
+    /// committed, never speculative), inputs of another shape ([`CacheError::ShapeMismatch`]).
+    pub fn commit_span(&mut self, qkv: &Array, a: &Array, b: &Array, params: &GdnParams) -> Result<Array> {
+        if self.padding.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        if self.in_round() {
+            return Err(CacheError::SpecRoundActive);
+        }
+        let s = self.check_inputs(qkv, a, b, params)?;
+        let mut outs = Vec::with_capacity(s);
+        for i in 0..s {
+            let t = dim(i)?;
+            let at = |x: &Array| x.try_index((.., t..t + 1, ..));
+            outs.push(self.decode(&at(qkv)?, &at(a)?, &at(b)?, params)?);
+        }
+        Ok(mlx_rs::ops::concatenate(&outs, 1)?)
+    }
+
     /// Window: S positions per row (prefill chunks, verify windows, committed spans), consuming prepared padding.
     /// Returns `y [B, S, Hv, Dv]`; outputs at padded positions are unspecified.
     pub fn window(&mut self, qkv: &Array, a: &Array, b: &Array, params: &GdnParams) -> Result<Array> {

@@ -34,7 +34,7 @@ use super::mask::{MaskUse, Masks};
 use super::mutation::{self, Mutant};
 use super::quant::{QuantSpec, Storage};
 use super::ring::SerialCache;
-use super::util::rows as row_slice;
+use super::util::{check_kv, check_q, cols, rows as row_slice, zeros};
 use super::{KvSpec, Result};
 
 /// When and to what a bf16-first cache converts: `start` (`None`: never, R-TKV-2) and the affine format.
@@ -62,6 +62,12 @@ impl Transition {
     /// The rows layout's storage kind (upstream parameter order; an infinite start is `inf`).
     pub fn rows_kind(&self, max_size: Option<usize>) -> StorageKind {
         DelayedKind { max_size, quant: self.quant, start: self.start }.kind()
+    }
+
+    /// The serial lego's kind (`kv:bf16-first-quant:..`, `kv:bf16-first-rotating-quant:..`; parsed strictly by
+    /// `kind::parse_bf16_first`).
+    pub fn lego_kind(&self, max_size: Option<usize>) -> StorageKind {
+        DelayedKind { max_size, quant: self.quant, start: self.start }.lego_kind()
     }
 }
 
@@ -138,6 +144,12 @@ impl Bf16FirstCache {
         self.cache.storage_kind()
     }
 
+    /// The layout's own kind, whichever storage it holds now: `kv:bf16-first-quant:<bits>:<group>:<start>` or
+    /// `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>`.
+    pub fn lego_kind(&self) -> StorageKind {
+        self.transition.lego_kind(self.cache.max_size())
+    }
+
     /// `minimum_reusable_offset`: prefix reuse never trims below it (kept by trims: conversion is irreversible).
     pub fn minimum_reusable_offset(&self) -> usize {
         self.floor
@@ -173,6 +185,25 @@ impl Bf16FirstCache {
     pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
         let out = self.cache.window(k, v, q, scale, masks)?;
         self.settle()?;
+        Ok(out)
+    }
+
+    /// A committed span (R-ROT-7, issue #15): `L` decodes, one per position (each keeps the single-position
+    /// reduction order), outputs concatenated along the token axis. Each decode is an ordinary append: the one that
+    /// reaches `start` is read in bf16 and the storage converts right after it, so the later positions of the same
+    /// span read affine (outside an armed round). Byte-identical, state and outputs, to `L` calls of
+    /// [`Bf16FirstCache::decode`]. Bad shapes are typed errors with nothing changed.
+    pub fn commit_span(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<Array> {
+        let spec = self.cache.spec();
+        let l = check_kv(&spec, k, v, 1, 1)?;
+        check_q(&spec, q, 1, l)?;
+        let mut next = self.clone();
+        let mut outs = Vec::with_capacity(l);
+        for i in 0..l {
+            outs.push(next.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?.0);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
         Ok(out)
     }
 
@@ -267,6 +298,8 @@ pub struct TransitioningKvRows {
     meta: Vec<RowLifecycle>,
     prefilling: bool,
     round: Option<Vec<usize>>,
+    /// A right-padded prefill ([`TransitioningKvRows::prepare`]): each row's positions still to arrive.
+    pending: Option<Vec<usize>>,
 }
 
 impl TransitioningKvRows {
@@ -325,6 +358,7 @@ impl TransitioningKvRows {
             meta,
             prefilling: false,
             round: None,
+            pending: None,
         };
         rows.maybe_pack()?;
         Ok(rows)
@@ -388,10 +422,14 @@ impl TransitioningKvRows {
         if caches.is_empty() || unconverted {
             return Ok(false);
         }
-        let batch = {
+        let mut batch = {
             let sources: Vec<JoinSource<'_>> = caches.iter().map(JoinSource::Serial).collect();
             RowBatch::join_storage(self.spec, self.max_size, Storage::Affine(self.transition.quant), &sources)?
         };
+        if let Some(p) = &self.pending {
+            // Packed inside a prepared prefill (every row committed a boundary): the rest still arrives padded.
+            batch.prepare(p)?;
+        }
         self.store = Store::Packed(batch);
         Ok(true)
     }
@@ -435,6 +473,12 @@ impl TransitioningKvRows {
         masks: &Masks,
         decode: bool,
     ) -> Result<(Array, Vec<usize>)> {
+        if self.pending.is_some() {
+            if decode {
+                return Err(CacheError::PendingPrefill);
+            }
+            return self.prepared_window(k, v, q, scale, masks);
+        }
         let out = match &mut self.store {
             Store::Packed(b) => {
                 if decode {
@@ -475,6 +519,98 @@ impl TransitioningKvRows {
         Ok((out, converted))
     }
 
+    /// A window while a right-padded prefill is pending: row `r` stores only its next `min(pending_r, L)` real
+    /// positions (each unpacked row a window of exactly those on its serial cache, so its state is its lego's fed
+    /// the real positions); outputs at padded query positions are unspecified (zeros for unpacked rows). Nothing
+    /// converts until the row's request commits ([`TransitioningKvRows::commit_prefill`] or `finalize`).
+    fn prepared_window(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        let n = self.rows();
+        let l = check_kv(&self.spec, k, v, n, 1)?;
+        let hq = check_q(&self.spec, q, n, l)?;
+        let pending = self.pending.clone().unwrap_or_default();
+        let real: Vec<usize> = pending.iter().map(|&p| p.min(l)).collect();
+        let mut next = self.clone();
+        let out = match &mut next.store {
+            Store::Packed(b) => b.window(k, v, q, scale, masks)?.0,
+            Store::Rows(caches) => {
+                let mut outs = Vec::with_capacity(n);
+                for (i, c) in caches.iter_mut().enumerate() {
+                    let r = real[i];
+                    let mut parts = Vec::with_capacity(2);
+                    if r > 0 {
+                        let (ki, vi, qi) = (row_slice(k, i, i + 1)?, row_slice(v, i, i + 1)?, row_slice(q, i, i + 1)?);
+                        parts.push(c.window(&cols(&ki, 0, r)?, &cols(&vi, 0, r)?, &cols(&qi, 0, r)?, scale, masks)?.0);
+                    }
+                    if r < l {
+                        parts.push(zeros(&[1, hq, l - r, self.spec.head_dim], self.spec.dtype.to_mlx())?);
+                    }
+                    outs.push(mlx_rs::ops::concatenate(&parts, 2)?);
+                }
+                mlx_rs::ops::concatenate(&outs, 0)?
+            }
+        };
+        next.pending = Some(pending.iter().zip(&real).map(|(&p, &r)| p - r).collect());
+        *self = next;
+        Ok((out, Vec::new()))
+    }
+
+    /// A right-padded prefill (as the quantized rows' `prepare`, R-BROT-2): row `r` has `lengths[r]` more real
+    /// positions (0: none), delivered by the next windows, each of width `L` consuming `min(remaining_r, L)`. A
+    /// prefill cohort starts: no row converts until its request's chunk commits
+    /// ([`TransitioningKvRows::commit_prefill`]) or [`TransitioningKvRows::finalize`] (a sibling's longer prompt
+    /// never moves a row's boundary). While pending a decode is [`CacheError::PendingPrefill`]; a second prepare
+    /// too; a prepare inside a round or a cohort is [`CacheError::Lifecycle`]; lengths of another count are
+    /// [`CacheError::BadLengths`]. Errors change nothing.
+    pub fn prepare(&mut self, lengths: &[usize]) -> Result<()> {
+        if self.pending.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        if self.round.is_some() || self.prefilling {
+            return Err(out_of_order("prepare inside a round or a prefill"));
+        }
+        if lengths.len() != self.rows() {
+            return Err(CacheError::BadLengths { what: format!("{} lengths for {} rows", lengths.len(), self.rows()) });
+        }
+        let mut next = self.clone();
+        if let Store::Packed(b) = &mut next.store {
+            b.prepare(lengths)?;
+        }
+        next.pending = Some(lengths.to_vec());
+        next.prefilling = true;
+        *self = next;
+        Ok(())
+    }
+
+    /// Ends the right-padded prefill: positions not yet delivered are forgotten, every row's request commits its
+    /// boundary (the rows whose transition is due convert, then pack if all have). Returns the rows converted.
+    /// Without a pending prefill: [`CacheError::NoPendingPrefill`], nothing changed.
+    pub fn finalize(&mut self) -> Result<Vec<usize>> {
+        if self.pending.is_none() {
+            return Err(CacheError::NoPendingPrefill);
+        }
+        let mut next = self.clone();
+        if let Store::Packed(b) = &mut next.store {
+            b.finalize()?;
+        }
+        next.pending = None;
+        next.prefilling = false;
+        let converted = next.settle_all()?;
+        *self = next;
+        Ok(converted)
+    }
+
+    /// Each row's positions still to arrive in a pending right-padded prefill (`None`: none pending).
+    pub fn pending(&self) -> Option<&[usize]> {
+        self.pending.as_deref()
+    }
+
     /// One decode step per row, each row read in its own precision (the attention read); then, outside a prefill
     /// and a round, the rows whose transition is due convert. Returns the output and the rows that converted.
     pub fn decode(
@@ -498,6 +634,33 @@ impl TransitioningKvRows {
         masks: &Masks,
     ) -> Result<(Array, Vec<usize>)> {
         self.read(k, v, q, scale, masks, false)
+    }
+
+    /// A committed span for every row (R-ROT-7, issue #15): `L` decodes, one per position, each an ordinary
+    /// [`TransitioningKvRows::decode`] (rows whose transition comes due convert between the span's positions, and
+    /// the rows pack as soon as every row has converted, outside a prefill and a round). Returns the outputs
+    /// concatenated along the token axis and the rows converted, in order. Byte-identical to `L` decode calls;
+    /// errors change nothing.
+    pub fn commit_span(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        let l = check_kv(&self.spec, k, v, self.rows(), 1)?;
+        check_q(&self.spec, q, self.rows(), l)?;
+        let mut next = self.clone();
+        let (mut outs, mut converted) = (Vec::with_capacity(l), Vec::new());
+        for i in 0..l {
+            let (o, c) = next.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?;
+            outs.push(o);
+            converted.extend(c);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
+        Ok((out, converted))
     }
 
     /// The plain read's guard (`update_and_fetch`, one dense K/V for the batch): refused while any row is affine
@@ -554,9 +717,9 @@ impl TransitioningKvRows {
         self.settle(which)
     }
 
-    /// Ends the prefill cohort.
+    /// Ends the prefill cohort (a prepared prefill ends with [`TransitioningKvRows::finalize`] instead).
     pub fn end_prefill(&mut self) -> Result<()> {
-        if !self.prefilling {
+        if !self.prefilling || self.pending.is_some() {
             return Err(out_of_order("end_prefill without a prefill"));
         }
         self.prefilling = false;
@@ -638,11 +801,11 @@ impl TransitioningKvRows {
     }
 
     /// Keeps these rows in this order (floors kept; the padding every kept row shares is shifted off); then packs if
-    /// every kept row has converted. Refused inside a round; bad rows are [`CacheError::NoSuchRow`] /
+    /// every kept row has converted. Refused inside a round or a pending prefill; bad rows are [`CacheError::NoSuchRow`] /
     /// [`CacheError::DuplicateRow`], nothing changed.
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
-        if self.round.is_some() {
-            return Err(out_of_order("filter inside an armed round"));
+        if self.round.is_some() || self.pending.is_some() {
+            return Err(out_of_order("filter inside an armed round or a pending prefill"));
         }
         let mut seen = vec![false; self.rows()];
         for &k in keep {

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::codec::{Persisted, Registry};
 use super::error::{PersistError, Result};
 use super::kvsim;
-use super::mlxlm::{self, MlxFile, MlxLayer};
+use super::mlxlm::{self, MlxLayer};
 use super::tensor::HostTensor;
 
 /// The two file formats.
@@ -137,24 +137,54 @@ fn mlx_info(l: &MlxLayer) -> Result<LayerInfo> {
             (json!(offset), json!({"chunk_size": chunk_size, "start_position": start_position}))
         }
         MlxLayer::CacheList(children) => {
-            let children = children.iter().map(mlx_info).collect::<Result<Vec<_>>>()?;
+            let kids = children.iter().map(mlx_info).collect::<Result<Vec<_>>>()?;
             return Ok(LayerInfo {
                 kind: l.class_name().into(),
                 offset: serde_json::Value::Null,
                 floor: None,
                 tensors: vec![],
                 fields: json!({}),
-                kvsim_kind: None,
-                children,
+                kvsim_kind: kvsim_kind_of(l)?,
+                children: kids,
             });
         }
     };
-    let kvsim_kind = match mlxlm::to_kvsim(l, None) {
-        Ok(c) => Some(c.storage_kind().to_string()),
-        Err(PersistError::Unsupported { .. }) => None,
-        Err(e) => return Err(e),
-    };
+    let kvsim_kind = kvsim_kind_of(l)?;
     Ok(LayerInfo { kind: l.class_name().into(), offset, floor: None, tensors, fields, kvsim_kind, children: vec![] })
+}
+
+/// The kvsim kind an mlx-lm layer continues in (`None`: no kvsim layout). An `ArraysCache` maps to `ssm` by its
+/// shapes alone (its offsets are the file's user metadata, checked when it is loaded).
+fn kvsim_kind_of(l: &MlxLayer) -> Result<Option<String>> {
+    let mapped = match l {
+        MlxLayer::ArraysCache { cache, lengths, left_padding } => {
+            let pending = lengths.is_some()
+                || left_padding
+                    .as_ref()
+                    .map(|t| t.to_i64s("left_padding"))
+                    .transpose()?
+                    .is_some_and(|v| v.iter().any(|&x| x > 0));
+            match mlxlm::ssm_spec_of(cache) {
+                Ok(_) if pending => return Ok(None),
+                Ok(_) => Ok(crate::cache::SSM.to_string()),
+                Err(e) => Err(e),
+            }
+        }
+        MlxLayer::CacheList(children) => {
+            for c in children {
+                if kvsim_kind_of(c)?.is_none() {
+                    return Ok(None);
+                }
+            }
+            Ok(crate::cache::CACHE_LIST.to_string())
+        }
+        _ => mlxlm::to_kvsim(l, None).map(|c| c.storage_kind().to_string()),
+    };
+    match mapped {
+        Ok(k) => Ok(Some(k)),
+        Err(PersistError::Unsupported { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Reads and fully validates a file (for kvsim files: every checksum and every codec's state validation; for
@@ -173,6 +203,8 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
                         serde_json::json!(b.row_states().iter().map(|r| r.ring.offset).collect::<Vec<_>>())
                     }
                     super::AnyCache::Ssm(c) => serde_json::json!(c.offsets()),
+                    super::AnyCache::Chunked(c) => serde_json::json!(c.offset()),
+                    super::AnyCache::List(v) => serde_json::json!(v.iter().map(|c| c.offset()).collect::<Vec<_>>()),
                 };
                 layers.push(LayerInfo {
                     kind: e.storage_kind.clone(),
@@ -247,9 +279,11 @@ pub fn load_any(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Vec<Persisted
         Format::Kvsim => kvsim::decode(&Registry::default(), bytes),
         Format::MlxLm => {
             let f = mlxlm::read(bytes)?;
-            let caches =
-                f.layers.iter().map(|l| mlxlm::to_kvsim(l, None).map(Persisted::new)).collect::<Result<Vec<_>>>()?;
-            Ok((f.metadata, caches))
+            let caches = mlxlm::file_to_kvsim(&f)?.into_iter().map(Persisted::new).collect();
+            let mut md = f.metadata;
+            // The offsets key belongs to the mlx-lm form (a kvsim file stores the offsets in the codec state).
+            md.remove(mlxlm::SSM_OFFSETS_KEY);
+            Ok((md, caches))
         }
     }
 }
@@ -260,7 +294,6 @@ pub fn save_as(to: Format, metadata: &BTreeMap<String, String>, caches: &[Persis
     match to {
         Format::Kvsim => kvsim::encode(&Registry::default(), metadata, caches),
         Format::MlxLm => {
-            let mut layers = Vec::with_capacity(caches.len());
             for (i, p) in caches.iter().enumerate() {
                 if p.minimum_reusable_offset > 0 {
                     return Err(PersistError::unsupported(format!(
@@ -268,9 +301,9 @@ pub fn save_as(to: Format, metadata: &BTreeMap<String, String>, caches: &[Persis
                         p.minimum_reusable_offset
                     )));
                 }
-                layers.push(mlxlm::from_kvsim(&p.cache)?);
             }
-            mlxlm::write(&MlxFile { metadata: metadata.clone(), layers })
+            let caches: Vec<_> = caches.iter().map(|p| p.cache.clone()).collect();
+            mlxlm::write(&mlxlm::file_from_kvsim(metadata, &caches)?)
         }
     }
 }

@@ -25,9 +25,12 @@
 //!
 //! [`MlxFile`] is the file-level structure of every class above: typed tensors and scalars, read and written
 //! faithfully (a file read and written again holds the same tensors, scalars and metadata). Continuing a cache in
-//! kvsim needs a kvsim layout: [`to_kvsim`] maps `KVCache`, `RotatingKVCache` (keep = 0), `QuantizedKVCache`,
-//! `BatchKVCache` and `BatchRotatingKVCache` onto [`AnyCache`]; [`from_kvsim`] maps back. The other classes are
-//! readable, writable and inspectable, and [`to_kvsim`] refuses them with [`PersistError::Unsupported`].
+//! kvsim needs a kvsim layout: [`to_kvsim`] maps every class onto [`AnyCache`] (`KVCache`, `RotatingKVCache` with
+//! keep = 0, `QuantizedKVCache`, `BatchKVCache`, `BatchRotatingKVCache` onto the attention layouts, `ArraysCache`
+//! onto `ssm`, `ChunkedKVCache` onto `kv-chunked:<n>`, `CacheList` onto a list); [`from_kvsim`] maps back. What has
+//! no kvsim layout (keep > 0, an `ArraysCache` that is not a DeltaNet state or is mid-prefill) is readable,
+//! writable and inspectable, and [`to_kvsim`] refuses it with [`PersistError::Unsupported`]. An `ArraysCache`
+//! stores no offsets: they travel in the user metadata ([`SSM_OFFSETS_KEY`]).
 //!
 //! mlx-lm 0.32.2's own load bugs (wave2 anchors d.2) and what kvsim does instead:
 //! - a loaded `BatchKVCache` has no `_right_padding` (so `finalize()` raises) and a loaded `BatchRotatingKVCache`
@@ -45,7 +48,11 @@ use safetensors::SafeTensors;
 use super::codec::AnyCache;
 use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
-use crate::cache::{KvDtype, KvSpec, QuantSpec, QuantizedKvCache, RingState, RowBatch, RowState, SerialCache, Storage};
+use crate::cache::mutation::{self, Mutant};
+use crate::cache::{
+    ChunkedKvCache, KvDtype, KvSpec, QuantSpec, QuantizedKvCache, RingState, RowBatch, RowState, SerialCache, SsmCache,
+    SsmSpec, Storage,
+};
 
 /// The file-level leaf of a state tree.
 #[derive(Debug, Clone, PartialEq)]
@@ -323,6 +330,8 @@ fn boolean(n: &Node, at: &str) -> Result<bool> {
     match n {
         Node::Leaf(Leaf::Bool(b)) => Ok(*b),
         Node::Leaf(Leaf::Int(i @ (0 | 1))) => Ok(*i == 1),
+        // Mutation hook: Python's `bool(s)` of an older file's string flag (`bool("False")` is `True`).
+        Node::Leaf(Leaf::Str(s)) if mutation::is(Mutant::MlxlmRotatedFlagFromString) => Ok(!s.is_empty()),
         _ => Err(PersistError::malformed(format!("{at}: expected a boolean scalar"))),
     }
 }
@@ -671,7 +680,134 @@ fn rows_of(t: &HostTensor, rows: usize, name: &str) -> Result<Vec<i64>> {
 ///
 /// A file without a pending right padding is the only kind mlx-lm 0.32.2 writes, so loaded batches are finalized.
 pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache> {
+    to_kvsim_at(layer, "0", &Hints { spec: spec_hint, ..Hints::default() })
+}
+
+/// The user-metadata key that carries the row offsets of every `ArraysCache` of a file (mlx-lm's `ArraysCache`
+/// stores none): a JSON object from the layer's path (`"<layer>"`, or `"<layer>.<child>"` inside a `CacheList`) to
+/// its per-row offsets, e.g. `{"0": [6]}`. [`file_from_kvsim`] writes it; [`file_to_kvsim`] requires it for every
+/// `ArraysCache` (else [`PersistError::Missing`]); a caller that knows the offsets otherwise passes [`Hints`].
+pub const SSM_OFFSETS_KEY: &str = "kvsim_ssm_offsets";
+
+/// What [`to_kvsim_at`] needs beyond an mlx-lm file's own fields.
+#[derive(Debug, Clone, Default)]
+pub struct Hints {
+    /// The K/V spec of an attention cache that holds no array yet.
+    pub spec: Option<KvSpec>,
+    /// Per-row offsets of each `ArraysCache`, by layer path (see [`SSM_OFFSETS_KEY`]).
+    pub ssm_offsets: BTreeMap<String, Vec<usize>>,
+}
+
+impl Hints {
+    /// The hints a file's user metadata carries ([`SSM_OFFSETS_KEY`]; absent = none, malformed = an error).
+    pub fn from_metadata(metadata: &BTreeMap<String, String>) -> Result<Self> {
+        let ssm_offsets = match metadata.get(SSM_OFFSETS_KEY) {
+            None => BTreeMap::new(),
+            Some(s) => serde_json::from_str(s).map_err(|e| {
+                PersistError::malformed(format!(
+                    "user metadata {SSM_OFFSETS_KEY}: {e} (expected {{\"<layer>\": [offsets]}})"
+                ))
+            })?,
+        };
+        Ok(Hints { spec: None, ssm_offsets })
+    }
+}
+
+/// Every layer of an mlx-lm file as a kvsim cache, with the hints of its user metadata ([`Hints::from_metadata`]).
+pub fn file_to_kvsim(f: &MlxFile) -> Result<Vec<AnyCache>> {
+    let hints = Hints::from_metadata(&f.metadata)?;
+    f.layers.iter().enumerate().map(|(i, l)| to_kvsim_at(l, &i.to_string(), &hints)).collect()
+}
+
+/// The mlx-lm file of these kvsim caches: [`from_kvsim`] per layer, and `metadata` plus [`SSM_OFFSETS_KEY`] when a
+/// layer holds a recurrent cache (so that [`file_to_kvsim`] restores its offsets).
+pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache]) -> Result<MlxFile> {
+    let mut offsets = BTreeMap::new();
+    for (i, c) in caches.iter().enumerate() {
+        collect_ssm_offsets(c, i.to_string(), &mut offsets);
+    }
+    let mut metadata = metadata.clone();
+    metadata.remove(SSM_OFFSETS_KEY);
+    if !offsets.is_empty() {
+        let json = serde_json::to_string(&offsets).map_err(|e| PersistError::malformed(e.to_string()))?;
+        metadata.insert(SSM_OFFSETS_KEY.to_string(), json);
+    }
+    let layers = caches.iter().map(from_kvsim).collect::<Result<_>>()?;
+    Ok(MlxFile { metadata, layers })
+}
+
+fn collect_ssm_offsets(c: &AnyCache, at: String, out: &mut BTreeMap<String, Vec<usize>>) {
+    match c {
+        AnyCache::Ssm(s) => {
+            out.insert(at, s.offsets().to_vec());
+        }
+        AnyCache::List(v) => {
+            for (j, child) in v.iter().enumerate() {
+                collect_ssm_offsets(child, format!("{at}.{j}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The geometry of an mlx-lm `ArraysCache` holding a gated-DeltaNet layer's `[conv, recurrent]` state (mlx-lm
+/// 0.32.2 `qwen3_5.py` / `qwen3_next.py`: `cache[0]` the conv tail `[B, K-1, conv_dim]` in the input dtype,
+/// `cache[1]` the recurrent state `[B, Hv, Dv, Dk]`, f32), and its row count. `Hk` follows from
+/// `conv_dim = 2 Hk Dk + Hv Dv`. Any other content is [`PersistError::Unsupported`] (kvsim has no layout for it) or a
+/// shape error.
+pub fn ssm_spec_of(cache: &[Option<HostTensor>]) -> Result<(SsmSpec, usize)> {
+    let (conv, rec) = match cache {
+        [Some(c), Some(r)] => (c, r),
+        [None, None] => return Err(PersistError::unsupported("an ArraysCache without state carries no spec")),
+        _ => {
+            return Err(PersistError::unsupported(format!(
+                "an ArraysCache of {} arrays (kvsim's ssm layout holds exactly [conv, recurrent], both set)",
+                cache.len()
+            )))
+        }
+    };
+    let dtype = kv_dtype_of(conv, "cache.0")?;
+    if rec.dtype != TensorDtype::F32 {
+        return Err(PersistError::Dtype {
+            name: "cache.1".into(),
+            expected: "F32".into(),
+            found: rec.dtype.to_string(),
+        });
+    }
+    let [b, km1, c] = match conv.shape.as_slice() {
+        &[b, k, c] => [b, k, c],
+        s => return Err(PersistError::shape("cache.0", format!("shape {s:?}, expected [B, K-1, conv_dim]"))),
+    };
+    let [rb, hv, dv, dk] = rec.dims4("cache.1")?;
+    let v_width = hv.checked_mul(dv).ok_or_else(|| PersistError::shape("cache.1", "Hv * Dv overflows"))?;
+    let bad = || {
+        PersistError::shape(
+            "cache.0",
+            format!("conv_dim {c} is not 2 Hk Dk + Hv Dv for the recurrent state's Hv {hv}, Dv {dv}, Dk {dk}"),
+        )
+    };
+    if rb != b {
+        return Err(PersistError::shape("cache.1", format!("{rb} rows, the conv state has {b}")));
+    }
+    if dk == 0 || c <= v_width || (c - v_width) % (2 * dk) != 0 {
+        return Err(bad());
+    }
+    let spec = SsmSpec { kernel: km1 + 1, heads_k: (c - v_width) / (2 * dk), heads_v: hv, dk, dv, dtype };
+    Ok((spec, b))
+}
+
+/// [`to_kvsim`] of the layer at path `at` (`"<layer>"`, `"<layer>.<child>"`), with `hints`.
+///
+/// Beyond the five attention classes above:
+/// - `ArraysCache` `[conv, recurrent]` -> `ssm` ([`ssm_spec_of`]); the offsets come from `hints.ssm_offsets[at]`
+///   ([`PersistError::Missing`] without them: the class stores none). Only a cache at rest maps: `lengths` set, or a
+///   positive `left_padding`, is a pending prefill ([`PersistError::Unsupported`]).
+/// - `ChunkedKVCache` -> `kv-chunked:<chunk_size>`: columns `[0, offset - start_position)` of its buffer (mlx-lm's
+///   `keys_and_values`), the start position as the linear cache's `offset - len`.
+/// - `CacheList` -> a list of its children's kvsim caches.
+pub fn to_kvsim_at(layer: &MlxLayer, at: &str, hints: &Hints) -> Result<AnyCache> {
     let class = layer.class_name();
+    let spec_hint = hints.spec;
     match layer {
         MlxLayer::KvCache { keys, values, offset } => {
             let offset = usize_of(*offset, "offset")?;
@@ -815,10 +951,75 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
                 }),
             }
         }
-        other => Err(PersistError::unsupported(format!(
-            "kvsim has no layout that continues an mlx-lm {} (it reads and writes it at the file level only)",
-            other.class_name()
-        ))),
+        MlxLayer::ArraysCache { cache, left_padding, lengths } => {
+            let (spec, rows) = ssm_spec_of(cache)?;
+            if lengths.is_some() {
+                return Err(PersistError::unsupported(
+                    "an ArraysCache with lengths set (a pending prefill: finalize it before saving)",
+                ));
+            }
+            if let Some(lp) = left_padding {
+                if rows_of(lp, rows, "left_padding")?.iter().any(|&x| x > 0) {
+                    return Err(PersistError::unsupported(
+                        "an ArraysCache with positive left padding (a pending prefill: finalize it before saving)",
+                    ));
+                }
+            }
+            let offsets = hints.ssm_offsets.get(at).ok_or_else(|| PersistError::Missing {
+                name: format!("user metadata {SSM_OFFSETS_KEY}[{at:?}]: an mlx-lm ArraysCache carries no offsets"),
+            })?;
+            if offsets.len() != rows {
+                return Err(PersistError::shape(
+                    SSM_OFFSETS_KEY,
+                    format!("{} offsets for layer {at}'s {rows} rows", offsets.len()),
+                ));
+            }
+            let [conv, rec] = [&cache[0], &cache[1]].map(|t| t.as_ref().map(HostTensor::to_array));
+            let (Some(conv), Some(rec)) = (conv, rec) else {
+                return Err(PersistError::malformed("ArraysCache state vanished"));
+            };
+            Ok(AnyCache::Ssm(SsmCache::from_states(spec, conv?, rec?, offsets.clone())?))
+        }
+        MlxLayer::ChunkedKvCache { keys, values, offset, chunk_size, start_position } => {
+            let offset = usize_of(*offset, "offset")?;
+            let start = usize_of(*start_position, "start_position")?;
+            let chunk = usize_of(*chunk_size, "chunk_size")?;
+            if start > offset {
+                return Err(PersistError::malformed(format!("start_position {start} past offset {offset}")));
+            }
+            let cache = match kv_pair(keys, values, class)? {
+                None => {
+                    let spec = spec_hint
+                        .ok_or_else(|| PersistError::unsupported("an empty ChunkedKVCache carries no spec"))?;
+                    if offset != 0 {
+                        return Err(PersistError::malformed(format!("empty ChunkedKVCache with offset {offset}")));
+                    }
+                    SerialCache::new(spec, None)?
+                }
+                Some((k, v, spec, b, c)) => {
+                    if b != 1 {
+                        return Err(PersistError::unsupported(format!("ChunkedKVCache with batch {b}")));
+                    }
+                    let valid = offset - start;
+                    if valid > c {
+                        return Err(PersistError::shape(
+                            "keys",
+                            format!("{valid} live positions past the buffer's {c} columns"),
+                        ));
+                    }
+                    let ring = RingState { offset, len: valid, idx: valid, last_concat: None };
+                    SerialCache::adopt(spec, None, k.to_array()?, v.to_array()?, ring)?
+                }
+            };
+            Ok(AnyCache::Chunked(ChunkedKvCache::from_cache(cache, chunk)?))
+        }
+        MlxLayer::CacheList(children) => Ok(AnyCache::List(
+            children
+                .iter()
+                .enumerate()
+                .map(|(j, c)| to_kvsim_at(c, &format!("{at}.{j}"), &Hints { spec: None, ..hints.clone() }))
+                .collect::<Result<_>>()?,
+        )),
     }
 }
 
@@ -917,7 +1118,7 @@ fn cache_quant(cache: &AnyCache) -> Option<QuantSpec> {
     match cache {
         AnyCache::Serial(c) => c.storage().quant(),
         AnyCache::Rows(b) => b.storage().quant(),
-        AnyCache::Ssm(_) => None,
+        AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) => None,
     }
 }
 
@@ -980,9 +1181,41 @@ pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
         return quantized_from_kvsim(cache, q);
     }
     match cache {
-        // mlx-lm's `ArraysCache` carries no offsets, so a file written from it could not be loaded back as the same
-        // cache; the recurrent cache is persisted in kvsim's format only (docs/persistence.md).
-        AnyCache::Ssm(_) => Err(PersistError::unsupported("the ssm cache has no mlx-lm form that keeps its offsets")),
+        // mlx-lm's `ArraysCache` carries no offsets: `file_from_kvsim` puts them in the user metadata.
+        AnyCache::Ssm(c) => {
+            if c.is_pending() || c.in_round() {
+                return Err(PersistError::unsupported("an ssm cache with a pending prefill or an armed round"));
+            }
+            Ok(MlxLayer::ArraysCache {
+                cache: vec![Some(HostTensor::from_array(c.conv())?), Some(HostTensor::from_array(c.recurrent())?)],
+                left_padding: None,
+                lengths: None,
+            })
+        }
+        AnyCache::Chunked(c) => {
+            let s = c.cache().state();
+            let chunk_size = i32_of(c.chunk_size(), "chunk_size")? as i64;
+            let offset = i32_of(s.offset, "offset")? as i64;
+            let start_position = i32_of(c.start_position(), "start_position")? as i64;
+            if s.len == 0 {
+                if s.offset != 0 {
+                    return Err(PersistError::unsupported(
+                        "a chunked cache with no live position at a positive offset",
+                    ));
+                }
+                return Ok(MlxLayer::ChunkedKvCache { keys: None, values: None, offset, chunk_size, start_position });
+            }
+            // The live columns exactly (what `maybe_trim_front` leaves; mlx-lm grows the buffer on the next write).
+            let (k, v) = c.cache().physical()?;
+            Ok(MlxLayer::ChunkedKvCache {
+                keys: Some(HostTensor::from_array(&k)?),
+                values: Some(HostTensor::from_array(&v)?),
+                offset,
+                chunk_size,
+                start_position,
+            })
+        }
+        AnyCache::List(children) => Ok(MlxLayer::CacheList(children.iter().map(from_kvsim).collect::<Result<_>>()?)),
         AnyCache::Serial(c) => {
             let s = c.state();
             let (k, v) = c.physical()?;

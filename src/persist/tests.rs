@@ -187,9 +187,15 @@ fn registry_routes_by_exact_kind_and_fails_closed() {
             "kv:rotating-quant:<bits>:<group>",
             "kv:quant:<bits>:<group>+row-batch",
             "kv:rotating-quant:<bits>:<group>+row-batch",
-            "ssm"
+            "ssm",
+            "kv-chunked:<chunk_size>",
+            "cache-list"
         ]
     );
+    assert_eq!(reg.codec("kv-chunked:4").unwrap().storage_kind(), "kv-chunked:<chunk_size>");
+    for bad in ["kv-chunked:", "kv-chunked:04", "kv-chunked:x", "kv-chunked:-1", "kv-chunked:<chunk_size>"] {
+        assert!(matches!(reg.codec(bad), Err(PersistError::UnknownKind { .. })), "{bad}");
+    }
     // Quantized kinds route by their parsed form; anything MLX's quantizer does not accept, or not written
     // canonically, is unknown.
     for (kind, pattern) in [
@@ -471,8 +477,25 @@ fn the_recurrent_cache_round_trips_continues_and_refuses_bad_entries() {
         let mut e = good.clone();
         e.minimum_reusable_offset = 99;
         assert!(matches!(reg.decode(&e), Err(PersistError::InvalidFloor { .. })));
-        // No mlx-lm form (mlx-lm's ArraysCache carries no offsets).
-        assert!(matches!(mlxlm::from_kvsim(&AnyCache::Ssm(orig.clone())), Err(PersistError::Unsupported { .. })));
+        // The mlx-lm form: an ArraysCache [conv, recurrent] whose offsets travel in the user metadata.
+        let file = mlxlm::file_from_kvsim(&BTreeMap::new(), &[AnyCache::Ssm(orig.clone())]).unwrap();
+        assert_eq!(file.layers[0].class_name(), "ArraysCache");
+        let read = mlxlm::read(&mlxlm::write(&file).unwrap()).unwrap();
+        let AnyCache::Ssm(m) = mlxlm::file_to_kvsim(&read).unwrap().remove(0) else { panic!("kind changed") };
+        assert_eq!(m.offsets(), orig.offsets());
+        assert_same_bytes(m.conv(), orig.conv(), "conv via mlx-lm");
+        assert_same_bytes(m.recurrent(), orig.recurrent(), "recurrent via mlx-lm");
+        // Without the offsets the file is refused (the class stores none), and so is a pending or armed cache.
+        let mut bare = read.clone();
+        bare.metadata.clear();
+        assert!(matches!(mlxlm::file_to_kvsim(&bare), Err(PersistError::Missing { .. })));
+        bare.metadata.insert(mlxlm::SSM_OFFSETS_KEY.into(), "{\"0\": [1]}".into());
+        assert!(matches!(mlxlm::file_to_kvsim(&bare), Err(PersistError::Shape { .. })), "one offset for two rows");
+        bare.metadata.insert(mlxlm::SSM_OFFSETS_KEY.into(), "not json".into());
+        assert!(matches!(mlxlm::file_to_kvsim(&bare), Err(PersistError::Malformed { .. })));
+        let mut pending = orig.clone();
+        pending.prepare(&[1, 1], &[]).unwrap();
+        assert!(matches!(mlxlm::from_kvsim(&AnyCache::Ssm(pending)), Err(PersistError::Unsupported { .. })));
         // The fuzz seed corpus holds this file (valid) and a truncated copy (bad); refresh with KVSIM_WRITE_SEEDS=1.
         if dtype == KvDtype::Bf16 && std::env::var_os("KVSIM_WRITE_SEEDS").is_some() {
             let bytes = kvsim::encode(&reg, &BTreeMap::new(), std::slice::from_ref(&p)).unwrap();
@@ -616,5 +639,165 @@ fn quantized_caches_never_take_the_dense_mlxlm_forms() {
     for c in [AnyCache::Serial(ring), AnyCache::Rows(rows)] {
         let r = mlxlm::from_kvsim(&c);
         assert!(matches!(r, Err(PersistError::Unsupported { .. })), "{}: {r:?}", c.storage_kind());
+    }
+}
+
+/// A chunked cache (mlx-lm's `ChunkedKVCache` rule) and a list of caches (mlx-lm's `CacheList`: a DeltaNet state
+/// beside an attention cache) round-trip through both formats and continue byte-identically.
+#[test]
+fn chunked_caches_and_lists_round_trip_in_both_formats_and_continue() {
+    use crate::cache::ChunkedKvCache;
+    let _g = testlock::shared();
+    let mut ch = ChunkedKvCache::from_cache(serial(None, KvDtype::Bf16), 4).unwrap();
+    assert_eq!(ch.maybe_trim_front().unwrap(), 5);
+    assert_eq!((ch.offset(), ch.start_position()), (9, 5));
+    let (ssm, params) = ssm_cache(KvDtype::Bf16);
+    let list = AnyCache::List(vec![AnyCache::Ssm(ssm.extract(1).unwrap()), AnyCache::Chunked(ch.clone())]);
+    for via_mlxlm in [false, true] {
+        let back = if via_mlxlm {
+            let f = mlxlm::file_from_kvsim(&BTreeMap::new(), std::slice::from_ref(&list)).unwrap();
+            assert_eq!(f.layers[0].class_name(), "CacheList");
+            mlxlm::file_to_kvsim(&mlxlm::read(&mlxlm::write(&f).unwrap()).unwrap()).unwrap().remove(0)
+        } else {
+            roundtrip(&Persisted { cache: list.clone(), minimum_reusable_offset: 2 }).cache
+        };
+        assert_eq!(back.storage_kind().0, "cache-list");
+        let AnyCache::List(mut kids) = back else { panic!("kind changed") };
+        let (AnyCache::Chunked(mut b), AnyCache::Ssm(mut s)) = (kids.pop().unwrap(), kids.pop().unwrap()) else {
+            panic!("children changed kinds")
+        };
+        let mut a = ch.clone();
+        assert_serial_same(a.cache(), b.cache(), "chunked after load");
+        assert_eq!(b.chunk_size(), 4);
+        for step in 0..6 {
+            assert_eq!(a.maybe_trim_front().unwrap(), b.maybe_trim_front().unwrap());
+            let (o1, o2) = if step % 2 == 0 {
+                (decode_s(a.cache_mut(), 500 + step), decode_s(b.cache_mut(), 500 + step))
+            } else {
+                (window_s(a.cache_mut(), 500 + step, 2), window_s(b.cache_mut(), 500 + step, 2))
+            };
+            assert_same_bytes(&o1, &o2, &format!("chunked step {step} (via mlx-lm: {via_mlxlm})"));
+        }
+        assert_serial_same(a.cache(), b.cache(), "chunked after continuing");
+        let mut o = ssm.extract(1).unwrap();
+        let c = o.spec().conv_dim();
+        let one = |n: usize, x: f32| {
+            mlx_rs::Array::from_slice(&vec![x; n], &[1, 1, n as i32]).as_dtype(mlx_rs::Dtype::Bfloat16).unwrap()
+        };
+        let (q, ga, gb) = (one(c, 0.25), one(2, -0.5), one(2, 0.125));
+        assert_same_bytes(
+            &o.decode(&q, &ga, &gb, &params).unwrap(),
+            &s.decode(&q, &ga, &gb, &params).unwrap(),
+            "ssm child",
+        );
+        assert_same_bytes(o.recurrent(), s.recurrent(), "ssm child state");
+    }
+    // A list entry whose children name tensors it does not hold, or hold tensors no child names, is refused.
+    let reg = Registry::default();
+    let good = reg.encode(&Persisted::new(list)).unwrap();
+    let mut e = good.clone();
+    e.tensors.pop();
+    assert!(matches!(reg.decode(&e), Err(PersistError::Missing { .. })));
+    let mut e = good.clone();
+    e.tensors.push(("9.extra".into(), e.tensors[0].1.clone()));
+    assert!(matches!(reg.decode(&e), Err(PersistError::Malformed { .. })));
+    // A chunk size that disagrees with the kind's.
+    let mut e = reg.encode(&Persisted::new(AnyCache::Chunked(ch))).unwrap();
+    e.state["chunk_size"] = serde_json::json!(5);
+    assert!(matches!(reg.decode(&e), Err(PersistError::Malformed { .. })));
+}
+
+/// The mutation catalog's persistence mutants: each breaks a check here (and none of these checks fails unarmed).
+/// `floor-not-persisted`, `mlxlm-load-drops-right-padding` and `codec-saves-whole-buffer` are also hunted by the
+/// simulator's `persist` op; `mlxlm-rotated-flag-from-string` only here (no writer of 0.32.2 makes a string flag).
+#[test]
+fn persistence_mutants_break_a_check() {
+    use crate::cache::mutation::Mutant;
+    use crate::persist::tensor::HostTensor;
+    // A BatchRotatingKVCache file whose `rotated` leaf is the string "False" (the older layout).
+    let string_flag = || -> Vec<u8> {
+        let f = mlxlm::file_from_kvsim(&BTreeMap::new(), &[AnyCache::Rows(rows(Some(4), false))]).unwrap();
+        let bytes = mlxlm::write(&f).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let mut md = meta.metadata().clone().unwrap();
+        let j = md.iter().find(|(_, v)| v.as_str() == "0.7").map(|(k, _)| k.clone()).unwrap();
+        md.insert(format!("{}.1", &j[..j.len() - 2]), "string".into());
+        let cps: Vec<i32> = "False".chars().map(|c| c as i32).collect();
+        let flag = HostTensor::vec_i32(&cps);
+        let mut owned: Vec<(String, HostTensor)> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| n != "0.7")
+            .map(|(n, v)| {
+                let t = crate::persist::TensorDtype::from_safetensors(v.dtype()).unwrap();
+                (n.clone(), HostTensor::new(&n, t, v.shape().to_vec(), v.data().to_vec()).unwrap())
+            })
+            .collect();
+        owned.push(("0.7".into(), flag));
+        let views: Vec<_> = owned
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(t.dtype.to_safetensors(), t.shape.clone(), &t.data).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize(views, Some(md)).unwrap()
+    };
+    let detect = |m: Mutant| -> Result<(), String> {
+        match m {
+            Mutant::FloorNotPersisted => {
+                let p = roundtrip(&Persisted {
+                    cache: AnyCache::Serial(serial(None, KvDtype::Bf16)),
+                    minimum_reusable_offset: 4,
+                });
+                (p.minimum_reusable_offset == 4).then_some(()).ok_or_else(|| "floor lost".into())
+            }
+            Mutant::MlxlmLoadDropsRightPadding => {
+                let orig = rows(None, true);
+                let reg = Registry::default();
+                let bytes =
+                    kvsim::encode(&reg, &BTreeMap::new(), &[Persisted::new(AnyCache::Rows(orig.clone()))]).unwrap();
+                let AnyCache::Rows(back) = kvsim::decode(&reg, &bytes).unwrap().1.remove(0).cache else { panic!() };
+                (back.row_states() == orig.row_states()).then_some(()).ok_or_else(|| "pending prefill lost".into())
+            }
+            Mutant::MlxlmRotatedFlagFromString => match mlxlm::read(&string_flag()) {
+                Err(PersistError::Malformed { .. }) => Ok(()),
+                other => Err(format!("a string flag read as {:?}", other.map(|f| f.layers[0].clone()).ok())),
+            },
+            Mutant::CodecSavesWholeBuffer => {
+                let orig = serial(None, KvDtype::Bf16);
+                assert!(orig.cap() > orig.state().len, "the sample must hold spare capacity");
+                let reg = Registry::default();
+                let p = Persisted::new(AnyCache::Serial(orig.clone()));
+                let bytes = kvsim::encode(&reg, &BTreeMap::new(), &[p]).map_err(|e| e.to_string())?;
+                match kvsim::decode(&reg, &bytes).map_err(|e| e.to_string())?.1.remove(0).cache {
+                    AnyCache::Serial(b) if b.state() == orig.state() => Ok(()),
+                    other => Err(format!("restored {:?}", other.offset())),
+                }
+            }
+            _ => unreachable!(),
+        }
+    };
+    let ms = [
+        Mutant::FloorNotPersisted,
+        Mutant::MlxlmLoadDropsRightPadding,
+        Mutant::MlxlmRotatedFlagFromString,
+        Mutant::CodecSavesWholeBuffer,
+    ];
+    {
+        let _g = testlock::shared();
+        for m in ms {
+            detect(m).unwrap_or_else(|e| panic!("{m}: unarmed check failed: {e}"));
+        }
+    }
+    for m in ms {
+        assert_eq!(m.layout(), "persist");
+        let _armed = testlock::arm(m);
+        if crate::cache::mutation::ENABLED {
+            assert!(detect(m).is_err(), "{m} survived");
+        }
     }
 }

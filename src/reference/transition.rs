@@ -307,13 +307,15 @@ pub struct RowsModel {
     /// A prefill cohort is running: conversion waits for each request's `commit_prefill`.
     pub prefilling: bool,
     pub round: Option<RoundModel>,
+    /// A right-padded prefill ([`RowsModel::prepare`]): each row's positions still to arrive.
+    pub pending: Option<Vec<usize>>,
 }
 
 impl RowsModel {
     /// An empty layout (no rows).
     pub fn new(spec: TransitionSpec) -> Result<Self> {
         RowModel::try_new(spec.max_size)?;
-        Ok(RowsModel { spec, rows: Vec::new(), packed: false, prefilling: false, round: None })
+        Ok(RowsModel { spec, rows: Vec::new(), packed: false, prefilling: false, round: None, pending: None })
     }
 
     /// Runs `op` on a copy and keeps it only on success: every error leaves the layout unchanged.
@@ -386,6 +388,27 @@ impl RowsModel {
     /// that converted.
     pub fn append(&mut self, toks: &[Vec<Tok>], decode: bool) -> Result<(Vec<RowRead>, Vec<usize>)> {
         self.per_row(toks)?;
+        if let Some(pending) = self.pending.clone() {
+            if decode {
+                return Err(ModelError::PendingPrefill.into());
+            }
+            // A prepared prefill: row `r` takes its next `min(pending_r, L)` positions; nothing settles.
+            return self.transact(|s| {
+                let mut reads = Vec::with_capacity(toks.len());
+                let mut left = Vec::with_capacity(toks.len());
+                for ((row, t), &p) in s.rows.iter_mut().zip(toks).zip(&pending) {
+                    let n = p.min(t.len());
+                    reads.push(if n == 0 {
+                        RowRead { precision: row.precision(), queries: Vec::new() }
+                    } else {
+                        row.write(&t[..n], false)?
+                    });
+                    left.push(p - n);
+                }
+                s.pending = Some(left);
+                Ok((reads, Vec::new()))
+            });
+        }
         self.transact(|s| {
             let mut reads = Vec::with_capacity(toks.len());
             for (row, t) in s.rows.iter_mut().zip(toks) {
@@ -445,9 +468,40 @@ impl RowsModel {
         self.transact(|s| Ok(s.settle_rows(which)))
     }
 
-    /// Ends the prefill cohort (rows not committed stay as they are until their next boundary).
+    /// A right-padded prefill: row `r` has `lengths[r]` more positions, delivered by the next windows (each of width
+    /// `L` takes `min(remaining_r, L)` of them); a prefill cohort starts (conversion waits for each request's
+    /// `commit_prefill`, or `finalize`). A second prepare is `PendingPrefill`; inside a round or a cohort a
+    /// `Prefill` error.
+    pub fn prepare(&mut self, lengths: &[usize]) -> Result<()> {
+        if self.pending.is_some() {
+            return Err(ModelError::PendingPrefill.into());
+        }
+        if self.prefilling || self.round.is_some() {
+            return Err(TransitionError::Prefill { what: "prepare inside a prefill or a round" });
+        }
+        self.per_row(lengths)?;
+        self.pending = Some(lengths.to_vec());
+        self.prefilling = true;
+        Ok(())
+    }
+
+    /// Ends the right-padded prefill (positions not delivered are forgotten): every row's request commits, the rows
+    /// due convert (then pack). Returns the rows converted. Without one: `NoPendingPrefill`.
+    pub fn finalize(&mut self) -> Result<Vec<usize>> {
+        if self.pending.is_none() {
+            return Err(ModelError::NoPendingPrefill.into());
+        }
+        self.transact(|s| {
+            s.pending = None;
+            s.prefilling = false;
+            Ok(s.settle_all())
+        })
+    }
+
+    /// Ends the prefill cohort (rows not committed stay as they are until their next boundary). A prepared prefill
+    /// ends with `finalize` instead.
     pub fn end_prefill(&mut self) -> Result<()> {
-        if !self.prefilling {
+        if !self.prefilling || self.pending.is_some() {
             return Err(TransitionError::Prefill { what: "end without a prefill" });
         }
         self.prefilling = false;
@@ -546,6 +600,9 @@ impl RowsModel {
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
         if self.round.is_some() {
             return Err(TransitionError::Round { what: "filter inside an armed round" });
+        }
+        if self.pending.is_some() {
+            return Err(TransitionError::Prefill { what: "filter inside a pending prefill" });
         }
         let mut seen = vec![false; self.rows.len()];
         for &k in keep {

@@ -123,7 +123,7 @@ impl SimConfig {
         // The conversion op is not in the swarm's list (its length is part of every seed's draws): the quantized
         // family appends it below, from its own stream.
         let mut weights: Vec<(OpKind, u32)> =
-            OpKind::ALL.iter().filter(|k| !k.is_quant()).map(|&k| (k, k.base_weight())).collect();
+            OpKind::ALL.iter().filter(|k| !k.is_quant() && !k.is_persist()).map(|&k| (k, k.base_weight())).collect();
         // Swarm: switch off up to three kinds (never the ones every run needs to make progress).
         for _ in 0..rng.random_range(0..=3) {
             let i = rng.random_range(0..weights.len());
@@ -137,7 +137,7 @@ impl SimConfig {
         // Kinds some family of the run does not support are never drawn.
         let families = draw_families(seed);
         let training = families.iter().any(|f| f == family::training::NAME);
-        let transition = families.iter().any(|f| f == family::transition::NAME);
+        let transition = families.iter().any(|f| f == family::transition::NAME || f == family::transition::LEGO_NAME);
         for w in weights.iter_mut() {
             // The training kinds are forwards of the training family's own caches: drawn only when it is in the run.
             if !family::all_support(&families, w.0)
@@ -152,6 +152,11 @@ impl SimConfig {
             if family::all_support(&families, OpKind::Quantize) {
                 weights.push((OpKind::Quantize, q.convert_weight));
             }
+        }
+        // Save/restore (issue #16), from its own stream: about half the runs whose families all support it.
+        let mut prng = stream(seed, Stream::Persist);
+        if prng.random_bool(0.5) && family::all_support(&families, OpKind::Persist) {
+            weights.push((OpKind::Persist, prng.random_range(2..=6)));
         }
         SimConfig {
             layout,

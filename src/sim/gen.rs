@@ -40,6 +40,7 @@ impl Generator {
                 OpKind::Adopt | OpKind::Prepare => rows > 0,
                 OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
                 OpKind::Quantize => true,
+                OpKind::Persist => !v.solo.is_empty(),
             }
         };
         let choices: Vec<(OpKind, u32)> = OpKind::ALL
@@ -217,6 +218,9 @@ impl Generator {
                 Op::IllFormed { req, batch, input, variant: w.random() }
             }
             OpKind::Quantize => crate::sim::family::quant::draw_quantize(cfg, w),
+            OpKind::Persist => {
+                Op::Persist { req: v.solo[w.random_range(0..v.solo.len())].0, mlxlm: w.random_bool(0.5) }
+            }
         }
     }
 }

@@ -54,7 +54,7 @@ impl DeviceChoice {
     /// calling thread's exact read mode ([`crate::cache::exact`]).
     pub fn guarantees(self) -> Guarantees {
         let exact = crate::cache::read_mode() == crate::cache::ReadMode::Exact;
-        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu || exact }
+        Guarantees { exact_unpadded_decode: self == DeviceChoice::Cpu || exact, gpu: self == DeviceChoice::Gpu }
     }
 }
 
@@ -231,7 +231,8 @@ fn run_inner(
             f.counters(),
             failure.as_ref().is_some_and(|x: &FamilyFailure| x.family == Some(f.key())),
         )
-        .with_variant(f.variant());
+        .with_variant(f.variant())
+        .with_ops_by_kind(world.ops_by_kind.get(f.key()).into_iter().flatten().map(|(k, n)| (*k, *n)));
         layouts.entry(f.key().to_string()).or_insert_with(LayoutStats::default).add(&stats);
     }
     RunResult { trace, counters: world.counters(), ops_by_kind, api_coverage, skipped, layouts, failure }

@@ -109,6 +109,12 @@ pub enum Op {
     /// prepared and not finalized, which must refuse with `PendingPrefill` and change nothing. Invalid parameters
     /// (for the cache's head dim), or other parameters than a cache already holds, are typed errors.
     Quantize { bits: u32, group: u32, mid_round: bool },
+    /// Save/restore (issue #16): request `req` outside the batch has its caches (every layer, one file) saved,
+    /// dropped and restored from the bytes alone, then continues; the state checks after the op and every later
+    /// read compare the restored caches with the solo twins and the model. kvsim's format with a reuse floor of half
+    /// the offset (which must come back), or, with `mlxlm`, an mlx-lm prompt-cache file when every layer has an
+    /// mlx-lm form that keeps its state (else kvsim's format).
+    Persist { req: u32, mlxlm: bool },
 }
 
 /// What is wrong with an [`Op::IllFormed`] input.
@@ -178,6 +184,7 @@ pub enum OpKind {
     Prepare,
     IllFormed,
     Quantize,
+    Persist,
 }
 
 impl OpKind {
@@ -210,6 +217,7 @@ impl OpKind {
         OpKind::Prepare,
         OpKind::IllFormed,
         OpKind::Quantize,
+        OpKind::Persist,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -243,6 +251,7 @@ impl OpKind {
             OpKind::Prepare => "prepare",
             OpKind::IllFormed => "ill_formed",
             OpKind::Quantize => "quantize",
+            OpKind::Persist => "persist",
         }
     }
 
@@ -277,6 +286,7 @@ impl OpKind {
             OpKind::Prepare => 1,
             OpKind::IllFormed => 2,
             OpKind::Quantize => 1,
+            OpKind::Persist => 2,
         }
     }
 
@@ -294,6 +304,12 @@ impl OpKind {
     /// from its own stream, so that the swarm draws of every other run are unchanged.
     pub fn is_quant(self) -> bool {
         matches!(self, OpKind::Quantize)
+    }
+
+    /// The save/restore op: not in the swarm's list either (its length is part of every seed's draws); about half
+    /// the runs whose families all support it get a weight from [`crate::sim::rng::Stream::Persist`].
+    pub fn is_persist(self) -> bool {
+        matches!(self, OpKind::Persist)
     }
 
     /// Kinds every run keeps, so that requests can reach the batch and make progress.
@@ -349,6 +365,8 @@ pub const API_CLASSES: &[&str] = &[
     "plain_read",
     "to_quantized",
     "to_quantized/mid_round",
+    "persist/kvsim",
+    "persist/mlx_lm",
 ];
 
 impl Op {
@@ -426,6 +444,7 @@ impl Op {
             }],
             Op::PrefixReuse { .. } => vec!["prefix_reuse"],
             Op::PlainRead => vec!["plain_read"],
+            Op::Persist { mlxlm, .. } => vec![if *mlxlm { "persist/mlx_lm" } else { "persist/kvsim" }],
         }
     }
 
@@ -460,6 +479,7 @@ impl Op {
             Op::Prepare { .. } => OpKind::Prepare,
             Op::IllFormed { .. } => OpKind::IllFormed,
             Op::Quantize { .. } => OpKind::Quantize,
+            Op::Persist { .. } => OpKind::Persist,
         }
     }
 

@@ -29,6 +29,8 @@ pub enum Stream {
     /// The quantized family's parameters (bits, group, head dim, native or converted) and the weight of its
     /// conversion op (`sim::family::quant`); drawn only for runs that hold that family.
     Quant = 7,
+    /// Whether a run draws the save/restore op, and its weight (`sim::config`).
+    Persist = 10,
 }
 
 /// A generator for one subsystem of one seed.

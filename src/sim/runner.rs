@@ -27,6 +27,8 @@ pub struct World {
     pub hasher: blake3::Hasher,
     /// Applied ops per family key.
     pub ops: BTreeMap<&'static str, u64>,
+    /// Applied ops per family key and op kind (the summary's `layouts.<key>.ops_by_kind`).
+    pub ops_by_kind: BTreeMap<&'static str, BTreeMap<&'static str, u64>>,
 }
 
 impl World {
@@ -38,7 +40,7 @@ impl World {
                 .ok_or_else(|| Failure::new("setup", format!("unknown layout family {n:?} in the config")))?;
             families.push((reg.build)(&cfg)?);
         }
-        Ok(World { cfg, families, hasher: blake3::Hasher::new(), ops: BTreeMap::new() })
+        Ok(World { cfg, families, hasher: blake3::Hasher::new(), ops: BTreeMap::new(), ops_by_kind: BTreeMap::new() })
     }
 
     /// The scheduler's picture (the first family's; every family of a run sees the same requests).
@@ -88,6 +90,7 @@ impl World {
         if applied {
             for (i, f) in self.families.iter_mut().enumerate() {
                 *self.ops.entry(f.key()).or_insert(0) += 1;
+                *self.ops_by_kind.entry(f.key()).or_default().entry(op.kind().name()).or_insert(0) += 1;
                 let key = f.key();
                 let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
                 let mut cx = Cx { hasher: &mut self.hasher, observer: obs };
@@ -139,6 +142,7 @@ fn op_within_limits(op: &Op) -> bool {
             ok(*chunk) && ok(*chunks) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
         }
         Op::Quantize { bits, group, .. } => ok(*bits) && ok(*group),
+        Op::Persist { .. } => true,
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::TrainingForward { lengths, len, window } => {
             ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))

@@ -79,9 +79,11 @@ pub struct Counters {
     /// Rows persisted mid-run and restored before they continued (kvsim's format or an mlx-lm prompt-cache file;
     /// `src/persist`), then checked against their solo twins like every other state.
     pub persist_roundtrips: u64,
-    /// bf16-first family: rows and legos that converted to affine storage (each checked against the model's
-    /// boundary); those converted at a prefill chunk's commit; speculative rounds with unequal per-row accepts;
-    /// rollbacks of rows whose ring had wrapped; prefix reuses that took a stored entry.
+    /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
+    /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
+    /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
+    /// (or legos) whose ring had wrapped (one per round); prefix reuses that took a stored entry; trims that took a
+    /// converted lego below `start` (one per lego and layer; its storage stays affine).
     #[serde(default)]
     pub conversions: u64,
     #[serde(default)]
@@ -92,6 +94,8 @@ pub struct Counters {
     pub rollbacks_across_wrap: u64,
     #[serde(default)]
     pub reuses: u64,
+    #[serde(default)]
+    pub trims_below_start: u64,
     /// State comparisons (physical and temporal bytes vs twin and model) that were byte-identical.
     pub bit_exact_state: u64,
     pub decode_unpadded: ClassCount,
@@ -125,6 +129,7 @@ impl Default for Counters {
             rounds: 0,
             rollbacks_across_wrap: 0,
             reuses: 0,
+            trims_below_start: 0,
             bit_exact_state: 0,
             decode_unpadded: ClassCount::default(),
             decode_padded: ClassCount::default(),
@@ -132,7 +137,7 @@ impl Default for Counters {
             model_max_ulp_f32: 0.0,
             model_max_ulp_bf16: 0.0,
             model_checks: 0,
-            guarantees: Guarantees { exact_unpadded_decode: true },
+            guarantees: Guarantees { exact_unpadded_decode: true, gpu: false },
             table: BTreeMap::new(),
             recurrent: Recurrent::default(),
             ill_formed_rejected: BTreeMap::new(),
@@ -208,6 +213,7 @@ impl Counters {
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;
         self.rollbacks_across_wrap += o.rollbacks_across_wrap;
+        self.trims_below_start += o.trims_below_start;
         self.reuses += o.reuses;
         self.bit_exact_state += o.bit_exact_state;
         self.decode_unpadded.add(&o.decode_unpadded);
@@ -246,6 +252,10 @@ fn dtype_name(d: Dtype) -> &'static str {
 pub struct LayoutStats {
     /// Ops the family applied (not skipped).
     pub ops: u64,
+    /// The same ops per op kind (which kinds reached this family: e.g. `commit_span` in the quantized and recurrent
+    /// families, `compiled_step` in the quantized one).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub ops_by_kind: BTreeMap<String, u64>,
     /// Checks the family ran.
     pub checks: u64,
     /// Runs that failed on one of this family's checks.
@@ -278,6 +288,7 @@ impl LayoutStats {
     pub fn of(ops: u64, c: &Counters, failed: bool) -> LayoutStats {
         LayoutStats {
             ops,
+            ops_by_kind: BTreeMap::new(),
             checks: c.checks,
             failures: failed as u64,
             bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
@@ -296,8 +307,19 @@ impl LayoutStats {
         self
     }
 
+    /// The same line with its ops counted per kind.
+    pub fn with_ops_by_kind<'a>(mut self, kinds: impl IntoIterator<Item = (&'a str, u64)>) -> LayoutStats {
+        for (k, n) in kinds {
+            *self.ops_by_kind.entry(k.to_string()).or_insert(0) += n;
+        }
+        self
+    }
+
     pub fn add(&mut self, o: &LayoutStats) {
         self.ops += o.ops;
+        for (k, n) in &o.ops_by_kind {
+            *self.ops_by_kind.entry(k.clone()).or_insert(0) += n;
+        }
         self.checks += o.checks;
         self.failures += o.failures;
         self.bit_exact += o.bit_exact;

@@ -72,3 +72,27 @@ fn a_short_soak_reports_memory_and_a_verdict() {
     let saved: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(saved["ops"], report["ops"]);
 }
+
+/// Ctrl-C on a `--jobs` campaign: the parent stops handing out seeds, the workers end after the seeds they hold,
+/// and the merged summary of what ran is printed and marked `interrupted`. The signal arrives twice at once, as
+/// `timeout -s INT` delivers it (to the command, then to its process group): that is still one clean stop.
+#[test]
+fn ctrl_c_on_a_jobs_campaign_prints_the_summary_of_what_ran() {
+    use std::process::Stdio;
+    let child = Command::new(env!("CARGO_BIN_EXE_kvsim"))
+        .args(["sim", "--seeds", "100000", "--jobs", "2", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvsim runs");
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let pid = child.id().to_string();
+    for _ in 0..2 {
+        assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    }
+    let o = child.wait_with_output().unwrap();
+    let s = last_json(&o);
+    assert_eq!(s["interrupted"], true, "{s}");
+    assert!(s["seeds"].as_u64().unwrap() < 100_000);
+    assert_eq!(o.status.success(), s["failures"] == 0);
+}

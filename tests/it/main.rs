@@ -17,3 +17,4 @@ mod ssm;
 mod state_machine;
 mod traces;
 mod transition;
+mod transition_machine;

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kvsim::bytes::ArrayBytes;
-use kvsim::cache::{Masks, RowBatch, SerialCache};
+use kvsim::cache::{GdnParams, Masks, RowBatch, SerialCache, SsmCache};
 use kvsim::persist::inspect::{self, Format};
 use kvsim::persist::{mlxlm, AnyCache, HostTensor, PersistError, TensorDtype};
 use mlx_rs::Array;
@@ -96,11 +96,12 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
 
 fn layer0(bytes: &[u8]) -> AnyCache {
     let f = mlxlm::read(bytes).unwrap();
-    mlxlm::to_kvsim(&f.layers[0], None).unwrap()
+    mlxlm::file_to_kvsim(&f).unwrap().remove(0)
 }
 
-/// Each row's offset and temporal view (the newest `min(offset, W)` positions, oldest first) as stored: K and V, or
-/// the six quantized planes (compared as stored, never dequantized).
+/// Each row's offset and its state as stored: for attention the temporal view (the newest `min(offset, W)`
+/// positions, oldest first: K and V, or the six quantized planes, never dequantized; a chunked cache's live
+/// positions), for the recurrent cache both states; a list's children in order.
 fn rows_view(c: &AnyCache) -> Vec<(usize, Vec<ArrayBytes>)> {
     let all = |planes: Vec<Array>| planes.iter().map(bytes_of).collect::<Vec<_>>();
     match c {
@@ -108,7 +109,14 @@ fn rows_view(c: &AnyCache) -> Vec<(usize, Vec<ArrayBytes>)> {
         AnyCache::Rows(b) => (0..b.rows())
             .map(|r| (b.row_states()[r].ring.offset, all(b.row_temporal_view_planes(r).unwrap())))
             .collect(),
-        AnyCache::Ssm(_) => panic!("no mlx-lm fixture loads as the recurrent cache"),
+        AnyCache::Ssm(s) => (0..s.rows())
+            .map(|r| {
+                let (conv, rec) = s.row_states(r).unwrap();
+                (s.offsets()[r], vec![bytes_of(&conv), bytes_of(&rec)])
+            })
+            .collect(),
+        AnyCache::Chunked(c) => vec![(c.offset(), all(c.cache().temporal_view_planes().unwrap()))],
+        AnyCache::List(v) => v.iter().flat_map(rows_view).collect(),
     }
 }
 
@@ -130,7 +138,41 @@ fn step_rows(b: &mut RowBatch, k: &Array, v: &Array, q: &Array, scale: f32) -> A
     }
 }
 
-/// mlx-lm files continue here as mlx-lm continued them: every output and the final state, byte for byte.
+fn step_ssm(c: &mut SsmCache, io: &BTreeMap<String, Array>, p: &str, i: usize) -> Array {
+    let params = GdnParams {
+        conv_weight: io[&format!("{p}conv_weight")].clone(),
+        a_log: io[&format!("{p}A_log")].clone(),
+        dt_bias: io[&format!("{p}dt_bias")].clone(),
+    };
+    let (qkv, a, b) = (&io[&format!("{p}qkv.{i}")], &io[&format!("{p}a.{i}")], &io[&format!("{p}b.{i}")]);
+    if qkv.shape()[1] == 1 {
+        c.decode(qkv, a, b, &params).unwrap()
+    } else {
+        c.window(qkv, a, b, &params).unwrap()
+    }
+}
+
+/// One recorded step of one cache object (as the fixture script drives it: a chunked cache trims its front first);
+/// returns `(io key of mlx-lm's output, kvsim's output)` per cache.
+fn step(cache: &mut AnyCache, io: &BTreeMap<String, Array>, p: &str, i: usize, scale: f32) -> Vec<(String, Array)> {
+    let kvq = |n: &str| &io[&format!("{p}{n}.{i}")];
+    match cache {
+        AnyCache::Serial(c) => vec![(format!("{p}out.{i}"), step_serial(c, kvq("k"), kvq("v"), kvq("q"), scale))],
+        AnyCache::Rows(b) => vec![(format!("{p}out.{i}"), step_rows(b, kvq("k"), kvq("v"), kvq("q"), scale))],
+        AnyCache::Chunked(c) => {
+            c.maybe_trim_front().unwrap();
+            vec![(format!("{p}out.{i}"), step_serial(c.cache_mut(), kvq("k"), kvq("v"), kvq("q"), scale))]
+        }
+        AnyCache::Ssm(c) => vec![(format!("{p}y.{i}"), step_ssm(c, io, p, i))],
+        AnyCache::List(v) => {
+            v.iter_mut().enumerate().flat_map(|(j, c)| step(c, io, &format!("{p}c{j}."), i, scale)).collect()
+        }
+    }
+}
+
+/// mlx-lm files continue here as mlx-lm continued them: every output and the final state, byte for byte. For the
+/// recurrent state (`ArraysCache`) mlx-lm's side is its own layer arithmetic (`mx.conv1d`, `normalize_qk`,
+/// `gated_delta_update`'s ops path) and kvsim's is `SsmCache`: bytes agree there too (measured, CPU, bf16).
 #[test]
 fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
     cpu();
@@ -142,25 +184,40 @@ fn mlxlm_files_continue_here_as_mlxlm_continues_them() {
         let io = io_arrays(&format!("{name}.io.safetensors"));
         let mut cache = layer0(&read(&format!("{name}.safetensors")));
         for (i, l) in steps.iter().enumerate() {
-            let (k, v, q) = (&io[&format!("k.{i}")], &io[&format!("v.{i}")], &io[&format!("q.{i}")]);
-            assert_eq!(k.shape()[2] as usize, *l);
-            let out = match &mut cache {
-                AnyCache::Serial(c) => step_serial(c, k, v, q, scale),
-                AnyCache::Rows(b) => step_rows(b, k, v, q, scale),
-                AnyCache::Ssm(_) => panic!("no mlx-lm fixture loads as the recurrent cache"),
-            };
-            let want = &io[&format!("out.{i}")];
-            assert_eq!(bytes_of(&out), bytes_of(want), "{name}: output of step {i} (L = {l})");
-            compared += 1;
+            for (key, out) in step(&mut cache, &io, "", i, scale) {
+                assert_eq!(bytes_of(&out), bytes_of(&io[&key]), "{name}: {key} (step {i}, L = {l})");
+                compared += 1;
+            }
         }
         let theirs = layer0(&read(&format!("{name}.continued.safetensors")));
         assert_eq!(rows_view(&cache), rows_view(&theirs), "{name}: state after the continuation");
+        if let (AnyCache::Chunked(a), AnyCache::Chunked(b)) = (&cache, &theirs) {
+            assert_eq!(a.start_position(), b.start_position(), "{name}: start_position");
+        }
         // The known mlx-lm 0.32.2 load bugs the script met (classified, with the workaround it used).
         for bug in e["bugs"].as_array().unwrap() {
             assert!(bug["error"].as_str().unwrap().starts_with("AttributeError"), "{name}: {bug}");
         }
     }
-    assert_eq!(compared, 4 + 6 + 3 + 4 + 4 + 4, "every recorded step compared");
+    // KV 4, rotating 6, oversized 3, quantized 4, batch 4, batch rotating 4, ArraysCache 4, chunked 5, CacheList 3 x 2.
+    assert_eq!(compared, 4 + 6 + 3 + 4 + 4 + 4 + 4 + 5 + 6, "every recorded output compared");
+}
+
+/// An `ArraysCache` carries no offsets: without `kvsim_ssm_offsets` in the user metadata (or a [`mlxlm::Hints`])
+/// loading it is a typed error naming the key; with hints it loads.
+#[test]
+fn arrays_cache_offsets_come_from_metadata_or_hints() {
+    cpu();
+    let mut f = mlxlm::read(&read("arrays_cache.safetensors")).unwrap();
+    f.metadata.remove(mlxlm::SSM_OFFSETS_KEY);
+    let err = mlxlm::file_to_kvsim(&f).unwrap_err();
+    assert!(matches!(err, PersistError::Missing { .. }) && err.to_string().contains(mlxlm::SSM_OFFSETS_KEY), "{err}");
+    let hints = mlxlm::Hints { ssm_offsets: BTreeMap::from([("0".to_string(), vec![6])]), ..Default::default() };
+    let c = mlxlm::to_kvsim_at(&f.layers[0], "0", &hints).unwrap();
+    assert_eq!(c.storage_kind().0, "ssm");
+    // Inspect still names the kvsim kind (offsets are checked on load, not to describe a file).
+    let info = inspect::inspect_bytes(&mlxlm::write(&f).unwrap()).unwrap();
+    assert_eq!(info.layers[0].kvsim_kind.as_deref(), Some("ssm"));
 }
 
 /// The other direction: the files in `kvsim-written/` are exactly what kvsim writes today for each fixture (so the
@@ -180,6 +237,18 @@ fn files_written_here_continue_in_mlxlm_as_mlxlm_files_do() {
         let orig = read(&format!("{name}.safetensors"));
         let (md, caches) = inspect::load_any(&orig).unwrap();
         let now = inspect::save_as(Format::MlxLm, &md, &caches).unwrap();
+        if std::env::var_os("KVSIM_WRITE_FIXTURES").is_some() {
+            // Refresh kvsim-written/ (then run `prompt_cache_fixtures.py --check-kvsim-written` to record mlx-lm's
+            // continuation of these bytes).
+            std::fs::write(dir().join(format!("kvsim-written/{name}.safetensors")), &now).unwrap();
+            // And the fuzz seed corpus's valid files of this fixture, in both formats.
+            let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/cache_file");
+            std::fs::write(seeds.join(format!("valid-mlxlm-from-kvsim-{name}.safetensors")), &now).unwrap();
+            let kv = inspect::save_as(Format::Kvsim, &md, &caches).unwrap();
+            std::fs::write(seeds.join(format!("valid-kvsim-{name}.kvsim")), kv).unwrap();
+            checked += 1;
+            continue;
+        }
         assert!(now == read(&format!("kvsim-written/{name}.safetensors")), "{name}: kvsim writes other bytes now");
         let r = &report[&name];
         assert_eq!(r["class"], e["class"], "{name}");
@@ -190,7 +259,7 @@ fn files_written_here_continue_in_mlxlm_as_mlxlm_files_do() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 6);
+    assert_eq!(checked, 9);
 }
 
 /// kvsim's mlx-lm writer reproduces mlx-lm's layout for what it writes: a loaded file written back through kvsim's
@@ -203,8 +272,8 @@ fn files_written_here_hold_what_mlxlm_wrote() {
             continue;
         }
         let orig = layer0(&read(&format!("{name}.safetensors")));
-        let layer = mlxlm::from_kvsim(&orig).unwrap();
-        let f = mlxlm::MlxFile { metadata: BTreeMap::new(), layers: vec![layer] };
+        let f = mlxlm::file_from_kvsim(&BTreeMap::new(), std::slice::from_ref(&orig)).unwrap();
+        assert_eq!(f.layers[0].class_name(), e["class"].as_str().unwrap(), "{name}");
         let back = layer0(&mlxlm::write(&f).unwrap());
         assert_eq!(rows_view(&orig), rows_view(&back), "{name}");
     }

@@ -155,6 +155,8 @@ fn quant_config(native: bool) -> SimConfig {
 fn conversion_ops() -> Vec<Op> {
     let mut ops = vec![Op::Admit { req: 0 }, Op::SoloWindow { req: 0, len: 3 }];
     ops.extend((0..3).map(|_| Op::SoloDecode { req: 0 }));
+    // A compiled step of the still-plain caches (its probe converts a copy between step and apply: refused).
+    ops.push(Op::CompiledStep { req: 0 });
     ops.extend([Op::Admit { req: 1 }, Op::SoloWindow { req: 1, len: 2 }, Op::Join { reqs: vec![1], order: vec![] }]);
     ops.extend((0..3).map(|_| Op::Decode));
     ops.extend([
@@ -169,6 +171,8 @@ fn conversion_ops() -> Vec<Op> {
         Op::Quantize { bits: 8, group: 32, mid_round: false },
         Op::Decode,
         Op::SoloDecode { req: 0 },
+        // Compiled steps of the converted ring (wrapped: the ring fetch), each probed with a plain step's outputs.
+        Op::CompiledStep { req: 0 },
         Op::CompiledStep { req: 0 },
         Op::Verify { gamma: 2, accept: vec![1] },
         Op::Extract { row: 0, finish: false },
@@ -190,8 +194,16 @@ fn conversion_op_converts_wrapped_rings_mid_run_and_refuses_the_impossible() {
     assert_eq!(q.guarantees.get("to_quantized/f32").or(q.guarantees.get("to_quantized/bf16")).unwrap().compared, 1);
     assert_eq!(q.variants["5:32"].seeds, 1);
     // Attention: 5 refused conversions + 2 mid-round refusals; quant: 2 invalid + 1 mismatch + 2 mid-round + the
-    // compiled step's refusal.
-    assert_eq!(r.counters.expected_errors, 7 + 6, "{:?}", r.counters);
+    // three compiled steps' refused applies of a step of the other storage.
+    assert_eq!(r.counters.expected_errors, 7 + 5 + 3, "{:?}", r.counters);
+    assert_eq!(r.counters.ill_formed_rejected.get("compiled_step_storage"), Some(&3));
+    // The compiled steps: one of plain storage, two of the six affine planes, each byte-identical to the twin.
+    let steps: u64 = ["f32", "bf16"]
+        .iter()
+        .filter_map(|d| q.guarantees.get(&format!("compiled_step/{d}")))
+        .map(|c| c.bit_exact)
+        .sum();
+    assert_eq!(steps, 3, "{:?}", q.guarantees);
     // The conversion converts in physical order, phase kept: converting in temporal order is caught.
     let m =
         run(3, quant_config(false), Some(conversion_ops()), DeviceChoice::Cpu, Some(Mutant::QuantConvertTemporalOrder));

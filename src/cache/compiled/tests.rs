@@ -6,6 +6,13 @@ use crate::cache::mutation::testlock;
 use crate::cache::testutil::*;
 use crate::cache::{KvDtype, KvSpec, Masks, RingState};
 
+const Q4: QuantSpec = QuantSpec { bits: 4, group: 32 };
+
+/// A spec whose head dim every group MLX accepts divides (32, 64, 128).
+fn qspec(dtype: KvDtype) -> KvSpec {
+    KvSpec { head_dim: 128, ..spec(dtype) }
+}
+
 const ROPE: StepRope = StepRope { dims: 8, base: 10000.0, traditional: false };
 const SCALE: f32 = 0.3;
 
@@ -19,6 +26,7 @@ enum Mode {
 /// Drives an ordinary cache and a stepped one side by side; checks bytes and state after every step.
 struct Pair {
     spec: KvSpec,
+    storage: Storage,
     ordinary: SerialCache,
     stepped: SerialCache,
     mode: Mode,
@@ -28,21 +36,26 @@ struct Pair {
 }
 
 fn compiled_step(
+    storage: Storage,
     fetch: DecodePhase,
     rope: Option<StepRope>,
 ) -> impl FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception> {
     let f = move |inputs: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
-        plain_decode_step(fetch, rope, SCALE, inputs).map_err(|e| Exception::custom(e.to_string()))
+        decode_step(storage, fetch, rope, SCALE, inputs).map_err(|e| Exception::custom(e.to_string()))
     };
     mlx_rs::transforms::compile::compile(f, false)
 }
 
 impl Pair {
     fn new(spec: KvSpec, max_size: Option<usize>, mode: Mode) -> Self {
-        let c = SerialCache::new(spec, max_size).unwrap();
+        Self::with_storage(spec, max_size, Storage::Plain, mode)
+    }
+
+    fn with_storage(spec: KvSpec, max_size: Option<usize>, storage: Storage, mode: Mode) -> Self {
+        let c = SerialCache::with_storage(spec, max_size, storage).unwrap();
         // Compiled f32 RoPE drifts from the eager kernel (see below): rotate outside the closure there.
         let rope_inside = !(mode == Mode::Compiled && spec.dtype == KvDtype::F32);
-        Pair { spec, ordinary: c.clone(), stepped: c, mode, rope_inside, phases: Vec::new() }
+        Pair { spec, storage, ordinary: c.clone(), stepped: c, mode, rope_inside, phases: Vec::new() }
     }
 
     fn window(&mut self, seed: u64, l: usize) {
@@ -72,21 +85,29 @@ impl Pair {
         let mut inputs = self.stepped.step_inputs(&plan).unwrap();
         let (rope, q, k) = if self.rope_inside { (Some(ROPE), q, k) } else { (None, qr, kr) };
         inputs.extend([q, k, v, self.stepped.rope_input().unwrap()]);
+        assert_eq!(inputs.len(), self.storage.planes() + usize::from(plan.fetch == DecodePhase::Ring) + 4);
         let outputs = match self.mode {
-            Mode::Eager => plain_decode_step(plan.fetch, rope, SCALE, &inputs).unwrap(),
-            Mode::Compiled => compiled_step(plan.fetch, rope)(&inputs).unwrap(),
+            Mode::Eager => decode_step(self.storage, plan.fetch, rope, SCALE, &inputs).unwrap(),
+            Mode::Compiled => compiled_step(self.storage, plan.fetch, rope)(&inputs).unwrap(),
         };
         let out = outputs[0].clone();
         let roots = self.stepped.apply_decode_step(&plan, outputs).unwrap();
-        assert_eq!(roots.len(), if plan.fetch == DecodePhase::Concat { 2 } else { 0 });
-        let what = format!("step {seed} {plan:?} {:?}", self.mode);
+        assert_eq!(roots.len(), if plan.fetch == DecodePhase::Concat { self.storage.planes() } else { 0 });
+        let what = format!("step {seed} {plan:?} {:?} {:?}", self.mode, self.storage);
         assert_same_bytes(&out, &want, &format!("{what}: output"));
         assert_eq!(self.stepped.state(), self.ordinary.state(), "{what}: state");
-        let (sk, sv) = self.stepped.physical().unwrap();
-        let (ok, ov) = self.ordinary.physical().unwrap();
-        assert_same_bytes(&sk, &ok, &format!("{what}: keys"));
-        assert_same_bytes(&sv, &ov, &format!("{what}: values"));
         assert_eq!(self.stepped.cap(), self.ordinary.cap(), "{what}: capacity");
+        // Every plane, every column of the buffers (live or not), then the live columns in physical order.
+        let (sb, ob) = (self.stepped.buffer_planes().unwrap(), self.ordinary.buffer_planes().unwrap());
+        assert_eq!(sb.len(), self.storage.planes());
+        for (i, (a, b)) in sb.iter().zip(&ob).enumerate() {
+            assert_same_bytes(a, b, &format!("{what}: buffer plane {i}"));
+        }
+        for (i, (a, b)) in
+            self.stepped.physical_planes().unwrap().iter().zip(&self.ordinary.physical_planes().unwrap()).enumerate()
+        {
+            assert_same_bytes(a, b, &format!("{what}: live plane {i}"));
+        }
     }
 }
 
@@ -139,35 +160,79 @@ fn stepped_linear_cache_equals_ordinary_append_through_growth() {
     assert!(p.phases.iter().all(|&f| f == DecodePhase::Concat));
 }
 
+/// The ring script: the first wrap, rotation, oversize trim after a window write (the plateau), a bypass trim.
+fn ring_script(spec: KvSpec, storage: Storage, mode: Mode) {
+    for (w, prefill) in [(5, 3), (5, 12), (1, 2), (8, 0)] {
+        let mut p = Pair::with_storage(spec, Some(w), storage, mode);
+        if prefill > 0 {
+            p.window(7, prefill);
+        }
+        for s in 0..7 {
+            p.step(10 + s);
+        }
+        p.window(30, 3); // the plateau: the next step drops the oversize
+        for s in 0..3 {
+            p.step(40 + s);
+        }
+        p.window(50, 2);
+        p.trim(1, true); // a bypass trim leaves last_concat Some(1)
+        for s in 0..(w as u64 + 2) {
+            p.step(60 + s);
+        }
+        let seen = |f| p.phases.contains(&f);
+        let what = format!("{:?} {storage:?} {mode:?} W {w} prefill {prefill}", spec.dtype);
+        assert!(seen(DecodePhase::Ring), "{what}: the ring ran");
+        if prefill < w {
+            assert!(seen(DecodePhase::Concat), "{what}: appends before the wrap");
+        }
+    }
+}
+
 /// Rings: growth, the first wrap, rotation, oversize trim after a window write, a bypass trim, eager and compiled.
 #[test]
 fn stepped_ring_equals_ordinary_append_through_wrap_trim_and_rotation() {
     let _g = testlock::shared();
     let modes = [Mode::Eager, Mode::Compiled];
     for (dtype, mode) in [KvDtype::F32, KvDtype::Bf16].into_iter().flat_map(|d| modes.map(|m| (d, m))) {
-        for (w, prefill) in [(5, 3), (5, 12), (1, 2), (8, 0)] {
-            let mut p = Pair::new(spec(dtype), Some(w), mode);
-            if prefill > 0 {
-                p.window(7, prefill);
-            }
-            for s in 0..7 {
-                p.step(10 + s);
-            }
-            p.window(30, 3); // the plateau: the next step drops the oversize
-            for s in 0..3 {
-                p.step(40 + s);
-            }
-            p.window(50, 2);
-            p.trim(1, true); // a bypass trim leaves last_concat Some(1)
-            for s in 0..(w as u64 + 2) {
-                p.step(60 + s);
-            }
-            let seen = |f| p.phases.contains(&f);
-            assert!(seen(DecodePhase::Ring), "{dtype:?} W {w} prefill {prefill}: the ring ran");
-            if prefill < w {
-                assert!(seen(DecodePhase::Concat), "{dtype:?} W {w} prefill {prefill}: appends before the wrap");
+        ring_script(spec(dtype), Storage::Plain, mode);
+    }
+}
+
+/// Every bit width and every group: MLX's `quantize` of the one-position block inside the step stores the
+/// ordinary append's triples, and the quantized read over the step's planes is the ordinary read, byte for byte,
+/// through the wrap, rotation, the plateau's oversize trim and a bypass trim, eager and compiled, f32 and bf16.
+#[test]
+fn stepped_quantized_ring_equals_ordinary_append_through_wrap_trim_and_rotation() {
+    let _g = testlock::shared();
+    let quants = [(2, 128), (3, 64), (4, 32), (5, 64), (6, 32), (8, 128)];
+    for (i, (bits, group)) in quants.into_iter().enumerate() {
+        let storage = Storage::Affine(QuantSpec { bits, group });
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            // Both modes for two of the pairs, one mode (alternating) for the others: the 2-core budget.
+            let modes: &[Mode] = match i {
+                0 | 2 => &[Mode::Eager, Mode::Compiled],
+                _ if (i + (dtype == KvDtype::Bf16) as usize) % 2 == 0 => &[Mode::Eager],
+                _ => &[Mode::Compiled],
+            };
+            for &mode in modes {
+                ring_script(qspec(dtype), storage, mode);
             }
         }
+    }
+}
+
+/// The linear quantized cache: every step concatenates its six planes; growth at 256 columns.
+#[test]
+fn stepped_quantized_linear_cache_equals_ordinary_append_through_growth() {
+    let _g = testlock::shared();
+    for (dtype, mode) in [(KvDtype::Bf16, Mode::Eager), (KvDtype::F32, Mode::Compiled)] {
+        let mut p = Pair::with_storage(qspec(dtype), None, Storage::Affine(Q4), mode);
+        p.window(1, 250);
+        for s in 0..10 {
+            p.step(100 + s);
+        }
+        assert!(p.stepped.cap() >= 512, "grew past 256");
+        assert!(p.phases.iter().all(|&f| f == DecodePhase::Concat));
     }
 }
 
@@ -222,5 +287,64 @@ fn compiled_rope_is_exact_in_bf16_and_drifts_in_f32() {
             let same = same_bytes(&eager, &comp[0]);
             assert_eq!(same, dtype == KvDtype::Bf16 || off == 0, "{dtype:?} offset {off}");
         }
+    }
+}
+
+/// What stays impossible for the quantized step is a typed error with the cache unchanged: outputs of a plain step
+/// applied to a cache converted by `to_quantized` between its step and its apply (a mid-round conversion), a plain
+/// step fed the six planes, a quantized step's outputs applied to a plain cache. After the refusal the converted
+/// cache's own quantized step equals the ordinary append of a cache converted at the same point.
+#[test]
+fn step_of_the_other_storage_is_a_typed_error_and_changes_nothing() {
+    let _g = testlock::shared();
+    let spec = qspec(KvDtype::Bf16);
+    let masks = Masks::new();
+    let mut c = SerialCache::new(spec, Some(4)).unwrap();
+    let (k, v, q) = kvq(&spec, 3, 1, 3);
+    c.window(&k, &v, &q, SCALE, &masks).unwrap();
+    let mut ordinary = c.clone();
+    // A plain step prepared and run...
+    let plan = CompiledDecode::prepare_decode_step(&mut c).unwrap();
+    let mut inputs = c.step_inputs(&plan).unwrap();
+    let (k1, v1, q1) = kvq(&spec, 4, 1, 1);
+    inputs.extend([q1.clone(), k1.clone(), v1.clone(), c.rope_input().unwrap()]);
+    let plain_outs = plain_decode_step(plan.fetch, None, SCALE, &inputs).unwrap();
+    // ... the quantized step refuses the plain slot (two planes, not six) ...
+    assert!(matches!(
+        quantized_decode_step(Q4, plan.fetch, None, SCALE, &inputs),
+        Err(CacheError::StepMismatch { .. })
+    ));
+    // ... then the cache converts before the apply: the plain outputs no longer fit.
+    c.to_quantized(Q4).unwrap();
+    ordinary.to_quantized(Q4).unwrap();
+    let (state, before) = (c.state().clone(), c.buffer_planes().unwrap());
+    let r = c.apply_decode_step(&plan, plain_outs.clone());
+    assert!(matches!(r, Err(CacheError::StepMismatch { .. })), "{r:?}");
+    assert_eq!(c.state(), &state, "refusal changes no state");
+    for (i, (a, b)) in c.buffer_planes().unwrap().iter().zip(&before).enumerate() {
+        assert_same_bytes(a, b, &format!("plane {i} unchanged"));
+    }
+    // A plain step fed the six planes is refused too.
+    let mut six = c.step_inputs(&plan).unwrap();
+    assert_eq!(six.len(), 6);
+    six.extend([q1.clone(), k1.clone(), v1.clone(), c.rope_input().unwrap()]);
+    assert!(matches!(plain_decode_step(plan.fetch, None, SCALE, &six), Err(CacheError::StepMismatch { .. })));
+    // The converted cache's own step equals the ordinary append of the cache converted at the same point.
+    let outs = quantized_decode_step(Q4, plan.fetch, None, SCALE, &six).unwrap();
+    let out = outs[0].clone();
+    // A quantized step's outputs do not fit a plain cache.
+    let mut plain = SerialCache::new(spec, Some(4)).unwrap();
+    plain.window(&k, &v, &q, SCALE, &masks).unwrap();
+    let pplan = CompiledDecode::prepare_decode_step(&mut plain).unwrap();
+    assert_eq!(pplan, plan);
+    let pstate = plain.state().clone();
+    assert!(matches!(plain.apply_decode_step(&pplan, outs.clone()), Err(CacheError::StepMismatch { .. })));
+    assert_eq!(plain.state(), &pstate);
+    c.apply_decode_step(&plan, outs).unwrap();
+    let (want, _) = ordinary.decode(&k1, &v1, &q1, SCALE, &masks).unwrap();
+    assert_same_bytes(&out, &want, "output");
+    assert_eq!(c.state(), ordinary.state());
+    for (i, (a, b)) in c.buffer_planes().unwrap().iter().zip(&ordinary.buffer_planes().unwrap()).enumerate() {
+        assert_same_bytes(a, b, &format!("plane {i} after the step"));
     }
 }

@@ -374,22 +374,38 @@ fn quantized_batch_mutants_have_teeth() {
     assert_eq!(t.stats.window_same, t.stats.window_rows);
 }
 
-/// The compiled-decode protocol's step is plain: a cache of affine storage is refused up front
-/// (`StorageMismatch`), its state and planes unchanged; `decode_phase` (non-mutating) still answers.
+/// R-ROT-7 on a ring of either storage: a committed span is one decode per position (the in-place ring write and
+/// unmasked read each position gets), through the first wrap and later rotations: outputs and every plane
+/// byte-identical to single decodes, so each output keeps the single-position reduction order.
 #[test]
-fn compiled_decode_refuses_affine_storage_unchanged() {
-    use crate::cache::compiled::CompiledDecode;
+fn commit_span_on_a_wrapping_ring_is_single_decodes_for_both_storages() {
     let _g = testlock::shared();
-    let spec = qspec(KvDtype::F32);
-    let mut c = RotatingQuantizedKvCache::new(spec, 4, Q).unwrap();
-    let (k, v, qq) = kvq(&spec, 11, 1, 5);
-    c.window(&k, &v, &qq, 0.35, &Masks::new()).unwrap();
-    let (state, before) = (c.state().clone(), c.physical_planes().unwrap());
-    assert_eq!(CompiledDecode::decode_phase(&c), DecodePhase::Ring);
-    assert!(matches!(CompiledDecode::prepare_decode_step(&mut c), Err(CacheError::StorageMismatch { .. })));
-    assert_eq!(c.state(), &state);
-    for (a, b) in c.physical_planes().unwrap().iter().zip(&before) {
-        assert_same_bytes(a, b, "unchanged after the refusal");
+    let masks = Masks::new();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = qspec(dtype);
+        for storage in [Storage::Plain, Storage::Affine(Q), Storage::Affine(QuantSpec { bits: 6, group: 64 })] {
+            let mut span = SerialCache::with_storage(spec, Some(5), storage).unwrap();
+            let (k, v, q) = kvq(&spec, 40, 1, 3);
+            span.window(&k, &v, &q, 0.35, &masks).unwrap();
+            let mut steps = span.clone();
+            for (i, l) in [4usize, 1, 7].into_iter().enumerate() {
+                let (k, v, q) = kvq(&spec, 50 + i as u64, 1, l);
+                let out = span.commit_span(&k, &v, &q, 0.35, &masks).unwrap();
+                let mut outs = vec![];
+                for t in 0..l {
+                    let c = |x: &Array| crate::cache::util::cols(x, t, t + 1).unwrap();
+                    outs.push(steps.decode(&c(&k), &c(&v), &c(&q), 0.35, &masks).unwrap().0);
+                }
+                let what = format!("{dtype:?} {storage:?} span {i} of {l}");
+                assert_same_bytes(&out, &mlx_rs::ops::concatenate(&outs, 2).unwrap(), &format!("{what}: outputs"));
+                assert_eq!(span.state(), steps.state(), "{what}: state");
+                for (p, (a, b)) in span.buffer_planes().unwrap().iter().zip(&steps.buffer_planes().unwrap()).enumerate()
+                {
+                    assert_same_bytes(a, b, &format!("{what}: plane {p}"));
+                }
+            }
+            assert!(span.state().is_rotated() || span.offset() > 5, "the ring wrapped");
+        }
     }
 }
 

@@ -489,3 +489,46 @@ fn planted_bugs_change_bytes_or_offsets() {
         }
     }
 }
+
+/// A committed span: the positions go through the recurrence one step at a time, so outputs and both states are
+/// byte-identical to single decodes (f32 and bf16, K = 4 conv tails through and past the kernel). Refused before any
+/// change inside an armed round, with a prefill pending, or with inputs of another shape.
+#[test]
+fn commit_span_is_single_decodes_byte_for_byte_and_refusals_change_nothing() {
+    let _g = testlock::shared();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = spec(dtype);
+        let p = params(&spec, 5);
+        let mut span = SsmCache::new(spec, 2).unwrap();
+        let (q, a, b) = inputs(&spec, &[7, 8], &[0, 0], &[(0, 2); 2], 2);
+        span.window(&q, &a, &b, &p).unwrap();
+        let mut steps = span.clone();
+        for (pos, l) in [(2usize, 5usize), (7, 1), (8, 3)] {
+            let (q, a, b) = inputs(&spec, &[7, 8], &[pos, pos], &[(0, l); 2], l);
+            let y = span.commit_span(&q, &a, &b, &p).unwrap();
+            let mut ys = vec![];
+            for t in 0..l {
+                let (q1, a1, b1) = inputs(&spec, &[7, 8], &[pos + t, pos + t], &[(0, 1); 2], 1);
+                ys.push(steps.decode(&q1, &a1, &b1, &p).unwrap());
+            }
+            let want = mlx_rs::ops::concatenate(&ys, 1).unwrap();
+            assert_eq!(y.shape(), want.shape());
+            assert_eq!(bits(&y), bits(&want), "{dtype:?} span of {l} at {pos}: outputs");
+            assert_eq!(snapshot(&span), snapshot(&steps), "{dtype:?} span of {l} at {pos}: states");
+        }
+        // Refusals.
+        let s0 = snapshot(&span);
+        let (q2, a2, b2) = inputs(&spec, &[7, 8], &[11, 11], &[(0, 2); 2], 2);
+        let (q1, a1, b1) = inputs(&spec, &[7], &[11], &[(0, 2)], 2);
+        assert!(matches!(span.commit_span(&q1, &a1, &b1, &p), Err(CacheError::ShapeMismatch { .. })));
+        span.spec_round_begin().unwrap();
+        assert_eq!(span.commit_span(&q2, &a2, &b2, &p).err(), Some(CacheError::SpecRoundActive));
+        span.spec_round_commit().unwrap(); // nothing was recorded: the state is the pre-round one
+        let mut fresh = steps.clone();
+        fresh.prepare(&[2, 2], &[]).unwrap();
+        let before = snapshot(&fresh);
+        assert_eq!(fresh.commit_span(&q2, &a2, &b2, &p).err(), Some(CacheError::PendingPrefill));
+        assert_eq!(snapshot(&fresh), before);
+        assert_eq!(snapshot(&span), s0);
+    }
+}

@@ -179,3 +179,206 @@ fn rows_equal_their_lego_twins_through_conversion_wrap_rollback_and_packing() {
     rows.filter(&[1]).unwrap();
     assert_eq!(rows.minimum_reusable_offset(), twins[1].minimum_reusable_offset());
 }
+
+/// `commit_span` (issue #15) is `L` decodes, one per position: outputs and state byte-identical to the one-decode
+/// path, with the conversion between the positions of the span (start crossed inside it, start 0, a ring wrap).
+#[test]
+fn lego_commit_span_is_one_decode_per_position_through_conversion_and_wrap() {
+    let spec = tspec();
+    let masks = Masks::new();
+    for (w, start, pre, span, conv) in
+        [(None, Some(4), 2usize, 5usize, Some(4)), (Some(3), Some(0), 0, 4, Some(1)), (Some(3), Some(5), 4, 4, Some(5))]
+    {
+        let mut a = Bf16FirstCache::new(spec, w, tr(start)).unwrap();
+        if pre > 0 {
+            let (k, v, q) = kvq(&spec, 3, 1, pre);
+            a.window(&k, &v, &q, 0.3, &masks).unwrap();
+        }
+        let mut b = a.clone();
+        let (k, v, q) = kvq(&spec, 9, 1, span);
+        let out = a.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+        for i in 0..span {
+            let one = b
+                .decode(
+                    &cols(&k, i, i + 1).unwrap(),
+                    &cols(&v, i, i + 1).unwrap(),
+                    &cols(&q, i, i + 1).unwrap(),
+                    0.3,
+                    &masks,
+                )
+                .unwrap()
+                .0;
+            assert_same_bytes(&cols(&out, i, i + 1).unwrap(), &one, "span position vs its own decode");
+        }
+        assert_eq!(a.converted_at(), conv, "w {w:?} start {start:?}: converted between the span's positions");
+        assert_eq!(
+            (a.converted_at(), a.minimum_reusable_offset(), a.offset()),
+            (b.converted_at(), b.minimum_reusable_offset(), b.offset())
+        );
+        assert_eq!(
+            planes_bits(&a.inner().physical_planes().unwrap()),
+            planes_bits(&b.inner().physical_planes().unwrap())
+        );
+        // Bad input: a span of queries of another length, typed error, nothing changed.
+        let before = planes_bits(&a.inner().physical_planes().unwrap());
+        let (k2, v2, _) = kvq(&spec, 10, 1, 2);
+        let (_, _, q3) = kvq(&spec, 10, 1, 3);
+        assert!(matches!(a.commit_span(&k2, &v2, &q3, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })));
+        assert_eq!(planes_bits(&a.inner().physical_planes().unwrap()), before);
+    }
+}
+
+/// Rows: a span that converts one row between its positions and then packs, byte-identical to per-position decodes
+/// of the same rows and to each row's lego twin.
+#[test]
+fn rows_commit_span_is_one_decode_per_position_and_packs_between_positions() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let (w, t) = (Some(4), tr(Some(5)));
+    let mut legos = vec![Bf16FirstCache::new(spec, w, t).unwrap(), Bf16FirstCache::new(spec, w, t).unwrap()];
+    for (i, n) in [4usize, 2].iter().enumerate() {
+        let (k, v, q) = kvq(&spec, 50 + i as u64, 1, *n);
+        legos[i].window(&k, &v, &q, 0.3, &masks).unwrap();
+    }
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![legos[0].clone()]).unwrap();
+    let mut one = rows.clone();
+    let mut twin = legos[0].clone();
+    let (k, v, q) = kvq(&spec, 60, 1, 3);
+    let (out, converted) = rows.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_eq!(converted, vec![0], "row 0 reached start 5 at the span's first position");
+    assert!(rows.is_packed(), "packed between the span's positions");
+    let tw = twin.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_same_bytes(&out, &tw, "rows span vs the lego twin's span");
+    for i in 0..3 {
+        let o = one
+            .decode(
+                &cols(&k, i, i + 1).unwrap(),
+                &cols(&v, i, i + 1).unwrap(),
+                &cols(&q, i, i + 1).unwrap(),
+                0.3,
+                &masks,
+            )
+            .unwrap()
+            .0;
+        assert_same_bytes(&cols(&out, i, i + 1).unwrap(), &o, "rows span position vs its own decode");
+    }
+    assert_eq!(planes_bits(&rows.row_physical_planes(0).unwrap()), planes_bits(&one.row_physical_planes(0).unwrap()));
+    assert_eq!(
+        planes_bits(&rows.row_physical_planes(0).unwrap()),
+        planes_bits(&twin.inner().physical_planes().unwrap())
+    );
+    // Two rows, unequal offsets: row 0 converts at the first position, row 1 never in this span.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, legos.clone()).unwrap();
+    let mut one = rows.clone();
+    let (k, v, q) = kvq(&spec, 61, 2, 2);
+    let (out, converted) = rows.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_eq!(converted, vec![0]);
+    for i in 0..2 {
+        let o = one
+            .decode(
+                &cols(&k, i, i + 1).unwrap(),
+                &cols(&v, i, i + 1).unwrap(),
+                &cols(&q, i, i + 1).unwrap(),
+                0.3,
+                &masks,
+            )
+            .unwrap()
+            .0;
+        assert_same_bytes(&cols(&out, i, i + 1).unwrap(), &o, "two rows: span position vs its own decode");
+    }
+    for r in 0..2 {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(r).unwrap()),
+            planes_bits(&one.row_physical_planes(r).unwrap())
+        );
+    }
+    assert_eq!(rows.lifecycle(), one.lifecycle());
+    // Bad input: one row's inputs for two rows, typed error, nothing changed.
+    let snapshot = (rows.offsets(), rows.lifecycle().to_vec());
+    let (k1, v1, q1) = kvq(&spec, 62, 1, 2);
+    assert!(matches!(rows.commit_span(&k1, &v1, &q1, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })));
+    assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), snapshot);
+}
+
+/// Right-padded prefill (issue #15 for this family): each row stores only its real positions, byte-identical to its
+/// lego fed them inside a lego round; a row converts only when its request commits (`commit_prefill`, `finalize`),
+/// never at a sibling's window; the rows may pack inside the prefill and take the rest padded.
+#[test]
+fn rows_right_padded_prefill_converts_each_row_only_at_its_commit() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let (w, t) = (Some(4), tr(Some(2)));
+    let fresh = || Bf16FirstCache::new(spec, w, t).unwrap();
+    // Scenario 1: lengths [5, 2], chunks of 3; row 0 commits after the first chunk, row 1 at finalize.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![fresh(), fresh()]).unwrap();
+    let mut twins = vec![fresh(), fresh()];
+    rows.prepare(&[5, 2]).unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    let snapshot = |r: &TransitioningKvRows| {
+        ((0..r.rows()).map(|i| planes_bits(&r.row_physical_planes(i).unwrap())).collect::<Vec<_>>(), r.offsets())
+    };
+    let before = snapshot(&rows);
+    let (k1, v1, q1) = kvq(&spec, 80, 2, 1);
+    assert!(matches!(rows.decode(&k1, &v1, &q1, 0.3, &masks), Err(CacheError::PendingPrefill)));
+    assert!(matches!(rows.prepare(&[1, 1]), Err(CacheError::PendingPrefill)));
+    assert!(matches!(rows.filter(&[0]), Err(CacheError::Lifecycle { .. })));
+    assert!(matches!(rows.end_prefill(), Err(CacheError::Lifecycle { .. })));
+    assert_eq!(snapshot(&rows), before, "refusals while pending change nothing");
+    let chunk = |rows: &mut TransitioningKvRows, twins: &mut [Bf16FirstCache], seed: u64, real: [usize; 2]| {
+        let (k, v, q) = kvq(&spec, seed, 2, 3);
+        let (out, conv) = rows.window(&k, &v, &q, 0.3, &masks).unwrap();
+        assert!(conv.is_empty(), "nothing converts at a window of a prepared prefill");
+        for (i, tw) in twins.iter_mut().enumerate() {
+            if real[i] > 0 {
+                let c = |a: &Array| cols(&row(a, i), 0, real[i]).unwrap();
+                let o = tw.window(&c(&k), &c(&v), &c(&q), 0.3, &masks).unwrap().0;
+                if !rows.is_packed() {
+                    assert_same_bytes(&cols(&row(&out, i), 0, real[i]).unwrap(), &o, "real positions vs the lego");
+                }
+            }
+        }
+    };
+    chunk(&mut rows, &mut twins, 81, [3, 2]);
+    assert_eq!(rows.pending(), Some(&[2usize, 0][..]));
+    assert_eq!(rows.lifecycle()[1].converted_at, None, "row 1 reached start 2 but its request has not committed");
+    assert_eq!(rows.commit_prefill(&[0]).unwrap(), vec![0]);
+    assert!(twins[0].round_commit().unwrap());
+    chunk(&mut rows, &mut twins, 82, [2, 0]);
+    assert_eq!(rows.finalize().unwrap(), vec![1]);
+    assert!(twins[1].round_commit().unwrap());
+    assert!(rows.is_packed(), "every row converted");
+    for (i, tw) in twins.iter().enumerate() {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&tw.inner().physical_planes().unwrap())
+        );
+        assert_eq!(rows.lifecycle()[i].converted_at, tw.converted_at());
+    }
+    let before = snapshot(&rows);
+    assert!(matches!(rows.finalize(), Err(CacheError::NoPendingPrefill)));
+    assert_eq!(snapshot(&rows), before);
+    // Scenario 2: both rows commit after the first chunk, pack inside the prefill, and take the rest padded.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![fresh(), fresh()]).unwrap();
+    let mut twins = vec![fresh(), fresh()];
+    rows.prepare(&[4, 3]).unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    chunk(&mut rows, &mut twins, 90, [3, 3]);
+    assert_eq!(rows.commit_prefill(&[0, 1]).unwrap(), vec![0, 1]);
+    for tw in &mut twins {
+        assert!(tw.round_commit().unwrap());
+    }
+    assert!(rows.is_packed(), "packed inside the prefill");
+    chunk(&mut rows, &mut twins, 91, [1, 0]);
+    assert_eq!(rows.finalize().unwrap(), Vec::<usize>::new());
+    for (i, tw) in twins.iter().enumerate() {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&tw.inner().physical_planes().unwrap())
+        );
+    }
+    assert_eq!(rows.offsets(), vec![4, 3]);
+}

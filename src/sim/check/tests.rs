@@ -174,7 +174,7 @@ fn output_vs_twin_sees_a_last_bit_of_the_last_row() {
         assert_eq!(c.table["tag/f32"].max_ulp, 1);
     }
     // On a device where unpadded decode is measured only, the difference is recorded, not failed.
-    let mut c = Counters { guarantees: Guarantees { exact_unpadded_decode: false }, ..Counters::default() };
+    let mut c = Counters { guarantees: Guarantees { exact_unpadded_decode: false, gpu: true }, ..Counters::default() };
     output_vs_twin(OutClass::DecodeUnpadded, &[], &out, 1, &off, 1, &mut c).unwrap();
     assert_eq!(c.decode_unpadded.max_ulp, 1);
 }
@@ -267,4 +267,14 @@ fn columns_vs_model_sees_the_last_byte_of_the_last_column() {
             assert!(columns_vs_model("row", &v, 0, wrong, &got, &toks).is_err());
         }
     }
+}
+
+#[test]
+fn mask_memo_sees_a_second_build_of_the_last_family() {
+    let once = vec![("decode:4".to_string(), 1), ("window:inf".to_string(), 1)];
+    assert!(mask_memo("forward", &once).is_ok());
+    assert!(mask_memo("forward", &[]).is_ok());
+    let mut twice = once.clone();
+    twice[1].1 = 2;
+    assert_eq!(mask_memo("forward", &twice).unwrap_err().check, "mask_memo");
 }

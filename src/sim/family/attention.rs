@@ -16,8 +16,8 @@ use mlx_rs::Array;
 
 use crate::bytes::ArrayBytes;
 use crate::cache::{
-    plain_decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvSpec, MaskUse, Masks, RowBatch,
-    SerialCache, Storage,
+    decode_step, CacheError, CompiledDecode, DecodePhase, JoinSource, KvSpec, MaskUse, Masks, RowBatch, SerialCache,
+    Storage,
 };
 use crate::reference::{bidirectional_visible, read_block_context, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
@@ -217,7 +217,22 @@ impl Attention {
             Op::DecodePhase => self.decode_phases()?,
             Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,
             Op::IllFormed { req, batch, input, variant } => self.ill_formed(*req, *batch, *input, *variant)?,
+            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm)?,
         })
+    }
+
+    /// Save/restore of a request outside the batch (issue #16): every layer saved in one file, dropped, restored
+    /// from the bytes alone. `check_all` after the op compares the restored caches with the twins (state and bytes)
+    /// and the model; every later op continues them.
+    fn persist(&mut self, req: u32, mlxlm: bool) -> Res<bool> {
+        if !self.solo_req(req) {
+            return Ok(false);
+        }
+        let r = self.reqs.get_mut(&req).unwrap();
+        let caches = std::mem::take(&mut r.solo);
+        r.solo = persist_roundtrip(caches, mlxlm)?;
+        self.counters.persist_roundtrips += 1;
+        Ok(true)
     }
 
     // ----- special reads and the compiled step (R-ROT-9, R-C-9) -------------------------------------------------
@@ -331,18 +346,14 @@ impl Attention {
         Ok(true)
     }
 
-    /// One decode step of a request outside the batch through the compiled-decode protocol (plan, pure step,
-    /// apply); the twin runs the ordinary decode. Promised: the plan's fetch equals `decode_phase` and the model's
-    /// phase, and output and state are byte-identical to the ordinary append.
+    /// One decode step of a request outside the batch through the compiled-decode protocol (plan, pure step of
+    /// the family's storage: plain planes or the six affine planes, apply); the twin runs the ordinary decode.
+    /// Promised: the plan's fetch equals `decode_phase` and the model's phase, and output and state (every plane)
+    /// are byte-identical to the ordinary append (the state check after the op compares the planes with the
+    /// twin's and, for affine storage, with the reference's triples).
     fn compiled_step(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
         if !self.solo_req(req) {
             return Ok(false);
-        }
-        if self.storage != Storage::Plain {
-            // Affine storage has no compiled step: the refusal (state unchanged), then the ordinary decode a caller
-            // falls back to, so that the request advances as in every other family of the run.
-            self.compiled_step_refused(req)?;
-            return self.solo_decode(cx, req);
         }
         let toks = self.next_toks(req, 1);
         let scale = self.cfg.scale();
@@ -363,7 +374,8 @@ impl Attention {
             }
             let mut inputs = c.step_inputs(&plan).map_err(|e| unexpected("step_inputs", e))?;
             inputs.extend([q.clone(), k.clone(), v.clone(), c.rope_input().map_err(|e| unexpected("rope_input", e))?]);
-            let outputs = plain_decode_step(plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
+            let outputs =
+                decode_step(self.storage, plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
             let out = outputs[0].clone();
             c.apply_decode_step(&plan, outputs).map_err(|e| unexpected("apply_decode_step", e))?;
             if cx.observer.wants_calls() {
@@ -854,8 +866,9 @@ impl Attention {
         }
         let rope_before = self.batch[0].rope_offsets();
         let rope_values = rope_before.values();
+        // One memo for the forward: every layer reads the same geometry, built once (checked after the layers).
+        let masks = Masks::new();
         for layer in 0..self.cfg.layers {
-            let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
             if cx.observer.wants_calls() {
@@ -889,6 +902,8 @@ impl Attention {
             &rope_before.values(),
             &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
         )?;
+        check::mask_memo("batch decode", &masks.families())?;
+        self.counters.checks += 1;
         if cx.observer.wants_calls() {
             emit(cx, Call::BatchWritten { l: 1 })?;
         }
@@ -911,8 +926,9 @@ impl Attention {
             m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
             models.insert(id, m);
         }
+        // One memo for the forward (checked after the layers).
+        let masks = Masks::new();
         for layer in 0..self.cfg.layers {
-            let masks = Masks::new();
             let (k, v, q) = self.kvq(layer, &toks)?;
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
@@ -975,6 +991,8 @@ impl Attention {
                 }
             }
         }
+        check::mask_memo("batch window", &masks.families())?;
+        self.counters.checks += 1;
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;
         }
@@ -1624,14 +1642,14 @@ impl Family for Attention {
 }
 
 /// Saves serial caches to bytes (kvsim's format, or an mlx-lm prompt-cache file when `via_mlxlm` and every cache
-/// has an mlx-lm form), drops them, and restores them from the bytes alone.
+/// has an mlx-lm form that keeps its state: positions held, and no bypass-trim record, which mlx-lm's classes do not
+/// carry), drops them, and restores them from the bytes alone.
 fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<SerialCache>> {
     use crate::persist::inspect::{load_any, save_as, Format};
     use crate::persist::{mlxlm, AnyCache, Persisted};
     let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
     let spec_hints: Vec<_> = caches.iter().map(|c| c.spec()).collect();
-    let mlx_ok =
-        via_mlxlm && caches.iter().all(|c| c.offset() > 0 && mlxlm::from_kvsim(&AnyCache::Serial(c.clone())).is_ok());
+    let mlx_ok = via_mlxlm && caches.iter().all(|c| mlxlm_keeps_state(&AnyCache::Serial(c.clone())));
     let format = if mlx_ok { Format::MlxLm } else { Format::Kvsim };
     // kvsim's format carries a reuse floor: attach one (half the offset) and require it back; mlx-lm files carry none.
     let floors: Vec<usize> = caches.iter().map(|c| if format == Format::Kvsim { c.offset() / 2 } else { 0 }).collect();
@@ -1665,4 +1683,17 @@ fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<Seria
             other => Err(Failure::new("persist", format!("restored as {}", other.storage_kind()))),
         })
         .collect()
+}
+
+/// Whether a cache's mlx-lm form restores its whole state: it holds positions (an empty mlx-lm cache carries no
+/// spec), has no bypass-trim record (`last_concat`: mlx-lm's classes carry none) and has an mlx-lm form at all.
+pub(crate) fn mlxlm_keeps_state(c: &crate::persist::AnyCache) -> bool {
+    use crate::persist::{mlxlm, AnyCache};
+    let serial_ok = |s: &SerialCache| s.offset() > 0 && s.state().last_concat.is_none();
+    let ok = match c {
+        AnyCache::Serial(s) => serial_ok(s),
+        AnyCache::Ssm(s) => !s.is_pending() && !s.in_round(),
+        _ => false,
+    };
+    ok && mlxlm::from_kvsim(c).is_ok()
 }

@@ -92,6 +92,7 @@ pub const REGISTRY: &[Registration] = &[
     ssm::REGISTRATION,
     quant::REGISTRATION,
     transition::REGISTRATION,
+    transition::LEGO_REGISTRATION,
 ];
 
 /// The registration of `name`.

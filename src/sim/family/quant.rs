@@ -12,8 +12,11 @@
 //!   than a cache holds, and the refusal mid-round (a prepared, unfinalized prefill) with the state unchanged;
 //! - the state check of affine storage: all six planes of production against the twin (bytes, physical and temporal
 //!   order) and every live column's triple against `reference::quant::quantized_column` of the model's token;
-//! - the compiled-decode step's refusal (the protocol's step is plain; `CacheError::StorageMismatch`, nothing
-//!   changed).
+//! - the compiled-decode step of affine storage (`cache::quantized_decode_step`, run by the attention interpreter's
+//!   `compiled_step` for this family's storage): output and all six planes byte-identical to the twin's ordinary
+//!   append, the plan equal to `decode_phase` and the model's phase; and, on copies, the typed refusal of a step of
+//!   the other storage (a plain step's outputs applied after a mid-run conversion, or to affine planes:
+//!   `CacheError::StepMismatch`, state and planes unchanged; `ill_formed_rejected.compiled_step_storage`).
 //!
 //! Reads are the attention family's: outputs against the twin (bytes) and against the f64 attention over the
 //! dequantized values (`reference::quant`, within [`check::quant_model_bound`]).
@@ -26,7 +29,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::bytes::ArrayBytes;
-use crate::cache::{self, CacheError, CompiledDecode, QuantSpec, Storage};
+use crate::cache::{self, CacheError, CompiledDecode, DecodePhase, QuantSpec, Storage};
 use crate::reference::quant::{quantized_column, RefQuant};
 use crate::reference::{Tensor, Tok};
 use crate::sim::check::{self, Failure};
@@ -41,8 +44,7 @@ use crate::sim::summary::Counters;
 /// The family's name in `SimConfig::families`.
 pub const NAME: &str = "quant";
 
-/// The quantized family: every op kind of the alphabet (the compiled-decode step is answered with the typed
-/// refusal), in about 30% of the runs.
+/// The quantized family: every op kind of the alphabet, in about 30% of the runs.
 pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports: |_kind: OpKind| true,
@@ -125,6 +127,10 @@ impl Family for Quant {
     }
 
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        if let Op::CompiledStep { req } = op {
+            // On copies, before the real step: the typed refusal of a step of the other storage.
+            self.inner.compiled_step_other_storage(*req, self.choice.spec())?;
+        }
         // Calls are described as the attention family's (the mlx-lm oracle maps them on `QuantizedKVCache`), plus
         // the conversion op (`Call::Quantize`).
         Family::apply(&mut self.inner, op, cx)
@@ -278,23 +284,77 @@ impl Attention {
         Ok(())
     }
 
-    /// The compiled-decode protocol on a cache of affine storage: refused with `StorageMismatch` before any change
-    /// (its step is plain); checked here before the caller falls back to the ordinary decode.
-    pub(crate) fn compiled_step_refused(&mut self, req: u32) -> Res<bool> {
+    /// The compiled step's one remaining impossibility, a step of the other storage, on a copy of each layer's
+    /// serial cache of request `req` (prepared for its next step): a plain cache runs the plain step, then converts
+    /// (`to_quantized` with the run's parameters) before the apply, a mid-round conversion; an affine cache is
+    /// handed what a plain step returns for its plan (dense K and V of the slot's columns, its own outputs' shapes
+    /// otherwise). Both applies must be `StepMismatch` with the copy's state and every plane's bytes as they were
+    /// before the apply. The run's own caches are not touched (the op then runs the real step).
+    pub(crate) fn compiled_step_other_storage(&mut self, req: u32, quant: QuantSpec) -> Res<()> {
+        if !self.reqs.get(&req).is_some_and(|r| r.home == Home::Solo) {
+            return Ok(());
+        }
+        let fail = |what: String| Failure::new("errors", what);
+        let step_err = |e: CacheError| unexpected("compiled step (probe)", e);
         for layer in 0..self.cfg.layers {
-            let c = &mut self.reqs.get_mut(&req).unwrap().solo[layer];
-            match CompiledDecode::prepare_decode_step(c) {
-                Err(CacheError::StorageMismatch { .. }) => {}
+            let mut c = self.reqs[&req].solo[layer].clone();
+            let plan = CompiledDecode::prepare_decode_step(&mut c).map_err(step_err)?;
+            let slot = c.step_inputs(&plan).map_err(step_err)?;
+            let n = c.storage().planes();
+            let outputs = match c.storage() {
+                Storage::Plain => {
+                    let (hq, d) = (self.cfg.heads_q as i32, self.spec.head_dim as i32);
+                    let dt = self.spec.dtype.to_mlx();
+                    let zeros = |h: i32| mlx_rs::ops::zeros_dtype(&[1, h, 1, d], dt).map_err(|e| mlx_fail("zeros", e));
+                    let hkv = self.spec.heads_kv as i32;
+                    let mut inputs = slot;
+                    inputs.extend([zeros(hq)?, zeros(hkv)?, zeros(hkv)?, c.rope_input().map_err(step_err)?]);
+                    let outs = cache::plain_decode_step(plan.fetch, None, 1.0, &inputs).map_err(step_err)?;
+                    c.to_quantized(quant).map_err(|e| unexpected("to_quantized (probe)", e))?;
+                    outs
+                }
+                Storage::Affine(_) => {
+                    let (dk, dv) = match plan.fetch {
+                        DecodePhase::Ring => c.storage().dense(&slot[..n]).map_err(step_err)?,
+                        // A plain concat step returns the new column only: one dense column (the slot may be empty).
+                        DecodePhase::Concat => {
+                            let (h, d) = (self.spec.heads_kv as i32, self.spec.head_dim as i32);
+                            let one = mlx_rs::ops::zeros_dtype(&[1, h, 1, d], self.spec.dtype.to_mlx())
+                                .map_err(|e| mlx_fail("zeros", e))?;
+                            (one.clone(), one)
+                        }
+                    };
+                    vec![dk.clone(), dk, dv]
+                }
+            };
+            let (state, before) = (c.state().clone(), c.buffer_planes().unwrap_or_default());
+            match c.apply_decode_step(&plan, outputs) {
+                Err(CacheError::StepMismatch { .. }) => {}
                 other => {
-                    return Err(Failure::new(
-                        "errors",
-                        format!("compiled step of {}: expected StorageMismatch, got {other:?}", c.storage_kind().0),
-                    ))
+                    return Err(fail(format!(
+                        "layer {layer}: a step of the other storage applied to {}: expected StepMismatch, got {:?}",
+                        c.storage_kind().0,
+                        other.map(|r| r.len())
+                    )))
                 }
             }
-            self.counters.expected_errors += 1;
+            let after = c.buffer_planes().unwrap_or_default();
+            if c.state() != &state || after.len() != before.len() {
+                return Err(fail(format!("layer {layer}: a refused step apply changed the cache's state")));
+            }
+            let arrays: Vec<&mlx_rs::Array> = before.iter().chain(&after).collect();
+            let bytes = ArrayBytes::read_many(&arrays).map_err(|e| mlx_fail("read planes", e))?;
+            let m = before.len();
+            for p in 0..m {
+                check::bytes_equal(
+                    &format!("layer {layer} plane {p} after a refused step apply"),
+                    &bytes[p],
+                    &bytes[m + p],
+                )?;
+            }
+            self.counters.record_rejected("compiled_step_storage");
         }
-        Ok(true)
+        Ok(())
     }
 
     /// [`Attention::check_all`] for affine storage: host-side state and kinds, then every live request's six

@@ -15,7 +15,7 @@
 //! (both: `SsmCache::merge` of the batch and the requests' one-row caches; attention layers join), `batch_prefill`
 //! (the fresh requests' caches merged into the running batch, one prepared prefill over the *whole* batch with the
 //! running rows all padding, in chunks, then `finalize`; left padding in the `ssm` set unless the first request's id plus the chunk width is a multiple of 3, right
-//! padding otherwise), `decode`, `window` / `append` (S positions per row), `commit_span` (S decodes), `verify`
+//! padding otherwise), `decode`, `window` / `append` (S positions per row), `commit_span` (production's span APIs, the twins' S single decodes), `verify`
 //! (a speculative round: DeltaNet layers `spec_round_begin`, the armed window of `gamma` draft positions, then
 //! `spec_round_commit` when every row accepts all, else `spec_round_rollback_rows(keep)` with replay; attention
 //! layers `trim_rows(gamma - keep, bypass)`), `extract` (with `finish`: the request ends; else it continues outside
@@ -44,8 +44,9 @@ use crate::cache::{
     CacheError, GdnParams, JoinSource, KvSpec, Masks, RowBatch, SerialCache, SsmCache, SsmSpec, TrainingSsmCache,
 };
 use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
-use crate::sim::check::{ulp_at, Failure};
+use crate::sim::check::{self, ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
+use crate::sim::family::attention::mlx_fail;
 use crate::sim::family::{Cx, Family, Registration, View};
 use crate::sim::observe::{Call, Read, StateView};
 use crate::sim::ops::{Op, OpKind};
@@ -570,6 +571,9 @@ impl Recurrent {
                 }
             }
         }
+        // The forward's attention layers shared one mask memo: each family built once.
+        check::mask_memo("hybrid batch forward", &masks.families())?;
+        self.counters.checks += 1;
         Ok(())
     }
 
@@ -905,14 +909,85 @@ impl Recurrent {
         Ok(true)
     }
 
+    /// A committed span of `len` positions on every batch row, every layer: DeltaNet layers through
+    /// `SsmCache::commit_span` (the positions one recurrence step at a time), attention layers through
+    /// `RowBatch::commit_span`; each row's twin runs `len` single decodes. Promised: every DeltaNet output of the span
+    /// byte-identical to the twin's single steps (and within the bound of the f64 model); states are compared after
+    /// the op by `check_state`, as after any op. Attention outputs are recorded when byte-identical (a batch decode
+    /// of rows of different lengths is a padded read, measured by the attention family).
     fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
         if self.rows.is_empty() || len == 0 {
             return Ok(false);
         }
-        for _ in 0..len {
-            self.batch_forward(cx, 1, &vec![(0, 1); self.rows.len()], None)?;
-            self.advance(&vec![1; self.rows.len()]);
+        let rows: Vec<RowIn> = self.rows.iter().map(|id| (*id as u64, self.reqs[id].pos, 0, len)).collect();
+        let masks = Masks::new();
+        let per = self.set.dims.heads_v * self.set.dims.dv;
+        for li in 0..self.layers.len() {
+            let idx = li as u32;
+            match &self.layers[li] {
+                LayerDef::DeltaNet { params, weights } => {
+                    let (params, weights) = (params.clone(), weights.clone());
+                    let [q, a, b] = self.ssm_inputs(idx, &rows, len, None);
+                    let Rows::Ssm(batch) = &mut self.batch[li] else { unreachable!() };
+                    let y = batch.commit_span(&q, &a, &b, &params).map_err(|e| mlx("ssm commit_span", e))?;
+                    let yb = words(&y)?;
+                    cx.hasher.update(&yb.digest());
+                    for r in 0..self.rows.len() {
+                        let id = self.rows[r];
+                        let tokens = self.tokens(idx, id as u64, rows[r].1, len);
+                        let req = self.reqs.get_mut(&id).unwrap();
+                        let Cache::Ssm(twin) = &mut req.twin[li] else { unreachable!() };
+                        let mut steps = Vec::with_capacity(len);
+                        for t in 0..len {
+                            let (pq, pa, pb) =
+                                (pick(&q, r, t, t + 1, 1)?, pick(&a, r, t, t + 1, 1)?, pick(&b, r, t, t + 1, 1)?);
+                            steps.push(twin.decode(&pq, &pa, &pb, &params).map_err(|e| mlx("twin decode", e))?);
+                        }
+                        let ty = mlx_rs::ops::concatenate(&steps, 1).map_err(|e| mlx_fail("concatenate", e))?;
+                        let tb = words(&ty)?;
+                        let mut model = req.models[li].take().unwrap();
+                        let got = self.check_row_output(
+                            idx,
+                            &format!("row {r} span of {len} vs single steps"),
+                            &yb,
+                            r * len * per,
+                            &tb,
+                            &mut model,
+                            &weights,
+                            &tokens,
+                        );
+                        self.reqs.get_mut(&id).unwrap().models[li] = Some(model);
+                        got?;
+                        self.record("ssm_span_vs_single_steps", 1);
+                    }
+                }
+                LayerDef::Attention { .. } => {
+                    let [k, v, q] = self.attn_inputs(idx, &rows, len, None);
+                    let Rows::Attn(batch) = &mut self.batch[li] else { unreachable!() };
+                    let out =
+                        batch.commit_span(&k, &v, &q, SCALE, &masks).map_err(|e| mlx("attention commit_span", e))?;
+                    cx.hasher.update(&words(&out)?.digest());
+                    for r in 0..self.rows.len() {
+                        let id = self.rows[r];
+                        let Cache::Attn(twin) = &mut self.reqs.get_mut(&id).unwrap().twin[li] else { unreachable!() };
+                        let mut steps = Vec::with_capacity(len);
+                        for t in 0..len {
+                            let (pk, pv, pq) =
+                                (pick(&k, r, t, t + 1, 2)?, pick(&v, r, t, t + 1, 2)?, pick(&q, r, t, t + 1, 2)?);
+                            let (o, _) = twin
+                                .decode(&pk, &pv, &pq, SCALE, &Masks::new())
+                                .map_err(|e| mlx("twin attention decode", e))?;
+                            steps.push(o);
+                        }
+                        let to = mlx_rs::ops::concatenate(&steps, 2).map_err(|e| mlx_fail("concatenate", e))?;
+                        if words(&pick(&out, r, 0, len, 2)?)? == words(&to)? {
+                            self.record("hybrid_attention_output_vs_twin", 1);
+                        }
+                    }
+                }
+            }
         }
+        self.advance(&vec![len; self.rows.len()]);
         Ok(true)
     }
 
@@ -1075,7 +1150,7 @@ impl Recurrent {
             self.reqs.remove(&id);
             return Ok(true);
         }
-        let out = persist_roundtrip(out)?;
+        let out = persist_roundtrip(out, false)?;
         self.counters.persist_roundtrips += 1;
         let attn = self.attn;
         let r = self.reqs.get_mut(&id).unwrap();
@@ -1361,10 +1436,12 @@ impl Recurrent {
     }
 }
 
-/// Saves an extracted request's caches (every layer, one kvsim file, each with a reuse floor of half its offset),
-/// drops them and restores them from the bytes alone; the floors must come back and the layers keep their kinds.
-/// The state checks after the op and every later read compare the restored caches with the twins and the model.
-fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
+/// Saves a request's caches (every layer, one file) and restores them from the bytes alone: kvsim's format with a
+/// reuse floor of half each offset (the floors must come back), or with `via_mlxlm` an mlx-lm prompt-cache file
+/// (DeltaNet layers as `ArraysCache`, offsets in its user metadata) when every layer's mlx-lm form keeps its state.
+/// The layers keep their kinds. The state checks after the op and every later read compare the restored caches
+/// with the twins and the model.
+fn persist_roundtrip(caches: Vec<Cache>, via_mlxlm: bool) -> Res<Vec<Cache>> {
     use crate::persist::inspect::{load_any, save_as, Format};
     use crate::persist::{AnyCache, Persisted};
     let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
@@ -1378,9 +1455,16 @@ fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
             Persisted { minimum_reusable_offset: cache.offset() / 2, cache }
         })
         .collect();
+    let mlx = via_mlxlm && persisted.iter().all(|p| super::attention::mlxlm_keeps_state(&p.cache));
+    let (format, persisted) = if mlx {
+        let zero = persisted.into_iter().map(|p| Persisted::new(p.cache)).collect::<Vec<_>>();
+        (Format::MlxLm, zero)
+    } else {
+        (Format::Kvsim, persisted)
+    };
     let floors: Vec<usize> = persisted.iter().map(|p| p.minimum_reusable_offset).collect();
     let kinds: Vec<String> = persisted.iter().map(|p| p.cache.storage_kind().to_string()).collect();
-    let bytes = save_as(Format::Kvsim, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
     drop(persisted);
     let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
     let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
@@ -1396,7 +1480,7 @@ fn persist_roundtrip(caches: Vec<Cache>) -> Res<Vec<Cache>> {
         .map(|p| match p.cache {
             AnyCache::Ssm(c) => Ok(Cache::Ssm(c)),
             AnyCache::Serial(c) => Ok(Cache::Attn(c)),
-            AnyCache::Rows(_) => Err(Failure::new("persist", "a row batch restored from a request's layers")),
+            other => Err(Failure::new("persist", format!("a request's layer restored as {}", other.storage_kind()))),
         })
         .collect()
 }
@@ -1452,6 +1536,16 @@ impl Family for Recurrent {
             Op::Filter { keep } => self.filter(cx, keep),
             Op::TrainingForward { lengths, len, .. } => self.training_forward(cx, lengths, *len as usize),
             Op::TrainingRefusal { .. } => self.training_refusal(),
+            Op::Persist { req, mlxlm } => {
+                if !self.solo_req(*req) {
+                    return Ok(false);
+                }
+                let r = self.reqs.get_mut(req).unwrap();
+                let caches = std::mem::take(&mut r.solo);
+                r.solo = persist_roundtrip(caches, *mlxlm)?;
+                self.counters.persist_roundtrips += 1;
+                Ok(true)
+            }
             // Not supported (never dispatched here): trims, the attention-only special reads, prefix-shared forwards.
             Op::Trim { .. }
             | Op::SoloTrim { .. }

@@ -244,7 +244,20 @@ impl Training {
     fn refusal(&mut self, persist: bool) -> Res<bool> {
         let held = &self.held[0];
         let got = if persist {
-            // Persistence picks its codec by storage kind: the kind routes nowhere.
+            // Persistence picks its codec by storage kind: no codec of the registry handles a training kind (kvsim's
+            // own format and mlx-lm's alike: `UnknownKind`, fail closed), and the kind routes nowhere.
+            for kind in [held.storage_kind().0, crate::cache::PREFIX_SHARED.to_string()] {
+                match crate::persist::codec::Registry::default().codec(&kind) {
+                    Err(crate::persist::PersistError::UnknownKind { kind: k }) if k == kind => {}
+                    other => {
+                        return Err(Failure::new(
+                            "error",
+                            format!("the persistence registry for {kind}: expected UnknownKind, got {:?}", other.err()),
+                        ))
+                    }
+                }
+                self.counters.checks += 1;
+            }
             held.storage_kind().route().map(|_| ())
         } else {
             RowBatch::join(self.spec, self.cfg.layout.max_size(), &[JoinSource::Training(held)]).map(|_| ())
