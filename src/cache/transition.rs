@@ -119,6 +119,55 @@ impl Bf16FirstCache {
         Bf16FirstCache { cache, transition, converted_at, floor, round: None }
     }
 
+    /// A lego restored from its parts (persistence: `persist::codec`'s bf16-first codec), at rest (no armed round).
+    /// The parts must be a state the lifecycle can reach, else [`CacheError::InvalidState`] and no cache:
+    /// - converted at `c`: the transition is due at `c` and the storage is affine in the transition's format, and the
+    ///   floor is the one that conversion left (`Transition::floor_at(c)`; a later trim keeps both, so `c` may lie
+    ///   above the offset);
+    /// - not converted: plain storage, the transition not due at the offset (it would have converted at the end of
+    ///   that append), and floor 0.
+    ///
+    /// The window and spec are the storage's own.
+    pub fn restore(
+        cache: SerialCache,
+        transition: Transition,
+        converted_at: Option<usize>,
+        floor: usize,
+    ) -> Result<Self> {
+        Storage::Affine(transition.quant).validate(&cache.spec())?;
+        let bad = |what: String| Err(CacheError::InvalidState { what });
+        match converted_at {
+            Some(c) => {
+                if !transition.due(c) {
+                    return bad(format!("converted at {c}, before its transition ({:?}) was due", transition.start));
+                }
+                if cache.storage() != Storage::Affine(transition.quant) {
+                    return bad(format!("converted at {c} but holding {} storage", cache.storage_kind()));
+                }
+                if floor != transition.floor_at(c) {
+                    return bad(format!("floor {floor}, a conversion at {c} leaves {}", transition.floor_at(c)));
+                }
+            }
+            None => {
+                if cache.storage() != Storage::Plain {
+                    return bad(format!("not converted but holding {} storage", cache.storage_kind()));
+                }
+                if transition.due(cache.offset()) {
+                    return bad(format!("offset {} past its transition but not converted", cache.offset()));
+                }
+                if floor != 0 {
+                    return bad(format!("floor {floor} before any conversion"));
+                }
+            }
+        }
+        Ok(Self::compose(cache, transition, converted_at, floor))
+    }
+
+    /// Whether a speculative round is armed (neither committed nor rolled back yet).
+    pub fn in_round(&self) -> bool {
+        self.round.is_some()
+    }
+
     /// The storage this lego holds now (plain, or affine after the transition).
     pub fn inner(&self) -> &SerialCache {
         &self.cache

@@ -9,6 +9,7 @@
 //! | `kv-plain`, `rotating-plain` | `keys`, `values` `[1, H_kv, len, D]`: the live columns `[0, len)` in physical order (for a ring: the ring as laid out, rotated or not) | spec, window, `offset`, `idx`, `last_concat` (`len` is the tensors' column count) |
 //! | `kv-plain+row-batch`, `rotating-plain+row-batch` | `keys`, `values` `[B, H_kv, width, D]` with `width = max_r len_r`: every row's columns `[0, width)` | spec, window, per row `offset`, `len`, `idx`, `last_concat`, `base`, `pending` |
 //! | `kv:quant:<bits>:<group>`, `kv:rotating-quant:<bits>:<group>` (and their `+row-batch`) | the six stored planes instead of `keys`, `values`: `keys.packed` (U32, `D * bits / 32` words), `keys.scales`, `keys.biases` (`D / group`, the spec's dtype), and the same three for `values`; columns as for the plain kinds | as for the plain kinds, plus `quant` = `{bits, group}` |
+//! | `kv:bf16-first-quant:<bits>:<group>:<start>`, `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>` (the bf16-first legos, and so the transitioning rows through their extracted serial rows) | the storage it holds now, as its own codec stores it (`keys`, `values` before the conversion, the six planes after) | `storage` (that storage's kind), `inner` (its codec's state), `converted_at`, `floor` (the lego's own floor: it survives a trim below `start`, so it may exceed the offset) |
 //!
 //! Quantized caches are stored as quantized: the planes' bytes are exactly what MLX's `quantize` wrote, never
 //! dequantized and quantized again, so a loaded cache continues byte for byte.
@@ -33,8 +34,9 @@ use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
 use crate::cache::mutation::{self, Mutant};
 use crate::cache::{
-    ChunkedKvCache, KindRoute, KvDtype, KvSpec, QuantSpec, RingState, RowBatch, RowState, SerialCache, SsmCache,
-    SsmSpec, Storage, StorageKind, CACHE_LIST, CHUNKED_PREFIX, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
+    parse_bf16_first, Bf16FirstCache, ChunkedKvCache, KindRoute, KvDtype, KvSpec, QuantSpec, RingState, RowBatch,
+    RowState, SerialCache, SsmCache, SsmSpec, Storage, StorageKind, Transition, CACHE_LIST, CHUNKED_PREFIX, KV_PLAIN,
+    ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
 };
 
 /// A cache of any persistable kind.
@@ -48,6 +50,8 @@ pub enum AnyCache {
     Chunked(ChunkedKvCache),
     /// One layer's list of caches (`cache-list`, mlx-lm's `CacheList`), each child of its own kind.
     List(Vec<AnyCache>),
+    /// A serial bf16-first lego (its layout's own kind, whichever storage it holds now).
+    Bf16First(Bf16FirstCache),
 }
 
 impl AnyCache {
@@ -59,6 +63,7 @@ impl AnyCache {
             AnyCache::Ssm(c) => c.storage_kind(),
             AnyCache::Chunked(c) => c.storage_kind(),
             AnyCache::List(_) => StorageKind::new(CACHE_LIST),
+            AnyCache::Bf16First(c) => c.lego_kind(),
         }
     }
 
@@ -70,6 +75,7 @@ impl AnyCache {
             AnyCache::Ssm(c) => c.offset(),
             AnyCache::Chunked(c) => c.offset(),
             AnyCache::List(v) => v.iter().map(AnyCache::offset).max().unwrap_or(0),
+            AnyCache::Bf16First(c) => c.offset(),
         }
     }
 
@@ -79,6 +85,7 @@ impl AnyCache {
             AnyCache::Serial(c) => Some(c.spec()),
             AnyCache::Rows(b) => Some(b.spec()),
             AnyCache::Chunked(c) => Some(c.cache().spec()),
+            AnyCache::Bf16First(c) => Some(c.inner().spec()),
             AnyCache::Ssm(_) | AnyCache::List(_) => None,
         }
     }
@@ -88,6 +95,7 @@ impl AnyCache {
         match self {
             AnyCache::Serial(c) => c.max_size(),
             AnyCache::Rows(b) => b.max_size(),
+            AnyCache::Bf16First(c) => c.inner().max_size(),
             AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) => None,
         }
     }
@@ -161,6 +169,8 @@ impl Default for Registry {
                 Box::new(RowsCodec { rotating: true, quantized: true }),
                 Box::new(SsmCodec),
                 Box::new(ChunkedCodec),
+                Box::new(Bf16FirstCodec { rotating: false }),
+                Box::new(Bf16FirstCodec { rotating: true }),
             ],
         }
     }
@@ -726,6 +736,89 @@ impl Codec for ChunkedCodec {
             return Err(PersistError::malformed("chunked entry decoded as a batch"));
         };
         Ok(AnyCache::Chunked(ChunkedKvCache::from_cache(c, chunk)?))
+    }
+}
+
+/// `kv:bf16-first-quant:..` and `kv:bf16-first-rotating-quant:..`: a bf16-first lego. Its storage is stored by the
+/// serial codec of the storage it holds now (plain before its conversion, affine after: the planes as MLX wrote
+/// them), wrapped with the lifecycle (`converted_at`, the lego's floor). The kind names the transition (window, bits,
+/// group, start); decoding checks the storage against it and the lifecycle through [`Bf16FirstCache::restore`] (a
+/// state the lifecycle cannot reach is an error). A lego with an armed round is refused (not a resting state).
+struct Bf16FirstCodec {
+    rotating: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Bf16FirstState {
+    storage: String,
+    inner: serde_json::Value,
+    converted_at: Option<usize>,
+    floor: usize,
+}
+
+impl Codec for Bf16FirstCodec {
+    fn storage_kind(&self) -> &'static str {
+        if self.rotating {
+            "kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>"
+        } else {
+            "kv:bf16-first-quant:<bits>:<group>:<start>"
+        }
+    }
+
+    fn handles(&self, kind: &str) -> bool {
+        parse_bf16_first(&StorageKind::new(kind)).is_some_and(|d| d.max_size.is_some() == self.rotating)
+    }
+
+    fn encode(&self, cache: &AnyCache) -> Result<Entry> {
+        let AnyCache::Bf16First(c) = cache else {
+            return Err(PersistError::malformed(format!("{} codec given another cache", self.storage_kind())));
+        };
+        if c.in_round() {
+            return Err(PersistError::unsupported("a bf16-first cache with an armed round"));
+        }
+        let codec = SerialCodec { rotating: self.rotating, quantized: c.converted_at().is_some() };
+        let inner = codec.encode(&AnyCache::Serial(c.inner().clone()))?;
+        let state = Bf16FirstState {
+            storage: inner.storage_kind,
+            inner: inner.state,
+            converted_at: c.converted_at(),
+            floor: c.minimum_reusable_offset(),
+        };
+        Ok(Entry {
+            storage_kind: c.lego_kind().0,
+            state: serde_json::to_value(state).map_err(|e| PersistError::malformed(e.to_string()))?,
+            tensors: inner.tensors,
+            minimum_reusable_offset: 0,
+        })
+    }
+
+    fn decode(&self, e: &Entry) -> Result<AnyCache> {
+        let kind = parse_bf16_first(&StorageKind::new(e.storage_kind.as_str()))
+            .filter(|d| d.max_size.is_some() == self.rotating)
+            .ok_or_else(|| PersistError::UnknownKind { kind: e.storage_kind.clone() })?;
+        let st: Bf16FirstState = state_of(e)?;
+        let codec = SerialCodec { rotating: self.rotating, quantized: st.converted_at.is_some() };
+        if !codec.handles(&st.storage) {
+            return Err(PersistError::malformed(format!(
+                "{} entry holding {} storage (converted at {:?})",
+                e.storage_kind, st.storage, st.converted_at
+            )));
+        }
+        let inner =
+            Entry { storage_kind: st.storage, state: st.inner, tensors: e.tensors.clone(), minimum_reusable_offset: 0 };
+        let AnyCache::Serial(cache) = codec.decode(&inner)? else {
+            return Err(PersistError::malformed("bf16-first entry decoded as a batch"));
+        };
+        if cache.max_size() != kind.max_size {
+            return Err(PersistError::malformed(format!(
+                "{} entry holding a cache of window {:?}",
+                e.storage_kind,
+                cache.max_size()
+            )));
+        }
+        let t = Transition { start: kind.start, quant: kind.quant };
+        Ok(AnyCache::Bf16First(Bf16FirstCache::restore(cache, t, st.converted_at, st.floor)?))
     }
 }
 

@@ -1118,7 +1118,7 @@ fn cache_quant(cache: &AnyCache) -> Option<QuantSpec> {
     match cache {
         AnyCache::Serial(c) => c.storage().quant(),
         AnyCache::Rows(b) => b.storage().quant(),
-        AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) => None,
+        AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) | AnyCache::Bf16First(_) => None,
     }
 }
 
@@ -1176,6 +1176,8 @@ fn i32_of(v: usize, name: &str) -> Result<i32> {
 /// - Affine storage never takes the dense forms above (their dequantized values would restore a plain cache: the
 ///   simulator's quantized family caught that): `kv:quant:..` -> `QuantizedKVCache`, the rotating and batched
 ///   quantized kinds are [`PersistError::Unsupported`] (see `quantized_from_kvsim`).
+/// - The bf16-first legos are [`PersistError::Unsupported`]: mlx-lm 0.32.2 has no class that converts at a boundary
+///   (its `QuantizedKVCache` form would lose the transition and, before it, the bf16 storage).
 pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
     if let Some(q) = cache_quant(cache) {
         return quantized_from_kvsim(cache, q);
@@ -1216,6 +1218,7 @@ pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
             })
         }
         AnyCache::List(children) => Ok(MlxLayer::CacheList(children.iter().map(from_kvsim).collect::<Result<_>>()?)),
+        AnyCache::Bf16First(_) => Err(PersistError::unsupported("mlx-lm 0.32.2 has no bf16-first cache class")),
         AnyCache::Serial(c) => {
             let s = c.state();
             let (k, v) = c.physical()?;

@@ -801,3 +801,106 @@ fn persistence_mutants_break_a_check() {
         }
     }
 }
+
+fn lego_decode(c: &mut crate::cache::Bf16FirstCache, seed: u64) -> mlx_rs::Array {
+    let (k, v, q) = kvq(&c.inner().spec(), seed, 1, 1);
+    c.decode(&k, &v, &q, SCALE, &Masks::new()).unwrap().0
+}
+
+fn lego_window(c: &mut crate::cache::Bf16FirstCache, seed: u64, l: usize) -> mlx_rs::Array {
+    let (k, v, q) = kvq(&c.inner().spec(), seed, 1, l);
+    c.window(&k, &v, &q, SCALE, &Masks::new()).unwrap().0
+}
+
+fn assert_lego_same(a: &crate::cache::Bf16FirstCache, b: &crate::cache::Bf16FirstCache, what: &str) {
+    assert_eq!(a.lego_kind(), b.lego_kind(), "{what}: kind");
+    assert_eq!(
+        (a.converted_at(), a.minimum_reusable_offset(), a.max_append_tokens()),
+        (b.converted_at(), b.minimum_reusable_offset(), b.max_append_tokens()),
+        "{what}: lifecycle"
+    );
+    assert_planes_same(a.inner(), b.inner(), what);
+}
+
+/// The bf16-first legos (and so the transitioning rows, through their extracted serial rows): saved before and
+/// after their conversion, through a wrap and a trim below `start`; each loaded lego continues byte for byte (it
+/// converts at the same append, with the same floor) and entries that lie about the lifecycle are typed errors.
+#[test]
+fn bf16_first_legos_round_trip_across_their_conversion_and_continue() {
+    use crate::cache::{Bf16FirstCache, Transition};
+    let _g = testlock::shared();
+    let reg = Registry::default();
+    for (max, bits, group, start) in
+        [(None, 4, 64, Some(6)), (Some(4), 5, 32, Some(3)), (Some(8), 3, 128, Some(0)), (None, 8, 32, None)]
+    {
+        let t = Transition { start, quant: QuantSpec { bits, group } };
+        let what = format!("{max:?} {bits}/{group} start {start:?}");
+        let mut orig = Bf16FirstCache::new(qspec(KvDtype::Bf16), max, t).unwrap();
+        // Saved empty, in bf16, then at every append until well past the conversion (and a wrap for the rings).
+        for step in 0..10u64 {
+            let mut back = match roundtrip(&Persisted::new(AnyCache::Bf16First(orig.clone()))).cache {
+                AnyCache::Bf16First(c) => c,
+                other => panic!("{what}: restored as {}", other.storage_kind()),
+            };
+            assert_lego_same(&orig, &back, &format!("{what} step {step}"));
+            for s in 0..3 {
+                let (o1, o2) = (lego_decode(&mut orig, 100 * step + s), lego_decode(&mut back, 100 * step + s));
+                assert_same_bytes(&o1, &o2, &format!("{what} step {step}: decode {s}"));
+            }
+            assert_lego_same(&orig, &back, &format!("{what} step {step}: continued"));
+            lego_window(&mut orig, 1000 + step, 2);
+        }
+        // Conversion is irreversible: a trim below start keeps the affine storage and the floor, and saves so.
+        if max.is_none() && start.is_some() {
+            let n = orig.offset() - 1;
+            orig.trim(n, false).unwrap();
+            let AnyCache::Bf16First(back) = roundtrip(&Persisted::new(AnyCache::Bf16First(orig.clone()))).cache else {
+                panic!("{what}: kind changed")
+            };
+            assert_lego_same(&orig, &back, &format!("{what}: trimmed below start"));
+        }
+        // The fuzz seed corpus holds a converted linear and a converted ring lego; refresh with KVSIM_WRITE_SEEDS=1.
+        if orig.converted_at().is_some() && std::env::var_os("KVSIM_WRITE_SEEDS").is_some() {
+            let name = if max.is_some() { "bf16_first_rotating" } else { "bf16_first" };
+            let p = Persisted::new(AnyCache::Bf16First(orig.clone()));
+            let bytes = kvsim::encode(&reg, &BTreeMap::new(), std::slice::from_ref(&p)).unwrap();
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/cache_file");
+            std::fs::write(dir.join(format!("valid-kvsim-{name}.kvsim")), &bytes).unwrap();
+        }
+        // mlx-lm has no class for it.
+        assert!(matches!(mlxlm::from_kvsim(&AnyCache::Bf16First(orig.clone())), Err(PersistError::Unsupported { .. })));
+    }
+
+    // Entries that lie: each a typed error, never a lego.
+    let t = Transition { start: Some(4), quant: QuantSpec { bits: 4, group: 64 } };
+    let mut lego = Bf16FirstCache::new(qspec(KvDtype::Bf16), Some(8), t).unwrap();
+    lego_window(&mut lego, 7, 5);
+    assert_eq!(lego.converted_at(), Some(5));
+    let good = reg.encode(&Persisted::new(AnyCache::Bf16First(lego.clone()))).unwrap();
+    assert!(reg.decode(&good).is_ok());
+    let lie = |f: &dyn Fn(&mut Entry)| {
+        let mut e = good.clone();
+        f(&mut e);
+        reg.decode(&e).err().unwrap_or_else(|| panic!("accepted: {e:?}"))
+    };
+    // Converted before its start; a floor the conversion did not leave; said unconverted while holding affine planes.
+    assert!(matches!(lie(&|e| e.state["converted_at"] = 3.into()), PersistError::Cache(_)));
+    assert!(matches!(lie(&|e| e.state["floor"] = 0.into()), PersistError::Cache(_)));
+    assert!(matches!(lie(&|e| e.state["converted_at"] = serde_json::Value::Null), PersistError::Malformed { .. }));
+    // The kind's window or format differs from the stored storage's.
+    assert!(lie(&|e| e.storage_kind = "kv:bf16-first-rotating-quant:16:4:64:4".into()).to_string().contains("window"));
+    assert!(matches!(
+        lie(&|e| e.storage_kind = "kv:bf16-first-rotating-quant:8:8:64:4".into()),
+        PersistError::Cache(_)
+    ));
+    // Unknown fields, a kind that does not parse back.
+    assert!(matches!(lie(&|e| e.state["extra"] = 1.into()), PersistError::Malformed { .. }));
+    assert!(matches!(
+        lie(&|e| e.storage_kind = "kv:bf16-first-quant:4:64:04".into()),
+        PersistError::UnknownKind { .. }
+    ));
+    // An armed round is not a resting state: refused on save.
+    let mut armed = lego;
+    armed.round_begin().unwrap();
+    assert!(matches!(reg.encode(&Persisted::new(AnyCache::Bf16First(armed))), Err(PersistError::Unsupported { .. })));
+}

@@ -44,6 +44,11 @@
 //!   needed trim of a wrapped ring: `NotTrimmable`; nothing changed), then `extra` more positions continue it.
 //! - `PlainRead` (new): the plain read of the batch, refused with `MixedPrecision` while any row is affine; the
 //!   dense fetch (each row as its storage fetches it dense) against the twin's.
+//! - `Persist { req, mlxlm }` (issue #16, both modes): a request outside the batch (a transitioning row handed back
+//!   to serial use, or a lego that never ran in the batch) saved in kvsim's format by its legos' own kind, dropped,
+//!   and restored from the bytes alone; `check_all` then compares the restored legos with their twins (planes,
+//!   lifecycle, floor, kind). With `mlxlm`, mlx-lm's form is first asked for and must be refused
+//!   (`PersistError::Unsupported`: mlx-lm 0.32.2 has no class that converts at a boundary).
 
 use std::collections::BTreeMap;
 
@@ -88,6 +93,7 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::CommitSpan
             | OpKind::PrefixReuse
             | OpKind::PlainRead
+            | OpKind::Persist
     ) || k.is_training()
 }
 
@@ -231,7 +237,61 @@ fn same_error(got: &CacheError, want: &TransitionError) -> bool {
     }
 }
 
+/// Saves a request's legos (one per layer) in kvsim's format, each with a reuse floor attached (half its offset),
+/// drops them, and restores them from the bytes alone; the floors must come back. With `via_mlxlm`, mlx-lm's form of
+/// every lego must first be refused as unsupported (and nothing is written in that format).
+fn persist_legos(legos: Vec<Bf16FirstCache>, via_mlxlm: bool) -> Res<Vec<Bf16FirstCache>> {
+    use crate::persist::inspect::{load_any, save_as, Format};
+    use crate::persist::{mlxlm, AnyCache, PersistError, Persisted};
+    let fail = |what: &str, e: PersistError| Failure::new("persist", format!("{what}: {e}"));
+    let floors: Vec<usize> = legos.iter().map(|c| c.offset() / 2).collect();
+    let persisted: Vec<Persisted> = legos
+        .into_iter()
+        .zip(&floors)
+        .map(|(c, &f)| Persisted { cache: AnyCache::Bf16First(c), minimum_reusable_offset: f })
+        .collect();
+    if via_mlxlm {
+        for p in &persisted {
+            match mlxlm::from_kvsim(&p.cache) {
+                Err(PersistError::Unsupported { .. }) => {}
+                other => {
+                    return Err(Failure::new(
+                        "persist",
+                        format!("mlx-lm form of {}: {:?}, expected Unsupported", p.cache.storage_kind(), other.err()),
+                    ))
+                }
+            }
+        }
+    }
+    let bytes = save_as(Format::Kvsim, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    drop(persisted);
+    let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
+    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
+    if back != floors {
+        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+    }
+    restored
+        .into_iter()
+        .map(|p| match p.cache {
+            AnyCache::Bf16First(c) => Ok(c),
+            other => Err(Failure::new("persist", format!("restored as {}", other.storage_kind()))),
+        })
+        .collect()
+}
+
 impl TransitionFamily {
+    /// `Persist { req, mlxlm }`: a request outside the batch through a save and a restore (`persist_legos`).
+    fn persist(&mut self, req: u32, mlxlm: bool) -> Res<bool> {
+        if !self.solo_req(req) {
+            return Ok(false);
+        }
+        let r = self.reqs.get_mut(&req).unwrap();
+        let legos = std::mem::take(&mut r.solo);
+        r.solo = persist_legos(legos, mlxlm)?;
+        self.counters.persist_roundtrips += 1;
+        Ok(true)
+    }
+
     pub fn new(cfg: &SimConfig, legos: bool) -> Res<TransitionFamily> {
         let choice = TransitionChoice::draw(cfg);
         let mut own = cfg.clone();
@@ -1290,6 +1350,7 @@ impl Family for TransitionFamily {
                 self.prefix_reuse(cx, *common as usize, *prompt as usize, *extra as usize)
             }
             Op::PlainRead => self.plain_read(cx),
+            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm),
             // The training kinds use their own stateless caches: every cache here must come out unchanged.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),
             _ => Ok(false),

@@ -21,7 +21,7 @@
 //!   (counted in `trims_below_start`); an impossible trim is the model's typed error with the bytes unchanged.
 //! - `Merge`/`Join` (membership only), `Extract` (back outside the batch; `finish` stores the lego as the prefix
 //!   cache entry), `Filter`, `PrefixReuse` (as the rows family), `PlainRead` (each lego's dense fetch against its
-//!   twin's).
+//!   twin's), `Persist` (as the rows family: the request's legos saved, dropped and restored).
 //!
 //! After every op every lego's state is checked as the rows family checks its legos (`check_lego`: planes against
 //! the twin's in physical order, bytes; temporal view against the model's tokens; lifecycle, `max_append_tokens`,
@@ -62,6 +62,7 @@ impl TransitionFamily {
                 self.prefix_reuse(cx, *common as usize, *prompt as usize, *extra as usize)
             }
             Op::PlainRead => self.lego_dense(cx),
+            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm),
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),
             _ => Ok(false),
         }
