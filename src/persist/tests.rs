@@ -189,9 +189,21 @@ fn registry_routes_by_exact_kind_and_fails_closed() {
             "kv:rotating-quant:<bits>:<group>+row-batch",
             "ssm",
             "kv-chunked:<chunk_size>",
+            "kv:bf16-first-quant:<bits>:<group>:<start>",
+            "kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>",
             "cache-list"
         ]
     );
+    for (kind, pattern) in [
+        ("kv:bf16-first-quant:4:64:16", "kv:bf16-first-quant:<bits>:<group>:<start>"),
+        ("kv:bf16-first-rotating-quant:32:5:32:0", "kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>"),
+    ] {
+        assert_eq!(reg.codec(kind).unwrap().storage_kind(), pattern, "{kind}");
+    }
+    // The rows' kinds have no codec (a row is saved as the lego its extract composes).
+    for bad in ["kv:delayed-quant:4:64:16", "kv:bf16-first-quant:4:64", "kv:bf16-first-quant:7:64:16"] {
+        assert!(matches!(reg.codec(bad), Err(PersistError::UnknownKind { .. })), "{bad}");
+    }
     assert_eq!(reg.codec("kv-chunked:4").unwrap().storage_kind(), "kv-chunked:<chunk_size>");
     for bad in ["kv-chunked:", "kv-chunked:04", "kv-chunked:x", "kv-chunked:-1", "kv-chunked:<chunk_size>"] {
         assert!(matches!(reg.codec(bad), Err(PersistError::UnknownKind { .. })), "{bad}");
