@@ -366,7 +366,7 @@ pub const API_CLASSES: &[&str] = &[
     "to_quantized",
     "to_quantized/mid_round",
     "persist/kvsim",
-    "persist/mlx_lm",
+    "persist/mlx-lm",
 ];
 
 impl Op {
@@ -444,7 +444,7 @@ impl Op {
             }],
             Op::PrefixReuse { .. } => vec!["prefix_reuse"],
             Op::PlainRead => vec!["plain_read"],
-            Op::Persist { mlxlm, .. } => vec![if *mlxlm { "persist/mlx_lm" } else { "persist/kvsim" }],
+            Op::Persist { mlxlm, .. } => vec![if *mlxlm { "persist/mlx-lm" } else { "persist/kvsim" }],
         }
     }
 

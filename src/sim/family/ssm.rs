@@ -929,7 +929,32 @@ impl Recurrent {
                     let (params, weights) = (params.clone(), weights.clone());
                     let [q, a, b] = self.ssm_inputs(idx, &rows, len, None);
                     let Rows::Ssm(batch) = &mut self.batch[li] else { unreachable!() };
+                    let padded = batch.padding().is_some();
                     let y = batch.commit_span(&q, &a, &b, &params).map_err(|e| mlx("ssm commit_span", e))?;
+                    if cx.observer.wants_calls() {
+                        // The oracle sees the span as what it promises to equal: one decode per position.
+                        let reqs = self.rows.clone();
+                        let spans = vec![(0usize, 1usize); reqs.len()];
+                        let read = if padded { Read::Window } else { Read::Decode };
+                        for t in 0..len as i32 {
+                            let at = |x: &Array| {
+                                x.try_index((.., t..t + 1, ..)).map_err(|e| Failure::new("mlx", format!("slice: {e}")))
+                            };
+                            let (qt, at_, bt, yt) = (at(&q)?, at(&a)?, at(&b)?, at(&y)?);
+                            let call = Call::SsmCall {
+                                req: None,
+                                layer: li,
+                                read,
+                                reqs: &reqs,
+                                qkv: &qt,
+                                a: &at_,
+                                b: &bt,
+                                out: &yt,
+                                spans: &spans,
+                            };
+                            emit(cx, call)?;
+                        }
+                    }
                     let yb = words(&y)?;
                     cx.hasher.update(&yb.digest());
                     for r in 0..self.rows.len() {
