@@ -125,6 +125,9 @@ pub struct Summary {
     pub expected_errors: u64,
     /// Rows saved and restored mid-run (`src/persist`) before continuing, checked like every other state.
     pub persist_roundtrips: u64,
+    /// Running batches saved and restored mid-run (every layer, kvsim's format), each row then checked.
+    #[serde(default)]
+    pub persist_batches: u64,
     /// The bf16-first families (issue #13): conversions to affine storage (one per row or lego and per layer), of
     /// which at a prefill chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the
     /// ring's wrap; prefix reuses of a stored entry; trims of a converted lego below `start`
@@ -258,6 +261,7 @@ impl Summary {
         self.checks = t.checks;
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
+        self.persist_batches = t.persist_batches;
         self.conversions = t.conversions;
         self.prefill_conversions = t.prefill_conversions;
         self.rounds = t.rounds;

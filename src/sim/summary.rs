@@ -79,6 +79,10 @@ pub struct Counters {
     /// Rows persisted mid-run and restored before they continued (kvsim's format or an mlx-lm prompt-cache file;
     /// `src/persist`), then checked against their solo twins like every other state.
     pub persist_roundtrips: u64,
+    /// Running batches persisted mid-run (every layer, kvsim's format) and restored before they continued, each row
+    /// then checked against its twin (one per `persist` op that found rows running: attention, quant, ssm families).
+    #[serde(default)]
+    pub persist_batches: u64,
     /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
     /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
     /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
@@ -124,6 +128,7 @@ impl Default for Counters {
             checks: 0,
             expected_errors: 0,
             persist_roundtrips: 0,
+            persist_batches: 0,
             conversions: 0,
             prefill_conversions: 0,
             rounds: 0,
@@ -209,6 +214,7 @@ impl Counters {
         self.checks += o.checks;
         self.expected_errors += o.expected_errors;
         self.persist_roundtrips += o.persist_roundtrips;
+        self.persist_batches += o.persist_batches;
         self.conversions += o.conversions;
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;

@@ -232,7 +232,32 @@ impl Attention {
         let caches = std::mem::take(&mut r.solo);
         r.solo = persist_roundtrip(caches, mlxlm)?;
         self.counters.persist_roundtrips += 1;
+        if !self.rows.is_empty() {
+            self.persist_batch()?;
+        }
         Ok(true)
+    }
+
+    /// The running batch (every layer, one file) through kvsim's format and back, mid-run: rows keep their physical
+    /// columns, ring phase, bypass-trim record and a pending prefill (mlx-lm's batch classes keep none of the
+    /// last two, so kvsim's format only). A reuse floor of half the batch offset rides along and must come back. The
+    /// state checks after the op compare every restored row with its twin; the outputs of every later op are the
+    /// run's, so a restore that is not exact changes the result hash.
+    fn persist_batch(&mut self) -> Res<()> {
+        use crate::persist::{inspect::Format, AnyCache, Persisted};
+        let persisted: Vec<Persisted> = std::mem::take(&mut self.batch)
+            .into_iter()
+            .map(|b| Persisted { minimum_reusable_offset: b.offset() / 2, cache: AnyCache::Rows(b) })
+            .collect();
+        self.batch = super::persist_through_bytes(persisted, Format::Kvsim)?
+            .into_iter()
+            .map(|c| match c {
+                AnyCache::Rows(b) => Ok(b),
+                other => Err(Failure::new("persist", format!("batch restored as {}", other.storage_kind()))),
+            })
+            .collect::<Res<_>>()?;
+        self.counters.persist_batches += 1;
+        Ok(())
     }
 
     // ----- special reads and the compiled step (R-ROT-9, R-C-9) -------------------------------------------------

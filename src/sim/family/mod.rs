@@ -110,6 +110,31 @@ pub fn all_support(names: &[String], kind: OpKind) -> bool {
     names.iter().all(|n| registration(n).is_some_and(|r| (r.supports)(kind)))
 }
 
+/// Saves caches to one file of `format` (every cache one layer), drops them, and restores them from the bytes alone:
+/// the persist op's round trip, shared by every family. Each cache's reuse floor and storage kind must come back
+/// (a `persist` failure otherwise); the restored caches are returned in order for the family to unwrap.
+pub(crate) fn persist_through_bytes(
+    persisted: Vec<crate::persist::Persisted>,
+    format: crate::persist::inspect::Format,
+) -> Result<Vec<crate::persist::AnyCache>, Failure> {
+    use crate::persist::inspect::{load_any, save_as};
+    let fail = |what: &str, e: crate::persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
+    let floors: Vec<usize> = persisted.iter().map(|p| p.minimum_reusable_offset).collect();
+    let kinds: Vec<String> = persisted.iter().map(|p| p.cache.storage_kind().to_string()).collect();
+    let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    drop(persisted);
+    let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
+    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
+    if back != floors {
+        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+    }
+    let got: Vec<String> = restored.iter().map(|p| p.cache.storage_kind().to_string()).collect();
+    if got != kinds {
+        return Err(Failure::new("persist", format!("kinds {kinds:?} saved, {got:?} restored")));
+    }
+    Ok(restored.into_iter().map(|p| p.cache).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -238,17 +238,15 @@ fn same_error(got: &CacheError, want: &TransitionError) -> bool {
 }
 
 /// Saves a request's legos (one per layer) in kvsim's format, each with a reuse floor attached (half its offset),
-/// drops them, and restores them from the bytes alone; the floors must come back. With `via_mlxlm`, mlx-lm's form of
-/// every lego must first be refused as unsupported (and nothing is written in that format).
+/// drops them, and restores them from the bytes alone (`family::persist_through_bytes`: floors and kinds must come
+/// back). With `via_mlxlm`, mlx-lm's form of every lego must first be refused as unsupported (and nothing is written
+/// in that format).
 fn persist_legos(legos: Vec<Bf16FirstCache>, via_mlxlm: bool) -> Res<Vec<Bf16FirstCache>> {
-    use crate::persist::inspect::{load_any, save_as, Format};
+    use crate::persist::inspect::Format;
     use crate::persist::{mlxlm, AnyCache, PersistError, Persisted};
-    let fail = |what: &str, e: PersistError| Failure::new("persist", format!("{what}: {e}"));
-    let floors: Vec<usize> = legos.iter().map(|c| c.offset() / 2).collect();
     let persisted: Vec<Persisted> = legos
         .into_iter()
-        .zip(&floors)
-        .map(|(c, &f)| Persisted { cache: AnyCache::Bf16First(c), minimum_reusable_offset: f })
+        .map(|c| Persisted { minimum_reusable_offset: c.offset() / 2, cache: AnyCache::Bf16First(c) })
         .collect();
     if via_mlxlm {
         for p in &persisted {
@@ -263,16 +261,9 @@ fn persist_legos(legos: Vec<Bf16FirstCache>, via_mlxlm: bool) -> Res<Vec<Bf16Fir
             }
         }
     }
-    let bytes = save_as(Format::Kvsim, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
-    drop(persisted);
-    let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
-    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
-    if back != floors {
-        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
-    }
-    restored
+    crate::sim::family::persist_through_bytes(persisted, Format::Kvsim)?
         .into_iter()
-        .map(|p| match p.cache {
+        .map(|c| match c {
             AnyCache::Bf16First(c) => Ok(c),
             other => Err(Failure::new("persist", format!("restored as {}", other.storage_kind()))),
         })
