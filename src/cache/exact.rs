@@ -39,8 +39,10 @@
 //! On the CPU the mode keeps MLX's SDPA: MLX's CPU SDPA is already batch-invariant (measured: every row of 1000
 //! seeds byte-identical, README "Guarantees"), so [`ReadMode::Exact`] changes nothing there.
 //!
-//! Quantized K/V (packed `u32` + scales + biases) is not handled yet: the kernel reads K and V through one load
-//! (`kv_load`), which is where a dequantize-on-load would go.
+//! Quantized K/V (packed `u32` + scales + biases) reaches the kernel dense: on a GPU every read of affine storage is
+//! MLX's elementwise `dequantize` first (`quant::attend_planes`; each value a function of its own code, scale and
+//! bias only), then this read. The dequantized bytes are the same alone or in a batch, so the invariance carries
+//! over; the kernels themselves read bf16 and f32 only.
 
 use std::cell::Cell;
 use std::ffi::CString;
