@@ -128,6 +128,9 @@ pub struct Summary {
     /// Running batches saved and restored mid-run (every layer, kvsim's format), each row then checked.
     #[serde(default)]
     pub persist_batches: u64,
+    /// bf16-first rows: right-padded prefills of a cohort.
+    #[serde(default)]
+    pub prepared_prefills: u64,
     /// The bf16-first families (issue #13): conversions to affine storage (one per row or lego and per layer), of
     /// which at a prefill chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the
     /// ring's wrap; prefix reuses of a stored entry; trims of a converted lego below `start`
@@ -262,6 +265,7 @@ impl Summary {
         self.expected_errors = t.expected_errors;
         self.persist_roundtrips = t.persist_roundtrips;
         self.persist_batches = t.persist_batches;
+        self.prepared_prefills = t.prepared_prefills;
         self.conversions = t.conversions;
         self.prefill_conversions = t.prefill_conversions;
         self.rounds = t.rounds;

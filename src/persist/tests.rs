@@ -897,6 +897,15 @@ fn bf16_first_legos_round_trip_across_their_conversion_and_continue() {
     };
     // Converted before its start; a floor the conversion did not leave; said unconverted while holding affine planes.
     assert!(matches!(lie(&|e| e.state["converted_at"] = 3.into()), PersistError::Cache(_)));
+    if std::env::var_os("KVSIM_WRITE_SEEDS").is_some() {
+        // The fuzz seed corpus's lying lego: every checksum right, the lifecycle impossible (floor 0 after a
+        // conversion at 5 with start 4).
+        let mut e = good.clone();
+        e.state["floor"] = 0.into();
+        let bytes = kvsim::encode_entries(&BTreeMap::new(), &[e]).unwrap();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/cache_file");
+        std::fs::write(dir.join("bad-kvsim-bf16-first-floor.kvsim"), &bytes).unwrap();
+    }
     assert!(matches!(lie(&|e| e.state["floor"] = 0.into()), PersistError::Cache(_)));
     assert!(matches!(lie(&|e| e.state["converted_at"] = serde_json::Value::Null), PersistError::Malformed { .. }));
     // The kind's window or format differs from the stored storage's.

@@ -83,6 +83,9 @@ pub struct Counters {
     /// then checked against its twin (one per `persist` op that found rows running: attention, quant, ssm families).
     #[serde(default)]
     pub persist_batches: u64,
+    /// bf16-first rows: right-padded prefills (`prepare` .. `finalize`) of a cohort (one per op, all layers).
+    #[serde(default)]
+    pub prepared_prefills: u64,
     /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
     /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
     /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
@@ -129,6 +132,7 @@ impl Default for Counters {
             expected_errors: 0,
             persist_roundtrips: 0,
             persist_batches: 0,
+            prepared_prefills: 0,
             conversions: 0,
             prefill_conversions: 0,
             rounds: 0,
@@ -215,6 +219,7 @@ impl Counters {
         self.expected_errors += o.expected_errors;
         self.persist_roundtrips += o.persist_roundtrips;
         self.persist_batches += o.persist_batches;
+        self.prepared_prefills += o.prepared_prefills;
         self.conversions += o.conversions;
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;

@@ -29,8 +29,10 @@
 //! - `BatchPrefill`: the fresh requests form a prefill cohort (`begin_prefill`); each planned chunk of the common
 //!   length is delivered as two forwards (a sibling's split) and committed per request (`commit_prefill`), so
 //!   `start` is crossed inside a prefill; the longer requests' tails are solo lego windows; then the cohort enters
-//!   the batch. `TransitioningKvRows` has no right padding: the attention family's `prepare`/`finalize` padding is
-//!   not exercised here.
+//!   the batch. In about a third of the runs (`TransitionChoice::padded_prefill`) it is a right-padded prefill
+//!   instead (`batch_prefill_padded`): `prepare(lengths)`, prepared windows of `chunk` positions (each as two
+//!   forwards) until the longest prompt is in, each request committing at the end of the chunk where its prompt
+//!   ends, the last ones by `finalize`; twins are legos fed each row's real positions inside a lego round.
 //! - `Verify { gamma, accept }`: a speculative round (`round_begin`, a verify window, then `round_commit` when every
 //!   row accepts all, else `round_rollback` with per-row keeps); a rollback keeping more than the round wrote is
 //!   tried first and must be refused (`KeepTooLong`) with nothing changed.
@@ -139,6 +141,10 @@ pub struct TransitionChoice {
     /// The precision boundary (`None`: never converts). 0 in some runs, small values the schedules cross in
     /// windows, rounds and prefills in most.
     pub start: Option<usize>,
+    /// The rows family's `BatchPrefill` in this run: a right-padded prefill (`prepare` / prepared windows /
+    /// per-request `commit_prefill` / `finalize`, about a third of the runs) instead of a prefill cohort of equal
+    /// chunks (drawn last from the stream, so the other choices are those of a stream without it).
+    pub padded_prefill: bool,
 }
 
 impl TransitionChoice {
@@ -153,7 +159,8 @@ impl TransitionChoice {
             3 => None,
             _ => Some(rng.random_range(1..=3 * cfg.max_prompt.max(4))),
         };
-        TransitionChoice { bits, group, head_dim, start }
+        let padded_prefill = rng.random_bool(0.35);
+        TransitionChoice { bits, group, head_dim, start, padded_prefill }
     }
 }
 
@@ -194,6 +201,8 @@ pub struct TransitionFamily {
     counters: Counters,
     /// The lego family (`legos.rs`): every request, in the batch or not, is a serial lego; no rows layout.
     legos: bool,
+    /// `TransitionChoice::padded_prefill`.
+    padded_prefill: bool,
 }
 
 fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
@@ -308,6 +317,7 @@ impl TransitionFamily {
             next_id: 0,
             counters: Counters::default(),
             legos,
+            padded_prefill: choice.padded_prefill,
         })
     }
 
@@ -804,6 +814,9 @@ impl TransitionFamily {
         if ids.is_empty() || chunk == 0 {
             return Ok(false);
         }
+        if self.padded_prefill {
+            return self.batch_prefill_padded(cx, &ids, &lens, chunk);
+        }
         let n = ids.len();
         let common = *lens.iter().min().unwrap();
         let scale = self.cfg.scale();
@@ -905,6 +918,152 @@ impl TransitionFamily {
         }
         self.enter_ids(&ids)?;
         Ok(true)
+    }
+
+    /// `BatchPrefill` as a right-padded prefill: the fresh requests' legos merged into a cohort,
+    /// `prepare(lengths)`, then windows of `chunk` positions each delivered as two forwards (a sibling's split) until
+    /// the longest prompt is in; row `r` stores only its next `min(pending_r, L)` real positions of each window. A
+    /// request commits (`commit_prefill`) at the end of the planned chunk where its prompt ends, except those ending
+    /// in the last chunk, which `finalize` commits; nothing converts before its request commits. Twins: legos fed
+    /// each row's real positions inside a lego round committed at the same point. Then the cohort enters the batch.
+    fn batch_prefill_padded(&mut self, cx: &mut Cx<'_>, ids: &[u32], lens: &[usize], chunk: usize) -> Res<bool> {
+        let n = ids.len();
+        let longest = *lens.iter().max().unwrap();
+        let scale = self.cfg.scale();
+        let mut cohort = Vec::with_capacity(self.cfg.layers);
+        for layer in 0..self.cfg.layers {
+            let legos: Vec<Bf16FirstCache> = ids.iter().map(|id| self.reqs[id].solo[layer].clone()).collect();
+            let mut c = TransitioningKvRows::merge(self.spec, self.max_size(), self.t, legos)
+                .map_err(|e| unexpected("cohort merge", e))?;
+            c.prepare(lens).map_err(|e| unexpected("prepare", e))?;
+            cohort.push(c);
+        }
+        let sources = ids.iter().map(|id| self.reqs[id].model.row.clone()).collect();
+        let mut model = RowsModel::merge(self.ts, sources).map_err(|e| model_fail("cohort merge", e))?;
+        model.prepare(lens).map_err(|e| model_fail("prepare", e))?;
+        for layer in 0..self.cfg.layers {
+            for id in ids {
+                let twin = &mut self.reqs.get_mut(id).unwrap().twin[layer];
+                twin.round_begin().map_err(|e| unexpected("twin prefill", e))?;
+            }
+        }
+        let mut done = 0;
+        let mut committed = vec![false; n];
+        while done < longest {
+            let planned = chunk.min(longest - done);
+            let parts: Vec<usize> = if planned >= 2 { vec![planned / 2, planned - planned / 2] } else { vec![planned] };
+            for &l in &parts {
+                let pending: Vec<usize> = model.pending.clone().unwrap_or_default();
+                let toks: Vec<Vec<Tok>> = (0..n).map(|r| Self::toks_from(ids[r], model.rows[r].offset(), l)).collect();
+                let (reads, mconv) = model.append(&toks, false).map_err(|e| model_fail("prepared window", e))?;
+                if !mconv.is_empty() {
+                    return Err(Failure::new("model", "the model converted at a prepared window"));
+                }
+                let masks = Masks::new();
+                for layer in 0..self.cfg.layers {
+                    let (k, v, q) = self.kvq(layer, &toks);
+                    let packed = cohort[layer].is_packed();
+                    let (out, conv) = cohort[layer]
+                        .window(&k, &v, &q, scale, &masks)
+                        .map_err(|e| unexpected("prepared window", e))?;
+                    if !conv.is_empty() {
+                        return Err(Failure::new(
+                            "conversion",
+                            format!("rows {conv:?} converted at a prepared window"),
+                        ));
+                    }
+                    let ob = bytes_of(&out)?;
+                    cx.hasher.update(&ob.digest());
+                    for r in 0..n {
+                        let real = pending[r].min(l);
+                        if real == 0 {
+                            continue;
+                        }
+                        let c = |a: &Array| a.index((r as i32..r as i32 + 1, .., 0..real as i32, ..));
+                        let twin = &mut self.reqs.get_mut(&ids[r]).unwrap().twin[layer];
+                        let (tw, _) = twin
+                            .window(&c(&k), &c(&v), &c(&q), scale, &masks)
+                            .map_err(|e| unexpected("twin prefill read", e))?;
+                        let tb = bytes_of(&tw)?;
+                        self.read_vs_model(layer, &ob, r, &toks[r], &reads[r])?;
+                        self.read_vs_twin(&ob, r, &tb, real, false, packed, false)?;
+                    }
+                }
+            }
+            done += planned;
+            // The requests whose prompt ended in this chunk commit (those of the last chunk: `finalize`).
+            if done < longest {
+                for r in 0..n {
+                    if !committed[r] && lens[r] <= done {
+                        committed[r] = true;
+                        let mconv = model.commit_prefill(&[r]).map_err(|e| model_fail("commit_prefill", e))?;
+                        self.commit_padded_row(&mut cohort, ids, r, &mconv, Some(r))?;
+                    }
+                }
+            }
+        }
+        let mconv = model.finalize().map_err(|e| model_fail("finalize", e))?;
+        let mut got = None;
+        for c in cohort.iter_mut() {
+            let conv = c.finalize().map_err(|e| unexpected("finalize", e))?;
+            if *got.get_or_insert_with(|| conv.clone()) != conv || conv != mconv {
+                return Err(Failure::new("conversion", format!("finalize converted {conv:?}, model {mconv:?}")));
+            }
+        }
+        for r in (0..n).filter(|&r| !committed[r]) {
+            self.commit_padded_row(&mut cohort, ids, r, &mconv, None)?;
+        }
+        for (layer, c) in cohort.iter().enumerate() {
+            for (r, id) in ids.iter().enumerate() {
+                let lego = c.extract(r).map_err(|e| unexpected("cohort extract", e))?;
+                self.reqs.get_mut(id).unwrap().solo[layer] = lego;
+            }
+        }
+        for (r, id) in ids.iter().enumerate() {
+            let m = model.extract(r).map_err(|e| model_fail("cohort extract", e))?;
+            self.reqs.get_mut(id).unwrap().model = m;
+            if n > 1 && cohort.first().is_some_and(|c| c.is_packed()) {
+                // A packed cohort hands its rows back de-rolled to temporal order: so are the twins.
+                for layer in 0..self.cfg.layers {
+                    let t = self.deroll_twin(&self.reqs[id].twin[layer])?;
+                    self.reqs.get_mut(id).unwrap().twin[layer] = t;
+                }
+            }
+        }
+        self.counters.prepared_prefills += 1;
+        self.check_all(cx)?;
+        self.enter_ids(ids)?;
+        Ok(true)
+    }
+
+    /// One request of a right-padded prefill commits: `commit` `Some(r)` calls `commit_prefill(&[r])` on every
+    /// layer's cohort (which must convert what the model's `mconv` says), `None` means `finalize` already did; the
+    /// row's twins end their lego round, converting exactly when the model converted the row.
+    fn commit_padded_row(
+        &mut self,
+        cohort: &mut [TransitioningKvRows],
+        ids: &[u32],
+        r: usize,
+        mconv: &[usize],
+        commit: Option<usize>,
+    ) -> Res<()> {
+        let converts = mconv.contains(&r);
+        for (layer, c) in cohort.iter_mut().enumerate() {
+            if let Some(row) = commit {
+                let got = c.commit_prefill(&[row]).map_err(|e| unexpected("commit_prefill", e))?;
+                if got != mconv {
+                    return Err(Failure::new("conversion", format!("commit of row {r}: {got:?}, model {mconv:?}")));
+                }
+            }
+            let twin = &mut self.reqs.get_mut(&ids[r]).unwrap().twin[layer];
+            let did = twin.round_commit().map_err(|e| unexpected("twin prefill commit", e))?;
+            check::flag("twin conversion at the request's commit", did, converts)?;
+        }
+        if converts {
+            self.counters.conversions += self.cfg.layers as u64;
+            self.counters.prefill_conversions += self.cfg.layers as u64;
+        }
+        Ok(())
     }
 
     fn extract(&mut self, row: usize, finish: bool) -> Res<bool> {
