@@ -701,6 +701,18 @@ pub fn diff_counted(
     oracle: &[Record],
     window: Option<usize>,
 ) -> (Vec<Divergence>, usize) {
+    let (out, compared, _) = diff_measured(infos, kvsim, oracle, window);
+    (out, compared)
+}
+
+/// [`diff_counted`], plus the steps left uncompared per rule of the root that explains them (`None`: a root no
+/// rule classifies).
+pub fn diff_measured(
+    infos: &[StepInfo],
+    kvsim: &[Record],
+    oracle: &[Record],
+    window: Option<usize>,
+) -> (Vec<Divergence>, usize, BTreeMap<Option<Rule>, usize>) {
     let rotating = window.is_some();
     let by_step =
         |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
@@ -712,6 +724,7 @@ pub fn diff_counted(
     let mut explained: BTreeMap<u32, (usize, Option<Rule>)> = BTreeMap::new();
     let mut batch_root: Option<(usize, Option<Rule>)> = None;
     let mut compared = 0usize;
+    let mut uncompared: BTreeMap<Option<Rule>, usize> = BTreeMap::new();
     // Read divergences waiting for the next checkpoint (index into out, tentative rule).
     let mut pending: Vec<(usize, Option<Rule>)> = vec![];
     // Solo requests whose physical layout a one-position window after a wrap changed (step of that window).
@@ -782,8 +795,11 @@ pub fn diff_counted(
             (k.cloned(), o.cloned())
         };
         let (k, o) = (k_cmp.as_ref(), o_cmp.as_ref());
-        if info.t != "config" && root.is_none() && narrow.is_none() {
-            compared += 1;
+        if info.t != "config" {
+            match root.or(narrow) {
+                None => compared += 1,
+                Some((_, rule)) => *uncompared.entry(rule).or_insert(0) += 1,
+            }
         }
         if k == o {
             if info.t == "checkpoint" {
@@ -893,7 +909,7 @@ pub fn diff_counted(
     for (i, tentative) in pending.drain(..) {
         out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
     }
-    (out, compared)
+    (out, compared, uncompared)
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -907,6 +923,8 @@ pub struct TraceReport {
     pub steps: usize,
     /// Steps compared on their own (not explained by an earlier state-changing divergence; see [`diff_counted`]).
     pub steps_compared: usize,
+    /// The other steps, per rule of the root that explains them (`None`: an unclassified root).
+    pub uncompared: BTreeMap<Option<Rule>, usize>,
     /// Reads of quantized caches whose outputs agree byte for byte with mlx-lm's (`QuantizedKVCache` and
     /// `quantized_scaled_dot_product_attention`).
     pub quant_reads_agree: usize,
@@ -1021,6 +1039,7 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         config,
         steps: 0,
         steps_compared: 0,
+        uncompared: BTreeMap::new(),
         quant_reads_agree: 0,
         divergences: vec![],
         kinds: BTreeSet::new(),
@@ -1042,7 +1061,8 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         Ok(r) => r,
         Err(e) => return fail(trace.config.clone(), e),
     };
-    let (divergences, steps_compared) = diff_counted(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
+    let (divergences, steps_compared, uncompared) =
+        diff_measured(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
     let kinds = step_kinds(&rec.infos);
     let oracle_rows: BTreeMap<usize, &Outcome> = oracle.iter().map(|r| (r.step, &r.outcome)).collect();
     let quant_reads_agree = rec
@@ -1057,6 +1077,7 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         config: trace.config.clone(),
         steps: rec.infos.len(),
         steps_compared,
+        uncompared,
         quant_reads_agree,
         divergences,
         kinds,
@@ -1117,6 +1138,17 @@ impl CheckReport {
                     Class::Consequence { rule: Some(r), .. } => m.entry(r).or_default().1 += 1,
                     _ => {}
                 }
+            }
+        }
+        m
+    }
+
+    /// Steps left uncompared, per rule of the root that explains them, over all traces (`None`: unclassified).
+    pub fn uncompared(&self) -> BTreeMap<Option<Rule>, usize> {
+        let mut m = BTreeMap::new();
+        for t in &self.traces {
+            for (r, n) in &t.uncompared {
+                *m.entry(*r).or_insert(0) += n;
             }
         }
         m
@@ -1690,6 +1722,16 @@ impl CheckReport {
                 traces.len(),
                 names.join(", ")
             ));
+        }
+        let steps: usize = self.traces.iter().map(|t| t.steps).sum();
+        let compared: usize = self.traces.iter().map(|t| t.steps_compared).sum();
+        lines.push(format!(
+            "steps compared on their own: {compared} of {steps}; the others, by the rule of their root:"
+        ));
+        let mut by_rule: Vec<(Option<Rule>, usize)> = self.uncompared().into_iter().collect();
+        by_rule.sort_by_key(|&(r, n)| (std::cmp::Reverse(n), r));
+        for (r, n) in by_rule {
+            lines.push(format!("  {:<32} {n:>5} steps", r.map_or("(unclassified root)", |r| r.id())));
         }
         let kinds = self.kinds();
         let missing: Vec<&str> = STEP_KINDS.iter().copied().filter(|k| !kinds.contains(*k)).collect();
