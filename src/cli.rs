@@ -216,6 +216,15 @@ pub enum OracleCmd {
         #[arg(long, default_value = "attention")]
         family: String,
     },
+    /// Re-run the mlx-lm driver over the traces already recorded in --dir (a driver change): the traces stay as
+    /// they are, every NAME.oracle.jsonl is rewritten; prints the check's summary.
+    Redrive {
+        #[arg(long, default_value = "oracles/recorded")]
+        dir: PathBuf,
+        /// Only the traces whose name starts with this (`seed-`, `quant-seed-`, `ssm-seed-`).
+        #[arg(long, default_value = "")]
+        prefix: String,
+    },
     /// Re-run kvsim's side of one recorded trace and compare it with the stored oracle results, op by op.
     Diff { trace: PathBuf },
     /// Compare the whole recorded set (exit 1 when a divergence is unclassified).

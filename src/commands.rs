@@ -59,6 +59,14 @@ pub(crate) fn oracle_record_cmd(
     }
 }
 
+pub(crate) fn oracle_redrive_cmd(dir: &Path, prefix: &str) -> ExitCode {
+    let mut log = |err: bool, line: String| if err { eprintln!("{line}") } else { println!("{line}") };
+    match oracle::redrive_set(dir, prefix, &mut log) {
+        Ok(all) => exit(all),
+        Err(e) => fail("oracle redrive", e, 1),
+    }
+}
+
 pub(crate) fn oracle_choose_cmd(family: &str, count: usize, scan: u64, include: &[u64]) -> ExitCode {
     match oracle::describe_choice(family, count, scan, include) {
         Ok(seeds) => {

@@ -623,6 +623,10 @@ fn quant_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
             let (bits, group) = info.target?;
             if mlx_refuses_quant(bits, group, info.head_dim) {
                 let kvsim_refused = matches!(k, Some(Outcome::Converted(false)));
+                if kvsim_refused && rotating && info.quant.is_none() && error(o, "NotImplementedError") {
+                    // mlx-lm refuses the ring before it looks at the parameters; both refuse.
+                    return Some(Rule::RotatingQuantNyi);
+                }
                 let mlx_lm = matches!(o, Some(Outcome::Converted(true))) || error(o, "[quantize]");
                 return (kvsim_refused && mlx_lm).then_some(Rule::InvalidQuantParams);
             }
@@ -650,8 +654,16 @@ enum Scope {
     Some { reqs: Vec<u32>, batch: bool },
 }
 
-fn root_scope(info: &StepInfo, rule: Option<Rule>) -> Scope {
+/// What the driver appends to an error it re-synced after (`oracles/PROTOCOL.md` decision 14): mlx-lm's state was
+/// rebuilt by mlx-lm from its own state and the step's inputs, so the comparison goes on.
+pub const RESYNCED: &str = "[driver re-synced:";
+
+fn root_scope(info: &StepInfo, rule: Option<Rule>, o: Option<&Outcome>) -> Scope {
+    let resynced = matches!(o, Some(Outcome::Error(e)) if e.contains(RESYNCED));
     match (rule, info.t) {
+        // mlx-lm crashed on a row that holds nothing; the driver gave the request a new (empty) cache and removed
+        // the row, as kvsim did: nothing is left to explain.
+        (Some(Rule::ExtractEmptyBatch), "extract") if resynced => Scope::Some { reqs: vec![], batch: false },
         // `quantize`'s requests are the batch rows of the moment.
         (Some(Rule::QuantNoBatch), "quantize") => Scope::Some { reqs: info.reqs.clone(), batch: true },
         (Some(Rule::QuantNoBatch), _) => Scope::Some { reqs: info.reqs.clone(), batch: true },
@@ -665,6 +677,12 @@ fn root_scope(info: &StepInfo, rule: Option<Rule>) -> Scope {
         },
         // A solo request's trim explains that request (and the batch once it enters it).
         (Some(_), "solo_trim") => Scope::Some { reqs: info.reqs.clone(), batch: false },
+        // mlx-lm's batch then has other rows than kvsim's: everything after is explained.
+        (Some(Rule::ExtractEmptyBatch), _) => Scope::All,
+        // A classified root on the running batch (or the pending prefill batch) explains the batch and the
+        // requests in it (the step's requests are its rows); requests outside it keep being compared, and the
+        // batch's scope ends when the batch is gone (`diff_measured`).
+        (Some(_), t) if is_batch_step(t) => Scope::Some { reqs: info.reqs.clone(), batch: true },
         _ => Scope::All,
     }
 }
@@ -723,6 +741,9 @@ pub fn diff_measured(
     // Roots of a narrower scope: the requests they explain, and whether they explain the running batch.
     let mut explained: BTreeMap<u32, (usize, Option<Rule>)> = BTreeMap::new();
     let mut batch_root: Option<(usize, Option<Rule>)> = None;
+    // The driver failed or refused a step that changes which requests are in its batch: its rows may no longer
+    // be kvsim's.
+    let mut desync = false;
     let mut compared = 0usize;
     let mut uncompared: BTreeMap<Option<Rule>, usize> = BTreeMap::new();
     // Read divergences waiting for the next checkpoint (index into out, tentative rule).
@@ -734,8 +755,40 @@ pub fn diff_measured(
     let mut tainted: BTreeMap<u32, (usize, Rule)> = BTreeMap::new();
     let last = infos.len().max(os.keys().next_back().map_or(0, |s| s + 1));
     for step in 0..last {
+        // Every taint is bounded: a request that finishes (an extract with `finish`, a row a filter drops) is no
+        // longer explained, and an explained batch's scope ends once the batch is gone (every row extracted or
+        // filtered out: mlx-lm's running batch is then dropped too, PROTOCOL.md decision 6).
+        // Only while the driver's rows are known to be kvsim's: a membership step the driver failed or refused
+        // (`desync`) leaves them unknown, and the scopes then stay.
+        if let Some(prev) = step.checked_sub(1).and_then(|s| infos.get(s)).filter(|_| !desync) {
+            match prev.t {
+                "extract" if prev.finish => {
+                    for r in &prev.reqs {
+                        explained.remove(r);
+                    }
+                }
+                "filter" => {
+                    for (i, r) in prev.reqs.iter().enumerate() {
+                        if !prev.keep.contains(&i) {
+                            explained.remove(r);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            if matches!(prev.t, "extract" | "filter") && prev.rows_left == 0 {
+                batch_root = None;
+            }
+        }
         let info = infos.get(step).cloned().unwrap_or_default();
         let (k, o) = (ks.get(&step), os.get(&step));
+        if matches!(info.t, "enter" | "prefill" | "prefill_end" | "extract" | "filter")
+            && matches!(o, Some(Outcome::Error(e)) if !e.contains(RESYNCED))
+            || matches!(info.t, "enter" | "prefill" | "prefill_end" | "extract" | "filter")
+                && matches!(o, Some(Outcome::Unsupported(_)))
+        {
+            desync = true;
+        }
         if info.t == "enter" {
             for r in &info.reqs {
                 layout_r3.remove(r);
@@ -747,7 +800,7 @@ pub fn diff_measured(
         // Narrow roots spread: an explained request entering the batch explains the batch, and every request of
         // an explained batch is explained.
         let batch_step = is_batch_step(info.t);
-        if matches!(info.t, "enter" | "prefill") && batch_root.is_none() {
+        if matches!(info.t, "enter" | "prefill" | "prefill_end") && batch_root.is_none() {
             if let Some(r) = info.reqs.iter().find_map(|r| explained.get(r)) {
                 batch_root = Some(*r);
             }
@@ -784,8 +837,9 @@ pub fn diff_measured(
         } else if batch_step && batch_root.is_some() {
             batch_root
         } else if info.t == "quantize" {
-            // A conversion acts on every cache: explained when any is.
-            batch_root.or_else(|| explained.values().next().copied())
+            // A conversion acts on every cache, also those no root explains: it is classified on its own (a
+            // divergence there is a root of its own).
+            None
         } else {
             info.reqs.iter().find_map(|r| explained.get(r)).copied()
         };
@@ -892,7 +946,7 @@ pub fn diff_measured(
             _ => true,
         };
         if changes_state {
-            match root_scope(&info, rule) {
+            match root_scope(&info, rule, o) {
                 Scope::All => root = Some((step, rule)),
                 Scope::Some { reqs, batch } => {
                     for r in reqs {
@@ -1598,6 +1652,38 @@ pub fn record_set(
             ),
         );
     }
+    Ok(all)
+}
+
+/// `kvsim oracle redrive`: re-runs the driver over the traces recorded in `dir` whose name starts with `prefix`
+/// (the traces are kept; each `NAME.oracle.jsonl` is rewritten). Whether every trace went through.
+pub fn redrive_set(dir: &Path, prefix: &str, log: &mut dyn FnMut(bool, String)) -> Result<bool, String> {
+    let python = setup_driver()?;
+    let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
+    let mut all = true;
+    for tp in recorded_traces(dir)? {
+        let name = tp.file_name().and_then(|n| n.to_str()).unwrap_or("").trim_end_matches(".trace.json").to_string();
+        if !name.starts_with(prefix) {
+            continue;
+        }
+        let one = || -> Result<String, String> {
+            let trace = Trace::load(&tp).map_err(|e| e.to_string())?;
+            let rec = record(&trace, true)?;
+            let (_, text) = run_driver(&python, &rec.steps_jsonl(), &work, &name)?;
+            std::fs::write(dir.join(format!("{name}.oracle.jsonl")), &text).map_err(|e| e.to_string())?;
+            Ok(diff_recorded(&tp).summary_line())
+        };
+        match one() {
+            Ok(line) => log(false, line),
+            Err(e) => {
+                log(true, format!("{name}: {e}"));
+                all = false;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    let report = check_dir(dir)?;
+    log(false, report.json_line());
     Ok(all)
 }
 

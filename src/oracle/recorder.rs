@@ -109,6 +109,13 @@ impl Record {
             Outcome::Rows(strings(r)?)
         } else if let Some(n) = o.get("trimmed") {
             Outcome::Trimmed(n.as_i64().ok_or("trimmed must be an integer")?)
+        } else if let Some(n) = o.get("trimmed_rows") {
+            let n = n.as_array().ok_or("trimmed_rows must be a list")?;
+            Outcome::TrimmedRows(
+                n.iter()
+                    .map(|x| x.as_u64().map(|x| x as usize).ok_or_else(|| "trimmed_rows: expected counts".to_string()))
+                    .collect::<Result<_, _>>()?,
+            )
         } else if let Some(c) = o.get("converted") {
             Outcome::Converted(c.as_bool().ok_or("converted must be a boolean")?)
         } else if let Some(r) = o.get("reqs") {
@@ -185,6 +192,11 @@ pub struct StepInfo {
     pub left: Vec<usize>,
     /// The recurrent family's round: the keep per row (`gamma` in `l`).
     pub keep: Vec<usize>,
+    /// `extract` / `filter`: the running batch's rows after the step (0: the batch is gone); `filter` also lists
+    /// the rows before it in `reqs` and the kept row indices in `keep`.
+    pub rows_left: usize,
+    /// `extract`: the request finishes (its cache is dropped).
+    pub finish: bool,
 }
 
 /// The families the mlx-lm oracle maps (`oracles/PROTOCOL.md`): the attention family's plain caches, the
@@ -515,7 +527,8 @@ impl Recorder {
 
     /// `finalize()` and join: the prefill batch (whose longest row holds `longest` positions) joins the running one.
     pub fn prefill_end(&mut self, longest: usize) {
-        self.push(|| json!({"t": "prefill_end"}), StepInfo { t: "prefill_end", ..Default::default() });
+        let info = StepInfo { t: "prefill_end", reqs: self.prefill_rows.clone(), ..Default::default() };
+        self.push(|| json!({"t": "prefill_end"}), info);
         let p = std::mem::take(&mut self.prefill_rows);
         self.rows.extend(p);
         self.bound = self.bound.max(longest);
@@ -654,7 +667,14 @@ impl Recorder {
 
     /// Row `row` leaves the batch; `rows_left` rows remain.
     pub fn extract(&mut self, row: usize, req: u32, finish: bool, rows_left: usize) {
-        let info = StepInfo { t: "extract", reqs: vec![req], batch_arrays: self.batch_arrays, ..Default::default() };
+        let info = StepInfo {
+            t: "extract",
+            reqs: vec![req],
+            batch_arrays: self.batch_arrays,
+            rows_left,
+            finish,
+            ..Default::default()
+        };
         self.push(|| json!({"t": "extract", "row": row, "finish": finish}), info);
         if row < self.rows.len() {
             self.rows.remove(row);
@@ -666,7 +686,14 @@ impl Recorder {
     }
 
     pub fn filter(&mut self, keep: &[usize]) {
-        self.push(|| json!({"t": "filter", "keep": keep}), StepInfo { t: "filter", ..Default::default() });
+        let info = StepInfo {
+            t: "filter",
+            reqs: self.rows.clone(),
+            keep: keep.to_vec(),
+            rows_left: keep.len(),
+            ..Default::default()
+        };
+        self.push(|| json!({"t": "filter", "keep": keep}), info);
         self.rows = keep.iter().filter_map(|&r| self.rows.get(r).copied()).collect();
         if keep.is_empty() {
             self.bound = 0;
