@@ -150,6 +150,9 @@ class Driver:
         self.family = "attention"
         self.ssm = None  # `ssm` family: geometry dict and per-layer weights (see ssm_config)
         self.ssm_offsets = {}  # `ssm` family: req -> real positions consumed (driver bookkeeping; ArraysCache has none)
+        # `ssm` family: the last batch layer calls since the last other step, per layer: mlx-lm's own slots before
+        # the call, the call's inputs and each row's real span (what a rollback re-sync replays, decision 14)
+        self.ssm_last = {}
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def new_cache(self):
@@ -242,6 +245,8 @@ class Driver:
         fn = getattr(self, "s_" + str(t), None)
         if fn is None or t == "config":
             raise DriverError(f"unknown step type {t!r}")
+        if t not in ("batch", "round", "checkpoint"):
+            self.ssm_last = {}
         return fn(i, step)
 
     def s_config(self, step):
@@ -376,8 +381,14 @@ class Driver:
         running = self.need_running()
         c = running[self.layer(step)]
         if self.family == "ssm":
-            y, spans = self.gdn(c, self.layer(step), step, len(self.rows))
+            l = self.layer(step)
+            if l == 0:
+                self.ssm_last = {}
+            pre = list(c.cache)
+            arrays = (decode_array(step["qkv"]), decode_array(step["a"]), decode_array(step["b"]))
+            y, spans = self.gdn(c, l, step, len(self.rows), arrays)
             settle([c])
+            self.ssm_last[l] = {"pre": pre, "arrays": arrays, "spans": spans, "rows": list(self.rows)}
             if self.layer(step) == self.layers - 1:
                 for req, (s0, s1) in zip(self.rows, spans):
                     self.ssm_offsets[req] = self.ssm_offsets.get(req, 0) + s1 - s0
@@ -401,10 +412,31 @@ class Driver:
         if len(ns) != len(self.rows):
             raise DriverError(f"trim_rows has {len(ns)} counts for {len(self.rows)} rows")
         if len(set(ns)) != 1:
-            raise Unsupported(f"per-row trim counts {ns}: mlx-lm batch caches trim every row by the same n")
+            return self.trim_rows_resync(ns)
         n = CACHE.trim_prompt_cache(running, ns[0])
         settle(running)
         return {"trimmed": int(n)}
+
+    def trim_rows_resync(self, ns):
+        """Unequal per-row counts: mlx-lm's batch caches trim every row by one n. Re-sync (decision 14): every row
+        is taken out with mlx-lm's `extract(row)`, each row that drops positions is trimmed by mlx-lm's own
+        `trim_prompt_cache` on those caches, and the batch is rebuilt by `merge` of the rows in order (as
+        `generate._merge_caches`). Result `trimmed_rows`: what each row dropped. When a row's trim is refused
+        (a wrapped ring: bug-catalog #18) or the batch holds no arrays, nothing changes and the step is
+        unsupported as before."""
+        why = f"per-row trim counts {ns}: mlx-lm batch caches trim every row by the same n"
+        running = self.running
+        if self.family != "attention" or self.quant is not None or any(c.keys is None for c in running):
+            raise Unsupported(why)
+        rows = [[c.extract(r) for c in running] for r in range(len(self.rows))]
+        for r, n in enumerate(ns):
+            if n > 0:
+                got = CACHE.trim_prompt_cache(rows[r], n)
+                if got != n:
+                    raise Unsupported(why + f" (row {r}: trim_prompt_cache trimmed {got} of {n}, no re-sync)")
+        self.running = [rows[0][l].merge([rc[l] for rc in rows]) for l in range(self.layers)]
+        settle(self.running)
+        return {"trimmed_rows": ns}
 
     def s_extract(self, i, step):
         running = self.need_running()
@@ -412,7 +444,17 @@ class Driver:
         if not 0 <= row < len(self.rows):
             raise DriverError(f"row {row} out of range ({len(self.rows)} rows)")
         req = self.rows[row]
-        exts = [c.extract(row) for c in running]
+        resync = None
+        try:
+            exts = [c.extract(row) for c in running]
+        except TypeError as e:
+            # mlx-lm's extract indexes the batch's arrays without checking that it has any (the rule
+            # extract-empty-batch). Re-sync (decision 14): when mlx-lm's own batch holds no arrays in any layer and
+            # the row's offset is 0, the row holds nothing in mlx-lm, and its solo cache is a fresh one.
+            if not (self.empty_batch(running, row) and self.quant is None):
+                raise
+            exts = [self.new_cache() for _ in range(self.layers)]
+            resync = f"{type(e).__name__}: {e} [driver re-synced: the row holds nothing, its solo cache is a new one]"
         others = [r for r in range(len(self.rows)) if r != row]
         offset = self.ssm_offsets.get(req, 0)
         self.filter_running(i, others)
@@ -420,6 +462,14 @@ class Driver:
             self.solo[req] = exts
             self.ssm_offsets[req] = offset
             settle(exts)
+        if resync is not None:
+            return {"error": resync}
+
+    def empty_batch(self, running, row):
+        """Whether mlx-lm's batch holds no arrays in any layer and the row's offset is 0 (mlx-lm's own state)."""
+        if self.family == "ssm":
+            return all(x is None for c in running for x in c.cache) and self.ssm_offsets.get(self.rows[row], 0) == 0
+        return all(c.keys is None for c in running) and int(running[0].offset.tolist()[row]) == 0
 
     def s_filter(self, i, step):
         self.need_running()
@@ -560,7 +610,7 @@ class Driver:
             layers.append({"conv1d": conv, "A_log": decode_array(w["a_log"]), "dt_bias": decode_array(w["dt_bias"])})
         self.ssm = {"dims": dims, "layers": layers}
 
-    def gdn(self, cache, l, step, B):
+    def gdn(self, cache, l, step, B, arrays=None):
         """The cache-side part of mlx-lm 0.32.2's gated-DeltaNet layer (qwen3_5.py GatedDeltaNet.__call__, the same
         in qwen3_next.py), from its projections on: the mask from the cache (base.create_ssm_mask = make_mask(S)),
         padded qkv zeroed, conv over concat(conv_state, qkv), the conv state (take_along_axis at lengths, or the last
@@ -568,7 +618,9 @@ class Driver:
         advance(S). Returns y [B, S, Hv, Dv] (before the gated norm and out_proj) and each row's real [start, end)."""
         d = self.ssm["dims"]
         w = self.ssm["layers"][l]
-        qkv, a, b = decode_array(step["qkv"]), decode_array(step["a"]), decode_array(step["b"])
+        if arrays is None:
+            arrays = (decode_array(step["qkv"]), decode_array(step["a"]), decode_array(step["b"]))
+        qkv, a, b = arrays
         S = qkv.shape[1]
         if qkv.shape[0] != B or qkv.shape[2] != d["conv_dim"]:
             raise DriverError(f"qkv shape {qkv.shape} for {B} rows, conv_dim {d['conv_dim']}")
@@ -631,12 +683,50 @@ class Driver:
 
     def s_round(self, i, step):
         """A resolved speculative round. A commit (every row keeps `gamma`) is the round's window call alone, which
-        mlx-lm made: nothing more to call, no record. A rollback has no mlx-lm counterpart."""
+        mlx-lm made: nothing more to call, no record. A rollback has no mlx-lm counterpart (ArraysCache cannot be
+        trimmed); the driver re-syncs by replay (decision 14): each row that keeps fewer than `gamma` positions gets,
+        in every layer, mlx-lm's own slots from before the window call, advanced by mlx-lm's layer arithmetic over
+        the row's first `keep` inputs of that call (nothing of kvsim's state is used). Result: `trimmed_rows`, what
+        each row dropped. When the window calls are not there to replay (another step came between, a padded span,
+        other rows), the rollback is unsupported as before."""
         keep, gamma = step.get("keep"), step.get("gamma")
         if keep is not None and gamma is not None and all(int(k) == int(gamma) for k in keep):
             return None
-        raise Unsupported("mlx-lm 0.32.2 has no speculative round for ArraysCache: is_trimmable() is False and "
-                          "generate.speculative_generate_step refuses caches that cannot be trimmed")
+        why = ("mlx-lm 0.32.2 has no speculative round for ArraysCache: is_trimmable() is False and "
+               "generate.speculative_generate_step refuses caches that cannot be trimmed")
+        if keep is None or gamma is None:
+            raise Unsupported(why + " (no keep to replay)")
+        running = self.need_running()
+        gamma, keep = int(gamma), [int(k) for k in keep]
+        if len(keep) != len(self.rows) or any(not 0 <= k <= gamma for k in keep):
+            raise DriverError(f"round keep {keep} for {len(self.rows)} rows, gamma {gamma}")
+        replayable = sorted(self.ssm_last) == list(range(self.layers)) and all(
+            x["rows"] == self.rows and x["spans"] == [(0, gamma)] * len(self.rows) for x in self.ssm_last.values())
+        if not replayable:
+            raise Unsupported(why + " (no window call of the round to replay)")
+        for l, c in enumerate(running):
+            last = self.ssm_last[l]
+            qkv, a, b = last["arrays"]
+            for r, k in enumerate(keep):
+                if k == gamma:
+                    continue
+                # the row's own slots before the window, as mlx-lm's extract gives them (a slot still empty is
+                # None: the zero state, as ArraysCache.extend / GatedDeltaNet start from)
+                solo = CACHE.ArraysCache(size=2)
+                solo.cache = [x[r: r + 1] if x is not None else None for x in last["pre"]]
+                if k > 0:
+                    self.gdn(solo, l, None, 1, (qkv[r: r + 1, :k], a[r: r + 1, :k], b[r: r + 1, :k]))
+                for slot in range(len(c.cache)):
+                    cur, new = c.cache[slot], solo.cache[slot]
+                    if new is None:
+                        new = mx.zeros((1,) + tuple(cur.shape[1:]), dtype=cur.dtype)
+                    c.cache[slot] = mx.concatenate([cur[:r], new, cur[r + 1:]])
+            settle([c])
+        for r, k in enumerate(keep):
+            req = self.rows[r]
+            self.ssm_offsets[req] = self.ssm_offsets.get(req, 0) - (gamma - k)
+        self.ssm_last = {}
+        return {"trimmed_rows": [gamma - k for k in keep]}
 
     def ssm_checkpoint(self, step):
         d = self.ssm["dims"]
@@ -709,6 +799,8 @@ def main(argv):
                     rec = {"step": i, **res}
                     if "rows" in res:
                         counts["reads"] += 1
+                    if "error" in res:
+                        counts["errors"] += 1
             except Unsupported as e:
                 rec = {"step": i, "unsupported": str(e)}
                 counts["unsupported"] += 1

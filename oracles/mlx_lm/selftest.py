@@ -432,7 +432,8 @@ def ssm_scenario():
     """f32, K = 3, Hk = 1, Hv = 2: solo window / decode calls, a merge, a fresh request entering (its empty slots
     zero-filled by extend), a right-padded prepared prefill over the running batch (padded slots hold large values
     the mask must keep out), finalize, a fresh row left-padded, an extract that continues solo, a reordering filter,
-    a speculative round (unsupported), a finishing extract."""
+    a speculative round without keep (unsupported), a rolled-back round re-synced by replay (decision 14), a finishing
+    extract."""
     d, sc = SsmData(20251130), Script()
     add = sc.add
     add(d.config())
@@ -464,8 +465,17 @@ def ssm_scenario():
         ("ssm_rows", [(4, 2, 3), (1, 10, 11), (3, 6, 7)]))
     add({"t": "checkpoint", "op": 1}, ("ssm_views", {1: 11, 2: 7, 3: 7, 4: 3}))
     add({"t": "round", "gamma": 2}, ("unsupported",))
+    # a round's window (gamma = 2) over rows [4, 1, 3], rolled back to keep [2, 0, 1]: the driver re-syncs by
+    # replaying each rolled-back row's accepted inputs from its pre-window slots (decision 14); the states must be
+    # the direct computation over the accepted positions only
+    add(d.call("batch", [[(4, 3), (4, 4)], [(1, 11), (1, 12)], [(3, 7), (3, 8)]]),
+        ("ssm_rows", [(4, 3, 5), (1, 11, 13), (3, 7, 9)]))
+    add({"t": "round", "gamma": 2, "keep": [2, 0, 1]}, ("trimmed_rows", [0, 2, 1]))
+    add({"t": "checkpoint", "op": 2}, ("ssm_views", {1: 11, 2: 7, 3: 8, 4: 5}))
+    add(d.call("batch", [[(4, 5)], [(1, 11)], [(3, 8)]], read="decode"),
+        ("ssm_rows", [(4, 5, 6), (1, 11, 12), (3, 8, 9)]))
     add({"t": "extract", "row": 0, "finish": True})
-    add({"t": "checkpoint", "op": 2}, ("ssm_views", {1: 11, 2: 7, 3: 7}))
+    add({"t": "checkpoint", "op": 3}, ("ssm_views", {1: 12, 2: 7, 3: 9}))
     return d, sc, {"unsupported": 1, "errors": 0}
 
 
@@ -553,6 +563,8 @@ def run_scenario(name, make, write):
                 check(got.get(str(req), {}).get("offset") == offset, f"step {i} req {req}: {got} offset != {offset}")
         elif kind == "trimmed":
             check(r.get("trimmed") == exp[1], f"step {i}: {r} expected trimmed {exp[1]}")
+        elif kind == "trimmed_rows":
+            check(r.get("trimmed_rows") == exp[1], f"step {i}: {r} expected trimmed_rows {exp[1]}")
         elif kind == "unsupported":
             check("unsupported" in r, f"step {i}: {r} expected unsupported")
         elif kind == "error":

@@ -5,8 +5,10 @@
 //! - [`run_driver`]: runs the Python driver (`oracles/mlx_lm/driver.py`, in the venv `setup.sh` creates) on the
 //!   steps and parses its results.
 //! - [`diff`]: compares kvsim's results with the oracle's, step by step, and classifies every divergence: a
-//!   documented semantic choice, an mlx-lm bug of the catalog, an unsupported mapping, or **unclassified**. After
-//!   the first divergence that changes state, later divergences of the trace are its consequences.
+//!   documented semantic choice, an mlx-lm bug of the catalog, an unsupported mapping, or **unclassified**. A
+//!   divergence that changes state (a **root**) explains only what it touched (its requests, or the running batch
+//!   and its rows until the batch is gone; a request until it finishes); everything else keeps being compared.
+//!   Where the driver re-synced mlx-lm by replay (`PROTOCOL.md` decision 14), nothing is left to explain.
 //! - [`check_dir`]: the recorded set (`oracles/recorded/NAME.trace.json` + `NAME.oracle.jsonl`, the driver's
 //!   results), compared without Python.
 
@@ -569,21 +571,18 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
                 return Some(Rule::TrimNoopAfterWrap);
             }
             if *kn == 0 && *on > 0 {
-                match &t.kvsim {
-                    Err(e)
-                        if t.bypass
-                            && (e.starts_with("BypassNotAfterWindow")
-                                || (e.starts_with("TrimTooLong") && !t.after_window)) =>
-                    {
-                        return Some(Rule::BypassOutsideWindow)
-                    }
-                    Err(e) if e.starts_with("TrimTooLong") => return Some(Rule::TrimPastStart),
-                    _ => {}
-                }
+                return refused_trim_rule(info);
             }
             None
         }
         ("trim_rows", Some(Outcome::TrimmedRows(_)), Some(Outcome::Unsupported(_))) => Some(Rule::PerRowTrim),
+        // A per-row trim kvsim refused (all 0) that the driver performed (its re-sync, decision 14): the rules of
+        // refused trims.
+        ("trim_rows", Some(Outcome::TrimmedRows(kn)), Some(Outcome::TrimmedRows(on)))
+            if kn.iter().all(|&x| x == 0) && on.iter().any(|&x| x > 0) =>
+        {
+            refused_trim_rule(info)
+        }
         ("round", Some(Outcome::TrimmedRows(_)), Some(Outcome::Unsupported(s))) if s.contains("ArraysCache") => {
             Some(Rule::SsmRound)
         }
@@ -598,6 +597,21 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
             Some(Rule::ExtractEmptyBatch)
         }
         _ => quant_rule(info, k, o, rotating),
+    }
+}
+
+/// A trim kvsim refused (its typed error, from the trim's own record) that mlx-lm performed.
+fn refused_trim_rule(info: &StepInfo) -> Option<Rule> {
+    let t = info.trim.as_ref()?;
+    match &t.kvsim {
+        Err(e)
+            if t.bypass
+                && (e.starts_with("BypassNotAfterWindow") || (e.starts_with("TrimTooLong") && !t.after_window)) =>
+        {
+            Some(Rule::BypassOutsideWindow)
+        }
+        Err(e) if e.starts_with("TrimTooLong") => Some(Rule::TrimPastStart),
+        _ => None,
     }
 }
 
@@ -979,6 +993,9 @@ pub struct TraceReport {
     pub steps_compared: usize,
     /// The other steps, per rule of the root that explains them (`None`: an unclassified root).
     pub uncompared: BTreeMap<Option<Rule>, usize>,
+    /// Steps where the driver re-synced mlx-lm by replay (PROTOCOL.md decision 14): its `trimmed_rows` records
+    /// (a rolled-back recurrent round, a per-row trim) and the errors it re-synced after.
+    pub resyncs: usize,
     /// Reads of quantized caches whose outputs agree byte for byte with mlx-lm's (`QuantizedKVCache` and
     /// `quantized_scaled_dot_product_attention`).
     pub quant_reads_agree: usize,
@@ -1056,6 +1073,9 @@ impl TraceReport {
             self.steps_compared,
             self.status()
         );
+        if self.resyncs > 0 {
+            s.push_str(&format!("  {} re-synced", self.resyncs));
+        }
         if self.quant_reads_agree > 0 {
             s.push_str(&format!("  {} quantized reads equal", self.quant_reads_agree));
         }
@@ -1094,6 +1114,7 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         steps: 0,
         steps_compared: 0,
         uncompared: BTreeMap::new(),
+        resyncs: 0,
         quant_reads_agree: 0,
         divergences: vec![],
         kinds: BTreeSet::new(),
@@ -1126,12 +1147,21 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         .filter(|r| rec.infos.get(r.step).is_some_and(|i| i.quant.is_some()))
         .filter(|r| oracle_rows.get(&r.step) == Some(&&r.outcome))
         .count();
+    let resyncs = oracle
+        .iter()
+        .filter(|r| match &r.outcome {
+            Outcome::TrimmedRows(_) => true,
+            Outcome::Error(e) => e.contains(RESYNCED),
+            _ => false,
+        })
+        .count();
     TraceReport {
         name,
         config: trace.config.clone(),
         steps: rec.infos.len(),
         steps_compared,
         uncompared,
+        resyncs,
         quant_reads_agree,
         divergences,
         kinds,
