@@ -224,6 +224,9 @@ pub enum OracleCmd {
         /// Only the traces whose name starts with this (`seed-`, `quant-seed-`, `ssm-seed-`).
         #[arg(long, default_value = "")]
         prefix: String,
+        /// Also write NAME.steps.jsonl into this directory (for debugging).
+        #[arg(long)]
+        keep_steps: Option<PathBuf>,
     },
     /// Re-run kvsim's side of one recorded trace and compare it with the stored oracle results, op by op.
     Diff { trace: PathBuf },

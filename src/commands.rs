@@ -59,9 +59,9 @@ pub(crate) fn oracle_record_cmd(
     }
 }
 
-pub(crate) fn oracle_redrive_cmd(dir: &Path, prefix: &str) -> ExitCode {
+pub(crate) fn oracle_redrive_cmd(dir: &Path, prefix: &str, keep_steps: Option<&Path>) -> ExitCode {
     let mut log = |err: bool, line: String| if err { eprintln!("{line}") } else { println!("{line}") };
-    match oracle::redrive_set(dir, prefix, &mut log) {
+    match oracle::redrive_set(dir, prefix, keep_steps, &mut log) {
         Ok(all) => exit(all),
         Err(e) => fail("oracle redrive", e, 1),
     }

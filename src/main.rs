@@ -62,7 +62,7 @@ fn main() -> ExitCode {
                     oracle_record_cmd(&family, seeds, scan, &seed, &include, &out, keep_steps)
                 }
             }
-            OracleCmd::Redrive { dir, prefix } => oracle_redrive_cmd(&dir, &prefix),
+            OracleCmd::Redrive { dir, prefix, keep_steps } => oracle_redrive_cmd(&dir, &prefix, keep_steps.as_deref()),
             OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),
             OracleCmd::Check { dir, json } => oracle_check_cmd(&dir, json),
         },

@@ -153,6 +153,10 @@ class Driver:
         # `ssm` family: the last batch layer calls since the last other step, per layer: mlx-lm's own slots before
         # the call, the call's inputs and each row's real span (what a rollback re-sync replays, decision 14)
         self.ssm_last = {}
+        # attention family: every request's writes per layer, in order, as (k, v) [1, H, n, D] of its real positions
+        # (the replay a wrapped ring's rollback re-syncs from, decision 14); trims pop positions from the end
+        self.hist = {}
+        self.last_kv = None
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def new_cache(self):
@@ -191,11 +195,13 @@ class Driver:
         k, v = decode_array(step["k"]), decode_array(step["v"])
         if read == "append":
             cache.update_and_fetch(k, v)
+            self.last_kv = (k, v)
             return None
         q = decode_array(step.get("q"))
         L = k.shape[2]
         mask = self.mask(cache, B, L)
         K, V = cache.update_and_fetch(k, v)
+        self.last_kv = (k, v)
         # For a QuantizedKVCache (it has `bits`) this is base.quantized_scaled_dot_product_attention, which scales its
         # `queries` argument in place (`queries *= scale`): it gets a copy.
         return BASE.scaled_dot_product_attention(mx.array(q), K, V, cache=cache, scale=self.scale, mask=mask)
@@ -286,8 +292,10 @@ class Driver:
             if self.layer(step) == self.layers - 1:
                 self.ssm_offsets[req] += spans[0][1] - spans[0][0]
             return {"rows": [sha(y[0, spans[0][0]: spans[0][1]])]}
+        self.last_kv = None
         out = self.attend(c, step, 1)
         settle([c])
+        self.hist_add(req, self.layer(step), *self.last_kv)
         if out is None:
             return None
         return {"rows": [sha(out[0])]}
@@ -297,8 +305,14 @@ class Driver:
         if req not in self.solo:
             raise DriverError(f"request {req} has no solo cache")
         # mlx-lm's trim entry point: refuses (returns 0, trims nothing) unless every layer is_trimmable()
-        n = CACHE.trim_prompt_cache(self.solo[req], int(step["n"]))
+        want = int(step["n"])
+        n = CACHE.trim_prompt_cache(self.solo[req], want)
         settle(self.solo[req])
+        self.hist_pop(req, n)
+        if n == 0 and want > 0 and self.ring_wrapped(self.solo[req]) and self.undoes_window(step, [req], want):
+            self.hist_pop(req, want)
+            self.solo[req] = self.replay(req)
+            return {"trimmed": 0, "resynced": want}
         return {"trimmed": int(n)}
 
     def s_enter(self, i, step):
@@ -359,6 +373,10 @@ class Driver:
         B = len(self.prefill_rows)
         out = self.attend(c, dict(step, read=step.get("read", "window")), B)
         settle([c])
+        k, v = self.last_kv
+        for r, (req, n) in enumerate(zip(self.prefill_rows, [int(x) for x in step["real"]])):
+            if n > 0:
+                self.hist_add(req, self.layer(step), k[r: r + 1, :, :n], v[r: r + 1, :, :n])
         if out is None:
             return None
         real = [int(x) for x in step["real"]]
@@ -395,6 +413,9 @@ class Driver:
             return {"rows": [sha(y[r, s0:s1]) for r, (s0, s1) in enumerate(spans)]}
         out = self.attend(c, step, len(self.rows))
         settle([c])
+        k, v = self.last_kv
+        for r, req in enumerate(self.rows):
+            self.hist_add(req, self.layer(step), k[r: r + 1], v[r: r + 1])
         if out is None:
             return None
         L = out.shape[2]
@@ -402,9 +423,67 @@ class Driver:
 
     def s_trim(self, i, step):
         running = self.need_running()
-        n = CACHE.trim_prompt_cache(running, int(step["n"]))
+        want = int(step["n"])
+        n = CACHE.trim_prompt_cache(running, want)
         settle(running)
+        return self.batch_trimmed(step, n, want)
+
+    def batch_trimmed(self, step, n, want):
+        for req in self.rows:
+            self.hist_pop(req, n)
+        if n == 0 and want > 0 and self.ring_wrapped(self.running) and self.undoes_window(step, self.rows, want):
+            self.running = self.replay_batch(want)
+            return {"trimmed": 0, "resynced": want}
         return {"trimmed": int(n)}
+
+    # ---- the replay re-sync of a wrapped ring's rollback (decision 14) ----------------------------------------
+    def hist_add(self, req, l, k, v):
+        if self.family != "attention" or self.quant is not None:
+            return
+        self.hist.setdefault(req, [[] for _ in range(self.layers)])[l].append((k, v))
+
+    def hist_pop(self, req, n):
+        """Drops the newest n positions of req's history (every layer)."""
+        for layer in self.hist.get(req, []):
+            left = n
+            while left > 0 and layer:
+                k, v = layer.pop()
+                m = k.shape[2]
+                if m > left:
+                    layer.append((k[:, :, : m - left], v[:, :, : m - left]))
+                left -= min(m, left)
+
+    def undoes_window(self, step, reqs, n):
+        """A speculative rollback (`bypass`) of fewer positions than the requests' last write added, in every layer:
+        a ring's concat write of L positions keeps its newest max_size - 1 positions before appending, so its
+        buffer still holds every position a rollback of n < L needs (the newest max_size of what stays); for
+        n = L the oldest of them was dropped by that write, and no replay is made."""
+        return bool(step.get("bypass")) and all(
+            req in self.hist and all(layer and layer[-1][0].shape[2] > n for layer in self.hist[req]) for req in reqs)
+
+    def ring_wrapped(self, caches):
+        """mlx-lm's own reason for the refusal (bug-catalog #18): a rotating cache that is no longer trimmable.
+        Only then does the driver replay."""
+        return (self.family == "attention" and self.quant is None and self.W is not None
+                and any(not c.is_trimmable() for c in caches))
+
+    def replay(self, req):
+        """req's caches rebuilt by mlx-lm from its history: fresh caches, one update_and_fetch per recorded write."""
+        caches = [self.new_cache() for _ in range(self.layers)]
+        for c, writes in zip(caches, self.hist.get(req, [[] for _ in range(self.layers)])):
+            for k, v in writes:
+                c.update_and_fetch(k, v)
+        settle(caches)
+        return caches
+
+    def replay_batch(self, want):
+        """The running batch rebuilt: every row's request replayed (above), then merged in row order (as enter)."""
+        for req in self.rows:
+            self.hist_pop(req, want)
+        rows = [self.replay(req) for req in self.rows]
+        new = [rows[0][l].merge([rc[l] for rc in rows]) for l in range(self.layers)]
+        settle(new)
+        return new
 
     def s_trim_rows(self, i, step):
         running = self.need_running()
@@ -415,7 +494,7 @@ class Driver:
             return self.trim_rows_resync(ns)
         n = CACHE.trim_prompt_cache(running, ns[0])
         settle(running)
-        return {"trimmed": int(n)}
+        return self.batch_trimmed(step, n, ns[0])
 
     def trim_rows_resync(self, ns):
         """Unequal per-row counts: mlx-lm's batch caches trim every row by one n. Re-sync (decision 14): every row
@@ -436,6 +515,8 @@ class Driver:
                     raise Unsupported(why + f" (row {r}: trim_prompt_cache trimmed {got} of {n}, no re-sync)")
         self.running = [rows[0][l].merge([rc[l] for rc in rows]) for l in range(self.layers)]
         settle(self.running)
+        for req, n in zip(self.rows, ns):
+            self.hist_pop(req, n)
         return {"trimmed_rows": ns}
 
     def s_extract(self, i, step):

@@ -416,6 +416,9 @@ fn show(o: Option<&Outcome>) -> String {
         Some(Outcome::Trimmed(n)) => format!("trimmed {n}"),
         Some(Outcome::TrimmedRows(n)) => format!("trimmed rows {n:?}"),
         Some(Outcome::Converted(c)) => format!("converted {c}"),
+        Some(Outcome::Resynced { trimmed, replayed }) => {
+            format!("trimmed {trimmed}, re-synced by replay less {replayed}")
+        }
         Some(Outcome::Checkpoint { reqs, .. }) => format!("checkpoint of {} requests", reqs.len()),
         Some(Outcome::Unsupported(s)) => format!("unsupported: {s}"),
         Some(Outcome::Error(s)) => format!("error: {s}"),
@@ -564,6 +567,17 @@ pub fn padding_in_window_rows(prefill: &StepInfo, w: usize) -> BTreeSet<u32> {
 
 /// The rule for a divergence that changes state (trims, refused or failed steps).
 fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotating: bool) -> Option<Rule> {
+    if let Some(Outcome::Resynced { trimmed, replayed }) = o {
+        // mlx-lm's entry point refused; the driver replayed the request's writes less `replayed` positions
+        // (decision 14). Judged as mlx-lm's refusal (bug #18 when kvsim trimmed that many), else as a trim of
+        // `replayed` that kvsim refused.
+        return match k {
+            Some(Outcome::Trimmed(kn)) if kn == replayed => {
+                state_rule(info, k, Some(&Outcome::Trimmed(*trimmed)), rotating)
+            }
+            _ => state_rule(info, k, Some(&Outcome::Trimmed(*replayed)), rotating),
+        };
+    }
     match (info.t, k, o) {
         ("solo_trim" | "trim" | "trim_rows", Some(Outcome::Trimmed(kn)), Some(Outcome::Trimmed(on))) => {
             let t = info.trim.as_ref()?;
@@ -672,12 +686,18 @@ enum Scope {
 /// rebuilt by mlx-lm from its own state and the step's inputs, so the comparison goes on.
 pub const RESYNCED: &str = "[driver re-synced:";
 
-fn root_scope(info: &StepInfo, rule: Option<Rule>, o: Option<&Outcome>) -> Scope {
+fn root_scope(info: &StepInfo, rule: Option<Rule>, k: Option<&Outcome>, o: Option<&Outcome>) -> Scope {
     let resynced = matches!(o, Some(Outcome::Error(e)) if e.contains(RESYNCED));
+    // Both dropped the same positions (kvsim's record and the driver's replay).
+    let replayed =
+        matches!((k, o), (Some(Outcome::Trimmed(kn)), Some(Outcome::Resynced { replayed, .. })) if kn == replayed);
     match (rule, info.t) {
         // mlx-lm crashed on a row that holds nothing; the driver gave the request a new (empty) cache and removed
         // the row, as kvsim did: nothing is left to explain.
         (Some(Rule::ExtractEmptyBatch), "extract") if resynced => Scope::Some { reqs: vec![], batch: false },
+        // mlx-lm refused a wrapped ring's trim (#18) and the driver rebuilt the caches by replay of the same
+        // positions kvsim kept: nothing is left to explain.
+        (Some(Rule::TrimNoopAfterWrap), _) if replayed => Scope::Some { reqs: vec![], batch: false },
         // `quantize`'s requests are the batch rows of the moment.
         (Some(Rule::QuantNoBatch), "quantize") => Scope::Some { reqs: info.reqs.clone(), batch: true },
         (Some(Rule::QuantNoBatch), _) => Scope::Some { reqs: info.reqs.clone(), batch: true },
@@ -960,7 +980,7 @@ pub fn diff_measured(
             _ => true,
         };
         if changes_state {
-            match root_scope(&info, rule, o) {
+            match root_scope(&info, rule, k, o) {
                 Scope::All => root = Some((step, rule)),
                 Scope::Some { reqs, batch } => {
                     for r in reqs {
@@ -1150,7 +1170,7 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
     let resyncs = oracle
         .iter()
         .filter(|r| match &r.outcome {
-            Outcome::TrimmedRows(_) => true,
+            Outcome::TrimmedRows(_) | Outcome::Resynced { .. } => true,
             Outcome::Error(e) => e.contains(RESYNCED),
             _ => false,
         })
@@ -1687,7 +1707,12 @@ pub fn record_set(
 
 /// `kvsim oracle redrive`: re-runs the driver over the traces recorded in `dir` whose name starts with `prefix`
 /// (the traces are kept; each `NAME.oracle.jsonl` is rewritten). Whether every trace went through.
-pub fn redrive_set(dir: &Path, prefix: &str, log: &mut dyn FnMut(bool, String)) -> Result<bool, String> {
+pub fn redrive_set(
+    dir: &Path,
+    prefix: &str,
+    keep_steps: Option<&Path>,
+    log: &mut dyn FnMut(bool, String),
+) -> Result<bool, String> {
     let python = setup_driver()?;
     let work = std::env::temp_dir().join(format!("kvsim-oracle-{}", std::process::id()));
     let mut all = true;
@@ -1700,6 +1725,10 @@ pub fn redrive_set(dir: &Path, prefix: &str, log: &mut dyn FnMut(bool, String)) 
             let trace = Trace::load(&tp).map_err(|e| e.to_string())?;
             let rec = record(&trace, true)?;
             let (_, text) = run_driver(&python, &rec.steps_jsonl(), &work, &name)?;
+            if let Some(k) = keep_steps {
+                let _ = std::fs::create_dir_all(k);
+                let _ = std::fs::write(k.join(format!("{name}.steps.jsonl")), rec.steps_jsonl());
+            }
             std::fs::write(dir.join(format!("{name}.oracle.jsonl")), &text).map_err(|e| e.to_string())?;
             Ok(diff_recorded(&tp).summary_line())
         };

@@ -41,6 +41,13 @@ pub enum Outcome {
     TrimmedRows(Vec<usize>),
     /// A conversion: whether the caches changed storage.
     Converted(bool),
+    /// The driver only: mlx-lm's trim entry point trimmed nothing on a wrapped ring (bug-catalog #18), and the
+    /// driver re-synced by replay (PROTOCOL.md decision 14): the caches rebuilt from the request's writes less the
+    /// newest `replayed` positions.
+    Resynced {
+        trimmed: i64,
+        replayed: i64,
+    },
     /// The state of every live request at the end of a kvsim op.
     Checkpoint {
         op: i64,
@@ -75,6 +82,10 @@ impl Record {
             Outcome::Converted(c) => {
                 m.insert("converted".into(), json!(c));
             }
+            Outcome::Resynced { trimmed, replayed } => {
+                m.insert("trimmed".into(), json!(trimmed));
+                m.insert("resynced".into(), json!(replayed));
+            }
             Outcome::Checkpoint { op, reqs } => {
                 m.insert("op".into(), json!(op));
                 let mut rm = Map::new();
@@ -108,7 +119,11 @@ impl Record {
         let outcome = if let Some(r) = o.get("rows") {
             Outcome::Rows(strings(r)?)
         } else if let Some(n) = o.get("trimmed") {
-            Outcome::Trimmed(n.as_i64().ok_or("trimmed must be an integer")?)
+            let n = n.as_i64().ok_or("trimmed must be an integer")?;
+            match o.get("resynced") {
+                Some(r) => Outcome::Resynced { trimmed: n, replayed: r.as_i64().ok_or("resynced must be an integer")? },
+                None => Outcome::Trimmed(n),
+            }
         } else if let Some(n) = o.get("trimmed_rows") {
             let n = n.as_array().ok_or("trimmed_rows must be a list")?;
             Outcome::TrimmedRows(
