@@ -60,13 +60,22 @@ fn recorded_oracle_set_is_fully_classified() {
     assert!(ssm.len() >= 20, "only {} recurrent-family traces", ssm.len());
     assert!(ssm.iter().any(|t| t.status() == "agree"), "no recurrent trace agrees byte for byte");
     let (compared, steps): (usize, usize) = ssm.iter().fold((0, 0), |(c, s), t| (c + t.steps_compared, s + t.steps));
-    assert!(compared * 10 > steps * 7, "recurrent traces: only {compared} of {steps} steps compared");
-    for rule in [Rule::SsmRound, Rule::SsmLeftPadHistory] {
-        assert!(rules.contains_key(&rule), "{} never shows up in the recorded set", rule.id());
-    }
-    // Roots of a narrow scope leave the other requests compared: most steps are compared on their own.
+    assert!(compared * 10 > steps * 9, "recurrent traces: only {compared} of {steps} steps compared");
+    assert!(rules.contains_key(&Rule::SsmLeftPadHistory), "ssm-left-pad-history never shows up in the recorded set");
+    // Rolled-back recurrent rounds are re-synced by replay in the driver (PROTOCOL.md decision 14) and then agree:
+    // no `ssm-round` root is left in the set.
+    let ssm_resyncs: usize = ssm.iter().map(|t| t.resyncs).sum();
+    assert!(ssm_resyncs >= 80, "only {ssm_resyncs} re-synced steps in the recurrent traces");
+    assert!(!rules.contains_key(&Rule::SsmRound), "a recurrent round the driver could not replay");
+    // The attention family's re-syncs (per-row trims, #18 rollbacks by replay, extracts of an empty batch).
+    let attention: Vec<_> = report.traces.iter().filter(|t| t.name.starts_with("seed-")).collect();
+    let resyncs: usize = attention.iter().map(|t| t.resyncs).sum();
+    assert!(resyncs >= 30, "only {resyncs} re-synced steps in the attention traces");
+    // Roots of a bounded scope and the driver's re-syncs leave most steps compared on their own (85% of the
+    // set; what is left is mostly the quantized family's rings and batches, which mlx-lm 0.32.2 has no class for).
     let line: serde_json::Value = serde_json::from_str(&report.json_line()).unwrap();
-    assert!(line["steps_compared"].as_u64().unwrap() * 2 > line["steps"].as_u64().unwrap(), "{line}");
+    let (c, s) = (line["steps_compared"].as_u64().unwrap(), line["steps"].as_u64().unwrap());
+    assert!(c * 100 >= s * 85, "only {c} of {s} steps compared: {line}");
     assert_eq!(line["traces"], report.traces.len());
     assert_eq!(line["unclassified"], 0);
     assert_eq!(line["agree"].as_u64().unwrap() + line["classified"].as_u64().unwrap(), report.traces.len() as u64);
