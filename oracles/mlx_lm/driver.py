@@ -491,32 +491,38 @@ class Driver:
         if len(ns) != len(self.rows):
             raise DriverError(f"trim_rows has {len(ns)} counts for {len(self.rows)} rows")
         if len(set(ns)) != 1:
-            return self.trim_rows_resync(ns)
+            return self.trim_rows_resync(step, ns)
         n = CACHE.trim_prompt_cache(running, ns[0])
         settle(running)
         return self.batch_trimmed(step, n, ns[0])
 
-    def trim_rows_resync(self, ns):
+    def trim_rows_resync(self, step, ns):
         """Unequal per-row counts: mlx-lm's batch caches trim every row by one n. Re-sync (decision 14): every row
         is taken out with mlx-lm's `extract(row)`, each row that drops positions is trimmed by mlx-lm's own
         `trim_prompt_cache` on those caches, and the batch is rebuilt by `merge` of the rows in order (as
-        `generate._merge_caches`). Result `trimmed_rows`: what each row dropped. When a row's trim is refused
-        (a wrapped ring: bug-catalog #18) or the batch holds no arrays, nothing changes and the step is
-        unsupported as before."""
+        `generate._merge_caches`). A row whose trim `trim_prompt_cache` refuses on a wrapped ring (bug-catalog #18)
+        is rebuilt by replay instead, under the conditions of the uniform case (`undoes_window`). Result
+        `trimmed_rows`: what each row dropped. When a row can be neither trimmed nor replayed, or the batch holds no
+        arrays, nothing changes and the step is unsupported as before."""
         why = f"per-row trim counts {ns}: mlx-lm batch caches trim every row by the same n"
         running = self.running
         if self.family != "attention" or self.quant is not None or any(c.keys is None for c in running):
             raise Unsupported(why)
         rows = [[c.extract(r) for c in running] for r in range(len(self.rows))]
+        replay = []
         for r, n in enumerate(ns):
             if n > 0:
                 got = CACHE.trim_prompt_cache(rows[r], n)
-                if got != n:
+                if got == 0 and self.ring_wrapped(rows[r]) and self.undoes_window(step, [self.rows[r]], n):
+                    replay.append(r)
+                elif got != n:
                     raise Unsupported(why + f" (row {r}: trim_prompt_cache trimmed {got} of {n}, no re-sync)")
-        self.running = [rows[0][l].merge([rc[l] for rc in rows]) for l in range(self.layers)]
-        settle(self.running)
         for req, n in zip(self.rows, ns):
             self.hist_pop(req, n)
+        for r in replay:
+            rows[r] = self.replay(self.rows[r])
+        self.running = [rows[0][l].merge([rc[l] for rc in rows]) for l in range(self.layers)]
+        settle(self.running)
         return {"trimmed_rows": ns}
 
     def s_extract(self, i, step):

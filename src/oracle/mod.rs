@@ -745,6 +745,73 @@ fn without(o: Option<&Outcome>, drop: &BTreeMap<u32, (usize, Option<Rule>)>) -> 
     }
 }
 
+/// Where the driver holds each request (PROTOCOL.md decisions 6 and 9), followed from the steps and the driver's
+/// own answers: a step it answers with a `DriverError` (raised before it changes anything) or `unsupported` changes
+/// nothing; another error inside mlx-lm during a membership step leaves its rows `unknown`.
+#[derive(Default)]
+struct DriverRows {
+    rows: Vec<u32>,
+    solo: BTreeSet<u32>,
+    prefill: Vec<u32>,
+    unknown: bool,
+}
+
+impl DriverRows {
+    fn holds(&self, r: u32) -> bool {
+        self.unknown || self.rows.contains(&r) || self.solo.contains(&r) || self.prefill.contains(&r)
+    }
+
+    fn apply(&mut self, info: &StepInfo, o: Option<&Outcome>) {
+        if !matches!(info.t, "admit" | "enter" | "prefill" | "prefill_end" | "extract" | "filter") {
+            return;
+        }
+        match o {
+            Some(Outcome::Unsupported(_)) => return,
+            Some(Outcome::Error(e)) if e.contains(RESYNCED) => {}
+            Some(Outcome::Error(e)) if e.starts_with("DriverError:") && !e.contains("DriverStateLost") => return,
+            Some(Outcome::Error(_)) => {
+                self.unknown = true;
+                return;
+            }
+            _ => {}
+        }
+        match info.t {
+            "admit" => {
+                self.solo.extend(&info.reqs);
+            }
+            "enter" => {
+                for r in &info.reqs {
+                    self.solo.remove(r);
+                }
+                self.rows.extend(&info.reqs);
+            }
+            "prefill" => {
+                for r in &info.reqs {
+                    self.solo.remove(r);
+                }
+                self.prefill = info.reqs.clone();
+            }
+            "prefill_end" => self.rows.append(&mut self.prefill),
+            "extract" => {
+                // The driver extracts its own row of that index (kvsim's request there may be another one).
+                let Some(row) = info.row else { return };
+                if row < self.rows.len() {
+                    let r = self.rows.remove(row);
+                    if !info.finish {
+                        self.solo.insert(r);
+                    }
+                }
+            }
+            "filter" => {
+                if info.keep.iter().all(|&i| i < self.rows.len()) {
+                    self.rows = info.keep.iter().map(|&i| self.rows[i]).collect();
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 /// [`diff`], plus the number of steps compared on their own: every step but the config and those a state-changing
 /// divergence before them explains (its consequences, and the agreeing steps in its scope).
 pub fn diff_counted(
@@ -775,9 +842,10 @@ pub fn diff_measured(
     // Roots of a narrower scope: the requests they explain, and whether they explain the running batch.
     let mut explained: BTreeMap<u32, (usize, Option<Rule>)> = BTreeMap::new();
     let mut batch_root: Option<(usize, Option<Rule>)> = None;
-    // The driver failed or refused a step that changes which requests are in its batch: its rows may no longer
-    // be kvsim's.
-    let mut desync = false;
+    // Where the driver holds each request, followed from the steps and the driver's own answers, and how many
+    // rows kvsim's running batch has.
+    let mut drv = DriverRows::default();
+    let mut kvsim_rows = 0usize;
     let mut compared = 0usize;
     let mut uncompared: BTreeMap<Option<Rule>, usize> = BTreeMap::new();
     // Read divergences waiting for the next checkpoint (index into out, tentative rule).
@@ -792,37 +860,35 @@ pub fn diff_measured(
         // Every taint is bounded: a request that finishes (an extract with `finish`, a row a filter drops) is no
         // longer explained, and an explained batch's scope ends once the batch is gone (every row extracted or
         // filtered out: mlx-lm's running batch is then dropped too, PROTOCOL.md decision 6).
-        // Only while the driver's rows are known to be kvsim's: a membership step the driver failed or refused
-        // (`desync`) leaves them unknown, and the scopes then stay.
-        if let Some(prev) = step.checked_sub(1).and_then(|s| infos.get(s)).filter(|_| !desync) {
+        // The driver's rows are followed (`DriverRows`): a finished request leaves the scope once the driver holds
+        // it no more either, and the batch's scope ends once both batches are empty. When a membership step failed
+        // inside mlx-lm, the driver's rows are unknown and the scopes stay.
+        if let Some(prev) = step.checked_sub(1).and_then(|s| infos.get(s)) {
+            drv.apply(prev, os.get(&(step - 1)));
             match prev.t {
-                "extract" if prev.finish => {
-                    for r in &prev.reqs {
-                        explained.remove(r);
-                    }
-                }
-                "filter" => {
-                    for (i, r) in prev.reqs.iter().enumerate() {
-                        if !prev.keep.contains(&i) {
-                            explained.remove(r);
-                        }
-                    }
-                }
+                "enter" => kvsim_rows += prev.reqs.len(),
+                "prefill_end" => kvsim_rows += prev.reqs.len(),
+                "extract" | "filter" => kvsim_rows = prev.rows_left,
                 _ => {}
             }
-            if matches!(prev.t, "extract" | "filter") && prev.rows_left == 0 {
-                batch_root = None;
+            if !drv.unknown {
+                let finished: Vec<u32> = match prev.t {
+                    "extract" if prev.finish => prev.reqs.clone(),
+                    "filter" => {
+                        prev.reqs.iter().enumerate().filter(|(i, _)| !prev.keep.contains(i)).map(|(_, r)| *r).collect()
+                    }
+                    _ => vec![],
+                };
+                for r in finished.iter().filter(|r| !drv.holds(**r)) {
+                    explained.remove(r);
+                }
+                if is_batch_step(prev.t) && kvsim_rows == 0 && drv.rows.is_empty() {
+                    batch_root = None;
+                }
             }
         }
         let info = infos.get(step).cloned().unwrap_or_default();
         let (k, o) = (ks.get(&step), os.get(&step));
-        if matches!(info.t, "enter" | "prefill" | "prefill_end" | "extract" | "filter")
-            && matches!(o, Some(Outcome::Error(e)) if !e.contains(RESYNCED))
-            || matches!(info.t, "enter" | "prefill" | "prefill_end" | "extract" | "filter")
-                && matches!(o, Some(Outcome::Unsupported(_)))
-        {
-            desync = true;
-        }
         if info.t == "enter" {
             for r in &info.reqs {
                 layout_r3.remove(r);

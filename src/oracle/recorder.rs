@@ -212,6 +212,8 @@ pub struct StepInfo {
     pub rows_left: usize,
     /// `extract`: the request finishes (its cache is dropped).
     pub finish: bool,
+    /// `extract`: the row index asked for.
+    pub row: Option<usize>,
 }
 
 /// The families the mlx-lm oracle maps (`oracles/PROTOCOL.md`): the attention family's plain caches, the
@@ -688,6 +690,7 @@ impl Recorder {
             batch_arrays: self.batch_arrays,
             rows_left,
             finish,
+            row: Some(row),
             ..Default::default()
         };
         self.push(|| json!({"t": "extract", "row": row, "finish": finish}), info);
