@@ -848,7 +848,12 @@ pub fn diff_measured(
     // Where the driver holds each request, followed from the steps and the driver's own answers, and how many
     // rows kvsim's running batch has.
     let mut drv = DriverRows::default();
-    let mut kvsim_rows = 0usize;
+    // kvsim's running batch (its requests in row order) and pending prefill batch.
+    let (mut kv_rows, mut kv_prefill): (Vec<u32>, Vec<u32>) = (vec![], vec![]);
+    // The requests that made the batch explained (a batch root's rows, explained requests that entered it), and
+    // the requests explained only because they sat in it: once every request of the first kind has left both
+    // batches (and the driver's rows are kvsim's), the batch's scope ends and the second kind is compared again.
+    let (mut batch_taint, mut spread): (BTreeSet<u32>, BTreeSet<u32>) = (BTreeSet::new(), BTreeSet::new());
     let mut compared = 0usize;
     let mut uncompared: BTreeMap<Option<Rule>, usize> = BTreeMap::new();
     // Read divergences waiting for the next checkpoint (index into out, tentative rule).
@@ -869,9 +874,15 @@ pub fn diff_measured(
         if let Some(prev) = step.checked_sub(1).and_then(|s| infos.get(s)) {
             drv.apply(prev, os.get(&(step - 1)));
             match prev.t {
-                "enter" => kvsim_rows += prev.reqs.len(),
-                "prefill_end" => kvsim_rows += prev.reqs.len(),
-                "extract" | "filter" => kvsim_rows = prev.rows_left,
+                "enter" => kv_rows.extend(&prev.reqs),
+                "prefill" => kv_prefill = prev.reqs.clone(),
+                "prefill_end" => kv_rows.append(&mut kv_prefill),
+                "extract" => {
+                    if let Some(i) = prev.row.filter(|&i| i < kv_rows.len()) {
+                        kv_rows.remove(i);
+                    }
+                }
+                "filter" => kv_rows = prev.keep.iter().filter_map(|&i| prev.reqs.get(i).copied()).collect(),
                 _ => {}
             }
             if !drv.unknown {
@@ -885,8 +896,22 @@ pub fn diff_measured(
                 for r in finished.iter().filter(|r| !drv.holds(**r)) {
                     explained.remove(r);
                 }
-                if is_batch_step(prev.t) && kvsim_rows == 0 && drv.rows.is_empty() {
+                let held = |r: &u32| {
+                    kv_rows.contains(r) || kv_prefill.contains(r) || drv.rows.contains(r) || drv.prefill.contains(r)
+                };
+                if is_batch_step(prev.t)
+                    && batch_root.is_some()
+                    && kv_rows == drv.rows
+                    && kv_prefill == drv.prefill
+                    && !batch_taint.iter().any(held)
+                {
                     batch_root = None;
+                    batch_taint.clear();
+                    for r in kv_rows.iter().chain(&kv_prefill) {
+                        if spread.remove(r) {
+                            explained.remove(r);
+                        }
+                    }
                 }
             }
         }
@@ -903,14 +928,18 @@ pub fn diff_measured(
         // Narrow roots spread: an explained request entering the batch explains the batch, and every request of
         // an explained batch is explained.
         let batch_step = is_batch_step(info.t);
-        if matches!(info.t, "enter" | "prefill" | "prefill_end") && batch_root.is_none() {
-            if let Some(r) = info.reqs.iter().find_map(|r| explained.get(r)) {
-                batch_root = Some(*r);
+        if matches!(info.t, "enter" | "prefill" | "prefill_end") {
+            for r in info.reqs.iter().filter(|r| explained.contains_key(r) && !spread.contains(r)) {
+                batch_taint.insert(*r);
+                batch_root = batch_root.or(explained.get(r).copied());
             }
         }
         if let (true, Some(r)) = (batch_step, batch_root) {
             for id in &info.reqs {
-                explained.entry(*id).or_insert(r);
+                if !explained.contains_key(id) {
+                    explained.insert(*id, r);
+                    spread.insert(*id);
+                }
             }
         }
         // A recurrent batch call: its rows are independent (each row's output is its own state's), so rows of
@@ -977,6 +1006,15 @@ pub fn diff_measured(
         };
         if let Some((r, rule)) = root.or(narrow) {
             d.class = Class::Consequence { root: r, rule };
+            // A step of the explained batch that differs other than by its outputs (a trim, a failed or refused
+            // step) may change every row's state: every row now taints the batch.
+            let read_output = matches!((k, o), (Some(Outcome::Rows(_)), Some(Outcome::Rows(_))));
+            if batch_step && !read_output {
+                for r in kv_rows.iter().chain(&kv_prefill).chain(&info.reqs) {
+                    spread.remove(r);
+                    batch_taint.insert(*r);
+                }
+            }
             out.push(d);
             continue;
         }
@@ -1019,6 +1057,7 @@ pub fn diff_measured(
                 // Explains the differing rows only.
                 for r in differing.unwrap_or_default() {
                     explained.entry(r).or_insert((step, rule));
+                    spread.remove(&r);
                 }
                 for (i, tentative) in pending.drain(..) {
                     out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
@@ -1052,11 +1091,15 @@ pub fn diff_measured(
             match root_scope(&info, rule, k, o) {
                 Scope::All => root = Some((step, rule)),
                 Scope::Some { reqs, batch } => {
-                    for r in reqs {
-                        explained.entry(r).or_insert((step, rule));
+                    for r in &reqs {
+                        explained.entry(*r).or_insert((step, rule));
+                        spread.remove(r);
                     }
-                    if batch && batch_root.is_none() {
-                        batch_root = Some((step, rule));
+                    if batch {
+                        batch_taint.extend(&reqs);
+                        if batch_root.is_none() {
+                            batch_root = Some((step, rule));
+                        }
                     }
                 }
             }
@@ -2061,6 +2104,41 @@ mod tests {
         let (_, _, uncompared) =
             batch_root_then_new_batch(Some(Outcome::Error("DriverError: no running batch".into())));
         assert_eq!(uncompared, BTreeMap::from([(Some(Rule::TrimNoopAfterWrap), 4)]));
+    }
+
+    #[test]
+    fn a_request_that_joined_an_explained_batch_is_compared_again_once_the_taint_has_left() {
+        let trim = TrimInfo { n: vec![1], bypass: true, kvsim: Ok(1), after_window: true, live: vec![5] };
+        let mut trim_step = info("trim_rows", &[1]);
+        trim_step.trim = Some(trim);
+        trim_step.wrapped = true;
+        let decode = |reqs: &[u32]| {
+            let mut d = info("batch", reqs);
+            d.read = Some(Read::Decode);
+            d.l = 1;
+            d
+        };
+        let mut extract = info("extract", &[1]);
+        (extract.row, extract.finish, extract.rows_left) = (Some(0), true, 1);
+        let infos = vec![
+            info("config", &[]),
+            info("admit", &[1]),
+            info("enter", &[1]),
+            trim_step,
+            info("admit", &[3]),
+            info("enter", &[3]),
+            decode(&[1, 3]),
+            extract,
+            decode(&[3]),
+        ];
+        let kvsim = vec![rec(3, Outcome::Trimmed(1)), rec(6, rows("a")), rec(8, rows("b"))];
+        let oracle = vec![rec(3, Outcome::Trimmed(0)), rec(6, rows("A")), rec(8, rows("b"))];
+        let (out, compared, uncompared) = diff_measured(&infos, &kvsim, &oracle, Some(4));
+        assert_eq!(out.len(), 2, "{out:?}");
+        // Explained: the join of request 3 into the explained batch, the batch read and the extract of request 1;
+        // the read of request 3 alone after that is compared.
+        assert_eq!(uncompared, BTreeMap::from([(Some(Rule::TrimNoopAfterWrap), 3)]));
+        assert_eq!(compared, 8 - 3);
     }
 
     #[test]

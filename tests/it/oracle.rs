@@ -71,11 +71,11 @@ fn recorded_oracle_set_is_fully_classified() {
     let attention: Vec<_> = report.traces.iter().filter(|t| t.name.starts_with("seed-")).collect();
     let resyncs: usize = attention.iter().map(|t| t.resyncs).sum();
     assert!(resyncs >= 30, "only {resyncs} re-synced steps in the attention traces");
-    // Roots of a bounded scope and the driver's re-syncs leave most steps compared on their own (85% of the
+    // Roots of a bounded scope and the driver's re-syncs leave most steps compared on their own (86% of the
     // set; what is left is mostly the quantized family's rings and batches, which mlx-lm 0.32.2 has no class for).
     let line: serde_json::Value = serde_json::from_str(&report.json_line()).unwrap();
     let (c, s) = (line["steps_compared"].as_u64().unwrap(), line["steps"].as_u64().unwrap());
-    assert!(c * 100 >= s * 85, "only {c} of {s} steps compared: {line}");
+    assert!(c * 100 >= s * 86, "only {c} of {s} steps compared: {line}");
     assert_eq!(line["traces"], report.traces.len());
     assert_eq!(line["unclassified"], 0);
     assert_eq!(line["agree"].as_u64().unwrap() + line["classified"].as_u64().unwrap(), report.traces.len() as u64);
