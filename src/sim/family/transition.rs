@@ -891,24 +891,10 @@ impl TransitionFamily {
             done += planned;
         }
         model.end_prefill().map_err(|e| model_fail("end_prefill", e))?;
-        for (layer, c) in cohort.iter_mut().enumerate() {
+        for c in cohort.iter_mut() {
             c.end_prefill().map_err(|e| unexpected("end_prefill", e))?;
-            for (r, id) in ids.iter().enumerate() {
-                let lego = c.extract(r).map_err(|e| unexpected("cohort extract", e))?;
-                self.reqs.get_mut(id).unwrap().solo[layer] = lego;
-            }
         }
-        for (r, id) in ids.iter().enumerate() {
-            let m = model.extract(r).map_err(|e| model_fail("cohort extract", e))?;
-            self.reqs.get_mut(id).unwrap().model = m;
-            if n > 1 && cohort.first().is_some_and(|c| c.is_packed()) {
-                // A packed cohort hands its rows back de-rolled to temporal order: so are the twins.
-                for layer in 0..self.cfg.layers {
-                    let t = self.deroll_twin(&self.reqs[id].twin[layer])?;
-                    self.reqs.get_mut(id).unwrap().twin[layer] = t;
-                }
-            }
-        }
+        self.hand_back_cohort(&cohort, &model, &ids)?;
         self.check_all(cx)?;
         // The longer requests' tails: solo lego windows.
         for (r, id) in ids.iter().enumerate() {
@@ -1013,27 +999,34 @@ impl TransitionFamily {
         for r in (0..n).filter(|&r| !committed[r]) {
             self.commit_padded_row(&mut cohort, ids, r, &mconv, None)?;
         }
+        self.hand_back_cohort(&cohort, &model, ids)?;
+        self.counters.prepared_prefills += 1;
+        self.check_all(cx)?;
+        self.enter_ids(ids)?;
+        Ok(true)
+    }
+
+    /// A prefill cohort's rows go back to serial use: each request's lego of every layer and its model row, and, when
+    /// a cohort of several rows packed (it hands its rows back de-rolled to temporal order), its twins de-rolled too.
+    fn hand_back_cohort(&mut self, cohort: &[TransitioningKvRows], model: &RowsModel, ids: &[u32]) -> Res<()> {
         for (layer, c) in cohort.iter().enumerate() {
             for (r, id) in ids.iter().enumerate() {
                 let lego = c.extract(r).map_err(|e| unexpected("cohort extract", e))?;
                 self.reqs.get_mut(id).unwrap().solo[layer] = lego;
             }
         }
+        let packed = ids.len() > 1 && cohort.first().is_some_and(|c| c.is_packed());
         for (r, id) in ids.iter().enumerate() {
             let m = model.extract(r).map_err(|e| model_fail("cohort extract", e))?;
             self.reqs.get_mut(id).unwrap().model = m;
-            if n > 1 && cohort.first().is_some_and(|c| c.is_packed()) {
-                // A packed cohort hands its rows back de-rolled to temporal order: so are the twins.
+            if packed {
                 for layer in 0..self.cfg.layers {
                     let t = self.deroll_twin(&self.reqs[id].twin[layer])?;
                     self.reqs.get_mut(id).unwrap().twin[layer] = t;
                 }
             }
         }
-        self.counters.prepared_prefills += 1;
-        self.check_all(cx)?;
-        self.enter_ids(ids)?;
-        Ok(true)
+        Ok(())
     }
 
     /// One request of a right-padded prefill commits: `commit` `Some(r)` calls `commit_prefill(&[r])` on every
