@@ -47,7 +47,7 @@ use crate::reference::{RefDtype, SsmDims, SsmRowModel, SsmToken, SsmValues, SsmW
 use crate::sim::check::{self, ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
 use crate::sim::family::attention::mlx_fail;
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{entering, join_permutation, Cx, Family, Registration, View};
 use crate::sim::observe::{Call, Read, StateView};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
@@ -747,20 +747,10 @@ impl Recurrent {
     /// `merge` (identity order) or `join` (the running rows in `order`; empty = identity; anything but a
     /// permutation of the rows makes the op skipped, as in the attention family).
     fn merge_or_join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let n = self.rows.len();
-        let perm: Vec<usize> =
-            if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
-        let mut sorted = perm.clone();
-        sorted.sort_unstable();
-        if sorted != (0..n).collect::<Vec<_>>() {
+        let Some(perm) = join_permutation(order, self.rows.len()) else {
             return Ok(false);
-        }
-        let mut ids: Vec<u32> = vec![];
-        for &r in reqs {
-            if self.solo_req(r) && !ids.contains(&r) {
-                ids.push(r);
-            }
-        }
+        };
+        let ids = entering(reqs, |r| self.solo_req(r));
         if ids.is_empty() {
             return Ok(false);
         }

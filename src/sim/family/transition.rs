@@ -67,7 +67,7 @@ use crate::reference::transition::{take, LegoModel, Precision, RowRead, RowsMode
 use crate::reference::{attention_f64, ModelError, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{entering, join_permutation, Cx, Family, Registration, View};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
 use crate::sim::summary::Counters;
@@ -518,20 +518,10 @@ impl TransitionFamily {
     /// with theirs (`Merge` and `Join` alike: the rows layout has one merge), the running rows listed in `order`
     /// (empty: identity; anything but a permutation of the rows skips the op, as in the attention family).
     fn enter(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let n = self.rows.len();
-        let perm: Vec<usize> =
-            if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
-        let mut sorted = perm.clone();
-        sorted.sort_unstable();
-        if sorted != (0..n).collect::<Vec<_>>() {
+        let Some(perm) = join_permutation(order, self.rows.len()) else {
             return Ok(false);
-        }
-        let mut ids: Vec<u32> = vec![];
-        for &r in reqs {
-            if self.solo_req(r) && !ids.contains(&r) {
-                ids.push(r);
-            }
-        }
+        };
+        let ids = entering(reqs, |r| self.solo_req(r));
         if ids.is_empty() {
             return Ok(false);
         }
