@@ -80,6 +80,9 @@ pub enum Cmd {
         first: u64,
         #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
+        /// Return the heap's free memory to the system (glibc `malloc_trim`) before every sample.
+        #[arg(long)]
+        trim: bool,
         /// Also write the report (JSON) here.
         #[arg(long)]
         out: Option<PathBuf>,

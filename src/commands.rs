@@ -358,6 +358,7 @@ pub(crate) fn soak_cmd(
     time: Option<f64>,
     first: u64,
     device: DeviceChoice,
+    trim: bool,
     out: Option<PathBuf>,
     json: bool,
 ) -> ExitCode {
@@ -377,7 +378,7 @@ pub(crate) fn soak_cmd(
     bar.set_style(indicatif::ProgressStyle::with_template(&style).unwrap().progress_chars("=> "));
     let failures_dir = PathBuf::from("target/kvsim-failures");
     let report = kvsim::soak::soak(
-        SoakConfig::new(budget, first),
+        SoakConfig { trim, ..SoakConfig::new(budget, first) },
         &STOP,
         |seed| {
             let r = campaign::run_seed(seed, device);
@@ -412,12 +413,15 @@ pub(crate) fn soak_cmd(
     bar.finish_and_clear();
     let line = |what: &str, s: &kvsim::soak::MemorySample| {
         println!(
-            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB",
+            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB  \
+             heap live {:>8.2} MiB  free {:>8.2} MiB",
             s.ops,
             mib(s.mlx_active),
             mib(s.mlx_cache),
             mib(s.mlx_peak),
-            mib(s.rss)
+            mib(s.rss),
+            mib(s.heap_in_use),
+            mib(s.heap_free)
         )
     };
     println!(
@@ -438,7 +442,8 @@ pub(crate) fn soak_cmd(
     let v = &report.verdict;
     println!(
         "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS outside MLX's cache {:.3}x ({:.2} -> \
-         {:.2} MiB) [raw RSS {:.3}x, MLX cache {:.2} -> {:.2} MiB, reported only]; allowed {}x: {}",
+         {:.2} MiB) [raw RSS {:.3}x, MLX cache {:.2} -> {:.2} MiB, live heap outside the cache {:.3}x, heap free \
+         {:.2} -> {:.2} MiB, reported only]; allowed {}x: {}",
         v.mlx_active.ratio,
         mib(v.mlx_active.post_warmup),
         mib(v.mlx_active.final_level),
@@ -448,6 +453,9 @@ pub(crate) fn soak_cmd(
         v.rss.ratio,
         mib(v.mlx_cache.post_warmup),
         mib(v.mlx_cache.final_level),
+        v.heap_outside_cache.ratio,
+        mib(v.heap_free.post_warmup),
+        mib(v.heap_free.final_level),
         report.config.tolerance,
         if v.pass { "pass" } else { v.reason.as_deref().unwrap_or("fail") }
     );

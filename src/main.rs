@@ -41,7 +41,7 @@ fn main() -> ExitCode {
             sim_cmd(&a)
         }
         Cmd::Merge { parts, json } => merge_cmd(&parts, json),
-        Cmd::Soak { ops, time, first, device, out, json } => soak_cmd(ops, time, first, device, out, json),
+        Cmd::Soak { ops, time, first, device, trim, out, json } => soak_cmd(ops, time, first, device, trim, out, json),
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => {

@@ -45,6 +45,15 @@ pub struct MemorySample {
     pub mlx_peak: u64,
     /// Resident set size of the process in bytes (0 when unknown).
     pub rss: u64,
+    /// Bytes in live heap allocations (glibc `mallinfo2`: `uordblks + hblkhd`; 0 off glibc). MLX's CPU buffers,
+    /// its allocator cache included, are heap allocations, so `heap_in_use - mlx_cache` is what the process holds
+    /// live outside that cache: a leak raises it, fragmentation does not.
+    #[serde(default)]
+    pub heap_in_use: u64,
+    /// Bytes that glibc's malloc holds free inside its arenas (`mallinfo2().fordblks`; 0 off glibc): freed memory
+    /// not yet returned to the system, which RSS counts and a leak does not explain.
+    #[serde(default)]
+    pub heap_free: u64,
 }
 
 /// The process's resident set size in bytes, from `/proc/self/statm`.
@@ -52,6 +61,29 @@ pub fn rss_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * page_size())
+}
+
+/// glibc's heap counters `(in use, free in arenas)`; `(0, 0)` elsewhere.
+pub fn heap_bytes() -> (u64, u64) {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's statistics (glibc >= 2.33).
+        let m = unsafe { libc::mallinfo2() };
+        ((m.uordblks + m.hblkhd) as u64, m.fordblks as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        (0, 0)
+    }
+}
+
+/// Returns the heap's free memory to the system where glibc can (`malloc_trim(0)`); a no-op elsewhere.
+pub fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim releases free pages of the arenas; it touches no live allocation.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 fn page_size() -> u64 {
@@ -62,6 +94,7 @@ fn page_size() -> u64 {
 /// A sample of memory now.
 pub fn sample(ops: u64, seeds: u64, seconds: f64) -> MemorySample {
     let get = |r: mlx_rs::error::Result<usize>| r.map(|x| x as u64).unwrap_or(0);
+    let (heap_in_use, heap_free) = heap_bytes();
     MemorySample {
         ops,
         seeds,
@@ -70,6 +103,8 @@ pub fn sample(ops: u64, seeds: u64, seconds: f64) -> MemorySample {
         mlx_cache: get(mlx_rs::memory::cache_memory()),
         mlx_peak: get(mlx_rs::memory::peak_memory()),
         rss: rss_bytes().unwrap_or(0),
+        heap_in_use,
+        heap_free,
     }
 }
 
@@ -95,11 +130,15 @@ pub struct SoakConfig {
     pub window: f64,
     /// Allowed growth: final level at most `tolerance` x the post-warm-up level (default 1.1).
     pub tolerance: f64,
+    /// Return the heap's free memory to the system ([`trim_heap`]) before every sample (`kvsim soak --trim`), so
+    /// that RSS counts what the process holds rather than what glibc keeps free for reuse.
+    #[serde(default)]
+    pub trim: bool,
 }
 
 impl SoakConfig {
     pub fn new(budget: Budget, first: u64) -> SoakConfig {
-        SoakConfig { budget, first, warmup: 0.1, window: 0.1, tolerance: 1.1 }
+        SoakConfig { budget, first, warmup: 0.1, window: 0.1, tolerance: 1.1, trim: false }
     }
 
     /// Where a sample lies in the budget, in [0, 1].
@@ -128,7 +167,7 @@ pub struct SeedRun {
 }
 
 /// One metric's growth verdict.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Growth {
     /// Level (max) over the post-warm-up window, bytes.
     pub post_warmup: u64,
@@ -148,6 +187,13 @@ pub struct Verdict {
     /// Raw RSS and MLX's allocator cache: reported, not judged (their `ok` says whether they stayed within tolerance).
     pub rss: Growth,
     pub mlx_cache: Growth,
+    /// Live heap bytes outside MLX's cache (`heap_in_use - mlx_cache`, [`MemorySample::heap_in_use`]) and the
+    /// heap's free bytes: reported, not judged; they tell a leak (live bytes grow) from fragmentation (free bytes
+    /// grow while live bytes stay).
+    #[serde(default)]
+    pub heap_outside_cache: Growth,
+    #[serde(default)]
+    pub heap_free: Growth,
     /// Samples judged in each window.
     pub post_warmup_samples: usize,
     pub final_samples: usize,
@@ -182,6 +228,8 @@ pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
     let rss_outside_cache = growth(&post, &fin, |s| s.rss.saturating_sub(s.mlx_cache), cfg.tolerance);
     let rss = growth(&post, &fin, |s| s.rss, cfg.tolerance);
     let mlx_cache = growth(&post, &fin, |s| s.mlx_cache, cfg.tolerance);
+    let heap_outside_cache = growth(&post, &fin, |s| s.heap_in_use.saturating_sub(s.mlx_cache), cfg.tolerance);
+    let heap_free = growth(&post, &fin, |s| s.heap_free, cfg.tolerance);
     let reason = if post.is_empty() || fin.is_empty() {
         Some(format!(
             "not enough samples to judge ({} after warm-up, {} in the final window; the run reached {:.0}% of its budget)",
@@ -202,6 +250,8 @@ pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
         rss_outside_cache,
         rss,
         mlx_cache,
+        heap_outside_cache,
+        heap_free,
         post_warmup_samples: post.len(),
         final_samples: fin.len(),
         pass: reason.is_none(),
@@ -261,6 +311,9 @@ pub fn soak(
             failed_seeds.push(seed);
         }
         seed = seed.wrapping_add(1);
+        if cfg.trim {
+            trim_heap();
+        }
         let s = sample(ops, seeds, start.elapsed().as_secs_f64());
         if at_warmup.is_none() && cfg.progress(&s) >= cfg.warmup {
             at_warmup = Some(s);
@@ -304,7 +357,17 @@ mod tests {
     use super::*;
 
     fn s(ops: u64, active: u64, rss: u64) -> MemorySample {
-        MemorySample { ops, seeds: ops / 10, seconds: ops as f64, mlx_active: active, mlx_cache: 0, mlx_peak: 0, rss }
+        MemorySample {
+            ops,
+            seeds: ops / 10,
+            seconds: ops as f64,
+            mlx_active: active,
+            mlx_cache: 0,
+            mlx_peak: 0,
+            rss,
+            heap_in_use: 0,
+            heap_free: 0,
+        }
     }
 
     const MIB: u64 = 1 << 20;
@@ -434,5 +497,31 @@ mod tests {
         assert!(r.interrupted);
         assert_eq!(r.seeds, 5);
         assert!(!r.verdict.pass);
+    }
+
+    #[test]
+    fn heap_counters_see_a_live_allocation_and_trim_keeps_it() {
+        if !cfg!(all(target_os = "linux", target_env = "gnu")) {
+            assert_eq!(heap_bytes(), (0, 0));
+            return;
+        }
+        let (before, _) = heap_bytes();
+        // 64 KiB chunks stay below glibc's mmap threshold, so they are counted as arena bytes in use.
+        let held: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 64 << 10]).collect();
+        let (during, _) = heap_bytes();
+        assert!(during >= before + (4 << 20), "{before} -> {during}");
+        trim_heap();
+        assert!(heap_bytes().0 >= before + (4 << 20), "trim must not release live allocations");
+        assert_eq!(held.iter().map(|v| v[1] as usize).sum::<usize>(), (0..64).sum::<usize>());
+        drop(held);
+        // A trimmed soak samples after every seed and reports the heap beside RSS.
+        let stop = AtomicBool::new(false);
+        let r = soak(
+            SoakConfig { trim: true, ..SoakConfig::new(Budget::Ops(20), 0) },
+            &stop,
+            |_| SeedRun { ops: 10, failed: false },
+            |_, _| {},
+        );
+        assert!(r.at_end.heap_in_use > 0 && r.config.trim);
     }
 }

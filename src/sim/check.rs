@@ -301,6 +301,27 @@ pub struct Guarantees {
     pub gpu: bool,
 }
 
+/// The distance between two values' bits (one dtype) in ULPs at the output's scale ([`ulp_at`]), rounded up: 0 for
+/// equal bits, at least 1 for any difference (raw ULP counts near zero are meaningless), `u64::MAX` for a NaN.
+pub fn ulp_at_scale(dtype: Dtype, a: u64, b: u64) -> u64 {
+    if a == b {
+        return 0;
+    }
+    let (x, y) = (value_of(dtype, a), value_of(dtype, b));
+    if x.is_nan() || y.is_nan() {
+        return u64::MAX;
+    }
+    (((x - y).abs() / ulp_at(dtype, x.abs().max(y.abs()))).ceil() as u64).max(1)
+}
+
+/// The largest [`ulp_at_scale`] over two arrays of one shape and dtype (`u64::MAX` when they do not match).
+pub fn max_ulp_at_scale(a: &ArrayBytes, b: &ArrayBytes) -> u64 {
+    if a.dtype != b.dtype || a.shape != b.shape {
+        return u64::MAX;
+    }
+    (0..a.words.len()).map(|i| ulp_at_scale(a.dtype, a.words.get(i), b.words.get(i))).max().unwrap_or(0)
+}
+
 /// One row's real query outputs against the twin's, bytes first; distance measured when they differ.
 pub fn output_vs_twin(
     class: OutClass,
@@ -319,16 +340,7 @@ pub fn output_vs_twin(
             for k in 0..d {
                 let a = out.words.get(((row * hq + h) * l + i) * d + k);
                 let b = twin.words.get((h * lt + i) * d + k);
-                if a != b {
-                    // ULPs at the output's scale (see `ulp_at`), rounded up: raw ULP counts near zero are meaningless.
-                    let (x, y) = (value_of(out.dtype, a), value_of(out.dtype, b));
-                    let d = if x.is_nan() || y.is_nan() {
-                        u64::MAX
-                    } else {
-                        ((x - y).abs() / ulp_at(out.dtype, x.abs().max(y.abs()))).ceil() as u64
-                    };
-                    worst = worst.max(d.max(1));
-                }
+                worst = worst.max(ulp_at_scale(out.dtype, a, b));
             }
         }
     }

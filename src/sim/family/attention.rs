@@ -22,7 +22,7 @@ use crate::cache::{
 use crate::reference::{bidirectional_visible, read_block_context, RowModel, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, ReadKind};
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{entering, join_permutation, Cx, Family, Registration, View};
 use crate::sim::observe::{Call, Read, StateView, TrimInfo};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::summary::Counters;
@@ -599,15 +599,10 @@ impl Attention {
     /// `join` with the running batch's rows listed in `order` (empty: identity). A permutation is first described to
     /// observers as a `filter` keeping every row in that order (mlx-lm's `filter` reorders rows alike).
     fn join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let rows = self.rows.len();
-        let perm: Vec<usize> =
-            if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
-        let mut sorted = perm.clone();
-        sorted.sort_unstable();
-        if sorted != (0..rows).collect::<Vec<_>>() || !reqs.iter().any(|&r| self.solo_req(r)) {
-            return Ok(false);
+        match join_permutation(order, self.rows.len()) {
+            Some(perm) if reqs.iter().any(|&r| self.solo_req(r)) => self.enter_ordered(cx, reqs, false, &perm),
+            _ => Ok(false),
         }
-        self.enter_ordered(cx, reqs, false, &perm)
     }
 
     fn enter(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool) -> Res<bool> {
@@ -616,12 +611,7 @@ impl Attention {
     }
 
     fn enter_ordered(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool, perm: &[usize]) -> Res<bool> {
-        let mut ids: Vec<u32> = vec![];
-        for &r in reqs {
-            if self.solo_req(r) && !ids.contains(&r) {
-                ids.push(r);
-            }
-        }
+        let ids = entering(reqs, |r| self.solo_req(r));
         if ids.is_empty() {
             return Ok(false);
         }

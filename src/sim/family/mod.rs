@@ -110,6 +110,28 @@ pub fn all_support(names: &[String], kind: OpKind) -> bool {
     names.iter().all(|n| registration(n).is_some_and(|r| (r.supports)(kind)))
 }
 
+/// The running rows' order a `Join` lists (`order`; empty = identity) as a permutation of `0..rows`, or `None` when
+/// it is not one: every family then skips the op alike.
+pub(crate) fn join_permutation(order: &[u32], rows: usize) -> Option<Vec<usize>> {
+    let perm: Vec<usize> =
+        if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
+    let mut sorted = perm.clone();
+    sorted.sort_unstable();
+    (sorted == (0..rows).collect::<Vec<_>>()).then_some(perm)
+}
+
+/// The requests of `reqs` that may enter the batch (`eligible`: a solo request of the family), each once, in the
+/// order listed.
+pub(crate) fn entering(reqs: &[u32], eligible: impl Fn(u32) -> bool) -> Vec<u32> {
+    let mut ids: Vec<u32> = vec![];
+    for &r in reqs {
+        if eligible(r) && !ids.contains(&r) {
+            ids.push(r);
+        }
+    }
+    ids
+}
+
 /// Saves caches to one file of `format` (every cache one layer), drops them, and restores them from the bytes alone:
 /// the persist op's round trip, shared by every family. Each cache's reuse floor and storage kind must come back
 /// (a `persist` failure otherwise); the restored caches are returned in order for the family to unwrap.

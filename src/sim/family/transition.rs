@@ -67,7 +67,7 @@ use crate::reference::transition::{take, LegoModel, Precision, RowRead, RowsMode
 use crate::reference::{attention_f64, ModelError, Tensor, Tok, ValueSpace};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{entering, join_permutation, Cx, Family, Registration, View};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
 use crate::sim::summary::Counters;
@@ -518,20 +518,10 @@ impl TransitionFamily {
     /// with theirs (`Merge` and `Join` alike: the rows layout has one merge), the running rows listed in `order`
     /// (empty: identity; anything but a permutation of the rows skips the op, as in the attention family).
     fn enter(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let n = self.rows.len();
-        let perm: Vec<usize> =
-            if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
-        let mut sorted = perm.clone();
-        sorted.sort_unstable();
-        if sorted != (0..n).collect::<Vec<_>>() {
+        let Some(perm) = join_permutation(order, self.rows.len()) else {
             return Ok(false);
-        }
-        let mut ids: Vec<u32> = vec![];
-        for &r in reqs {
-            if self.solo_req(r) && !ids.contains(&r) {
-                ids.push(r);
-            }
-        }
+        };
+        let ids = entering(reqs, |r| self.solo_req(r));
         if ids.is_empty() {
             return Ok(false);
         }
@@ -891,24 +881,10 @@ impl TransitionFamily {
             done += planned;
         }
         model.end_prefill().map_err(|e| model_fail("end_prefill", e))?;
-        for (layer, c) in cohort.iter_mut().enumerate() {
+        for c in cohort.iter_mut() {
             c.end_prefill().map_err(|e| unexpected("end_prefill", e))?;
-            for (r, id) in ids.iter().enumerate() {
-                let lego = c.extract(r).map_err(|e| unexpected("cohort extract", e))?;
-                self.reqs.get_mut(id).unwrap().solo[layer] = lego;
-            }
         }
-        for (r, id) in ids.iter().enumerate() {
-            let m = model.extract(r).map_err(|e| model_fail("cohort extract", e))?;
-            self.reqs.get_mut(id).unwrap().model = m;
-            if n > 1 && cohort.first().is_some_and(|c| c.is_packed()) {
-                // A packed cohort hands its rows back de-rolled to temporal order: so are the twins.
-                for layer in 0..self.cfg.layers {
-                    let t = self.deroll_twin(&self.reqs[id].twin[layer])?;
-                    self.reqs.get_mut(id).unwrap().twin[layer] = t;
-                }
-            }
-        }
+        self.hand_back_cohort(&cohort, &model, &ids)?;
         self.check_all(cx)?;
         // The longer requests' tails: solo lego windows.
         for (r, id) in ids.iter().enumerate() {
@@ -1013,27 +989,34 @@ impl TransitionFamily {
         for r in (0..n).filter(|&r| !committed[r]) {
             self.commit_padded_row(&mut cohort, ids, r, &mconv, None)?;
         }
+        self.hand_back_cohort(&cohort, &model, ids)?;
+        self.counters.prepared_prefills += 1;
+        self.check_all(cx)?;
+        self.enter_ids(ids)?;
+        Ok(true)
+    }
+
+    /// A prefill cohort's rows go back to serial use: each request's lego of every layer and its model row, and, when
+    /// a cohort of several rows packed (it hands its rows back de-rolled to temporal order), its twins de-rolled too.
+    fn hand_back_cohort(&mut self, cohort: &[TransitioningKvRows], model: &RowsModel, ids: &[u32]) -> Res<()> {
         for (layer, c) in cohort.iter().enumerate() {
             for (r, id) in ids.iter().enumerate() {
                 let lego = c.extract(r).map_err(|e| unexpected("cohort extract", e))?;
                 self.reqs.get_mut(id).unwrap().solo[layer] = lego;
             }
         }
+        let packed = ids.len() > 1 && cohort.first().is_some_and(|c| c.is_packed());
         for (r, id) in ids.iter().enumerate() {
             let m = model.extract(r).map_err(|e| model_fail("cohort extract", e))?;
             self.reqs.get_mut(id).unwrap().model = m;
-            if n > 1 && cohort.first().is_some_and(|c| c.is_packed()) {
-                // A packed cohort hands its rows back de-rolled to temporal order: so are the twins.
+            if packed {
                 for layer in 0..self.cfg.layers {
                     let t = self.deroll_twin(&self.reqs[id].twin[layer])?;
                     self.reqs.get_mut(id).unwrap().twin[layer] = t;
                 }
             }
         }
-        self.counters.prepared_prefills += 1;
-        self.check_all(cx)?;
-        self.enter_ids(ids)?;
-        Ok(true)
+        Ok(())
     }
 
     /// One request of a right-padded prefill commits: `commit` `Some(r)` calls `commit_prefill(&[r])` on every

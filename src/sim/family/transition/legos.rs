@@ -71,20 +71,10 @@ impl TransitionFamily {
     /// Membership: the requests outside the batch join it (the running rows first reordered as `order` lists
     /// them; anything but a permutation skips the op, as in the rows family).
     fn lego_enter(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let n = self.rows.len();
-        let perm: Vec<usize> =
-            if order.is_empty() { (0..n).collect() } else { order.iter().map(|&r| r as usize).collect() };
-        let mut sorted = perm.clone();
-        sorted.sort_unstable();
-        if sorted != (0..n).collect::<Vec<_>>() {
+        let Some(perm) = join_permutation(order, self.rows.len()) else {
             return Ok(false);
-        }
-        let mut ids: Vec<u32> = vec![];
-        for &r in reqs {
-            if self.solo_req(r) && !ids.contains(&r) {
-                ids.push(r);
-            }
-        }
+        };
+        let ids = entering(reqs, |r| self.solo_req(r));
         if ids.is_empty() {
             return Ok(false);
         }

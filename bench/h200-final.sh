@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in four
+# back-to-back calls (the machine goes back after 30 s idle). Builds nothing there. Stages, one per call:
+#   park     keep the first part of the mlx-cuda-13==0.32.2 wheel and the mlx-cpu==0.32.2 wheel (.device/park/) in
+#            /tmp/park (one call carries at most 64 MiB)
+#   exact    reassemble and unpack the wheels; start two CPU soaks of 1M ops in the background (plain, and --trim),
+#            on the CPU build of MLX; the exact-read check (bench --what exact); the simulator on the GPU in exact
+#            mode (1000 seeds, --jobs 16)
+#   default  the simulator on the GPU in the default (fused SDPA) mode, 1000 seeds, --jobs 16
+#   collect  stop the soaks (SIGINT: each still writes its report) unless they finished; fetch their reports; then
+#            the decode step bench (fused and exact, alternating runs, mlx-lm in the same run)
+# Expects in .device/run/ (stages exact, default): the release `kvsim` binary built on the dev machine, the second part
+# of the CUDA wheel (`wheel.part2`), the cp312 `mlx` and `mlx-lm` 0.32.2 wheels (for the anchor). Writes under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+R=${R:-.device/run}
+SITE=/tmp/site CPU=/tmp/cpu
+WHEEL=/tmp/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl
+step() { echo "== $1 ($(date +%T))"; }
+install() {
+  [ -d "$SITE/mlx/lib" ] && return 0
+  cat /tmp/park/wheel.part1 "$R/wheel.part2" > "$WHEEL" || exit 1
+  sha256sum "$WHEEL" | tee "$OUT/wheel.sha256"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEEL" "$R"/mlx-0.32.2-cp312-*.whl "$R"/mlx_lm-*.whl || exit 1
+  ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia "$SITE/nvidia"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$CPU" /tmp/park/mlx_cpu-*.whl || exit 1
+  mkdir -p /tmp/soak && cp "$R/kvsim" /tmp/soak/kvsim
+}
+case "${1:?stage}" in
+park)
+  mkdir -p /tmp/park && cp .device/park/* /tmp/park/ && ls -la /tmp/park
+  nproc; lscpu | grep -E "Model name|Thread|Core|Socket|^CPU\(s\)"
+  ;;
+exact)
+  install
+  step soaks
+  for mode in plain trim; do
+    flag=""; [ $mode = trim ] && flag=--trim
+    LD_LIBRARY_PATH=$CPU/mlx/lib setsid nohup /tmp/soak/kvsim soak --ops "${SOAK_OPS:-1000000}" $flag --json \
+      --out /tmp/soak/soak-$mode.json > /tmp/soak/log-$mode 2>&1 < /dev/null &
+  done
+  sleep 2; pgrep -a kvsim
+  export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  step exact-check
+  timeout "${CHECK_TIMEOUT:-90}" "$R/kvsim" bench --device gpu --what exact --quick --out /tmp/bench-exact --json > "$OUT/exact-check.log" 2>&1
+  grep -v '^{' "$OUT/exact-check.log" | tail -n 4; grep '^{' "$OUT/exact-check.log" | tail -n 1 > "$OUT/exact-check.json"
+  step sim-exact
+  timeout "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --exact-read --jobs 16 --seeds 1000 --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-exact.log" 2>&1
+  grep -v '^{' "$OUT/sim-exact.log" | tail -n 60 > "$OUT/sim-exact-tail.txt"; tail -n 1 "$OUT/sim-exact.log" > "$OUT/sim-exact-1000-seeds.json"
+  rm -f "$OUT/sim-exact.log"; tail -n 8 "$OUT/sim-exact-tail.txt"
+  ;;
+default)
+  install
+  export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
+  step sim-default
+  timeout "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --jobs 16 --seeds 1000 --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-default.log" 2>&1
+  grep -v '^{' "$OUT/sim-default.log" | tail -n 60 > "$OUT/sim-default-tail.txt"; tail -n 1 "$OUT/sim-default.log" > "$OUT/sim-default-1000-seeds.json"
+  rm -f "$OUT/sim-default.log"; tail -n 8 "$OUT/sim-default-tail.txt"
+  ;;
+collect)
+  step soaks; pgrep -a kvsim
+  for i in $(seq 1 "${WAIT_S:-120}"); do pgrep -f "kvsim soak" > /dev/null || break; sleep 1; done
+  pkill -INT -f "kvsim soak"; sleep 5
+  for mode in plain trim; do
+    cp /tmp/soak/soak-$mode.json "$OUT/" 2>/dev/null; grep -v '^{' /tmp/soak/log-$mode | tail -n 5
+  done
+  export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
+  step step
+  timeout "${STEP_TIMEOUT:-300}" "$R/kvsim" bench --device gpu --what step --exact-read --python python3 --anchor bench/mlxlm_bench.py --out /tmp/bench-step --json > "$OUT/step.log" 2>&1
+  grep -v '^{' "$OUT/step.log" | tail -n 9; grep '^{' "$OUT/step.log" | tail -n 1 > "$OUT/step.json"
+  ;;
+esac
+step done
