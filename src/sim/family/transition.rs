@@ -147,6 +147,16 @@ pub struct TransitionChoice {
     pub padded_prefill: bool,
 }
 
+/// A planned prefill chunk as a sibling delivers it: two forwards (halves, the second one larger when odd) when it
+/// has at least 2 positions, else one. The chunk's boundary stays the planned one.
+fn sibling_split(planned: usize) -> Vec<usize> {
+    if planned >= 2 {
+        vec![planned / 2, planned - planned / 2]
+    } else {
+        vec![planned]
+    }
+}
+
 impl TransitionChoice {
     pub fn draw(cfg: &SimConfig) -> TransitionChoice {
         let mut rng = stream(cfg.payload_seed, Stream::Transition);
@@ -824,8 +834,7 @@ impl TransitionFamily {
         let mut done = 0;
         while done < common {
             let planned = chunk.min(common - done);
-            // A sibling splits the planned chunk's forward in two: the boundary stays the planned one.
-            let parts: Vec<usize> = if planned >= 2 { vec![planned / 2, planned - planned / 2] } else { vec![planned] };
+            let parts = sibling_split(planned);
             for layer in 0..self.cfg.layers {
                 for &id in &ids {
                     let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
@@ -927,7 +936,7 @@ impl TransitionFamily {
         let mut committed = vec![false; n];
         while done < longest {
             let planned = chunk.min(longest - done);
-            let parts: Vec<usize> = if planned >= 2 { vec![planned / 2, planned - planned / 2] } else { vec![planned] };
+            let parts = sibling_split(planned);
             for &l in &parts {
                 let pending: Vec<usize> = model.pending.clone().unwrap_or_default();
                 let toks: Vec<Vec<Tok>> = (0..n).map(|r| Self::toks_from(ids[r], model.rows[r].offset(), l)).collect();
