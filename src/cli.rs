@@ -233,6 +233,18 @@ pub enum OracleCmd {
     },
     /// Re-run kvsim's side of one recorded trace and compare it with the stored oracle results, op by op.
     Diff { trace: PathBuf },
+    /// Every catalog mutant over the recorded set with kvsim's own checks off: how many traces the oracle alone
+    /// finds unclassified (exit 1 when a mutant changed kvsim's results and every change was classified).
+    Teeth {
+        #[arg(long, default_value = "oracles/recorded")]
+        dir: PathBuf,
+        /// Only these mutants (catalog names; repeatable). Default: the whole catalog.
+        #[arg(long = "mutant")]
+        mutants: Vec<String>,
+        /// Print `{"mutants": [{"name", "unclassified_traces", "reason", ...}]}` as the last line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Compare the whole recorded set (exit 1 when a divergence is unclassified).
     Check {
         #[arg(long, default_value = "oracles/recorded")]

@@ -99,6 +99,24 @@ pub(crate) fn oracle_check_cmd(dir: &Path, json: bool) -> ExitCode {
     exit(report.count("unclassified") == 0)
 }
 
+pub(crate) fn oracle_teeth_cmd(dir: &Path, names: &[String], json: bool) -> ExitCode {
+    let mut mutants = vec![];
+    for n in names {
+        match kvsim::cache::mutation::Mutant::from_name(n) {
+            Some(m) => mutants.push(m),
+            None => return fail("oracle teeth", format!("no mutant named {n:?}"), 2),
+        }
+    }
+    let rows = match oracle::teeth::teeth(dir, &mutants, &mut |l| println!("{l}")) {
+        Ok(r) => r,
+        Err(e) => return fail("oracle teeth", e, 2),
+    };
+    if json {
+        println!("{}", oracle::teeth::json_line(&rows));
+    }
+    exit(rows.iter().all(|r| r.changed_traces == 0 || r.unclassified_traces > 0))
+}
+
 pub(crate) fn doctor() -> ExitCode {
     let (lines, ok) = kvsim::doctor::report();
     print_all(&lines);

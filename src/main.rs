@@ -65,6 +65,7 @@ fn main() -> ExitCode {
             OracleCmd::Redrive { dir, prefix, keep_steps } => oracle_redrive_cmd(&dir, &prefix, keep_steps.as_deref()),
             OracleCmd::Diff { trace } => oracle_diff_cmd(&trace),
             OracleCmd::Check { dir, json } => oracle_check_cmd(&dir, json),
+            OracleCmd::Teeth { dir, mutants, json } => oracle_teeth_cmd(&dir, &mutants, json),
         },
         Cmd::Cache { cmd } => cache_cmd(cmd),
     }

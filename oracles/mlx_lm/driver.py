@@ -81,12 +81,19 @@ def decode_array(a):
     return mx.array(memoryview(raw).cast(fmt)).reshape(shape).view(dt)
 
 
+# The bytes behind every read output's hash (PROTOCOL.md "Results": a read's record carries them as `vals`, so a
+# divergence can be measured in ULPs, not only seen).
+SEEN = {}
+
+
 def sha(arr):
     """sha256 of the row-major raw element bytes (bf16 viewed as uint16, f32 as uint32)."""
     if arr.size == 0:
         return EMPTY_SHA
-    words = mx.contiguous(arr.view(BITS[arr.dtype]))
-    return hashlib.sha256(memoryview(words).tobytes()).hexdigest()
+    raw = memoryview(mx.contiguous(arr.view(BITS[arr.dtype]))).tobytes()
+    h = hashlib.sha256(raw).hexdigest()
+    SEEN[h] = raw
+    return h
 
 
 def sha_many(arrs):
@@ -419,7 +426,28 @@ class Driver:
         if out is None:
             return None
         L = out.shape[2]
-        return {"rows": self.row_shas(out, [L] * out.shape[0])}
+        res = {"rows": self.row_shas(out, [L] * out.shape[0])}
+        if self.family == "attention" and self.quant is None:
+            q = decode_array(step.get("q"))
+            res["solo"] = [self.solo_read(req, self.layer(step), k[r: r + 1], v[r: r + 1], q[r: r + 1])
+                           for r, req in enumerate(self.rows)]
+        return res
+
+    def solo_read(self, req, l, k, v, q):
+        """mlx-lm's own solo computation of one batch row (PROTOCOL.md decision 15): a fresh cache of the request's
+        class replays the request's earlier writes of this layer (its history, as the re-syncs of decision 14), then
+        this step's write and read as a solo request would make them. The sha256 of its output (None without a
+        history): the reference a batch row's divergence is judged against."""
+        writes = self.hist.get(req)
+        if not writes or not writes[l]:
+            return None
+        c = self.new_cache()
+        for kk, vv in writes[l][:-1]:
+            c.update_and_fetch(kk, vv)
+        mask = self.mask(c, 1, k.shape[2])
+        K, V = c.update_and_fetch(k, v)
+        out = BASE.scaled_dot_product_attention(mx.array(q), K, V, cache=c, scale=self.scale, mask=mask)
+        return sha(out[0])
 
     def s_trim(self, i, step):
         running = self.need_running()
@@ -877,6 +905,7 @@ def main(argv):
                 continue  # blank lines carry no step but keep their line number
             counts["steps"] += 1
             rec = None
+            SEEN.clear()
             try:
                 step = json.loads(line)
                 if not isinstance(step, dict):
@@ -886,6 +915,7 @@ def main(argv):
                     rec = {"step": i, **res}
                     if "rows" in res:
                         counts["reads"] += 1
+                        rec["vals"] = [base64.b64encode(SEEN.get(h, b"")).decode("ascii") for h in res["rows"]]
                     if "error" in res:
                         counts["errors"] += 1
             except Unsupported as e:

@@ -16,8 +16,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 pub mod recorder;
+pub mod teeth;
 
-use crate::oracle::recorder::{Outcome, Record, Recorder, StepInfo};
+use crate::oracle::recorder::{Outcome, Record, Recorder, StepInfo, Values};
 use crate::sim::config::{DtypeChoice, SimConfig};
 use crate::sim::observe::Read;
 use crate::sim::trace::Trace;
@@ -29,6 +30,8 @@ pub struct Recording {
     pub steps: Vec<String>,
     pub infos: Vec<StepInfo>,
     pub results: Vec<Record>,
+    /// The bytes of every read output, by sha256.
+    pub values: Values,
 }
 
 impl Recording {
@@ -57,7 +60,7 @@ pub fn record(trace: &Trace, emit_steps: bool) -> Result<Recording, String> {
         let op = r.trace.ops.get(*op_index);
         return Err(format!("kvsim check failed at op {op_index} {op:?}: [{check}] {message}"));
     }
-    Ok(Recording { steps: rec.steps, infos: rec.infos, results: rec.results })
+    Ok(Recording { steps: rec.steps, infos: rec.infos, results: rec.results, values: rec.values })
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -120,9 +123,151 @@ pub fn parse_results(text: &str) -> Result<Vec<Record>, String> {
         .collect()
 }
 
+/// The output bytes a RESULTS file carries (`vals` beside `rows`, PROTOCOL.md "Results"), by their sha256. Each is
+/// checked against the hash of its row: a file whose bytes do not match its hashes is refused, never measured.
+pub fn parse_values(text: &str) -> Result<Values, String> {
+    let mut out = Values::new();
+    for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(l).map_err(|e| format!("line {}: not JSON: {e}", i + 1))?;
+        let (Some(rows), Some(vals)) = (v.get("rows"), v.get("vals")) else { continue };
+        let (Some(rows), Some(vals)) = (rows.as_array(), vals.as_array()) else {
+            return Err(format!("line {}: rows and vals must be lists", i + 1));
+        };
+        if rows.len() != vals.len() {
+            return Err(format!("line {}: {} rows, {} vals", i + 1, rows.len(), vals.len()));
+        }
+        for (h, b) in rows.iter().zip(vals) {
+            let Some(b) = b.as_str() else { continue };
+            let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b)
+                .map_err(|e| format!("line {}: vals: {e}", i + 1))?;
+            let sha: String =
+                <sha2::Sha256 as sha2::Digest>::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            if h.as_str() != Some(sha.as_str()) {
+                return Err(format!("line {}: vals do not hash to their row's sha256", i + 1));
+            }
+            out.insert(sha, bytes);
+        }
+    }
+    Ok(out)
+}
+
+/// The driver's RESULTS with the `vals` kvsim's own recording already holds removed (a row whose hash equals one of
+/// kvsim's outputs has exactly those bytes): what is stored keeps mlx-lm's bytes only where they are news.
+pub fn strip_known_values(text: &str, kvsim: &Values) -> String {
+    let mut out = String::with_capacity(text.len());
+    for l in text.lines() {
+        let mut v: serde_json::Value = match serde_json::from_str(l) {
+            Ok(v) => v,
+            Err(_) => {
+                out.push_str(l);
+                out.push('\n');
+                continue;
+            }
+        };
+        let rows: Vec<Option<String>> = v
+            .get("rows")
+            .and_then(|r| r.as_array())
+            .map(|r| r.iter().map(|h| h.as_str().map(str::to_string)).collect())
+            .unwrap_or_default();
+        if let Some(vals) = v.get_mut("vals").and_then(|x| x.as_array_mut()) {
+            for (val, h) in vals.iter_mut().zip(&rows) {
+                if h.as_ref().is_some_and(|h| kvsim.contains_key(h) || h == recorder::EMPTY_SHA) {
+                    *val = serde_json::Value::Null;
+                }
+            }
+            if vals.iter().all(|x| x.is_null()) {
+                v.as_object_mut().map(|o| o.remove("vals"));
+            }
+        }
+        out.push_str(&v.to_string());
+        out.push('\n');
+    }
+    out
+}
+
+/// The bytes of both sides' read outputs, for measuring a divergence (ULPs at output scale, `check::ulp_at_scale`).
+/// mlx-lm's bytes for a hash are its own `vals`, or kvsim's bytes of the same hash.
+pub struct Measure<'a> {
+    pub dtype: mlx_rs::Dtype,
+    pub kvsim: &'a Values,
+    pub oracle: &'a Values,
+    /// Per step of a batch read, the sha256 of mlx-lm's own solo computation of each row (`solo`, PROTOCOL.md
+    /// decision 15; `None` where the driver had no history to replay).
+    pub solo: &'a BTreeMap<usize, Vec<Option<String>>>,
+}
+
+impl Measure<'_> {
+    /// The largest distance between two outputs given by hash, `None` when either's bytes are unknown or their sizes
+    /// differ.
+    pub fn ulp(&self, kvsim: &str, oracle: &str) -> Option<u64> {
+        let a = self.kvsim.get(kvsim)?;
+        let b = self.oracle.get(oracle).or_else(|| self.kvsim.get(oracle))?;
+        let w = if self.dtype == mlx_rs::Dtype::Bfloat16 { 2 } else { 4 };
+        if a.len() != b.len() || a.len() % w != 0 {
+            return None;
+        }
+        let word = |x: &[u8]| x.iter().rev().fold(0u64, |acc, &b| (acc << 8) | b as u64);
+        Some(
+            a.chunks(w)
+                .zip(b.chunks(w))
+                .map(|(x, y)| crate::sim::check::ulp_at_scale(self.dtype, word(x), word(y)))
+                .max()
+                .unwrap_or(0),
+        )
+    }
+
+    /// Whether every row of the read at `step` whose output differs from mlx-lm's batch output equals mlx-lm's own
+    /// solo computation of that row byte for byte (false when the driver gave none).
+    fn rows_equal_solo(&self, step: usize, k: Option<&Outcome>, o: Option<&Outcome>) -> bool {
+        let (Some(Outcome::Rows(a)), Some(Outcome::Rows(b)), Some(solo)) = (k, o, self.solo.get(&step)) else {
+            return false;
+        };
+        a.len() == b.len()
+            && a.len() == solo.len()
+            && a.iter().zip(b).zip(solo).all(|((x, y), s)| x == y || s.as_deref() == Some(x.as_str()))
+    }
+
+    /// The largest distance over the rows of a read that differ (`None`: some row unmeasurable).
+    fn rows(&self, k: Option<&Outcome>, o: Option<&Outcome>) -> Option<u64> {
+        let (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) = (k, o) else { return None };
+        if a.len() != b.len() {
+            return None;
+        }
+        a.iter().zip(b).filter(|(x, y)| x != y).map(|(x, y)| self.ulp(x, y)).try_fold(0u64, |m, u| Some(m.max(u?)))
+    }
+}
+
+/// The `solo` hashes a RESULTS file carries beside a batch read's `rows` (PROTOCOL.md decision 15), by step.
+pub fn parse_solo(text: &str) -> Result<BTreeMap<usize, Vec<Option<String>>>, String> {
+    let mut out = BTreeMap::new();
+    for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(l).map_err(|e| format!("line {}: not JSON: {e}", i + 1))?;
+        let Some(solo) = v.get("solo") else { continue };
+        let step = v.get("step").and_then(|s| s.as_u64()).ok_or_else(|| format!("line {}: no step", i + 1))?;
+        let rows = solo.as_array().ok_or_else(|| format!("line {}: solo must be a list", i + 1))?;
+        out.insert(step as usize, rows.iter().map(|h| h.as_str().map(str::to_string)).collect());
+    }
+    Ok(out)
+}
+
+/// The dtype of a run's outputs.
+pub fn output_dtype(cfg: &SimConfig) -> mlx_rs::Dtype {
+    match cfg.dtype {
+        DtypeChoice::F32 => mlx_rs::Dtype::Float32,
+        DtypeChoice::Bf16 => mlx_rs::Dtype::Bfloat16,
+    }
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // classification
 // ------------------------------------------------------------------------------------------------------------
+
+/// The size of the read rules (`row-layout`, `one-position-window`): the same keys summed in another order round
+/// differently, by at most this many ULPs at output scale; a key too many or too few (a mask that lets padding in, a
+/// lost position) is far above it. Set from measurement (oracles/README.md, "Sizes").
+pub const READ_RULE_ULP_F32: u64 = 64;
+/// See [`READ_RULE_ULP_F32`].
+pub const READ_RULE_ULP_BF16: u64 = 64;
 
 /// What a classified divergence is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -180,6 +325,9 @@ pub enum Rule {
     /// A left-padded prepared prefill over running rows that have history: mlx-lm's convolution puts the zeroed
     /// padding between a row's history and its new inputs; kvsim reads each row's own stream.
     SsmLeftPadHistory,
+    /// A batch read whose rows differ from mlx-lm's beyond rounding, where mlx-lm's own solo read of the same
+    /// request (decision 15) equals kvsim's row byte for byte: mlx-lm's batch is not its solo.
+    BatchNotSolo,
 }
 
 impl Rule {
@@ -199,6 +347,7 @@ impl Rule {
         Rule::InvalidQuantParams,
         Rule::SsmRound,
         Rule::SsmLeftPadHistory,
+        Rule::BatchNotSolo,
     ];
 
     pub fn id(self) -> &'static str {
@@ -218,6 +367,7 @@ impl Rule {
             Rule::InvalidQuantParams => "invalid-quant-params",
             Rule::SsmRound => "ssm-round",
             Rule::SsmLeftPadHistory => "ssm-left-pad-history",
+            Rule::BatchNotSolo => "batch-not-solo",
         }
     }
 
@@ -226,15 +376,37 @@ impl Rule {
             Rule::TrimNoopAfterWrap
             | Rule::ExtractEmptyBatch
             | Rule::PrefillPaddingInWindow
-            | Rule::QuantPackedWidth => Verdict::MlxLmBug,
+            | Rule::QuantPackedWidth
+            | Rule::BatchNotSolo => Verdict::MlxLmBug,
             Rule::PerRowTrim | Rule::QuantNoBatch | Rule::RotatingQuantNyi | Rule::SsmRound => Verdict::Unsupported,
             _ => Verdict::Documented,
+        }
+    }
+
+    /// The size a read rule allows: the largest distance of a differing row's output from mlx-lm's, in ULPs at
+    /// output scale (`check::ulp_at_scale`). `None` for the rules of state-changing steps (they explain what follows
+    /// them, not a read's size).
+    pub fn max_ulp(self, dtype: mlx_rs::Dtype) -> Option<u64> {
+        let bf16 = dtype == mlx_rs::Dtype::Bfloat16;
+        match self {
+            Rule::RowLayout | Rule::OnePositionWindow => {
+                Some(if bf16 { READ_RULE_ULP_BF16 } else { READ_RULE_ULP_F32 })
+            }
+            _ => None,
         }
     }
 
     /// Why, with the citation.
     pub fn reason(self) -> &'static str {
         match self {
+            Rule::BatchNotSolo => {
+                "a batch read whose differing rows differ from mlx-lm's batch output beyond the read rules' size (more \
+                 than rounding), while mlx-lm's own solo computation of each such row (the driver replays the request's \
+                 writes on a fresh cache of its class and reads it alone, PROTOCOL.md decision 15) equals kvsim's row \
+                 byte for byte: mlx-lm's batch read is not its solo read. Seen on window reads of left-padded rows of \
+                 BatchRotatingKVCache (seed-21 step 23: L = 5 on W = 4; seed-27 steps 87-88). Not in the catalog; kvsim \
+                 promises each row its solo result (seeds 001_492dbf43c5432563.txt:55, R-TKV-4)"
+            }
             Rule::RowLayout => {
                 "a batch read of a row whose physical columns differ between the layouts, stored bytes equal (the next \
                  checkpoint agrees): kvsim keeps every row left-aligned with its own phase, exactly as its solo ring \
@@ -396,6 +568,9 @@ pub struct Divergence {
     pub what: String,
     /// What differs.
     pub detail: String,
+    /// For a read: the largest distance of a differing row's output, in ULPs at output scale (`None`: not measured,
+    /// mlx-lm's bytes unknown).
+    pub ulp: Option<u64>,
     pub class: Class,
 }
 
@@ -835,6 +1010,18 @@ pub fn diff_measured(
     oracle: &[Record],
     window: Option<usize>,
 ) -> (Vec<Divergence>, usize, BTreeMap<Option<Rule>, usize>) {
+    diff_full(infos, kvsim, oracle, window, None)
+}
+
+/// [`diff_measured`] with the outputs' bytes: every differing read is measured, and the read rules hold only within
+/// their size ([`Rule::max_ulp`]). Without `measure` no read rule holds.
+pub fn diff_full(
+    infos: &[StepInfo],
+    kvsim: &[Record],
+    oracle: &[Record],
+    window: Option<usize>,
+    measure: Option<&Measure>,
+) -> (Vec<Divergence>, usize, BTreeMap<Option<Rule>, usize>) {
     let rotating = window.is_some();
     let by_step =
         |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
@@ -1002,6 +1189,7 @@ pub fn diff_measured(
             op_kind: info.op_kind,
             what: step_name(&info),
             detail: detail(k, o),
+            ulp: measure.and_then(|m| m.rows(k, o)),
             class: Class::Unclassified,
         };
         if let Some((r, rule)) = root.or(narrow) {
@@ -1021,7 +1209,14 @@ pub fn diff_measured(
         let is_read = matches!(info.t, "solo" | "batch" | "prefill_chunk");
         let oracle_failed = matches!(o, Some(Outcome::Error(_)) | Some(Outcome::Unsupported(_)) | None);
         if is_read && !oracle_failed {
-            pending.push((out.len(), read_rule(&info, &layout_r3, &differing_rows(k, o))));
+            let within = |r: &Rule| d.ulp.zip(measure).is_some_and(|(u, m)| r.max_ulp(m.dtype).is_some_and(|b| u <= b));
+            let rule = read_rule(&info, &layout_r3, &differing_rows(k, o)).filter(within).or_else(|| {
+                // Beyond rounding: mlx-lm's batch read of these rows differs from its own solo read of the same
+                // requests, which kvsim's rows equal byte for byte.
+                (info.t == "batch" && measure.is_some_and(|m| m.rows_equal_solo(step, k, o)))
+                    .then_some(Rule::BatchNotSolo)
+            });
+            pending.push((out.len(), rule));
             out.push(d);
             continue;
         }
@@ -1257,9 +1452,9 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         Err(e) => return fail(SimConfig::from_seed(0), e.to_string()),
     };
     let oracle_path = trace_path.with_file_name(format!("{name}.oracle.jsonl"));
-    let oracle = match std::fs::read_to_string(&oracle_path)
+    let (oracle, oracle_values, solo) = match std::fs::read_to_string(&oracle_path)
         .map_err(|e| format!("{}: {e}", oracle_path.display()))
-        .and_then(|t| parse_results(&t))
+        .and_then(|t| Ok((parse_results(&t)?, parse_values(&t)?, parse_solo(&t)?)))
     {
         Ok(o) => o,
         Err(e) => return fail(trace.config.clone(), e),
@@ -1268,8 +1463,10 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         Ok(r) => r,
         Err(e) => return fail(trace.config.clone(), e),
     };
+    let measure =
+        Measure { dtype: output_dtype(&trace.config), kvsim: &rec.values, oracle: &oracle_values, solo: &solo };
     let (divergences, steps_compared, uncompared) =
-        diff_measured(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size());
+        diff_full(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size(), Some(&measure));
     let kinds = step_kinds(&rec.infos);
     let oracle_rows: BTreeMap<usize, &Outcome> = oracle.iter().map(|r| (r.step, &r.outcome)).collect();
     let quant_reads_agree = rec
@@ -1841,7 +2038,8 @@ pub fn redrive_set(
                 let _ = std::fs::create_dir_all(k);
                 let _ = std::fs::write(k.join(format!("{name}.steps.jsonl")), rec.steps_jsonl());
             }
-            std::fs::write(dir.join(format!("{name}.oracle.jsonl")), &text).map_err(|e| e.to_string())?;
+            std::fs::write(dir.join(format!("{name}.oracle.jsonl")), strip_known_values(&text, &rec.values))
+                .map_err(|e| e.to_string())?;
             Ok(diff_recorded(&tp).summary_line())
         };
         match one() {
@@ -1881,7 +2079,7 @@ fn record_one(
     let tp = out.join(format!("{name}.trace.json"));
     let op = out.join(format!("{name}.oracle.jsonl"));
     std::fs::write(&tp, serde_json::to_string(&trace).unwrap() + "\n")
-        .and_then(|_| std::fs::write(&op, &text))
+        .and_then(|_| std::fs::write(&op, strip_known_values(&text, &rec.values)))
         .map_err(|e| e.to_string())?;
     Ok(diff_recorded(&tp).summary_line())
 }
@@ -1938,7 +2136,10 @@ impl TraceReport {
                     d.op_kind,
                     d.what,
                     d.class.describe(),
-                    d.detail
+                    match d.ulp {
+                        Some(u) => format!("{} (max {u} ULP at output scale)", d.detail),
+                        None => d.detail.clone(),
+                    }
                 )
             })
             .collect()

@@ -57,6 +57,9 @@ pub enum Outcome {
     Error(String),
 }
 
+/// Read outputs by the sha256 of their bytes (`[H, n, D]` row-major little-endian, as the result records hash them).
+pub type Values = BTreeMap<String, Vec<u8>>;
+
 /// One result record (one JSON line of RESULTS).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
@@ -233,6 +236,8 @@ pub struct Recorder {
     pub steps: Vec<String>,
     pub infos: Vec<StepInfo>,
     pub results: Vec<Record>,
+    /// Every read output's bytes, by sha256 (the hash a result record carries): a divergence is measured from them.
+    pub values: Values,
     /// The kvsim op being executed (set by whoever drives the world).
     pub op: usize,
     pub op_kind: &'static str,
@@ -327,9 +332,9 @@ impl Input {
     fn json(&self, cols: std::ops::Range<usize>) -> Value {
         encode(&self.ab, &self.le, 0..self.rows(), cols)
     }
-    /// sha256 of row `r`'s first `n` queries (`[H, n, D]`), from column `c0`.
-    fn row_sha(&self, r: usize, c0: usize, n: usize) -> String {
-        sha_hex(&block(&self.ab, &self.le, r..r + 1, c0..c0 + n))
+    /// The bytes of row `r`'s first `n` queries (`[H, n, D]`), from column `c0`.
+    fn row_bytes(&self, r: usize, c0: usize, n: usize) -> Vec<u8> {
+        block(&self.ab, &self.le, r..r + 1, c0..c0 + n)
     }
 }
 
@@ -350,6 +355,7 @@ impl Recorder {
             steps: vec![],
             infos: vec![],
             results: vec![],
+            values: Values::new(),
             op: usize::MAX,
             op_kind: "",
             window: cfg.layout.max_size(),
@@ -393,6 +399,13 @@ impl Recorder {
         }
         self.infos.push(info);
         i
+    }
+
+    /// Keeps a read's output bytes (for measuring a divergence) and returns their sha256.
+    fn keep(&mut self, bytes: Vec<u8>) -> String {
+        let sha = sha_hex(&bytes);
+        self.values.entry(sha.clone()).or_insert(bytes);
+        sha
     }
 
     fn result(&mut self, step: usize, outcome: Outcome) {
@@ -443,7 +456,8 @@ impl Recorder {
         self.written.insert(req);
         if let (Some(out), false) = (out, read == Read::Append) {
             let o = Input::of(out)?;
-            self.result(step, Outcome::Rows(vec![o.row_sha(0, 0, o.len())]));
+            let sha = self.keep(o.row_bytes(0, 0, o.len()));
+            self.result(step, Outcome::Rows(vec![sha]));
         }
         Ok(())
     }
@@ -537,7 +551,7 @@ impl Recorder {
             info,
         );
         let o = Input::of(out)?;
-        let rows = (0..o.rows()).map(|r| o.row_sha(r, 0, real[r])).collect();
+        let rows = (0..o.rows()).map(|r| self.keep(o.row_bytes(r, 0, real[r]))).collect();
         self.result(step, Outcome::Rows(rows));
         Ok(())
     }
@@ -589,7 +603,7 @@ impl Recorder {
         );
         if let (Some(out), false) = (out, read == Read::Append) {
             let o = Input::of(out)?;
-            let rows = (0..o.rows()).map(|r| o.row_sha(r, 0, o.len())).collect();
+            let rows = (0..o.rows()).map(|r| self.keep(o.row_bytes(r, 0, o.len()))).collect();
             self.result(step, Outcome::Rows(rows));
         }
         Ok(())
@@ -627,7 +641,7 @@ impl Recorder {
                 || json!({"t": "batch", "layer": layer, "read": "decode", "k": k.json(i..i + 1), "v": v.json(i..i + 1), "q": q.json(i..i + 1)}),
                 info,
             );
-            let rows = (0..o.rows()).map(|r| o.row_sha(r, i, 1)).collect();
+            let rows = (0..o.rows()).map(|r| self.keep(o.row_bytes(r, i, 1))).collect();
             self.result(step, Outcome::Rows(rows));
         }
         Ok(())
@@ -807,7 +821,7 @@ impl Recorder {
         let rows = spans
             .iter()
             .enumerate()
-            .map(|(r, &(s0, s1))| sha_hex(&o.le[(r * s + s0) * per..(r * s + s1) * per]))
+            .map(|(r, &(s0, s1))| self.keep(o.le[(r * s + s0) * per..(r * s + s1) * per].to_vec()))
             .collect();
         self.result(step, Outcome::Rows(rows));
         Ok(())

@@ -441,7 +441,10 @@ fn kinds(kind: &cache::StorageKind, rows: bool, max: Option<usize>, q: QuantSpec
     let marker = if rows { cache::ROW_BATCH_MARKER } else { "" };
     let want = format!("{prefix}{}:{}{marker}", q.bits, q.group);
     if kind.0 != want || cache::is_row_batch(kind) != rows || cache::is_rotating(kind) != max.is_some() {
-        return Err(Failure::new("storage_kind", format!("{} reports {:?}, expected {want}", kind_of(rows), kind.0)));
+        return crate::sim::check::fail(Failure::new(
+            "storage_kind",
+            format!("{} reports {:?}, expected {want}", kind_of(rows), kind.0),
+        ));
     }
     Ok(())
 }
@@ -468,7 +471,7 @@ fn bytes_per_token(
     let d = spec.head_dim;
     let expect = 2 * spec.heads_kv * (4 * d * q.bits / 32 + 2 * (d / q.group) * item);
     if per != expect {
-        return Err(Failure::new(
+        return crate::sim::check::fail(Failure::new(
             "bytes_per_token",
             format!("{what}: {per}, expected 2*H*(4*D*bits/32 + 2*(D/group)*itemsize) = {expect}"),
         ));
@@ -476,7 +479,7 @@ fn bytes_per_token(
     for n in [0usize, 1, 7, 100] {
         let capped = max.map_or(n, |w| n.min(w));
         if for_n(n) != capped * expect {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "bytes_per_token",
                 format!("{what}: bytes_for_tokens({n}) = {}, expected {}", for_n(n), capped * expect),
             ));
@@ -503,7 +506,7 @@ fn planes_vs_model(
             let w = widths[j];
             let shape: Vec<usize> = p.shape.iter().map(|&x| x.max(0) as usize).collect();
             if shape != [1, h, toks.len(), w] {
-                return Err(Failure::new(
+                return crate::sim::check::fail(Failure::new(
                     "layout",
                     format!(
                         "{what} {tensor:?} {name}: shape {shape:?}, the model expects [1, {h}, {}, {w}]",
@@ -521,7 +524,7 @@ fn planes_vs_model(
                 let (p, w) = (&planes[3 * side + j], widths[j]);
                 let found: Vec<u32> = (0..h * w).map(|x| p.words.get(((x / w) * n + c) * w + x % w) as u32).collect();
                 if &found != expect {
-                    return Err(Failure::new(
+                    return crate::sim::check::fail(Failure::new(
                         "layout",
                         format!(
                             "{what} {tensor:?} {name} column {c}: not the reference's triple of token (request {}, \

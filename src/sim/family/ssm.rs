@@ -437,7 +437,7 @@ impl Recurrent {
         let dtype = self.dtype();
         self.counters.checks += 1;
         if !same_slice(yb, base, tb) {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "ssm_output_vs_twin",
                 format!("layer {layer} {what}: outputs at real positions differ from the solo run"),
             ));
@@ -451,7 +451,7 @@ impl Recurrent {
             r.model_max_ulp_output = r.model_max_ulp_output.max(w);
             self.counters.checks += 1;
             if w > self.bound() {
-                return Err(Failure::new(
+                return crate::sim::check::fail(Failure::new(
                     "ssm_output_vs_model",
                     format!("layer {layer} {what} position {t}: {w:.1} ULPs from the f64 model"),
                 ));
@@ -660,7 +660,10 @@ impl Recurrent {
                     cx.hasher.update(&ob.digest());
                     self.counters.checks += 1;
                     if ob != words(&to)? {
-                        return Err(Failure::new("hybrid_output_vs_twin", format!("layer {li}: solo read differs")));
+                        return crate::sim::check::fail(Failure::new(
+                            "hybrid_output_vs_twin",
+                            format!("layer {li}: solo read differs"),
+                        ));
                     }
                     self.record("hybrid_attention_output_vs_twin", 1);
                 }
@@ -1328,7 +1331,7 @@ impl Recurrent {
         let (Cache::Ssm(twin), Some(model)) = (&req.twin[li], &req.models[li]) else { unreachable!() };
         self.counters.checks += 1;
         if offset != twin.offsets()[0] || offset != model.offset || offset != req.pos {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "ssm_offsets",
                 format!(
                     "layer {li} {what}: production {offset}, twin {}, model {}, fed {}",
@@ -1343,13 +1346,13 @@ impl Recurrent {
         cx.hasher.update(&tr.digest());
         self.counters.checks += 2;
         if !same_slice(conv.0, conv.1, &tc) {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "ssm_state_vs_twin",
                 format!("layer {li} {what}: conv state differs from the solo run"),
             ));
         }
         if !same_slice(rec.0, rec.1, &tr) {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "ssm_state_vs_twin",
                 format!("layer {li} {what}: recurrent state differs from the solo run"),
             ));
@@ -1357,7 +1360,7 @@ impl Recurrent {
         let want = model.conv_bits();
         self.counters.checks += 1;
         if !(0..want.len()).all(|i| conv.0.words.get(conv.1 + i) as u32 == want[i]) {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "ssm_conv_vs_model",
                 format!("layer {li} {what}: conv tail is not the last K-1 real inputs"),
             ));
@@ -1366,7 +1369,7 @@ impl Recurrent {
         self.counters.recurrent.model_max_ulp_state = self.counters.recurrent.model_max_ulp_state.max(w);
         self.counters.checks += 1;
         if w > self.bound() {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "ssm_state_vs_model",
                 format!("layer {li} {what}: recurrent state {w:.1} ULPs from the f64 model"),
             ));
@@ -1388,7 +1391,7 @@ impl Recurrent {
         let (tk, tv) = twin.physical().map_err(|e| mlx("twin", e))?;
         self.counters.checks += 1;
         if &prod.0 != twin.state() || prod.0.offset != pos {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "hybrid_consistency",
                 format!("layer {li} {what}: attention state {:?}, twin {:?}, set offset {pos}", prod.0, twin.state()),
             ));
@@ -1397,7 +1400,7 @@ impl Recurrent {
         cx.hasher.update(&pk.digest());
         cx.hasher.update(&pv.digest());
         if pk != words(&tk)? || pv != words(&tv)? {
-            return Err(Failure::new(
+            return crate::sim::check::fail(Failure::new(
                 "hybrid_state_vs_twin",
                 format!("layer {li} {what}: attention columns differ from the twin"),
             ));
@@ -1412,7 +1415,10 @@ impl Recurrent {
             match &self.batch[li] {
                 Rows::Ssm(b) => {
                     if b.rows() != n {
-                        return Err(Failure::new("rows", format!("layer {li}: {} rows for {n} requests", b.rows())));
+                        return crate::sim::check::fail(Failure::new(
+                            "rows",
+                            format!("layer {li}: {} rows for {n} requests", b.rows()),
+                        ));
                     }
                     let (conv, rec) = (words(b.conv())?, words(b.recurrent())?);
                     let offsets = b.offsets().to_vec();

@@ -61,7 +61,10 @@ impl Attention {
             ));
         }
         if after.bytes.len() != before.bytes.len() {
-            return Err(Failure::new("ill_formed", format!("{what}: the refused call changed the buffers")));
+            return crate::sim::check::fail(Failure::new(
+                "ill_formed",
+                format!("{what}: the refused call changed the buffers"),
+            ));
         }
         for (a, b) in before.bytes.iter().zip(&after.bytes) {
             crate::sim::check::bytes_equal(&format!("{what}: buffer after the refused call"), a, b)
