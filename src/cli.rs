@@ -234,7 +234,7 @@ pub enum OracleCmd {
     /// Re-run kvsim's side of one recorded trace and compare it with the stored oracle results, op by op.
     Diff { trace: PathBuf },
     /// Every catalog mutant over the recorded set with kvsim's own checks off: how many traces the oracle alone
-    /// finds unclassified (exit 1 when a mutant changed kvsim's results and every change was classified).
+    /// finds unclassified (exit 1 when a mutant made kvsim differ where it agreed and every such divergence was classified).
     Teeth {
         #[arg(long, default_value = "oracles/recorded")]
         dir: PathBuf,

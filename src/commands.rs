@@ -114,7 +114,7 @@ pub(crate) fn oracle_teeth_cmd(dir: &Path, names: &[String], json: bool) -> Exit
     if json {
         println!("{}", oracle::teeth::json_line(&rows));
     }
-    exit(rows.iter().all(|r| r.changed_traces == 0 || r.unclassified_traces > 0))
+    exit(rows.iter().all(|r| r.visible_traces == 0 || r.unclassified_traces > 0))
 }
 
 pub(crate) fn doctor() -> ExitCode {

@@ -2227,6 +2227,34 @@ mod tests {
         Outcome::Rows(vec![h.to_string()])
     }
 
+    /// `vals` must hash to their row's sha256: a file whose bytes were changed is refused, never measured; `solo`
+    /// is read per step; the stored file keeps mlx-lm's bytes only where kvsim has none of the same hash.
+    #[test]
+    fn values_are_checked_against_their_hashes() {
+        use base64::Engine;
+        let bytes = vec![0u8, 0, 128, 63];
+        let h: String = <sha2::Sha256 as sha2::Digest>::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        let good = format!("{{\"step\":3,\"rows\":[\"{h}\"],\"vals\":[\"{b64}\"],\"solo\":[\"{h}\"]}}\n");
+        assert_eq!(parse_values(&good).unwrap().get(&h), Some(&bytes));
+        assert_eq!(parse_solo(&good).unwrap()[&3], vec![Some(h.clone())]);
+        let bad = good.replace(&b64, &base64::engine::general_purpose::STANDARD.encode([0u8, 0, 128, 191]));
+        assert!(parse_values(&bad).unwrap_err().contains("do not hash"));
+        assert!(parse_values("{\"step\":1,\"rows\":[\"a\"],\"vals\":[\"a\",\"b\"]}").is_err());
+        let mut known = Values::new();
+        assert!(strip_known_values(&good, &known).contains("vals"));
+        known.insert(h.clone(), bytes.clone());
+        assert!(!strip_known_values(&good, &known).contains("vals"));
+        // Measured: one f32 element 1.0 vs 1.0 + 2 ULP.
+        let other = vec![2u8, 0, 128, 63];
+        let h2: String = <sha2::Sha256 as sha2::Digest>::digest(&other).iter().map(|b| format!("{b:02x}")).collect();
+        let oracle: Values = [(h2.clone(), other)].into_iter().collect();
+        let solo = BTreeMap::new();
+        let m = Measure { dtype: mlx_rs::Dtype::Float32, kvsim: &known, oracle: &oracle, solo: &solo };
+        assert_eq!(m.ulp(&h, &h2), Some(2));
+        assert_eq!(m.ulp(&h, "unknown"), None);
+    }
+
     /// A bug-18 rollback of the running batch (step 5), the batch filtered away (step 8) with `filter_outcome` as
     /// the driver's answer, then a new batch (steps 9-11). Returns the diff's divergences, compared count and
     /// uncompared steps per rule.

@@ -33,6 +33,10 @@ pub struct MutantTeeth {
     pub kvsim_checks_fired: usize,
     /// Traces whose comparison stopped early: the calls changed, or an op stopped on a check that stays on.
     pub cut_short: usize,
+    /// Traces where the mutant changed a result at a step the clean run agreed on with mlx-lm (so the oracle sees
+    /// a new divergence there); `changed_traces` less these changed only steps the clean run already differed on or
+    /// had explained by a root.
+    pub visible_traces: usize,
     /// Rules that classified the changed divergences of traces that stayed classified (how a mutant got absorbed).
     pub absorbed_by: BTreeMap<String, usize>,
     /// The first traces where it was caught.
@@ -74,9 +78,22 @@ fn same_call(a: &StepInfo, b: &StepInfo) -> bool {
     (a.t, a.op, &a.reqs, a.l, a.layer, a.read) == (b.t, b.op, &b.reqs, b.l, b.layer, b.read)
 }
 
-/// One trace under `mutant` with the checks off: (changed, unclassified, kvsim checks fired, cut short, the rules
-/// of the classified divergences the clean run does not have).
-fn one(t: &Loaded, mutant: Mutant) -> (bool, bool, bool, bool, BTreeSet<String>) {
+/// What one trace under one mutant showed.
+struct One {
+    changed: bool,
+    visible: bool,
+    unclassified: bool,
+    fired: bool,
+    /// The calls changed at this step (the comparison stops there).
+    calls_changed: Option<usize>,
+    /// An op stopped on a check that stays on: `[check] message`.
+    stopped: Option<String>,
+    /// The rules of the classified divergences the clean run does not have.
+    absorbed: BTreeSet<String>,
+}
+
+/// One trace under `mutant` with the checks off.
+fn one(t: &Loaded, mutant: Mutant) -> One {
     let mut rec = Recorder::new(&t.trace.config, false);
     let (r, fired) = crate::sim::check::checks_off(|| {
         crate::sim::run_observed(
@@ -91,18 +108,28 @@ fn one(t: &Loaded, mutant: Mutant) -> (bool, bool, bool, bool, BTreeSet<String>)
     // Where the comparison stops: the first step whose call differs from the clean run's, or the first step of an
     // op that stopped on a check that stays on.
     let mut cut = rec.infos.len().min(t.clean.infos.len());
-    if let Some(i) = (0..cut).find(|&i| !same_call(&rec.infos[i], &t.clean.infos[i])) {
+    let calls_changed = (0..cut)
+        .find(|&i| !same_call(&rec.infos[i], &t.clean.infos[i]))
+        .or((rec.infos.len() != t.clean.infos.len() && matches!(r.trace.outcome, Outcome::Pass)).then_some(cut));
+    if let Some(i) = calls_changed {
         cut = i;
     }
-    if let Outcome::Fail { op_index, .. } = &r.trace.outcome {
+    let mut stopped = None;
+    if let Outcome::Fail { op_index, check, message } = &r.trace.outcome {
+        stopped = Some(format!("[{check}] {message}"));
         if let Some(i) = t.clean.infos.iter().position(|s| s.op >= *op_index && s.t != "config") {
             cut = cut.min(i);
         }
     }
-    let full = cut == t.clean.infos.len() && rec.infos.len() == t.clean.infos.len();
     let keep = |rs: &[Record]| -> Vec<Record> { rs.iter().filter(|r| r.step < cut).cloned().collect() };
     let (kv, clean_kv, oracle) = (keep(&rec.results), keep(&t.clean.results), keep(&t.oracle));
-    let changed = kv != clean_kv || !full;
+    let by_step = |rs: &[Record]| -> BTreeMap<usize, crate::oracle::recorder::Outcome> {
+        rs.iter().map(|r| (r.step, r.outcome.clone())).collect()
+    };
+    let (kvm, cleanm, om) = (by_step(&kv), by_step(&clean_kv), by_step(&oracle));
+    let changed = kvm != cleanm;
+    // A changed result where the clean run agreed with mlx-lm: a new divergence the oracle must judge.
+    let visible = (0..cut).any(|s| kvm.get(&s) != cleanm.get(&s) && cleanm.get(&s) == om.get(&s));
     let measure = Measure { dtype: output_dtype(&t.trace.config), kvsim: &rec.values, oracle: &t.known, solo: &t.solo };
     let window = t.trace.config.layout.max_size();
     let infos = &t.clean.infos[..cut];
@@ -120,7 +147,15 @@ fn one(t: &Loaded, mutant: Mutant) -> (bool, bool, bool, bool, BTreeSet<String>)
             _ => d.class.rule().map(|r| r.id().to_string()),
         })
         .collect();
-    (changed, unclassified, !fired.is_empty() || !matches!(r.trace.outcome, Outcome::Pass), !full, absorbed)
+    One {
+        changed,
+        visible,
+        unclassified,
+        fired: !fired.is_empty() || stopped.is_some(),
+        calls_changed,
+        stopped,
+        absorbed,
+    }
 }
 
 /// `kvsim oracle teeth` over the recorded set in `dir`, for `mutants` (every mutant of the catalog when empty).
@@ -139,26 +174,35 @@ pub fn teeth(dir: &Path, mutants: &[Mutant], log: &mut dyn FnMut(String)) -> Res
             unclassified_traces: 0,
             kvsim_checks_fired: 0,
             cut_short: 0,
+            visible_traces: 0,
             absorbed_by: BTreeMap::new(),
             caught_in: vec![],
             reason: String::new(),
         };
+        let (mut calls, mut stops) = (vec![], vec![]);
         for t in &set {
-            let (changed, unclassified, fired, cut, absorbed) = one(t, m);
-            row.changed_traces += changed as usize;
-            row.unclassified_traces += unclassified as usize;
-            row.kvsim_checks_fired += fired as usize;
-            row.cut_short += cut as usize;
-            if changed && !unclassified {
-                for r in absorbed {
+            let o = one(t, m);
+            row.changed_traces += o.changed as usize;
+            row.visible_traces += o.visible as usize;
+            row.unclassified_traces += o.unclassified as usize;
+            row.kvsim_checks_fired += o.fired as usize;
+            row.cut_short += (o.calls_changed.is_some() || o.stopped.is_some()) as usize;
+            if let Some(s) = o.stopped {
+                stops.push(format!("{}: {s}", t.name));
+            }
+            if let Some(s) = o.calls_changed {
+                calls.push(format!("{} step {s}", t.name));
+            }
+            if o.visible && !o.unclassified {
+                for r in o.absorbed {
                     *row.absorbed_by.entry(r).or_insert(0) += 1;
                 }
             }
-            if unclassified && row.caught_in.len() < 5 {
+            if o.unclassified && row.caught_in.len() < 5 {
                 row.caught_in.push(t.name.clone());
             }
         }
-        row.reason = reason(m, &row, set.len());
+        row.reason = reason(m, &row, set.len(), &calls, &stops);
         log(format!(
             "{:<36} changed {:>3}  unclassified {:>3}  kvsim checks {:>3}  cut short {:>3}  {}",
             row.name, row.changed_traces, row.unclassified_traces, row.kvsim_checks_fired, row.cut_short, row.reason
@@ -168,28 +212,61 @@ pub fn teeth(dir: &Path, mutants: &[Mutant], log: &mut dyn FnMut(String)) -> Res
     Ok(out)
 }
 
-fn reason(m: Mutant, row: &MutantTeeth, traces: usize) -> String {
+fn reason(m: Mutant, row: &MutantTeeth, traces: usize, calls: &[String], stops: &[String]) -> String {
     if row.unclassified_traces > 0 {
         return format!("caught by the oracle alone in {} of {traces} traces", row.unclassified_traces);
     }
-    if row.changed_traces == 0 {
-        let where_ = match m.layout() {
-            "persist" => "persistence (save / load), which no recorded trace exercises: mlx-lm's cache API has no \
-                          counterpart in the protocol"
-                .to_string(),
-            _ => format!("{} ({})", m.describe(), m.layout()),
-        };
+    if row.visible_traces > 0 {
+        let rules: Vec<String> = row.absorbed_by.iter().map(|(r, n)| format!("{r} x{n}")).collect();
         return format!(
-            "not visible through mlx-lm's API on the recorded set: no result kvsim reports changed ({where_}); \
-             kvsim's own checks fired in {} traces",
+            "NOT CAUGHT: in {} traces kvsim now differs from mlx-lm where it agreed, and every such divergence was \
+             classified ({})",
+            row.visible_traces,
+            if rules.is_empty() { "as consequences of earlier roots".into() } else { rules.join(", ") }
+        );
+    }
+    if !calls.is_empty() {
+        return format!(
+            "kvsim's calls themselves change in {} traces (first: {}): the simulator routes by what the mutated \
+             cache reports, so the recorded steps no longer describe the run; the oracle compares the steps before \
+             that ({}), and no result there changed. kvsim's own checks fired in {} traces",
+            calls.len(),
+            calls[0],
+            m.describe(),
             row.kvsim_checks_fired
         );
     }
-    let rules: Vec<String> = row.absorbed_by.iter().map(|(r, n)| format!("{r} x{n}")).collect();
+    if !stops.is_empty() {
+        return format!(
+            "an op stops on a check that cannot be switched off in {} traces (first: {}), before any result mlx-lm \
+             sees changed ({})",
+            stops.len(),
+            stops[0].chars().take(200).collect::<String>(),
+            m.describe()
+        );
+    }
+    if row.changed_traces > 0 {
+        return format!(
+            "its changes ({} traces) fall only on steps where the clean run already differs from mlx-lm or that an \
+             earlier root explains (uncompared), so mlx-lm has nothing to say there ({}); kvsim's own checks fired \
+             in {} traces",
+            row.changed_traces,
+            m.describe(),
+            row.kvsim_checks_fired
+        );
+    }
+    let where_ = match m.layout() {
+        "persist" => {
+            "persistence (save / load): the protocol has no save or load step, so mlx-lm sees the caches only \
+                      as they come back"
+                .to_string()
+        }
+        _ => format!("{} ({})", m.describe(), m.layout()),
+    };
     format!(
-        "NOT CAUGHT: kvsim's results changed in {} traces, all classified ({})",
-        row.changed_traces,
-        if rules.is_empty() { "the changed steps were explained by earlier roots".into() } else { rules.join(", ") }
+        "not visible through mlx-lm's API on the recorded set: no result kvsim reports changed ({where_}); kvsim's \
+         own checks fired in {} traces",
+        row.kvsim_checks_fired
     )
 }
 

@@ -80,3 +80,52 @@ fn recorded_oracle_set_is_fully_classified() {
     assert_eq!(line["unclassified"], 0);
     assert_eq!(line["agree"].as_u64().unwrap() + line["classified"].as_u64().unwrap(), report.traces.len() as u64);
 }
+
+/// `kvsim oracle teeth`, small: with kvsim's own checks off, the oracle alone catches a gross mask bug and a
+/// rounding-level one (a score scale one ULP off) from mlx-lm's results, and a mutant mlx-lm's API cannot see is
+/// reported with its reason, not as caught.
+#[test]
+fn oracle_teeth_catch_mutants_from_outside() {
+    use kvsim::cache::mutation::Mutant;
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/recorded");
+    let dir = std::env::temp_dir().join(format!("kvsim-teeth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["seed-19", "seed-29", "seed-55"] {
+        for ext in ["trace.json", "oracle.jsonl"] {
+            std::fs::copy(src.join(format!("{name}.{ext}")), dir.join(format!("{name}.{ext}"))).unwrap();
+        }
+    }
+    let mutants = [Mutant::MaskIgnoresPadding, Mutant::DecodeScaleUlp, Mutant::FloorNotPersisted];
+    let rows = oracle::teeth::teeth(&dir, &mutants, &mut |_| {}).unwrap_or_else(|e| panic!("{e}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let by: std::collections::BTreeMap<&str, &oracle::teeth::MutantTeeth> =
+        rows.iter().map(|r| (r.name.as_str(), r)).collect();
+    assert!(by["mask-ignores-padding"].unclassified_traces > 0, "{:?}", by["mask-ignores-padding"]);
+    assert!(by["decode-scale-ulp"].unclassified_traces > 0, "{:?}", by["decode-scale-ulp"]);
+    let floor = by["floor-not-persisted"];
+    assert_eq!((floor.changed_traces, floor.unclassified_traces), (0, 0), "{floor:?}");
+    assert!(floor.reason.contains("not visible") && floor.kvsim_checks_fired > 0, "{floor:?}");
+    let line: serde_json::Value = serde_json::from_str(&oracle::teeth::json_line(&rows)).unwrap();
+    for m in line["mutants"].as_array().unwrap() {
+        assert!(m["name"].is_string() && m["unclassified_traces"].is_u64() && m["reason"].is_string(), "{m}");
+    }
+}
+
+/// Every read divergence the read rules classify was measured, and within the rules' size.
+#[test]
+fn read_rules_hold_only_within_their_size() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/recorded");
+    let report = oracle::check_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let mut seen = 0;
+    for t in &report.traces {
+        for d in &t.divergences {
+            if let oracle::Class::Rule(r @ (Rule::RowLayout | Rule::OnePositionWindow)) = d.class {
+                let bound = r.max_ulp(kvsim::oracle::output_dtype(&t.config)).unwrap();
+                assert!(d.ulp.is_some_and(|u| u <= bound), "{} step {}: {:?} over {bound}", t.name, d.step, d.ulp);
+                seen += 1;
+            }
+        }
+    }
+    assert!(seen >= 40, "only {seen} sized read divergences");
+    assert!(report.rule_counts().contains_key(&Rule::BatchNotSolo), "batch-not-solo never shows up");
+}

@@ -278,3 +278,21 @@ fn mask_memo_sees_a_second_build_of_the_last_family() {
     twice[1].1 = 2;
     assert_eq!(mask_memo("forward", &twice).unwrap_err().check, "mask_memo");
 }
+
+/// With the checks off (`kvsim oracle teeth`) a failing comparison lets the op go on and is collected; outside it
+/// the same comparison fails, and switching them off does not leak past the closure.
+#[test]
+fn checks_off_collects_failures_and_restores() {
+    let f = |got: bool| flag("bypass", got, true);
+    assert!(f(false).is_err());
+    let (r, found) = checks_off(|| (f(false), f(true), left_padding(&[1], &[2])));
+    assert_eq!(r, (Ok(()), Ok(()), Ok(())));
+    assert_eq!(found.iter().map(|x| x.check.as_str()).collect::<Vec<_>>(), ["flags", "left_padding"]);
+    assert!(f(false).is_err(), "checks stay off after checks_off returned");
+    // Nested: the inner closure's failures are its own.
+    let ((_, inner), outer) = checks_off(|| {
+        let _ = f(false);
+        checks_off(|| f(false))
+    });
+    assert_eq!((inner.len(), outer.len()), (1, 1));
+}

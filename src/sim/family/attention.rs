@@ -362,10 +362,10 @@ impl Attention {
             )?;
         }
         if masks.builds() != 1 {
-            return Err(Failure::new(
+            crate::sim::check::fail(Failure::new(
                 "mask_memo",
                 format!("bidirectional mask built {} times in one forward", masks.builds()),
-            ));
+            ))?;
         }
         self.reqs.get_mut(&req).unwrap().model = model_after;
         Ok(true)
@@ -392,10 +392,10 @@ impl Attention {
             let phase = CompiledDecode::decode_phase(c);
             let plan = CompiledDecode::prepare_decode_step(c).map_err(|e| unexpected("prepare_decode_step", e))?;
             if plan.fetch != phase || (plan.fetch == DecodePhase::Ring) != ring {
-                return Err(Failure::new(
+                crate::sim::check::fail(Failure::new(
                     "compiled_step",
                     format!("plan {plan:?}, decode_phase {phase:?}, model ring {ring}"),
-                ));
+                ))?;
             }
             let mut inputs = c.step_inputs(&plan).map_err(|e| unexpected("step_inputs", e))?;
             inputs.extend([q.clone(), k.clone(), v.clone(), c.rope_input().map_err(|e| unexpected("rope_input", e))?]);
@@ -1689,7 +1689,7 @@ fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<Seria
     };
     let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
     if back != floors {
-        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+        crate::sim::check::fail(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")))?;
     }
     restored
         .into_iter()

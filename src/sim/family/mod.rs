@@ -148,11 +148,11 @@ pub(crate) fn persist_through_bytes(
     let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
     let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
     if back != floors {
-        return Err(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")));
+        crate::sim::check::fail(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")))?;
     }
     let got: Vec<String> = restored.iter().map(|p| p.cache.storage_kind().to_string()).collect();
     if got != kinds {
-        return Err(Failure::new("persist", format!("kinds {kinds:?} saved, {got:?} restored")));
+        crate::sim::check::fail(Failure::new("persist", format!("kinds {kinds:?} saved, {got:?} restored")))?;
     }
     Ok(restored.into_iter().map(|p| p.cache).collect())
 }

@@ -880,10 +880,10 @@ impl Recurrent {
                         || words(&sr)? != words(&br)?
                         || c.offsets()[i] != b.offsets()[old + r]
                     {
-                        return Err(Failure::new(
+                        crate::sim::check::fail(Failure::new(
                             "ssm_filter_pending",
                             format!("layer {li} row {r}: filtered during a pending left-padded prefill, it differs"),
-                        ));
+                        ))?;
                     }
                     matched += 1;
                 }
@@ -1042,11 +1042,14 @@ impl Recurrent {
         for b in &mut self.batch {
             if let Rows::Ssm(b) = b {
                 if b.trim(1) != Err(CacheError::RecurrentNotTrimmable) {
-                    return Err(Failure::new("ssm_round_errors", "a trim of a recurrent state was not refused"));
+                    crate::sim::check::fail(Failure::new(
+                        "ssm_round_errors",
+                        "a trim of a recurrent state was not refused",
+                    ))?;
                 }
                 b.spec_round_begin().map_err(|e| mlx("begin", e))?;
                 if b.spec_round_begin() != Err(CacheError::SpecRoundActive) {
-                    return Err(Failure::new("ssm_round_errors", "a second begin was not refused"));
+                    crate::sim::check::fail(Failure::new("ssm_round_errors", "a second begin was not refused"))?;
                 }
                 self.counters.expected_errors += 2;
             }
@@ -1110,10 +1113,10 @@ impl Recurrent {
                         self.counters.recurrent.replay_vs_fresh += 1;
                         self.counters.checks += 1;
                         if !same {
-                            return Err(Failure::new(
+                            crate::sim::check::fail(Failure::new(
                                 "ssm_replay_vs_fresh",
                                 format!("layer {li} row {r}: keep {k} of {gamma}: replayed state is not the fresh prefix run"),
-                            ));
+                            ))?;
                         }
                         self.record("ssm_replay_vs_fresh", 1);
                     }
@@ -1221,7 +1224,7 @@ impl Recurrent {
                 Rows::Ssm(b) => {
                     // A repeated row is a typed error (and changes nothing: the state checks after this op see it).
                     if b.filter(&[0, 0]) != Err(CacheError::DuplicateRow { row: 0 }) {
-                        return Err(Failure::new("ssm_filter_errors", "a repeated row was not refused"));
+                        crate::sim::check::fail(Failure::new("ssm_filter_errors", "a repeated row was not refused"))?;
                     }
                     self.counters.expected_errors += 1;
                     b.filter(&kept)
@@ -1273,7 +1276,10 @@ impl Recurrent {
             let again = cache.as_ref().unwrap().forward(&q, &a, &b, &params).map_err(|e| mlx("again", e))?;
             self.counters.checks += 1;
             if words(&again)? != yb {
-                return Err(Failure::new("ssm_training_stateless", format!("layer {li}: a second call differs")));
+                crate::sim::check::fail(Failure::new(
+                    "ssm_training_stateless",
+                    format!("layer {li}: a second call differs"),
+                ))?;
             }
             cx.hasher.update(&yb.digest());
             for (r, &l) in lengths.iter().enumerate() {

@@ -127,10 +127,10 @@ impl Attention {
                 let got = self.batch[layer].row_decode_phase(r).map_err(|e| unexpected("row_decode_phase", e))?;
                 let expected = want(self.reqs[id].model.decode_phase_is_ring());
                 if got != expected {
-                    return Err(Failure::new(
+                    crate::sim::check::fail(Failure::new(
                         "decode_phase",
                         format!("layer {layer} row {r} (request {id}): {got:?}, the model says {expected:?}"),
-                    ));
+                    ))?;
                 }
                 self.counters.checks += 1;
             }
@@ -145,10 +145,10 @@ impl Attention {
                 let got = self.reqs[id].solo[layer].decode_phase();
                 let expected = want(self.reqs[id].model.decode_phase_is_ring());
                 if got != expected {
-                    return Err(Failure::new(
+                    crate::sim::check::fail(Failure::new(
                         "decode_phase",
                         format!("layer {layer} request {id}: {got:?}, the model says {expected:?}"),
-                    ));
+                    ))?;
                 }
                 self.counters.checks += 1;
             }
@@ -191,7 +191,10 @@ impl Attention {
         }
         let after = self.snapshot(true, 0)?;
         if after != before {
-            return Err(Failure::new("ill_formed", "a refused decode or prepare changed the pending batch"));
+            crate::sim::check::fail(Failure::new(
+                "ill_formed",
+                "a refused decode or prepare changed the pending batch",
+            ))?;
         }
         let ids = self.rows.clone();
         let mut batches = std::mem::take(&mut self.batch);
