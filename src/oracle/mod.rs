@@ -2244,6 +2244,75 @@ mod tests {
         diff_measured(&infos, &kvsim, &oracle, Some(4))
     }
 
+    /// A quantized batch of requests 1 and 2 mapped row by row (PROTOCOL.md decision 16): `step` at index 4, then a
+    /// batch decode where request 1's row differs and request 2's agrees.
+    fn rows_mapped_then_decode(
+        step: StepInfo,
+        k: Outcome,
+        o: Outcome,
+    ) -> (Vec<Divergence>, usize, BTreeMap<Option<Rule>, usize>) {
+        let q = |mut s: StepInfo| {
+            s.quant = Some((6, 64));
+            s.head_dim = 128;
+            s
+        };
+        let mut decode = q(info("batch", &[1, 2]));
+        decode.read = Some(Read::Decode);
+        decode.l = 1;
+        decode.offsets = vec![6, 3];
+        let infos = vec![
+            q(info("config", &[])),
+            q(info("admit", &[1])),
+            q(info("admit", &[2])),
+            q(info("enter", &[1, 2])),
+            q(step),
+            decode,
+        ];
+        let two = |a: &str, b: &str| Outcome::Rows(vec![a.to_string(), b.to_string()]);
+        let kvsim = vec![rec(4, k), rec(5, two("a", "b"))];
+        let oracle = vec![rec(4, o), rec(5, two("A", "b"))];
+        diff_measured(&infos, &kvsim, &oracle, Some(4))
+    }
+
+    #[test]
+    fn a_row_mapped_trim_explains_only_its_differing_rows() {
+        let mut trim = info("trim_rows", &[1, 2]);
+        trim.trim = Some(TrimInfo { n: vec![1, 1], bypass: true, kvsim: Ok(1), after_window: true, live: vec![4, 3] });
+        trim.offsets = vec![5, 3];
+        let (out, compared, uncompared) =
+            rows_mapped_then_decode(trim, Outcome::TrimmedRows(vec![1, 1]), Outcome::TrimmedRows(vec![0, 1]));
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].class, Class::Rule(Rule::TrimNoopAfterWrap));
+        // The decode is compared on request 2's row alone (request 1's row is explained).
+        assert_eq!(compared, 5);
+        assert!(uncompared.is_empty(), "{uncompared:?}");
+        // A row that mlx-lm trimmed as kvsim did, while another was refused before the window: not #18.
+        let mut trim = info("trim_rows", &[1, 2]);
+        trim.trim = Some(TrimInfo { n: vec![1, 1], bypass: true, kvsim: Ok(1), after_window: true, live: vec![3, 3] });
+        trim.offsets = vec![3, 3];
+        let (out, _, _) =
+            rows_mapped_then_decode(trim, Outcome::TrimmedRows(vec![1, 1]), Outcome::TrimmedRows(vec![0, 1]));
+        assert_eq!(out[0].class, Class::Unclassified);
+    }
+
+    #[test]
+    fn a_row_mapped_crash_explains_only_its_row() {
+        let mut read = info("batch", &[1, 2]);
+        read.read = Some(Read::Window);
+        read.l = 2;
+        read.offsets = vec![0, 0];
+        let crash = "error: ValueError: [broadcast_shapes] Shapes (1,2,2,24) and (1,2,2,25) cannot be broadcast.";
+        let k = Outcome::Rows(vec!["a".into(), "b".into()]);
+        let (out, compared, _) =
+            rows_mapped_then_decode(read.clone(), k.clone(), Outcome::Rows(vec![crash.into(), "b".into()]));
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].class, Class::Rule(Rule::QuantPackedWidth));
+        assert_eq!(compared, 5);
+        // The other row differing too: not the packed-width crash alone.
+        let (out, _, _) = rows_mapped_then_decode(read, k, Outcome::Rows(vec![crash.into(), "B".into()]));
+        assert_eq!(out[0].class, Class::Unclassified);
+    }
+
     #[test]
     fn a_batch_root_ends_when_the_batch_is_gone() {
         let (out, compared, uncompared) = batch_root_then_new_batch(None);
