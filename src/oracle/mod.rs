@@ -1215,10 +1215,11 @@ pub fn diff_measured(
         }
         // A state-changing divergence: trims, refused or failed steps. A row-mapped trim (decision 16) whose rows
         // answered one by one is judged row by row, and explains the differing rows' requests only.
-        let row_trim = by_rows
-            && matches!(info.t, "trim" | "trim_rows")
-            && matches!((k, o), (_, Some(Outcome::TrimmedRows(_))) | (Some(Outcome::TrimmedRows(_)), _));
-        let rule = if row_trim { quant_rows_trim_rule(&info, k, o, window) } else { state_rule(&info, k, o, rotating) };
+        let row_trim =
+            by_rows && matches!(info.t, "trim" | "trim_rows") && quant_rows_trim_differs(&info, k, o).is_some();
+        let per_row =
+            row_trim && matches!((k, o), (_, Some(Outcome::TrimmedRows(_))) | (Some(Outcome::TrimmedRows(_)), _));
+        let rule = if per_row { quant_rows_trim_rule(&info, k, o, window) } else { state_rule(&info, k, o, rotating) };
         for (i, tentative) in pending.drain(..) {
             out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
         }
