@@ -8,7 +8,10 @@ KVCache per request and layer; BatchRotatingKVCache / BatchKVCache for batches) 
 JSON line per read, trim, checkpoint, unsupported step and error. A one-line JSON summary goes to stdout.
 
 The driver only *calls* mlx-lm (cache methods, trim_prompt_cache, base.create_attention_mask,
-base.scaled_dot_product_attention); it re-implements none of it and works around none of its bugs. Only
+base.scaled_dot_product_attention); it re-implements none of it and works around none of its bugs. Two classes
+mlx-lm 0.32.2 lacks are built from its pieces (../PROTOCOL.md decisions 15 and 16): RotatingQuantizedKVCache
+(mlx-lm's RotatingKVCache over mx.quantize triples; only the array ops that must act on triples are redone) and
+RowCaches (a quantized batch mapped onto each row's own solo caches). Only
 `mlx_lm.models.base` and `mlx_lm.models.cache` are imported: the package's __init__ (transformers, huggingface_hub)
 is bypassed, so mlx-lm can be installed with --no-deps.
 """
