@@ -8,7 +8,10 @@ KVCache per request and layer; BatchRotatingKVCache / BatchKVCache for batches) 
 JSON line per read, trim, checkpoint, unsupported step and error. A one-line JSON summary goes to stdout.
 
 The driver only *calls* mlx-lm (cache methods, trim_prompt_cache, base.create_attention_mask,
-base.scaled_dot_product_attention); it re-implements none of it and works around none of its bugs. Only
+base.scaled_dot_product_attention); it re-implements none of it and works around none of its bugs. Two classes
+mlx-lm 0.32.2 lacks are built from its pieces (../PROTOCOL.md decisions 15 and 16): RotatingQuantizedKVCache
+(mlx-lm's RotatingKVCache over mx.quantize triples; only the array ops that must act on triples are redone) and
+RowCaches (a quantized batch mapped onto each row's own solo caches). Only
 `mlx_lm.models.base` and `mlx_lm.models.cache` are imported: the package's __init__ (transformers, huggingface_hub)
 is bypassed, so mlx-lm can be installed with --no-deps.
 """
@@ -108,6 +111,8 @@ def sha_many(arrs):
 def settle(caches):
     """Evaluate the cache arrays (as mlx-lm's generator does after every step) so graphs stay small."""
     arrs = []
+    if isinstance(caches, RowCaches):
+        caches = [c for row in caches.rows for c in row]
     for c in caches:
         if isinstance(c, CACHE.ArraysCache):  # the recurrent family: its slots and padding counters
             arrs.extend(x for x in (*c.cache, c.left_padding, c.lengths) if isinstance(x, mx.array))
@@ -136,6 +141,137 @@ class _Hidden:
 
     def __init__(self, B, L):
         self.shape = (B, L)
+
+
+class Planes(tuple):
+    """An affine triple `(packed uint32, scales, biases)` as `mx.quantize` returns it, with the `shape` of its packed
+    plane: the one attribute of an array that mlx-lm's RotatingKVCache code reads from its buffers besides the
+    array ops (`shape[2]`, the column count, is the same in the three planes)."""
+
+    @property
+    def shape(self):
+        return self[0].shape
+
+
+def quantize_planes(x, group_size, bits):
+    return Planes(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def relayout(c, how):
+    """A solo ring's layout after a batch layout event, as mlx-lm lays the row out (decision 16): `merge` keeps the
+    temporal tail of `size()` positions with the write head at its end (`BatchRotatingKVCache.merge`:
+    `c._temporal_order(c.keys)[..., -l:, :]`, then `extract` of that row), `extract` the row de-rolled to temporal
+    order (`BatchRotatingKVCache.extract`: `_idx` = the buffer length). kvsim's rows do the same (docs/requirements.md
+    R-BROT-4, R-BROT-5); `join` keeps the phase (R-BROT-7) and changes nothing. A linear cache keeps its columns."""
+    if not isinstance(c, CACHE.RotatingKVCache) or c.keys is None:
+        return
+    quant = isinstance(c, RotatingQuantizedKVCache)
+
+    def cut(v, n):
+        return Planes(x[..., x.shape[2] - n:, :] for x in v) if quant else v[..., v.shape[2] - n:, :]
+
+    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+    if how == "merge":
+        n = c.size()
+        k, v = cut(k, n), cut(v, n)
+    c.keys, c.values = k, v
+    c._idx = k.shape[2]
+
+
+class RotatingQuantizedKVCache(CACHE.RotatingKVCache):
+    """A rotating cache over affine triples (PROTOCOL.md decision 15). mlx-lm 0.32.2 has none
+    (`RotatingKVCache.to_quantized` raises NotImplementedError("RotatingKVCache Quantization NYI")); this is
+    `RotatingKVCache` (keep, `_idx`, `offset`, `max_size`, `step`; in-place writes for L = 1, concatenation in
+    temporal order keeping `max_size - 1` columns otherwise; its `make_mask`, `trim`, `is_trimmable`, `size`,
+    `_update_concat` run unchanged) whose buffers are `(packed, scales, biases)` triples made by `mx.quantize` as
+    `QuantizedKVCache.update_and_fetch` makes them, read by `base.quantized_scaled_dot_product_attention` (the
+    dispatch of `base.scaled_dot_product_attention` on `cache.bits`). Only the array ops of `RotatingKVCache` that
+    must act on triples are redone plane by plane: `_trim`, `_temporal_order` (the parent's, per plane),
+    `_update_in_place` (the parent's lines, with every array op per plane; new columns are zeros of each plane's
+    width and dtype, as `QuantizedKVCache`'s `expand_quant`, so no `D // (32 // bits)` width) and
+    `keys_and_values`. `from_ring` converts a plain ring as the upstream engine's RotatingQuantizedKVCache (and
+    kvsim) do: the buffer quantized as laid out (physical order, every allocated column), offset and `_idx` kept."""
+
+    def __init__(self, max_size, keep=0, group_size=64, bits=8):
+        super().__init__(max_size, keep)
+        self.group_size = group_size
+        self.bits = bits
+
+    @classmethod
+    def from_ring(cls, ring, group_size, bits):
+        q = cls(ring.max_size, ring.keep, group_size=group_size, bits=bits)
+        q.offset, q._idx = ring.offset, ring._idx
+        if ring.keys is not None:
+            q.keys = quantize_planes(ring.keys, group_size, bits)
+            q.values = quantize_planes(ring.values, group_size, bits)
+        return q
+
+    def _trim(self, trim_size, v, append=None):
+        parent = super()._trim
+        return Planes(parent(trim_size, x, None if append is None else a)
+                      for x, a in zip(v, append if append is not None else (None,) * len(v)))
+
+    def _temporal_order(self, v):
+        parent = super()._temporal_order
+        return Planes(parent(x) for x in v)
+
+    def _update_in_place(self, keys, values):
+        # RotatingKVCache._update_in_place, line for line, with the array ops per plane
+        B, n_kv_heads, S, _ = keys.shape
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            new_size = min(self.step, self.max_size - prev)
+
+            def zeros(t):
+                return Planes(mx.zeros((B, n_kv_heads, new_size, x.shape[-1]), dtype=x.dtype) for x in t)
+
+            new_k, new_v = zeros(keys), zeros(values)
+            if self.keys is not None:
+                self.keys = Planes(mx.concatenate([a, b], axis=2) for a, b in zip(self.keys, new_k))
+                self.values = Planes(mx.concatenate([a, b], axis=2) for a, b in zip(self.values, new_v))
+            else:
+                self.keys, self.values = new_k, new_v
+            self._idx = prev
+
+        trim_size = self.keys.shape[2] - self.max_size
+        if trim_size > 0:
+            self.keys = self._trim(trim_size, self.keys)
+            self.values = self._trim(trim_size, self.values)
+            self._idx = self.max_size
+
+        if self._idx == self.max_size:
+            self._idx = self.keep
+
+        for i in range(len(self.keys)):
+            self.keys[i][..., self._idx: self._idx + S, :] = keys[i]
+            self.values[i][..., self._idx: self._idx + S, :] = values[i]
+        self.offset += S
+        self._idx += S
+        return self.keys_and_values()
+
+    def update_and_fetch(self, keys, values):
+        # quantized per incoming block, as QuantizedKVCache.update_and_fetch; then RotatingKVCache's dispatch
+        return super().update_and_fetch(quantize_planes(keys, self.group_size, self.bits),
+                                        quantize_planes(values, self.group_size, self.bits))
+
+    def keys_and_values(self):
+        if self.offset < self.keys.shape[2]:
+            return (tuple(x[..., : self.offset, :] for x in self.keys),
+                    tuple(x[..., : self.offset, :] for x in self.values))
+        return tuple(self.keys), tuple(self.values)
+
+    def to_quantized(self, group_size=64, bits=4):
+        raise NotImplementedError("already quantized")
+
+
+class RowCaches:
+    """kvsim's quantized batch mapped row by row (PROTOCOL.md decision 16): each row is its request's own solo
+    caches (one per layer: QuantizedKVCache or RotatingQuantizedKVCache), written and read alone with the row's
+    real positions and queries. mlx-lm 0.32.2 has no batched quantized cache; this checks kvsim's promise that
+    each batch row equals its solo run, against mlx-lm's solo computation."""
+
+    def __init__(self, rows):
+        self.rows = [list(r) for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,22 +308,27 @@ class Driver:
         if self.quant is not None:
             bits, group = self.quant
             if self.W is not None:
-                raise Unsupported(
-                    "mlx-lm 0.32.2 has no rotating quantized cache (mlx_lm/models/cache.py: "
-                    "RotatingKVCache.to_quantized raises NotImplementedError('RotatingKVCache Quantization NYI'))")
+                # mlx-lm 0.32.2 has no rotating quantized cache: the driver's (decision 15)
+                return RotatingQuantizedKVCache(self.W, 0, group_size=group, bits=bits)
             return CACHE.QuantizedKVCache(group_size=group, bits=bits)
         if self.W is None:
             return CACHE.KVCache()
         return CACHE.RotatingKVCache(max_size=self.W, keep=0)
 
-    @staticmethod
-    def mergeable(caches):
-        """generate.py _merge_caches raises ValueError("... does not yet support batching with history") for a cache
-        class without `merge` (QuantizedKVCache in 0.32.2): the step is unsupported."""
-        for c in caches:
-            if not hasattr(c, "merge"):
-                raise Unsupported(f"{type(c).__name__} does not yet support batching with history "
-                                  "(mlx-lm 0.32.2 generate._merge_caches; there is no batched quantized cache)")
+    def quantized_rows(self):
+        """Whether batches are mapped row by row (decision 16): the family's caches are quantized (mlx-lm 0.32.2
+        has no batched quantized cache: generate._merge_caches refuses QuantizedKVCache, "does not yet support
+        batching with history")."""
+        return self.family == "quant" and self.quant is not None
+
+    def to_quantized(self, c, group, bits):
+        """One plain cache converted: `KVCache.to_quantized` (as generate.maybe_quantize_kv_cache), a ring by
+        RotatingQuantizedKVCache.from_ring (decision 15); a cache already quantized stays as it is."""
+        if isinstance(c, RotatingQuantizedKVCache) or not hasattr(c, "to_quantized"):
+            return c
+        if isinstance(c, CACHE.RotatingKVCache):
+            return RotatingQuantizedKVCache.from_ring(c, group, bits)
+        return c.to_quantized(group_size=group, bits=bits)
 
     def mask(self, cache, B, L):
         # exactly what a model's forward does: base.create_attention_mask(h, cache, window_size=...)
@@ -200,11 +341,14 @@ class Driver:
         if read not in ("decode", "window", "append"):
             raise DriverError(f"unknown read kind {read!r}")
         k, v = decode_array(step["k"]), decode_array(step["v"])
+        q = None if read == "append" else decode_array(step.get("q"))
+        return self.attend_kv(cache, read, k, v, q, B)
+
+    def attend_kv(self, cache, read, k, v, q, B):
         if read == "append":
             cache.update_and_fetch(k, v)
             self.last_kv = (k, v)
             return None
-        q = decode_array(step.get("q"))
         L = k.shape[2]
         mask = self.mask(cache, B, L)
         K, V = cache.update_and_fetch(k, v)
@@ -232,7 +376,7 @@ class Driver:
     def check_running(self, i):
         """After an exception inside mlx-lm: if the running batch no longer has one row per request the driver
         tracks (a join or filter stopped half-way across layers), say so for every later step that needs it."""
-        if self.running is None or self.lost:
+        if self.running is None or self.lost or isinstance(self.running, RowCaches):
             return
         try:
             sizes = [int(c.batch_size) if isinstance(c, CACHE.ArraysCache) else int(c.offset.shape[0])
@@ -330,17 +474,31 @@ class Driver:
             raise DriverError(f"enter needs distinct requests with solo caches, got {reqs}")
         if self.running is not None and self.lost:
             raise DriverError(self.lost)
-        # generate.py _merge_caches: caches[0][l].merge([c[l] for c in caches]); `join` is the same merge
-        self.mergeable([c for r in reqs for c in self.solo[r]])
-        new = [self.solo[reqs[0]][l].merge([self.solo[r][l] for r in reqs]) for l in range(self.layers)]
+        if self.quantized_rows():
+            # decision 16: the requests' own solo caches become rows (a merge lays each ring out as mlx-lm's does)
+            if step.get("how", "merge") == "merge":
+                for r in reqs:
+                    for c in self.solo[r]:
+                        relayout(c, "merge")
+            new = RowCaches([self.solo[r] for r in reqs])
+        else:
+            # generate.py _merge_caches: caches[0][l].merge([c[l] for c in caches]); `join` is the same merge
+            new = [self.solo[reqs[0]][l].merge([self.solo[r][l] for r in reqs]) for l in range(self.layers)]
         self.join_running(i, new, reqs)
         for r in reqs:
             del self.solo[r]
+            self.hist_mark(r, step.get("how", "merge"))
 
     def join_running(self, i, new, reqs):
         # generate.py _extend_cache: the running batch extends itself with the new one (or is it, when none)
         if self.running is None:
             self.running, self.rows = new, list(reqs)
+        elif isinstance(self.running, RowCaches) or isinstance(new, RowCaches):
+            if not (isinstance(self.running, RowCaches) and isinstance(new, RowCaches)):
+                raise DriverError("a quantized batch joins a plain one")
+            self.running.rows.extend(new.rows)
+            self.rows = self.rows + list(reqs)
+            return
         else:
             try:
                 for c, n in zip(self.running, new):
@@ -362,7 +520,12 @@ class Driver:
             raise DriverError(f"prefill requests {reqs} overlap the running batch")
         # fresh requests: their (empty) caches, the solo ones when admitted before, else new ones
         caches = [self.solo.get(r) or [self.new_cache() for _ in range(self.layers)] for r in reqs]
-        self.mergeable([c for cs in caches for c in cs])
+        if self.quantized_rows():
+            # decision 16: each row its own caches; the right padding is no position of theirs
+            self.prefill, self.prefill_rows = RowCaches(caches), reqs
+            for r in reqs:
+                self.solo.pop(r, None)
+            return
         pb = [caches[0][l].merge([c[l] for c in caches]) for l in range(self.layers)]
         longest = max(lengths)
         padding = [longest - x for x in lengths]
@@ -376,6 +539,8 @@ class Driver:
     def s_prefill_chunk(self, i, step):
         if self.prefill is None:
             raise DriverError("no pending prefill batch")
+        if isinstance(self.prefill, RowCaches):
+            return self.rows_read(self.prefill, self.prefill_rows, step, [int(x) for x in step["real"]])
         c = self.prefill[self.layer(step)]
         B = len(self.prefill_rows)
         out = self.attend(c, dict(step, read=step.get("read", "window")), B)
@@ -396,14 +561,53 @@ class Driver:
             raise DriverError("no pending prefill batch")
         if self.running is not None and self.lost:
             raise DriverError(self.lost)
-        for c in self.prefill:
+        for c in ([] if isinstance(self.prefill, RowCaches) else self.prefill):
             c.finalize()
         pb, reqs = self.prefill, self.prefill_rows
         self.prefill, self.prefill_rows = None, []
         self.join_running(i, pb, reqs)
 
+    def rows_read(self, batch, reqs, step, real):
+        """A batch write (+ read) on rows mapped one by one (decision 16): row r's caches of the step's layer get
+        the row's first real[r] positions alone (a row with none: nothing is called), read with its own mask (from
+        its own cache, before the write) and its real queries; the outputs are stacked (zeros past each row's real
+        queries) and hashed as a batch's rows."""
+        l = self.layer(step)
+        read = step.get("read", "window")
+        k, v = decode_array(step["k"]), decode_array(step["v"])
+        q = None if read == "append" else decode_array(step.get("q"))
+        if len(real) != len(reqs) or k.shape[0] != len(reqs):
+            raise DriverError(f"{k.shape[0]} rows / {len(real)} real counts for {len(reqs)} rows")
+        L = k.shape[2]
+        outs, failed = [], {}
+        for r, (req, n) in enumerate(zip(reqs, real)):
+            c = batch.rows[r][l]
+            out = None
+            if n > 0:
+                kr, vr = k[r: r + 1, :, :n], v[r: r + 1, :, :n]
+                try:
+                    out = self.attend_kv(c, read, kr, vr, None if q is None else q[r: r + 1, :, :n], 1)
+                    settle([c])
+                except Exception as e:  # noqa: BLE001 -- one row's own cache failed (e.g. quant-packed-width)
+                    failed[r] = f"error: {type(e).__name__}: {e}"
+                self.hist_add(req, l, kr, vr)
+            if q is not None:
+                if out is None:
+                    out = mx.zeros((1, q.shape[1], 0, q.shape[3]), dtype=q.dtype)
+                if out.shape[2] < L:
+                    out = mx.concatenate([out, mx.zeros((1, q.shape[1], L - out.shape[2], q.shape[3]), out.dtype)], 2)
+                outs.append(out)
+        if q is None:
+            return None  # an append has no record; a row whose cache raised shows at the next checkpoint
+        rows = self.row_shas(mx.concatenate(outs, axis=0), real)
+        for r, e in failed.items():
+            rows[r] = e  # the row's own solo cache raised: no output (the other rows are independent)
+        return {"rows": rows}
+
     def s_batch(self, i, step):
         running = self.need_running()
+        if isinstance(running, RowCaches):
+            return self.rows_read(running, self.rows, step, [decode_array(step["k"]).shape[2]] * len(self.rows))
         c = running[self.layer(step)]
         if self.family == "ssm":
             l = self.layer(step)
@@ -434,7 +638,7 @@ class Driver:
         return res
 
     def solo_read(self, req, l, k, v, q):
-        """mlx-lm's own solo computation of one batch row (PROTOCOL.md decision 15): a fresh cache of the request's
+        """mlx-lm's own solo computation of one batch row (PROTOCOL.md decision 17): a fresh cache of the request's
         class replays the request's earlier writes of this layer (its history, as the re-syncs of decision 14), then
         this step's write and read as a solo request would make them. The sha256 of its output (None without a
         history): the reference a batch row's divergence is judged against."""
@@ -449,9 +653,34 @@ class Driver:
         out = BASE.scaled_dot_product_attention(mx.array(q), K, V, cache=c, scale=self.scale, mask=mask)
         return sha(out[0])
 
+    def rows_trim(self, step, ns):
+        """Trims of rows mapped one by one (decision 16): each row's own `trim_prompt_cache` (a per-row rollback is
+        a solo trim there); a row refused on a wrapped ring is re-synced by replay as a solo request (decision 14).
+        Result as for a batch: `trimmed` (plus `resynced`) when every row asked the same n and got the same answer,
+        else `trimmed_rows`, what each row dropped."""
+        got, replayed = [], []
+        for r, (req, n) in enumerate(zip(self.rows, ns)):
+            caches = self.running.rows[r]
+            g = CACHE.trim_prompt_cache(caches, n) if n > 0 else 0
+            settle(caches)
+            self.hist_pop(req, g)
+            if g == 0 and n > 0 and self.ring_wrapped(caches) and self.undoes_window(step, [req], n):
+                self.hist_pop(req, n)
+                self.running.rows[r] = self.replay(req)
+                replayed.append(r)
+                g = n
+            got.append(g)
+        if len(set(ns)) == 1 and len(set(got)) == 1:
+            if replayed:
+                return {"trimmed": 0, "resynced": ns[0]} if len(replayed) == len(ns) else {"trimmed": got[0]}
+            return {"trimmed": got[0]}
+        return {"trimmed_rows": got}
+
     def s_trim(self, i, step):
         running = self.need_running()
         want = int(step["n"])
+        if isinstance(running, RowCaches):
+            return self.rows_trim(step, [want] * len(self.rows))
         n = CACHE.trim_prompt_cache(running, want)
         settle(running)
         return self.batch_trimmed(step, n, want)
@@ -466,20 +695,32 @@ class Driver:
 
     # ---- the replay re-sync of a wrapped ring's rollback (decision 14) ----------------------------------------
     def hist_add(self, req, l, k, v):
-        if self.family != "attention" or self.quant is not None:
+        if self.family == "ssm":
             return
         self.hist.setdefault(req, [[] for _ in range(self.layers)])[l].append((k, v))
+
+    def hist_mark(self, req, how):
+        """The quantized family: a layout event (`merge`, `extract`) of req's row in its history, so that a replay
+        of a row at a conversion (s_quantize) lays the ring out as kvsim's row is laid out (decision 16)."""
+        if self.family == "quant" and how in ("merge", "extract"):
+            for layer in self.hist.setdefault(req, [[] for _ in range(self.layers)]):
+                layer.append(how)
 
     def hist_pop(self, req, n):
         """Drops the newest n positions of req's history (every layer)."""
         for layer in self.hist.get(req, []):
             left = n
+            marks = []
             while left > 0 and layer:
+                if isinstance(layer[-1], str):
+                    marks.append(layer.pop())
+                    continue
                 k, v = layer.pop()
                 m = k.shape[2]
                 if m > left:
                     layer.append((k[:, :, : m - left], v[:, :, : m - left]))
                 left -= min(m, left)
+            layer.extend(reversed(marks))
 
     def undoes_window(self, step, reqs, n):
         """A speculative rollback (`bypass`) of fewer positions than the requests' last write added, in every layer:
@@ -487,20 +728,23 @@ class Driver:
         buffer still holds every position a rollback of n < L needs (the newest max_size of what stays); for
         n = L the oldest of them was dropped by that write, and no replay is made."""
         return bool(step.get("bypass")) and all(
-            req in self.hist and all(layer and layer[-1][0].shape[2] > n for layer in self.hist[req]) for req in reqs)
+            req in self.hist and all(layer and not isinstance(layer[-1], str) and layer[-1][0].shape[2] > n
+                                     for layer in self.hist[req]) for req in reqs)
 
     def ring_wrapped(self, caches):
         """mlx-lm's own reason for the refusal (bug-catalog #18): a rotating cache that is no longer trimmable.
         Only then does the driver replay."""
-        return (self.family == "attention" and self.quant is None and self.W is not None
-                and any(not c.is_trimmable() for c in caches))
+        return self.family != "ssm" and self.W is not None and any(not c.is_trimmable() for c in caches)
 
     def replay(self, req):
         """req's caches rebuilt by mlx-lm from its history: fresh caches, one update_and_fetch per recorded write."""
         caches = [self.new_cache() for _ in range(self.layers)]
         for c, writes in zip(caches, self.hist.get(req, [[] for _ in range(self.layers)])):
-            for k, v in writes:
-                c.update_and_fetch(k, v)
+            for w in writes:
+                if isinstance(w, str):
+                    relayout(c, w)  # a layout event of the quantized family's rows (hist_mark)
+                else:
+                    c.update_and_fetch(*w)
         settle(caches)
         return caches
 
@@ -518,6 +762,8 @@ class Driver:
         ns = [int(x) for x in step["n"]]
         if len(ns) != len(self.rows):
             raise DriverError(f"trim_rows has {len(ns)} counts for {len(self.rows)} rows")
+        if isinstance(running, RowCaches):
+            return self.rows_trim(step, ns)
         if len(set(ns)) != 1:
             return self.trim_rows_resync(step, ns)
         n = CACHE.trim_prompt_cache(running, ns[0])
@@ -534,7 +780,7 @@ class Driver:
         arrays, nothing changes and the step is unsupported as before."""
         why = f"per-row trim counts {ns}: mlx-lm batch caches trim every row by the same n"
         running = self.running
-        if self.family != "attention" or self.quant is not None or any(c.keys is None for c in running):
+        if self.family == "ssm" or any(c.keys is None for c in running):
             raise Unsupported(why)
         rows = [[c.extract(r) for c in running] for r in range(len(self.rows))]
         replay = []
@@ -561,7 +807,13 @@ class Driver:
         req = self.rows[row]
         resync = None
         try:
-            exts = [c.extract(row) for c in running]
+            if isinstance(running, RowCaches):
+                exts = running.rows[row]
+                for c in exts:
+                    relayout(c, "extract")
+            else:
+                exts = [c.extract(row) for c in running]
+            self.hist_mark(req, "extract")
         except TypeError as e:
             # mlx-lm's extract indexes the batch's arrays without checking that it has any (the rule
             # extract-empty-batch). Re-sync (decision 14): when mlx-lm's own batch holds no arrays in any layer and
@@ -602,8 +854,11 @@ class Driver:
             self.running, self.rows = None, []
             return
         try:
-            for c in self.running:
-                c.filter(keep)
+            if isinstance(self.running, RowCaches):
+                self.running.rows = [self.running.rows[r] for r in keep]
+            else:
+                for c in self.running:
+                    c.filter(keep)
         except Exception:
             self.check_running(i)
             raise
@@ -615,27 +870,46 @@ class Driver:
 
     def s_quantize(self, i, step):
         """The conversion op, as mlx-lm's generate.maybe_quantize_kv_cache does it: `c.to_quantized(group_size, bits)`
-        for every cache that has the method (a QuantizedKVCache has none and stays as it is). All solo caches are
-        converted into new objects first and replace the old ones only when every call succeeded (mlx-lm raises from
-        mx.quantize on parameters it refuses, RotatingKVCache.to_quantized raises NotImplementedError). Later
-        admits get QuantizedKVCache(group, bits). A running batch or pending prefill is unsupported: BatchKVCache has
-        no to_quantized (maybe_quantize_kv_cache would silently leave it plain) and BatchRotatingKVCache's raises
-        NotImplementedError. Result: {"converted": true} when the driver's caches changed storage."""
+        for every cache that has the method (a QuantizedKVCache has none and stays as it is), a plain ring through
+        RotatingQuantizedKVCache.from_ring (decision 15: mlx-lm's own RotatingKVCache.to_quantized raises
+        NotImplementedError). A running batch (decision 16) is converted row by row: each row's solo form, converted
+        as a solo cache, becomes a row of the row-by-row batch: a linear row as mlx-lm's `extract(row)` gives it (its
+        columns are the row's, in order), a ring as the request's own solo ring rebuilt by replay of its writes
+        (decision 14's `replay`: mlx-lm's batch ring keeps another physical layout than the row's own solo ring,
+        which is what kvsim's row keeps and converts as laid out); a batch that holds no arrays: new caches. All
+        caches are converted into new objects first and replace the old ones only when every call succeeded (mlx-lm
+        raises from mx.quantize on parameters it refuses). Later admits get QuantizedKVCache(group, bits) /
+        RotatingQuantizedKVCache. A pending prefill is unsupported (kvsim converts none mid-prefill). Result:
+        {"converted": true} when the driver's caches changed storage."""
         bits, group = int(step["bits"]), int(step["group"])
         if self.quant is not None:
             return {"converted": False}
+        if self.prefill is not None:
+            raise Unsupported("mlx-lm 0.32.2 has no batched quantized cache and the driver maps no conversion of a "
+                              "pending prefill batch (BatchKVCache has no to_quantized, "
+                              "BatchRotatingKVCache.to_quantized raises NotImplementedError)")
+        running = self.need_running() if self.running is not None else None
         new = {}
         for req, caches in self.solo.items():
-            new[req] = [c.to_quantized(group_size=group, bits=bits) if hasattr(c, "to_quantized") else c
-                        for c in caches]
+            new[req] = [self.to_quantized(c, group, bits) for c in caches]
+        rows = None
+        if running is not None:
+            rows = []
+            for r, req in enumerate(self.rows):
+                if all(c.keys is None for c in running):
+                    plain = [self.new_cache() for _ in range(self.layers)]
+                elif self.W is None:
+                    plain = [c.extract(r) for c in running]
+                else:
+                    plain = self.replay(req)
+                rows.append([self.to_quantized(c, group, bits) for c in plain])
         for req, caches in new.items():
             self.solo[req] = caches
             settle(caches)
+        if rows is not None:
+            self.running = RowCaches(rows)
+            settle(self.running)
         self.quant = (bits, group)
-        if self.running is not None or self.prefill is not None:
-            raise Unsupported("mlx-lm 0.32.2 has no batched quantized cache: BatchKVCache has no to_quantized "
-                              "(generate.maybe_quantize_kv_cache skips it), BatchRotatingKVCache.to_quantized raises "
-                              "NotImplementedError; the solo caches were converted")
         return {"converted": True}
 
     def s_checkpoint(self, i, step):
@@ -650,7 +924,10 @@ class Driver:
             if batch is self.running and self.lost:
                 raise DriverError(self.lost)
             for row, req in enumerate(rows):
-                reqs[req] = self.batch_view(batch, row, req)
+                if isinstance(batch, RowCaches):
+                    reqs[req] = self.solo_view(batch.rows[row])
+                else:
+                    reqs[req] = self.batch_view(batch, row, req)
         return {"op": step.get("op"), "reqs": {str(r): reqs[r] for r in sorted(reqs)}}
 
     def window_tail(self, x, offset):
@@ -672,6 +949,12 @@ class Driver:
                 n = max(0, min(c.offset, c.keys[0].shape[2]))
                 ks.append(sha_many([x[0, :, :n, :] for x in c.keys]))
                 vs.append(sha_many([x[0, :, :n, :] for x in c.values]))
+                continue
+            if isinstance(c, RotatingQuantizedKVCache):
+                # the triples of the newest min(offset, W) positions in temporal order (`_temporal_order` per plane)
+                k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+                ks.append(sha_many([self.window_tail(x, c.offset) for x in k]))
+                vs.append(sha_many([self.window_tail(x, c.offset) for x in v]))
                 continue
             if isinstance(c, CACHE.RotatingKVCache):
                 k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
@@ -915,7 +1198,7 @@ def main(argv):
                     rec = {"step": i, **res}
                     if "rows" in res:
                         counts["reads"] += 1
-                        rec["vals"] = [base64.b64encode(SEEN.get(h, b"")).decode("ascii") for h in res["rows"]]
+                        rec["vals"] = [base64.b64encode(SEEN[h]).decode("ascii") if h in SEEN else None for h in res["rows"]]
                     if "error" in res:
                         counts["errors"] += 1
             except Unsupported as e:

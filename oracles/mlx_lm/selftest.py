@@ -240,14 +240,30 @@ def quant_scenario():
     add(solo(3, [0, 1], "window"), ("qsdpa", (4, 64), [(3, [0, 1], [0, 1], "causal")]))
     add({"t": "solo_trim", "req": 3, "n": 1}, ("trimmed", 1))
     add({"t": "checkpoint", "op": 3}, ("qviews", (4, 64), {1: (4, [0, 1, 2, 3]), 2: (3, [0, 1, 2]), 3: (1, [0])}))
-    add({"t": "enter", "reqs": [1, 2], "how": "merge"}, ("unsupported",))  # no batched quantized cache
+    # decision 16: the quantized batch is mapped row by row, each row its request's own QuantizedKVCache
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})
     add({"t": "checkpoint", "op": 4}, ("qviews", (4, 64), {1: (4, [0, 1, 2, 3]), 2: (3, [0, 1, 2]), 3: (1, [0])}))
-    return d, sc, {"unsupported": 1, "errors": 1}
+    add(d.batch([[(1, 4)], [(2, 3)]], "decode"),
+        ("qsdpa", (4, 64), [(1, [4], [0, 1, 2, 3, 4], None), (2, [3], [0, 1, 2, 3], None)]))
+    add({"t": "trim_rows", "n": [1, 0]}, ("trimmed_rows", [1, 0]))  # each row's own trim
+    # a right-padded prefill: each row gets its real positions alone (row 1: one query, no mask)
+    add({"t": "prefill", "reqs": [5, 6], "lengths": [2, 1]})
+    add(d.chunk([[(5, 0), (5, 1)], [(6, 0), None]], [2, 1]),
+        ("qsdpa", (4, 64), [(5, [0, 1], [0, 1], "causal"), (6, [0], [0], None)]))
+    add({"t": "prefill_end"})
+    add({"t": "checkpoint", "op": 5}, ("qviews", (4, 64), {1: (4, [0, 1, 2, 3]), 2: (4, [0, 1, 2, 3]), 3: (1, [0]),
+                                                          5: (2, [0, 1]), 6: (1, [0])}))
+    add({"t": "extract", "row": 0, "finish": True})
+    add({"t": "filter", "keep": [1, 2]})
+    add(d.batch([[(5, 2)], [(6, 1)]], "decode"),
+        ("qsdpa", (4, 64), [(5, [2], [0, 1, 2], None), (6, [1], [0, 1], None)]))
+    add({"t": "checkpoint", "op": 6}, ("qviews", (4, 64), {3: (1, [0]), 5: (3, [0, 1, 2]), 6: (2, [0, 1])}))
+    return d, sc, {"unsupported": 0, "errors": 1}
 
 
 def quant_wide_scenario():
     """mlx-lm's packed-width bug: a native QuantizedKVCache at 5 bits, D = 128, raises on its first write after
-    advancing its offset; a rotating cache cannot be converted (NotImplementedError) nor created quantized."""
+    advancing its offset."""
     d, sc = Data(5, None, "bf16", dim=128, quant=(5, 32)), Script()
     add, solo = sc.add, d.solo
     add(d.config())
@@ -258,23 +274,53 @@ def quant_wide_scenario():
 
 
 def quant_rotating_scenario():
-    """W = 4, f32, D = 64: RotatingKVCache.to_quantized raises NotImplementedError (nothing changes)."""
+    """W = 4, f32, D = 64: a wrapped plain ring converted as laid out (the driver's RotatingQuantizedKVCache,
+    decision 15): offset and phase kept, the next decode writes in place at the ring head (physical order
+    [4, 5, 6, 3]), a window concatenates in temporal order keeping W - 1 columns, with the sliding-window mask of
+    RotatingKVCache.make_mask; a trim after the wrap is refused as on a plain ring."""
     d, sc = Data(3, 4, "f32", dim=64), Script()
     add, solo = sc.add, d.solo
     add(d.config())
     add({"t": "admit", "req": 1})
-    add(solo(1, [0], "decode"))
-    add({"t": "quantize", "bits": 4, "group": 32}, ("error", "NotImplementedError"))
-    add({"t": "checkpoint", "op": 1}, ("views", {1: (1, [0])}))
+    for p in range(6):
+        add(solo(1, [p], "decode"))  # physical order [4, 5, 2, 3], write head at column 2
+    add({"t": "quantize", "bits": 7, "group": 64}, ("error", "[quantize]"))  # mx.quantize refuses 7 bits
+    add({"t": "checkpoint", "op": 1}, ("views", {1: (6, [2, 3, 4, 5])}))  # nothing changed
+    add({"t": "quantize", "bits": 4, "group": 32}, ("converted", True))
+    add({"t": "checkpoint", "op": 2}, ("qviews", (4, 32), {1: (6, [2, 3, 4, 5])}))
+    add(solo(1, [6], "decode"), ("qsdpa", (4, 32), [(1, [6], [4, 5, 6, 3], None)]))
+    sliding = [[True, True, True, True, False], [False, True, True, True, True]]  # causal, window 4, offset 3
+    add(solo(1, [7, 8], "window"), ("qsdpa", (4, 32), [(1, [7, 8], [4, 5, 6, 7, 8], sliding)]))
+    add({"t": "checkpoint", "op": 3}, ("qviews", (4, 32), {1: (9, [5, 6, 7, 8])}))
+    add({"t": "solo_trim", "req": 1, "n": 1}, ("trimmed", 0))  # offset >= W: not trimmable
+    add({"t": "admit", "req": 2})  # a RotatingQuantizedKVCache from now on
+    add(solo(2, [0], "decode"), ("qsdpa", (4, 32), [(2, [0], [0], None)]))
+    add({"t": "checkpoint", "op": 4}, ("qviews", (4, 32), {1: (9, [5, 6, 7, 8]), 2: (1, [0])}))
     return d, sc, {"unsupported": 0, "errors": 1}
 
 
 def quant_rotating_native_scenario():
-    """W = 4 with quantized storage from the start: mlx-lm has no rotating quantized cache."""
+    """W = 4 with quantized storage from the start (RotatingQuantizedKVCache, decision 15), and its batch mapped row
+    by row (decision 16): a merge lays each ring out in temporal order (as BatchRotatingKVCache.merge), each row
+    then decodes in place on its own ring; a per-row trim is each row's own; an extract de-rolls the ring."""
     d, sc = Data(4, 4, "f32", dim=64, quant=(4, 64)), Script()
-    sc.add(d.config())
-    sc.add({"t": "admit", "req": 1}, ("unsupported",))
-    return d, sc, {"unsupported": 1, "errors": 0}
+    add, solo = sc.add, d.solo
+    add(d.config())
+    add({"t": "admit", "req": 1})
+    add({"t": "admit", "req": 2})
+    add(solo(1, [0, 1, 2], "window"), ("qsdpa", (4, 64), [(1, [0, 1, 2], [0, 1, 2], "causal")]))
+    add(solo(1, [3], "decode"), ("qsdpa", (4, 64), [(1, [3], [0, 1, 2, 3], None)]))
+    add(solo(1, [4], "decode"), ("qsdpa", (4, 64), [(1, [4], [4, 1, 2, 3], None)]))  # wrapped: in place
+    add(solo(2, [0, 1], "window"))
+    add({"t": "enter", "reqs": [1, 2], "how": "merge"})  # row 0 laid out [1, 2, 3, 4], head at the end
+    add(d.batch([[(1, 5)], [(2, 2)]], "decode"),
+        ("qsdpa", (4, 64), [(1, [5], [5, 2, 3, 4], None), (2, [2], [0, 1, 2], None)]))
+    add({"t": "checkpoint", "op": 1}, ("qviews", (4, 64), {1: (6, [2, 3, 4, 5]), 2: (3, [0, 1, 2])}))
+    add({"t": "trim_rows", "n": [0, 1]}, ("trimmed_rows", [0, 1]))
+    add({"t": "extract", "row": 0, "finish": False})  # de-rolled: [2, 3, 4, 5]
+    add(solo(1, [6], "decode"), ("qsdpa", (4, 64), [(1, [6], [6, 3, 4, 5], None)]))
+    add({"t": "checkpoint", "op": 2}, ("qviews", (4, 64), {1: (7, [3, 4, 5, 6]), 2: (2, [0, 1])}))
+    return d, sc, {"unsupported": 0, "errors": 0}
 
 
 SCENARIOS = {"selftest_steps.jsonl": rotating_scenario, "selftest_linear_steps.jsonl": linear_scenario,
@@ -344,6 +390,8 @@ def direct_qsdpa_sha(d, quant, req, q_pos, key_order, mask_kind):
     if mask_kind == "causal":
         m = mx.arange(n - L, n)[:, None] >= mx.arange(n)[None]
         s = mx.where(m, s, mx.finfo(s.dtype).min)
+    elif isinstance(mask_kind, list):  # a hand-written bool mask [L][n]
+        s = mx.where(mx.array(mask_kind), s, mx.finfo(s.dtype).min)
     p = mx.softmax(s, axis=-1, precise=True)
     out = mx.quantized_matmul(p, *vq, transpose=False, group_size=group, bits=bits).reshape(1, HQ, L, d.d)
     return hashlib.sha256(raw_words(out[0], mx)).hexdigest()

@@ -192,7 +192,7 @@ pub struct Measure<'a> {
     pub kvsim: &'a Values,
     pub oracle: &'a Values,
     /// Per step of a batch read, the sha256 of mlx-lm's own solo computation of each row (`solo`, PROTOCOL.md
-    /// decision 15; `None` where the driver had no history to replay).
+    /// decision 17; `None` where the driver had no history to replay).
     pub solo: &'a BTreeMap<usize, Vec<Option<String>>>,
 }
 
@@ -237,7 +237,7 @@ impl Measure<'_> {
     }
 }
 
-/// The `solo` hashes a RESULTS file carries beside a batch read's `rows` (PROTOCOL.md decision 15), by step.
+/// The `solo` hashes a RESULTS file carries beside a batch read's `rows` (PROTOCOL.md decision 17), by step.
 pub fn parse_solo(text: &str) -> Result<BTreeMap<usize, Vec<Option<String>>>, String> {
     let mut out = BTreeMap::new();
     for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -309,11 +309,6 @@ pub enum Rule {
     ExtractEmptyBatch,
     /// After a right-padded prefill on rings, mlx-lm's window of a row as long as the window holds a padding key.
     PrefillPaddingInWindow,
-    /// Quantized caches entering a batch (or converted with a batch live): mlx-lm 0.32.2 has no batched quantized
-    /// cache.
-    QuantNoBatch,
-    /// A rotating cache converted to (or created as) a quantized one: mlx-lm 0.32.2 raises NotImplementedError.
-    RotatingQuantNyi,
     /// mlx-lm's `QuantizedKVCache` allocates `D // (32 // bits)` packed words: one too many for 5 and 6 bits at
     /// D = 128, and the first write raises.
     QuantPackedWidth,
@@ -326,7 +321,7 @@ pub enum Rule {
     /// padding between a row's history and its new inputs; kvsim reads each row's own stream.
     SsmLeftPadHistory,
     /// A batch read whose rows differ from mlx-lm's beyond rounding, where mlx-lm's own solo read of the same
-    /// request (decision 15) equals kvsim's row byte for byte: mlx-lm's batch is not its solo.
+    /// request (decision 17) equals kvsim's row byte for byte: mlx-lm's batch is not its solo.
     BatchNotSolo,
 }
 
@@ -341,8 +336,6 @@ impl Rule {
         Rule::TrimPastStart,
         Rule::ExtractEmptyBatch,
         Rule::PrefillPaddingInWindow,
-        Rule::QuantNoBatch,
-        Rule::RotatingQuantNyi,
         Rule::QuantPackedWidth,
         Rule::InvalidQuantParams,
         Rule::SsmRound,
@@ -361,8 +354,6 @@ impl Rule {
             Rule::TrimPastStart => "trim-past-start",
             Rule::ExtractEmptyBatch => "extract-empty-batch",
             Rule::PrefillPaddingInWindow => "prefill-padding-in-window",
-            Rule::QuantNoBatch => "quant-no-batch",
-            Rule::RotatingQuantNyi => "rotating-quant-nyi",
             Rule::QuantPackedWidth => "quant-packed-width",
             Rule::InvalidQuantParams => "invalid-quant-params",
             Rule::SsmRound => "ssm-round",
@@ -378,7 +369,7 @@ impl Rule {
             | Rule::PrefillPaddingInWindow
             | Rule::QuantPackedWidth
             | Rule::BatchNotSolo => Verdict::MlxLmBug,
-            Rule::PerRowTrim | Rule::QuantNoBatch | Rule::RotatingQuantNyi | Rule::SsmRound => Verdict::Unsupported,
+            Rule::PerRowTrim | Rule::SsmRound => Verdict::Unsupported,
             _ => Verdict::Documented,
         }
     }
@@ -402,7 +393,7 @@ impl Rule {
             Rule::BatchNotSolo => {
                 "a batch read whose differing rows differ from mlx-lm's batch output beyond the read rules' size (more \
                  than rounding), while mlx-lm's own solo computation of each such row (the driver replays the request's \
-                 writes on a fresh cache of its class and reads it alone, PROTOCOL.md decision 15) equals kvsim's row \
+                 writes on a fresh cache of its class and reads it alone, PROTOCOL.md decision 17) equals kvsim's row \
                  byte for byte: mlx-lm's batch read is not its solo read. Seen on window reads of left-padded rows of \
                  BatchRotatingKVCache (seed-21 step 23: L = 5 on W = 4; seed-27 steps 87-88). Not in the catalog; kvsim \
                  promises each row its solo result (seeds 001_492dbf43c5432563.txt:55, R-TKV-4)"
@@ -467,21 +458,6 @@ impl Rule {
                  padded positions (ARCHITECTURE.md; seed 000_7eb8175f52e88e8d.txt:21-22: prepared prefill padding is \
                  never visible). Not in the catalog (the family of bug-catalog.md #8 / #1, right-padded prefill chunks); \
                  the condition was checked against mlx-lm 0.32.2 on 4,122 random geometries"
-            }
-            Rule::QuantNoBatch => {
-                "quantized caches (kv:quant) entering a batch, or a conversion while a batch is live: mlx-lm 0.32.2 has \
-                 no batched quantized cache (mlx_lm/generate.py _merge_caches raises \"QuantizedKVCache does not yet \
-                 support batching with history\": QuantizedKVCache has no merge; BatchKVCache has no to_quantized, \
-                 generate.maybe_quantize_kv_cache skips it; generate.BatchGenerator takes no kv_bits). kvsim's quantized \
-                 rows (docs/quantized-kv.md) have no mlx-lm counterpart: the requests that entered and every later batch \
-                 step are explained by this step; requests outside the batch keep being compared"
-            }
-            Rule::RotatingQuantNyi => {
-                "a rotating cache quantized (kv:rotating-quant): mlx-lm 0.32.2's RotatingKVCache.to_quantized and \
-                 BatchRotatingKVCache.to_quantized raise NotImplementedError(\"... Quantization NYI\") \
-                 (mlx_lm/models/cache.py), and there is no rotating quantized cache class to create one native; kvsim \
-                 converts the ring as laid out, as the upstream engine's RotatingQuantizedKVCache does \
-                 (docs/quantized-kv.md)"
             }
             Rule::QuantPackedWidth => {
                 "a first write to a QuantizedKVCache at 5 or 6 bits with head_dim 128: mlx-lm 0.32.2's update_and_fetch \
@@ -790,8 +766,142 @@ fn state_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotatin
         {
             Some(Rule::ExtractEmptyBatch)
         }
-        _ => quant_rule(info, k, o, rotating),
+        _ => quant_rule(info, k, o),
     }
+}
+
+/// Whether the driver maps this step's batch row by row (`oracles/PROTOCOL.md` decision 16): a step of the
+/// quantized family whose caches are quantized before it (mlx-lm 0.32.2 has no batched quantized cache; each row is
+/// its request's own solo `QuantizedKVCache` / the driver's `RotatingQuantizedKVCache`).
+fn rows_mapped(info: &StepInfo) -> bool {
+    info.quant.is_some() && is_batch_step(info.t)
+}
+
+/// Row `r`'s positions before a row-mapped step: its offset (a prefill chunk's `offsets` are the positions the
+/// longest row had: a row with real queries in the chunk had as many).
+fn row_wrapped(info: &StepInfo, r: usize, window: Option<usize>, l: usize) -> bool {
+    window.is_some_and(|w| info.offsets.get(r).is_some_and(|&o| o + l > w))
+}
+
+/// The one-position windows of a row-mapped step (decision 16) after its row's ring wrapped: a `batch` window of
+/// L = 1, or a prefill chunk where the row has one real query. Each such row is then a solo ring whose layout a
+/// one-position window changed (kvsim concatenates in temporal order, mlx-lm writes L = 1 in place: R-ROT-3), as
+/// for a solo request; a later window of more positions concatenates in temporal order in both and ends it.
+fn quant_rows_layouts(info: &StepInfo, window: Option<usize>, step: usize, layout_r3: &mut BTreeMap<u32, usize>) {
+    for (r, req) in info.reqs.iter().enumerate() {
+        let n = match info.t {
+            "batch" if info.read == Some(Read::Window) => info.l,
+            "prefill_chunk" => info.real.get(r).copied().unwrap_or(0),
+            _ => continue,
+        };
+        if n == 1 && row_wrapped(info, r, window, 1) {
+            layout_r3.insert(*req, step);
+        } else if n > 1 {
+            layout_r3.remove(req);
+        }
+    }
+}
+
+/// The read rule of a row-mapped step (decision 16): every differing row read a one-position window after its
+/// ring wrapped, or decoded over the layout one left (`layout_r3`). `row-layout` never applies: each row is its
+/// own solo cache in the driver, at the physical columns kvsim keeps.
+fn quant_rows_read_rule(
+    info: &StepInfo,
+    layout_r3: &BTreeMap<u32, usize>,
+    rows: &[usize],
+    window: Option<usize>,
+) -> Option<Rule> {
+    let one_position = |r: usize| match info.t {
+        "batch" => match info.read {
+            Some(Read::Window) => info.l == 1 && row_wrapped(info, r, window, 1),
+            Some(Read::Decode) => info.reqs.get(r).is_some_and(|q| layout_r3.contains_key(q)),
+            _ => false,
+        },
+        "prefill_chunk" => info.real.get(r) == Some(&1) && row_wrapped(info, r, window, 1),
+        _ => false,
+    };
+    (!rows.is_empty() && rows.iter().all(|&r| one_position(r))).then_some(Rule::OnePositionWindow)
+}
+
+/// A row-mapped step's geometry restricted to the rows of requests no root explains (decision 16: its rows are
+/// independent solo caches in the driver).
+fn rows_outside(info: &StepInfo, explained: &BTreeMap<u32, (usize, Option<Rule>)>) -> StepInfo {
+    let keep: Vec<usize> = (0..info.reqs.len()).filter(|&r| !explained.contains_key(&info.reqs[r])).collect();
+    let pick =
+        |v: &Vec<usize>| if v.len() == info.reqs.len() { keep.iter().map(|&r| v[r]).collect() } else { v.clone() };
+    let mut out = info.clone();
+    out.reqs = keep.iter().map(|&r| info.reqs[r]).collect();
+    out.offsets = pick(&info.offsets);
+    out.lens = pick(&info.lens);
+    out.real = pick(&info.real);
+    out
+}
+
+/// The rows of a row-mapped read whose own cache raised (the driver's `"error: ..."` in place of the row's hash).
+fn failed_rows(o: Option<&Outcome>) -> Vec<usize> {
+    match o {
+        Some(Outcome::Rows(rows)) => (0..rows.len()).filter(|&r| rows[r].starts_with("error:")).collect(),
+        _ => vec![],
+    }
+}
+
+/// The rule of a row-mapped read whose rows `failed` raised in mlx-lm while the other rows agree:
+/// `quant-packed-width` when every failure is that crash (5 or 6 bits where `D * bits / 32 != D // (32 // bits)`,
+/// `[broadcast_shapes]`: a row whose `QuantizedKVCache` was created quantized, as for a solo write).
+fn quant_rows_failed_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, failed: &[usize]) -> Option<Rule> {
+    let (Some(Outcome::Rows(a)), Some(Outcome::Rows(b))) = (k, o) else { return None };
+    let others_agree = a.len() == b.len() && (0..a.len()).all(|r| failed.contains(&r) || a[r] == b[r]);
+    let (bits, _) = info.quant?;
+    let d = info.head_dim;
+    let wrong_width = matches!(bits, 5 | 6) && d * bits / 32 != d / (32 / bits);
+    let crash = failed.iter().all(|&r| b[r].contains("broadcast_shapes"));
+    (others_agree && wrong_width && crash).then_some(Rule::QuantPackedWidth)
+}
+
+/// Each row's trim count in a trim record (`None` for other records).
+fn trim_counts(o: Option<&Outcome>, rows: usize) -> Option<Vec<i64>> {
+    match o {
+        Some(Outcome::Trimmed(n)) => Some(vec![*n; rows]),
+        Some(Outcome::Resynced { replayed, .. }) => Some(vec![*replayed; rows]),
+        Some(Outcome::TrimmedRows(ns)) if ns.len() == rows => Some(ns.iter().map(|&x| x as i64).collect()),
+        _ => None,
+    }
+}
+
+/// The rows where a row-mapped trim (decision 16) differs: each row is its own solo cache, so a trim that differs
+/// in some rows explains their requests only.
+fn quant_rows_trim_differs(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>) -> Option<Vec<usize>> {
+    let n = info.reqs.len();
+    let (kn, on) = (trim_counts(k, n)?, trim_counts(o, n)?);
+    Some((0..n).filter(|&r| kn[r] != on[r]).collect())
+}
+
+/// The state rule of a row-mapped trim (decision 16) whose rows' counts differ: bug #18 when every differing row
+/// is a bypass rollback that kvsim performed and mlx-lm's `trim_prompt_cache` refused on that row's ring, which
+/// has reached the window (`offset >= W`, where `is_trimmable()` is False); the refused-trim rules when kvsim
+/// refused in every row (its typed error) and mlx-lm trimmed.
+fn quant_rows_trim_rule(
+    info: &StepInfo,
+    k: Option<&Outcome>,
+    o: Option<&Outcome>,
+    window: Option<usize>,
+) -> Option<Rule> {
+    let rows = quant_rows_trim_differs(info, k, o)?;
+    let n = info.reqs.len();
+    let (kn, on) = (trim_counts(k, n)?, trim_counts(o, n)?);
+    let t = info.trim.as_ref()?;
+    if rows.is_empty() {
+        return None;
+    }
+    let reached_window = |r: usize| window.is_some_and(|w| info.offsets.get(r).is_some_and(|&x| x >= w));
+    let refused_18 = |r: usize| on[r] == 0 && kn[r] > 0 && t.bypass && reached_window(r);
+    if rows.iter().all(|&r| refused_18(r)) {
+        return Some(Rule::TrimNoopAfterWrap);
+    }
+    if kn.iter().all(|&x| x == 0) && rows.iter().all(|&r| on[r] > 0) {
+        return refused_trim_rule(info);
+    }
+    None
 }
 
 /// A trim kvsim refused (its typed error, from the trim's own record) that mlx-lm performed.
@@ -817,31 +927,19 @@ pub fn mlx_refuses_quant(bits: usize, group: usize, head_dim: usize) -> bool {
 
 /// The rules of the quantized family's divergences (`kv:quant`, `kv:rotating-quant`), from the step's geometry and
 /// the two results only.
-fn quant_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>, rotating: bool) -> Option<Rule> {
-    let unsupported = |o: Option<&Outcome>, what: &str| matches!(o, Some(Outcome::Unsupported(s)) if s.contains(what));
+fn quant_rule(info: &StepInfo, k: Option<&Outcome>, o: Option<&Outcome>) -> Option<Rule> {
     let error = |o: Option<&Outcome>, what: &str| matches!(o, Some(Outcome::Error(s)) if s.contains(what));
     match info.t {
-        "enter" | "prefill" if info.quant.is_some() && unsupported(o, "does not yet support batching") => {
-            Some(Rule::QuantNoBatch)
-        }
-        "admit" | "prefill" if rotating && info.quant.is_some() && unsupported(o, "no rotating quantized cache") => {
-            Some(Rule::RotatingQuantNyi)
-        }
+        // Rings are converted by the driver's RotatingQuantizedKVCache (decision 15) and batches mapped row by row
+        // (decision 16): no unsupported mapping is left in this family.
         "quantize" => {
             let (bits, group) = info.target?;
             if mlx_refuses_quant(bits, group, info.head_dim) {
                 let kvsim_refused = matches!(k, Some(Outcome::Converted(false)));
-                if kvsim_refused && rotating && info.quant.is_none() && error(o, "NotImplementedError") {
-                    // mlx-lm refuses the ring before it looks at the parameters; both refuse.
-                    return Some(Rule::RotatingQuantNyi);
-                }
                 let mlx_lm = matches!(o, Some(Outcome::Converted(true))) || error(o, "[quantize]");
                 return (kvsim_refused && mlx_lm).then_some(Rule::InvalidQuantParams);
             }
-            if rotating && info.quant.is_none() && error(o, "NotImplementedError") {
-                return Some(Rule::RotatingQuantNyi);
-            }
-            (info.batch_live && unsupported(o, "no batched quantized cache")).then_some(Rule::QuantNoBatch)
+            None
         }
         "solo" | "batch" | "prefill_chunk" => {
             let (bits, _) = info.quant?;
@@ -878,11 +976,6 @@ fn root_scope(info: &StepInfo, rule: Option<Rule>, k: Option<&Outcome>, o: Optio
         // mlx-lm refused a wrapped ring's trim (#18) and the driver rebuilt the caches by replay of the same
         // positions kvsim kept: nothing is left to explain.
         (Some(Rule::TrimNoopAfterWrap), _) if replayed => Scope::Some { reqs: vec![], batch: false },
-        // `quantize`'s requests are the batch rows of the moment.
-        (Some(Rule::QuantNoBatch), "quantize") => Scope::Some { reqs: info.reqs.clone(), batch: true },
-        (Some(Rule::QuantNoBatch), _) => Scope::Some { reqs: info.reqs.clone(), batch: true },
-        (Some(Rule::RotatingQuantNyi), "admit") => Scope::Some { reqs: info.reqs.clone(), batch: false },
-        (Some(Rule::RotatingQuantNyi), "prefill") => Scope::Some { reqs: info.reqs.clone(), batch: true },
         (Some(Rule::QuantPackedWidth), "solo") => Scope::Some { reqs: info.reqs.clone(), batch: false },
         // A recurrent round explains the rows that rolled back (the others did what mlx-lm did).
         (Some(Rule::SsmRound), _) => Scope::Some {
@@ -1104,7 +1197,8 @@ pub fn diff_full(
         }
         let info = infos.get(step).cloned().unwrap_or_default();
         let (k, o) = (ks.get(&step), os.get(&step));
-        if info.t == "enter" {
+        let by_rows = rows_mapped(&info);
+        if info.t == "enter" && !by_rows {
             for r in &info.reqs {
                 layout_r3.remove(r);
             }
@@ -1112,10 +1206,13 @@ pub fn diff_full(
         if info.t == "solo" && info.read == Some(Read::Window) && info.l == 1 && info.wrapped {
             layout_r3.insert(info.reqs[0], step);
         }
+        if by_rows {
+            quant_rows_layouts(&info, window, step, &mut layout_r3);
+        }
         // Narrow roots spread: an explained request entering the batch explains the batch, and every request of
         // an explained batch is explained.
         let batch_step = is_batch_step(info.t);
-        if matches!(info.t, "enter" | "prefill" | "prefill_end") {
+        if matches!(info.t, "enter" | "prefill" | "prefill_end") && !by_rows {
             for r in info.reqs.iter().filter(|r| explained.contains_key(r) && !spread.contains(r)) {
                 batch_taint.insert(*r);
                 batch_root = batch_root.or(explained.get(r).copied());
@@ -1129,10 +1226,11 @@ pub fn diff_full(
                 }
             }
         }
-        // A recurrent batch call: its rows are independent (each row's output is its own state's), so rows of
-        // explained requests are dropped and the others compared.
-        let row_filtered = !info.spans.is_empty()
-            && info.t == "batch"
+        // A recurrent batch call, or a quantized batch step mapped row by row (PROTOCOL.md decision 16): its rows
+        // are independent (each row's output is its own state's), so rows of explained requests are dropped and the
+        // others compared.
+        let row_filtered = ((!info.spans.is_empty() && info.t == "batch")
+            || (by_rows && matches!(info.t, "batch" | "prefill_chunk" | "trim" | "trim_rows")))
             && root.is_none()
             && batch_root.is_none()
             && info.reqs.iter().any(|r| explained.contains_key(r))
@@ -1145,10 +1243,23 @@ pub fn diff_full(
                     .map(|(h, _)| h.clone())
                     .collect(),
             )),
+            // A row-mapped trim: each row's count (decision 16).
+            x if by_rows && trim_counts(x, info.reqs.len()).is_some() => {
+                let ns = trim_counts(x, info.reqs.len()).unwrap_or_default();
+                Some(Outcome::TrimmedRows(
+                    ns.iter()
+                        .zip(&info.reqs)
+                        .filter(|(_, r)| !explained.contains_key(r))
+                        .map(|(n, _)| (*n).max(0) as usize)
+                        .collect(),
+                ))
+            }
             other => other.cloned(),
         };
         let (k_rows, o_rows) = if row_filtered { (keep_rows(k), keep_rows(o)) } else { (None, None) };
         let (k, o) = if row_filtered { (k_rows.as_ref(), o_rows.as_ref()) } else { (k, o) };
+        // A row-mapped step restricted to its rows outside every explained request: its geometry too.
+        let info = if row_filtered && by_rows { rows_outside(&info, &explained) } else { info };
         // The narrow root that explains this step, if any (checkpoints: decided below, per request).
         // A recurrent round is a root of its own for the rows it rolls back (rows explained earlier stay so).
         let narrow = if info.t == "checkpoint" || row_filtered || (info.t == "round" && root.is_none()) {
@@ -1208,12 +1319,39 @@ pub fn diff_full(
         }
         let is_read = matches!(info.t, "solo" | "batch" | "prefill_chunk");
         let oracle_failed = matches!(o, Some(Outcome::Error(_)) | Some(Outcome::Unsupported(_)) | None);
+        // A row-mapped read (decision 16) where some rows' own caches raised: a state-changing divergence of those
+        // rows (mlx-lm's cache may have advanced before raising), classified row by row; their requests only.
+        let failed = if by_rows && is_read { failed_rows(o) } else { vec![] };
+        if !failed.is_empty() {
+            let rule = quant_rows_failed_rule(&info, k, o, &failed);
+            for (i, tentative) in pending.drain(..) {
+                out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
+            }
+            d.class = rule.map_or(Class::Unclassified, Class::Rule);
+            match rule {
+                Some(_) => {
+                    for r in failed.iter().filter_map(|&r| info.reqs.get(r)) {
+                        explained.entry(*r).or_insert((step, rule));
+                        spread.remove(r);
+                    }
+                }
+                None => root = Some((step, rule)),
+            }
+            out.push(d);
+            continue;
+        }
         if is_read && !oracle_failed {
+            let rows = differing_rows(k, o);
+            let tentative = if by_rows && info.t != "solo" {
+                quant_rows_read_rule(&info, &layout_r3, &rows, window)
+            } else {
+                read_rule(&info, &layout_r3, &rows)
+            };
             let within = |r: &Rule| d.ulp.zip(measure).is_some_and(|(u, m)| r.max_ulp(m.dtype).is_some_and(|b| u <= b));
-            let rule = read_rule(&info, &layout_r3, &differing_rows(k, o)).filter(within).or_else(|| {
+            let rule = tentative.filter(within).or_else(|| {
                 // Beyond rounding: mlx-lm's batch read of these rows differs from its own solo read of the same
                 // requests, which kvsim's rows equal byte for byte.
-                (info.t == "batch" && measure.is_some_and(|m| m.rows_equal_solo(step, k, o)))
+                (info.t == "batch" && !by_rows && measure.is_some_and(|m| m.rows_equal_solo(step, k, o)))
                     .then_some(Rule::BatchNotSolo)
             });
             pending.push((out.len(), rule));
@@ -1270,8 +1408,13 @@ pub fn diff_full(
             out.push(d);
             continue;
         }
-        // A state-changing divergence: trims, refused or failed steps.
-        let rule = state_rule(&info, k, o, rotating);
+        // A state-changing divergence: trims, refused or failed steps. A row-mapped trim (decision 16) whose rows
+        // answered one by one is judged row by row, and explains the differing rows' requests only.
+        let row_trim =
+            by_rows && matches!(info.t, "trim" | "trim_rows") && quant_rows_trim_differs(&info, k, o).is_some();
+        let per_row =
+            row_trim && matches!((k, o), (_, Some(Outcome::TrimmedRows(_))) | (Some(Outcome::TrimmedRows(_)), _));
+        let rule = if per_row { quant_rows_trim_rule(&info, k, o, window) } else { state_rule(&info, k, o, rotating) };
         for (i, tentative) in pending.drain(..) {
             out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
         }
@@ -1283,7 +1426,11 @@ pub fn diff_full(
             _ => true,
         };
         if changes_state {
-            match root_scope(&info, rule, k, o) {
+            let scope = match quant_rows_trim_differs(&info, k, o).filter(|_| row_trim && rule.is_some()) {
+                Some(rows) => Scope::Some { reqs: rows.iter().map(|&r| info.reqs[r]).collect(), batch: false },
+                None => root_scope(&info, rule, k, o),
+            };
+            match scope {
                 Scope::All => root = Some((step, rule)),
                 Scope::Some { reqs, batch } => {
                     for r in &reqs {
@@ -1326,6 +1473,10 @@ pub struct TraceReport {
     /// Reads of quantized caches whose outputs agree byte for byte with mlx-lm's (`QuantizedKVCache` and
     /// `quantized_scaled_dot_product_attention`).
     pub quant_reads_agree: usize,
+    /// Of those, the reads of quantized batch rows mapped row by row (`batch`, `prefill_chunk`; PROTOCOL.md decision
+    /// 16), and the reads of quantized rings (the driver's `RotatingQuantizedKVCache`, decision 15).
+    pub quant_batch_reads_agree: usize,
+    pub quant_ring_reads_agree: usize,
     pub divergences: Vec<Divergence>,
     /// Protocol step kinds this trace exercised (`batch/decode`, `enter/join`, ...).
     pub kinds: BTreeSet<String>,
@@ -1404,7 +1555,10 @@ impl TraceReport {
             s.push_str(&format!("  {} re-synced", self.resyncs));
         }
         if self.quant_reads_agree > 0 {
-            s.push_str(&format!("  {} quantized reads equal", self.quant_reads_agree));
+            s.push_str(&format!(
+                "  {} quantized reads equal ({} batch, {} ring)",
+                self.quant_reads_agree, self.quant_batch_reads_agree, self.quant_ring_reads_agree
+            ));
         }
         if !rules.is_empty() {
             s.push_str(&format!("  {}", rules.join(" ")));
@@ -1443,6 +1597,8 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         uncompared: BTreeMap::new(),
         resyncs: 0,
         quant_reads_agree: 0,
+        quant_batch_reads_agree: 0,
+        quant_ring_reads_agree: 0,
         divergences: vec![],
         kinds: BTreeSet::new(),
         error: Some(e),
@@ -1469,13 +1625,17 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         diff_full(&rec.infos, &rec.results, &oracle, trace.config.layout.max_size(), Some(&measure));
     let kinds = step_kinds(&rec.infos);
     let oracle_rows: BTreeMap<usize, &Outcome> = oracle.iter().map(|r| (r.step, &r.outcome)).collect();
-    let quant_reads_agree = rec
+    let quant_equal: Vec<&StepInfo> = rec
         .results
         .iter()
         .filter(|r| matches!(r.outcome, Outcome::Rows(_)))
         .filter(|r| rec.infos.get(r.step).is_some_and(|i| i.quant.is_some()))
         .filter(|r| oracle_rows.get(&r.step) == Some(&&r.outcome))
-        .count();
+        .filter_map(|r| rec.infos.get(r.step))
+        .collect();
+    let quant_reads_agree = quant_equal.len();
+    let quant_batch_reads_agree = quant_equal.iter().filter(|i| matches!(i.t, "batch" | "prefill_chunk")).count();
+    let quant_ring_reads_agree = if trace.config.layout.max_size().is_some() { quant_reads_agree } else { 0 };
     let resyncs = oracle
         .iter()
         .filter(|r| match &r.outcome {
@@ -1492,6 +1652,8 @@ pub fn diff_recorded(trace_path: &Path) -> TraceReport {
         uncompared,
         resyncs,
         quant_reads_agree,
+        quant_batch_reads_agree,
+        quant_ring_reads_agree,
         divergences,
         kinds,
         error: None,
@@ -2310,6 +2472,75 @@ mod tests {
             oracle.push(rec(8, o));
         }
         diff_measured(&infos, &kvsim, &oracle, Some(4))
+    }
+
+    /// A quantized batch of requests 1 and 2 mapped row by row (PROTOCOL.md decision 16): `step` at index 4, then a
+    /// batch decode where request 1's row differs and request 2's agrees.
+    fn rows_mapped_then_decode(
+        step: StepInfo,
+        k: Outcome,
+        o: Outcome,
+    ) -> (Vec<Divergence>, usize, BTreeMap<Option<Rule>, usize>) {
+        let q = |mut s: StepInfo| {
+            s.quant = Some((6, 64));
+            s.head_dim = 128;
+            s
+        };
+        let mut decode = q(info("batch", &[1, 2]));
+        decode.read = Some(Read::Decode);
+        decode.l = 1;
+        decode.offsets = vec![6, 3];
+        let infos = vec![
+            q(info("config", &[])),
+            q(info("admit", &[1])),
+            q(info("admit", &[2])),
+            q(info("enter", &[1, 2])),
+            q(step),
+            decode,
+        ];
+        let two = |a: &str, b: &str| Outcome::Rows(vec![a.to_string(), b.to_string()]);
+        let kvsim = vec![rec(4, k), rec(5, two("a", "b"))];
+        let oracle = vec![rec(4, o), rec(5, two("A", "b"))];
+        diff_measured(&infos, &kvsim, &oracle, Some(4))
+    }
+
+    #[test]
+    fn a_row_mapped_trim_explains_only_its_differing_rows() {
+        let mut trim = info("trim_rows", &[1, 2]);
+        trim.trim = Some(TrimInfo { n: vec![1, 1], bypass: true, kvsim: Ok(1), after_window: true, live: vec![4, 3] });
+        trim.offsets = vec![5, 3];
+        let (out, compared, uncompared) =
+            rows_mapped_then_decode(trim, Outcome::TrimmedRows(vec![1, 1]), Outcome::TrimmedRows(vec![0, 1]));
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].class, Class::Rule(Rule::TrimNoopAfterWrap));
+        // The decode is compared on request 2's row alone (request 1's row is explained).
+        assert_eq!(compared, 5);
+        assert!(uncompared.is_empty(), "{uncompared:?}");
+        // A row that mlx-lm trimmed as kvsim did, while another was refused before the window: not #18.
+        let mut trim = info("trim_rows", &[1, 2]);
+        trim.trim = Some(TrimInfo { n: vec![1, 1], bypass: true, kvsim: Ok(1), after_window: true, live: vec![3, 3] });
+        trim.offsets = vec![3, 3];
+        let (out, _, _) =
+            rows_mapped_then_decode(trim, Outcome::TrimmedRows(vec![1, 1]), Outcome::TrimmedRows(vec![0, 1]));
+        assert_eq!(out[0].class, Class::Unclassified);
+    }
+
+    #[test]
+    fn a_row_mapped_crash_explains_only_its_row() {
+        let mut read = info("batch", &[1, 2]);
+        read.read = Some(Read::Window);
+        read.l = 2;
+        read.offsets = vec![0, 0];
+        let crash = "error: ValueError: [broadcast_shapes] Shapes (1,2,2,24) and (1,2,2,25) cannot be broadcast.";
+        let k = Outcome::Rows(vec!["a".into(), "b".into()]);
+        let (out, compared, _) =
+            rows_mapped_then_decode(read.clone(), k.clone(), Outcome::Rows(vec![crash.into(), "b".into()]));
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].class, Class::Rule(Rule::QuantPackedWidth));
+        assert_eq!(compared, 5);
+        // The other row differing too: not the packed-width crash alone.
+        let (out, _, _) = rows_mapped_then_decode(read, k, Outcome::Rows(vec![crash.into(), "B".into()]));
+        assert_eq!(out[0].class, Class::Unclassified);
     }
 
     #[test]
