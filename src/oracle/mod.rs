@@ -374,6 +374,25 @@ impl Rule {
         }
     }
 
+    /// The layouts a rule applies to: `linear`, `ring` (the attention family's plain caches), `quant-linear`,
+    /// `quant-ring` (the quantized family once its caches are affine), `ssm` (the recurrent family). A divergence on
+    /// another layout is never classified by it.
+    pub fn layouts(self) -> &'static [&'static str] {
+        const KV: &[&str] = &["linear", "ring", "quant-linear", "quant-ring"];
+        const RINGS: &[&str] = &["ring", "quant-ring"];
+        match self {
+            // Left padding (any plain batch) or a wrapped shared write pointer (rings); quantized batches are
+            // compared row by row (decision 16), where no row has another layout.
+            Rule::RowLayout | Rule::BatchNotSolo => &["linear", "ring"],
+            Rule::OnePositionWindow | Rule::TrimNoopAfterWrap => RINGS,
+            Rule::PaddedSingletonChunk | Rule::PrefillPaddingInWindow => &["ring"],
+            Rule::PerRowTrim | Rule::BypassOutsideWindow | Rule::TrimPastStart => KV,
+            Rule::ExtractEmptyBatch => &["linear", "ring", "ssm"],
+            Rule::QuantPackedWidth | Rule::InvalidQuantParams => &["quant-linear", "quant-ring"],
+            Rule::SsmRound | Rule::SsmLeftPadHistory => &["ssm"],
+        }
+    }
+
     /// The size a read rule allows: the largest distance of a differing row's output from mlx-lm's, in ULPs at
     /// output scale (`check::ulp_at_scale`). `None` for the rules of state-changing steps (they explain what follows
     /// them, not a read's size).
@@ -1116,6 +1135,8 @@ pub fn diff_full(
     measure: Option<&Measure>,
 ) -> (Vec<Divergence>, usize, BTreeMap<Option<Rule>, usize>) {
     let rotating = window.is_some();
+    // The recurrent family's traces (their calls carry spans).
+    let ssm = infos.iter().any(|i| !i.spans.is_empty());
     let by_step =
         |rs: &[Record]| -> BTreeMap<usize, Outcome> { rs.iter().map(|r| (r.step, r.outcome.clone())).collect() };
     let (ks, os) = (by_step(kvsim), by_step(oracle));
@@ -1451,7 +1472,31 @@ pub fn diff_full(
     for (i, tentative) in pending.drain(..) {
         out[i].class = tentative.map_or(Class::Unclassified, Class::Rule);
     }
+    // A rule classifies only on the layouts it names ([`Rule::layouts`]); elsewhere its divergences (and the
+    // consequences of its roots) are unclassified.
+    for d in &mut out {
+        let at = |step: usize| layout_of(infos.get(step), window, ssm);
+        let allowed = |r: Rule, step: usize| r.layouts().contains(&at(step));
+        d.class = match d.class.clone() {
+            Class::Rule(r) if !allowed(r, d.step) => Class::Unclassified,
+            Class::Consequence { root, rule: Some(r) } if !allowed(r, root) => Class::Consequence { root, rule: None },
+            c => c,
+        };
+    }
     (out, compared, uncompared)
+}
+
+/// The layout a step acts on, as [`Rule::layouts`] names them.
+fn layout_of(info: Option<&StepInfo>, window: Option<usize>, ssm: bool) -> &'static str {
+    // A conversion acts on the layout it converts to.
+    let quant = info.is_some_and(|i| i.quant.is_some() || i.t == "quantize");
+    match (ssm, quant, window.is_some()) {
+        (true, _, _) => "ssm",
+        (false, true, true) => "quant-ring",
+        (false, true, false) => "quant-linear",
+        (false, false, true) => "ring",
+        (false, false, false) => "linear",
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -2387,6 +2432,20 @@ mod tests {
 
     fn rows(h: &str) -> Outcome {
         Outcome::Rows(vec![h.to_string()])
+    }
+
+    /// Every rule names its layouts; a rule never classifies on a layout it does not name.
+    #[test]
+    fn rules_name_their_layouts() {
+        for r in Rule::ALL {
+            assert!(!r.layouts().is_empty(), "{} names no layout", r.id());
+        }
+        assert!(!Rule::OnePositionWindow.layouts().contains(&"linear"), "linear caches never wrap");
+        assert!(!Rule::RowLayout.layouts().contains(&"ssm"));
+        let quantize = StepInfo { t: "quantize", ..Default::default() };
+        assert_eq!(layout_of(Some(&quantize), Some(4), false), "quant-ring");
+        assert_eq!(layout_of(None, None, false), "linear");
+        assert_eq!(layout_of(None, Some(4), true), "ssm");
     }
 
     /// `vals` must hash to their row's sha256: a file whose bytes were changed is refused, never measured; `solo`
