@@ -203,3 +203,15 @@ fn validate_refuses_impossible_window_histories() {
     assert!(matches!(rotated.validate(Some(4)), Err(kvsim::cache::CacheError::InvalidState { .. })));
     assert_eq!(RingState { last_concat: None, ..rotated }.validate(Some(4)), Ok(()));
 }
+
+/// `KvSpec::bytes_per_token` is the plain cost `2 * H_kv * D * itemsize` (R-C-4), and what a plain serial cache
+/// reports. cargo-mutants found it untested (docs/cargo-mutants.md, "All of src/cache").
+#[test]
+fn spec_bytes_per_token_is_the_plain_cost() {
+    for (dtype, item) in [(KvDtype::F32, 4), (KvDtype::Bf16, 2)] {
+        let spec = KvSpec { heads_kv: 3, head_dim: 8, dtype };
+        assert_eq!(spec.bytes_per_token(), 2 * 3 * 8 * item);
+        let c = SerialCache::new(spec, None).unwrap();
+        assert_eq!(c.bytes_per_token(), spec.bytes_per_token());
+    }
+}
