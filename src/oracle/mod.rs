@@ -140,8 +140,7 @@ pub fn parse_values(text: &str) -> Result<Values, String> {
             let Some(b) = b.as_str() else { continue };
             let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b)
                 .map_err(|e| format!("line {}: vals: {e}", i + 1))?;
-            let sha: String =
-                <sha2::Sha256 as sha2::Digest>::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            let sha = recorder::sha_hex(&bytes);
             if h.as_str() != Some(sha.as_str()) {
                 return Err(format!("line {}: vals do not hash to their row's sha256", i + 1));
             }
@@ -2454,7 +2453,7 @@ mod tests {
     fn values_are_checked_against_their_hashes() {
         use base64::Engine;
         let bytes = vec![0u8, 0, 128, 63];
-        let h: String = <sha2::Sha256 as sha2::Digest>::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let h = recorder::sha_hex(&bytes);
         let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
         let good = format!("{{\"step\":3,\"rows\":[\"{h}\"],\"vals\":[\"{b64}\"],\"solo\":[\"{h}\"]}}\n");
         assert_eq!(parse_values(&good).unwrap().get(&h), Some(&bytes));
@@ -2468,7 +2467,7 @@ mod tests {
         assert!(!strip_known_values(&good, &known).contains("vals"));
         // Measured: one f32 element 1.0 vs 1.0 + 2 ULP.
         let other = vec![2u8, 0, 128, 63];
-        let h2: String = <sha2::Sha256 as sha2::Digest>::digest(&other).iter().map(|b| format!("{b:02x}")).collect();
+        let h2 = recorder::sha_hex(&other);
         let oracle: Values = [(h2.clone(), other)].into_iter().collect();
         let solo = BTreeMap::new();
         let m = Measure { dtype: mlx_rs::Dtype::Float32, kvsim: &known, oracle: &oracle, solo: &solo };

@@ -290,7 +290,7 @@ fn block(ab: &ArrayBytes, le: &[u8], rows: std::ops::Range<usize>, cols: std::op
     out
 }
 
-fn sha_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha_hex(bytes: &[u8]) -> String {
     let d = Sha256::digest(bytes);
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
