@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in four
 # back-to-back calls (the machine goes back after 30 s idle). Builds nothing there. Stages, one per call:
+# SOAKS=0 skips the CPU soaks (and the mlx-cpu wheel they need).
 #   park     keep the first part of the mlx-cuda-13==0.32.2 wheel and the mlx-cpu==0.32.2 wheel (.device/park/) in
 #            /tmp/park (one call carries at most 64 MiB)
 #   exact    reassemble and unpack the wheels; start two CPU soaks of 1M ops in the background (plain, and --trim),
@@ -23,8 +24,10 @@ install() {
   sha256sum "$WHEEL" | tee "$OUT/wheel.sha256"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEEL" "$R"/mlx-0.32.2-cp312-*.whl "$R"/mlx_lm-*.whl || exit 1
   ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia "$SITE/nvidia"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$CPU" /tmp/park/mlx_cpu-*.whl || exit 1
-  mkdir -p /tmp/soak && cp "$R/kvsim" /tmp/soak/kvsim
+  if [ "${SOAKS:-1}" != 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$CPU" /tmp/park/mlx_cpu-*.whl || exit 1
+    mkdir -p /tmp/soak && cp "$R/kvsim" /tmp/soak/kvsim
+  fi
 }
 case "${1:?stage}" in
 park)
@@ -34,7 +37,7 @@ park)
 exact)
   install
   step soaks
-  for mode in plain trim; do
+  [ "${SOAKS:-1}" != 0 ] && for mode in plain trim; do
     flag=""; [ $mode = trim ] && flag=--trim
     LD_LIBRARY_PATH=$CPU/mlx/lib setsid nohup /tmp/soak/kvsim soak --ops "${SOAK_OPS:-1000000}" $flag --json \
       --out /tmp/soak/soak-$mode.json > /tmp/soak/log-$mode 2>&1 < /dev/null &

@@ -20,7 +20,7 @@ use super::ring::{
     RingState, SerialCache,
 };
 use super::training::TrainingCache;
-use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice};
+use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, step_index_array};
 use super::{KvSpec, Result};
 
 /// One row of a [`RowBatch`].
@@ -675,7 +675,7 @@ impl RowBatch {
             let shared = targets[0];
             targets.iter_mut().for_each(|t| *t = shared);
         }
-        let at = index_array(&targets, &[self.rows.len(), 1, 1, 1])?;
+        let at = step_index_array(&targets, &[self.rows.len(), 1, 1, 1], self.max_size)?;
         // Take the buffer out of `self` before evaluating: the scatter's input is then referenced by the graph only,
         // so MLX donates it and writes the B new columns in place instead of copying the whole cache.
         let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;

@@ -14,9 +14,12 @@
 //!   block of 128 threads serves one chunk of one K/V head for a tile of up to 4 queries (the GQA group's heads at
 //!   one position, or several positions), so each K/V byte of the chunk is loaded once for the whole group. In the
 //!   chunk, query `r` sees the columns `V_r` of its range, and the block computes, in this order:
-//!   1. **scores**: thread `t` owns columns `c0 + t` and `c0 + t + 128`; `s = (sum over d = 0, 1, ..., D - 1 of
-//!      q_d k_d, one f32 fused multiply-add at a time) * scale` (16-byte loads of a key row where it is aligned,
-//!      element loads elsewhere: the same additions in the same order);
+//!   1. **scores**: a group of [`GROUP`] = 8 lanes serves one key column (16 columns per block at a time, four
+//!      such steps in flight). Lane `s` of the group owns the 16-byte vectors `s, s + 8, s + 16, ...` of the key
+//!      row (`E` = 8 bf16 or 4 f32 elements each) and sums `q_d k_d` over its `d` in increasing order, one f32 fused
+//!      multiply-add at a time; the group then adds the 8 lane sums by the xor butterfly 4, 2, 1, and
+//!      `s = sum * scale`. One warp load covers 4 whole key rows (coalesced); element loads where a row is not
+//!      16-byte aligned give the same additions in the same order;
 //!   2. **softmax of the chunk**: warp `r` takes query `r`; `m = max over V_r of s`; `p = exp(s - m)` on `V_r`, 0
 //!      elsewhere; `l` = sum of the 256 `p` as lane `i` sums columns `i, i + 32, ..., i + 224` in that order, then
 //!      a fixed xor butterfly 16, 8, 4, 2, 1;
@@ -62,6 +65,8 @@ const THREADS: usize = 128;
 const QTILE: usize = 4;
 /// Lanes of a warp (the softmax pass's sum runs over them).
 const LANES: usize = 32;
+/// Lanes that share one key row in the score pass (`KVSIM_GROUP` in the kernel).
+const GROUP: usize = 8;
 
 /// How attention reads are computed (a per-thread setting, like [`super::set_eval_after_write`]; default `Fused`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -199,6 +204,7 @@ pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, vis: &Visibility
     let ReadDims { rows, heads_q, heads_kv, queries, cols, head_dim: d, .. } = dims;
     let g = heads_q / heads_kv.max(1);
     let nchunks = cols.div_ceil(CHUNK).max(1);
+    let vec = 16 / dims.kv_bytes.clamp(1, 16);
     let mut out = vec![0f32; rows * heads_q * queries * d];
     for b in 0..rows {
         for h in 0..heads_q {
@@ -214,11 +220,17 @@ pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, vis: &Visibility
                         continue;
                     }
                     let at = |c: usize| ((b * heads_kv + kvh) * cols + c) * d;
-                    // 1. scores, one fused multiply-add per d in order.
-                    let s: Vec<f32> = visible
-                        .iter()
-                        .map(|&c| k[at(c)..at(c) + d].iter().zip(qrow).fold(0f32, |a, (x, y)| y.mul_add(*x, a)) * scale)
-                        .collect();
+                    // 1. scores: lane `(d / vec) % GROUP` sums its `q_d k_d` in increasing `d`, one fused
+                    //    multiply-add each; then the group's xor butterfly.
+                    let dot = |c: usize| {
+                        let mut lanes = [0f32; GROUP];
+                        for (x, (kd, qd)) in k[at(c)..at(c) + d].iter().zip(qrow).enumerate() {
+                            let s = (x / vec) % GROUP;
+                            lanes[s] = qd.mul_add(*kd, lanes[s]);
+                        }
+                        butterfly_sum(lanes)
+                    };
+                    let s: Vec<f32> = visible.iter().map(|&c| dot(c) * scale).collect();
                     // 2. softmax of the chunk: lane sums then the xor butterfly.
                     let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut p = [0f32; CHUNK];
@@ -257,13 +269,16 @@ pub fn emulate(q: &[f32], k: &[f32], v: &[f32], dims: ReadDims, vis: &Visibility
     out
 }
 
-/// The xor butterfly 16, 8, 4, 2, 1 over a warp's lanes (every lane ends with the same sum).
-fn butterfly_sum(mut lanes: [f32; LANES]) -> f32 {
-    for o in [16, 8, 4, 2, 1] {
+/// The xor butterfly `N/2, ..., 2, 1` over `N` lanes (every lane ends with the same sum, since `a + b == b + a`):
+/// 16, 8, 4, 2, 1 over a warp, 4, 2, 1 over a score group.
+fn butterfly_sum<const N: usize>(mut lanes: [f32; N]) -> f32 {
+    let mut o = N / 2;
+    while o >= 1 {
         let prev = lanes;
-        for t in 0..LANES {
+        for t in 0..N {
             lanes[t] = prev[t] + prev[t ^ o];
         }
+        o /= 2;
     }
     lanes[0]
 }
@@ -305,6 +320,7 @@ const HEADER: &str = r#"
 #define KVSIM_THREADS 128
 #define KVSIM_NEG_INF (-__int_as_float(0x7f800000))
 #define KVSIM_QTILE 4
+#define KVSIM_GROUP 8
 template <typename T> __device__ __forceinline__ float kv_load(const T* p, long long i) {
   return static_cast<float>(p[i]);
 }
@@ -336,10 +352,16 @@ template <int EPL> __device__ __forceinline__ void kvsim_combine(
 /// `R = B * H_q * L`. Template: `T`, `D`.
 const PARTIAL_SRC: &str = r#"
   constexpr int CH = KVSIM_CHUNK, NT = KVSIM_THREADS, QT = KVSIM_QTILE;
-  constexpr int CPT = CH / NT;
   constexpr int VEC = 16 / sizeof(T);
   constexpr int VE = VEC;
-  constexpr int DG = (D + VE - 1) / VE;
+  constexpr int NV = (D + VEC - 1) / VEC;
+  constexpr int DG = NV;
+  constexpr int GL = KVSIM_GROUP;
+  constexpr int VPL = (NV + GL - 1) / GL;
+  constexpr int SQ = VPL * VEC * GL;
+  constexpr int RPI = NT / GL;
+  constexpr int UNR = 4;
+  static_assert((CH / RPI) % UNR == 0, "chunk rows must split into whole unrolled steps");
   constexpr int CG = (NT / DG) > 0 ? (NT / DG) : 1;
   static_assert(DG <= NT, "head dim too large for the exact read");
   const int HQ = q_shape[1], L = q_shape[2];
@@ -354,7 +376,7 @@ const PARTIAL_SRC: &str = r#"
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const float scale = __int_as_float(meta[0]);
   const int c0 = chunk * CH;
-  __shared__ float4 sq[D];
+  __shared__ float4 sq[SQ];
   __shared__ float4 sp[CH];
   __shared__ float sred[CG * QT * D];
   __shared__ int slo[QT], shi[QT], sk0[QT], sk1[QT];
@@ -377,19 +399,22 @@ const PARTIAL_SRC: &str = r#"
     if (hi < lo) hi = lo;
     slo[t] = lo; shi[t] = hi; sk0[t] = k0; sk1[t] = k1;
   }
-  for (int d = t; d < D; d += NT) {
+  // The query slots in the score pass's lane order: slot (w VEC + x) GL + s holds d = VEC (s + GL w) + x.
+  for (int slot = t; slot < SQ; slot += NT) {
+    const int s8 = slot % GL, x = (slot / GL) % VEC, w = slot / (GL * VEC);
+    const int d = (s8 + GL * w) * VEC + x;
     float qq[QT];
     #pragma unroll
     for (int j = 0; j < QT; ++j) {
       const int r = tile * QT + j;
       qq[j] = 0.0f;
-      if (r < nrows) {
+      if (r < nrows && d < D) {
         const int g = r / L, i = r % L;
         const long long qb = b * q_strides[0] + (kvh * G + g) * q_strides[1] + i * q_strides[2];
         qq[j] = kv_load(q, qb + d * q_strides[3]);
       }
     }
-    sq[d] = make_float4(qq[0], qq[1], qq[2], qq[3]);
+    sq[slot] = make_float4(qq[0], qq[1], qq[2], qq[3]);
   }
   __syncthreads();
   int cs = c0 + CH, ce = c0;
@@ -400,35 +425,81 @@ const PARTIAL_SRC: &str = r#"
   const long long kb = b * k_strides[0] + kvh * k_strides[1];
   const long long vb = b * v_strides[0] + kvh * v_strides[1];
 
-  // 1. scores: one column per thread at a time, q . k one fused multiply-add per d in order.
-  #pragma unroll
-  for (int u = 0; u < CPT; ++u) {
-    const int c = c0 + t + NT * u;
-    if (c < cs || c >= ce) continue;
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    const long long kr = kb + (long long)c * k_strides[2];
-    const bool vec = (D % VEC == 0) && k_strides[3] == 1 &&
-                     ((reinterpret_cast<unsigned long long>(k + kr) & 15ull) == 0ull);
-    if (vec) {
-      #pragma unroll 4
-      for (int d0 = 0; d0 < D; d0 += VEC) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(k + kr + d0);
-        const T* e = reinterpret_cast<const T*>(&raw);
+  // 1. scores: an 8-lane group per key column (4 columns per warp, 16 per block at a time, UNR of those in flight);
+  //    lane `s` of a group owns the 16-byte vectors `s, s + 8, s + 16, ...` of the key row, so it sums `q_d k_d`
+  //    over `d = VEC (s + 8 w) + x` in increasing `d`, one fused multiply-add each; then the group adds its 8 lane
+  //    sums by the xor butterfly 4, 2, 1. Loads are 16 bytes wide where the rows allow it, element loads
+  //    elsewhere: the same additions in the same order.
+  const int grp = lane / GL, sub = lane % GL;
+  const bool kvec = (D % VEC == 0) && k_strides[3] == 1 && (k_strides[2] % VEC == 0) &&
+                    ((reinterpret_cast<unsigned long long>(k + kb) & 15ull) == 0ull);
+  for (int u0 = 0; u0 < CH / RPI; u0 += UNR) {
+    float a[UNR][QT];
+    #pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      #pragma unroll
+      for (int j = 0; j < QT; ++j) a[u][j] = 0.0f;
+    }
+    if (kvec) {
+      uint4 raw[UNR][VPL];
+      #pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int c = c0 + RPI * (u0 + u) + (32 / GL) * warp + grp;
+        const bool on = c >= cs && c < ce;
         #pragma unroll
-        for (int x = 0; x < VEC; ++x) {
-          const float kd = static_cast<float>(e[x]);
-          const float4 qd = sq[d0 + x];
-          a0 = fmaf(qd.x, kd, a0); a1 = fmaf(qd.y, kd, a1); a2 = fmaf(qd.z, kd, a2); a3 = fmaf(qd.w, kd, a3);
+        for (int w = 0; w < VPL; ++w) {
+          const int vi = sub + GL * w;
+          raw[u][w] = (on && vi < NV)
+              ? *reinterpret_cast<const uint4*>(k + kb + (long long)c * k_strides[2] + vi * VEC)
+              : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      #pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        #pragma unroll
+        for (int w = 0; w < VPL; ++w) {
+          if (sub + GL * w < NV) {
+            const T* e = reinterpret_cast<const T*>(&raw[u][w]);
+            #pragma unroll
+            for (int x = 0; x < VEC; ++x) {
+              const float kd = static_cast<float>(e[x]);
+              const float4 qd = sq[(w * VEC + x) * GL + sub];
+              a[u][0] = fmaf(qd.x, kd, a[u][0]); a[u][1] = fmaf(qd.y, kd, a[u][1]);
+              a[u][2] = fmaf(qd.z, kd, a[u][2]); a[u][3] = fmaf(qd.w, kd, a[u][3]);
+            }
+          }
         }
       }
     } else {
-      for (int d = 0; d < D; ++d) {
-        const float kd = kv_load(k, kr + d * k_strides[3]);
-        const float4 qd = sq[d];
-        a0 = fmaf(qd.x, kd, a0); a1 = fmaf(qd.y, kd, a1); a2 = fmaf(qd.z, kd, a2); a3 = fmaf(qd.w, kd, a3);
+      #pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int c = c0 + RPI * (u0 + u) + (32 / GL) * warp + grp;
+        if (c < cs || c >= ce) continue;
+        const long long kr = kb + (long long)c * k_strides[2];
+        for (int w = 0; w < VPL; ++w) {
+          for (int x = 0; x < VEC; ++x) {
+            const int d = (sub + GL * w) * VEC + x;
+            if (d >= D) continue;
+            const float kd = kv_load(k, kr + d * k_strides[3]);
+            const float4 qd = sq[(w * VEC + x) * GL + sub];
+            a[u][0] = fmaf(qd.x, kd, a[u][0]); a[u][1] = fmaf(qd.y, kd, a[u][1]);
+            a[u][2] = fmaf(qd.z, kd, a[u][2]); a[u][3] = fmaf(qd.w, kd, a[u][3]);
+          }
+        }
       }
     }
-    sp[c - c0] = make_float4(a0 * scale, a1 * scale, a2 * scale, a3 * scale);
+    #pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      #pragma unroll
+      for (int o = GL / 2; o >= 1; o >>= 1) {
+        #pragma unroll
+        for (int j = 0; j < QT; ++j) a[u][j] += __shfl_xor_sync(0xffffffffu, a[u][j], o);
+      }
+      const int c = c0 + RPI * (u0 + u) + (32 / GL) * warp + grp;
+      if (sub == 0 && c >= cs && c < ce) {
+        sp[c - c0] = make_float4(a[u][0] * scale, a[u][1] * scale, a[u][2] * scale, a[u][3] * scale);
+      }
+    }
   }
   __syncthreads();
 
@@ -665,6 +736,35 @@ thread_local! {
     static KERNELS: std::cell::OnceCell<std::result::Result<(Kernel, Kernel), String>> = const { std::cell::OnceCell::new() };
 }
 
+thread_local! {
+    /// Device copies of recent `meta` arrays, by content (see [`cached_meta`]).
+    static METAS: std::cell::RefCell<std::collections::HashMap<Vec<i32>, Array>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// Most reads repeat an earlier read's visibility (every decode step of a batch whose lengths do not change), so
+/// the `meta` array is kept by content and made again only when new: a host-made array sits in MLX's managed
+/// memory on CUDA and its first use by the GPU migrates it, about 0.13 ms a read on the H200 against 0.10 ms for
+/// the whole read with the array already there (`bench/exact_kernels.py`, "latency"). The bytes are the same
+/// either way. At most [`META_CACHE`] entries; the map is emptied when full.
+fn cached_meta(meta: Vec<i32>) -> Array {
+    METAS.with(|m| {
+        let mut m = m.borrow_mut();
+        if let Some(a) = m.get(&meta) {
+            return a.clone();
+        }
+        if m.len() >= META_CACHE {
+            m.clear();
+        }
+        let a = Array::from_slice(&meta, &[meta.len() as i32]);
+        m.insert(meta, a.clone());
+        a
+    })
+}
+
+/// Entries of the per-thread `meta` cache.
+const META_CACHE: usize = 256;
+
 /// The exact read on the GPU (module docs): `q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]` (any strides), `vis`
 /// from [`visible_ranges`]. Returns `[B, H_q, L, D]` in the dtype of `q` (bf16 or f32). Lazy, like any MLX op.
 pub fn exact_attend(q: &Array, k: &Array, v: &Array, scale: f32, vis: &Visibility) -> Result<Array> {
@@ -688,7 +788,7 @@ pub fn exact_attend(q: &Array, k: &Array, v: &Array, scale: f32, vis: &Visibilit
     meta.push(scale.to_bits() as i32);
     meta.extend_from_slice(&vis.starts);
     meta.extend_from_slice(&vis.spans);
-    let meta = Array::from_slice(&meta, &[meta.len() as i32]);
+    let meta = cached_meta(meta);
     let nchunks = (n.max(1) as usize).div_ceil(CHUNK) as i32;
     let rows = b * hq * l;
     let tiles = ((hq / hkv) * l + QTILE as i32 - 1) / QTILE as i32;

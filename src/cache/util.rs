@@ -38,6 +38,58 @@ pub(crate) fn index_array(values: &[usize], shape_: &[usize]) -> Result<Array> {
     Ok(Array::from_slice(&v, &s))
 }
 
+thread_local! {
+    /// The array [`step_index_array`] last returned on this thread, with the host values it holds and its shape.
+    static LAST_STEP_INDEX: std::cell::RefCell<Option<(Vec<usize>, Vec<usize>, Array)>> =
+        const { std::cell::RefCell::new(None) };
+    /// Device-resident int32 scalars (1 and the ring moduli) made once per thread and only ever read after.
+    static STEP_SCALARS: std::cell::RefCell<std::collections::HashMap<usize, Array>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+fn step_scalar(n: usize) -> Result<Array> {
+    let v = dim(n)?;
+    STEP_SCALARS.with(|m| Ok(m.borrow_mut().entry(n).or_insert_with(|| Array::from_int(v)).clone()))
+}
+
+/// [`index_array`] for a list of write positions that usually advances by one per step (rows' ring heads, which
+/// wrap to 0 at `modulus`). The values are always exactly `values`; only where they come from differs:
+///
+/// - On a GPU, when every `values[r] == (last[r] + 1) % modulus` for the array this function last returned on this
+///   thread (same shape), the new array is that one plus one (and the remainder by `modulus` if some row wraps),
+///   computed on the device with exact int32 arithmetic. MLX's CUDA back-end keeps a host-made array in managed
+///   memory and the GPU's first touch migrates its pages: measured at about 0.13 ms for a small array on the H200
+///   (`bench/exact_kernels.py`, "latency"), more than the whole decode read at small batches.
+/// - Otherwise (and always on the CPU, where a host array costs a copy only) it is [`index_array`].
+pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<Array> {
+    if !super::exact::default_device_is_gpu() {
+        return index_array(values, shape_);
+    }
+    let derived = LAST_STEP_INDEX.with(|last| -> Result<Option<Array>> {
+        let last = last.borrow();
+        let Some((prev, pshape, arr)) = last.as_ref() else { return Ok(None) };
+        if pshape.as_slice() != shape_ || prev.len() != values.len() {
+            return Ok(None);
+        }
+        let next = |p: usize| modulus.map_or(p + 1, |m| (p + 1) % m.max(1));
+        if !prev.iter().zip(values).all(|(&p, &v)| next(p) == v) {
+            return Ok(None);
+        }
+        let plus = arr.add(step_scalar(1)?)?;
+        let wraps = modulus.is_some_and(|m| prev.iter().any(|&p| p + 1 >= m));
+        Ok(Some(match modulus {
+            Some(m) if wraps => plus.remainder(step_scalar(m.max(1))?)?,
+            _ => plus,
+        }))
+    })?;
+    let arr = match derived {
+        Some(a) => a,
+        None => index_array(values, shape_)?,
+    };
+    LAST_STEP_INDEX.with(|last| *last.borrow_mut() = Some((values.to_vec(), shape_.to_vec(), arr.clone())));
+    Ok(arr)
+}
+
 /// Evaluate buffers so that no lazy graph grows across steps.
 pub(crate) fn eval(arrays: &[&Array]) -> Result<()> {
     mlx_rs::transforms::eval(arrays.iter().copied())?;
