@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in four
+# The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in five
 # back-to-back calls (the machine goes back after 30 s idle). Builds nothing there. Stages, one per call:
 # SOAKS=0 skips the CPU soaks (and the mlx-cpu wheel they need).
 #   park     keep the first part of the mlx-cuda-13==0.32.2 wheel and the mlx-cpu==0.32.2 wheel (.device/park/) in
 #            /tmp/park (one call carries at most 64 MiB)
 #   exact    reassemble and unpack the wheels; start two CPU soaks of 1M ops in the background (plain, and --trim),
 #            on the CPU build of MLX; the exact-read check (bench --what exact); the simulator on the GPU in exact
-#            mode (1000 seeds, --jobs 16)
+#            mode (shard 0/2 of 1000 seeds, --jobs 16)
+#   exact2   the second half of the exact-mode seeds (shard 1/2; `exact` runs shard 0/2)
 #   default  the simulator on the GPU in the default (fused SDPA) mode, 1000 seeds, --jobs 16
 #   collect  stop the soaks (SIGINT: each still writes its report) unless they finished; fetch their reports; then
 #            the decode step bench (fused and exact, alternating runs, mlx-lm in the same run)
@@ -29,6 +30,14 @@ install() {
     mkdir -p /tmp/soak && cp "$R/kvsim" /tmp/soak/kvsim
   fi
 }
+# Half of the 1000 exact-mode seeds (shard I of 2; 983 seeds took 500 s in one call, too close to its 600 s limit).
+# Merge the two parts where they land: `kvsim merge sim-exact-part-0.json sim-exact-part-1.json --json`.
+exact_shard() {
+  step "sim-exact shard $1/2"
+  timeout -k 15 "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --exact-read --jobs 16 --seeds 1000 --shard "$1/2" --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-exact-$1.log" 2>&1
+  grep -v '^{' "$OUT/sim-exact-$1.log" | tail -n 60 > "$OUT/sim-exact-tail-$1.txt"; tail -n 1 "$OUT/sim-exact-$1.log" > "$OUT/sim-exact-part-$1.json"
+  rm -f "$OUT/sim-exact-$1.log"; tail -n 8 "$OUT/sim-exact-tail-$1.txt"
+}
 case "${1:?stage}" in
 park)
   mkdir -p /tmp/park && cp .device/park/* /tmp/park/ && ls -la /tmp/park
@@ -46,22 +55,25 @@ exact)
   export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   step exact-check
-  timeout "${CHECK_TIMEOUT:-90}" "$R/kvsim" bench --device gpu --what exact --quick --out /tmp/bench-exact --json > "$OUT/exact-check.log" 2>&1
+  timeout -k 15 "${CHECK_TIMEOUT:-90}" "$R/kvsim" bench --device gpu --what exact --quick --out /tmp/bench-exact --json > "$OUT/exact-check.log" 2>&1
   grep -v '^{' "$OUT/exact-check.log" | tail -n 4; grep '^{' "$OUT/exact-check.log" | tail -n 1 > "$OUT/exact-check.json"
-  step sim-exact
-  timeout "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --exact-read --jobs 16 --seeds 1000 --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-exact.log" 2>&1
-  grep -v '^{' "$OUT/sim-exact.log" | tail -n 60 > "$OUT/sim-exact-tail.txt"; tail -n 1 "$OUT/sim-exact.log" > "$OUT/sim-exact-1000-seeds.json"
-  rm -f "$OUT/sim-exact.log"; tail -n 8 "$OUT/sim-exact-tail.txt"
+  exact_shard 0
+  ;;
+exact2)
+  install
+  export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
+  exact_shard 1
   ;;
 default)
   install
   export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
   step sim-default
-  timeout "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --jobs 16 --seeds 1000 --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-default.log" 2>&1
+  timeout -k 15 "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --jobs 16 --seeds 1000 --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-default.log" 2>&1
   grep -v '^{' "$OUT/sim-default.log" | tail -n 60 > "$OUT/sim-default-tail.txt"; tail -n 1 "$OUT/sim-default.log" > "$OUT/sim-default-1000-seeds.json"
   rm -f "$OUT/sim-default.log"; tail -n 8 "$OUT/sim-default-tail.txt"
   ;;
 collect)
+  install
   step soaks; pgrep -a kvsim
   for i in $(seq 1 "${WAIT_S:-120}"); do pgrep -f "kvsim soak" > /dev/null || break; sleep 1; done
   pkill -INT -f "kvsim soak"; sleep 5
@@ -70,7 +82,7 @@ collect)
   done
   export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
   step step
-  timeout "${STEP_TIMEOUT:-300}" "$R/kvsim" bench --device gpu --what step --exact-read --python python3 --anchor bench/mlxlm_bench.py --out /tmp/bench-step --json > "$OUT/step.log" 2>&1
+  timeout -k 15 "${STEP_TIMEOUT:-300}" "$R/kvsim" bench --device gpu --what step --exact-read --python python3 --anchor bench/mlxlm_bench.py --out /tmp/bench-step --json > "$OUT/step.log" 2>&1
   grep -v '^{' "$OUT/step.log" | tail -n 9; grep '^{' "$OUT/step.log" | tail -n 1 > "$OUT/step.json"
   ;;
 esac
