@@ -65,6 +65,11 @@ pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Opti
     if !super::exact::default_device_is_gpu() {
         return index_array(values, shape_);
     }
+    derived_index_array(values, shape_, modulus)
+}
+
+/// The device-derivation path of [`step_index_array`], without its GPU gate (so the CPU tests run it).
+fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<Array> {
     let derived = LAST_STEP_INDEX.with(|last| -> Result<Option<Array>> {
         let last = last.borrow();
         let Some((prev, pshape, arr)) = last.as_ref() else { return Ok(None) };
@@ -148,4 +153,52 @@ pub(crate) fn check_q(spec: &KvSpec, q: &Array, rows: usize, len: usize) -> Resu
 /// Number of columns (axis 2) of a 4-D array.
 pub(crate) fn ncols(a: &Array) -> usize {
     a.shape().get(2).map_or(0, |&d| d.max(0) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(a: &Array) -> Vec<i32> {
+        a.eval().unwrap();
+        a.as_slice::<i32>().to_vec()
+    }
+
+    /// Ring heads advancing one a step (with wraps at different steps per row) are derived on the device, and every
+    /// array holds exactly the host's values; a jump, a new shape or a new row count falls back to an upload.
+    #[test]
+    fn derived_step_indices_are_exactly_the_host_values() {
+        let w = 5usize;
+        let shape = [3usize, 1, 1, 1];
+        let mut heads = vec![0usize, 3, 4];
+        let mut derived = 0;
+        for step in 0..12 {
+            let before = LAST_STEP_INDEX.with(|l| l.borrow().as_ref().map(|(v, _, _)| v.clone()));
+            let a = derived_index_array(&heads, &shape, Some(w)).unwrap();
+            assert_eq!(host(&a), heads.iter().map(|&h| h as i32).collect::<Vec<_>>(), "step {step}");
+            assert_eq!(a.shape(), &[3, 1, 1, 1]);
+            if before.is_some_and(|b| b.iter().zip(&heads).all(|(p, v)| (p + 1) % w == *v)) {
+                derived += 1;
+            }
+            heads.iter_mut().for_each(|h| *h = (*h + 1) % w);
+        }
+        assert_eq!(derived, 11, "every step after the first advances by one");
+        // A jump (one row moved by two), then a linear cache (no modulus), then another shape: still the host's values.
+        for (vals, m, shape) in [
+            (vec![2usize, 1, 2], Some(w), vec![3usize, 1, 1, 1]),
+            (vec![3, 2, 3], None, vec![3, 1, 1, 1]),
+            (vec![4, 3, 4], None, vec![3, 1, 1, 1]),
+            (vec![5, 4], None, vec![2, 1, 1, 1]),
+        ] {
+            let a = derived_index_array(&vals, &shape, m).unwrap();
+            assert_eq!(host(&a), vals.iter().map(|&h| h as i32).collect::<Vec<_>>());
+        }
+    }
+
+    /// On the CPU the public function is a plain upload (the simulator's CPU runs keep their exact op sequence).
+    #[test]
+    fn step_index_array_on_the_cpu_is_index_array() {
+        let a = step_index_array(&[7, 8], &[2, 1, 1, 1], Some(9)).unwrap();
+        assert_eq!(host(&a), vec![7, 8]);
+    }
 }

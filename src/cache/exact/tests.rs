@@ -204,3 +204,22 @@ fn exact_attend_rejects_bad_shapes() {
     let kb = data(2, 1, 2, 5, 8, KvDtype::Bf16);
     assert!(matches!(exact_attend(&q, &kb, &kb, 0.3, &one), Err(crate::cache::CacheError::ShapeMismatch { .. })));
 }
+
+/// The `meta` cache hands back arrays holding exactly the bytes asked for, keeps at most `META_CACHE` entries, and
+/// starts again when full.
+#[test]
+fn cached_meta_holds_exactly_the_requested_values() {
+    METAS.with(|m| m.borrow_mut().clear());
+    for round in 0..2 {
+        for i in 0..(META_CACHE + 3) as i32 {
+            let want = vec![i, i + 1, 7 * i, round];
+            let a = cached_meta(want.clone());
+            a.eval().unwrap();
+            assert_eq!(a.as_slice::<i32>(), want.as_slice());
+            assert!(METAS.with(|m| m.borrow().len()) <= META_CACHE);
+        }
+    }
+    let again = cached_meta(vec![0, 1, 0, 1]);
+    again.eval().unwrap();
+    assert_eq!(again.as_slice::<i32>(), &[0, 1, 0, 1]);
+}
