@@ -210,6 +210,72 @@ fn growth(post: &[&MemorySample], fin: &[&MemorySample], f: impl Fn(&MemorySampl
     Growth { post_warmup, final_level, ratio, ok: ratio <= tol }
 }
 
+/// Every metric [`judge`] takes a level of, in the order of its `Growth` fields: MLX active, RSS outside MLX's cache,
+/// raw RSS, MLX's cache, live heap outside MLX's cache, free heap.
+const METRICS: [fn(&MemorySample) -> u64; 6] = [
+    |s| s.mlx_active,
+    |s| s.rss.saturating_sub(s.mlx_cache),
+    |s| s.rss,
+    |s| s.mlx_cache,
+    |s| s.heap_in_use.saturating_sub(s.mlx_cache),
+    |s| s.heap_free,
+];
+
+/// Buckets of the budget a [`SampleLog`] keeps maxima for (each 1/1000 of the budget).
+pub const BUCKETS: u64 = 1000;
+
+/// The samples a soak keeps, bounded whatever the run's length: for every bucket of 1/[`BUCKETS`] of the budget,
+/// only the samples holding a [`METRICS`] maximum in that bucket (at most six, fewer when one sample holds several).
+/// A window's level is a maximum, so [`judge`] over the kept samples gives the levels it gives over all of them
+/// wherever the windows' edges fall on bucket edges (the warm-up window's do with the default fractions; the final
+/// window's start, `reached - window`, may cut a bucket, and then that one bucket's maxima are placed by where they
+/// were sampled). At most `6 * (BUCKETS + 1)` samples, about 430 KB (a soak used to keep every seed's sample: 1.2 MB
+/// at a million ops, growing).
+#[derive(Debug, Clone, Default)]
+pub struct SampleLog {
+    bucket: Option<u64>,
+    best: [Option<MemorySample>; 6],
+    kept: Vec<MemorySample>,
+}
+
+impl SampleLog {
+    /// Adds `s`, taken under `cfg`.
+    pub fn push(&mut self, cfg: &SoakConfig, s: MemorySample) {
+        let b = (cfg.progress(&s) * BUCKETS as f64).floor().max(0.0) as u64;
+        if self.bucket != Some(b) {
+            self.flush();
+            self.bucket = Some(b);
+        }
+        for (best, f) in self.best.iter_mut().zip(METRICS) {
+            if best.is_none_or(|x| f(&s) > f(&x)) {
+                *best = Some(s);
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        let mut held: Vec<MemorySample> = self.best.iter_mut().filter_map(Option::take).collect();
+        held.sort_by(|a, b| a.ops.cmp(&b.ops).then(a.seconds.total_cmp(&b.seconds)));
+        held.dedup();
+        self.kept.extend(held);
+    }
+
+    /// The kept samples in the order they were taken.
+    pub fn into_samples(mut self) -> Vec<MemorySample> {
+        self.flush();
+        self.kept
+    }
+
+    /// Samples held now (kept plus the open bucket's).
+    pub fn len(&self) -> usize {
+        self.kept.len() + self.best.iter().flatten().count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Judges samples taken under `cfg`: the post-warm-up window is `[warmup, warmup + window)` of the budget, the final
 /// window the last `window` of the progress actually reached. Fewer than one sample in either window, or windows
 /// that overlap (a run stopped early), is "not enough to judge": `pass = false` with the reason.
@@ -224,12 +290,8 @@ pub fn judge(cfg: &SoakConfig, samples: &[MemorySample]) -> Verdict {
         .collect();
     let fin_start = (reached - cfg.window).max(cfg.warmup + cfg.window);
     let fin: Vec<&MemorySample> = samples.iter().filter(|s| cfg.progress(s) >= fin_start).collect();
-    let mlx_active = growth(&post, &fin, |s| s.mlx_active, cfg.tolerance);
-    let rss_outside_cache = growth(&post, &fin, |s| s.rss.saturating_sub(s.mlx_cache), cfg.tolerance);
-    let rss = growth(&post, &fin, |s| s.rss, cfg.tolerance);
-    let mlx_cache = growth(&post, &fin, |s| s.mlx_cache, cfg.tolerance);
-    let heap_outside_cache = growth(&post, &fin, |s| s.heap_in_use.saturating_sub(s.mlx_cache), cfg.tolerance);
-    let heap_free = growth(&post, &fin, |s| s.heap_free, cfg.tolerance);
+    let [mlx_active, rss_outside_cache, rss, mlx_cache, heap_outside_cache, heap_free] =
+        METRICS.map(|f| growth(&post, &fin, f, cfg.tolerance));
     let reason = if post.is_empty() || fin.is_empty() {
         Some(format!(
             "not enough samples to judge ({} after warm-up, {} in the final window; the run reached {:.0}% of its budget)",
@@ -277,7 +339,7 @@ pub struct SoakReport {
     pub at_warmup: Option<MemorySample>,
     pub at_end: MemorySample,
     pub verdict: Verdict,
-    /// At most `max_samples` samples, evenly thinned (every one judged was kept in the verdict's computation).
+    /// At most 400 of the judged samples ([`SampleLog`]), evenly thinned.
     pub samples: Vec<MemorySample>,
 }
 
@@ -292,7 +354,8 @@ pub fn soak(
 ) -> SoakReport {
     let start = Instant::now();
     let at_start = sample(0, 0, 0.0);
-    let mut samples = vec![at_start];
+    let mut samples = SampleLog::default();
+    samples.push(&cfg, at_start);
     let (mut ops, mut seeds, mut failures) = (0u64, 0u64, 0u64);
     let mut failed_seeds = vec![];
     let mut at_warmup = None;
@@ -319,12 +382,13 @@ pub fn soak(
             at_warmup = Some(s);
             let _ = mlx_rs::memory::reset_peak_memory();
         }
-        samples.push(s);
+        samples.push(&cfg, s);
         on_seed(&s, failures);
     }
     let seconds = start.elapsed().as_secs_f64();
     let at_end = sample(ops, seeds, seconds);
-    samples.push(at_end);
+    samples.push(&cfg, at_end);
+    let samples = samples.into_samples();
     let verdict = judge(&cfg, &samples);
     SoakReport {
         config: cfg,
@@ -379,6 +443,39 @@ mod tests {
                 s(i * 10, a, r)
             })
             .collect()
+    }
+
+    /// The bounded log keeps at most six samples a bucket, and judging what it kept gives the levels and verdict of
+    /// judging every sample (windows on bucket edges), for a steady run and for late leaks of each judged metric.
+    #[test]
+    fn bounded_log_judges_like_every_sample() {
+        let n = 50_000u64;
+        let cfg = SoakConfig::new(Budget::Ops(n * 10), 0);
+        let noise = |i: u64| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54) * 1024;
+        let runs: [Box<dyn Fn(u64) -> MemorySample>; 3] = [
+            Box::new(|i| MemorySample {
+                mlx_cache: 8 * MIB + noise(i),
+                heap_free: noise(i + 1),
+                ..s(i * 10, MIB, 40 * MIB + noise(i))
+            }),
+            Box::new(|i| s(i * 10, MIB + if i > n * 95 / 100 { (i - n * 95 / 100) * 512 } else { 0 }, 40 * MIB)),
+            Box::new(|i| MemorySample { heap_in_use: 30 * MIB + i * 1024, ..s(i * 10, 0, 40 * MIB + i * 1024) }),
+        ];
+        for (k, run) in runs.iter().enumerate() {
+            let all: Vec<MemorySample> = (0..=n).map(run).collect();
+            let mut log = SampleLog::default();
+            all.iter().for_each(|x| log.push(&cfg, *x));
+            assert!(log.len() <= 6 * (BUCKETS as usize + 1), "run {k}: {} kept", log.len());
+            let kept = log.into_samples();
+            assert!(kept.windows(2).all(|w| w[0].ops < w[1].ops), "run {k}: kept in order, no duplicates");
+            let (a, b) = (judge(&cfg, &all), judge(&cfg, &kept));
+            let levels = |v: &Verdict| {
+                [v.mlx_active, v.rss_outside_cache, v.rss, v.mlx_cache, v.heap_outside_cache, v.heap_free]
+                    .map(|g| (g.post_warmup, g.final_level, g.ok))
+            };
+            assert_eq!(levels(&a), levels(&b), "run {k}");
+            assert_eq!((a.pass, k == 0), (b.pass, a.pass), "run {k}: steady passes, leaks fail");
+        }
     }
 
     #[test]
