@@ -81,6 +81,22 @@ impl Words {
             Words::U64(w) => w.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
+
+    /// The inverse of [`Words::le_bytes`]: `bytes` read as little-endian words of `width` bytes (1, 2, 4 or 8);
+    /// `None` for another width or a length that is not a whole number of words.
+    pub fn from_le(bytes: &[u8], width: usize) -> Option<Words> {
+        if width == 0 || bytes.len() % width != 0 {
+            return None;
+        }
+        let chunks = bytes.chunks_exact(width);
+        Some(match width {
+            1 => Words::U8(bytes.to_vec()),
+            2 => Words::U16(chunks.map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
+            4 => Words::U32(chunks.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            8 => Words::U64(chunks.map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()),
+            _ => return None,
+        })
+    }
 }
 
 /// An array's dtype, shape and element bits in row-major order.
@@ -333,6 +349,9 @@ mod tests {
         let a = Array::from_slice(&[1.0f32, -2.5, 3.0e-3], &[3]).as_dtype(Dtype::Bfloat16).unwrap();
         let w = ArrayBytes::of(&a).unwrap();
         assert_eq!(w.words, Words::U16(vec![0x3f80, 0xc020, 0x3b45]));
+        assert_eq!(Words::from_le(&w.words.le_bytes(), 2), Some(w.words.clone()));
+        assert_eq!(Words::from_le(&[1, 2, 3], 2), None);
+        assert_eq!(Words::from_le(&[1, 2, 3, 4], 4), Some(Words::U32(vec![0x0403_0201])));
     }
 
     #[test]

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 pub mod recorder;
 pub mod teeth;
 
+use crate::bytes::Words;
 use crate::oracle::recorder::{Outcome, Record, Recorder, StepInfo, Values};
 use crate::sim::config::{DtypeChoice, SimConfig};
 use crate::sim::observe::Read;
@@ -202,17 +203,11 @@ impl Measure<'_> {
         let a = self.kvsim.get(kvsim)?;
         let b = self.oracle.get(oracle).or_else(|| self.kvsim.get(oracle))?;
         let w = if self.dtype == mlx_rs::Dtype::Bfloat16 { 2 } else { 4 };
-        if a.len() != b.len() || a.len() % w != 0 {
+        let (a, b) = (Words::from_le(a, w)?, Words::from_le(b, w)?);
+        if a.len() != b.len() {
             return None;
         }
-        let word = |x: &[u8]| x.iter().rev().fold(0u64, |acc, &b| (acc << 8) | b as u64);
-        Some(
-            a.chunks(w)
-                .zip(b.chunks(w))
-                .map(|(x, y)| crate::sim::check::ulp_at_scale(self.dtype, word(x), word(y)))
-                .max()
-                .unwrap_or(0),
-        )
+        Some(crate::sim::check::max_ulp_of_words(self.dtype, &a, &b))
     }
 
     /// Whether every row of the read at `step` whose output differs from mlx-lm's batch output equals mlx-lm's own

@@ -1,7 +1,7 @@
 //! One check function per feature. Each returns `Err(Failure)` naming the check and what diverged; counters record
 //! how many comparisons were made and how many were byte-identical.
 
-use crate::bytes::ArrayBytes;
+use crate::bytes::{ArrayBytes, Words};
 use crate::cache::{self, CacheError, KvSpec, MaskUse, RingState, RowBatch, SerialCache};
 use crate::reference::quant::attention_f64_partly_quantized;
 use crate::reference::{attention_f64, ModelError, RefQuant, RowModel, Tensor, Tok, ValueSpace};
@@ -353,7 +353,15 @@ pub fn max_ulp_at_scale(a: &ArrayBytes, b: &ArrayBytes) -> u64 {
     if a.dtype != b.dtype || a.shape != b.shape {
         return u64::MAX;
     }
-    (0..a.words.len()).map(|i| ulp_at_scale(a.dtype, a.words.get(i), b.words.get(i))).max().unwrap_or(0)
+    max_ulp_of_words(a.dtype, &a.words, &b.words)
+}
+
+/// The largest [`ulp_at_scale`] over two element lists of `dtype` (`u64::MAX` when their lengths differ).
+pub fn max_ulp_of_words(dtype: Dtype, a: &Words, b: &Words) -> u64 {
+    if a.len() != b.len() {
+        return u64::MAX;
+    }
+    (0..a.len()).map(|i| ulp_at_scale(dtype, a.get(i), b.get(i))).max().unwrap_or(0)
 }
 
 /// One row's real query outputs against the twin's, bytes first; distance measured when they differ.
