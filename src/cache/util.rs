@@ -65,11 +65,12 @@ pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Opti
     if !super::exact::default_device_is_gpu() {
         return index_array(values, shape_);
     }
-    derived_index_array(values, shape_, modulus)
+    Ok(derived_index_array(values, shape_, modulus)?.0)
 }
 
-/// The device-derivation path of [`step_index_array`], without its GPU gate (so the CPU tests run it).
-fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<Array> {
+/// The device-derivation path of [`step_index_array`], without its GPU gate (so the CPU tests run it); the flag says
+/// whether the array was derived from the last one (else uploaded).
+fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<(Array, bool)> {
     let derived = LAST_STEP_INDEX.with(|last| -> Result<Option<Array>> {
         let last = last.borrow();
         let Some((prev, pshape, arr)) = last.as_ref() else { return Ok(None) };
@@ -87,12 +88,13 @@ fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize
             _ => plus,
         }))
     })?;
+    let was_derived = derived.is_some();
     let arr = match derived {
         Some(a) => a,
         None => index_array(values, shape_)?,
     };
     LAST_STEP_INDEX.with(|last| *last.borrow_mut() = Some((values.to_vec(), shape_.to_vec(), arr.clone())));
-    Ok(arr)
+    Ok((arr, was_derived))
 }
 
 /// Evaluate buffers so that no lazy graph grows across steps.
@@ -171,27 +173,24 @@ mod tests {
         let w = 5usize;
         let shape = [3usize, 1, 1, 1];
         let mut heads = vec![0usize, 3, 4];
-        let mut derived = 0;
+        LAST_STEP_INDEX.with(|l| *l.borrow_mut() = None);
         for step in 0..12 {
-            let before = LAST_STEP_INDEX.with(|l| l.borrow().as_ref().map(|(v, _, _)| v.clone()));
-            let a = derived_index_array(&heads, &shape, Some(w)).unwrap();
+            let (a, derived) = derived_index_array(&heads, &shape, Some(w)).unwrap();
             assert_eq!(host(&a), heads.iter().map(|&h| h as i32).collect::<Vec<_>>(), "step {step}");
             assert_eq!(a.shape(), &[3, 1, 1, 1]);
-            if before.is_some_and(|b| b.iter().zip(&heads).all(|(p, v)| (p + 1) % w == *v)) {
-                derived += 1;
-            }
+            assert_eq!(derived, step > 0, "step {step}: every step after the first advances by one");
             heads.iter_mut().for_each(|h| *h = (*h + 1) % w);
         }
-        assert_eq!(derived, 11, "every step after the first advances by one");
         // A jump (one row moved by two), then a linear cache (no modulus), then another shape: still the host's values.
-        for (vals, m, shape) in [
-            (vec![2usize, 1, 2], Some(w), vec![3usize, 1, 1, 1]),
-            (vec![3, 2, 3], None, vec![3, 1, 1, 1]),
-            (vec![4, 3, 4], None, vec![3, 1, 1, 1]),
-            (vec![5, 4], None, vec![2, 1, 1, 1]),
+        for (vals, m, shape, want_derived) in [
+            (vec![2usize, 1, 2], Some(w), vec![3usize, 1, 1, 1], false),
+            (vec![3, 2, 3], None, vec![3, 1, 1, 1], true),
+            (vec![4, 3, 4], None, vec![3, 1, 1, 1], true),
+            (vec![5, 4], None, vec![2, 1, 1, 1], false),
         ] {
-            let a = derived_index_array(&vals, &shape, m).unwrap();
+            let (a, derived) = derived_index_array(&vals, &shape, m).unwrap();
             assert_eq!(host(&a), vals.iter().map(|&h| h as i32).collect::<Vec<_>>());
+            assert_eq!(derived, want_derived, "{vals:?}");
         }
     }
 
