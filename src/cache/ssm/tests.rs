@@ -532,3 +532,33 @@ fn commit_span_is_single_decodes_byte_for_byte_and_refusals_change_nothing() {
         assert_eq!(snapshot(&span), s0);
     }
 }
+
+/// `state_bytes_per_row` is the bytes one row's state really occupies: the conv tail's `K - 1` rows of `conv_dim` in
+/// the input dtype plus the f32 recurrent state (a cargo-mutants survivor: no cache method calls it).
+#[test]
+fn state_bytes_per_row_is_what_a_row_holds() {
+    let _cpu = pin_cpu();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let s = spec(dtype);
+        let c = SsmCache::new(s, 1).unwrap();
+        let held: usize = [c.conv(), c.recurrent()].iter().map(|a| a.nbytes()).sum();
+        assert_eq!(s.state_bytes_per_row(), held, "{dtype:?}");
+        let by_hand = (4 - 1) * (2 * 2 * 8 + 4 * 4) * dtype.itemsize() + 4 * 4 * 8 * 4;
+        assert_eq!(s.state_bytes_per_row(), by_hand);
+    }
+}
+
+/// `from_states` refuses a conv state whose shape is wrong even in the right dtype, and one whose dtype is wrong even
+/// in the right shape, with a typed error (a cargo-mutants survivor: `||` -> `&&` accepted either).
+#[test]
+fn from_states_refuses_a_wrong_shape_or_a_wrong_dtype_alone() {
+    let _cpu = pin_cpu();
+    let s = spec(KvDtype::F32);
+    let rec = || mlx_rs::ops::zeros_dtype(&[1, 4, 4, 8], Dtype::Float32).unwrap();
+    let conv = |shape: &[i32], dt: Dtype| mlx_rs::ops::zeros_dtype(shape, dt).unwrap();
+    assert!(SsmCache::from_states(s, conv(&[1, 3, 48], Dtype::Float32), rec(), vec![0]).is_ok());
+    for (shape, dt) in [([1, 2, 48], Dtype::Float32), ([1, 3, 48], Dtype::Bfloat16)] {
+        let r = SsmCache::from_states(s, conv(&shape, dt), rec(), vec![0]);
+        assert!(matches!(r, Err(CacheError::ShapeMismatch { .. })), "{shape:?} {dt:?}: {:?}", r.err());
+    }
+}
