@@ -382,3 +382,21 @@ fn rows_right_padded_prefill_converts_each_row_only_at_its_commit() {
     }
     assert_eq!(rows.offsets(), vec![4, 3]);
 }
+
+/// A row index past the last row is a typed error (`NoSuchRow`) for every row-addressed method, never a panic, both
+/// before and after packing (a cargo-mutants survivor: `check_row` -> `Ok(())`).
+#[test]
+fn row_addressed_methods_refuse_a_missing_row() {
+    let spec = tspec();
+    let w = Some(4);
+    let t = tr(Some(6));
+    let twins = vec![Bf16FirstCache::new(spec, w, t).unwrap(), Bf16FirstCache::new(spec, w, t).unwrap()];
+    let rows = TransitioningKvRows::merge(spec, w, t, twins).unwrap();
+    let missing = |r: Result<()>| matches!(r, Err(CacheError::NoSuchRow { row: 2, rows: 2 }));
+    assert!(missing(rows.row_physical_planes(2).map(|_| ())));
+    assert!(missing(rows.extract(2).map(|_| ())));
+    let mut prefilling = rows.clone();
+    prefilling.begin_prefill().unwrap();
+    assert!(missing(prefilling.commit_prefill(&[0, 2]).map(|_| ())));
+    assert!(rows.row_physical_planes(1).is_ok(), "the last row exists");
+}
