@@ -537,7 +537,7 @@ fn commit_span_is_single_decodes_byte_for_byte_and_refusals_change_nothing() {
 /// the input dtype plus the f32 recurrent state (a cargo-mutants survivor: no cache method calls it).
 #[test]
 fn state_bytes_per_row_is_what_a_row_holds() {
-    let _cpu = pin_cpu();
+    pin_cpu();
     for dtype in [KvDtype::F32, KvDtype::Bf16] {
         let s = spec(dtype);
         let c = SsmCache::new(s, 1).unwrap();
@@ -552,7 +552,7 @@ fn state_bytes_per_row_is_what_a_row_holds() {
 /// in the right shape, with a typed error (a cargo-mutants survivor: `||` -> `&&` accepted either).
 #[test]
 fn from_states_refuses_a_wrong_shape_or_a_wrong_dtype_alone() {
-    let _cpu = pin_cpu();
+    pin_cpu();
     let s = spec(KvDtype::F32);
     let rec = || mlx_rs::ops::zeros_dtype(&[1, 4, 4, 8], Dtype::Float32).unwrap();
     let conv = |shape: &[i32], dt: Dtype| mlx_rs::ops::zeros_dtype(shape, dt).unwrap();
