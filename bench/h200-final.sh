@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in five
+# The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in six
 # back-to-back calls (the machine goes back after 30 s idle). Builds nothing there. Stages, one per call:
 # SOAKS=0 skips the CPU soaks (and the mlx-cpu wheel they need).
 #   park     keep the first part of the mlx-cuda-13==0.32.2 wheel and the mlx-cpu==0.32.2 wheel (.device/park/) in
@@ -8,7 +8,8 @@
 #            on the CPU build of MLX; the exact-read check (bench --what exact); the simulator on the GPU in exact
 #            mode (shard 0/2 of 1000 seeds, --jobs 16)
 #   exact2   the second half of the exact-mode seeds (shard 1/2; `exact` runs shard 0/2)
-#   default  the simulator on the GPU in the default (fused SDPA) mode, 1000 seeds, --jobs 16
+#   default  the simulator on the GPU in the default (fused SDPA) mode, shard 0/2 of 1000 seeds, --jobs 16
+#   default2 its shard 1/2 (merge the parts as for exact)
 #   collect  stop the soaks (SIGINT: each still writes its report) unless they finished; fetch their reports; then
 #            the decode step bench (fused and exact, alternating runs, mlx-lm in the same run)
 # Expects in .device/run/ (stages exact, default): the release `kvsim` binary built on the dev machine, the second part
@@ -64,13 +65,14 @@ exact2)
   export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
   exact_shard 1
   ;;
-default)
+default|default2)
   install
   export LD_LIBRARY_PATH=$SITE/mlx/lib PYTHONPATH=$SITE
-  step sim-default
-  timeout -k 15 "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --jobs 16 --seeds 1000 --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-default.log" 2>&1
-  grep -v '^{' "$OUT/sim-default.log" | tail -n 60 > "$OUT/sim-default-tail.txt"; tail -n 1 "$OUT/sim-default.log" > "$OUT/sim-default-1000-seeds.json"
-  rm -f "$OUT/sim-default.log"; tail -n 8 "$OUT/sim-default-tail.txt"
+  i=0; [ "$1" = default2 ] && i=1
+  step "sim-default shard $i/2"
+  timeout -k 15 "${SIM_TIMEOUT:-540}" "$R/kvsim" sim --device gpu --jobs 16 --seeds 1000 --shard "$i/2" --time "${SIM_TIME:-520}" --json --out /tmp/failures > "$OUT/sim-default-$i.log" 2>&1
+  grep -v '^{' "$OUT/sim-default-$i.log" | tail -n 60 > "$OUT/sim-default-tail-$i.txt"; tail -n 1 "$OUT/sim-default-$i.log" > "$OUT/sim-default-part-$i.json"
+  rm -f "$OUT/sim-default-$i.log"; tail -n 8 "$OUT/sim-default-tail-$i.txt"
   ;;
 collect)
   install
