@@ -743,10 +743,9 @@ thread_local! {
 }
 
 /// Most reads repeat an earlier read's visibility (every decode step of a batch whose lengths do not change), so
-/// the `meta` array is kept by content and made again only when new: a host-made array sits in MLX's managed
-/// memory on CUDA and its first use by the GPU migrates it, about 0.13 ms a read on the H200 against 0.10 ms for
-/// the whole read with the array already there (`bench/exact_kernels.py`, "latency"). The bytes are the same
-/// either way. At most [`META_CACHE`] entries; the map is emptied when full.
+/// the `meta` array is kept by content and made again only when new: a host-made array costs more than the whole
+/// read on CUDA (docs/exact-read.md, "Host-made arrays", has the measurement). The bytes are the same either way.
+/// At most [`META_CACHE`] entries; the map is emptied when full.
 fn cached_meta(meta: Vec<i32>) -> Array {
     METAS.with(|m| {
         let mut m = m.borrow_mut();

@@ -57,9 +57,8 @@ fn step_scalar(n: usize) -> Result<Array> {
 ///
 /// - On a GPU, when every `values[r] == (last[r] + 1) % modulus` for the array this function last returned on this
 ///   thread (same shape), the new array is that one plus one (and the remainder by `modulus` if some row wraps),
-///   computed on the device with exact int32 arithmetic. MLX's CUDA back-end keeps a host-made array in managed
-///   memory and the GPU's first touch migrates its pages: measured at about 0.13 ms for a small array on the H200
-///   (`bench/exact_kernels.py`, "latency"), more than the whole decode read at small batches.
+///   computed on the device with exact int32 arithmetic: a host-made array is the decode step's largest fixed
+///   cost on CUDA (docs/exact-read.md, "Host-made arrays", has the measurement).
 /// - Otherwise (and always on the CPU, where a host array costs a copy only) it is [`index_array`].
 pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<Array> {
     if !super::exact::default_device_is_gpu() {
