@@ -153,6 +153,10 @@ pub struct Summary {
     pub recurrent: crate::sim::summary::Recurrent,
     pub device: String,
     pub mlx_version: String,
+    /// Which read the attention outputs went through, when not MLX's fused SDPA (`Exact`: `--exact-read`, the
+    /// batch-invariant kernels of `cache::exact`); absent in the default mode. Parts of different modes never merge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_mode: Option<crate::cache::ReadMode>,
     /// blake3 of the ordered per-seed result hashes.
     pub result_hash: String,
     pub failed_seeds: Vec<FailedSeed>,
@@ -178,7 +182,8 @@ pub struct Summary {
 
 impl Summary {
     pub fn new(device: DeviceChoice) -> Summary {
-        Summary { device: device.name().into(), mlx_version: sim::mlx_version(), ..Summary::default() }
+        let read_mode = Some(crate::cache::read_mode()).filter(|&m| m != crate::cache::ReadMode::Fused);
+        Summary { device: device.name().into(), mlx_version: sim::mlx_version(), read_mode, ..Summary::default() }
     }
 
     /// Folds one seed in (seeds must be folded in order for the campaign hash to be the same).
@@ -215,8 +220,15 @@ impl Summary {
         let t = &s.counters;
         let mut lines = vec![];
         lines.push(format!(
-            "kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}",
-            s.seeds, s.ops, s.skipped_ops, s.checks, s.failures, s.seconds, s.device
+            "kvsim sim: {} seeds, {} ops ({} skipped), {} checks, {} failures, {:.1}s on {}{}",
+            s.seeds,
+            s.ops,
+            s.skipped_ops,
+            s.checks,
+            s.failures,
+            s.seconds,
+            s.device,
+            if s.read_mode.is_some() { " (exact read)" } else { "" }
         ));
         lines.push(format!(
             "  {:<28} {:>10} {:>12} {:>10}",
@@ -381,13 +393,14 @@ impl Part {
 }
 
 /// Folds parts into one summary: the same summary (every field but `seconds`, the slowest part's) and the same
-/// `result_hash` as one run over all their seeds. Refuses parts of another device or MLX version, another campaign
-/// range, and a seed run twice.
+/// `result_hash` as one run over all their seeds. Refuses parts of another device, MLX version or read mode, another
+/// campaign range, and a seed run twice.
 pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
     let first = parts.first().ok_or(ShardError::Empty)?;
     let mut out = Summary {
         device: first.summary.device.clone(),
         mlx_version: first.summary.mlx_version.clone(),
+        read_mode: first.summary.read_mode,
         ..Summary::default()
     };
     let mut hashes: Vec<SeedHash> = vec![];
@@ -399,6 +412,14 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
             if a != b {
                 return Err(ShardError::Mismatch { what, a: a.clone(), b: b.clone() });
             }
+        }
+        if s.read_mode != first.summary.read_mode {
+            let mode = |m: Option<crate::cache::ReadMode>| format!("{:?}", m.unwrap_or(crate::cache::ReadMode::Fused));
+            return Err(ShardError::Mismatch {
+                what: "read_mode",
+                a: mode(first.summary.read_mode),
+                b: mode(s.read_mode),
+            });
         }
         if (p.first, p.requested) != (first.first, first.requested) {
             return Err(ShardError::Mismatch {

@@ -276,14 +276,7 @@ pub(crate) fn print_summary(s: &campaign::Summary, a: &SimArgs) {
             true => serde_json::to_string(&campaign::Part::of(s, a.first, a.requested, a.shard)),
             false => serde_json::to_string(s),
         };
-        let mut line = line.unwrap();
-        if kvsim::cache::read_mode() == kvsim::cache::ReadMode::Exact {
-            // The summary says which read the outputs went through (only when it is not the default fused read).
-            let mut v: serde_json::Value = serde_json::from_str(&line).unwrap();
-            v["read_mode"] = serde_json::json!(kvsim::cache::read_mode());
-            line = v.to_string();
-        }
-        println!("{line}");
+        println!("{}", line.unwrap());
     }
 }
 

@@ -45,6 +45,7 @@ fn two_shards_merge_into_the_unsharded_summary_and_jobs_agree() {
     assert!(merged.status.success(), "{}", String::from_utf8_lossy(&merged.stderr));
     let merged = last_json(&merged);
     assert_eq!(merged["result_hash"], whole["result_hash"]);
+    assert!(merged.get("read_mode").is_none(), "the default mode is not named: {merged}");
     assert_eq!(timeless(merged), timeless(whole.clone()));
     // The same campaign over two worker processes.
     let jobs = kvsim(&["sim", "--first", "3", "--seeds", "7", "--jobs", "2", "--json"]);
@@ -54,6 +55,16 @@ fn two_shards_merge_into_the_unsharded_summary_and_jobs_agree() {
     let twice = kvsim(&["merge", &parts[0], &parts[0], "--json"]);
     assert_eq!(twice.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&twice.stderr).contains("more than one part"));
+    // A part of the other read mode is refused: its outputs went through another read, so their hashes are not
+    // of the same campaign (on the CPU the bits agree, the refusal does not depend on that).
+    let exact = kvsim(&["sim", "--first", "3", "--seeds", "7", "--shard", "1/2", "--exact-read", "--json"]);
+    assert!(exact.status.success(), "{}", String::from_utf8_lossy(&exact.stderr));
+    assert_eq!(last_json(&exact)["read_mode"], "Exact");
+    let exact_part = dir.join("part-1-exact.json");
+    std::fs::write(&exact_part, &exact.stdout).unwrap();
+    let mixed = kvsim(&["merge", &parts[0], &exact_part.display().to_string(), "--json"]);
+    assert_eq!(mixed.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&mixed.stderr).contains("read_mode"), "{}", String::from_utf8_lossy(&mixed.stderr));
     // A file that is no part is refused.
     let bogus = dir.join("bogus.json");
     std::fs::write(&bogus, "{\"seeds\": 1}\n").unwrap();
