@@ -400,3 +400,34 @@ fn row_addressed_methods_refuse_a_missing_row() {
     assert!(missing(prefilling.commit_prefill(&[0, 2]).map(|_| ())));
     assert!(rows.row_physical_planes(1).is_ok(), "the last row exists");
 }
+
+/// `max_append_tokens` of the rows is the least of their legos' values. A row that reached its boundary inside a
+/// round, not yet converted (it converts at the commit), has no room left to count: its lego says `None`, so it must
+/// not pull the rows' value down to 0 (cargo-mutants' `<` -> `<=` survivor in `max_append_tokens`, issue #17).
+#[test]
+fn rows_max_append_tokens_is_the_least_of_their_legos_inside_a_round() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let t = tr(Some(4));
+    let mut twins = vec![Bf16FirstCache::new(spec, None, t).unwrap(), Bf16FirstCache::new(spec, None, t).unwrap()];
+    for (i, n) in [3usize, 1].iter().enumerate() {
+        let (k, v, q) = kvq(&spec, 200 + i as u64, 1, *n);
+        twins[i].window(&k, &v, &q, 0.3, &masks).unwrap();
+    }
+    let mut rows = TransitioningKvRows::merge(spec, None, t, twins.clone()).unwrap();
+    rows.round_begin().unwrap();
+    let (k, v, q) = kvq(&spec, 300, 2, 1);
+    rows.decode(&k, &v, &q, 0.3, &masks).unwrap();
+    for (i, tw) in twins.iter_mut().enumerate() {
+        tw.round_begin().unwrap();
+        tw.decode(&row(&k, i), &row(&v, i), &row(&q, i), 0.3, &masks).unwrap();
+    }
+    assert_eq!(rows.offsets(), vec![4, 2]);
+    assert_eq!(rows.lifecycle()[0].converted_at, None, "inside the round row 0 waits at its boundary");
+    let legos: Vec<Option<usize>> = twins.iter().map(Bf16FirstCache::max_append_tokens).collect();
+    assert_eq!(legos, vec![None, Some(2)]);
+    assert_eq!(rows.max_append_tokens(), Some(2), "the least of the legos' values");
+    rows.round_commit().unwrap();
+    assert_eq!(rows.lifecycle()[0].converted_at, Some(4), "the commit converts row 0 at its boundary");
+    assert_eq!(rows.max_append_tokens(), Some(2));
+}
