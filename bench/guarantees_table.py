@@ -15,10 +15,29 @@ import sys
 MODEL_CLASSES = {"transition_affine_model", "transition_bf16_model", "vs_f64_dequantized"}
 
 
+class BadSummary(Exception):
+    """A SUMMARY that cannot be read or is not a `kvsim sim --json` summary (reported as one line, exit 2)."""
+
+
+REQUIRED = ("layouts", "seeds", "device", "ops", "checks", "failures", "result_hash")
+
+
 def load(path):
-    with open(path) as f:
-        lines = [line for line in f.read().splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])
+    try:
+        with open(path) as f:
+            lines = [line for line in f.read().splitlines() if line.startswith("{")]
+    except OSError as e:
+        raise BadSummary(f"{path}: {e.strerror}")
+    if not lines:
+        raise BadSummary(f"{path}: no JSON line (expected the output of `kvsim sim --json`)")
+    try:
+        d = json.loads(lines[-1])
+    except json.JSONDecodeError as e:
+        raise BadSummary(f"{path}: the last JSON line does not parse: {e}")
+    missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
+    if missing:
+        raise BadSummary(f"{path}: not a `kvsim sim --json` summary (missing {', '.join(missing)})")
+    return d
 
 
 def cell(g):
@@ -32,8 +51,12 @@ def cell(g):
 def main(args):
     runs = []
     for a in args:
-        label, _, path = a.partition("=")
+        label, sep, path = a.partition("=")
+        if not sep or not label or not path:
+            raise BadSummary(f"{a!r}: expected LABEL=SUMMARY.json")
         runs.append((label, load(path)))
+    if not runs:
+        raise BadSummary("usage: guarantees_table.py LABEL=SUMMARY.json ...")
     dtypes = ["f32", "bf16"]
     head = ["layout", "check class"] + [f"{label} {dt}" for label, _ in runs for dt in dtypes]
     print("| " + " | ".join(head) + " |")
@@ -55,4 +78,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except BadSummary as e:
+        print(f"guarantees_table.py: {e}", file=sys.stderr)
+        sys.exit(2)
