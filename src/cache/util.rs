@@ -39,13 +39,20 @@ pub(crate) fn index_array(values: &[usize], shape_: &[usize]) -> Result<Array> {
 }
 
 thread_local! {
-    /// The array [`step_index_array`] last returned on this thread, with the host values it holds and its shape.
-    static LAST_STEP_INDEX: std::cell::RefCell<Option<(Vec<usize>, Vec<usize>, Array)>> =
-        const { std::cell::RefCell::new(None) };
+    /// The arrays [`step_index_array`] last returned on this thread (most recent last, at most
+    /// [`STEP_INDEX_SLOTS`]), each with the host values it holds and its shape.
+    static LAST_STEP_INDEX: std::cell::RefCell<Vec<StepIndex>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Device-resident int32 scalars (1 and the ring moduli) made once per thread and only ever read after.
     static STEP_SCALARS: std::cell::RefCell<std::collections::HashMap<usize, Array>> =
         std::cell::RefCell::new(std::collections::HashMap::new());
 }
+
+/// One remembered index array: the host values it holds, its shape, the array.
+type StepIndex = (Vec<usize>, Vec<usize>, Array);
+
+/// How many index arrays a thread remembers: one per layer's batch of a model decoding in lockstep reuses the array
+/// of the layer before it, and a few batches side by side (a scheduler's cohorts) each keep theirs.
+const STEP_INDEX_SLOTS: usize = 8;
 
 fn step_scalar(n: usize) -> Result<Array> {
     let v = dim(n)?;
@@ -55,10 +62,11 @@ fn step_scalar(n: usize) -> Result<Array> {
 /// [`index_array`] for a list of write positions that usually advances by one per step (rows' ring heads, which
 /// wrap to 0 at `modulus`). The values are always exactly `values`; only where they come from differs:
 ///
-/// - On a GPU, when every `values[r] == (last[r] + 1) % modulus` for the array this function last returned on this
-///   thread (same shape), the new array is that one plus one (and the remainder by `modulus` if some row wraps),
-///   computed on the device with exact int32 arithmetic: a host-made array is the decode step's largest fixed
-///   cost on CUDA (docs/exact-read.md, "Host-made arrays", has the measurement).
+/// - On a GPU, when an array this function returned recently on this thread (same shape) holds exactly `values`,
+///   it is returned again (the other layers of a step); when one holds `last` with every
+///   `values[r] == (last[r] + 1) % modulus`, the new array is that one plus one (and the remainder by `modulus` if
+///   some row wraps), computed on the device with exact int32 arithmetic: a host-made array is the decode step's
+///   largest fixed cost on CUDA (docs/exact-read.md, "Host-made arrays", has the measurement).
 /// - Otherwise (and always on the CPU, where a host array costs a copy only) it is [`index_array`].
 pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<Array> {
     if !super::exact::default_device_is_gpu() {
@@ -67,33 +75,70 @@ pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Opti
     Ok(derived_index_array(values, shape_, modulus)?.0)
 }
 
-/// The device-derivation path of [`step_index_array`], without its GPU gate (so the CPU tests run it); the flag says
-/// whether the array was derived from the last one (else uploaded).
-fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<(Array, bool)> {
-    let derived = LAST_STEP_INDEX.with(|last| -> Result<Option<Array>> {
-        let last = last.borrow();
-        let Some((prev, pshape, arr)) = last.as_ref() else { return Ok(None) };
-        if pshape.as_slice() != shape_ || prev.len() != values.len() {
-            return Ok(None);
+/// How [`derived_index_array`] made its array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepSource {
+    /// A remembered array holding exactly these values.
+    Reused,
+    /// A remembered array holding the last step's values, plus one (and the remainder) on the device.
+    Derived,
+    /// Made from the host values.
+    Uploaded,
+}
+
+/// The device-derivation path of [`step_index_array`], without its GPU gate (so the CPU tests run it), with how the
+/// array was made.
+fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<(Array, StepSource)> {
+    let next = |p: usize| modulus.map_or(p + 1, |m| (p + 1) % m.max(1));
+    let found = LAST_STEP_INDEX.with(|slots| -> Result<Option<(usize, Array, StepSource)>> {
+        let slots = slots.borrow();
+        let same_shape =
+            |(_, (prev, pshape, _)): &(usize, &StepIndex)| pshape.as_slice() == shape_ && prev.len() == values.len();
+        // Newest first: a model's layers in lockstep find the array the layer before made this step.
+        if let Some((i, (_, _, arr))) =
+            slots.iter().enumerate().rev().filter(same_shape).find(|(_, (prev, _, _))| prev.as_slice() == values)
+        {
+            return Ok(Some((i, arr.clone(), StepSource::Reused)));
         }
-        let next = |p: usize| modulus.map_or(p + 1, |m| (p + 1) % m.max(1));
-        if !prev.iter().zip(values).all(|(&p, &v)| next(p) == v) {
+        let Some((i, (prev, _, arr))) = slots
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(same_shape)
+            .find(|(_, (prev, _, _))| prev.iter().zip(values).all(|(&p, &v)| next(p) == v))
+        else {
             return Ok(None);
-        }
+        };
         let plus = arr.add(step_scalar(1)?)?;
         let wraps = modulus.is_some_and(|m| prev.iter().any(|&p| p + 1 >= m));
-        Ok(Some(match modulus {
+        let arr = match modulus {
             Some(m) if wraps => plus.remainder(step_scalar(m.max(1))?)?,
             _ => plus,
-        }))
+        };
+        Ok(Some((i, arr, StepSource::Derived)))
     })?;
-    let was_derived = derived.is_some();
-    let arr = match derived {
-        Some(a) => a,
-        None => index_array(values, shape_)?,
+    let (arr, source) = match found {
+        Some((i, arr, source)) => {
+            LAST_STEP_INDEX.with(|slots| {
+                let mut slots = slots.borrow_mut();
+                slots.remove(i);
+                slots.push((values.to_vec(), shape_.to_vec(), arr.clone()));
+            });
+            (arr, source)
+        }
+        None => {
+            let arr = index_array(values, shape_)?;
+            LAST_STEP_INDEX.with(|slots| {
+                let mut slots = slots.borrow_mut();
+                if slots.len() >= STEP_INDEX_SLOTS {
+                    slots.remove(0);
+                }
+                slots.push((values.to_vec(), shape_.to_vec(), arr.clone()));
+            });
+            (arr, StepSource::Uploaded)
+        }
     };
-    LAST_STEP_INDEX.with(|last| *last.borrow_mut() = Some((values.to_vec(), shape_.to_vec(), arr.clone())));
-    Ok((arr, was_derived))
+    Ok((arr, source))
 }
 
 /// Evaluate buffers so that no lazy graph grows across steps.
@@ -172,25 +217,65 @@ mod tests {
         let w = 5usize;
         let shape = [3usize, 1, 1, 1];
         let mut heads = vec![0usize, 3, 4];
-        LAST_STEP_INDEX.with(|l| *l.borrow_mut() = None);
+        LAST_STEP_INDEX.with(|l| l.borrow_mut().clear());
         for step in 0..12 {
             let (a, derived) = derived_index_array(&heads, &shape, Some(w)).unwrap();
             assert_eq!(host(&a), heads.iter().map(|&h| h as i32).collect::<Vec<_>>(), "step {step}");
             assert_eq!(a.shape(), &[3, 1, 1, 1]);
-            assert_eq!(derived, step > 0, "step {step}: every step after the first advances by one");
+            let want = if step > 0 { StepSource::Derived } else { StepSource::Uploaded };
+            assert_eq!(derived, want, "step {step}: every step after the first advances by one");
             heads.iter_mut().for_each(|h| *h = (*h + 1) % w);
         }
         // A jump (one row moved by two), then a linear cache (no modulus), then another shape: still the host's values.
         for (vals, m, shape, want_derived) in [
-            (vec![2usize, 1, 2], Some(w), vec![3usize, 1, 1, 1], false),
-            (vec![3, 2, 3], None, vec![3, 1, 1, 1], true),
-            (vec![4, 3, 4], None, vec![3, 1, 1, 1], true),
-            (vec![5, 4], None, vec![2, 1, 1, 1], false),
+            (vec![2usize, 1, 2], Some(w), vec![3usize, 1, 1, 1], StepSource::Uploaded),
+            (vec![3, 2, 3], None, vec![3, 1, 1, 1], StepSource::Derived),
+            (vec![4, 3, 4], None, vec![3, 1, 1, 1], StepSource::Derived),
+            (vec![5, 4], None, vec![2, 1, 1, 1], StepSource::Uploaded),
         ] {
             let (a, derived) = derived_index_array(&vals, &shape, m).unwrap();
             assert_eq!(host(&a), vals.iter().map(|&h| h as i32).collect::<Vec<_>>());
             assert_eq!(derived, want_derived, "{vals:?}");
         }
+    }
+
+    /// A model's layers decode in lockstep (every layer's batch asks for the same heads in a step): the first layer
+    /// derives, the others reuse its array; two batches side by side (other row counts or other heads) each keep
+    /// their own; more batches than slots fall back to uploads, never to other values.
+    #[test]
+    fn lockstep_layers_reuse_and_side_by_side_batches_keep_their_own() {
+        let w = 4usize;
+        LAST_STEP_INDEX.with(|l| l.borrow_mut().clear());
+        let (mut a, mut b) = (vec![0usize, 2], vec![1usize, 3, 0]);
+        let (sa, sb) = ([2usize, 1, 1, 1], [3usize, 1, 1, 1]);
+        for step in 0..9 {
+            for (heads, shape) in [(&a, &sa), (&b, &sb)] {
+                for layer in 0..3 {
+                    let (arr, source) = derived_index_array(heads, shape, Some(w)).unwrap();
+                    assert_eq!(host(&arr), heads.iter().map(|&h| h as i32).collect::<Vec<_>>(), "step {step}");
+                    let want = match (step, layer) {
+                        (0, 0) => StepSource::Uploaded,
+                        (_, 0) => StepSource::Derived,
+                        _ => StepSource::Reused,
+                    };
+                    assert_eq!(source, want, "step {step} layer {layer} heads {heads:?}");
+                }
+            }
+            a.iter_mut().for_each(|h| *h = (*h + 1) % w);
+            b.iter_mut().for_each(|h| *h = (*h + 1) % w);
+        }
+        // Same shape, other values (a third batch of two rows): its own slot, then derived from it.
+        let (arr, source) = derived_index_array(&[3, 3], &sa, Some(w)).unwrap();
+        assert_eq!((host(&arr), source), (vec![3, 3], StepSource::Uploaded));
+        let (arr, source) = derived_index_array(&[0, 0], &sa, Some(w)).unwrap();
+        assert_eq!((host(&arr), source), (vec![0, 0], StepSource::Derived));
+        // More batches than slots: the oldest slots go; whatever is found, the values are the host's.
+        for i in 0..(2 * STEP_INDEX_SLOTS) {
+            let heads = vec![i % w, (i / w) % w, 1];
+            let (arr, _) = derived_index_array(&heads, &sb, Some(w)).unwrap();
+            assert_eq!(host(&arr), heads.iter().map(|&h| h as i32).collect::<Vec<_>>());
+        }
+        assert!(LAST_STEP_INDEX.with(|l| l.borrow().len()) <= STEP_INDEX_SLOTS);
     }
 
     /// On the CPU the public function is a plain upload (the simulator's CPU runs keep their exact op sequence).
