@@ -407,4 +407,19 @@ mod tests {
         assert!(!is_training(&odd));
         assert_eq!(odd.route(), Err(CacheError::UnknownStorageKind { kind: odd.0.clone() }));
     }
+
+    /// `is_ssm` is exactly the recurrent kind: not the training SSM kind, not an attention kind, not a near miss
+    /// (hybrid sets ask it first; cargo-mutants' `is_ssm -> true` survivor, issue #17).
+    #[test]
+    fn is_ssm_is_exactly_the_recurrent_kind() {
+        assert!(is_ssm(&StorageKind::new(SSM)));
+        let others = [TRAINING_SSM, TRAINING, PREFIX_SHARED, "ssm+row-batch", "SSM", "", "kv-plain"];
+        for other in others.into_iter().map(StorageKind::new).chain([
+            StorageKind::serial(None),
+            StorageKind::serial(Some(4)),
+            StorageKind::row_batch(Some(4)),
+        ]) {
+            assert!(!is_ssm(&other), "{other:?}");
+        }
+    }
 }

@@ -256,6 +256,9 @@ fn mismatched_plans_and_outputs_are_typed_errors() {
     let (k1, v1, q1) = kvq(&spec, 2, 1, 1);
     inputs.extend([q1, k1.clone(), v1, c.rope_input().unwrap()]);
     let outs = plain_decode_step(plan.fetch, Some(ROPE), SCALE, &inputs).unwrap();
+    // A stale plan with outputs that fit it (the same fetch and width, another write column) is refused too:
+    // the plan itself is checked, not only the outputs (cargo-mutants' `||` -> `&&` survivor in `check_plan`).
+    assert!(matches!(c.apply_decode_step(&stale, outs.clone()), Err(CacheError::StepMismatch { .. })));
     assert!(matches!(c.apply_decode_step(&plan, outs[..2].to_vec()), Err(CacheError::StepMismatch { .. })));
     let wrong = vec![outs[0].clone(), k1.clone(), k1];
     assert!(matches!(c.apply_decode_step(&plan, wrong), Err(CacheError::StepMismatch { .. })), "a column, not W");
