@@ -117,27 +117,24 @@ fn derived_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize
         };
         Ok(Some((i, arr, StepSource::Derived)))
     })?;
-    let (arr, source) = match found {
-        Some((i, arr, source)) => {
-            LAST_STEP_INDEX.with(|slots| {
-                let mut slots = slots.borrow_mut();
-                slots.remove(i);
-                slots.push((values.to_vec(), shape_.to_vec(), arr.clone()));
-            });
-            (arr, source)
-        }
-        None => {
-            let arr = index_array(values, shape_)?;
-            LAST_STEP_INDEX.with(|slots| {
-                let mut slots = slots.borrow_mut();
-                if slots.len() >= STEP_INDEX_SLOTS {
-                    slots.remove(0);
-                }
-                slots.push((values.to_vec(), shape_.to_vec(), arr.clone()));
-            });
-            (arr, StepSource::Uploaded)
-        }
+    let (slot, arr, source) = match found {
+        Some((i, arr, source)) => (Some(i), arr, source),
+        None => (None, index_array(values, shape_)?, StepSource::Uploaded),
     };
+    // The array made now becomes the newest slot: it replaces the one it came from, or the oldest when full.
+    LAST_STEP_INDEX.with(|slots| {
+        let mut slots = slots.borrow_mut();
+        match slot {
+            Some(i) => {
+                slots.remove(i);
+            }
+            None if slots.len() >= STEP_INDEX_SLOTS => {
+                slots.remove(0);
+            }
+            None => {}
+        }
+        slots.push((values.to_vec(), shape_.to_vec(), arr.clone()));
+    });
     Ok((arr, source))
 }
 

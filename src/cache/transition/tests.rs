@@ -20,6 +20,26 @@ fn planes_bits(p: &[Array]) -> Vec<Vec<u32>> {
     p.iter().map(bits).collect()
 }
 
+/// One lego per entry of `lens`, each after a window of that many positions (payload seed `seed + i`).
+fn legos_after_windows(
+    spec: KvSpec,
+    w: Option<usize>,
+    t: Transition,
+    lens: &[usize],
+    seed: u64,
+) -> Vec<Bf16FirstCache> {
+    let masks = Masks::new();
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let mut lego = Bf16FirstCache::new(spec, w, t).unwrap();
+            let (k, v, q) = kvq(&spec, seed + i as u64, 1, n);
+            lego.window(&k, &v, &q, 0.3, &masks).unwrap();
+            lego
+        })
+        .collect()
+}
+
 #[test]
 fn lego_reads_the_crossing_append_in_bf16_then_converts_at_its_end() {
     let spec = tspec();
@@ -95,12 +115,8 @@ fn rows_equal_their_lego_twins_through_conversion_wrap_rollback_and_packing() {
     let masks = Masks::new();
     let w = Some(4);
     let t = tr(Some(6));
-    let mut twins = vec![Bf16FirstCache::new(spec, w, t).unwrap(), Bf16FirstCache::new(spec, w, t).unwrap()];
     // Histories before the merge: row 0 wrapped (offset 5), row 1 short (offset 2).
-    for (i, n) in [5usize, 2].iter().enumerate() {
-        let (k, v, q) = kvq(&spec, 100 + i as u64, 1, *n);
-        twins[i].window(&k, &v, &q, 0.3, &masks).unwrap();
-    }
+    let mut twins = legos_after_windows(spec, w, t, &[5, 2], 100);
     let mut rows = TransitioningKvRows::merge(spec, w, t, twins.clone()).unwrap();
     assert_eq!(rows.lifecycle().iter().map(|m| m.left_pad).collect::<Vec<_>>(), vec![0, 2]);
     // Layout event: the merged rows are temporal slices of their newest min(offset, W) positions.
@@ -409,11 +425,7 @@ fn rows_max_append_tokens_is_the_least_of_their_legos_inside_a_round() {
     let spec = tspec();
     let masks = Masks::new();
     let t = tr(Some(4));
-    let mut twins = vec![Bf16FirstCache::new(spec, None, t).unwrap(), Bf16FirstCache::new(spec, None, t).unwrap()];
-    for (i, n) in [3usize, 1].iter().enumerate() {
-        let (k, v, q) = kvq(&spec, 200 + i as u64, 1, *n);
-        twins[i].window(&k, &v, &q, 0.3, &masks).unwrap();
-    }
+    let mut twins = legos_after_windows(spec, None, t, &[3, 1], 200);
     let mut rows = TransitioningKvRows::merge(spec, None, t, twins.clone()).unwrap();
     rows.round_begin().unwrap();
     let (k, v, q) = kvq(&spec, 300, 2, 1);
