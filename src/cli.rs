@@ -27,7 +27,7 @@ pub enum Cmd {
         /// Run exactly this seed (overrides --seeds/--first).
         #[arg(long)]
         seed: Option<u64>,
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
         /// Stop starting new seeds after this many seconds.
         #[arg(long)]
@@ -78,7 +78,7 @@ pub enum Cmd {
         /// First seed.
         #[arg(long, default_value_t = 0)]
         first: u64,
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
         /// Return the heap's free memory to the system (glibc `malloc_trim`) before every sample.
         #[arg(long)]
@@ -93,7 +93,7 @@ pub enum Cmd {
     /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
     Replay {
         trace: PathBuf,
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
     },
     /// Minimize a failing trace and write it (default: into corpus/).
@@ -103,12 +103,12 @@ pub enum Cmd {
         out: Option<PathBuf>,
         #[arg(long, default_value_t = 3000)]
         budget: usize,
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
     },
     /// Speed against the mlx-lm anchor measured in the same run (ratios); results saved under bench/results/.
     Bench {
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+        #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
         /// sim, step, exact (batch invariance and accuracy of the exact read), or all (sim and step).
         #[arg(long, default_value = "all")]
@@ -182,7 +182,7 @@ pub enum CacheCmd {
     Convert {
         input: PathBuf,
         output: PathBuf,
-        #[arg(long, value_enum)]
+        #[arg(long)]
         to: kvsim::persist::inspect::Format,
     },
 }

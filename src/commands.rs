@@ -1,7 +1,7 @@
 //! The handlers of the kvsim subcommands: each calls the library and prints. Part of the binary (with `main.rs` and
 //! `cli.rs`): the only code that writes to stdout or chooses exit codes.
 
-use kvsim::cache::mutation::Mutant;
+use kvsim::cache::faults::Mutant;
 use kvsim::campaign;
 use kvsim::oracle;
 use kvsim::shard::{self, Shard};
@@ -102,7 +102,7 @@ pub(crate) fn oracle_check_cmd(dir: &Path, json: bool) -> ExitCode {
 pub(crate) fn oracle_teeth_cmd(dir: &Path, names: &[String], json: bool) -> ExitCode {
     let mut mutants = vec![];
     for n in names {
-        match kvsim::cache::mutation::Mutant::from_name(n) {
+        match kvsim::cache::faults::Mutant::from_name(n) {
             Some(m) => mutants.push(m),
             None => return fail("oracle teeth", format!("no mutant named {n:?}"), 2),
         }
@@ -300,13 +300,16 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
     let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
     let bar = seed_bar(seeds.len(), a.progress_lines);
     let mut failures = 0;
-    let outs = shard::run_workers(&exe, &args, a.jobs as usize, &seeds, &STOP, |p| {
-        failures += p.failed as u64;
-        bar.set_message(format!("{failures} failures"));
-        bar.inc(1);
-        if a.progress_lines {
-            eprintln!("{}", p.line());
+    let outs = shard::run_workers(&exe, &args, a.jobs as usize, &seeds, &STOP, |event| match event {
+        shard::WorkerEvent::Progress(p) => {
+            failures += p.failed as u64;
+            bar.set_message(format!("{failures} failures"));
+            bar.inc(1);
+            if a.progress_lines {
+                eprintln!("{}", p.line());
+            }
         }
+        shard::WorkerEvent::Line(line) => bar.suspend(|| eprintln!("{line}")),
     });
     bar.finish_and_clear();
     let outs = match outs {

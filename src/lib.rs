@@ -1,22 +1,23 @@
 //! kvsim: KV-cache layouts on MLX, and a deterministic simulator that proves them bit-exact against solo runs.
 //!
-//! See ARCHITECTURE.md for the codemap and the invariants. Modules:
-//! - [`cache`]: the production layouts (the system under test).
-//! - [`reference`]: the pure-Rust model of every layout (no MLX).
-//! - [`sim`]: seeds, op alphabet, traces, runner, checks, shrinking.
-//! - [`bytes`]: byte-level views of MLX arrays; every bit-exact claim goes through it.
-//! - [`shard`]: seed campaigns split over processes and machines (shards, per-seed hashes, merging).
-//! - [`soak`]: long runs that sample MLX and process memory and fail on growth after warm-up.
+//! This package is the `kvsim` command line. Its library re-exports the workspace's crates under short names for
+//! the command's own modules and its integration tests; an engine that wants the caches depends on `kvsim-cache`
+//! alone (ARCHITECTURE.md has the codemap):
+//! - [`cache`] (`kvsim-cache`): the production layouts, and [`bytes`], the byte views every bit-exact claim uses.
+//! - [`reference`] (`kvsim-reference`): the pure-Rust model of every layout (no MLX).
+//! - [`persist`] (`kvsim-persist`): cache files by storage kind, kvsim's format and mlx-lm's.
+//! - [`sim`], [`campaign`], [`shard`], [`soak`], [`fuzzing`] (`kvsim-harness`): the simulator and its campaigns.
+//! - [`oracle`] (`kvsim-oracle`): the mlx-lm differential oracle.
+//! - [`bench`], [`doctor`], [`exact_check`]: the command line's own measurements.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+pub use kvsim_cache as cache;
+pub use kvsim_cache::bytes;
+pub use kvsim_harness::{campaign, fuzzing, shard, sim, soak};
+pub use kvsim_oracle as oracle;
+pub use kvsim_persist as persist;
+pub use kvsim_reference as reference;
+
 pub mod bench;
-pub mod bytes;
-pub mod cache;
-pub mod campaign;
 pub mod doctor;
 pub mod exact_check;
-pub mod fuzzing;
-pub mod oracle;
-pub mod persist;
-pub mod reference;
-pub mod shard;
-pub mod sim;
-pub mod soak;

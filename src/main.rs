@@ -1,6 +1,8 @@
 //! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`, `cache`. It parses arguments,
 //! calls the library (`kvsim::campaign`, `kvsim::oracle`, `kvsim::bench`, ...) and prints; it is the only module
 //! that writes to stdout or chooses exit codes.
+// The command line is the one crate that prints.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use std::process::ExitCode;
 

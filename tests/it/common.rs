@@ -6,12 +6,12 @@ use kvsim::reference::{RefDtype, Tensor, Tok, ValueSpace};
 use mlx_rs::Array;
 
 /// Disarms the calling thread's mutant on drop (also when the test panics). A mutant is armed per thread
-/// (`cache::mutation::arm`), so tests running beside each other never see each other's mutant and need no lock.
+/// (`cache::faults::arm`), so tests running beside each other never see each other's mutant and need no lock.
 pub struct Exclusive;
 
 impl Drop for Exclusive {
     fn drop(&mut self) {
-        kvsim::cache::mutation::arm(None);
+        kvsim::cache::faults::arm(None);
     }
 }
 

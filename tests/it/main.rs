@@ -1,5 +1,5 @@
+#![allow(clippy::print_stdout, clippy::print_stderr)]
 //! kvsim's one integration-test crate (matklad: one binary, many modules).
-mod architecture;
 mod cache_contracts;
 mod campaign;
 mod common;

@@ -1,5 +1,5 @@
 //! CI smoke of `kvsim mutants`: every mutant of the catalog is caught within its seed budget.
-use kvsim::cache::mutation::Mutant;
+use kvsim::cache::faults::Mutant;
 use kvsim::campaign::{hunt_mutant, test_budget};
 
 #[test]

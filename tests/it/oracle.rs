@@ -93,7 +93,7 @@ fn recorded_oracle_set_is_fully_classified() {
 /// reported with its reason, not as caught.
 #[test]
 fn oracle_teeth_catch_mutants_from_outside() {
-    use kvsim::cache::mutation::Mutant;
+    use kvsim::cache::faults::Mutant;
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/recorded");
     let dir = std::env::temp_dir().join(format!("kvsim-teeth-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

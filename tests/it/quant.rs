@@ -130,7 +130,7 @@ fn quantized_ring_stores_reference_bytes_at_5_and_6_bits() {
 
 // ----- the quantized family in the simulator (`sim::family::quant`) ----------------------------------------------
 
-use kvsim::cache::mutation::Mutant;
+use kvsim::cache::faults::Mutant;
 use kvsim::sim::config::{LayoutChoice, SimConfig};
 use kvsim::sim::family::quant::QuantChoice;
 use kvsim::sim::ops::Op;

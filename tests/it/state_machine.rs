@@ -875,7 +875,7 @@ prop_state_machine! {
 /// seed, so the test is deterministic). `TEETH_ONLY=<mutant name>` and `TEETH_CASES=N` narrow or widen it.
 #[test]
 fn every_catalog_mutant_is_caught() {
-    use kvsim::cache::mutation::{self, Mutant};
+    use kvsim::cache::faults::{self, Mutant};
     use proptest::test_runner::TestRunner;
     let _x = common::exclusive();
     let mut missed = vec![];
@@ -896,7 +896,7 @@ fn every_catalog_mutant_is_caught() {
                 && only.as_deref().is_none_or(|o| o == m.name())
         })
     {
-        mutation::arm(Some(m));
+        faults::arm(Some(m));
         let config = Config {
             cases: teeth,
             max_shrink_iters: 0,
@@ -910,7 +910,7 @@ fn every_catalog_mutant_is_caught() {
             CacheMachine::test_sequential(config.clone(), init, transitions, None);
             Ok(())
         });
-        mutation::arm(None);
+        faults::arm(None);
         if result.is_ok() {
             missed.push(m.name());
         }

@@ -892,7 +892,7 @@ fn the_machine_reaches_every_bad_input() {
 /// The machine has teeth: each bf16-first mutant its transitions reach makes it fail within 256 cases (fixed seed).
 #[test]
 fn the_bf16_first_mutants_it_reaches_are_caught() {
-    use kvsim::cache::mutation::{self, Mutant};
+    use kvsim::cache::faults::{self, Mutant};
     use proptest::test_runner::TestRunner;
     let _x = crate::common::exclusive();
     let mut missed = vec![];
@@ -904,7 +904,7 @@ fn the_bf16_first_mutants_it_reaches_are_caught() {
         Mutant::TkvRollbackDropsKept,
         Mutant::TkvFloorLostByExtract,
     ] {
-        mutation::arm(Some(m));
+        faults::arm(Some(m));
         let config = Config {
             cases: 256,
             max_shrink_iters: 0,
@@ -917,7 +917,7 @@ fn the_bf16_first_mutants_it_reaches_are_caught() {
             TransitionMachine::test_sequential(config.clone(), init, transitions, None);
             Ok(())
         });
-        mutation::arm(None);
+        faults::arm(None);
         if result.is_ok() {
             missed.push(m.name());
         }

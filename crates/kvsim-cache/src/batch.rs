@@ -1,0 +1,1617 @@
+//! Rows (ARCHITECTURE.md "Rows"): [`RowBatch`], which is [`BatchRotatingKvCache`] with a window `W` (R-BROT-*) and
+//! [`BatchKvCache`] with `W = ∞`.
+//!
+//! The batch stores `[B, H_kv, cap, D]`. Row `r` occupies physical columns `[0, len_r)` **exactly as its serial ring
+//! would**: every write applies the serial rules of [`super::ring`] to each row's own [`RingState`]. Decode writes are
+//! one scatter (`put_along_axis` with per-row columns); window writes and oversize drops are one gather
+//! (`take_along_axis` over `[buffer ++ block ++ zero column]`), so row `r`'s new columns are its kept temporal
+//! columns followed by its real block positions. Padding is never stored: columns `[len_r, cap)` of a row are
+//! never visible.
+
+use mlx_rs::Array;
+
+use super::error::{invalid, shape, CacheError};
+#[cfg(feature = "faults")]
+use super::faults;
+use super::kind::{KindRoute, StorageKind};
+use super::mask::{MaskKey, MaskKind, MaskUse, Masks};
+use super::quant::{attend_planes, check_planes_shape, QuantSpec, Storage};
+use super::ring::{
+    grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase,
+    RingState, SerialCache,
+};
+use super::training::TrainingCache;
+use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, step_index_array};
+use super::{KvSpec, Result};
+
+/// One row of a [`RowBatch`].
+///
+/// - `ring`: the row's serial state (its physical columns and phase).
+/// - `base`: the position at which the row's batch history starts (for [`RowBatch::left_padding`] only).
+/// - `pending`: during a prepared (right-padded) prefill, the real positions still to come for this row.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RowState {
+    pub ring: RingState,
+    pub base: usize,
+    pub pending: Option<usize>,
+}
+
+/// A source of rows for [`RowBatch::join`] (borrowed; R-BROT-7).
+#[derive(Debug, Clone)]
+pub enum JoinSource<'a> {
+    /// These rows of a running batch, in this order.
+    Rows(&'a RowBatch, Vec<usize>),
+    /// A serial cache, as one row.
+    Serial(&'a SerialCache),
+    /// A training cache: routed like every source, and refused ([`CacheError::TrainingOnly`]): training caches are
+    /// never admitted or merged (R-TRN-1).
+    Training(&'a TrainingCache),
+}
+
+impl JoinSource<'_> {
+    /// The kind the router reads (R-BROT-10).
+    pub fn storage_kind(&self) -> StorageKind {
+        match self {
+            JoinSource::Rows(b, _) => b.storage_kind(),
+            JoinSource::Serial(s) => s.storage_kind(),
+            JoinSource::Training(t) => t.storage_kind(),
+        }
+    }
+
+    fn spec_window_storage(&self) -> (KvSpec, Option<usize>, Storage) {
+        match self {
+            JoinSource::Rows(b, _) => (b.spec, b.max_size, b.storage),
+            JoinSource::Serial(s) => (s.spec(), s.max_size(), s.storage()),
+            JoinSource::Training(t) => (t.spec(), t.window_size(), super::quant::Storage::Plain),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum RopeRepr {
+    Snapshot(Vec<i32>),
+    /// Mutant only: reads whatever the last mutated batch of this thread published (`faults::publish_offsets`).
+    #[cfg(feature = "faults")]
+    Live,
+}
+
+/// Per-row RoPE positions (R-BROT-3): a **value** (a snapshot taken when [`RowBatch::rope_offsets`] was called),
+/// never an alias of cache state (bug catalog #3). Only the mutant `Mutant::OffsetAliasing` makes it a live view.
+#[derive(Debug, Clone)]
+pub struct RopeOffsets(RopeRepr);
+
+impl RopeOffsets {
+    /// The positions, one per row.
+    pub fn values(&self) -> Vec<i32> {
+        match &self.0 {
+            RopeRepr::Snapshot(v) => v.clone(),
+            #[cfg(feature = "faults")]
+            RopeRepr::Live => faults::aliased_offsets(),
+        }
+    }
+
+    /// The positions as an int32 MLX array `[B]`.
+    pub fn to_array(&self) -> Array {
+        let v = self.values();
+        Array::from_slice(&v, &[v.len() as i32])
+    }
+}
+
+/// Rows of serial rings in one `[B, H_kv, cap, D]` buffer (module docs).
+///
+/// Guarantees:
+/// - After every operation, row `r`'s live columns ([`RowBatch::row_physical`]) are byte-identical, in the same
+///   physical order, to those of a [`SerialCache`] fed the same real positions through the same operations (decode,
+///   window/append with the row's real count, trim), and `row_states()[r].ring` equals that cache's state.
+/// - A decode read attends columns `[0, max len_r)` with no mask when every row has the same `len`, else with the
+///   boolean mask `c < len_r`; a window read attends with `Causal` when every row has the same `len <= W` and a full
+///   block, else with the per-row causal sliding-window mask ([`MaskKind::Window`]). Byte-identity of outputs to the
+///   serial twin is a property of MLX's SDPA (measured on CPU by the tests), not of this type.
+#[derive(Clone)]
+pub struct RowBatch {
+    spec: KvSpec,
+    max_size: Option<usize>,
+    storage: Storage,
+    rows: Vec<RowState>,
+    /// Present iff there are rows and `cap > 0`; `cap >= max len_r`.
+    buf: Option<Buf>,
+}
+
+impl std::fmt::Debug for RowBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowBatch")
+            .field("spec", &self.spec)
+            .field("max_size", &self.max_size)
+            .field("storage", &self.storage)
+            .field("rows", &self.rows)
+            .field("cap", &self.cap())
+            .finish()
+    }
+}
+
+/// Constructors of a batch of linear rows.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchKvCache;
+
+impl BatchKvCache {
+    pub fn empty(spec: KvSpec) -> Result<RowBatch> {
+        RowBatch::empty(spec, None)
+    }
+    pub fn with_rows(spec: KvSpec, rows: usize) -> Result<RowBatch> {
+        RowBatch::with_rows(spec, None, rows)
+    }
+    pub fn merge(spec: KvSpec, rows: &[(Array, Array, usize)]) -> Result<RowBatch> {
+        RowBatch::merge(spec, None, rows)
+    }
+}
+
+/// Constructors of a batch of rotating rows (window `max_size`).
+#[derive(Debug, Clone, Copy)]
+pub struct BatchRotatingKvCache;
+
+impl BatchRotatingKvCache {
+    pub fn empty(spec: KvSpec, max_size: usize) -> Result<RowBatch> {
+        RowBatch::empty(spec, Some(max_size))
+    }
+    pub fn with_rows(spec: KvSpec, max_size: usize, rows: usize) -> Result<RowBatch> {
+        RowBatch::with_rows(spec, Some(max_size), rows)
+    }
+    pub fn merge(spec: KvSpec, max_size: usize, rows: &[(Array, Array, usize)]) -> Result<RowBatch> {
+        RowBatch::merge(spec, Some(max_size), rows)
+    }
+}
+
+/// Stack per-row live planes (`[1, H, len_r, ·]` each) into `[B, H, width, ·]` planes, zero-padded on the right.
+fn stack_rows(spec: &KvSpec, storage: &Storage, parts: &[Vec<Array>], lens: &[usize]) -> Result<Option<Buf>> {
+    let width = lens.iter().copied().max().unwrap_or(0);
+    if parts.is_empty() || width == 0 {
+        return Ok(None);
+    }
+    let mut per_plane: Vec<Vec<Array>> = vec![Vec::with_capacity(parts.len()); storage.planes()];
+    for (planes, &len) in parts.iter().zip(lens) {
+        let pad = width - len;
+        let row = Buf { planes: planes.clone() }.map(|p| cols(p, 0, len))?;
+        let row = if pad > 0 {
+            let z = Buf::zeros(spec, storage, 1, pad)?;
+            row.zip_map(&z.planes, |p, x| Ok(mlx_rs::ops::concatenate(&[p, x], 2)?))?
+        } else {
+            row
+        };
+        for (dst, p) in per_plane.iter_mut().zip(row.planes) {
+            dst.push(p);
+        }
+    }
+    let b = Buf { planes: per_plane.iter().map(|ps| Ok(mlx_rs::ops::concatenate(ps, 0)?)).collect::<Result<_>>()? };
+    b.eval()?;
+    Ok(Some(b))
+}
+
+impl RowBatch {
+    fn build(spec: KvSpec, max_size: Option<usize>, storage: Storage, rows: Vec<RowState>, buf: Option<Buf>) -> Self {
+        let mut b = RowBatch { spec, max_size, storage, rows, buf };
+        b.sync();
+        b
+    }
+
+    /// The per-row offsets as RoPE positions.
+    fn offsets_i32(&self) -> Vec<i32> {
+        self.rows.iter().map(|r| i32::try_from(r.ring.offset).unwrap_or(i32::MAX)).collect()
+    }
+
+    /// After a mutation: the hook of `Mutant::OffsetAliasing` (an aliasing handle sees the change); nothing else.
+    fn sync(&mut self) {
+        #[cfg(feature = "faults")]
+        faults::publish_offsets(|| self.offsets_i32());
+    }
+
+    /// A batch with no rows.
+    pub fn empty(spec: KvSpec, max_size: Option<usize>) -> Result<Self> {
+        Self::with_rows(spec, max_size, 0)
+    }
+
+    /// A batch of `rows` empty rows (offset 0), e.g. for a prepared prefill.
+    pub fn with_rows(spec: KvSpec, max_size: Option<usize>, rows: usize) -> Result<Self> {
+        Self::with_rows_storage(spec, max_size, Storage::Plain, rows)
+    }
+
+    /// A batch of `rows` empty rows of this storage; invalid quantization is [`CacheError::InvalidQuant`].
+    pub fn with_rows_storage(spec: KvSpec, max_size: Option<usize>, storage: Storage, rows: usize) -> Result<Self> {
+        spec.validate()?;
+        validate_max_size(max_size)?;
+        storage.validate(&spec)?;
+        Ok(Self::build(spec, max_size, storage, vec![RowState::default(); rows], None))
+    }
+
+    /// R-BROT-4 (static): from per-row temporal slices `(k, v, offset)` (`[1, H_kv, L_i, D]`, `L_i <= W`,
+    /// `L_i <= offset`). Row `i` comes out in temporal order: `len = idx = L_i`, `offset = offset_i`,
+    /// `base = offset_i - L_i`. A layout event for rows that had rotated.
+    pub fn merge(spec: KvSpec, max_size: Option<usize>, rows: &[(Array, Array, usize)]) -> Result<Self> {
+        spec.validate()?;
+        for (i, (k, v, _)) in rows.iter().enumerate() {
+            check_kv(&spec, k, v, 1, 0).map_err(|e| shape(format!("merge row {i}: {e}")))?;
+        }
+        let rows: Vec<(Vec<Array>, usize)> = rows.iter().map(|(k, v, o)| (vec![k.clone(), v.clone()], *o)).collect();
+        Self::merge_planes(spec, max_size, Storage::Plain, &rows)
+    }
+
+    /// [`RowBatch::merge`] for any storage: per-row temporal plane slices `(planes, offset)` of this storage (e.g.
+    /// serial caches' [`SerialCache::temporal_view_planes`]), stacked as they are.
+    pub fn merge_planes(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        rows: &[(Vec<Array>, usize)],
+    ) -> Result<Self> {
+        spec.validate()?;
+        validate_max_size(max_size)?;
+        storage.validate(&spec)?;
+        let mut lens = Vec::with_capacity(rows.len());
+        for (i, (planes, off)) in rows.iter().enumerate() {
+            let l = check_planes_shape(&spec, &storage, planes, 1).map_err(|e| shape(format!("merge row {i}: {e}")))?;
+            if let Some(w) = max_size.filter(|&w| l > w) {
+                return Err(shape(format!("merge row {i}: a slice of {l} positions exceeds the window {w}")));
+            }
+            if l > *off {
+                return Err(invalid(format!("merge row {i}: a slice of {l} positions cannot end at offset {off}")));
+            }
+            lens.push(l);
+        }
+        let width = lens.iter().copied().max().unwrap_or(0);
+        let states = rows
+            .iter()
+            .zip(&lens)
+            .map(|((_, off), &l)| {
+                let len = if fault!(MergeSlicesByOffset) { (*off).min(width) } else { l };
+                RowState {
+                    ring: RingState { offset: *off, len, idx: len, last_concat: None },
+                    base: off - len,
+                    pending: None,
+                }
+            })
+            .collect();
+        let parts: Vec<Vec<Array>> = rows.iter().map(|(p, _)| p.clone()).collect();
+        let buf = stack_rows(&spec, &storage, &parts, &lens)?;
+        Ok(Self::build(spec, max_size, storage, states, buf))
+    }
+
+    /// R-BROT-7: a new batch from running batches' rows and serial caches, in order, keeping every row's physical
+    /// columns and phase (and, for batch rows, `base` and `pending`). Sources are borrowed. Every source must have
+    /// this window ([`CacheError::WindowMismatch`]) and spec ([`CacheError::ShapeMismatch`]); rows listed twice in
+    /// one source are [`CacheError::DuplicateRow`]. Routing is by `storage_kind`, row batch first (R-BROT-10); an
+    /// unknown kind is [`CacheError::UnknownStorageKind`], a training kind [`CacheError::TrainingOnly`].
+    pub fn join(spec: KvSpec, max_size: Option<usize>, sources: &[JoinSource<'_>]) -> Result<Self> {
+        Self::join_storage(spec, max_size, Storage::Plain, sources)
+    }
+
+    /// [`RowBatch::join`] into a batch of this storage: every source must have it
+    /// ([`CacheError::StorageMismatch`]).
+    pub fn join_storage(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        sources: &[JoinSource<'_>],
+    ) -> Result<Self> {
+        spec.validate()?;
+        validate_max_size(max_size)?;
+        storage.validate(&spec)?;
+        let mut parts = Vec::new();
+        let mut states = Vec::new();
+        for src in sources {
+            let kind = src.storage_kind();
+            let route = kind.route()?;
+            let (s_spec, s_max, s_storage) = src.spec_window_storage();
+            if s_storage != storage || kind.storage()? != storage {
+                return Err(CacheError::StorageMismatch {
+                    expected: StorageKind::serial_of(max_size, storage).0,
+                    found: kind.0,
+                });
+            }
+            if s_max != max_size {
+                return Err(CacheError::WindowMismatch { expected: max_size, found: s_max });
+            }
+            let rotating = match route {
+                KindRoute::RowBatch { rotating } | KindRoute::Serial { rotating } => rotating,
+            };
+            if rotating != max_size.is_some() {
+                return Err(CacheError::WindowMismatch { expected: max_size, found: s_max });
+            }
+            if s_spec != spec {
+                return Err(shape(format!("join source spec {s_spec:?} differs from {spec:?}")));
+            }
+            match (route, src) {
+                (KindRoute::RowBatch { .. }, JoinSource::Rows(b, list)) => {
+                    let mut seen = vec![false; b.rows.len()];
+                    for &r in list {
+                        b.check_row(r)?;
+                        if std::mem::replace(&mut seen[r], true) {
+                            return Err(CacheError::DuplicateRow { row: r });
+                        }
+                        parts.push(b.row_physical_planes(r)?);
+                        states.push(b.rows[r].clone());
+                    }
+                }
+                (KindRoute::Serial { .. }, JoinSource::Rows(b, list)) => {
+                    // A batch that reports a serial kind is taken as one serial row (what a forgotten kind
+                    // override does: the other rows are lost).
+                    let r = *list.first().ok_or_else(|| invalid("a batch routed as a serial cache has no row"))?;
+                    b.check_row(r)?;
+                    parts.push(b.row_physical_planes(r)?);
+                    let ring = b.rows[r].ring.clone();
+                    states.push(RowState { base: ring.offset - ring.len, ring, pending: None });
+                }
+                (KindRoute::Serial { .. }, JoinSource::Serial(s)) => {
+                    parts.push(s.physical_planes()?);
+                    let ring = s.state().clone();
+                    states.push(RowState { base: ring.offset - ring.len, ring, pending: None });
+                }
+                (KindRoute::RowBatch { .. }, JoinSource::Serial(_)) => {
+                    return Err(invalid("a serial cache reported a row-batch kind"));
+                }
+                (_, JoinSource::Training(t)) => {
+                    return Err(CacheError::TrainingOnly { kind: t.storage_kind().0 });
+                }
+            }
+        }
+        let lens: Vec<usize> = states.iter().map(|s| s.ring.len).collect();
+        let buf = stack_rows(&spec, &storage, &parts, &lens)?;
+        Ok(Self::build(spec, max_size, storage, states, buf))
+    }
+
+    /// R-BROT-8 (static): take owned buffers `[B, H_kv, cap, D]` plus per-row state without moving any column.
+    /// A state no writes could produce, `len_r > cap` or `base > offset` is [`CacheError::InvalidState`].
+    pub fn adopt(spec: KvSpec, max_size: Option<usize>, k: Array, v: Array, rows: Vec<RowState>) -> Result<Self> {
+        spec.validate()?;
+        check_kv(&spec, &k, &v, rows.len(), 0)?;
+        Self::adopt_planes(spec, max_size, Storage::Plain, vec![k, v], rows)
+    }
+
+    /// [`RowBatch::adopt`] for any storage: owned planes `[B, H_kv, cap, ·]` of this storage.
+    pub fn adopt_planes(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        storage: Storage,
+        planes: Vec<Array>,
+        rows: Vec<RowState>,
+    ) -> Result<Self> {
+        spec.validate()?;
+        validate_max_size(max_size)?;
+        storage.validate(&spec)?;
+        let cap = check_planes_shape(&spec, &storage, &planes, rows.len())?;
+        let mut rows = rows;
+        if fault!(AdoptDropsPhase) {
+            rows.iter_mut().for_each(|r| r.ring.idx = r.ring.len);
+        }
+        for (i, r) in rows.iter().enumerate() {
+            r.ring.validate(max_size).map_err(|e| invalid(format!("row {i}: {e}")))?;
+            if r.ring.len > cap {
+                return Err(invalid(format!("row {i}: len {} exceeds the buffer's {cap} columns", r.ring.len)));
+            }
+            if r.base > r.ring.offset {
+                return Err(invalid(format!("row {i}: base {} > offset {}", r.base, r.ring.offset)));
+            }
+        }
+        let buf = if rows.is_empty() || cap == 0 { None } else { Some(Buf { planes }) };
+        if let Some(b) = &buf {
+            b.eval()?;
+        }
+        Ok(Self::build(spec, max_size, storage, rows, buf))
+    }
+
+    pub fn spec(&self) -> KvSpec {
+        self.spec
+    }
+
+    /// How K and V are stored (plain or affine triples).
+    pub fn storage(&self) -> Storage {
+        self.storage
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn row_states(&self) -> &[RowState] {
+        &self.rows
+    }
+
+    /// The window `W` (`None` = linear rows).
+    pub fn max_size(&self) -> Option<usize> {
+        self.max_size
+    }
+
+    /// Physical capacity of the buffers (columns).
+    pub fn cap(&self) -> usize {
+        self.buf.as_ref().map_or(0, Buf::cap)
+    }
+
+    /// The raw buffers `[B, H_kv, cap, D]` (every column, live or not), e.g. for [`RowBatch::adopt`] or persistence;
+    /// dense (dequantized for affine storage). `None` while the batch holds no column.
+    pub fn buffers(&self) -> Option<(Array, Array)> {
+        self.buf.as_ref().and_then(|b| self.storage.dense(&b.planes).ok())
+    }
+
+    /// The raw planes `[B, H_kv, cap, ·]` (for [`RowBatch::adopt_planes`]). `None` while the batch holds no column.
+    pub fn buffer_planes(&self) -> Option<Vec<Array>> {
+        self.buf.as_ref().map(|b| b.planes.clone())
+    }
+
+    /// [`SerialCache::to_quantized`] for every row: the whole buffer as laid out, every row's state and phase kept.
+    /// A prepared prefill pending (mid-round) is [`CacheError::PendingPrefill`]; errors change nothing. Mutation hook
+    /// `Mutant::QuantConvertTemporalOrder` (rows that have rotated are converted in temporal order).
+    pub fn to_quantized(&mut self, quant: QuantSpec) -> Result<()> {
+        let target = Storage::Affine(quant);
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        if self.storage == target {
+            return Ok(());
+        }
+        if self.storage != Storage::Plain {
+            return Err(CacheError::StorageMismatch {
+                expected: StorageKind::row_batch_of(self.max_size, Storage::Plain).0,
+                found: self.storage_kind().0,
+            });
+        }
+        target.validate(&self.spec)?;
+        let buf = match &self.buf {
+            None => None,
+            Some(b) if fault!(QuantConvertTemporalOrder) && self.rows.iter().any(|r| r.ring.is_rotated()) => {
+                let cap = b.cap();
+                let mut idx = Vec::with_capacity(self.rows.len() * cap);
+                for r in &self.rows {
+                    let t = r.ring.temporal_columns();
+                    idx.extend((0..cap).map(|c| t.get(c).copied().unwrap_or(c)));
+                }
+                let g = self.gather_rows(b, None, &idx, cap)?;
+                Some(Buf { planes: target.convert(&g.planes)? })
+            }
+            Some(b) => Some(Buf { planes: target.convert(&b.planes)? }),
+        };
+        if let Some(b) = &buf {
+            b.eval()?;
+        }
+        self.buf = buf;
+        self.storage = target;
+        Ok(())
+    }
+
+    /// Whether a prepared prefill is pending (some row has `pending`).
+    pub fn is_pending(&self) -> bool {
+        self.rows.iter().any(|r| r.pending.is_some())
+    }
+
+    fn check_row(&self, row: usize) -> Result<()> {
+        if row < self.rows.len() {
+            Ok(())
+        } else {
+            Err(CacheError::NoSuchRow { row, rows: self.rows.len() })
+        }
+    }
+
+    /// R-ROT-5 for one row.
+    pub fn row_decode_phase(&self, row: usize) -> Result<DecodePhase> {
+        self.check_row(row)?;
+        let s = &self.rows[row].ring;
+        if fault!(RowPhaseIgnoresOversize) {
+            return Ok(if s.idx == s.len { DecodePhase::Concat } else { DecodePhase::Ring });
+        }
+        Ok(s.decode_phase(self.max_size))
+    }
+
+    /// R-BROT-5: row `row` as a fresh serial cache: its `len` live columns de-rolled to temporal order (owned
+    /// contiguous copies), `offset = offset_row`, `idx = len`. A layout event. The row's `pending` is dropped.
+    pub fn extract(&self, row: usize) -> Result<SerialCache> {
+        self.check_row(row)?;
+        let st = &self.rows[row].ring;
+        let planes = self.row_gather(row, &st.temporal_columns())?;
+        let mut out = SerialCache::from_temporal_planes(self.spec, self.max_size, self.storage, &planes, st.offset)?;
+        if fault!(PhaseKeptAfterExtract) {
+            out.state_mut().idx = st.idx;
+        }
+        Ok(out)
+    }
+
+    /// R-BROT-6: keep these rows, in this order. Out-of-range rows are [`CacheError::NoSuchRow`], repeated rows
+    /// [`CacheError::DuplicateRow`]. Kept rows' columns and state are unchanged.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        let mut seen = vec![false; self.rows.len()];
+        for (i, &r) in keep.iter().enumerate() {
+            let bad = match self.check_row(r) {
+                Err(e) => Some(e),
+                Ok(()) if std::mem::replace(&mut seen[r], true) => Some(CacheError::DuplicateRow { row: r }),
+                Ok(()) => None,
+            };
+            if let Some(e) = bad {
+                if fault!(FilterPartialOnError) {
+                    self.filter(&keep[..i])?;
+                }
+                return Err(e);
+            }
+        }
+        let buf = match (&self.buf, keep.is_empty()) {
+            (Some(b), false) => {
+                let at = index_array(keep, &[keep.len()])?;
+                let nb = b.map(|p| Ok(p.take_axis(&at, 0)?))?;
+                nb.eval()?;
+                Some(nb)
+            }
+            _ => None,
+        };
+        self.rows = keep.iter().map(|&r| self.rows[r].clone()).collect();
+        self.buf = buf;
+        self.sync();
+        Ok(())
+    }
+
+    /// Right-padded prefill: row `r` has `lengths[r]` more real positions, delivered in the next window chunks (each
+    /// chunk of width `L` consumes `min(remaining_r, L)` real positions of row `r`, at the start of the row's
+    /// block). Requires no pending prefill ([`CacheError::PendingPrefill`]) and one length per row
+    /// ([`CacheError::BadLengths`]).
+    pub fn prepare(&mut self, lengths: &[usize]) -> Result<()> {
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        if lengths.len() != self.rows.len() {
+            return Err(CacheError::BadLengths {
+                what: format!("{} lengths for {} rows", lengths.len(), self.rows.len()),
+            });
+        }
+        for (r, &n) in self.rows.iter_mut().zip(lengths) {
+            r.pending = Some(n);
+        }
+        Ok(())
+    }
+
+    /// End a prepared prefill (required before decode). Real positions not yet delivered are forgotten.
+    /// [`CacheError::NoPendingPrefill`] if none is pending.
+    pub fn finalize(&mut self) -> Result<()> {
+        if !self.is_pending() {
+            return Err(CacheError::NoPendingPrefill);
+        }
+        for r in &mut self.rows {
+            r.pending = None;
+        }
+        Ok(())
+    }
+
+    fn ensure_capacity(&mut self, needed: usize) -> Result<()> {
+        let cap = self.cap();
+        let new_cap = grown_capacity(cap, needed, self.max_size);
+        if new_cap > cap {
+            self.buf = Buf::grow(self.buf.take(), &self.spec, &self.storage, self.rows.len(), new_cap - cap)?;
+        }
+        Ok(())
+    }
+
+    /// The host bookkeeping of a decode step for every row (R-C-9): each row's oversize dropped (one gather),
+    /// heads rotated, buffer grown. Returns each row's target column. Idempotent; changes no live byte.
+    /// [`CacheError::PendingPrefill`] during a prepared prefill.
+    pub fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let plans: Vec<(usize, RingState)> =
+            self.rows.iter().map(|r| r.ring.prepared_for_decode(self.max_size)).collect();
+        if plans.iter().any(|(d, _)| *d > 0) {
+            if let Some(b) = &self.buf {
+                let (nrows, cap) = (self.rows.len(), b.cap());
+                let mut idx = Vec::with_capacity(nrows * cap);
+                for (r, (drop, _)) in plans.iter().enumerate() {
+                    let old_len = self.rows[r].ring.len;
+                    for c in 0..cap {
+                        idx.push(if *drop == 0 {
+                            c
+                        } else if c + drop < old_len {
+                            c + drop
+                        } else {
+                            cap
+                        });
+                    }
+                }
+                let nb = self.gather_rows(b, None, &idx, cap)?;
+                self.buf = Some(nb);
+            }
+        }
+        for (r, (_, s)) in self.rows.iter_mut().zip(plans) {
+            r.ring = s;
+        }
+        let needed = self.rows.iter().map(|r| r.ring.idx + 1).max().unwrap_or(0);
+        self.ensure_capacity(needed)?;
+        Ok(self.rows.iter().map(|r| r.ring.idx).collect())
+    }
+
+    /// New buffer `[B, H, width, D]` whose row `r`, column `j` is `source[r, :, idx[r * width + j], :]`, with
+    /// `source = buffer ++ block ++ one zero column` along axis 2.
+    fn gather_rows(&self, b: &Buf, block: Option<&[Array]>, idx: &[usize], width: usize) -> Result<Buf> {
+        let n = self.rows.len();
+        let z = Buf::zeros(&self.spec, &self.storage, n, 1)?;
+        let at = index_array(idx, &[n, 1, width, 1])?;
+        let mut planes = Vec::with_capacity(b.planes.len());
+        for (i, (buf, zc)) in b.planes.iter().zip(&z.planes).enumerate() {
+            let mut parts = vec![buf];
+            if let Some(x) = block.and_then(|blk| blk.get(i)) {
+                parts.push(x);
+            }
+            parts.push(zc);
+            planes.push(mlx_rs::ops::concatenate(&parts, 2)?.take_along_axis(&at, 2)?);
+        }
+        let nb = Buf { planes };
+        nb.eval()?;
+        Ok(nb)
+    }
+
+    fn check_step(&self, k: &Array, v: &Array, q: Option<&Array>) -> Result<usize> {
+        let l = check_kv(&self.spec, k, v, self.rows.len(), 1)?;
+        if let Some(q) = q {
+            check_q(&self.spec, q, self.rows.len(), l)?;
+        }
+        Ok(l)
+    }
+
+    fn empty_output(&self, q: &Array) -> Result<Array> {
+        Ok(mlx_rs::ops::zeros_dtype(q.shape(), q.dtype())?)
+    }
+
+    /// One decode step (R-BROT-2): one position per row (`k`, `v` `[B, H_kv, 1, D]`, `q` `[B, H_q, 1, D]`), written
+    /// at each row's own ring head in one scatter, then attended over `[0, max len_r)`: no mask when rows' `len`
+    /// are equal, else the mask `c < len_r`. Requires no pending prefill ([`CacheError::PendingPrefill`]).
+    pub fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let l = self.check_step(k, v, Some(q))?;
+        if l != 1 {
+            return Err(shape(format!("decode writes one position per row, {l} given")));
+        }
+        if self.rows.is_empty() {
+            return Ok((self.empty_output(q)?, MaskUse::None));
+        }
+        self.write_decode(k, v)?;
+        self.read_decode(q, scale, masks)
+    }
+
+    fn write_decode(&mut self, k: &Array, v: &Array) -> Result<()> {
+        let block = self.storage.encode(k, v)?;
+        let mut targets = self.prepare_decode_step()?;
+        if fault!(SharedWritePointer) {
+            let shared = targets[0];
+            targets.iter_mut().for_each(|t| *t = shared);
+        }
+        let at = step_index_array(&targets, &[self.rows.len(), 1, 1, 1], self.max_size)?;
+        // Take the buffer out of `self` before evaluating: the scatter's input is then referenced by the graph only,
+        // so MLX donates it and writes the B new columns in place instead of copying the whole cache.
+        let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
+        let nb = match b.zip_map(&block, |p, x| Ok(p.put_along_axis(&at, x, 2)?)) {
+            Ok(nb) => nb,
+            Err(e) => {
+                self.buf = Some(b);
+                return Err(e);
+            }
+        };
+        drop(b);
+        nb.eval()?;
+        self.buf = Some(nb);
+        for r in &mut self.rows {
+            r.ring.after_decode_write();
+        }
+        self.sync();
+        Ok(())
+    }
+
+    fn read_decode(&self, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
+        let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
+        let width = lens.iter().copied().max().unwrap_or(0).max(1);
+        let b = self.buf.as_ref().ok_or_else(|| invalid("decode read without a buffer"))?;
+        let mut live = b.map(|p| cols(p, 0, width))?.planes;
+        // Mutation hook `Mutant::QuantMaskFromArrayOffset` (mlx-vlm#1206): a quantized batch's mask built from
+        // the per-row array offset plus left padding (`offset_r - base_r + left_padding_r`, which is the batch width
+        // for every row) instead of the buffered-token count `len_r`.
+        let lens: Vec<usize> = if self.storage != Storage::Plain && fault!(QuantMaskFromArrayOffset) {
+            let lp = self.left_padding();
+            self.rows.iter().zip(lp).map(|(r, p)| ((r.ring.offset - r.base) as i64 + p).max(0) as usize).collect()
+        } else {
+            lens
+        };
+        let uniform = lens.iter().all(|&l| l == lens[0]);
+        let scale = if fault!(DecodeScaleUlp) { f32::from_bits(scale.to_bits() + 1) } else { scale };
+        if uniform && fault!(DecodeKeyOrder) {
+            // Every plane (K, V and, when quantized, their scales and biases) is permuted alike.
+            let at = index_array(&(0..width).rev().collect::<Vec<_>>(), &[width])?;
+            live = live.iter().map(|p| Ok(p.take_axis(&at, 2)?)).collect::<Result<_>>()?;
+        }
+        if uniform || fault!(MaskIgnoresPadding) {
+            return Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None));
+        }
+        let key = MaskKey {
+            kind: MaskKind::Decode,
+            real: vec![1; lens.len()],
+            lens,
+            queries: 1,
+            window: self.max_size,
+            cols: width,
+        };
+        let (spec, arr) = masks.get(&key)?;
+        Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+    }
+
+    /// A window read (R-BROT-2, R-C-2): `L >= 1` positions per row (`[B, H_kv, L, D]`, queries `[B, H_q, L, D]`).
+    /// Row `r` stores its real positions of this chunk (all `L`, or `min(pending_r, L)` during a prepared prefill)
+    /// by the serial window rule; a row with no real position is untouched. Then every row is attended causally
+    /// within the window; outputs at padded query positions are unspecified (they see column 0 only).
+    pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
+        let l = self.check_step(k, v, Some(q))?;
+        if self.rows.is_empty() {
+            return Ok((self.empty_output(q)?, MaskUse::None));
+        }
+        let real = self.write_window(k, v)?;
+        let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
+        let width = lens.iter().copied().max().unwrap_or(0).max(1);
+        self.ensure_capacity(width)?;
+        let b = self.buf.as_ref().ok_or_else(|| invalid("window read without a buffer"))?;
+        let live = b.map(|p| cols(p, 0, width))?.planes;
+        if self.rows.len() == 1 && self.storage != Storage::Plain && fault!(QuantSinglePlainPath) {
+            // Mutation hook `Mutant::QuantSinglePlainPath` (mlx-vlm#1310): a one-row quantized batch takes the
+            // plain single-request shortcut, which sees only this block; the quantized prompt context is lost.
+            let (k, v) = self.storage.dense(&live)?;
+            let (k, v) = (cols(&k, width - real[0], width)?, cols(&v, width - real[0], width)?);
+            return Ok((super::mask::attend(q, &k, &v, scale, None, true)?, MaskUse::Causal));
+        }
+        let causal = real.iter().all(|&n| n == l)
+            && lens.iter().all(|&n| n == lens[0])
+            && self.max_size.is_none_or(|w| lens[0] <= w);
+        if causal {
+            return Ok((attend_planes(&self.storage, q, &live, scale, None, true)?, MaskUse::Causal));
+        }
+        let key = MaskKey { kind: MaskKind::Window, lens, real, queries: l, window: self.max_size, cols: width };
+        let (spec, arr) = masks.get(&key)?;
+        Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+    }
+
+    /// The window write without the read.
+    pub fn append(&mut self, k: &Array, v: &Array) -> Result<()> {
+        self.check_step(k, v, None)?;
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        self.write_window(k, v).map(|_| ())
+    }
+
+    /// The window write: one gather. Returns each row's real count.
+    fn write_window(&mut self, k: &Array, v: &Array) -> Result<Vec<usize>> {
+        let l = ncols(k);
+        let block = self.storage.encode(k, v)?;
+        let real: Vec<usize> = self
+            .rows
+            .iter()
+            .map(|r| match r.pending {
+                // Mutation hook `Mutant::PendingZeroTakesAll`: 0 read as "no limit".
+                Some(0) if fault!(PendingZeroTakesAll) => l,
+                p => p.map_or(l, |p| p.min(l)),
+            })
+            .collect();
+        let stored: Vec<usize> = self
+            .rows
+            .iter()
+            .zip(&real)
+            .map(|(r, &n)| if r.pending.is_some() && fault!(PrefillPadStored) { l } else { n })
+            .collect();
+        let cap = self.cap();
+        let zero_col = cap + l;
+        let mut maps = Vec::with_capacity(self.rows.len());
+        for (r, &n) in self.rows.iter().zip(&stored) {
+            let s = &r.ring;
+            let map: Vec<usize> = if n == 0 {
+                (0..s.len).collect()
+            } else {
+                let keep = window_keep(s.len, self.max_size);
+                let t = s.temporal_columns();
+                t[s.len - keep..].iter().copied().chain(cap..cap + n).collect()
+            };
+            maps.push(map);
+        }
+        let width = maps.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut idx = Vec::with_capacity(maps.len() * width);
+        for m in &maps {
+            idx.extend((0..width).map(|j| m.get(j).copied().unwrap_or(zero_col)));
+        }
+        let nb = match &self.buf {
+            Some(b) => self.gather_rows(b, Some(block.as_slice()), &idx, width)?,
+            None => {
+                // No buffer yet: the block alone is the source.
+                let empty = Buf { planes: block.clone() }.map(|p| cols(p, 0, 0))?;
+                self.gather_rows(&empty, Some(block.as_slice()), &idx, width)?
+            }
+        };
+        self.buf = Some(nb);
+        for ((r, &n), (&rl, m)) in self.rows.iter_mut().zip(&stored).zip(real.iter().zip(&maps)) {
+            if n > 0 {
+                r.ring = RingState { offset: r.ring.offset + n, len: m.len(), idx: m.len(), last_concat: Some(n) };
+            }
+            if let Some(p) = r.pending.as_mut() {
+                *p = p.saturating_sub(rl);
+            }
+        }
+        self.sync();
+        Ok(real)
+    }
+
+    /// A committed span (R-ROT-7) for every row: `L` decodes, one per position; outputs concatenated.
+    pub fn commit_span(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<Array> {
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let l = self.check_step(k, v, Some(q))?;
+        let mut outs = Vec::with_capacity(l);
+        for i in 0..l {
+            let (o, _) = self.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?;
+            outs.push(o);
+        }
+        Ok(mlx_rs::ops::concatenate(&outs, 2)?)
+    }
+
+    /// R-C-5 on every row: all rows are checked first (an error changes nothing), then trimmed. Returns `n`.
+    pub fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
+        let mut plans = Vec::with_capacity(self.rows.len());
+        for r in &self.rows {
+            match plan_trim(&r.ring, self.max_size, n, bypass)? {
+                None => return Ok(0),
+                Some(s) => plans.push(s),
+            }
+        }
+        for (r, s) in self.rows.iter_mut().zip(plans) {
+            r.ring = s;
+        }
+        self.sync();
+        Ok(n)
+    }
+
+    /// R-C-5 per row (speculative rollback with per-row accepts): row `r` drops `n[r]` positions; all rows are
+    /// checked first. One count per row, else [`CacheError::BadLengths`].
+    pub fn trim_rows(&mut self, n: &[usize], bypass: bool) -> Result<()> {
+        if n.len() != self.rows.len() {
+            return Err(CacheError::BadLengths {
+                what: format!("{} trim counts for {} rows", n.len(), self.rows.len()),
+            });
+        }
+        let plans = self
+            .rows
+            .iter()
+            .zip(n)
+            .map(|(r, &k)| plan_trim(&r.ring, self.max_size, k, bypass))
+            .collect::<Result<Vec<_>>>()?;
+        for (r, s) in self.rows.iter_mut().zip(plans) {
+            if let Some(s) = s {
+                r.ring = s;
+            }
+        }
+        self.sync();
+        Ok(())
+    }
+
+    /// Every row is trimmable (R-ROT-6).
+    pub fn is_trimmable(&self) -> bool {
+        self.rows.iter().all(|r| r.ring.is_trimmable(self.max_size))
+    }
+
+    fn row_gather(&self, row: usize, columns: &[usize]) -> Result<Vec<Array>> {
+        match &self.buf {
+            Some(b) if !columns.is_empty() => {
+                let at = index_array(columns, &[columns.len()])?;
+                Ok(b.map(|p| Ok(row_slice(p, row, row + 1)?.take_axis(&at, 2)?))?.planes)
+            }
+            _ => Ok(Buf::zeros(&self.spec, &self.storage, 1, 0)?.planes),
+        }
+    }
+
+    /// Row `row`'s live columns `[0, len_row)` in physical order, `[1, H_kv, len, D]`, contiguous; dense
+    /// (dequantized for affine storage: [`RowBatch::row_physical_planes`] are the stored bytes).
+    pub fn row_physical(&self, row: usize) -> Result<(Array, Array)> {
+        self.storage.dense(&self.row_physical_planes(row)?)
+    }
+
+    /// The stored planes of row `row`'s live columns `[0, len_row)` in physical order, contiguous.
+    pub fn row_physical_planes(&self, row: usize) -> Result<Vec<Array>> {
+        self.check_row(row)?;
+        let len = self.rows[row].ring.len;
+        match &self.buf {
+            Some(b) if len > 0 => Ok(b.map(|p| Ok(cols(&row_slice(p, row, row + 1)?, 0, len)?.contiguous()?))?.planes),
+            _ => self.row_gather(row, &[]),
+        }
+    }
+
+    /// R-ROT-4 for one row: its newest `min(len, W)` positions in temporal order; dense.
+    pub fn row_temporal_view(&self, row: usize) -> Result<(Array, Array)> {
+        self.storage.dense(&self.row_temporal_view_planes(row)?)
+    }
+
+    /// The stored planes of [`RowBatch::row_temporal_view`].
+    pub fn row_temporal_view_planes(&self, row: usize) -> Result<Vec<Array>> {
+        self.check_row(row)?;
+        self.row_gather(row, &temporal_view_columns(&self.rows[row].ring, self.max_size))
+    }
+
+    /// R-ROT-4 for every row at once, with one gather per tensor: `[B, H_kv, n_max, D]` whose row `r`, columns
+    /// `[0, n_r)` are exactly [`RowBatch::row_temporal_view`]`(r)` (the same columns, gathered by the same rule), and
+    /// the counts `n_r`. Columns `[n_r, n_max)` of row `r` repeat its column 0 (or are zero for an empty row) and mean
+    /// nothing. For callers that read every row's view (a checker): `B` views cost two MLX ops instead of `4 B`.
+    pub fn temporal_views(&self) -> Result<(Array, Array, Vec<usize>)> {
+        let views: Vec<Vec<usize>> = self.rows.iter().map(|r| temporal_view_columns(&r.ring, self.max_size)).collect();
+        let counts: Vec<usize> = views.iter().map(Vec::len).collect();
+        let width = counts.iter().copied().max().unwrap_or(0);
+        let empty = || {
+            super::util::zeros(
+                &[self.rows.len(), self.spec.heads_kv, width, self.spec.head_dim],
+                self.spec.dtype.to_mlx(),
+            )
+        };
+        let b = match &self.buf {
+            Some(b) if width > 0 => b,
+            _ => {
+                let z = empty()?;
+                return Ok((z.clone(), z, counts));
+            }
+        };
+        let mut idx = Vec::with_capacity(self.rows.len() * width);
+        for v in &views {
+            idx.extend((0..width).map(|j| v.get(j).or(v.first()).copied().unwrap_or(0)));
+        }
+        let at = index_array(&idx, &[self.rows.len(), 1, width, 1])?;
+        let (k, v) = self.storage.dense(&b.planes)?;
+        Ok((k.take_along_axis(&at, 2)?, v.take_along_axis(&at, 2)?, counts))
+    }
+
+    /// mlx-lm's `left_padding` (for compatibility and pictures): `width - (offset_r - base_r)` with
+    /// `width = max_r len_r`. Negative after wraps, exactly as mlx-lm's. kvsim keeps padding physically at the right.
+    pub fn left_padding(&self) -> Vec<i64> {
+        let width = self.rows.iter().map(|r| r.ring.len).max().unwrap_or(0) as i64;
+        self.rows.iter().map(|r| width - (r.ring.offset as i64 - r.base as i64)).collect()
+    }
+
+    /// R-BROT-3: per-row RoPE positions, a snapshot value. Mutation hook `Mutant::OffsetAliasing`.
+    pub fn rope_offsets(&self) -> RopeOffsets {
+        #[cfg(feature = "faults")]
+        if fault!(OffsetAliasing) {
+            return RopeOffsets(RopeRepr::Live);
+        }
+        RopeOffsets(RopeRepr::Snapshot(self.offsets_i32()))
+    }
+
+    /// The scalar offset: the maximum over rows (0 without rows; R-BROT-3).
+    pub fn offset(&self) -> usize {
+        self.rows.iter().map(|r| r.ring.offset).max().unwrap_or(0)
+    }
+
+    /// The serial kind plus the row-batch marker (R-BROT-10). Mutation hook `Mutant::MissingKindOverride`.
+    pub fn storage_kind(&self) -> StorageKind {
+        if fault!(MissingKindOverride) {
+            StorageKind::serial_of(self.max_size, self.storage)
+        } else {
+            StorageKind::row_batch_of(self.max_size, self.storage)
+        }
+    }
+
+    /// Bytes one more token costs one row (R-C-4, R-BROT-9): [`Storage::bytes_per_token`].
+    pub fn bytes_per_token(&self) -> usize {
+        self.storage.bytes_per_token(&self.spec)
+    }
+
+    /// Bytes `n` real tokens cost one row, capped at the window for rings (R-BROT-9).
+    pub fn bytes_for_tokens(&self, n: usize) -> usize {
+        self.max_size.map_or(n, |w| n.min(w)) * self.bytes_per_token()
+    }
+
+    /// A small text picture: a header, then one line per row with a cell per physical column (the stored position
+    /// mod 10, `.` for a column the row does not hold), `>` before the row's write head, then the row's numbers.
+    pub fn picture(&self) -> String {
+        let width = self.rows.iter().map(|r| r.ring.len).max().unwrap_or(0);
+        let mut out = format!(
+            "{} W={} rows={} cap={}\n",
+            self.storage_kind(),
+            self.max_size.map_or("inf".to_string(), |w| w.to_string()),
+            self.rows.len(),
+            self.cap()
+        );
+        for ((i, r), lp) in self.rows.iter().enumerate().zip(self.left_padding()) {
+            let s = &r.ring;
+            out.push_str(&format!(
+                "r{i} {} off={} len={} idx={} lp={lp}",
+                render_cells(s, width),
+                s.offset,
+                s.len,
+                s.idx
+            ));
+            if let Some(p) = r.pending {
+                out.push_str(&format!(" pending={p}"));
+            }
+            out.push('\n');
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kind::{is_plain_kv, is_rotating, is_row_batch};
+    use crate::testutil::testlock;
+    use crate::testutil::*;
+    use crate::{KvCache, KvDtype, RotatingKvCache};
+
+    /// Serial caches with different histories: a short linear start, a wrapped ring, a plateau, an empty row.
+    fn solo_rows(spec: KvSpec, w: Option<usize>) -> Vec<SerialCache> {
+        let masks = Masks::new();
+        let mut rows = Vec::new();
+        let scripts: &[&[(bool, usize)]] = &[
+            &[(false, 2)],
+            &[(true, 5), (false, 3)],
+            &[(true, 3), (true, 3)],
+            &[],
+            &[(false, 9), (true, 2), (false, 1)],
+        ];
+        for (i, script) in scripts.iter().enumerate() {
+            let mut c = SerialCache::new(spec, w).unwrap();
+            for (j, &(win, l)) in script.iter().enumerate() {
+                let seed = 1000 + 37 * i as u64 + 5 * j as u64;
+                if win {
+                    let (k, v, q) = kvq(&spec, seed, 1, l);
+                    c.window(&k, &v, &q, 0.35, &masks).unwrap();
+                } else {
+                    for s in 0..l as u64 {
+                        let (k, v, q) = kvq(&spec, seed * 31 + s, 1, 1);
+                        c.decode(&k, &v, &q, 0.35, &masks).unwrap();
+                    }
+                }
+            }
+            rows.push(c);
+        }
+        rows
+    }
+
+    fn joined_twin(spec: KvSpec, w: Option<usize>) -> Twin {
+        let solo = solo_rows(spec, w);
+        let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+        let batch = RowBatch::join(spec, w, &sources).unwrap();
+        Twin::new(batch, solo)
+    }
+
+    fn drive(t: &mut Twin) {
+        let mut seed = 5000;
+        let mut next = || {
+            seed += 1;
+            seed
+        };
+        for _ in 0..6 {
+            t.decode(next());
+        }
+        t.window(next(), 3);
+        t.trim_rows(&[0, 1, 2, 3, 1], true);
+        for _ in 0..2 {
+            t.decode(next());
+        }
+        t.window(next(), 1);
+        for _ in 0..5 {
+            t.decode(next());
+        }
+        t.window(next(), 2);
+        assert_eq!(t.batch.trim(1, true), Ok(1));
+        for s in &mut t.solo {
+            s.trim(1, true).unwrap();
+        }
+        t.check_state("trim");
+        for _ in 0..3 {
+            t.decode(next());
+        }
+    }
+
+    /// The core guarantee: every row keeps its serial twin's state, physical bytes and order through joins,
+    /// decodes, windows and trims; and (measured, CPU) every decode and window output is byte-identical to the
+    /// twin's, masked or not.
+    #[test]
+    fn rows_match_solo_twins_byte_for_byte() {
+        let _g = testlock::shared();
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            for w in [Some(1), Some(4), Some(7), None] {
+                let mut t = joined_twin(spec(dtype), w);
+                drive(&mut t);
+                let s = &t.stats;
+                eprintln!("{dtype:?} W={w:?}: {s:?}");
+                assert!(s.decode_masked_rows > 0 || w == Some(1));
+                assert_eq!(s.decode_same, s.decode_rows, "{dtype:?} W={w:?} decode outputs");
+                assert_eq!(s.window_same, s.window_rows, "{dtype:?} W={w:?} window outputs");
+            }
+        }
+    }
+
+    /// `temporal_views` (one gather for all rows) holds, row by row, exactly the bytes of `row_temporal_view`:
+    /// wrapped rings, plateaus, short rows and the empty row, before and after more writes.
+    #[test]
+    fn temporal_views_equal_the_per_row_views() {
+        let _g = testlock::shared();
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            for w in [Some(1), Some(4), Some(7), None] {
+                let mut t = joined_twin(spec(dtype), w);
+                for step in 0..2 {
+                    let (k, v, counts) = t.batch.temporal_views().unwrap();
+                    assert_eq!(counts.len(), t.batch.rows());
+                    for (r, &n) in counts.iter().enumerate() {
+                        let (rk, rv) = t.batch.row_temporal_view(r).unwrap();
+                        assert_eq!(rk.shape()[2] as usize, n, "{dtype:?} W={w:?} row {r}");
+                        let cut = |a: &Array| cols(&row(a, r), 0, n).unwrap();
+                        assert_same_bytes(&cut(&k), &rk, "temporal_views K");
+                        assert_same_bytes(&cut(&v), &rv, "temporal_views V");
+                    }
+                    if step == 0 {
+                        drive(&mut t);
+                    }
+                }
+            }
+        }
+        let empty = RowBatch::empty(spec(KvDtype::F32), Some(4)).unwrap();
+        let (k, _, counts) = empty.temporal_views().unwrap();
+        assert!(counts.is_empty());
+        assert_eq!(k.shape(), &[0, 2, 0, 8]);
+    }
+
+    /// The same guarantee at a larger head dim and window, with many wraps, plus committed spans.
+    #[test]
+    fn rows_match_solo_twins_at_larger_shapes() {
+        let _g = testlock::shared();
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let spec = KvSpec { heads_kv: 2, head_dim: 64, dtype };
+            let w = Some(32);
+            let masks = Masks::new();
+            let mut solo = Vec::new();
+            for (i, &(win, dec)) in [(40usize, 3usize), (7, 30), (0, 0), (31, 1), (12, 50)].iter().enumerate() {
+                let mut c = SerialCache::new(spec, w).unwrap();
+                if win > 0 {
+                    let (k, v, q) = kvq(&spec, 10 * i as u64, 1, win);
+                    c.window(&k, &v, &q, 0.125, &masks).unwrap();
+                }
+                for s in 0..dec as u64 {
+                    let (k, v, q) = kvq(&spec, 1000 * i as u64 + s, 1, 1);
+                    c.decode(&k, &v, &q, 0.125, &masks).unwrap();
+                }
+                solo.push(c);
+            }
+            let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+            let batch = RowBatch::join(spec, w, &sources).unwrap();
+            let mut t = Twin::new(batch, solo);
+            t.scale = 0.125;
+            for s in 0..40 {
+                t.decode(20_000 + s);
+            }
+            t.window(30_000, 9);
+            for s in 0..40 {
+                t.decode(40_000 + s);
+            }
+            let (k, v, q) = kvq(&spec, 50_000, 5, 4);
+            let span = t.batch.commit_span(&k, &v, &q, 0.125, &masks).unwrap();
+            for r in 0..5 {
+                let so = t.solo[r].commit_span(&row(&k, r), &row(&v, r), &row(&q, r), 0.125, &masks).unwrap();
+                assert_same_bytes(&row(&span, r), &so, "commit_span row");
+            }
+            t.check_state("commit_span");
+            let st = &t.stats;
+            eprintln!("{dtype:?} D=64 W=32: {st:?}");
+            assert!(st.decode_masked_rows > 0);
+            assert_eq!(st.decode_same, st.decode_rows);
+            assert_eq!(st.window_same, st.window_rows);
+        }
+    }
+
+    /// R-BROT-4: merged rows come out in temporal order and then follow their from_temporal twins.
+    #[test]
+    fn merged_rows_follow_from_temporal_twins() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::Bf16);
+        let w = Some(4);
+        let src = solo_rows(spec, w);
+        let mut slices = Vec::new();
+        let mut solo = Vec::new();
+        for s in &src {
+            let (k, v) = s.temporal_view().unwrap();
+            solo.push(SerialCache::from_temporal(spec, w, &k, &v, s.offset()).unwrap());
+            slices.push((k, v, s.offset()));
+        }
+        let batch = RowBatch::merge(spec, w, &slices).unwrap();
+        assert!(batch.row_states().iter().all(|r| r.ring.idx == r.ring.len && r.ring.len <= 4));
+        let mut t = Twin::new(batch, solo);
+        drive(&mut t);
+        assert_eq!(t.stats.decode_same, t.stats.decode_rows);
+    }
+
+    /// Right-padded prefill: each row stores only its real positions; rows without any are untouched.
+    #[test]
+    fn prepared_prefill_stores_only_real_positions() {
+        let _g = testlock::shared();
+        for w in [Some(4), None] {
+            let spec = spec(KvDtype::F32);
+            let batch = RowBatch::with_rows(spec, w, 4).unwrap();
+            let solo = (0..4).map(|_| SerialCache::new(spec, w).unwrap()).collect();
+            let mut t = Twin::new(batch, solo);
+            t.batch.prepare(&[5, 2, 0, 7]).unwrap();
+            assert_eq!(t.batch.prepare(&[1, 1, 1, 1]), Err(CacheError::PendingPrefill));
+            let (k, v, q) = kvq(&spec, 1, 4, 1);
+            assert!(matches!(t.batch.decode(&k, &v, &q, 0.3, &Masks::new()), Err(CacheError::PendingPrefill)));
+            for s in 0..3 {
+                t.window(70 + s, 3);
+            }
+            assert_eq!(t.batch.row_states().iter().map(|r| r.pending).collect::<Vec<_>>(), vec![Some(0); 4]);
+            t.batch.finalize().unwrap();
+            assert_eq!(t.batch.finalize(), Err(CacheError::NoPendingPrefill));
+            for s in 0..5 {
+                t.decode(80 + s);
+            }
+            assert_eq!(t.stats.window_same, t.stats.window_rows);
+            assert_eq!(t.stats.decode_same, t.stats.decode_rows);
+        }
+    }
+
+    /// Padded query positions read column 0 only: finite outputs.
+    #[test]
+    fn padded_queries_are_finite() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        let mut b = RowBatch::with_rows(spec, Some(4), 2).unwrap();
+        b.prepare(&[1, 0]).unwrap();
+        let (k, v, q) = kvq(&spec, 3, 2, 3);
+        let (out, used) = b.window(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+        assert!(matches!(used, MaskUse::Array(_)));
+        let o = out.as_dtype(mlx_rs::Dtype::Float32).unwrap().contiguous().unwrap();
+        o.eval().unwrap();
+        assert!(o.as_slice::<f32>().iter().all(|x| x.is_finite()));
+        assert_eq!(b.row_states()[1].ring, RingState::default());
+    }
+
+    /// R-BROT-5: extract de-rolls a row into a serial cache equal to its relinearized twin, which then decodes
+    /// byte-identically.
+    #[test]
+    fn extract_is_the_relinearized_twin() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::Bf16);
+        let mut t = joined_twin(spec, Some(4));
+        drive(&mut t);
+        let masks = Masks::new();
+        for r in 0..t.batch.rows() {
+            let mut e = t.batch.extract(r).unwrap();
+            let mut twin = t.solo[r].clone();
+            twin.relinearize().unwrap();
+            assert_eq!(e.state(), twin.state(), "row {r}");
+            assert_same_bytes(&e.physical().unwrap().0, &twin.physical().unwrap().0, "extracted bytes");
+            for s in 0..3 {
+                let (k, v, q) = kvq(&spec, 900 + s, 1, 1);
+                let a = e.decode(&k, &v, &q, 0.3, &masks).unwrap().0;
+                let b = twin.decode(&k, &v, &q, 0.3, &masks).unwrap().0;
+                assert_same_bytes(&a, &b, "decode after extract");
+            }
+        }
+        assert_eq!(t.batch.extract(9).unwrap_err(), CacheError::NoSuchRow { row: 9, rows: 5 });
+    }
+
+    /// R-BROT-7: join keeps every row's columns and phase, from batches and serial caches, in order.
+    #[test]
+    fn join_keeps_rows_and_phase() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        let mut a = joined_twin(spec, Some(4));
+        drive(&mut a);
+        let s = a.solo[4].clone();
+        let b = RowBatch::join(
+            spec,
+            Some(4),
+            &[JoinSource::Rows(&a.batch, vec![2, 0]), JoinSource::Serial(&s), JoinSource::Rows(&a.batch, vec![1])],
+        )
+        .unwrap();
+        let solo = vec![a.solo[2].clone(), a.solo[0].clone(), s, a.solo[1].clone()];
+        let mut t = Twin::new(b, solo);
+        assert_eq!(t.batch.row_states()[0], a.batch.row_states()[2], "base and pending kept too");
+        for i in 0..4 {
+            t.decode(300 + i);
+        }
+        // Errors: window, spec, rows.
+        let other = RotatingKvCache::new(spec, 5).unwrap();
+        assert_eq!(
+            RowBatch::join(spec, Some(4), &[JoinSource::Serial(&other)]).unwrap_err(),
+            CacheError::WindowMismatch { expected: Some(4), found: Some(5) }
+        );
+        let lin = KvCache::new(spec).unwrap();
+        assert_eq!(
+            RowBatch::join(spec, Some(4), &[JoinSource::Serial(&lin)]).unwrap_err(),
+            CacheError::WindowMismatch { expected: Some(4), found: None }
+        );
+        let bf = RotatingKvCache::new(KvSpec { dtype: KvDtype::Bf16, ..spec }, 4).unwrap();
+        assert!(matches!(
+            RowBatch::join(spec, Some(4), &[JoinSource::Serial(&bf)]),
+            Err(CacheError::ShapeMismatch { .. })
+        ));
+        assert_eq!(
+            RowBatch::join(spec, Some(4), &[JoinSource::Rows(&a.batch, vec![1, 1])]).unwrap_err(),
+            CacheError::DuplicateRow { row: 1 }
+        );
+        assert_eq!(
+            RowBatch::join(spec, Some(4), &[JoinSource::Rows(&a.batch, vec![7])]).unwrap_err(),
+            CacheError::NoSuchRow { row: 7, rows: 5 }
+        );
+    }
+
+    #[cfg(feature = "faults")]
+    /// R-BROT-10: the batched ring is recognised as rotating-plain + row batch; a batch that forgets the marker
+    /// is routed as one serial row and join drops its other rows (the mutant).
+    #[test]
+    fn batch_kind_is_rotating_plus_row_batch_and_forgetting_it_drops_rows() {
+        use crate::faults::Mutant;
+        let spec = spec(KvDtype::F32);
+        let build = || {
+            let solo = solo_rows(spec, Some(4));
+            let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+            RowBatch::join(spec, Some(4), &sources).unwrap()
+        };
+        {
+            let _g = testlock::shared();
+            let b = build();
+            let k = b.storage_kind();
+            assert_eq!(k.as_str(), "rotating-plain+row-batch");
+            assert!(is_row_batch(&k) && is_rotating(&k) && !is_plain_kv(&k));
+            assert_eq!(k.route(), Ok(KindRoute::RowBatch { rotating: true }));
+            let lk = BatchKvCache::empty(spec).unwrap().storage_kind();
+            assert_eq!(lk.as_str(), "kv-plain+row-batch");
+            assert!(is_row_batch(&lk) && is_plain_kv(&lk));
+            let j = RowBatch::join(spec, Some(4), &[JoinSource::Rows(&b, vec![0, 1, 2, 3, 4])]).unwrap();
+            assert_eq!(j.rows(), 5);
+        }
+        let _m = testlock::arm(Mutant::MissingKindOverride);
+        let b = build();
+        assert_eq!(b.storage_kind().as_str(), "rotating-plain");
+        let j = RowBatch::join(spec, Some(4), &[JoinSource::Rows(&b, vec![0, 1, 2, 3, 4])]).unwrap();
+        assert_eq!(j.rows(), 1, "the mutant drops rows");
+    }
+
+    #[test]
+    fn filter_keeps_rows_and_rejects_bad_lists() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::Bf16);
+        let mut t = joined_twin(spec, Some(4));
+        drive(&mut t);
+        assert_eq!(t.batch.filter(&[0, 5]), Err(CacheError::NoSuchRow { row: 5, rows: 5 }));
+        assert_eq!(t.batch.filter(&[3, 3]), Err(CacheError::DuplicateRow { row: 3 }));
+        assert_eq!(t.batch.rows(), 5, "errors change nothing");
+        t.batch.filter(&[4, 1, 2]).unwrap();
+        t.solo = vec![t.solo[4].clone(), t.solo[1].clone(), t.solo[2].clone()];
+        t.check_state("filter");
+        for s in 0..3 {
+            t.decode(700 + s);
+        }
+        t.batch.filter(&[]).unwrap();
+        t.solo.clear();
+        t.check_state("filter to empty");
+        let (k, v, q) = kvq(&spec, 1, 0, 1);
+        let (out, _) = t.batch.decode(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+        assert_eq!(out.shape(), &[0, HQ as i32, 1, 8]);
+    }
+
+    #[test]
+    fn batch_errors_are_typed() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        let masks = Masks::new();
+        let mut t = joined_twin(spec, Some(4));
+        drive(&mut t);
+        let b = &mut t.batch;
+        assert_eq!(b.prepare(&[1, 2]), Err(CacheError::BadLengths { what: "2 lengths for 5 rows".into() }));
+        assert!(matches!(b.trim_rows(&[1], false), Err(CacheError::BadLengths { .. })));
+        assert!(!b.is_trimmable());
+        assert!(matches!(b.trim(1, false), Err(CacheError::NotTrimmable { .. })));
+        assert_eq!(b.trim(1, true), Err(CacheError::BypassNotAfterWindow));
+        let (k, v, q) = kvq(&spec, 1, 4, 1);
+        assert!(matches!(b.decode(&k, &v, &q, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })), "wrong row count");
+        let (k, v, q) = kvq(&spec, 1, 5, 2);
+        assert!(matches!(b.decode(&k, &v, &q, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })), "two positions");
+        t.window(77, 3);
+        assert_eq!(
+            t.batch.trim_rows(&[0, 1, 4, 0, 0], true),
+            Err(CacheError::TrimTooLong { requested: 4, available: 3 })
+        );
+        t.check_state("failed trims change nothing");
+        assert_eq!(t.batch.row_states()[0].ring.last_concat, Some(3));
+        assert!(matches!(RowBatch::with_rows(spec, Some(0), 1), Err(CacheError::InvalidState { .. })));
+        let (k, v, _) = kvq(&spec, 2, 1, 5);
+        assert!(matches!(
+            RowBatch::merge(spec, Some(4), &[(k.clone(), v.clone(), 9)]),
+            Err(CacheError::ShapeMismatch { .. })
+        ));
+        assert!(matches!(RowBatch::merge(spec, None, &[(k, v, 3)]), Err(CacheError::InvalidState { .. })));
+    }
+
+    #[test]
+    fn adopt_takes_buffers_without_moving_columns() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        let mut t = joined_twin(spec, Some(4));
+        drive(&mut t);
+        let (k, v) = t.batch.buffers().unwrap();
+        let states = t.batch.row_states().to_vec();
+        let adopted = RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), states.clone()).unwrap();
+        let mut t2 = Twin::new(adopted, t.solo.clone());
+        t2.decode(1);
+        let mut bad = states.clone();
+        bad[0].ring.len = bad[0].ring.offset + 1;
+        assert!(matches!(
+            RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), bad),
+            Err(CacheError::InvalidState { .. })
+        ));
+        let mut bad = states.clone();
+        bad[1].ring.idx = 1;
+        bad[1].ring.len = 3;
+        assert!(matches!(
+            RowBatch::adopt(spec, Some(4), k.clone(), v.clone(), bad),
+            Err(CacheError::InvalidState { .. })
+        ));
+        assert!(matches!(
+            RowBatch::adopt(spec, Some(4), k, v, states[..2].to_vec()),
+            Err(CacheError::ShapeMismatch { .. })
+        ));
+    }
+
+    #[cfg(feature = "faults")]
+    /// R-BROT-3: rope_offsets is a value; the OffsetAliasing mutant makes it follow later writes.
+    #[test]
+    fn rope_offsets_are_snapshots() {
+        use crate::faults::Mutant;
+        let spec = spec(KvDtype::F32);
+        let run = || {
+            let mut t = joined_twin(spec, Some(4));
+            let before = t.batch.rope_offsets();
+            let values = before.values();
+            t.decode(1);
+            (values, before.values(), t.batch.rope_offsets().values())
+        };
+        {
+            let _g = testlock::shared();
+            let (v0, v1, now) = run();
+            assert_eq!(v0, v1);
+            assert_eq!(now, v0.iter().map(|x| x + 1).collect::<Vec<_>>());
+            let t = joined_twin(spec, Some(4));
+            let arr = t.batch.rope_offsets().to_array();
+            assert_eq!(arr.dtype(), mlx_rs::Dtype::Int32);
+            assert_eq!(arr.as_slice::<i32>(), &t.batch.rope_offsets().values()[..]);
+            assert_eq!(t.batch.offset(), *t.batch.rope_offsets().values().iter().max().unwrap() as usize);
+        }
+        let _m = testlock::arm(Mutant::OffsetAliasing);
+        let (v0, v1, _) = run();
+        assert_ne!(v0, v1, "the alias moved");
+    }
+
+    /// mlx-lm's left padding goes negative as rows wrap.
+    #[test]
+    fn left_padding_goes_negative_after_wraps() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        let (k4, v4, _) = kvq(&spec, 1, 1, 4);
+        let (k2, v2, _) = kvq(&spec, 2, 1, 2);
+        let mut b = RowBatch::merge(spec, Some(4), &[(k4, v4, 4), (k2, v2, 2)]).unwrap();
+        assert_eq!(b.left_padding(), vec![0, 2]);
+        let masks = Masks::new();
+        for s in 0..3 {
+            let (k, v, q) = kvq(&spec, 10 + s, 2, 1);
+            b.decode(&k, &v, &q, 0.3, &masks).unwrap();
+        }
+        assert_eq!(b.left_padding(), vec![-3, -1]);
+    }
+
+    /// R-C-3: all layers of one forward share one build per geometry.
+    #[test]
+    fn layers_share_masks() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        let mut layers: Vec<RowBatch> = (0..4).map(|_| joined_twin(spec, Some(4)).batch).collect();
+        let masks = Masks::new();
+        let (k, v, q) = kvq(&spec, 3, 5, 1);
+        for l in &mut layers {
+            let (_, used) = l.decode(&k, &v, &q, 0.3, &masks).unwrap();
+            assert!(matches!(used, MaskUse::Array(_)));
+        }
+        assert_eq!(masks.builds(), 1);
+        let (k, v, q) = kvq(&spec, 4, 5, 3);
+        for l in &mut layers {
+            l.window(&k, &v, &q, 0.3, &masks).unwrap();
+        }
+        assert_eq!(masks.builds(), 2);
+    }
+
+    #[test]
+    fn bytes_per_token_is_per_row_and_capped_at_the_window() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::Bf16);
+        let b = BatchRotatingKvCache::empty(spec, 16).unwrap();
+        assert_eq!(b.bytes_per_token(), 2 * 2 * 8 * 2);
+        assert_eq!(b.bytes_for_tokens(5), 5 * 64);
+        assert_eq!(b.bytes_for_tokens(100), 16 * 64);
+        assert_eq!(BatchKvCache::empty(spec).unwrap().bytes_for_tokens(100), 100 * 64);
+    }
+
+    #[cfg(feature = "faults")]
+    /// Each batch-side mutant makes the twin check (or the API contract) fail.
+    #[test]
+    fn batch_mutants_have_teeth() {
+        use crate::faults::Mutant;
+        let spec = spec(KvDtype::F32);
+        {
+            let _m = testlock::arm(Mutant::SharedWritePointer);
+            let mut t = joined_twin(spec, Some(4));
+            t.lenient = true;
+            t.decode(1);
+            assert!(t.mismatch().is_some(), "shared write pointer");
+        }
+        {
+            let _m = testlock::arm(Mutant::MaskIgnoresPadding);
+            let mut t = joined_twin(spec, Some(4));
+            t.decode(1);
+            assert!(t.stats.decode_same < t.stats.decode_rows, "mask ignores padding: {:?}", t.stats);
+        }
+        {
+            let _m = testlock::arm(Mutant::MergeSlicesByOffset);
+            let (k, v, _) = kvq(&spec, 1, 1, 2);
+            let (k3, v3, _) = kvq(&spec, 2, 1, 3);
+            let b = RowBatch::merge(spec, Some(4), &[(k, v, 9), (k3, v3, 3)]).unwrap();
+            assert_eq!(b.row_states()[0].ring.len, 3, "a padding column became live");
+        }
+        {
+            let _m = testlock::arm(Mutant::PrefillPadStored);
+            let batch = RowBatch::with_rows(spec, Some(4), 2).unwrap();
+            let solo = (0..2).map(|_| SerialCache::new(spec, Some(4)).unwrap()).collect();
+            let mut t = Twin::new(batch, solo);
+            t.lenient = true;
+            t.batch.prepare(&[3, 1]).unwrap();
+            t.window(1, 3);
+            assert!(t.mismatch().is_some(), "padding stored");
+        }
+        {
+            let _m = testlock::arm(Mutant::PhaseKeptAfterExtract);
+            let t = joined_twin(spec, Some(4));
+            let e = t.batch.extract(1).unwrap();
+            assert_ne!(e.state().idx, e.state().len, "extract kept the old head of a rotated row");
+        }
+        {
+            let _m = testlock::arm(Mutant::TrimNoopAfterWrap);
+            let mut t = joined_twin(spec, Some(4));
+            let (k, v, q) = kvq(&spec, 1, 5, 2);
+            t.batch.window(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+            assert_eq!(t.batch.trim(1, true), Ok(0));
+        }
+    }
+
+    #[test]
+    fn pictures() {
+        let _g = testlock::shared();
+        let spec = spec(KvDtype::F32);
+        // Padded rows after a merge (mlx-lm's left padding shown as lp).
+        let (k4, v4, _) = kvq(&spec, 1, 1, 4);
+        let (k2, v2, _) = kvq(&spec, 2, 1, 2);
+        let (k0, v0, _) = kvq(&spec, 3, 1, 0);
+        let merged = RowBatch::merge(spec, Some(4), &[(k4, v4, 7), (k2, v2, 2), (k0, v0, 0)]).unwrap();
+        insta::assert_snapshot!("merged_padded_rows", merged.picture());
+        // Wrapped rings with different phases, and a plateau row, after joins and decodes.
+        let mut t = joined_twin(spec, Some(4));
+        insta::assert_snapshot!("joined_rows", t.batch.picture());
+        for s in 0..3 {
+            t.decode(s);
+        }
+        insta::assert_snapshot!("wrapped_rings", t.batch.picture());
+        // Post-window plateau: W - 1 kept + 3.
+        t.window(10, 3);
+        insta::assert_snapshot!("post_window_plateau", t.batch.picture());
+        // A prepared prefill in progress.
+        let mut p = RowBatch::with_rows(spec, None, 3).unwrap();
+        p.prepare(&[4, 1, 0]).unwrap();
+        let (k, v) = (data(1, 3, 2, 2, 8, KvDtype::F32), data(2, 3, 2, 2, 8, KvDtype::F32));
+        p.append(&k, &v).unwrap();
+        insta::assert_snapshot!("prefill_in_progress", p.picture());
+    }
+}
+
+// The row layouts move between threads (a campaign may run seeds on several).
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<RowBatch>();
+    assert_send::<SerialCache>();
+};

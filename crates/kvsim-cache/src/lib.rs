@@ -1,0 +1,162 @@
+//! Production KV-cache layouts on MLX: what an MLX inference engine needs under continuous batching and
+//! speculative decoding (docs/layouts.md says what each layout guarantees). This crate knows nothing of the
+//! harness that proves it: its dependencies are MLX's bindings and a few small crates.
+//!
+//! - [`SerialCache`] ([`KvCache`], [`RotatingKvCache`]): the serial ring/linear core (R-ROT-*).
+//! - [`RowBatch`] ([`BatchKvCache`], [`BatchRotatingKvCache`]): rows of serial rings in one buffer, each row keeping
+//!   its own physical columns and phase (R-BROT-*).
+//! - [`CompiledDecode`], [`DecodePlan`]: the compiled-decode protocol (R-C-9): host plan, pure step, apply.
+//! - [`TrainingCache`], [`PrefixSharedCache`]: stateless training adapters, never admitted, merged or persisted
+//!   (R-TRN-*).
+//! - [`QuantizedKvCache`], [`RotatingQuantizedKvCache`], [`BatchQuantizedKvCache`]: the same core and rows with
+//!   affine-quantized [`Storage`] (six planes; see [`quant`]).
+//! - [`ChunkedKvCache`]: a linear cache with mlx-lm's chunk rule (front trimmed to `chunk_size` on request).
+//! - [`SsmCache`]: the gated-DeltaNet recurrent cache (conv tail + recurrent state, speculative rounds; R-SSM-*).
+//! - [`Masks`]: the per-forward mask memo (R-C-3). [`StorageKind`]: identity strings (R-C-1).
+//! - [`bytes`]: byte views of MLX arrays, bitwise equality and ULP distance; every bit-exact claim goes through it.
+//! - `faults` (only with the cargo feature `faults`, which the harness turns on): the mutation catalog's fault hooks.
+//!
+//! # What is guaranteed
+//! - **Stored bytes**: writes are copies (slice updates, scatters, gathers, concatenations), so every live column
+//!   of every row holds exactly the bytes that were written for its position, and a row's physical column order is
+//!   exactly its solo serial cache's (same `RingState`).
+//! - **Decode outputs**: a row's decode read runs MLX's fused SDPA over the same keys in the same physical order as
+//!   its solo cache; when rows differ in `len` the batch adds a boolean mask `c < len_r`. Byte-identity to the solo
+//!   output is then a property of MLX's kernel (batch invariance, all-true-mask = no-mask), measured on CPU by the
+//!   tests here, not promised by this module.
+//! - **Host metadata** is plain integers ([`RingState`], [`RowState`]); K/V buffers are evaluated after every
+//!   write, so no lazy graph grows across steps.
+#![cfg_attr(test, allow(clippy::print_stdout, clippy::print_stderr))]
+
+/// Whether the fault hook of the named catalog mutant fires here: the mutant is armed on this thread.
+#[cfg(feature = "faults")]
+macro_rules! fault {
+    ($m:ident) => {
+        crate::faults::is(crate::faults::Mutant::$m)
+    };
+}
+
+/// Without the feature `faults` every fault hook is the constant `false`, so none is compiled.
+#[cfg(not(feature = "faults"))]
+macro_rules! fault {
+    ($m:ident) => {
+        false
+    };
+}
+
+pub mod batch;
+pub mod bytes;
+pub mod chunked;
+pub mod compiled;
+pub mod error;
+pub mod exact;
+#[cfg(feature = "faults")]
+pub mod faults;
+pub mod kind;
+pub mod mask;
+pub mod quant;
+pub mod ring;
+pub mod ssm;
+#[cfg(any(test, feature = "testutil"))]
+#[doc(hidden)]
+pub mod testutil;
+pub mod training;
+pub mod transition;
+mod util;
+
+pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
+pub use chunked::ChunkedKvCache;
+pub use compiled::{
+    decode_step, int32_input, plain_decode_step, quantized_decode_step, CompiledDecode, DecodePlan, StepRope,
+};
+pub use error::CacheError;
+pub use exact::{read_mode, set_read_mode, ReadMode};
+pub use kind::{
+    is_bf16_first, is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training,
+    parse_bf16_first, parse_delayed, DelayedKind, KindRoute, StorageKind, BF16_FIRST_QUANT_PREFIX,
+    BF16_FIRST_ROTATING_QUANT_PREFIX, CACHE_LIST, CHUNKED_PREFIX, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX,
+    KV_PLAIN, PREFIX_SHARED, QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING,
+    TRAINING_SSM,
+};
+pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
+pub use quant::{
+    packed_width, BatchQuantizedKvCache, QuantSpec, QuantizedKvCache, RotatingQuantizedKvCache, Storage, QUANT_BITS,
+    QUANT_GROUPS,
+};
+pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKvCache, SerialCache};
+pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
+pub use training::{PrefixSharedCache, TrainingCache, TrainingSsmCache};
+pub use transition::{
+    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, RowLifecycle, Transition,
+    TransitioningKvRows,
+};
+
+/// Result of every fallible cache operation.
+pub type Result<T> = std::result::Result<T, CacheError>;
+
+/// The element type of K, V, Q and outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn itemsize(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// The MLX dtype.
+    pub fn to_mlx(self) -> mlx_rs::Dtype {
+        match self {
+            KvDtype::F32 => mlx_rs::Dtype::Float32,
+            KvDtype::Bf16 => mlx_rs::Dtype::Bfloat16,
+        }
+    }
+
+    /// The `KvDtype` of an MLX dtype, if it is one.
+    pub fn from_mlx(d: mlx_rs::Dtype) -> Option<Self> {
+        match d {
+            mlx_rs::Dtype::Float32 => Some(KvDtype::F32),
+            mlx_rs::Dtype::Bfloat16 => Some(KvDtype::Bf16),
+            _ => None,
+        }
+    }
+}
+
+impl From<KvDtype> for mlx_rs::Dtype {
+    fn from(d: KvDtype) -> Self {
+        d.to_mlx()
+    }
+}
+
+/// The geometry of one layer's K/V: `H_kv` heads of `head_dim` elements of `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct KvSpec {
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvSpec {
+    /// `2 * H_kv * D * itemsize`: bytes one token costs one row (K and V; R-C-4).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.heads_kv * self.head_dim * self.dtype.itemsize()
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.heads_kv == 0 || self.head_dim == 0 {
+            return Err(error::invalid(format!("spec with zero heads or head_dim: {self:?}")));
+        }
+        if i32::try_from(self.heads_kv).is_err() || i32::try_from(self.head_dim).is_err() {
+            return Err(error::invalid(format!("spec too large for MLX shapes: {self:?}")));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,396 @@
+//! Masks (R-C-2, R-C-3): host-side visibility matrices, built once per forward and shared by every layer.
+//!
+//! A [`Masks`] value lives for one forward. Every read asks it for the mask of its geometry ([`MaskKey`]); each
+//! distinct geometry is built once (host matrix + MLX array) and handed out again to every later layer, which
+//! [`Masks::builds`] proves. The MLX array is `[B, 1, L, cols]` bool (broadcast over heads); `true` = visible.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::Array;
+
+use super::util::dim;
+use super::Result;
+
+/// What a read's mask depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MaskKind {
+    /// One query per row over physical ring columns: column `c` of row `b` is visible iff `c < lens[b]`.
+    Decode,
+    /// `queries` new positions per row (the last `real[b]` stored columns of row `b` are this window's real
+    /// positions): real query `i < real[b]` at position `q` sees column `c` (position `p_c`) iff `c < lens[b]`,
+    /// `p_c <= q` and `q - p_c < window`; padded queries (`i >= real[b]`) see column 0 only (finite, unspecified).
+    Window,
+}
+
+/// The geometry of one read: everything its visibility depends on (the memo key of [`Masks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MaskKey {
+    pub kind: MaskKind,
+    /// Per row: live columns after the write (`len_r`).
+    pub lens: Vec<usize>,
+    /// Per row: real positions of this write (`1` for decode).
+    pub real: Vec<usize>,
+    /// Queries per row (`L`).
+    pub queries: usize,
+    /// The sliding window (`None` = unbounded).
+    pub window: Option<usize>,
+    /// Columns attended (`max_r len_r`, at least 1).
+    pub cols: usize,
+}
+
+/// One visibility matrix, host side: `visible[(b * queries + i) * cols + c]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskSpec {
+    pub rows: usize,
+    pub queries: usize,
+    pub cols: usize,
+    pub visible: Vec<bool>,
+}
+
+impl MaskSpec {
+    /// The matrix of a geometry (pure; see [`MaskKind`] for the rule).
+    pub fn build(key: &MaskKey) -> MaskSpec {
+        let rows = key.lens.len();
+        let (l, cols) = (key.queries, key.cols);
+        let mut visible = vec![false; rows * l * cols];
+        for b in 0..rows {
+            let len = key.lens[b];
+            let real = key.real.get(b).copied().unwrap_or(0);
+            for i in 0..l {
+                let row = &mut visible[(b * l + i) * cols..(b * l + i + 1) * cols];
+                match key.kind {
+                    MaskKind::Decode => {
+                        for (c, v) in row.iter_mut().enumerate() {
+                            *v = c < len;
+                        }
+                    }
+                    MaskKind::Window if i < real && real <= len => {
+                        // Relative to the row's newest stored position (offset - 1):
+                        // query i sits at len - real + i, column c at c.
+                        let q = len - real + i;
+                        for (c, v) in row.iter_mut().enumerate() {
+                            *v = c < len && c <= q && key.window.is_none_or(|w| q - c < w);
+                        }
+                    }
+                    MaskKind::Window => {
+                        if let Some(v) = row.first_mut() {
+                            *v = true;
+                        }
+                    }
+                }
+            }
+        }
+        MaskSpec { rows, queries: l, cols, visible }
+    }
+
+    /// Whether query `i` of row `b` sees column `c`.
+    pub fn is_visible(&self, b: usize, i: usize, c: usize) -> bool {
+        b < self.rows && i < self.queries && c < self.cols && self.visible[(b * self.queries + i) * self.cols + c]
+    }
+
+    /// The visible columns of query `i` of row `b`.
+    pub fn visible_columns(&self, b: usize, i: usize) -> Vec<usize> {
+        (0..self.cols).filter(|&c| self.is_visible(b, i, c)).collect()
+    }
+
+    /// The MLX array `[rows, 1, queries, cols]` bool.
+    pub fn to_array(&self) -> Result<Array> {
+        Ok(Array::from_slice(&self.visible, &[dim(self.rows)?, 1, dim(self.queries)?, dim(self.cols)?]))
+    }
+}
+
+/// How a read was attended: no mask, MLX's bottom-right `Causal`, or an explicit boolean mask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MaskUse {
+    None,
+    Causal,
+    Array(Rc<MaskSpec>),
+}
+
+/// The mask families that are not a cache geometry (R-TRN-3, R-ROT-9): each is keyed by everything its visibility
+/// depends on and memoized by [`Masks`] beside the [`MaskKey`] geometries. Every matrix is `[1, 1, N, N]` except
+/// [`FamilyKey::Training`] with row lengths (`[B, 1, N, N]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FamilyKey {
+    /// The offset-0 training mask of `queries` positions (R-TRN-3). `lengths: None` is the unpadded batch (one row,
+    /// broadcast over the batch); `Some(l)` a right-padded batch whose row `b` holds `l[b]` real positions. Key `j`
+    /// is visible to query `i` of row `b` iff `j <= i`, `j < l[b]` and (with a window) `i - j < window`: exactly
+    /// mlx-lm 0.32.2's `create_causal_mask(N, 0, window, right_padding = N - l)` (`mlx_lm/models/base.py`), padded
+    /// query rows included (their outputs are unspecified; a padded row may see no key at all).
+    Training { lengths: Option<Vec<usize>>, queries: usize, window: Option<usize> },
+    /// Chosen/rejected pairs sharing a prompt (`P` prompt, `Rc` chosen, `Rr` rejected positions, `N = P + Rc + Rr`):
+    /// causal, and no rejected query (`i >= P + Rc`) sees a chosen key (`P <= j < P + Rc`); with a window also
+    /// `logpos(i) - logpos(j) < window`, where `logpos(x) = x` for `x < P + Rc` and `x - Rc` after (the rejected
+    /// answer continues the prompt's positions). Rule of the upstream engine's `PrefixSharedCache` (mlx-bun
+    /// `packages/inference/src/state/training-cache.ts`).
+    PrefixShared { prompt: usize, chosen: usize, rejected: usize, window: Option<usize> },
+    /// Gemma 4's vision prefill at offset 0 (R-ROT-9a): `causal(window) OR (image[i] AND image[j])`: image tokens
+    /// see each other regardless of order and window (mlx-bun `bidirMask`, `src/model/gemma4-base.ts`).
+    Bidirectional { image: Vec<bool>, window: Option<usize> },
+}
+
+impl FamilyKey {
+    /// The memo family (one build per family and geometry per forward): `training:<w>`, `prefix-shared:<w>`,
+    /// `bidirectional:<w>` (`w` = the window or `inf`).
+    pub fn family(&self) -> String {
+        let (name, w) = match self {
+            FamilyKey::Training { window, .. } => ("training", window),
+            FamilyKey::PrefixShared { window, .. } => ("prefix-shared", window),
+            FamilyKey::Bidirectional { window, .. } => ("bidirectional", window),
+        };
+        format!("{name}:{}", w.map_or("inf".to_string(), |w| w.to_string()))
+    }
+
+    /// Positions (queries = keys) of the matrix.
+    pub fn size(&self) -> usize {
+        match self {
+            FamilyKey::Training { queries, .. } => *queries,
+            FamilyKey::PrefixShared { prompt, chosen, rejected, .. } => prompt + chosen + rejected,
+            FamilyKey::Bidirectional { image, .. } => image.len(),
+        }
+    }
+
+    /// The matrix (pure; see the variants for the rules).
+    pub fn build(&self) -> MaskSpec {
+        let n = self.size();
+        let causal = |i: usize, j: usize, w: &Option<usize>| j <= i && w.is_none_or(|w| i - j < w);
+        let rows = match self {
+            FamilyKey::Training { lengths: Some(l), .. } => l.len(),
+            _ => 1,
+        };
+        let mut visible = vec![false; rows * n * n];
+        for b in 0..rows {
+            for i in 0..n {
+                for j in 0..n {
+                    visible[(b * n + i) * n + j] = match self {
+                        FamilyKey::Training { lengths, window, .. } => {
+                            causal(i, j, window) && lengths.as_ref().is_none_or(|l| j < l[b])
+                        }
+                        FamilyKey::PrefixShared { prompt, chosen, window, .. } => {
+                            let split = prompt + chosen;
+                            let logpos = |x: usize| if x < split { x } else { x - chosen };
+                            let hidden = i >= split && (*prompt..split).contains(&j);
+                            j <= i && !hidden && window.is_none_or(|w| logpos(i) - logpos(j) < w)
+                        }
+                        FamilyKey::Bidirectional { image, window } => causal(i, j, window) || (image[i] && image[j]),
+                    };
+                }
+            }
+        }
+        MaskSpec { rows, queries: n, cols: n, visible }
+    }
+}
+
+/// A memo key of [`Masks`]: a cache geometry or a family mask.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum AnyKey {
+    Geometry(MaskKey),
+    Family(FamilyKey),
+}
+
+impl AnyKey {
+    fn family(&self) -> String {
+        match self {
+            AnyKey::Geometry(k) => {
+                let w = k.window.map_or("inf".to_string(), |w| w.to_string());
+                match k.kind {
+                    MaskKind::Decode => format!("decode:{w}"),
+                    MaskKind::Window => format!("window:{w}"),
+                }
+            }
+            AnyKey::Family(k) => k.family(),
+        }
+    }
+
+    fn build(&self) -> MaskSpec {
+        match self {
+            AnyKey::Geometry(k) => MaskSpec::build(k),
+            AnyKey::Family(k) => k.build(),
+        }
+    }
+}
+
+/// The masks of one forward (R-C-3): a memo from [`MaskKey`] (cache geometries) and [`FamilyKey`] (training,
+/// prefix-shared and bidirectional masks) to the matrix and its MLX array. Each distinct key is built once;
+/// [`Masks::builds`] and [`Masks::builds_of`] count the builds, so tests prove the sharing.
+#[derive(Default)]
+pub struct Masks {
+    memo: RefCell<HashMap<AnyKey, (Rc<MaskSpec>, Array)>>,
+    builds: Cell<usize>,
+    by_family: RefCell<HashMap<String, usize>>,
+}
+
+impl std::fmt::Debug for Masks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Masks")
+            .field("distinct", &self.memo.borrow().len())
+            .field("builds", &self.builds.get())
+            .finish()
+    }
+}
+
+impl Masks {
+    /// Empty: nothing built yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many masks were built (each distinct geometry once).
+    pub fn builds(&self) -> usize {
+        self.builds.get()
+    }
+
+    /// How many masks of one family were built (`decode:<w>`, `window:<w>`, or a [`FamilyKey::family`]).
+    pub fn builds_of(&self, family: &str) -> usize {
+        self.by_family.borrow().get(family).copied().unwrap_or(0)
+    }
+
+    /// Builds per family, sorted by family name.
+    pub fn families(&self) -> Vec<(String, usize)> {
+        let mut v: Vec<(String, usize)> = self.by_family.borrow().iter().map(|(k, &n)| (k.clone(), n)).collect();
+        v.sort();
+        v
+    }
+
+    /// The mask of this geometry, building it on first request.
+    pub fn get(&self, key: &MaskKey) -> Result<(Rc<MaskSpec>, Array)> {
+        self.get_any(AnyKey::Geometry(key.clone()))
+    }
+
+    /// The mask of this family key, building it on first request.
+    pub fn get_family(&self, key: &FamilyKey) -> Result<(Rc<MaskSpec>, Array)> {
+        self.get_any(AnyKey::Family(key.clone()))
+    }
+
+    fn get_any(&self, key: AnyKey) -> Result<(Rc<MaskSpec>, Array)> {
+        if let Some((spec, arr)) = self.memo.borrow().get(&key) {
+            return Ok((spec.clone(), arr.clone()));
+        }
+        let spec = Rc::new(key.build());
+        let arr = spec.to_array()?;
+        self.builds.set(self.builds.get() + 1);
+        *self.by_family.borrow_mut().entry(key.family()).or_insert(0) += 1;
+        self.memo.borrow_mut().insert(key, (spec.clone(), arr.clone()));
+        Ok((spec, arr))
+    }
+}
+
+/// The read itself over `k`, `v` (`[B, H_kv, cols, D]`) with the given mask: MLX's fused SDPA, or in
+/// [`super::exact::ReadMode::Exact`] on a GPU the batch-invariant kernels of [`super::exact`].
+pub(crate) fn attend(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: Option<(&MaskSpec, &Array)>,
+    causal: bool,
+) -> Result<Array> {
+    use mlx_rs::fast::scaled_dot_product_attention as sdpa;
+    if super::exact::exact_kernels_active() {
+        let (qs, ks) = (q.shape(), k.shape());
+        let (rows, queries, cols) = (dim_of(qs, 0), dim_of(qs, 2), dim_of(ks, 2));
+        let ranges = super::exact::visible_ranges(rows, queries, cols, mask.map(|m| m.0), causal)?;
+        return super::exact::exact_attend(q, k, v, scale, &ranges);
+    }
+    let mask = mask.map(|m| m.1);
+    let out = match (mask, causal) {
+        (Some(m), _) => sdpa(q, k, v, scale, ScaledDotProductAttentionMask::Array(m), None)?,
+        (None, true) => sdpa(q, k, v, scale, ScaledDotProductAttentionMask::Causal, None)?,
+        (None, false) => sdpa(q, k, v, scale, None, None)?,
+    };
+    Ok(out)
+}
+
+fn dim_of(s: &[i32], i: usize) -> usize {
+    s.get(i).map_or(0, |&d| d.max(0) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(kind: MaskKind, lens: &[usize], real: &[usize], queries: usize, window: Option<usize>) -> MaskKey {
+        let cols = lens.iter().copied().max().unwrap_or(0).max(1);
+        MaskKey { kind, lens: lens.to_vec(), real: real.to_vec(), queries, window, cols }
+    }
+
+    #[test]
+    fn window_visibility_is_causal_and_sliding() {
+        // One row, W = 4, after a 3-position window on top of 3 kept columns: len 6.
+        let m = MaskSpec::build(&key(MaskKind::Window, &[6], &[3], 3, Some(4)));
+        assert_eq!(m.visible_columns(0, 0), vec![0, 1, 2, 3]);
+        assert_eq!(m.visible_columns(0, 1), vec![1, 2, 3, 4]);
+        assert_eq!(m.visible_columns(0, 2), vec![2, 3, 4, 5]);
+        // Linear: everything up to the query.
+        let m = MaskSpec::build(&key(MaskKind::Window, &[5], &[2], 2, None));
+        assert_eq!(m.visible_columns(0, 0), vec![0, 1, 2, 3]);
+        assert_eq!(m.visible_columns(0, 1), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn padded_queries_see_column_zero_only_and_decode_masks_by_len() {
+        let m = MaskSpec::build(&key(MaskKind::Window, &[2, 5], &[1, 3], 3, Some(8)));
+        assert_eq!(m.visible_columns(0, 0), vec![0, 1]);
+        assert_eq!(m.visible_columns(0, 1), vec![0]);
+        assert_eq!(m.visible_columns(0, 2), vec![0]);
+        assert_eq!(m.visible_columns(1, 2), vec![0, 1, 2, 3, 4]);
+        let d = MaskSpec::build(&key(MaskKind::Decode, &[2, 4], &[1, 1], 1, Some(4)));
+        assert_eq!(d.visible_columns(0, 0), vec![0, 1]);
+        assert_eq!(d.visible_columns(1, 0), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn training_mask_is_mlx_lm_causal_with_right_padding() {
+        // N = 4, lengths [4, 2], window 3: row 1 keys 2, 3 are padding; the window drops key 0 for query 3.
+        let k = FamilyKey::Training { lengths: Some(vec![4, 2]), queries: 4, window: Some(3) };
+        let m = k.build();
+        assert_eq!((m.rows, m.queries, m.cols), (2, 4, 4));
+        assert_eq!(m.visible_columns(0, 3), vec![1, 2, 3]);
+        assert_eq!(m.visible_columns(1, 1), vec![0, 1]);
+        assert_eq!(m.visible_columns(1, 3), vec![1], "a padded query follows the same formula");
+        let unpadded = FamilyKey::Training { lengths: None, queries: 3, window: None }.build();
+        assert_eq!(unpadded.rows, 1);
+        assert_eq!(unpadded.visible_columns(0, 2), vec![0, 1, 2]);
+        assert_eq!(k.family(), "training:3");
+    }
+
+    #[test]
+    fn prefix_shared_and_bidirectional_rules() {
+        // P 2, Rc 2, Rr 2: rejected queries 4, 5 skip the chosen keys 2, 3.
+        let m = FamilyKey::PrefixShared { prompt: 2, chosen: 2, rejected: 2, window: None }.build();
+        assert_eq!(m.visible_columns(0, 3), vec![0, 1, 2, 3]);
+        assert_eq!(m.visible_columns(0, 5), vec![0, 1, 4, 5]);
+        // Window 2 on logical positions: query 4 (logpos 2) sees key 1 (logpos 1) and itself.
+        let w = FamilyKey::PrefixShared { prompt: 2, chosen: 2, rejected: 2, window: Some(2) }.build();
+        assert_eq!(w.visible_columns(0, 4), vec![1, 4]);
+        assert_eq!(w.visible_columns(0, 3), vec![2, 3]);
+        // Image tokens 1 and 3 see each other both ways, past the window of 1.
+        let b = FamilyKey::Bidirectional { image: vec![false, true, false, true], window: Some(1) }.build();
+        assert_eq!(b.visible_columns(0, 1), vec![1, 3]);
+        assert_eq!(b.visible_columns(0, 2), vec![2]);
+        assert_eq!(b.visible_columns(0, 3), vec![1, 3]);
+    }
+
+    #[test]
+    fn masks_build_each_geometry_once() {
+        let _g = crate::testutil::testlock::shared();
+        let masks = Masks::new();
+        let k1 = key(MaskKind::Decode, &[2, 4], &[1, 1], 1, Some(4));
+        let k2 = key(MaskKind::Window, &[4, 4], &[1, 2], 2, Some(4));
+        for _layer in 0..5 {
+            let (a, _) = masks.get(&k1).unwrap();
+            let (b, _) = masks.get(&k2).unwrap();
+            assert!(Rc::ptr_eq(&a, &masks.get(&k1).unwrap().0), "the same build is handed out");
+            assert_ne!(a, b);
+        }
+        assert_eq!(masks.builds(), 2);
+        assert_eq!(masks.builds_of("decode:4"), 1);
+        assert_eq!(masks.builds_of("window:4"), 1);
+        let (_, arr) = masks.get(&k1).unwrap();
+        assert_eq!(arr.shape(), &[2, 1, 1, 4]);
+        assert_eq!(arr.dtype(), mlx_rs::Dtype::Bool);
+    }
+}

@@ -1,0 +1,884 @@
+//! bf16-first layouts (issue #13): serial legos that store bf16 until their offset reaches `start`, then affine
+//! storage ([`Bf16FirstQuantizedKvCache`], [`Bf16FirstRotatingQuantizedKvCache`] build a [`Bf16FirstCache`]), and
+//! their rows under continuous batching ([`TransitioningKvRows`], `kv:delayed-quant:<bits>:<group>:<start>` and
+//! `kv:delayed-rotating-quant:<W>:<bits>:<group>:<start>`). The rules and their upstream sources are in
+//! `docs/transitioning-rows.md`.
+//!
+//! # What is guaranteed
+//! - **When a cache converts**: a lego converts at the end of the append whose offset makes the transition due
+//!   (`offset >= start && offset != 0`), after that append was read in bf16; never inside an armed speculative round
+//!   (its commit or rollback settles on the committed offset). Rows convert only at boundaries: the end of an append
+//!   outside a prefill and outside a round, a round's commit or rollback, or [`TransitioningKvRows::commit_prefill`]
+//!   of that row. Conversion is irreversible and keeps every physical column and the ring phase
+//!   ([`SerialCache::to_quantized`]: quantization is per position, so the converted bytes equal those of a quantized
+//!   cache fed the same blocks).
+//! - **Rows equal their legos**: each unpacked row *is* a serial cache driven by the serial rules, so its stored
+//!   planes, physical order and reads are byte-identical to a lego fed the same blocks with the same boundaries. Once
+//!   every row has converted the rows pack into one quantized [`RowBatch`] by `join` (every row keeps its physical
+//!   columns and phase, one way); its decode outputs of unpadded rows are byte-identical to the serial reads on CPU
+//!   (a property of MLX's CPU kernels, measured in the tests), other packed reads are measured.
+//! - **Typed errors, nothing changed**: a plain read while mixed ([`CacheError::MixedPrecision`]), prefix reuse below
+//!   the floor ([`CacheError::BelowFloor`]), a rollback keeping more than the round wrote
+//!   ([`CacheError::KeepTooLong`]), round and prefill misuse ([`CacheError::Lifecycle`]).
+//! - Alignment is bookkeeping here: kvsim's rows keep their own physical columns (ARCHITECTURE.md "Rows"), so the
+//!   upstream left padding is kept as `left_pads()` (the aligned geometry of the dense fetch), and a rollback's
+//!   "roll right by the rejected count into the padding" is the row's bypass trim plus `left_pad += shift`: the kept
+//!   columns are never moved, dequantized or requantized.
+
+use mlx_rs::Array;
+
+use super::batch::{JoinSource, RowBatch};
+use super::error::CacheError;
+use super::kind::{DelayedKind, StorageKind};
+use super::mask::{MaskUse, Masks};
+use super::quant::{QuantSpec, Storage};
+use super::ring::SerialCache;
+use super::util::{check_kv, check_q, cols, rows as row_slice, zeros};
+use super::{KvSpec, Result};
+
+/// When and to what a bf16-first cache converts: `start` (`None`: never, R-TKV-2) and the affine format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Transition {
+    pub start: Option<usize>,
+    pub quant: QuantSpec,
+}
+
+impl Transition {
+    /// Upstream `transitionDue`: `offset >= start && offset != 0`.
+    pub fn due(&self, offset: usize) -> bool {
+        matches!(self.start, Some(s) if offset >= s && offset != 0)
+    }
+
+    /// The floor a conversion at `offset` leaves (`start` 0: none).
+    pub fn floor_at(&self, offset: usize) -> usize {
+        if self.start == Some(0) {
+            0
+        } else {
+            offset
+        }
+    }
+
+    /// The rows layout's storage kind (upstream parameter order; an infinite start is `inf`).
+    pub fn rows_kind(&self, max_size: Option<usize>) -> StorageKind {
+        DelayedKind { max_size, quant: self.quant, start: self.start }.kind()
+    }
+
+    /// The serial lego's kind (`kv:bf16-first-quant:..`, `kv:bf16-first-rotating-quant:..`; parsed strictly by
+    /// `kind::parse_bf16_first`).
+    pub fn lego_kind(&self, max_size: Option<usize>) -> StorageKind {
+        DelayedKind { max_size, quant: self.quant, start: self.start }.lego_kind()
+    }
+}
+
+/// A serial bf16-first cache (the lego): a [`SerialCache`] in bf16 (the spec's dtype) that converts to affine storage
+/// at its transition, with its floor and its armed round.
+#[derive(Debug, Clone)]
+pub struct Bf16FirstCache {
+    cache: SerialCache,
+    transition: Transition,
+    converted_at: Option<usize>,
+    floor: usize,
+    round: Option<usize>,
+}
+
+/// Constructor of the full-attention lego (upstream `Bf16FirstQuantizedKVCache`).
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16FirstQuantizedKvCache;
+
+impl Bf16FirstQuantizedKvCache {
+    /// An empty lego; invalid quantization parameters are [`CacheError::InvalidQuant`].
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(spec: KvSpec, transition: Transition) -> Result<Bf16FirstCache> {
+        Bf16FirstCache::new(spec, None, transition)
+    }
+}
+
+/// Constructor of the rotating lego (upstream `Bf16FirstRotatingQuantizedKVCache`, keep = 0).
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16FirstRotatingQuantizedKvCache;
+
+impl Bf16FirstRotatingQuantizedKvCache {
+    /// An empty ring of window `max_size`.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(spec: KvSpec, max_size: usize, transition: Transition) -> Result<Bf16FirstCache> {
+        Bf16FirstCache::new(spec, Some(max_size), transition)
+    }
+}
+
+impl Bf16FirstCache {
+    /// An empty lego (`max_size` `None`: full attention).
+    pub fn new(spec: KvSpec, max_size: Option<usize>, transition: Transition) -> Result<Self> {
+        Storage::Affine(transition.quant).validate(&spec)?;
+        let cache = SerialCache::new(spec, max_size)?;
+        Ok(Bf16FirstCache { cache, transition, converted_at: None, floor: 0, round: None })
+    }
+
+    /// A lego composed again over storage handed back to serial use (R-TKV-5), with its conversion and floor.
+    fn compose(cache: SerialCache, transition: Transition, converted_at: Option<usize>, floor: usize) -> Self {
+        Bf16FirstCache { cache, transition, converted_at, floor, round: None }
+    }
+
+    /// A lego restored from its parts (persistence: `persist::codec`'s bf16-first codec), at rest (no armed round).
+    /// The parts must be a state the lifecycle can reach, else [`CacheError::InvalidState`] and no cache:
+    /// - converted at `c`: the transition is due at `c` and the storage is affine in the transition's format, and the
+    ///   floor is the one that conversion left (`Transition::floor_at(c)`; a later trim keeps both, so `c` may lie
+    ///   above the offset);
+    /// - not converted: plain storage, the transition not due at the offset (it would have converted at the end of
+    ///   that append), and floor 0.
+    ///
+    /// The window and spec are the storage's own.
+    pub fn restore(
+        cache: SerialCache,
+        transition: Transition,
+        converted_at: Option<usize>,
+        floor: usize,
+    ) -> Result<Self> {
+        Storage::Affine(transition.quant).validate(&cache.spec())?;
+        let bad = |what: String| Err(CacheError::InvalidState { what });
+        match converted_at {
+            Some(c) => {
+                if !transition.due(c) {
+                    return bad(format!("converted at {c}, before its transition ({:?}) was due", transition.start));
+                }
+                if cache.storage() != Storage::Affine(transition.quant) {
+                    return bad(format!("converted at {c} but holding {} storage", cache.storage_kind()));
+                }
+                if floor != transition.floor_at(c) {
+                    return bad(format!("floor {floor}, a conversion at {c} leaves {}", transition.floor_at(c)));
+                }
+            }
+            None => {
+                if cache.storage() != Storage::Plain {
+                    return bad(format!("not converted but holding {} storage", cache.storage_kind()));
+                }
+                if transition.due(cache.offset()) {
+                    return bad(format!("offset {} past its transition but not converted", cache.offset()));
+                }
+                if floor != 0 {
+                    return bad(format!("floor {floor} before any conversion"));
+                }
+            }
+        }
+        Ok(Self::compose(cache, transition, converted_at, floor))
+    }
+
+    /// Whether a speculative round is armed (neither committed nor rolled back yet).
+    pub fn in_round(&self) -> bool {
+        self.round.is_some()
+    }
+
+    /// The storage this lego holds now (plain, or affine after the transition).
+    pub fn inner(&self) -> &SerialCache {
+        &self.cache
+    }
+
+    /// The transition parameters.
+    pub fn transition(&self) -> Transition {
+        self.transition
+    }
+
+    /// The offset at which the storage converted (`None`: still bf16).
+    pub fn converted_at(&self) -> Option<usize> {
+        self.converted_at
+    }
+
+    /// Positions ever written.
+    pub fn offset(&self) -> usize {
+        self.cache.offset()
+    }
+
+    /// The current storage's kind (`kv-plain`/`rotating-plain`, then `kv:quant:..`/`kv:rotating-quant:..`).
+    pub fn storage_kind(&self) -> StorageKind {
+        self.cache.storage_kind()
+    }
+
+    /// The layout's own kind, whichever storage it holds now: `kv:bf16-first-quant:<bits>:<group>:<start>` or
+    /// `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>`.
+    pub fn lego_kind(&self) -> StorageKind {
+        self.transition.lego_kind(self.cache.max_size())
+    }
+
+    /// `minimum_reusable_offset`: prefix reuse never trims below it (kept by trims: conversion is irreversible).
+    pub fn minimum_reusable_offset(&self) -> usize {
+        self.floor
+    }
+
+    /// `max_append_tokens`: positions before the precision changes (`None`: unbounded).
+    pub fn max_append_tokens(&self) -> Option<usize> {
+        match (self.transition.start, self.converted_at) {
+            (Some(s), None) if self.offset() < s => Some(s - self.offset()),
+            _ => None,
+        }
+    }
+
+    /// Converts if due (outside a round). Returns whether it converted.
+    fn settle(&mut self) -> Result<bool> {
+        if self.round.is_some() || self.converted_at.is_some() || !self.transition.due(self.offset()) {
+            return Ok(false);
+        }
+        self.cache.to_quantized(self.transition.quant)?;
+        self.converted_at = Some(self.offset());
+        self.floor = self.floor.max(self.transition.floor_at(self.offset()));
+        Ok(true)
+    }
+
+    /// One decode step (the serial core's), read in the current precision; then converts if due.
+    pub fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
+        let out = self.cache.decode(k, v, q, scale, masks)?;
+        self.settle()?;
+        Ok(out)
+    }
+
+    /// A window read (the serial core's), read in the current precision; then converts if due.
+    pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
+        let out = self.cache.window(k, v, q, scale, masks)?;
+        self.settle()?;
+        Ok(out)
+    }
+
+    /// A committed span (R-ROT-7, issue #15): `L` decodes, one per position (each keeps the single-position
+    /// reduction order), outputs concatenated along the token axis. Each decode is an ordinary append: the one that
+    /// reaches `start` is read in bf16 and the storage converts right after it, so the later positions of the same
+    /// span read affine (outside an armed round). Byte-identical, state and outputs, to `L` calls of
+    /// [`Bf16FirstCache::decode`]. Bad shapes are typed errors with nothing changed.
+    pub fn commit_span(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<Array> {
+        let spec = self.cache.spec();
+        let l = check_kv(&spec, k, v, 1, 1)?;
+        check_q(&spec, q, 1, l)?;
+        let mut next = self.clone();
+        let mut outs = Vec::with_capacity(l);
+        for i in 0..l {
+            outs.push(next.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?.0);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
+        Ok(out)
+    }
+
+    /// The dense fetch: the stored live columns in physical order, dequantized once converted.
+    pub fn dense(&self) -> Result<(Array, Array)> {
+        self.cache.storage().dense(&self.cache.physical_planes()?)
+    }
+
+    /// R-C-5 trim; precision and floor are kept (a trim below `start` keeps quantized storage).
+    pub fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
+        self.cache.trim(n, bypass)
+    }
+
+    /// Arms a speculative round: conversion waits for its commit or rollback.
+    pub fn round_begin(&mut self) -> Result<()> {
+        if self.round.is_some() {
+            return Err(out_of_order("a round is already armed"));
+        }
+        self.round = Some(self.offset());
+        Ok(())
+    }
+
+    /// Ends the round keeping every position; converts if due. Returns whether it converted.
+    pub fn round_commit(&mut self) -> Result<bool> {
+        if self.round.take().is_none() {
+            return Err(out_of_order("commit without an armed round"));
+        }
+        self.settle()
+    }
+
+    /// Ends the round keeping `keep` of the positions it wrote (a bypass trim of the rest, no bytes move); converts
+    /// if due on the committed offset. Errors change nothing.
+    pub fn round_rollback(&mut self, keep: usize) -> Result<bool> {
+        let before = self.round.ok_or_else(|| out_of_order("rollback without an armed round"))?;
+        let written = self.offset().saturating_sub(before);
+        if keep > written {
+            return Err(CacheError::KeepTooLong { row: 0, keep, written });
+        }
+        if written > keep {
+            self.cache.trim(written - keep, true)?;
+        }
+        self.round = None;
+        self.settle()
+    }
+
+    /// Prefix reuse (`take`): a copy trimmed to the usable prefix `p = min(common, prompt_len - 1)`, keeping its
+    /// precision and floor. `p < minimum_reusable_offset` is [`CacheError::BelowFloor`]; a needed trim of a
+    /// wrapped ring is [`CacheError::NotTrimmable`]. `self` is never changed.
+    pub fn take(&self, common: usize, prompt_len: usize) -> Result<Bf16FirstCache> {
+        let p = common.min(prompt_len.saturating_sub(1)).min(self.offset());
+        // Mutation hook `Mutant::TkvReuseBelowFloor`: the floor check skipped.
+        if p < self.floor && !fault!(TkvReuseBelowFloor) {
+            return Err(CacheError::BelowFloor { prefix: p, floor: self.floor });
+        }
+        let mut out = self.clone();
+        out.round = None;
+        let n = out.offset() - p;
+        if n > 0 {
+            out.cache.trim(n, false)?;
+        }
+        Ok(out)
+    }
+}
+
+fn out_of_order(what: &str) -> CacheError {
+    CacheError::Lifecycle { what: what.to_string() }
+}
+
+/// Per-row lifecycle bookkeeping of [`TransitioningKvRows`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RowLifecycle {
+    pub converted_at: Option<usize>,
+    pub floor: usize,
+    pub left_pad: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Store {
+    /// One serial cache per row (plain or converted).
+    Rows(Vec<SerialCache>),
+    /// Every row converted: one quantized row batch (rows keep their physical columns and phase).
+    Packed(RowBatch),
+}
+
+/// Rows of bf16-first legos under continuous batching (module docs).
+#[derive(Debug, Clone)]
+pub struct TransitioningKvRows {
+    spec: KvSpec,
+    max_size: Option<usize>,
+    transition: Transition,
+    store: Store,
+    meta: Vec<RowLifecycle>,
+    prefilling: bool,
+    round: Option<Vec<usize>>,
+    /// A right-padded prefill ([`TransitioningKvRows::prepare`]): each row's positions still to arrive.
+    pending: Option<Vec<usize>>,
+}
+
+impl TransitioningKvRows {
+    /// Merges legos (consumed) into rows: one row keeps its physical columns and phase; several are each rewritten
+    /// in temporal order (their newest `min(offset, W)` positions; a layout event) behind left padding to
+    /// `width = max min(offset_i, W)`. Rows keep precision and floor; they pack if every row has converted. Legos of
+    /// another window or format are [`CacheError::WindowMismatch`] / [`CacheError::StorageMismatch`]; an armed
+    /// round is [`CacheError::Lifecycle`].
+    pub fn merge(
+        spec: KvSpec,
+        max_size: Option<usize>,
+        transition: Transition,
+        legos: Vec<Bf16FirstCache>,
+    ) -> Result<Self> {
+        Storage::Affine(transition.quant).validate(&spec)?;
+        for l in &legos {
+            if l.cache.max_size() != max_size {
+                return Err(CacheError::WindowMismatch { expected: max_size, found: l.cache.max_size() });
+            }
+            if l.transition != transition || l.cache.spec() != spec {
+                return Err(CacheError::StorageMismatch {
+                    expected: transition.rows_kind(max_size).0,
+                    found: l.transition.rows_kind(l.cache.max_size()).0,
+                });
+            }
+            if l.round.is_some() {
+                return Err(out_of_order("merge of a lego with an armed round"));
+            }
+        }
+        let w = max_size.unwrap_or(usize::MAX);
+        let width = legos.iter().map(|l| l.offset().min(w)).max().unwrap_or(0);
+        let several = legos.len() > 1;
+        let mut caches = Vec::with_capacity(legos.len());
+        let mut meta = Vec::with_capacity(legos.len());
+        for l in legos {
+            let left_pad = if several { width - l.offset().min(w) } else { 0 };
+            let cache = if several {
+                SerialCache::from_temporal_planes(
+                    spec,
+                    max_size,
+                    l.cache.storage(),
+                    &l.cache.temporal_view_planes()?,
+                    l.offset(),
+                )?
+            } else {
+                l.cache
+            };
+            meta.push(RowLifecycle { converted_at: l.converted_at, floor: l.floor, left_pad });
+            caches.push(cache);
+        }
+        let mut rows = TransitioningKvRows {
+            spec,
+            max_size,
+            transition,
+            store: Store::Rows(caches),
+            meta,
+            prefilling: false,
+            round: None,
+            pending: None,
+        };
+        rows.maybe_pack()?;
+        Ok(rows)
+    }
+
+    /// The storage kind (`kv:delayed-quant:..` / `kv:delayed-rotating-quant:..`).
+    pub fn storage_kind(&self) -> StorageKind {
+        self.transition.rows_kind(self.max_size)
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.meta.len()
+    }
+
+    /// Per-row lifecycle (conversion offset, floor, left padding of the aligned geometry).
+    pub fn lifecycle(&self) -> &[RowLifecycle] {
+        &self.meta
+    }
+
+    /// Whether the rows have packed into one quantized batch.
+    pub fn is_packed(&self) -> bool {
+        matches!(self.store, Store::Packed(_))
+    }
+
+    /// Per-row offsets.
+    pub fn offsets(&self) -> Vec<usize> {
+        match &self.store {
+            Store::Rows(c) => c.iter().map(SerialCache::offset).collect(),
+            Store::Packed(b) => b.row_states().iter().map(|s| s.ring.offset).collect(),
+        }
+    }
+
+    /// `max_append_tokens`: the smallest distance from an unconverted row to its boundary (`None`: unbounded).
+    pub fn max_append_tokens(&self) -> Option<usize> {
+        let start = self.transition.start?;
+        if self.is_packed() {
+            return None;
+        }
+        self.offsets()
+            .iter()
+            .zip(&self.meta)
+            .filter(|(&o, m)| m.converted_at.is_none() && o < start)
+            .map(|(&o, _)| start - o)
+            .min()
+    }
+
+    /// `minimum_reusable_offset`: the largest floor of any row.
+    pub fn minimum_reusable_offset(&self) -> usize {
+        self.meta.iter().map(|m| m.floor).max().unwrap_or(0)
+    }
+
+    fn maybe_pack(&mut self) -> Result<bool> {
+        let Store::Rows(caches) = &self.store else { return Ok(false) };
+        // Mutation hook `Mutant::TkvPackBeforeAllConverted`: pack once any row has converted.
+        let unconverted = if fault!(TkvPackBeforeAllConverted) {
+            self.meta.iter().all(|m| m.converted_at.is_none())
+        } else {
+            self.meta.iter().any(|m| m.converted_at.is_none())
+        };
+        if caches.is_empty() || unconverted {
+            return Ok(false);
+        }
+        let mut batch = {
+            let sources: Vec<JoinSource<'_>> = caches.iter().map(JoinSource::Serial).collect();
+            RowBatch::join_storage(self.spec, self.max_size, Storage::Affine(self.transition.quant), &sources)?
+        };
+        if let Some(p) = &self.pending {
+            // Packed inside a prepared prefill (every row committed a boundary): the rest still arrives padded.
+            batch.prepare(p)?;
+        }
+        self.store = Store::Packed(batch);
+        Ok(true)
+    }
+
+    /// Settles these rows (converts those due), then packs if every row has converted. Returns the rows converted.
+    fn settle(&mut self, which: &[usize]) -> Result<Vec<usize>> {
+        let mut converted = Vec::new();
+        if let Store::Rows(caches) = &mut self.store {
+            for &i in which {
+                let (c, m) = (&mut caches[i], &mut self.meta[i]);
+                if m.converted_at.is_none() && self.transition.due(c.offset()) {
+                    c.to_quantized(self.transition.quant)?;
+                    m.converted_at = Some(c.offset());
+                    m.floor = m.floor.max(self.transition.floor_at(c.offset()));
+                    converted.push(i);
+                }
+            }
+        }
+        self.maybe_pack()?;
+        Ok(converted)
+    }
+
+    fn settle_all(&mut self) -> Result<Vec<usize>> {
+        // Mutation hooks `Mutant::TkvConvertUncommitted` (settles inside a round) and
+        // `Mutant::TkvSplitMovesBoundary` (settles after every append of a prefill cohort).
+        let round = self.round.is_some() && !fault!(TkvConvertUncommitted);
+        let prefilling = self.prefilling && !fault!(TkvSplitMovesBoundary);
+        if prefilling || round {
+            return Ok(Vec::new());
+        }
+        let all: Vec<usize> = (0..self.rows()).collect();
+        self.settle(&all)
+    }
+
+    fn read(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+        decode: bool,
+    ) -> Result<(Array, Vec<usize>)> {
+        if self.pending.is_some() {
+            if decode {
+                return Err(CacheError::PendingPrefill);
+            }
+            return self.prepared_window(k, v, q, scale, masks);
+        }
+        let out = match &mut self.store {
+            Store::Packed(b) => {
+                if decode {
+                    b.decode(k, v, q, scale, masks)?.0
+                } else {
+                    b.window(k, v, q, scale, masks)?.0
+                }
+            }
+            Store::Rows(caches) => {
+                let n = caches.len();
+                if n == 0 {
+                    return Err(CacheError::BadLengths { what: "a read of no rows".to_string() });
+                }
+                for a in [k, v, q] {
+                    if a.shape().first().copied() != Some(n as i32) {
+                        return Err(CacheError::ShapeMismatch {
+                            what: format!("{n} rows, an input of shape {:?}", a.shape()),
+                        });
+                    }
+                }
+                // Every row reads on a copy first, so a failing row leaves all rows unchanged.
+                let mut next = caches.clone();
+                let mut outs = Vec::with_capacity(n);
+                for (i, c) in next.iter_mut().enumerate() {
+                    let (ki, vi, qi) = (row_slice(k, i, i + 1)?, row_slice(v, i, i + 1)?, row_slice(q, i, i + 1)?);
+                    let o = if decode {
+                        c.decode(&ki, &vi, &qi, scale, masks)?
+                    } else {
+                        c.window(&ki, &vi, &qi, scale, masks)?
+                    };
+                    outs.push(o.0);
+                }
+                *caches = next;
+                mlx_rs::ops::concatenate(&outs, 0)?
+            }
+        };
+        let converted = self.settle_all()?;
+        Ok((out, converted))
+    }
+
+    /// A window while a right-padded prefill is pending: row `r` stores only its next `min(pending_r, L)` real
+    /// positions (each unpacked row a window of exactly those on its serial cache, so its state is its lego's fed
+    /// the real positions); outputs at padded query positions are unspecified (zeros for unpacked rows). Nothing
+    /// converts until the row's request commits ([`TransitioningKvRows::commit_prefill`] or `finalize`).
+    fn prepared_window(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        let n = self.rows();
+        let l = check_kv(&self.spec, k, v, n, 1)?;
+        let hq = check_q(&self.spec, q, n, l)?;
+        let pending = self.pending.clone().unwrap_or_default();
+        let real: Vec<usize> = pending.iter().map(|&p| p.min(l)).collect();
+        let mut next = self.clone();
+        let out = match &mut next.store {
+            Store::Packed(b) => b.window(k, v, q, scale, masks)?.0,
+            Store::Rows(caches) => {
+                let mut outs = Vec::with_capacity(n);
+                for (i, c) in caches.iter_mut().enumerate() {
+                    let r = real[i];
+                    let mut parts = Vec::with_capacity(2);
+                    if r > 0 {
+                        let (ki, vi, qi) = (row_slice(k, i, i + 1)?, row_slice(v, i, i + 1)?, row_slice(q, i, i + 1)?);
+                        parts.push(c.window(&cols(&ki, 0, r)?, &cols(&vi, 0, r)?, &cols(&qi, 0, r)?, scale, masks)?.0);
+                    }
+                    if r < l {
+                        parts.push(zeros(&[1, hq, l - r, self.spec.head_dim], self.spec.dtype.to_mlx())?);
+                    }
+                    outs.push(mlx_rs::ops::concatenate(&parts, 2)?);
+                }
+                mlx_rs::ops::concatenate(&outs, 0)?
+            }
+        };
+        next.pending = Some(pending.iter().zip(&real).map(|(&p, &r)| p - r).collect());
+        *self = next;
+        Ok((out, Vec::new()))
+    }
+
+    /// A right-padded prefill (as the quantized rows' `prepare`, R-BROT-2): row `r` has `lengths[r]` more real
+    /// positions (0: none), delivered by the next windows, each of width `L` consuming `min(remaining_r, L)`. A
+    /// prefill cohort starts: no row converts until its request's chunk commits
+    /// ([`TransitioningKvRows::commit_prefill`]) or [`TransitioningKvRows::finalize`] (a sibling's longer prompt
+    /// never moves a row's boundary). While pending a decode is [`CacheError::PendingPrefill`]; a second prepare
+    /// too; a prepare inside a round or a cohort is [`CacheError::Lifecycle`]; lengths of another count are
+    /// [`CacheError::BadLengths`]. Errors change nothing.
+    pub fn prepare(&mut self, lengths: &[usize]) -> Result<()> {
+        if self.pending.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        if self.round.is_some() || self.prefilling {
+            return Err(out_of_order("prepare inside a round or a prefill"));
+        }
+        if lengths.len() != self.rows() {
+            return Err(CacheError::BadLengths { what: format!("{} lengths for {} rows", lengths.len(), self.rows()) });
+        }
+        let mut next = self.clone();
+        if let Store::Packed(b) = &mut next.store {
+            b.prepare(lengths)?;
+        }
+        next.pending = Some(lengths.to_vec());
+        next.prefilling = true;
+        *self = next;
+        Ok(())
+    }
+
+    /// Ends the right-padded prefill: positions not yet delivered are forgotten, every row's request commits its
+    /// boundary (the rows whose transition is due convert, then pack if all have). Returns the rows converted.
+    /// Without a pending prefill: [`CacheError::NoPendingPrefill`], nothing changed.
+    pub fn finalize(&mut self) -> Result<Vec<usize>> {
+        if self.pending.is_none() {
+            return Err(CacheError::NoPendingPrefill);
+        }
+        let mut next = self.clone();
+        if let Store::Packed(b) = &mut next.store {
+            b.finalize()?;
+        }
+        next.pending = None;
+        next.prefilling = false;
+        let converted = next.settle_all()?;
+        *self = next;
+        Ok(converted)
+    }
+
+    /// Each row's positions still to arrive in a pending right-padded prefill (`None`: none pending).
+    pub fn pending(&self) -> Option<&[usize]> {
+        self.pending.as_deref()
+    }
+
+    /// One decode step per row, each row read in its own precision (the attention read); then, outside a prefill
+    /// and a round, the rows whose transition is due convert. Returns the output and the rows that converted.
+    pub fn decode(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        self.read(k, v, q, scale, masks, true)
+    }
+
+    /// A window of `L` positions per row (prefill chunks, verify windows), as [`TransitioningKvRows::decode`].
+    pub fn window(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        self.read(k, v, q, scale, masks, false)
+    }
+
+    /// A committed span for every row (R-ROT-7, issue #15): `L` decodes, one per position, each an ordinary
+    /// [`TransitioningKvRows::decode`] (rows whose transition comes due convert between the span's positions, and
+    /// the rows pack as soon as every row has converted, outside a prefill and a round). Returns the outputs
+    /// concatenated along the token axis and the rows converted, in order. Byte-identical to `L` decode calls;
+    /// errors change nothing.
+    pub fn commit_span(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+    ) -> Result<(Array, Vec<usize>)> {
+        let l = check_kv(&self.spec, k, v, self.rows(), 1)?;
+        check_q(&self.spec, q, self.rows(), l)?;
+        let mut next = self.clone();
+        let (mut outs, mut converted) = (Vec::with_capacity(l), Vec::new());
+        for i in 0..l {
+            let (o, c) = next.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?;
+            outs.push(o);
+            converted.extend(c);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
+        Ok((out, converted))
+    }
+
+    /// The plain read's guard (`update_and_fetch`, one dense K/V for the batch): refused while any row is affine
+    /// or the rows are packed, with nothing changed.
+    pub fn check_plain_read(&self) -> Result<()> {
+        match self.meta.iter().position(|m| m.converted_at.is_some()) {
+            Some(row) => Err(CacheError::MixedPrecision { row }),
+            None => Ok(()),
+        }
+    }
+
+    /// The dense fetch: each row's live columns in physical order as its storage fetches them dense (a converted
+    /// row dequantized), one `(k, v)` per row (the caller owns them).
+    pub fn dense_fetch(&self) -> Result<Vec<(Array, Array)>> {
+        match &self.store {
+            Store::Rows(caches) => caches.iter().map(|c| c.storage().dense(&c.physical_planes()?)).collect(),
+            Store::Packed(b) => (0..b.rows()).map(|i| b.storage().dense(&b.row_physical_planes(i)?)).collect(),
+        }
+    }
+
+    /// Row `i`'s storage planes, live columns in physical order (for byte comparisons).
+    pub fn row_physical_planes(&self, i: usize) -> Result<Vec<Array>> {
+        self.check_row(i)?;
+        match &self.store {
+            Store::Rows(caches) => caches[i].physical_planes(),
+            Store::Packed(b) => b.row_physical_planes(i),
+        }
+    }
+
+    fn check_row(&self, i: usize) -> Result<()> {
+        if i >= self.rows() {
+            return Err(CacheError::NoSuchRow { row: i, rows: self.rows() });
+        }
+        Ok(())
+    }
+
+    /// Starts a prefill cohort: conversion waits for each request's [`TransitioningKvRows::commit_prefill`].
+    pub fn begin_prefill(&mut self) -> Result<()> {
+        if self.prefilling || self.round.is_some() {
+            return Err(out_of_order("begin_prefill inside a prefill or a round"));
+        }
+        self.prefilling = true;
+        Ok(())
+    }
+
+    /// Commits the planned chunk boundary of these rows' requests: exactly these rows settle (no-op once packed).
+    pub fn commit_prefill(&mut self, which: &[usize]) -> Result<Vec<usize>> {
+        if !self.prefilling {
+            return Err(out_of_order("commit_prefill without a prefill"));
+        }
+        for &i in which {
+            self.check_row(i)?;
+        }
+        self.settle(which)
+    }
+
+    /// Ends the prefill cohort (a prepared prefill ends with [`TransitioningKvRows::finalize`] instead).
+    pub fn end_prefill(&mut self) -> Result<()> {
+        if !self.prefilling || self.pending.is_some() {
+            return Err(out_of_order("end_prefill without a prefill"));
+        }
+        self.prefilling = false;
+        Ok(())
+    }
+
+    /// Arms a speculative round (records every row's committed offset).
+    pub fn round_begin(&mut self) -> Result<()> {
+        if self.round.is_some() || self.prefilling {
+            return Err(out_of_order("round_begin inside a round or a prefill"));
+        }
+        self.round = Some(self.offsets());
+        Ok(())
+    }
+
+    /// Ends the round keeping every position; settles every row.
+    pub fn round_commit(&mut self) -> Result<Vec<usize>> {
+        if self.round.take().is_none() {
+            return Err(out_of_order("commit without an armed round"));
+        }
+        self.settle_all()
+    }
+
+    /// Ends the round keeping `keep[r]` of the positions it wrote into row `r`: each row drops its rejected
+    /// positions by a bypass trim (no bytes move), and in the aligned geometry rolls right into its padding
+    /// (`left_pad += shift`) unless it is a lone unwrapped row (which trims). Then every row settles on its committed
+    /// offset. Returns the per-row shifts and the rows converted. A wrong count, or a row keeping more than it was
+    /// written ([`CacheError::KeepTooLong`]), changes nothing.
+    pub fn round_rollback(&mut self, keep: &[usize]) -> Result<(Vec<usize>, Vec<usize>)> {
+        let before = self.round.clone().ok_or_else(|| out_of_order("rollback without an armed round"))?;
+        if keep.len() != self.rows() {
+            return Err(CacheError::BadLengths { what: format!("{} keeps for {} rows", keep.len(), self.rows()) });
+        }
+        let offsets = self.offsets();
+        let mut shifts = Vec::with_capacity(keep.len());
+        for (row, ((&o, &b), &k)) in offsets.iter().zip(&before).zip(keep).enumerate() {
+            let written = o - b;
+            if k > written {
+                return Err(CacheError::KeepTooLong { row, keep: k, written });
+            }
+            shifts.push(written - k);
+        }
+        let mut next = self.clone();
+        match &mut next.store {
+            Store::Packed(b) => b.trim_rows(&shifts, true)?,
+            Store::Rows(caches) => {
+                for ((c, &s), &k) in caches.iter_mut().zip(&shifts).zip(keep) {
+                    if s > 0 {
+                        // Mutation hook `Mutant::TkvRollbackDropsKept`: one kept position dropped too.
+                        let extra = usize::from(fault!(TkvRollbackDropsKept) && k > 0);
+                        c.trim(s + extra, true)?;
+                    }
+                }
+            }
+        }
+        let lone_unwrapped = self.rows() == 1 && self.max_size.is_none_or(|w| offsets[0] < w);
+        if self.max_size.is_some() && !lone_unwrapped {
+            for (m, &s) in next.meta.iter_mut().zip(&shifts) {
+                m.left_pad += s;
+            }
+        }
+        next.round = None;
+        let converted = next.settle_all()?;
+        *self = next;
+        Ok((shifts, converted))
+    }
+
+    /// Row `i` handed back to serial use, composed again by its lego (conversion and floor kept; R-TKV-5).
+    pub fn extract(&self, i: usize) -> Result<Bf16FirstCache> {
+        self.check_row(i)?;
+        let cache = match &self.store {
+            Store::Rows(caches) => caches[i].clone(),
+            Store::Packed(b) => b.extract(i)?,
+        };
+        let m = self.meta[i];
+        // Mutation hook `Mutant::TkvFloorLostByExtract`: the floor is not carried.
+        let floor = if fault!(TkvFloorLostByExtract) { 0 } else { m.floor };
+        Ok(Bf16FirstCache::compose(cache, self.transition, m.converted_at, floor))
+    }
+
+    /// Keeps these rows in this order (floors kept; the padding every kept row shares is shifted off); then packs if
+    /// every kept row has converted. Refused inside a round or a pending prefill; bad rows are [`CacheError::NoSuchRow`] /
+    /// [`CacheError::DuplicateRow`], nothing changed.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        if self.round.is_some() || self.pending.is_some() {
+            return Err(out_of_order("filter inside an armed round or a pending prefill"));
+        }
+        let mut seen = vec![false; self.rows()];
+        for &k in keep {
+            match seen.get_mut(k) {
+                None => return Err(CacheError::NoSuchRow { row: k, rows: self.rows() }),
+                Some(true) => return Err(CacheError::DuplicateRow { row: k }),
+                Some(s) => *s = true,
+            }
+        }
+        let mut next = self.clone();
+        match &mut next.store {
+            Store::Packed(b) => b.filter(keep)?,
+            Store::Rows(caches) => *caches = keep.iter().map(|&k| caches[k].clone()).collect(),
+        }
+        next.meta = keep.iter().map(|&k| self.meta[k]).collect();
+        let shared = next.meta.iter().map(|m| m.left_pad).min().unwrap_or(0);
+        for m in &mut next.meta {
+            m.left_pad -= shared;
+        }
+        next.maybe_pack()?;
+        *self = next;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

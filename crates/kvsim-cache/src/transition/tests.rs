@@ -1,0 +1,445 @@
+//! The bf16-first family's contract: rows equal their serial lego twins byte for byte (planes and reads) through
+//! conversion, wrap, speculative rollback with unequal accepts, packing and extract; conversion happens exactly where
+//! the reference lifecycle model says; bad input is a typed error with the state unchanged.
+
+use super::*;
+use crate::mask::Masks;
+use crate::testutil::*;
+use crate::KvDtype;
+
+fn tspec() -> KvSpec {
+    pin_cpu();
+    KvSpec { heads_kv: 2, head_dim: 64, dtype: KvDtype::Bf16 }
+}
+
+fn tr(start: Option<usize>) -> Transition {
+    Transition { start, quant: QuantSpec { bits: 4, group: 32 } }
+}
+
+fn planes_bits(p: &[Array]) -> Vec<Vec<u32>> {
+    p.iter().map(bits).collect()
+}
+
+/// One lego per entry of `lens`, each after a window of that many positions (payload seed `seed + i`).
+fn legos_after_windows(
+    spec: KvSpec,
+    w: Option<usize>,
+    t: Transition,
+    lens: &[usize],
+    seed: u64,
+) -> Vec<Bf16FirstCache> {
+    let masks = Masks::new();
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let mut lego = Bf16FirstCache::new(spec, w, t).unwrap();
+            let (k, v, q) = kvq(&spec, seed + i as u64, 1, n);
+            lego.window(&k, &v, &q, 0.3, &masks).unwrap();
+            lego
+        })
+        .collect()
+}
+
+#[test]
+fn lego_reads_the_crossing_append_in_bf16_then_converts_at_its_end() {
+    let spec = tspec();
+    let masks = Masks::new();
+    // Offsets after each step: 2, 3, 6, 7, 8, 10. Expected conversion offset and floor (docs/transitioning-rows.md).
+    for (w, start, conv, floor) in [
+        (None, Some(5), Some(6), 6),
+        (Some(4), Some(3), Some(3), 3),
+        (Some(4), Some(0), Some(2), 0),
+        (Some(3), None, None, 0),
+    ] {
+        let mut lego = Bf16FirstCache::new(spec, w, tr(start)).unwrap();
+        let mut plain = SerialCache::new(spec, w).unwrap();
+        for (j, &(win, l)) in
+            [(true, 2usize), (false, 1), (true, 3), (false, 1), (false, 1), (true, 2)].iter().enumerate()
+        {
+            let (k, v, q) = kvq(&spec, 40 + j as u64, 1, l);
+            let bf16_before = lego.converted_at().is_none();
+            let out = if win {
+                lego.window(&k, &v, &q, 0.3, &masks).unwrap().0
+            } else {
+                lego.decode(&k, &v, &q, 0.3, &masks).unwrap().0
+            };
+            let plain_out = if win {
+                plain.window(&k, &v, &q, 0.3, &masks).unwrap().0
+            } else {
+                plain.decode(&k, &v, &q, 0.3, &masks).unwrap().0
+            };
+            if bf16_before {
+                assert_same_bytes(&out, &plain_out, "a bf16 read (the crossing append included) is the plain cache's");
+            }
+            let expect = conv.filter(|&c| c <= lego.offset());
+            assert_eq!(lego.converted_at(), expect, "w {w:?} start {start:?} step {j}");
+            assert_eq!(lego.minimum_reusable_offset(), if expect.is_some() { floor } else { 0 });
+            let room = start.filter(|&s| expect.is_none() && lego.offset() < s).map(|s| s - lego.offset());
+            assert_eq!(lego.max_append_tokens(), room);
+            if lego.converted_at().is_some() {
+                // Converted storage = the plain history quantized as laid out (per-position quantization).
+                let mut conv = plain.clone();
+                conv.to_quantized(tr(start).quant).unwrap();
+                assert_eq!(
+                    planes_bits(&lego.inner().physical_planes().unwrap()),
+                    planes_bits(&conv.physical_planes().unwrap())
+                );
+                assert!(lego.storage_kind().0.contains("quant"));
+            }
+        }
+    }
+}
+
+#[test]
+fn conversion_is_irreversible_and_reuse_respects_the_floor() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let mut lego = Bf16FirstQuantizedKvCache::new(spec, tr(Some(4))).unwrap();
+    let (k, v, q) = kvq(&spec, 7, 1, 6);
+    lego.window(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_eq!((lego.converted_at(), lego.minimum_reusable_offset()), (Some(6), 6));
+    assert!(matches!(lego.take(5, 30), Err(CacheError::BelowFloor { prefix: 5, floor: 6 })));
+    assert_eq!(lego.offset(), 6, "a refused reuse changes nothing");
+    let reused = lego.take(30, 7).unwrap();
+    assert_eq!(reused.offset(), 6);
+    lego.trim(4, false).unwrap();
+    assert!(lego.storage_kind().0.starts_with("kv:quant:"), "a trim below start keeps quantized storage");
+    assert_eq!(lego.minimum_reusable_offset(), 6);
+}
+
+/// Two rows and their legos: decodes, a window crossing `start`, a round with unequal accepts across the wrap, a
+/// rollback, packing, extract. After every op each row's planes and read are byte-identical to its lego's.
+#[test]
+fn rows_equal_their_lego_twins_through_conversion_wrap_rollback_and_packing() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let w = Some(4);
+    let t = tr(Some(6));
+    // Histories before the merge: row 0 wrapped (offset 5), row 1 short (offset 2).
+    let mut twins = legos_after_windows(spec, w, t, &[5, 2], 100);
+    let mut rows = TransitioningKvRows::merge(spec, w, t, twins.clone()).unwrap();
+    assert_eq!(rows.lifecycle().iter().map(|m| m.left_pad).collect::<Vec<_>>(), vec![0, 2]);
+    // Layout event: the merged rows are temporal slices of their newest min(offset, W) positions.
+    for tw in &mut twins {
+        let planes = tw.inner().temporal_view_planes().unwrap();
+        tw.cache = SerialCache::from_temporal_planes(spec, w, tw.inner().storage(), &planes, tw.offset()).unwrap();
+    }
+    let check = |rows: &TransitioningKvRows, twins: &[Bf16FirstCache], what: &str| {
+        for (i, tw) in twins.iter().enumerate() {
+            assert_eq!(rows.lifecycle()[i].converted_at, tw.converted_at(), "{what}: row {i} conversion");
+            assert_eq!(rows.lifecycle()[i].floor, tw.minimum_reusable_offset(), "{what}: row {i} floor");
+            assert_eq!(
+                planes_bits(&rows.row_physical_planes(i).unwrap()),
+                planes_bits(&tw.inner().physical_planes().unwrap()),
+                "{what}: row {i} planes"
+            );
+        }
+    };
+    let step = |rows: &mut TransitioningKvRows, twins: &mut Vec<Bf16FirstCache>, seed: u64, l: usize, win: bool| {
+        let (k, v, q) = kvq(&spec, seed, 2, l);
+        let out = if win {
+            rows.window(&k, &v, &q, 0.3, &masks).unwrap().0
+        } else {
+            rows.decode(&k, &v, &q, 0.3, &masks).unwrap().0
+        };
+        for (i, tw) in twins.iter_mut().enumerate() {
+            let (ki, vi, qi) = (row(&k, i), row(&v, i), row(&q, i));
+            let o = if win {
+                tw.window(&ki, &vi, &qi, 0.3, &masks).unwrap().0
+            } else {
+                tw.decode(&ki, &vi, &qi, 0.3, &masks).unwrap().0
+            };
+            if !rows.is_packed() || !win {
+                assert_same_bytes(&row(&out, i), &o, "row read vs its lego");
+            }
+        }
+    };
+    step(&mut rows, &mut twins, 1, 1, false);
+    check(&rows, &twins, "decode");
+    assert_eq!(rows.lifecycle()[0].converted_at, Some(6), "row 0 reached start 6");
+    assert!(matches!(rows.check_plain_read(), Err(CacheError::MixedPrecision { row: 0 })));
+    // A round: both rows get a verify window of 3, row 0 keeps 1, row 1 keeps 0 (row 1 crossed start 6 at 6? no: 3+3).
+    rows.round_begin().unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    step(&mut rows, &mut twins, 2, 3, true);
+    let before = (rows.offsets(), rows.lifecycle().to_vec());
+    assert!(matches!(rows.round_rollback(&[1, 4]), Err(CacheError::KeepTooLong { row: 1, keep: 4, written: 3 })));
+    assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), before, "a refused rollback changes nothing");
+    let (shifts, converted) = rows.round_rollback(&[1, 0]).unwrap();
+    assert_eq!(shifts, vec![2, 3]);
+    assert!(converted.is_empty(), "row 1's committed offset 3 < start: the uncommitted 6 did not convert it");
+    twins[0].round_rollback(1).unwrap();
+    twins[1].round_rollback(0).unwrap();
+    assert_eq!(rows.lifecycle().iter().map(|m| m.left_pad).collect::<Vec<_>>(), vec![2, 5]);
+    check(&rows, &twins, "rollback");
+    for s in 0..4 {
+        step(&mut rows, &mut twins, 10 + s, 1, false);
+        check(&rows, &twins, "decode after rollback");
+    }
+    assert!(rows.is_packed(), "every row converted: packed");
+    assert_eq!(rows.max_append_tokens(), None);
+    step(&mut rows, &mut twins, 20, 1, false);
+    check(&rows, &twins, "packed decode");
+    let back = rows.extract(1).unwrap();
+    // Extract de-rolls to temporal order (a layout event): compare the temporal views.
+    assert_eq!(
+        planes_bits(&back.inner().temporal_view_planes().unwrap()),
+        planes_bits(&twins[1].inner().temporal_view_planes().unwrap())
+    );
+    assert_eq!(back.minimum_reusable_offset(), twins[1].minimum_reusable_offset(), "extract keeps the floor");
+    let snapshot = (rows.offsets(), rows.lifecycle().to_vec());
+    assert!(rows.filter(&[1, 1]).is_err());
+    assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), snapshot);
+    rows.filter(&[1]).unwrap();
+    assert_eq!(rows.minimum_reusable_offset(), twins[1].minimum_reusable_offset());
+}
+
+/// `commit_span` (issue #15) is `L` decodes, one per position: outputs and state byte-identical to the one-decode
+/// path, with the conversion between the positions of the span (start crossed inside it, start 0, a ring wrap).
+#[test]
+fn lego_commit_span_is_one_decode_per_position_through_conversion_and_wrap() {
+    let spec = tspec();
+    let masks = Masks::new();
+    for (w, start, pre, span, conv) in
+        [(None, Some(4), 2usize, 5usize, Some(4)), (Some(3), Some(0), 0, 4, Some(1)), (Some(3), Some(5), 4, 4, Some(5))]
+    {
+        let mut a = Bf16FirstCache::new(spec, w, tr(start)).unwrap();
+        if pre > 0 {
+            let (k, v, q) = kvq(&spec, 3, 1, pre);
+            a.window(&k, &v, &q, 0.3, &masks).unwrap();
+        }
+        let mut b = a.clone();
+        let (k, v, q) = kvq(&spec, 9, 1, span);
+        let out = a.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+        for i in 0..span {
+            let one = b
+                .decode(
+                    &cols(&k, i, i + 1).unwrap(),
+                    &cols(&v, i, i + 1).unwrap(),
+                    &cols(&q, i, i + 1).unwrap(),
+                    0.3,
+                    &masks,
+                )
+                .unwrap()
+                .0;
+            assert_same_bytes(&cols(&out, i, i + 1).unwrap(), &one, "span position vs its own decode");
+        }
+        assert_eq!(a.converted_at(), conv, "w {w:?} start {start:?}: converted between the span's positions");
+        assert_eq!(
+            (a.converted_at(), a.minimum_reusable_offset(), a.offset()),
+            (b.converted_at(), b.minimum_reusable_offset(), b.offset())
+        );
+        assert_eq!(
+            planes_bits(&a.inner().physical_planes().unwrap()),
+            planes_bits(&b.inner().physical_planes().unwrap())
+        );
+        // Bad input: a span of queries of another length, typed error, nothing changed.
+        let before = planes_bits(&a.inner().physical_planes().unwrap());
+        let (k2, v2, _) = kvq(&spec, 10, 1, 2);
+        let (_, _, q3) = kvq(&spec, 10, 1, 3);
+        assert!(matches!(a.commit_span(&k2, &v2, &q3, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })));
+        assert_eq!(planes_bits(&a.inner().physical_planes().unwrap()), before);
+    }
+}
+
+/// Rows: a span that converts one row between its positions and then packs, byte-identical to per-position decodes
+/// of the same rows and to each row's lego twin.
+#[test]
+fn rows_commit_span_is_one_decode_per_position_and_packs_between_positions() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let (w, t) = (Some(4), tr(Some(5)));
+    let mut legos = vec![Bf16FirstCache::new(spec, w, t).unwrap(), Bf16FirstCache::new(spec, w, t).unwrap()];
+    for (i, n) in [4usize, 2].iter().enumerate() {
+        let (k, v, q) = kvq(&spec, 50 + i as u64, 1, *n);
+        legos[i].window(&k, &v, &q, 0.3, &masks).unwrap();
+    }
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![legos[0].clone()]).unwrap();
+    let mut one = rows.clone();
+    let mut twin = legos[0].clone();
+    let (k, v, q) = kvq(&spec, 60, 1, 3);
+    let (out, converted) = rows.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_eq!(converted, vec![0], "row 0 reached start 5 at the span's first position");
+    assert!(rows.is_packed(), "packed between the span's positions");
+    let tw = twin.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_same_bytes(&out, &tw, "rows span vs the lego twin's span");
+    for i in 0..3 {
+        let o = one
+            .decode(
+                &cols(&k, i, i + 1).unwrap(),
+                &cols(&v, i, i + 1).unwrap(),
+                &cols(&q, i, i + 1).unwrap(),
+                0.3,
+                &masks,
+            )
+            .unwrap()
+            .0;
+        assert_same_bytes(&cols(&out, i, i + 1).unwrap(), &o, "rows span position vs its own decode");
+    }
+    assert_eq!(planes_bits(&rows.row_physical_planes(0).unwrap()), planes_bits(&one.row_physical_planes(0).unwrap()));
+    assert_eq!(
+        planes_bits(&rows.row_physical_planes(0).unwrap()),
+        planes_bits(&twin.inner().physical_planes().unwrap())
+    );
+    // Two rows, unequal offsets: row 0 converts at the first position, row 1 never in this span.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, legos.clone()).unwrap();
+    let mut one = rows.clone();
+    let (k, v, q) = kvq(&spec, 61, 2, 2);
+    let (out, converted) = rows.commit_span(&k, &v, &q, 0.3, &masks).unwrap();
+    assert_eq!(converted, vec![0]);
+    for i in 0..2 {
+        let o = one
+            .decode(
+                &cols(&k, i, i + 1).unwrap(),
+                &cols(&v, i, i + 1).unwrap(),
+                &cols(&q, i, i + 1).unwrap(),
+                0.3,
+                &masks,
+            )
+            .unwrap()
+            .0;
+        assert_same_bytes(&cols(&out, i, i + 1).unwrap(), &o, "two rows: span position vs its own decode");
+    }
+    for r in 0..2 {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(r).unwrap()),
+            planes_bits(&one.row_physical_planes(r).unwrap())
+        );
+    }
+    assert_eq!(rows.lifecycle(), one.lifecycle());
+    // Bad input: one row's inputs for two rows, typed error, nothing changed.
+    let snapshot = (rows.offsets(), rows.lifecycle().to_vec());
+    let (k1, v1, q1) = kvq(&spec, 62, 1, 2);
+    assert!(matches!(rows.commit_span(&k1, &v1, &q1, 0.3, &masks), Err(CacheError::ShapeMismatch { .. })));
+    assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), snapshot);
+}
+
+/// Right-padded prefill (issue #15 for this family): each row stores only its real positions, byte-identical to its
+/// lego fed them inside a lego round; a row converts only when its request commits (`commit_prefill`, `finalize`),
+/// never at a sibling's window; the rows may pack inside the prefill and take the rest padded.
+#[test]
+fn rows_right_padded_prefill_converts_each_row_only_at_its_commit() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let (w, t) = (Some(4), tr(Some(2)));
+    let fresh = || Bf16FirstCache::new(spec, w, t).unwrap();
+    // Scenario 1: lengths [5, 2], chunks of 3; row 0 commits after the first chunk, row 1 at finalize.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![fresh(), fresh()]).unwrap();
+    let mut twins = vec![fresh(), fresh()];
+    rows.prepare(&[5, 2]).unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    let snapshot = |r: &TransitioningKvRows| {
+        ((0..r.rows()).map(|i| planes_bits(&r.row_physical_planes(i).unwrap())).collect::<Vec<_>>(), r.offsets())
+    };
+    let before = snapshot(&rows);
+    let (k1, v1, q1) = kvq(&spec, 80, 2, 1);
+    assert!(matches!(rows.decode(&k1, &v1, &q1, 0.3, &masks), Err(CacheError::PendingPrefill)));
+    assert!(matches!(rows.prepare(&[1, 1]), Err(CacheError::PendingPrefill)));
+    assert!(matches!(rows.filter(&[0]), Err(CacheError::Lifecycle { .. })));
+    assert!(matches!(rows.end_prefill(), Err(CacheError::Lifecycle { .. })));
+    assert_eq!(snapshot(&rows), before, "refusals while pending change nothing");
+    let chunk = |rows: &mut TransitioningKvRows, twins: &mut [Bf16FirstCache], seed: u64, real: [usize; 2]| {
+        let (k, v, q) = kvq(&spec, seed, 2, 3);
+        let (out, conv) = rows.window(&k, &v, &q, 0.3, &masks).unwrap();
+        assert!(conv.is_empty(), "nothing converts at a window of a prepared prefill");
+        for (i, tw) in twins.iter_mut().enumerate() {
+            if real[i] > 0 {
+                let c = |a: &Array| cols(&row(a, i), 0, real[i]).unwrap();
+                let o = tw.window(&c(&k), &c(&v), &c(&q), 0.3, &masks).unwrap().0;
+                if !rows.is_packed() {
+                    assert_same_bytes(&cols(&row(&out, i), 0, real[i]).unwrap(), &o, "real positions vs the lego");
+                }
+            }
+        }
+    };
+    chunk(&mut rows, &mut twins, 81, [3, 2]);
+    assert_eq!(rows.pending(), Some(&[2usize, 0][..]));
+    assert_eq!(rows.lifecycle()[1].converted_at, None, "row 1 reached start 2 but its request has not committed");
+    assert_eq!(rows.commit_prefill(&[0]).unwrap(), vec![0]);
+    assert!(twins[0].round_commit().unwrap());
+    chunk(&mut rows, &mut twins, 82, [2, 0]);
+    assert_eq!(rows.finalize().unwrap(), vec![1]);
+    assert!(twins[1].round_commit().unwrap());
+    assert!(rows.is_packed(), "every row converted");
+    for (i, tw) in twins.iter().enumerate() {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&tw.inner().physical_planes().unwrap())
+        );
+        assert_eq!(rows.lifecycle()[i].converted_at, tw.converted_at());
+    }
+    let before = snapshot(&rows);
+    assert!(matches!(rows.finalize(), Err(CacheError::NoPendingPrefill)));
+    assert_eq!(snapshot(&rows), before);
+    // Scenario 2: both rows commit after the first chunk, pack inside the prefill, and take the rest padded.
+    let mut rows = TransitioningKvRows::merge(spec, w, t, vec![fresh(), fresh()]).unwrap();
+    let mut twins = vec![fresh(), fresh()];
+    rows.prepare(&[4, 3]).unwrap();
+    for tw in &mut twins {
+        tw.round_begin().unwrap();
+    }
+    chunk(&mut rows, &mut twins, 90, [3, 3]);
+    assert_eq!(rows.commit_prefill(&[0, 1]).unwrap(), vec![0, 1]);
+    for tw in &mut twins {
+        assert!(tw.round_commit().unwrap());
+    }
+    assert!(rows.is_packed(), "packed inside the prefill");
+    chunk(&mut rows, &mut twins, 91, [1, 0]);
+    assert_eq!(rows.finalize().unwrap(), Vec::<usize>::new());
+    for (i, tw) in twins.iter().enumerate() {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&tw.inner().physical_planes().unwrap())
+        );
+    }
+    assert_eq!(rows.offsets(), vec![4, 3]);
+}
+
+/// A row index past the last row is a typed error (`NoSuchRow`) for every row-addressed method, never a panic, both
+/// before and after packing (a cargo-mutants survivor: `check_row` -> `Ok(())`).
+#[test]
+fn row_addressed_methods_refuse_a_missing_row() {
+    let spec = tspec();
+    let w = Some(4);
+    let t = tr(Some(6));
+    let twins = vec![Bf16FirstCache::new(spec, w, t).unwrap(), Bf16FirstCache::new(spec, w, t).unwrap()];
+    let rows = TransitioningKvRows::merge(spec, w, t, twins).unwrap();
+    let missing = |r: Result<()>| matches!(r, Err(CacheError::NoSuchRow { row: 2, rows: 2 }));
+    assert!(missing(rows.row_physical_planes(2).map(|_| ())));
+    assert!(missing(rows.extract(2).map(|_| ())));
+    let mut prefilling = rows.clone();
+    prefilling.begin_prefill().unwrap();
+    assert!(missing(prefilling.commit_prefill(&[0, 2]).map(|_| ())));
+    assert!(rows.row_physical_planes(1).is_ok(), "the last row exists");
+}
+
+/// `max_append_tokens` of the rows is the least of their legos' values. A row that reached its boundary inside a
+/// round, not yet converted (it converts at the commit), has no room left to count: its lego says `None`, so it must
+/// not pull the rows' value down to 0 (cargo-mutants' `<` -> `<=` survivor in `max_append_tokens`, issue #17).
+#[test]
+fn rows_max_append_tokens_is_the_least_of_their_legos_inside_a_round() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let t = tr(Some(4));
+    let mut twins = legos_after_windows(spec, None, t, &[3, 1], 200);
+    let mut rows = TransitioningKvRows::merge(spec, None, t, twins.clone()).unwrap();
+    rows.round_begin().unwrap();
+    let (k, v, q) = kvq(&spec, 300, 2, 1);
+    rows.decode(&k, &v, &q, 0.3, &masks).unwrap();
+    for (i, tw) in twins.iter_mut().enumerate() {
+        tw.round_begin().unwrap();
+        tw.decode(&row(&k, i), &row(&v, i), &row(&q, i), 0.3, &masks).unwrap();
+    }
+    assert_eq!(rows.offsets(), vec![4, 2]);
+    assert_eq!(rows.lifecycle()[0].converted_at, None, "inside the round row 0 waits at its boundary");
+    let legos: Vec<Option<usize>> = twins.iter().map(Bf16FirstCache::max_append_tokens).collect();
+    assert_eq!(legos, vec![None, Some(2)]);
+    assert_eq!(rows.max_append_tokens(), Some(2), "the least of the legos' values");
+    rows.round_commit().unwrap();
+    assert_eq!(rows.lifecycle()[0].converted_at, Some(4), "the commit converts row 0 at its boundary");
+    assert_eq!(rows.max_append_tokens(), Some(2));
+}

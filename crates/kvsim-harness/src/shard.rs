@@ -1,0 +1,339 @@
+//! Seed campaigns split over processes and machines (`kvsim sim --shard I/N`, `--jobs N`, `kvsim merge`).
+//!
+//! A shard `I/N` of the seeds `first .. first + seeds` runs every seed `s` with `(s - first) % N == I` (round robin,
+//! so cheap and expensive seed ranges spread evenly). Each shard's JSON summary carries the result hash of every seed
+//! it ran; a campaign's `result_hash` is blake3 over the per-seed result hashes **in seed order**, so merging shards
+//! (sorting their seeds) gives exactly the hash of the unsharded run, whatever the split and the order parts arrive.
+//! Merging refuses what cannot be one campaign: a seed run twice, parts of other devices or MLX versions.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Shard `index` of `count` (`0 <= index < count`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shard {
+    pub index: u64,
+    pub count: u64,
+}
+
+/// Why a shard spec or a merge was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShardError {
+    #[error("shard {0:?} is not of the form I/N (for example 0/4)")]
+    Malformed(String),
+    #[error("shard count must be at least 1")]
+    ZeroCount,
+    #[error("shard index {index} is not below the shard count {count}")]
+    IndexOutOfRange { index: u64, count: u64 },
+    #[error("seed {0} appears in more than one part")]
+    DuplicateSeed(u64),
+    #[error("parts disagree on {what}: {a:?} vs {b:?}")]
+    Mismatch { what: &'static str, a: String, b: String },
+    #[error("part {part}: {message}")]
+    BadPart { part: String, message: String },
+    #[error("nothing to merge")]
+    Empty,
+}
+
+impl FromStr for Shard {
+    type Err = ShardError;
+
+    fn from_str(s: &str) -> Result<Shard, ShardError> {
+        let bad = || ShardError::Malformed(s.to_string());
+        let (i, n) = s.split_once('/').ok_or_else(bad)?;
+        let index: u64 = i.trim().parse().map_err(|_| bad())?;
+        let count: u64 = n.trim().parse().map_err(|_| bad())?;
+        if count == 0 {
+            return Err(ShardError::ZeroCount);
+        }
+        if index >= count {
+            return Err(ShardError::IndexOutOfRange { index, count });
+        }
+        Ok(Shard { index, count })
+    }
+}
+
+impl fmt::Display for Shard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+impl Shard {
+    /// Whether seed `seed` of a campaign starting at `first` belongs to this shard.
+    pub fn owns(&self, first: u64, seed: u64) -> bool {
+        seed.wrapping_sub(first) % self.count == self.index
+    }
+}
+
+/// The seeds `first .. first + seeds` (saturating at `u64::MAX`), restricted to `shard` when given, in order.
+pub fn campaign_seeds(first: u64, seeds: u64, shard: Option<Shard>) -> Vec<u64> {
+    let end = first.saturating_add(seeds);
+    (first..end).filter(|&s| shard.is_none_or(|sh| sh.owns(first, s))).collect()
+}
+
+/// One seed's result hash (hex), as a part carries it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeedHash {
+    pub seed: u64,
+    pub hash: String,
+}
+
+/// The campaign hash: blake3 over each seed's result hash (its hex text) in seed order. Sorts `seeds` in place;
+/// a seed present twice is [`ShardError::DuplicateSeed`].
+pub fn campaign_hash(seeds: &mut [SeedHash]) -> Result<String, ShardError> {
+    seeds.sort_by_key(|s| s.seed);
+    if let Some(w) = seeds.windows(2).find(|w| w[0].seed == w[1].seed) {
+        return Err(ShardError::DuplicateSeed(w[0].seed));
+    }
+    let mut h = blake3::Hasher::new();
+    for s in seeds.iter() {
+        h.update(s.hash.as_bytes());
+    }
+    Ok(h.finalize().to_hex().to_string())
+}
+
+/// The last line of `text` that parses as a JSON object (a `kvsim sim --json` output ends with its summary line).
+pub fn last_json_line(text: &str) -> Option<serde_json::Value> {
+    text.lines()
+        .rev()
+        .map(str::trim)
+        .filter(|l| l.starts_with('{'))
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok().filter(|v| v.is_object()))
+}
+
+/// The prefix of the progress lines a worker (`kvsim sim --progress-lines`) writes to stderr, one per seed.
+pub const PROGRESS_PREFIX: &str = "kvsim-progress ";
+
+/// One finished seed, as a worker reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    pub seed: u64,
+    pub ops: u64,
+    pub failed: bool,
+}
+
+impl Progress {
+    /// The stderr line for this progress report.
+    pub fn line(&self) -> String {
+        format!("{PROGRESS_PREFIX}{}", serde_json::to_string(self).unwrap_or_default())
+    }
+
+    /// Parses a progress line (None for any other line).
+    pub fn parse(line: &str) -> Option<Progress> {
+        serde_json::from_str(line.strip_prefix(PROGRESS_PREFIX)?).ok()
+    }
+}
+
+/// What one worker process left: its exit status and the last JSON line of its stdout.
+#[derive(Debug, Clone)]
+pub struct WorkerOutput {
+    pub worker: usize,
+    pub status: Option<i32>,
+    pub summary: Option<serde_json::Value>,
+}
+
+/// Seeds a worker holds beyond the one it runs, so that it never waits for the next one.
+const PREFETCH: usize = 1;
+
+/// What a worker's stderr said: a progress line (one finished seed), or any other line.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkerEvent {
+    /// A finished seed.
+    Progress(Progress),
+    /// Any other line of the worker's stderr (a warning, an error), verbatim.
+    Line(String),
+}
+
+/// Runs `jobs` worker processes `exe ARGS... --seed-feed` concurrently and hands them `seeds` **on demand**: each
+/// worker reads seeds from its stdin (one per line) and writes a progress line per finished seed on stderr; every
+/// progress line is answered with the next seed of the queue, in seed order, to the worker that wrote it (a worker
+/// holds at most `1 + PREFETCH` seeds). So a worker that drew cheap seeds takes more of them, and all workers finish
+/// within about one seed of each other, whatever the seeds cost. Once the queue is empty (or `stop` is set) the
+/// workers' stdins are closed and each ends after the seeds it holds, printing its summary.
+///
+/// Which worker runs which seed depends on timing, but the merged summary does not: every seed's result is a
+/// function of the seed alone and the campaign hash is over seeds in seed order ([`campaign_hash`]).
+///
+/// Stdout is collected (the summary is its last JSON line); stderr is handed over line by line as
+/// [`WorkerEvent`]s to `on_event` (called on this thread, in arrival order): progress lines parsed, any other line
+/// as it came, for the caller to show. Ctrl-C reaches the workers too (same
+/// process group): each stops after its current seed and still prints its summary, which is collected here.
+pub fn run_workers(
+    exe: &std::path::Path,
+    args: &[String],
+    jobs: usize,
+    seeds: &[u64],
+    stop: &std::sync::atomic::AtomicBool,
+    mut on_event: impl FnMut(WorkerEvent),
+) -> Result<Vec<WorkerOutput>, ShardError> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Command, Stdio};
+    use std::sync::mpsc;
+
+    let (tx, rx) = mpsc::channel::<(usize, WorkerEvent)>();
+    let mut queue = seeds.iter().copied();
+    let mut children = vec![];
+    let mut stdins = vec![];
+    for worker in 0..jobs.max(1) {
+        let mut child = Command::new(exe)
+            .args(args)
+            .arg("--seed-feed")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| ShardError::BadPart {
+                part: format!("worker {worker}"),
+                message: format!("cannot start worker: {e}"),
+            })?;
+        let stderr = child.stderr.take();
+        let tx = tx.clone();
+        let forward = std::thread::spawn(move || {
+            if let Some(err) = stderr {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    let event = match Progress::parse(&line) {
+                        Some(p) => WorkerEvent::Progress(p),
+                        None => WorkerEvent::Line(line),
+                    };
+                    let _ = tx.send((worker, event));
+                }
+            }
+        });
+        let mut stdout = child.stdout.take();
+        let collect = std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(out) = stdout.as_mut() {
+                let _ = out.read_to_string(&mut text);
+            }
+            text
+        });
+        stdins.push(child.stdin.take());
+        children.push((worker, child, forward, collect));
+    }
+    drop(tx);
+    // A write to a worker that already ended (its `--time` ran out) fails with a broken pipe: that worker simply
+    // takes no more seeds, and the seed is not run, as a timed campaign leaves seeds unrun.
+    let mut feed = |stdin: &mut Option<std::process::ChildStdin>| match queue.next() {
+        Some(seed) => {
+            if let Some(w) = stdin.as_mut() {
+                if writeln!(w, "{seed}").and_then(|_| w.flush()).is_err() {
+                    *stdin = None;
+                }
+            }
+        }
+        None => *stdin = None,
+    };
+    for _ in 0..=PREFETCH {
+        for stdin in stdins.iter_mut() {
+            feed(stdin);
+        }
+    }
+    for (worker, event) in rx {
+        let progress = matches!(event, WorkerEvent::Progress(_));
+        on_event(event);
+        if !progress {
+            continue;
+        }
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            stdins.iter_mut().for_each(|s| *s = None);
+        } else {
+            feed(&mut stdins[worker]);
+        }
+    }
+    drop(stdins);
+    let mut outs = vec![];
+    for (worker, mut child, forward, collect) in children {
+        let status = child.wait().ok().and_then(|s| s.code());
+        let _ = forward.join();
+        let text = collect.join().unwrap_or_default();
+        outs.push(WorkerOutput { worker, status, summary: last_json_line(&text) });
+    }
+    Ok(outs)
+}
+
+/// Reads a worker's seeds from `input`, one decimal `u64` per line (blank lines skipped), until the end of input.
+/// A line that is not a seed ends the feed with an error naming it.
+pub fn read_seed_feed(input: impl std::io::BufRead) -> impl Iterator<Item = Result<u64, ShardError>> {
+    input.lines().filter_map(|line| match line {
+        Err(e) => Some(Err(ShardError::BadPart { part: "seed feed".into(), message: e.to_string() })),
+        Ok(l) if l.trim().is_empty() => None,
+        Ok(l) => Some(
+            l.trim()
+                .parse::<u64>()
+                .map_err(|_| ShardError::BadPart { part: "seed feed".into(), message: format!("{l:?} is not a seed") }),
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_specs_parse_or_fail_typed() {
+        assert_eq!("1/4".parse::<Shard>(), Ok(Shard { index: 1, count: 4 }));
+        assert_eq!(" 0 / 1 ".parse::<Shard>(), Ok(Shard { index: 0, count: 1 }));
+        assert_eq!("4/4".parse::<Shard>(), Err(ShardError::IndexOutOfRange { index: 4, count: 4 }));
+        assert_eq!("0/0".parse::<Shard>(), Err(ShardError::ZeroCount));
+        for bad in ["", "1", "a/2", "1/b", "-1/2", "1/2/3"] {
+            assert!(matches!(bad.parse::<Shard>(), Err(ShardError::Malformed(_))), "{bad}");
+        }
+        assert_eq!(Shard { index: 2, count: 5 }.to_string(), "2/5");
+    }
+
+    #[test]
+    fn shards_partition_the_seeds() {
+        let all = campaign_seeds(10, 23, None);
+        assert_eq!(all, (10..33).collect::<Vec<_>>());
+        for n in 1..6 {
+            let mut union: Vec<u64> =
+                (0..n).flat_map(|i| campaign_seeds(10, 23, Some(Shard { index: i, count: n }))).collect();
+            union.sort();
+            assert_eq!(union, all, "{n} shards");
+        }
+        assert_eq!(campaign_seeds(0, 7, Some(Shard { index: 1, count: 3 })), vec![1, 4]);
+        assert_eq!(campaign_seeds(u64::MAX - 1, 5, None), vec![u64::MAX - 1]);
+    }
+
+    #[test]
+    fn campaign_hash_is_order_free_and_refuses_duplicates() {
+        let h = |s: u64| SeedHash { seed: s, hash: format!("{:064x}", s * 7919) };
+        let mut serial: Vec<SeedHash> = (0..9).map(h).collect();
+        let mut shuffled: Vec<SeedHash> = [4, 0, 8, 2, 6, 1, 3, 5, 7].into_iter().map(h).collect();
+        let a = campaign_hash(&mut serial).unwrap();
+        assert_eq!(campaign_hash(&mut shuffled).unwrap(), a);
+        // The same construction as the serial loop: blake3 over the hex hashes in seed order.
+        let mut hasher = blake3::Hasher::new();
+        (0..9).for_each(|s| {
+            hasher.update(h(s).hash.as_bytes());
+        });
+        assert_eq!(a, hasher.finalize().to_hex().to_string());
+        let mut dup = vec![h(1), h(2), h(1)];
+        assert_eq!(campaign_hash(&mut dup), Err(ShardError::DuplicateSeed(1)));
+    }
+
+    #[test]
+    fn seed_feeds_parse_or_fail_typed() {
+        let ok: Vec<_> = read_seed_feed(&b"3\n\n 17 \n"[..]).collect::<Result<_, _>>().unwrap();
+        assert_eq!(ok, vec![3, 17]);
+        let bad: Vec<_> = read_seed_feed(&b"3\nx\n"[..]).collect();
+        assert!(matches!(bad[1], Err(ShardError::BadPart { .. })), "{bad:?}");
+    }
+
+    #[test]
+    fn progress_lines_round_trip() {
+        let p = Progress { seed: 12, ops: 57, failed: true };
+        assert_eq!(Progress::parse(&p.line()), Some(p));
+        assert_eq!(Progress::parse("FAIL seed 12 op 3"), None);
+    }
+
+    #[test]
+    fn the_summary_is_the_last_json_line() {
+        let out = "kvsim sim: 3 seeds\n  table {not json}\n{\"seeds\": 3}\n";
+        assert_eq!(last_json_line(out).unwrap()["seeds"], 3);
+        assert!(last_json_line("no json here\n[1, 2]\n").is_none());
+    }
+}

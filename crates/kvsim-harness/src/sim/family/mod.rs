@@ -1,0 +1,174 @@
+//! Layout families: the plug-ins of the harness.
+//!
+//! A **family** is one kind of cache a model's layers may hold (attention K/V caches, quantized ones, a recurrent
+//! state, ...). It owns, for one run, everything about its layers: the production layouts (serial caches and rows
+//! of the running batch), one solo twin per request, its reference model, the ops it supports, its checks, and the
+//! counters of what it proved. The runner ([`crate::sim::runner::World`]) holds one instance per family of the
+//! run's swarm config and dispatches every op to each of them; it knows nothing else about any family.
+//!
+//! Adding a family is adding a module here that implements [`Family`] and one [`Registration`] in [`REGISTRY`]
+//! (ARCHITECTURE.md, "How to add a layout family").
+
+pub mod attention;
+pub mod quant;
+pub mod ssm;
+pub mod training;
+pub mod transition;
+
+use crate::sim::check::Failure;
+use crate::sim::config::SimConfig;
+use crate::sim::observe::RunObserver;
+use crate::sim::ops::{Op, OpKind};
+use crate::sim::summary::Counters;
+
+/// What a family hands its checks besides itself: the run's digest (every byte a check reads is chained into it, in
+/// order) and the observer.
+pub struct Cx<'a> {
+    pub hasher: &'a mut blake3::Hasher,
+    pub observer: &'a mut dyn RunObserver,
+}
+
+/// What the op generator may look at (the scheduler's picture; the same in every family of a run).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct View {
+    /// Requests outside the batch: (id, offset, width of the last window write if it was the last mutation).
+    pub solo: Vec<(u32, usize, Option<usize>)>,
+    /// Requests of the batch rows, in row order.
+    pub rows: Vec<u32>,
+    pub next_id: u32,
+    pub live: usize,
+}
+
+/// One layout family of one run.
+///
+/// Contract (what the runner relies on):
+/// - [`Family::apply`] executes `op` on production, twins and model, checks every read it makes, and returns
+///   `Ok(false)` (changing nothing) when the op's references do not exist in this family's state; an impossible
+///   request is executed and must yield the model's typed error. Ops of kinds the family does not
+///   [`support`](Registration::supports) never reach it.
+/// - [`Family::check_state`] runs after every applied op: every live request's state against twin and model.
+/// - Everything the checks read goes into `cx.hasher` in a deterministic order (the run's result hash).
+/// - Production calls are described to `cx.observer` only when `cx.observer.wants_calls()`.
+pub trait Family {
+    /// The storage-kind family this instance checks (the key of the summary's `layouts` object), e.g. `"kv:plain"`.
+    fn key(&self) -> &'static str;
+    /// Applies one op. `Ok(false)`: skipped (its references do not exist here). `Err`: a check failed.
+    fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Result<bool, Failure>;
+    /// After every applied op: every live request's state, bytes and kinds, in production, twin and model.
+    fn check_state(&mut self, cx: &mut Cx<'_>) -> Result<(), Failure>;
+    /// Hands every live request's production state to the observer (only called when it wants calls).
+    fn observe_state(&mut self, cx: &mut Cx<'_>) -> Result<(), Failure>;
+    /// The scheduler's picture, for the generator.
+    fn view(&self) -> View;
+    /// What this family counted so far.
+    fn counters(&self) -> &Counters;
+    fn counters_mut(&mut self) -> &mut Counters;
+    /// The parameters this run's instance was drawn with, when the family draws some per seed (the quantized
+    /// family's `"<bits>:<group>"`): the summary's `layouts.<key>.variants` counts coverage per variant.
+    fn variant(&self) -> Option<String> {
+        None
+    }
+}
+
+/// How the runner finds a family: its name (as in `SimConfig::families`), which op kinds it supports, and how to
+/// build its instance for a run.
+pub struct Registration {
+    /// The name in [`SimConfig::families`].
+    pub name: &'static str,
+    /// Whether the family executes ops of this kind. A run's generator draws only kinds every family of the run
+    /// supports (`SimConfig::from_seed` switches the others off), and a replayed op of another kind is skipped.
+    pub supports: fn(OpKind) -> bool,
+    /// Swarm: the probability that a seed's run includes this family (drawn from `Stream::Families`, in registry
+    /// order). A run always holds at least one family: the first registered one when the draw picks none.
+    pub swarm_probability: f64,
+    /// One instance for a run of `cfg`.
+    pub build: fn(&SimConfig) -> Result<Box<dyn Family>, Failure>,
+}
+
+/// Every family the harness knows, in the order the runner dispatches them.
+pub const REGISTRY: &[Registration] = &[
+    attention::REGISTRATION,
+    training::REGISTRATION,
+    ssm::REGISTRATION,
+    quant::REGISTRATION,
+    transition::REGISTRATION,
+    transition::LEGO_REGISTRATION,
+];
+
+/// The registration of `name`.
+pub fn registration(name: &str) -> Option<&'static Registration> {
+    REGISTRY.iter().find(|r| r.name == name)
+}
+
+/// The families a run holds by default (a config that names none).
+pub fn default_families() -> Vec<String> {
+    vec![attention::NAME.to_string()]
+}
+
+/// Whether every family of `names` supports `kind` (an unknown name supports nothing).
+pub fn all_support(names: &[String], kind: OpKind) -> bool {
+    names.iter().all(|n| registration(n).is_some_and(|r| (r.supports)(kind)))
+}
+
+/// The running rows' order a `Join` lists (`order`; empty = identity) as a permutation of `0..rows`, or `None` when
+/// it is not one: every family then skips the op alike.
+pub(crate) fn join_permutation(order: &[u32], rows: usize) -> Option<Vec<usize>> {
+    let perm: Vec<usize> =
+        if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
+    let mut sorted = perm.clone();
+    sorted.sort_unstable();
+    (sorted == (0..rows).collect::<Vec<_>>()).then_some(perm)
+}
+
+/// The requests of `reqs` that may enter the batch (`eligible`: a solo request of the family), each once, in the
+/// order listed.
+pub(crate) fn entering(reqs: &[u32], eligible: impl Fn(u32) -> bool) -> Vec<u32> {
+    let mut ids: Vec<u32> = vec![];
+    for &r in reqs {
+        if eligible(r) && !ids.contains(&r) {
+            ids.push(r);
+        }
+    }
+    ids
+}
+
+/// Saves caches to one file of `format` (every cache one layer), drops them, and restores them from the bytes alone:
+/// the persist op's round trip, shared by every family. Each cache's reuse floor and storage kind must come back
+/// (a `persist` failure otherwise); the restored caches are returned in order for the family to unwrap.
+pub(crate) fn persist_through_bytes(
+    persisted: Vec<kvsim_persist::Persisted>,
+    format: kvsim_persist::inspect::Format,
+) -> Result<Vec<kvsim_persist::AnyCache>, Failure> {
+    use kvsim_persist::inspect::{load_any, save_as};
+    let fail = |what: &str, e: kvsim_persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
+    let floors: Vec<usize> = persisted.iter().map(|p| p.minimum_reusable_offset).collect();
+    let kinds: Vec<String> = persisted.iter().map(|p| p.cache.storage_kind().to_string()).collect();
+    let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
+    drop(persisted);
+    let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
+    let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
+    if back != floors {
+        crate::sim::check::fail(Failure::new("persist", format!("reuse floors {floors:?} saved, {back:?} restored")))?;
+    }
+    let got: Vec<String> = restored.iter().map(|p| p.cache.storage_kind().to_string()).collect();
+    if got != kinds {
+        crate::sim::check::fail(Failure::new("persist", format!("kinds {kinds:?} saved, {got:?} restored")))?;
+    }
+    Ok(restored.into_iter().map(|p| p.cache).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_names_are_unique_and_the_default_is_registered() {
+        for (i, r) in REGISTRY.iter().enumerate() {
+            assert!(REGISTRY[..i].iter().all(|o| o.name != r.name), "{} registered twice", r.name);
+        }
+        for n in default_families() {
+            assert!(registration(&n).is_some());
+        }
+        assert!(!all_support(&["no-such-family".to_string()], OpKind::Decode));
+    }
+}

@@ -1,0 +1,223 @@
+//! Observers of a run: the runner and the families call these hooks; whoever watches (the mlx-lm oracle's recorder
+//! in `src/oracle`, a future tracer) implements [`RunObserver`]. The simulator core knows nothing of what an
+//! observer does with a call: it only describes, in plain data, which production call it made with which inputs
+//! and outputs.
+//!
+//! A family builds the (possibly costly) call data only when [`RunObserver::wants_calls`] says so; the default
+//! observer ([`NoObserver`]) wants nothing and costs nothing.
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Array;
+
+use crate::sim::ops::Op;
+use kvsim_cache::ssm::{GdnParams, SsmSpec};
+
+/// The read kind of a solo or batch call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    Decode,
+    Window,
+    /// A write without a read (no output).
+    Append,
+}
+
+impl Read {
+    pub fn name(self) -> &'static str {
+        match self {
+            Read::Decode => "decode",
+            Read::Window => "window",
+            Read::Append => "append",
+        }
+    }
+}
+
+/// What the production cache did for a trim call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrimInfo {
+    /// Count per row (one entry for a solo or uniform trim).
+    pub n: Vec<usize>,
+    pub bypass: bool,
+    /// The production answer: `Ok(count)` or the typed error's debug text.
+    pub kvsim: Result<usize, String>,
+    /// Whether the last mutation of every row was a window write of at least `n` positions (what a bypass trim
+    /// undoes).
+    pub after_window: bool,
+    /// Live positions of each row before the trim.
+    pub live: Vec<usize>,
+}
+
+/// One production call of a family the oracle maps (the attention and quantized families' `kv:*` caches; the
+/// recurrent family's `Ssm*` calls), with its exact inputs and outputs. Offsets are the
+/// requests' positions before the call; `rows` pairs are `(offset, live columns)` per batch row.
+#[derive(Debug, Clone, Copy)]
+pub enum Call<'a> {
+    Admit {
+        req: u32,
+    },
+    /// A write (+ read) on a request outside the batch; `q`/`out` are `None` for an append.
+    Solo {
+        req: u32,
+        layer: usize,
+        read: Read,
+        k: &'a Array,
+        v: &'a Array,
+        q: Option<&'a Array>,
+        out: Option<&'a Array>,
+        offset: usize,
+    },
+    SoloTrim {
+        req: u32,
+        offset: usize,
+        trim: &'a TrimInfo,
+    },
+    /// Requests outside the batch enter it (`merge` of temporal views, or `join` keeping their phase).
+    Enter {
+        reqs: &'a [u32],
+        merge: bool,
+        offsets: &'a [usize],
+        sizes: &'a [usize],
+    },
+    Prefill {
+        reqs: &'a [u32],
+        lengths: &'a [usize],
+        chunk: usize,
+    },
+    PrefillChunk {
+        layer: usize,
+        reqs: &'a [u32],
+        k: &'a Array,
+        v: &'a Array,
+        q: &'a Array,
+        real: &'a [usize],
+        out: &'a Array,
+        done: usize,
+        padded: bool,
+    },
+    PrefillEnd {
+        longest: usize,
+    },
+    /// A write (+ read) on the running batch; `q`/`out` are `None` for an append.
+    Batch {
+        layer: usize,
+        read: Read,
+        reqs: &'a [u32],
+        rows: &'a [(usize, usize)],
+        k: &'a Array,
+        v: &'a Array,
+        q: Option<&'a Array>,
+        out: Option<&'a Array>,
+    },
+    BatchSpan {
+        layer: usize,
+        reqs: &'a [u32],
+        rows: &'a [(usize, usize)],
+        k: &'a Array,
+        v: &'a Array,
+        q: &'a Array,
+        out: &'a Array,
+    },
+    /// Every batch row received `l` positions (after all layers' calls of one op).
+    BatchWritten {
+        l: usize,
+    },
+    TrimRows {
+        reqs: &'a [u32],
+        offsets: &'a [usize],
+        trim: &'a TrimInfo,
+    },
+    Trim {
+        reqs: &'a [u32],
+        offsets: &'a [usize],
+        trim: &'a TrimInfo,
+    },
+    Extract {
+        row: usize,
+        req: u32,
+        finish: bool,
+        rows_left: usize,
+    },
+    Filter {
+        keep: &'a [usize],
+    },
+    /// The conversion op (`to_quantized` of every cache of the family): `converted` when the caches changed storage
+    /// (false: the same parameters, a typed refusal, or nothing to convert).
+    Quantize {
+        bits: usize,
+        group: usize,
+        converted: bool,
+    },
+    /// The recurrent family: its DeltaNet geometry and every layer's weights (described once, before its first call).
+    SsmLayers {
+        spec: SsmSpec,
+        params: &'a [GdnParams],
+    },
+    /// A gated-DeltaNet layer call (`SsmCache::decode` / `window`): on request `req`'s own cache (`Some`, one row) or
+    /// on the running batch (`reqs` in row order); `spans[r]` is row `r`'s real `[start, end)`; `out` `[B, S, Hv, Dv]`.
+    SsmCall {
+        req: Option<u32>,
+        layer: usize,
+        read: Read,
+        reqs: &'a [u32],
+        qkv: &'a Array,
+        a: &'a Array,
+        b: &'a Array,
+        out: &'a Array,
+        spans: &'a [(usize, usize)],
+    },
+    /// `SsmCache::prepare(lengths, left)` on the running batch (`left` empty: no left padding).
+    SsmPrepare {
+        lengths: &'a [usize],
+        left: &'a [usize],
+    },
+    /// `SsmCache::finalize()` on the running batch.
+    SsmFinalize,
+    /// A speculative round of `gamma` positions resolved with per-row `keep` (commit when every row keeps `gamma`).
+    SsmRound {
+        reqs: &'a [u32],
+        gamma: usize,
+        keep: &'a [usize],
+    },
+}
+
+/// One live request at a checkpoint: its offset and, per layer, its temporal K and V views (production); for the
+/// recurrent family each layer's pair is the row's conv state `[K-1, conv_dim]` and recurrent state `[Hv, Dv, Dk]`.
+pub struct StateView {
+    pub offset: usize,
+    pub layers: Vec<(Array, Array)>,
+    /// Affine storage only: per layer, the six planes of the temporal view (K's packed words, scales, biases, then
+    /// V's); `layers` is then empty.
+    pub planes: Option<Vec<Vec<Array>>>,
+}
+
+/// Hooks a run calls. Every method has a do-nothing default.
+pub trait RunObserver {
+    /// Op `index` of the run starts.
+    fn on_op_start(&mut self, _index: usize, _op: &Op) {}
+    /// Whether the families should describe their production calls ([`RunObserver::on_call`]) and states
+    /// ([`RunObserver::on_state`]). When false, they build nothing for the observer.
+    fn wants_calls(&self) -> bool {
+        false
+    }
+    /// Whether the family registered as `family` (its name in `sim::family::REGISTRY`) should describe its calls and
+    /// states to this observer; the runner hands the others a [`NoObserver`]. Default: every family.
+    fn watches(&self, _family: &str) -> bool {
+        true
+    }
+    /// A production call, just made. An error (the observer could not read an array) fails the run.
+    fn on_call(&mut self, _call: Call<'_>) -> Result<(), String> {
+        Ok(())
+    }
+    /// The state of every live request after an op's checks passed (and, for a verify, before its rollback).
+    fn on_state(&mut self, _views: BTreeMap<u32, StateView>) -> Result<(), String> {
+        Ok(())
+    }
+    /// Op `index` ended: `Ok(true)` applied, `Ok(false)` skipped, `Err(check)` failed.
+    fn on_op_end(&mut self, _index: usize, _op: &Op, _result: Result<bool, &str>) {}
+}
+
+/// The observer of a plain `sim` run: watches nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoObserver;
+
+impl RunObserver for NoObserver {}

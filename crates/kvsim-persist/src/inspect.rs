@@ -1,0 +1,347 @@
+//! `kvsim cache inspect` and `kvsim cache convert`: a cache file of either format, described or converted.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::codec::{Persisted, Registry};
+use super::error::{PersistError, Result};
+use super::kvsim;
+use super::mlxlm::{self, MlxLayer};
+use super::tensor::HostTensor;
+
+/// The two file formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// kvsim's own format ([`super::kvsim`]).
+    Kvsim,
+    /// mlx-lm 0.32.2 prompt-cache safetensors ([`super::mlxlm`]).
+    MlxLm,
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Format::Kvsim => "kvsim",
+            Format::MlxLm => "mlx-lm",
+        })
+    }
+}
+
+impl std::str::FromStr for Format {
+    type Err = String;
+
+    /// `kvsim` or `mlx-lm` (the command line's `--format`).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "kvsim" => Ok(Format::Kvsim),
+            "mlx-lm" => Ok(Format::MlxLm),
+            _ => Err(format!("unknown format {s:?} (expected kvsim or mlx-lm)")),
+        }
+    }
+}
+
+/// One tensor of a layer.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+}
+
+/// One layer (cache object) of a file.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerInfo {
+    /// The storage kind (kvsim files) or the class name (mlx-lm files).
+    pub kind: String,
+    /// Positions ever written: a number, or one per row for batches.
+    pub offset: serde_json::Value,
+    /// `minimum_reusable_offset` (kvsim files; mlx-lm files have none).
+    pub floor: Option<usize>,
+    pub tensors: Vec<TensorInfo>,
+    /// The scalar fields (mlx-lm) or the codec state (kvsim).
+    pub fields: serde_json::Value,
+    /// The kvsim storage kind this layer continues in, when kvsim has a layout for it (mlx-lm files).
+    pub kvsim_kind: Option<String>,
+    /// Sub-caches of a `CacheList`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<LayerInfo>,
+}
+
+/// A whole file.
+#[derive(Debug, Clone, Serialize)]
+pub struct Inspection {
+    pub format: Format,
+    pub version: Option<u32>,
+    pub bytes: usize,
+    pub metadata: BTreeMap<String, String>,
+    pub layers: Vec<LayerInfo>,
+}
+
+/// Which format `bytes` are in, else [`PersistError::BadMagic`].
+pub fn detect(bytes: &[u8]) -> Result<Format> {
+    if kvsim::is_kvsim(bytes) {
+        Ok(Format::Kvsim)
+    } else if mlxlm::looks_like_safetensors(bytes) {
+        Ok(Format::MlxLm)
+    } else if bytes.len() < 9 {
+        Err(PersistError::Truncated { what: format!("{} bytes: not even a format prefix", bytes.len()) })
+    } else {
+        Err(PersistError::BadMagic { what: "neither a kvsim cache file nor a safetensors file".into() })
+    }
+}
+
+fn tinfo(name: &str, t: &HostTensor) -> TensorInfo {
+    TensorInfo { name: name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.clone() }
+}
+
+fn mlx_info(l: &MlxLayer) -> Result<LayerInfo> {
+    use serde_json::json;
+    let mut tensors = Vec::new();
+    let mut push = |n: &str, t: &Option<HostTensor>| {
+        if let Some(t) = t {
+            tensors.push(tinfo(n, t));
+        }
+    };
+    let (offset, fields) = match l {
+        MlxLayer::KvCache { keys, values, offset } => {
+            push("keys", keys);
+            push("values", values);
+            (json!(offset), json!({}))
+        }
+        MlxLayer::RotatingKvCache { keys, values, offset, keep, max_size, idx } => {
+            push("keys", keys);
+            push("values", values);
+            (json!(offset), json!({"keep": keep, "max_size": max_size, "_idx": idx}))
+        }
+        MlxLayer::QuantizedKvCache { keys, values, offset, group_size, bits } => {
+            for (p, q) in [("keys", keys), ("values", values)] {
+                if let Some(q) = q {
+                    for (n, t) in ["packed", "scales", "biases"].iter().zip(q.iter()) {
+                        push(&format!("{p}.{n}"), &Some(t.clone()));
+                    }
+                }
+            }
+            (json!(offset), json!({"group_size": group_size, "bits": bits}))
+        }
+        MlxLayer::ArraysCache { cache, left_padding, lengths } => {
+            for (i, t) in cache.iter().enumerate() {
+                push(&format!("cache.{i}"), t);
+            }
+            push("left_padding", left_padding);
+            push("lengths", lengths);
+            let lp = left_padding.as_ref().map(|t| t.to_i64s("left_padding")).transpose()?;
+            let ln = lengths.as_ref().map(|t| t.to_i64s("lengths")).transpose()?;
+            (serde_json::Value::Null, json!({"left_padding": lp, "lengths": ln}))
+        }
+        MlxLayer::BatchKvCache { keys, values, offset, left_padding, idx } => {
+            push("keys", keys);
+            push("values", values);
+            (
+                json!(offset.to_i64s("offset")?),
+                json!({"left_padding": left_padding.to_i64s("left_padding")?, "_idx": idx}),
+            )
+        }
+        MlxLayer::BatchRotatingKvCache { keys, values, offset, left_padding, max_size, offset_total, idx, rotated } => {
+            push("keys", keys);
+            push("values", values);
+            (
+                json!(offset.to_i64s("offset")?),
+                json!({"left_padding": left_padding.to_i64s("left_padding")?, "max_size": max_size,
+                       "_offset": offset_total, "_idx": idx, "rotated": rotated}),
+            )
+        }
+        MlxLayer::ChunkedKvCache { keys, values, offset, chunk_size, start_position } => {
+            push("keys", keys);
+            push("values", values);
+            (json!(offset), json!({"chunk_size": chunk_size, "start_position": start_position}))
+        }
+        MlxLayer::CacheList(children) => {
+            let kids = children.iter().map(mlx_info).collect::<Result<Vec<_>>>()?;
+            return Ok(LayerInfo {
+                kind: l.class_name().into(),
+                offset: serde_json::Value::Null,
+                floor: None,
+                tensors: vec![],
+                fields: json!({}),
+                kvsim_kind: kvsim_kind_of(l)?,
+                children: kids,
+            });
+        }
+    };
+    let kvsim_kind = kvsim_kind_of(l)?;
+    Ok(LayerInfo { kind: l.class_name().into(), offset, floor: None, tensors, fields, kvsim_kind, children: vec![] })
+}
+
+/// The kvsim kind an mlx-lm layer continues in (`None`: no kvsim layout). An `ArraysCache` maps to `ssm` by its
+/// shapes alone (its offsets are the file's user metadata, checked when it is loaded).
+fn kvsim_kind_of(l: &MlxLayer) -> Result<Option<String>> {
+    let mapped = match l {
+        MlxLayer::ArraysCache { cache, lengths, left_padding } => {
+            let pending = lengths.is_some()
+                || left_padding
+                    .as_ref()
+                    .map(|t| t.to_i64s("left_padding"))
+                    .transpose()?
+                    .is_some_and(|v| v.iter().any(|&x| x > 0));
+            match mlxlm::ssm_spec_of(cache) {
+                Ok(_) if pending => return Ok(None),
+                Ok(_) => Ok(kvsim_cache::SSM.to_string()),
+                Err(e) => Err(e),
+            }
+        }
+        MlxLayer::CacheList(children) => {
+            for c in children {
+                if kvsim_kind_of(c)?.is_none() {
+                    return Ok(None);
+                }
+            }
+            Ok(kvsim_cache::CACHE_LIST.to_string())
+        }
+        _ => mlxlm::to_kvsim(l, None).map(|c| c.storage_kind().to_string()),
+    };
+    match mapped {
+        Ok(k) => Ok(Some(k)),
+        Err(PersistError::Unsupported { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Reads and fully validates a file (for kvsim files: every checksum and every codec's state validation; for
+/// mlx-lm files: the structure of every class, and the kvsim mapping where kvsim has a layout).
+pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
+    match detect(bytes)? {
+        Format::Kvsim => {
+            let f = kvsim::decode_entries(bytes)?;
+            let reg = Registry::default();
+            let mut layers = Vec::new();
+            for e in &f.entries {
+                let p = reg.decode(e)?;
+                let offset = match &p.cache {
+                    super::AnyCache::Serial(c) => serde_json::json!(c.offset()),
+                    super::AnyCache::Rows(b) => {
+                        serde_json::json!(b.row_states().iter().map(|r| r.ring.offset).collect::<Vec<_>>())
+                    }
+                    super::AnyCache::Ssm(c) => serde_json::json!(c.offsets()),
+                    super::AnyCache::Chunked(c) => serde_json::json!(c.offset()),
+                    super::AnyCache::Bf16First(c) => serde_json::json!(c.offset()),
+                    super::AnyCache::List(v) => serde_json::json!(v.iter().map(|c| c.offset()).collect::<Vec<_>>()),
+                };
+                layers.push(LayerInfo {
+                    kind: e.storage_kind.clone(),
+                    offset,
+                    floor: Some(e.minimum_reusable_offset),
+                    tensors: e.tensors.iter().map(|(n, t)| tinfo(n, t)).collect(),
+                    fields: e.state.clone(),
+                    kvsim_kind: Some(e.storage_kind.clone()),
+                    children: vec![],
+                });
+            }
+            Ok(Inspection {
+                format: Format::Kvsim,
+                version: Some(kvsim::FORMAT_VERSION),
+                bytes: bytes.len(),
+                metadata: f.metadata,
+                layers,
+            })
+        }
+        Format::MlxLm => {
+            let f = mlxlm::read(bytes)?;
+            let layers = f.layers.iter().map(mlx_info).collect::<Result<Vec<_>>>()?;
+            Ok(Inspection { format: Format::MlxLm, version: None, bytes: bytes.len(), metadata: f.metadata, layers })
+        }
+    }
+}
+
+/// [`inspect_bytes`] of a file.
+pub fn inspect_file(path: &Path) -> Result<Inspection> {
+    let bytes = std::fs::read(path).map_err(|e| PersistError::io(path, e))?;
+    inspect_bytes(&bytes)
+}
+
+/// A human-readable description.
+pub fn render(i: &Inspection) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let fmt = match i.format {
+        Format::Kvsim => format!("kvsim cache file, format version {}", i.version.unwrap_or(0)),
+        Format::MlxLm => "mlx-lm prompt-cache file (0.32.2 layout)".to_string(),
+    };
+    let _ = writeln!(s, "{fmt}, {} bytes, {} layers", i.bytes, i.layers.len());
+    for (k, v) in &i.metadata {
+        let _ = writeln!(s, "metadata {k} = {v:?}");
+    }
+    fn layer(s: &mut String, l: &LayerInfo, at: &str) {
+        let _ = write!(s, "layer {at}: {} offset {}", l.kind, l.offset);
+        if let Some(f) = l.floor {
+            let _ = write!(s, " floor {f}");
+        }
+        if let Some(k) = &l.kvsim_kind {
+            let _ = write!(s, " (kvsim {k})");
+        }
+        let _ = writeln!(s, " {}", l.fields);
+        for t in &l.tensors {
+            let _ = writeln!(s, "    {:<14} {:<5} {:?}", t.name, t.dtype, t.shape);
+        }
+        for (j, c) in l.children.iter().enumerate() {
+            layer(s, c, &format!("{at}.{j}"));
+        }
+    }
+    for (n, l) in i.layers.iter().enumerate() {
+        layer(&mut s, l, &n.to_string());
+    }
+    s
+}
+
+/// Reads caches of either format as kvsim layouts (mlx-lm classes without a kvsim layout are
+/// [`PersistError::Unsupported`]).
+pub fn load_any(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Vec<Persisted>)> {
+    match detect(bytes)? {
+        Format::Kvsim => kvsim::decode(&Registry::default(), bytes),
+        Format::MlxLm => {
+            let f = mlxlm::read(bytes)?;
+            let caches = mlxlm::file_to_kvsim(&f)?.into_iter().map(Persisted::new).collect();
+            let mut md = f.metadata;
+            // The offsets key belongs to the mlx-lm form (a kvsim file stores the offsets in the codec state).
+            md.remove(mlxlm::SSM_OFFSETS_KEY);
+            Ok((md, caches))
+        }
+    }
+}
+
+/// The bytes of `caches` in format `to`. mlx-lm files carry no reuse floor: a floor above 0 is refused rather
+/// than dropped.
+pub fn save_as(to: Format, metadata: &BTreeMap<String, String>, caches: &[Persisted]) -> Result<Vec<u8>> {
+    match to {
+        Format::Kvsim => kvsim::encode(&Registry::default(), metadata, caches),
+        Format::MlxLm => {
+            for (i, p) in caches.iter().enumerate() {
+                if p.minimum_reusable_offset > 0 {
+                    return Err(PersistError::unsupported(format!(
+                        "layer {i} has minimum_reusable_offset {}: mlx-lm files cannot carry it",
+                        p.minimum_reusable_offset
+                    )));
+                }
+            }
+            let caches: Vec<_> = caches.iter().map(|p| p.cache.clone()).collect();
+            mlxlm::write(&mlxlm::file_from_kvsim(metadata, &caches)?)
+        }
+    }
+}
+
+/// `kvsim cache convert IN OUT --to FORMAT`: an mlx-lm file to an mlx-lm file is rewritten at the file level (every
+/// class, kvsim layout or not); every other conversion goes through kvsim layouts. The output is written
+/// atomically.
+pub fn convert(input: &Path, output: &Path, to: Format) -> Result<()> {
+    let bytes = std::fs::read(input).map_err(|e| PersistError::io(input, e))?;
+    let out = match (detect(&bytes)?, to) {
+        (Format::MlxLm, Format::MlxLm) => mlxlm::write(&mlxlm::read(&bytes)?)?,
+        _ => {
+            let (md, caches) = load_any(&bytes)?;
+            save_as(to, &md, &caches)?
+        }
+    };
+    kvsim::write_atomic(output, &out)
+}
