@@ -32,9 +32,13 @@ pub enum Cmd {
         /// Stop starting new seeds after this many seconds.
         #[arg(long)]
         time: Option<f64>,
-        /// Print a JSON summary as the last line.
+        /// Print a JSON summary as the last line (always the whole summary, guarantees table included).
         #[arg(long)]
         json: bool,
+        /// Print the full table (every output class, the guarantees table, ops by kind, API coverage) instead of
+        /// the verdict.
+        #[arg(long, short)]
+        verbose: bool,
         /// Where failing traces are written.
         #[arg(long, default_value = "target/kvsim-failures")]
         out: PathBuf,

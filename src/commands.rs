@@ -264,10 +264,12 @@ pub(crate) struct SimArgs {
     pub(crate) progress_lines: bool,
     /// Worker mode of `--jobs`: seeds come from stdin, and the summary is always a [`campaign::Part`].
     pub(crate) seed_feed: bool,
+    /// The full table instead of the verdict.
+    pub(crate) verbose: bool,
 }
 
 pub(crate) fn print_summary(s: &campaign::Summary, a: &SimArgs) {
-    print_all(&s.lines());
+    print_all(&if a.verbose { s.lines() } else { s.verdict() });
     if s.interrupted {
         eprintln!("kvsim sim: interrupted; the summary covers the {} seeds that ran", s.seeds);
     }

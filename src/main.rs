@@ -34,12 +34,14 @@ fn main() -> ExitCode {
             jobs,
             progress_lines,
             seed_feed,
+            verbose,
         } => {
             if exact_read {
                 kvsim::cache::set_read_mode(kvsim::cache::ReadMode::Exact);
             }
             let (first, requested) = seed.map_or((first, seeds), |s| (s, 1));
-            let a = SimArgs { first, requested, shard, device, time, json, out, jobs, progress_lines, seed_feed };
+            let a =
+                SimArgs { first, requested, shard, device, time, json, out, jobs, progress_lines, seed_feed, verbose };
             sim_cmd(&a)
         }
         Cmd::Merge { parts, json } => merge_cmd(&parts, json),

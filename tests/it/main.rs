@@ -4,6 +4,7 @@ mod cache_contracts;
 mod campaign;
 mod common;
 mod corpus;
+mod crate_graph;
 mod determinism;
 mod fuzz_corpus;
 mod mutants;

@@ -26,6 +26,67 @@
 //!   tests here, not promised by this module.
 //! - **Host metadata** is plain integers ([`RingState`], [`RowState`]); K/V buffers are evaluated after every
 //!   write, so no lazy graph grows across steps.
+//!
+//! # Examples
+//! A plain (linear) cache: a prompt of 5 positions through `window`, then one decode step. K and V are
+//! `[B, H_kv, L, D]`, queries `[B, H_q, L, D]`; the read is MLX's fused attention over the cache's live columns.
+//! ```
+//! use kvsim_cache::{KvCache, KvDtype, KvSpec, Masks};
+//! use mlx_rs::Array;
+//!
+//! let spec = KvSpec { heads_kv: 2, head_dim: 4, dtype: KvDtype::F32 };
+//! let block = |l: i32, h: i32| Array::ones::<f32>(&[1, h, l, 4]).unwrap();
+//! let mut cache = KvCache::new(spec).unwrap();
+//! let masks = Masks::new(); // one per forward: every layer shares the masks it builds
+//! let (out, _mask) = cache.window(&block(5, 2), &block(5, 2), &block(5, 4), 0.5, &masks).unwrap();
+//! assert_eq!(out.shape(), &[1, 4, 5, 4]);
+//! cache.decode(&block(1, 2), &block(1, 2), &block(1, 4), 0.5, &Masks::new()).unwrap();
+//! assert_eq!(cache.offset(), 6);
+//! assert_eq!(cache.bytes_per_token(), 2 * 2 * 4 * 4); // K and V, 2 heads of 4 f32
+//! ```
+//!
+//! A batch of rotating rows (window 4) for continuous batching: two requests prefilled alone, joined into one
+//! batch, decoded together; each row keeps its own ring, and `extract` hands a row back as a serial cache.
+//! ```
+//! use kvsim_cache::{JoinSource, KvDtype, KvSpec, Masks, RotatingKvCache, RowBatch};
+//! use mlx_rs::Array;
+//!
+//! let spec = KvSpec { heads_kv: 1, head_dim: 4, dtype: KvDtype::F32 };
+//! let block = |b: i32, l: i32| Array::ones::<f32>(&[b, 1, l, 4]).unwrap();
+//! let mut a = RotatingKvCache::new(spec, 4).unwrap();
+//! a.window(&block(1, 6), &block(1, 6), &block(1, 6), 0.5, &Masks::new()).unwrap(); // wraps the ring
+//! let mut b = RotatingKvCache::new(spec, 4).unwrap();
+//! b.window(&block(1, 2), &block(1, 2), &block(1, 2), 0.5, &Masks::new()).unwrap();
+//! let mut rows = RowBatch::join(spec, Some(4), &[JoinSource::Serial(&a), JoinSource::Serial(&b)]).unwrap();
+//! let (out, _) = rows.decode(&block(2, 1), &block(2, 1), &block(2, 1), 0.5, &Masks::new()).unwrap();
+//! assert_eq!(out.shape(), &[2, 1, 1, 4]);
+//! let offsets: Vec<usize> = rows.row_states().iter().map(|r| r.ring.offset).collect();
+//! assert_eq!(offsets, [7, 3]);
+//! assert_eq!(rows.extract(1).unwrap().offset(), 3);
+//! ```
+//!
+//! An affine-quantized cache (4 bits, groups of 64, as mlx-lm's `QuantizedKVCache`): six planes (packed words,
+//! scales and biases of K and V) instead of two, read by MLX's quantized matmuls.
+//! ```
+//! use kvsim_cache::{KvDtype, KvSpec, Masks, QuantSpec, QuantizedKvCache};
+//! use mlx_rs::Array;
+//!
+//! let spec = KvSpec { heads_kv: 1, head_dim: 64, dtype: KvDtype::Bf16 };
+//! let block = |l: i32| Array::ones::<f32>(&[1, 1, l, 64]).unwrap().as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+//! let mut cache = QuantizedKvCache::new(spec, QuantSpec { bits: 4, group: 64 }).unwrap();
+//! cache.window(&block(3), &block(3), &block(3), 0.125, &Masks::new()).unwrap();
+//! assert_eq!(cache.offset(), 3);
+//! assert_eq!(cache.storage_kind().as_str(), "kv:quant:4:64");
+//! ```
+//!
+//! # Fault hooks
+//! The mutation catalog's fault hooks exist only with the cargo feature `faults`, which the harness turns on to
+//! prove its checks have teeth. A build with default features has neither the hooks nor the `faults` module: this
+//! does not compile there (run by `cargo test -p kvsim-cache --doc`).
+#![cfg_attr(
+    not(feature = "faults"),
+    doc = "```compile_fail\nkvsim_cache::faults::arm(Some(kvsim_cache::faults::Mutant::TemporalHead));\n```"
+)]
 #![cfg_attr(test, allow(clippy::print_stdout, clippy::print_stderr))]
 
 /// Whether the fault hook of the named catalog mutant fires here: the mutant is armed on this thread.

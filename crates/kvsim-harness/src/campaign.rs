@@ -215,6 +215,67 @@ impl Summary {
     }
 
     /// The human-readable report of `kvsim sim` (before its JSON line).
+    /// The verdict a user reads first, at most 15 lines: the totals, the reads against the solo twin and the f64
+    /// model, one line per layout family (a family's rotating layout beside its linear one), the weakest guarantee
+    /// class (the largest ULP distance to the twin; then the smallest bit-exact share), and the failing seeds.
+    /// [`Summary::lines`] is the full table.
+    pub fn verdict(&self) -> Vec<String> {
+        let (s, t) = (self, &self.counters);
+        let verdict = if s.failures == 0 { "PASS" } else { "FAIL" };
+        let mut lines = vec![format!(
+            "kvsim sim: {verdict}: {} seeds, {} ops, {} checks, {} failures, {:.1}s on {}{}",
+            s.seeds,
+            s.ops,
+            s.checks,
+            s.failures,
+            s.seconds,
+            s.device,
+            if s.read_mode.is_some() { " (exact read)" } else { "" }
+        )];
+        let reads = [t.decode_unpadded, t.decode_padded, t.window];
+        let (compared, exact) = reads.iter().fold((0, 0), |(c, e), r| (c + r.compared, e + r.bit_exact));
+        let max_ulp = reads.iter().map(|r| r.max_ulp).max().unwrap_or(0);
+        lines.push(format!(
+            "  vs solo twin: {exact} of {compared} reads byte-identical (max {max_ulp} ULP), {} states byte-identical",
+            t.bit_exact_state
+        ));
+        lines.push(format!(
+            "  vs f64 model: max {:.2} ULP (f32), {:.2} ULP (bf16) over {} reads",
+            t.model_max_ulp_f32, t.model_max_ulp_bf16, t.model_checks
+        ));
+        let mut families: BTreeMap<String, (Vec<&str>, LayoutStats)> = BTreeMap::new();
+        for (k, l) in &s.layouts {
+            let f = families.entry(k.replace("rotating-", "")).or_default();
+            f.0.push(k);
+            f.1.ops += l.ops;
+            f.1.checks += l.checks;
+            f.1.failures += l.failures;
+        }
+        for (name, (kinds, l)) in &families {
+            let label = if kinds.len() > 1 { format!("{name} (+rotating)") } else { name.clone() };
+            lines.push(format!("  {label:<34} {:>9} ops {:>10} checks {:>3} failures", l.ops, l.checks, l.failures));
+        }
+        let weakest = s.guarantees.iter().max_by(|(_, a), (_, b)| {
+            let share = |c: &ClassCount| c.bit_exact as f64 / c.compared.max(1) as f64;
+            a.max_ulp.cmp(&b.max_ulp).then(share(b).total_cmp(&share(a)))
+        });
+        if let Some((k, c)) = weakest {
+            lines.push(format!(
+                "  weakest guarantee class: {k} ({} of {} byte-identical, max {} ULP; `--verbose` for all)",
+                c.bit_exact, c.compared, c.max_ulp
+            ));
+        }
+        if !s.failed_seeds.is_empty() {
+            let seeds: Vec<String> = s.failed_seeds.iter().take(8).map(|f| f.seed.to_string()).collect();
+            let more = s.failed_seeds.len().saturating_sub(8);
+            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+            lines.push(format!("  failing seeds: {}{more} (traces: `kvsim replay TRACE`)", seeds.join(" ")));
+        }
+        lines
+    }
+
+    /// The full table (`kvsim sim --verbose`): every output class, the guarantees table, every layout, ops by kind,
+    /// API coverage and the ill-formed inputs rejected.
     pub fn lines(&self) -> Vec<String> {
         let s = self;
         let t = &s.counters;
