@@ -31,7 +31,7 @@ fn recorded_oracle_set_is_fully_classified() {
     assert!(agree.iter().any(|t| t.config.layout.max_size().is_none()), "no linear trace agrees byte for byte");
     // The catalog's mlx-lm bugs of this subset each show up as a classified divergence.
     let rules = report.rule_counts();
-    // (#18 is the catalog's only live bug in this subset: #3, #4 and #5 are fixed in mlx-lm 0.32.2, see
+    // (bug catalog #18 is the only live bug in this subset: #3, #4 and #5 are fixed in mlx-lm 0.32.2, see
     // oracles/README.md; the other mlx-lm bugs the oracle found are classified too.)
     for bug in [Rule::TrimNoopAfterWrap, Rule::ExtractEmptyBatch, Rule::PrefillPaddingInWindow] {
         assert!(rules.contains_key(&bug), "mlx-lm bug {} never shows up in the recorded set", bug.id());
@@ -74,7 +74,7 @@ fn recorded_oracle_set_is_fully_classified() {
     let ssm_resyncs: usize = ssm.iter().map(|t| t.resyncs).sum();
     assert!(ssm_resyncs >= 80, "only {ssm_resyncs} re-synced steps in the recurrent traces");
     assert!(!rules.contains_key(&Rule::SsmRound), "a recurrent round the driver could not replay");
-    // The attention family's re-syncs (per-row trims, #18 rollbacks by replay, extracts of an empty batch).
+    // The attention family's re-syncs (per-row trims, bug catalog #18 rollbacks by replay, extracts of an empty batch).
     let attention: Vec<_> = report.traces.iter().filter(|t| t.name.starts_with("seed-")).collect();
     let resyncs: usize = attention.iter().map(|t| t.resyncs).sum();
     assert!(resyncs >= 30, "only {resyncs} re-synced steps in the attention traces");

@@ -26,7 +26,7 @@ fn forty_seeds_pass_and_cover_every_op_kind() {
     for k in kvsim::sim::ops::OpKind::ALL {
         assert!(kinds.contains(k.name()), "op kind {} never ran in 40 seeds", k.name());
     }
-    // Issue #17: every public operation / parameter class of `API_CLASSES` is applied (join permutations, bypass
+    // Every public operation / parameter class of `API_CLASSES` is applied (join permutations, bypass
     // batch trims, adopt, decode_phase, prepare on rows holding positions and with a length of 0, early finalize,
     // ill-formed inputs of every class), and every ill-formed input class was refused with nothing changed.
     let listed: BTreeSet<&str> = kvsim::sim::ops::API_CLASSES.iter().copied().collect();

@@ -1,4 +1,4 @@
-//! A proptest-state-machine test of the bf16-first layouts (issue #13) against `reference::transition`.
+//! A proptest-state-machine test of the bf16-first layouts against `reference::transition`.
 //!
 //! - **Reference state machine** ([`TMachine`]): a `RowsModel` for the running rows, a `LegoModel` per request
 //!   outside them and for the stored prefix-cache entry, and the outcome it predicts for every fallible call of the
@@ -6,7 +6,7 @@
 //! - **System under test** ([`TSut`]): a production `TransitioningKvRows` (rebuilt by `merge` when requests enter,
 //!   as the simulator family does) and production legos (`Bf16FirstCache`) outside it.
 //!
-//! The three bad inputs of issue #13 are transitions of their own, each requiring the model's typed error **and the
+//! The three bad inputs of the bf16-first layouts are transitions of their own, each requiring the model's typed error **and the
 //! state's bytes and lifecycle unchanged** (compared before/after): a plain read while some row is affine
 //! (`MixedPrecision`), prefix reuse below the entry's floor (`BelowFloor`), and a rollback keeping more than the
 //! round wrote into one row (`KeepTooLong`, tried in every round before its real end). Impossible trims and filters
@@ -854,7 +854,7 @@ prop_state_machine! {
     fn bf16_first_layouts_follow_the_lifecycle_model(sequential 1..30 => TransitionMachine);
 }
 
-/// The machine reaches each bad input of issue #13 (and the impossible trims and filters) within 64 cases of a
+/// The machine reaches each bad input of the bf16-first layouts (and the impossible trims and filters) within 64 cases of a
 /// fixed seed.
 #[test]
 fn the_machine_reaches_every_bad_input() {

@@ -1,4 +1,4 @@
-//! The exact read mode (issue #18): an attention read whose bits do not depend on the batch.
+//! The exact read mode: an attention read whose bits do not depend on the batch.
 //!
 //! MLX's fused SDPA on CUDA picks different kernels for one row and for a batch, and for masked and unmasked reads,
 //! so a row read inside a batch and the same row read alone by its solo twin differ in their last bits (in f32 up to

@@ -62,7 +62,7 @@ pub enum Mutant {
     /// `persist::codec::Registry::encode`.
     FloorNotPersisted,
     /// Loading drops a row batch's pending right padding (each row's `pending`), as mlx-lm 0.32.2's
-    /// `load_prompt_cache` loses `_right_padding` / `_lengths` (wave-2 anchors d.2): a batch saved mid-prefill comes
+    /// `load_prompt_cache` loses `_right_padding` / `_lengths` (mlx-lm 0.32.2 `cache.py`, `load_prompt_cache`): a batch saved mid-prefill comes
     /// back "finalized", so its padded positions are stored as real. Hook: `persist::codec::RowsCodec::decode`.
     MlxlmLoadDropsRightPadding,
     /// The `rotated` flag of a `BatchRotatingKVCache` is parsed with Python's truthiness from a string leaf
@@ -103,22 +103,22 @@ pub enum Mutant {
     /// a rounding-level difference only the byte comparison with the solo twin sees. Hook: `RowBatch::decode` read.
     DecodeScaleUlp,
     /// `adopt` / `adopt_planes` drop each row's ring phase (`idx` set to `len`): a rotated row's next decode
-    /// overwrites the wrong column. Hook: `RowBatch::adopt_planes`. Reached only by generated adopts (issue #17).
+    /// overwrites the wrong column. Hook: `RowBatch::adopt_planes`. Reached only by generated adopts.
     AdoptDropsPhase,
     /// `filter` validates as it goes: on a missing or repeated row id it has already kept the rows listed before
     /// it, and returns the typed error with the batch changed. Hook: `RowBatch::filter`. Reached only by generated
-    /// ill-formed row ids (issue #17).
+    /// ill-formed row ids.
     FilterPartialOnError,
     /// A prepared length of 0 is read as "no limit": the row stores every position of the next chunks (padding
     /// included) instead of none. Hook: `RowBatch` window write. Reached only by generated prepares with a length
-    /// of 0 (issue #17).
+    /// of 0.
     PendingZeroTakesAll,
     /// `row_decode_phase` answers from the row's raw state, before the oversize drop and the head rotation a decode
     /// would first do (R-ROT-5). Hook: `RowBatch::row_decode_phase`. Reached only by generated decode-phase probes
-    /// (issue #17).
+    ///.
     RowPhaseIgnoresOversize,
     /// Transitioning rows settle (convert if due) after every append even inside an armed speculative round, so a
-    /// conversion looks at an uncommitted suffix (issue #13). Hook: `TransitioningKvRows::settle_all`.
+    /// conversion looks at an uncommitted suffix. Hook: `TransitioningKvRows::settle_all`.
     TkvConvertUncommitted,
     /// Transitioning rows settle after every append of a prefill cohort, so a sibling's split forward moves a
     /// row's boundary to the split (R-C-7). Hook: `TransitioningKvRows::settle_all`.

@@ -138,7 +138,7 @@ fn parse_quant(s: &str) -> Option<(bool, QuantSpec)> {
     (canonical && QUANT_BITS.contains(&q.bits) && QUANT_GROUPS.contains(&q.group)).then_some((rotating, q))
 }
 
-/// Prefix of the transitioning rows' kind `kv:delayed-quant:<bits>:<group>:<start>` (issue #13).
+/// Prefix of the transitioning rows' kind `kv:delayed-quant:<bits>:<group>:<start>`.
 pub const DELAYED_QUANT_PREFIX: &str = "kv:delayed-quant:";
 /// Prefix of the rotating transitioning rows' kind `kv:delayed-rotating-quant:<W>:<bits>:<group>:<start>`.
 pub const DELAYED_ROTATING_QUANT_PREFIX: &str = "kv:delayed-rotating-quant:";
@@ -409,7 +409,7 @@ mod tests {
     }
 
     /// `is_ssm` is exactly the recurrent kind: not the training SSM kind, not an attention kind, not a near miss
-    /// (hybrid sets ask it first; cargo-mutants' `is_ssm -> true` survivor, issue #17).
+    /// (hybrid sets ask it first; cargo-mutants' `is_ssm -> true` survivor).
     #[test]
     fn is_ssm_is_exactly_the_recurrent_kind() {
         assert!(is_ssm(&StorageKind::new(SSM)));

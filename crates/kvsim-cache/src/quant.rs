@@ -1,4 +1,4 @@
-//! The affine-quantized family (issue #12): [`QuantizedKvCache`] (`kv:quant:<bits>:<group>`) and
+//! The affine-quantized family: [`QuantizedKvCache`] (`kv:quant:<bits>:<group>`) and
 //! [`RotatingQuantizedKvCache`] (`kv:rotating-quant:<bits>:<group>`), their row batches, and the quantized read.
 //!
 //! A quantized cache is the serial core of [`super::ring`] (or the rows of [`super::batch`]) with another
@@ -160,7 +160,7 @@ impl Storage {
     }
 
     /// Dense K and V of planes: the planes themselves, or MLX's `dequantize` of each triple (CPU: `q * scale` then
-    /// `+ bias`, each rounded to the dtype; wave2 facts 1.4).
+    /// `+ bias`, each rounded to the dtype; MLX's CPU `affine_quantize`).
     pub fn dense(&self, planes: &[Array]) -> Result<(Array, Array)> {
         check_planes(self, planes)?;
         match self {

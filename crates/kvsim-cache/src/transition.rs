@@ -1,4 +1,4 @@
-//! bf16-first layouts (issue #13): serial legos that store bf16 until their offset reaches `start`, then affine
+//! bf16-first layouts: serial legos that store bf16 until their offset reaches `start`, then affine
 //! storage ([`Bf16FirstQuantizedKvCache`], [`Bf16FirstRotatingQuantizedKvCache`] build a [`Bf16FirstCache`]), and
 //! their rows under continuous batching ([`TransitioningKvRows`], `kv:delayed-quant:<bits>:<group>:<start>` and
 //! `kv:delayed-rotating-quant:<W>:<bits>:<group>:<start>`). The rules and their upstream sources are in
@@ -237,7 +237,7 @@ impl Bf16FirstCache {
         Ok(out)
     }
 
-    /// A committed span (R-ROT-7, issue #15): `L` decodes, one per position (each keeps the single-position
+    /// A committed span (R-ROT-7): `L` decodes, one per position (each keeps the single-position
     /// reduction order), outputs concatenated along the token axis. Each decode is an ordinary append: the one that
     /// reaches `start` is read in bf16 and the storage converts right after it, so the later positions of the same
     /// span read affine (outside an armed round). Byte-identical, state and outputs, to `L` calls of
@@ -685,7 +685,7 @@ impl TransitioningKvRows {
         self.read(k, v, q, scale, masks, false)
     }
 
-    /// A committed span for every row (R-ROT-7, issue #15): `L` decodes, one per position, each an ordinary
+    /// A committed span for every row (R-ROT-7): `L` decodes, one per position, each an ordinary
     /// [`TransitioningKvRows::decode`] (rows whose transition comes due convert between the span's positions, and
     /// the rows pack as soon as every row has converted, outside a prefill and a round). Returns the outputs
     /// concatenated along the token axis and the rows converted, in order. Byte-identical to `L` decode calls;

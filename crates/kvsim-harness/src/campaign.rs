@@ -131,7 +131,7 @@ pub struct Summary {
     /// bf16-first rows: right-padded prefills of a cohort.
     #[serde(default)]
     pub prepared_prefills: u64,
-    /// The bf16-first families (issue #13): conversions to affine storage (one per row or lego and per layer), of
+    /// The bf16-first families: conversions to affine storage (one per row or lego and per layer), of
     /// which at a prefill chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the
     /// ring's wrap; prefix reuses of a stored entry; trims of a converted lego below `start`
     /// (`sim::summary::Counters` says exactly what each counts).
@@ -544,7 +544,7 @@ pub fn test_budget(m: Mutant) -> u64 {
         Mutant::TkvReuseBelowFloor => 160,
         // Needs a prefill cohort whose planned chunk crosses `start` and is split (measured catch seed 140).
         Mutant::TkvSplitMovesBoundary => 300,
-        // Measured catch seeds since issue #17's generator (README "Mutation catalog"): 2 and 14.
+        // Measured catch seeds with the current generator (README "Mutation catalog"): 2 and 14.
         Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
         // Caught at seed 22 after the bf16-first family joined the swarm (its op kinds moved every seed's draw).
         Mutant::AdoptDropsPhase | Mutant::RowPhaseIgnoresOversize => 60,

@@ -987,7 +987,7 @@ fn root_scope(info: &StepInfo, rule: Option<Rule>, k: Option<&Outcome>, o: Optio
         // mlx-lm crashed on a row that holds nothing; the driver gave the request a new (empty) cache and removed
         // the row, as kvsim did: nothing is left to explain.
         (Some(Rule::ExtractEmptyBatch), "extract") if resynced => Scope::Some { reqs: vec![], batch: false },
-        // mlx-lm refused a wrapped ring's trim (#18) and the driver rebuilt the caches by replay of the same
+        // mlx-lm refused a wrapped ring's trim (bug catalog #18) and the driver rebuilt the caches by replay of the same
         // positions kvsim kept: nothing is left to explain.
         (Some(Rule::TrimNoopAfterWrap), _) if replayed => Scope::Some { reqs: vec![], batch: false },
         (Some(Rule::QuantPackedWidth), "solo") => Scope::Some { reqs: info.reqs.clone(), batch: false },
@@ -2570,7 +2570,7 @@ mod tests {
         // The decode is compared on request 2's row alone (request 1's row is explained).
         assert_eq!(compared, 5);
         assert!(uncompared.is_empty(), "{uncompared:?}");
-        // A row that mlx-lm trimmed as kvsim did, while another was refused before the window: not #18.
+        // A row that mlx-lm trimmed as kvsim did, while another was refused before the window: not bug catalog #18.
         let mut trim = info("trim_rows", &[1, 2]);
         trim.trim = Some(TrimInfo { n: vec![1, 1], bypass: true, kvsim: Ok(1), after_window: true, live: vec![3, 3] });
         trim.offsets = vec![3, 3];
@@ -2671,7 +2671,7 @@ mod tests {
             let (out, _, uncompared) = diff_measured(&infos, &kvsim, &oracle, Some(4));
             assert_eq!(uncompared.values().sum::<usize>(), explained, "replayed {replayed}: {out:?}");
             if replayed == 2 {
-                // #18 stays visible; the read after it is compared (and here unclassified: it differs).
+                // Bug catalog #18 stays visible; the read after it is compared (and here unclassified: it differs).
                 assert_eq!(out[0].class, Class::Rule(Rule::TrimNoopAfterWrap));
                 assert_eq!(out[1].class, Class::Unclassified);
             }

@@ -17,7 +17,7 @@
 //! Nothing past the live columns is stored (a linear cache's spare capacity is zeros kvsim never reads), so the file
 //! size follows the content. Every field that decides a later operation is stored: the ring phase (`idx`), what a
 //! bypass trim may undo (`last_concat`), a pending prefill's per-row remaining positions (`pending`, so a loaded
-//! batch can still `finalize`: mlx-lm 0.32.2's files lose `_right_padding` / `_lengths`, wave2 anchors d.2).
+//! batch can still `finalize`: mlx-lm 0.32.2's files lose `_right_padding` / `_lengths`, mlx-lm 0.32.2 `cache.py`).
 //!
 //! Guarantee: `decode(encode(c))` has the same spec, window, per-row state and live bytes as `c`, so every later
 //! operation (decode, window, append, trim, prepare/finalize, extract, filter, join) does exactly what it does on
@@ -25,7 +25,7 @@
 //! ([`kvsim_cache::RingState::validate`], `len <= offset`, shapes, dtypes) before building anything: an invalid
 //! entry is a typed error, never a cache.
 //!
-//! The reuse floor (`minimum_reusable_offset`, wave2 anchors d.1) is stored beside every entry and validated on load
+//! The reuse floor (`minimum_reusable_offset`, the upstream engine's cache API) is stored beside every entry and validated on load
 //! to lie in `[0, offset]`; for the plain layouts it is whatever the caller attached (0 by default).
 
 use serde::{Deserialize, Serialize};

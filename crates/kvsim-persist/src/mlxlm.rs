@@ -32,7 +32,7 @@
 //! writable and inspectable, and [`to_kvsim`] refuses it with [`PersistError::Unsupported`]. An `ArraysCache`
 //! stores no offsets: they travel in the user metadata ([`SSM_OFFSETS_KEY`]).
 //!
-//! mlx-lm 0.32.2's own load bugs (wave2 anchors d.2) and what kvsim does instead:
+//! mlx-lm 0.32.2's own load bugs (mlx-lm 0.32.2 `cache.py`) and what kvsim does instead:
 //! - a loaded `BatchKVCache` has no `_right_padding` (so `finalize()` raises) and a loaded `BatchRotatingKVCache`
 //!   has no `_lengths` (so every update raises): the file format does not carry a pending right-padded prefill.
 //!   kvsim loads such files as finalized batches (which is what they are once written: `state` holds no pending

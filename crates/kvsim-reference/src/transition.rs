@@ -1,4 +1,4 @@
-//! The precision lifecycle of the bf16-first layouts (issue #13): when each row converts from bf16 to affine
+//! The precision lifecycle of the bf16-first layouts: when each row converts from bf16 to affine
 //! storage, what every read sees, the reuse floor, packing, prefill cohorts and speculative rounds.
 //!
 //! Two models, both plain integers over [`RowModel`] token maps (which `(request, position)` sits in which

@@ -196,7 +196,7 @@ fn rows_equal_their_lego_twins_through_conversion_wrap_rollback_and_packing() {
     assert_eq!(rows.minimum_reusable_offset(), twins[1].minimum_reusable_offset());
 }
 
-/// `commit_span` (issue #15) is `L` decodes, one per position: outputs and state byte-identical to the one-decode
+/// `commit_span` is `L` decodes, one per position: outputs and state byte-identical to the one-decode
 /// path, with the conversion between the positions of the span (start crossed inside it, start 0, a ring wrap).
 #[test]
 fn lego_commit_span_is_one_decode_per_position_through_conversion_and_wrap() {
@@ -316,7 +316,7 @@ fn rows_commit_span_is_one_decode_per_position_and_packs_between_positions() {
     assert_eq!((rows.offsets(), rows.lifecycle().to_vec()), snapshot);
 }
 
-/// Right-padded prefill (issue #15 for this family): each row stores only its real positions, byte-identical to its
+/// Right-padded prefill: each row stores only its real positions, byte-identical to its
 /// lego fed them inside a lego round; a row converts only when its request commits (`commit_prefill`, `finalize`),
 /// never at a sibling's window; the rows may pack inside the prefill and take the rest padded.
 #[test]
@@ -419,7 +419,7 @@ fn row_addressed_methods_refuse_a_missing_row() {
 
 /// `max_append_tokens` of the rows is the least of their legos' values. A row that reached its boundary inside a
 /// round, not yet converted (it converts at the commit), has no room left to count: its lego says `None`, so it must
-/// not pull the rows' value down to 0 (cargo-mutants' `<` -> `<=` survivor in `max_append_tokens`, issue #17).
+/// not pull the rows' value down to 0 (cargo-mutants' `<` -> `<=` survivor in `max_append_tokens`).
 #[test]
 fn rows_max_append_tokens_is_the_least_of_their_legos_inside_a_round() {
     let spec = tspec();

@@ -153,7 +153,7 @@ impl SimConfig {
                 weights.push((OpKind::Quantize, q.convert_weight));
             }
         }
-        // Save/restore (issue #16), from its own stream: about half the runs whose families all support it.
+        // Save/restore, from its own stream: about half the runs whose families all support it.
         let mut prng = stream(seed, Stream::Persist);
         if prng.random_bool(0.5) && family::all_support(&families, OpKind::Persist) {
             weights.push((OpKind::Persist, prng.random_range(2..=6)));

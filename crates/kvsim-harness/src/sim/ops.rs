@@ -109,7 +109,7 @@ pub enum Op {
     /// prepared and not finalized, which must refuse with `PendingPrefill` and change nothing. Invalid parameters
     /// (for the cache's head dim), or other parameters than a cache already holds, are typed errors.
     Quantize { bits: u32, group: u32, mid_round: bool },
-    /// Save/restore (issue #16): request `req` outside the batch has its caches (every layer, one file) saved,
+    /// Save/restore: request `req` outside the batch has its caches (every layer, one file) saved,
     /// dropped and restored from the bytes alone, then continues; the state checks after the op and every later
     /// read compare the restored caches with the solo twins and the model. kvsim's format with a reuse floor of half
     /// the offset (which must come back), or, with `mlxlm`, an mlx-lm prompt-cache file when every layer has an

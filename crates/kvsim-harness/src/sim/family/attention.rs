@@ -221,7 +221,7 @@ impl Attention {
         })
     }
 
-    /// Save/restore of a request outside the batch (issue #16): every layer saved in one file, dropped, restored
+    /// Save/restore of a request outside the batch: every layer saved in one file, dropped, restored
     /// from the bytes alone. `check_all` after the op compares the restored caches with the twins (state and bytes)
     /// and the model; every later op continues them.
     fn persist(&mut self, req: u32, mlxlm: bool) -> Res<bool> {

@@ -1,4 +1,4 @@
-//! The affine-quantized family (`kv:quant`, `kv:rotating-quant`; issue #12, docs/quantized-kv.md): the attention
+//! The affine-quantized family (`kv:quant`, `kv:rotating-quant`, docs/quantized-kv.md): the attention
 //! family's op interpreter ([`Attention`]) over caches of [`Storage::Affine`] — serial caches, the running batch's
 //! rows and the solo twins alike hold six planes (packed words, scales and biases of K and V).
 //!

@@ -61,7 +61,7 @@ type Res<T = ()> = Result<T, Failure>;
 pub const NAME: &str = "ssm";
 
 /// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward, and
-/// the attention API probes of issue #17 (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs)
+/// the attention API probes (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs)
 /// and the bf16-first family's own ops (`prefix_reuse`, `plain_read`).
 pub const REGISTRATION: Registration = Registration {
     name: NAME,

@@ -1,4 +1,4 @@
-//! The bf16-first family (issue #13, docs/transitioning-rows.md): transitioning rows
+//! The bf16-first family (docs/transitioning-rows.md): transitioning rows
 //! (`kv:delayed-quant:<bits>:<group>:<start>`, `kv:delayed-rotating-quant:<W>:<bits>:<group>:<start>`) under the
 //! simulator's schedules, with the serial legos (`Bf16FirstQuantizedKvCache`, `Bf16FirstRotatingQuantizedKvCache`)
 //! as the requests outside the batch and as the solo twins. The same struct in lego mode is the family `bf16-first`
@@ -36,7 +36,7 @@
 //! - `Verify { gamma, accept }`: a speculative round (`round_begin`, a verify window, then `round_commit` when every
 //!   row accepts all, else `round_rollback` with per-row keeps); a rollback keeping more than the round wrote is
 //!   tried first and must be refused (`KeepTooLong`) with nothing changed.
-//! - `CommitSpan { len }` (issue #15): `TransitioningKvRows::commit_span`, one decode per position (a row whose
+//! - `CommitSpan { len }`: `TransitioningKvRows::commit_span`, one decode per position (a row whose
 //!   transition comes due converts between the span's positions, and the rows pack as soon as all have): each
 //!   position's read against the model in its own precision and against the twin's ordinary `decode` of that
 //!   position (bytes, with the packed-read classes of `Decode`); the rows converted, in order, against the model's.
@@ -46,7 +46,7 @@
 //!   needed trim of a wrapped ring: `NotTrimmable`; nothing changed), then `extra` more positions continue it.
 //! - `PlainRead` (new): the plain read of the batch, refused with `MixedPrecision` while any row is affine; the
 //!   dense fetch (each row as its storage fetches it dense) against the twin's.
-//! - `Persist { req, mlxlm }` (issue #16, both modes): a request outside the batch (a transitioning row handed back
+//! - `Persist { req, mlxlm }` (both modes): a request outside the batch (a transitioning row handed back
 //!   to serial use, or a lego that never ran in the batch) saved in kvsim's format by its legos' own kind, dropped,
 //!   and restored from the bytes alone; `check_all` then compares the restored legos with their twins (planes,
 //!   lifecycle, floor, kind). With `mlxlm`, mlx-lm's form is first asked for and must be refused
@@ -664,7 +664,7 @@ impl TransitionFamily {
         Ok(true)
     }
 
-    /// A committed span on the running batch (issue #15): `TransitioningKvRows::commit_span`, one decode per
+    /// A committed span on the running batch: `TransitioningKvRows::commit_span`, one decode per
     /// position. Each position's read against the model (its own precision: a row converts between the span's
     /// positions when its transition comes due) and against the twin's ordinary decode of that position (bytes);
     /// the rows converted, in order, against the model's.

@@ -1,4 +1,4 @@
-//! The attention family's probes of the public API the other ops do not reach (issue #17): `adopt` /
+//! The attention family's probes of the public API the other ops do not reach: `adopt` /
 //! `adopt_planes` of the running batch, `decode_phase` of every row and request, a prepared (right-padded) prefill
 //! into rows that already hold positions (a length of 0, an early `finalize`), and ill-formed inputs (dtype,
 //! shape, heads, storage-kind strings, row ids).

@@ -70,7 +70,7 @@ fn the_same_seed_gives_the_same_hash() {
 #[test]
 fn attention_inputs_fill_heads_wider_than_one_draw() {
     // A hybrid set whose attention head_dim is wider than the DeltaNet conv_dim of one value draw (seed 395 of the
-    // pre-#17 generator panicked there).
+    // an earlier generator panicked there).
     let (cfg, fam) = (0..)
         .map(|s| {
             let cfg = SimConfig::from_seed(s);
