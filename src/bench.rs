@@ -60,7 +60,7 @@ fn sim_config(dtype: DtypeChoice, seed: u64) -> SimConfig {
     // The anchor runs the rotating attention family only: so does this side (the swarm's other families, drawn per
     // seed, would add work the anchor does not do).
     c.families = crate::sim::family::default_families();
-    c.quant = None;
+    c.params.clear();
     c.weights = OpKind::ALL
         .iter()
         .map(|&k| {

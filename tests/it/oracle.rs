@@ -52,7 +52,8 @@ fn recorded_oracle_set_is_fully_classified() {
     assert!(ring_batch, "no quantized ring batch row agrees byte for byte with its solo computation in mlx-lm");
     for native in [true, false] {
         assert!(
-            quant.iter().any(|t| t.quant_reads_agree > 0 && t.config.quant.is_some_and(|q| q.native == native)),
+            quant.iter().any(|t| t.quant_reads_agree > 0
+                && kvsim::sim::family::quant::QuantChoice::of(&t.config).is_some_and(|q| q.native == native)),
             "no {} quantized trace has a quantized read equal to mlx-lm's",
             if native { "native" } else { "converted" }
         );

@@ -147,7 +147,8 @@ fn quant_config(native: bool) -> SimConfig {
     c.heads_kv = 2;
     c.heads_q = 4;
     c.families = vec!["attention".into(), "quant".into()];
-    c.quant = Some(QuantChoice { bits: 5, group: 32, head_dim: 64, native, convert_weight: 1 });
+    let q = QuantChoice { bits: 5, group: 32, head_dim: 64, native, convert_weight: 1 };
+    c.params.insert("quant".into(), q.to_params());
     c
 }
 

@@ -1562,7 +1562,7 @@ impl TraceReport {
         );
         let rules: Vec<String> = self.rules().iter().map(|(r, n)| format!("{}x{n}", r.id())).collect();
         let consequences = self.divergences.iter().filter(|d| matches!(d.class, Class::Consequence { .. })).count();
-        let shape = match (recorder::oracle_family(cfg), cfg.quant) {
+        let shape = match (recorder::oracle_family(cfg), kvsim_harness::sim::family::quant::QuantChoice::of(cfg)) {
             (Some("ssm"), _) => {
                 let d = kvsim_harness::sim::family::ssm::SsmSet::of(cfg).dims;
                 format!(
@@ -2029,7 +2029,7 @@ pub fn family_run(seed: u64, family: &str) -> Option<kvsim_harness::sim::RunResu
         }
         // The conversion op is drawn when the family's parameters say so (a family of the full draw that does not
         // support it had switched it off).
-        if let (Some(q), true) = (cfg.quant, family == "quant") {
+        if let (Some(q), true) = (kvsim_harness::sim::family::quant::QuantChoice::of(&cfg), family == "quant") {
             match cfg.weights.iter_mut().find(|w| w.0 == OpKind::Quantize) {
                 Some(w) => w.1 = w.1.max(q.convert_weight),
                 None => cfg.weights.push((OpKind::Quantize, q.convert_weight)),
@@ -2080,7 +2080,7 @@ pub fn quant_features(cfg: &SimConfig, infos: &[StepInfo]) -> BTreeSet<String> {
         }
         return f;
     }
-    let Some(q) = cfg.quant else { return f };
+    let Some(q) = kvsim_harness::sim::family::quant::QuantChoice::of(cfg) else { return f };
     let layout = if cfg.layout.max_size().is_some() { "rotating" } else { "linear" };
     f.insert(format!("quant/bits-{}", q.bits));
     f.insert(format!("quant/group-{}", q.group));

@@ -343,7 +343,7 @@ impl Recorder {
     /// A recorder for a run of `cfg`; the first step (`config`) is appended here.
     pub fn new(cfg: &kvsim_harness::sim::config::SimConfig, emit_steps: bool) -> Recorder {
         let family = oracle_family(cfg).unwrap_or("attention");
-        let q = cfg.quant.filter(|_| family == "quant");
+        let q = kvsim_harness::sim::family::quant::QuantChoice::of(cfg).filter(|_| family == "quant");
         let quant = q.filter(|q| q.native).map(|q| (q.bits, q.group));
         let head_dim = q.map_or(cfg.head_dim, |q| q.head_dim);
         let mut r = Recorder {

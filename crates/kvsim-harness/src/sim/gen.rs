@@ -5,7 +5,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::sim::config::SimConfig;
-use crate::sim::family::View;
+use crate::sim::family::{Registry, View};
 use crate::sim::ops::{IllInput, Op, OpKind};
 use crate::sim::rng::{stream, Stream};
 
@@ -13,11 +13,20 @@ use crate::sim::rng::{stream, Stream};
 pub struct Generator {
     work: ChaCha8Rng,
     spec: ChaCha8Rng,
+    /// The kinds whose ops a family draws itself, with its draw.
+    drawers: Vec<(OpKind, fn(&SimConfig, &mut ChaCha8Rng) -> Op)>,
 }
 
 impl Generator {
+    /// The generator of `seed` over kvsim's own families.
     pub fn new(seed: u64) -> Generator {
-        Generator { work: stream(seed, Stream::Workload), spec: stream(seed, Stream::Speculation) }
+        Generator::new_in(seed, Registry::builtin())
+    }
+
+    /// The generator of `seed` over the families of `registry` (for the kinds they draw themselves).
+    pub fn new_in(seed: u64, registry: &Registry) -> Generator {
+        let drawers = registry.op_drawers();
+        Generator { work: stream(seed, Stream::Workload), spec: stream(seed, Stream::Speculation), drawers }
     }
 
     /// The next op for `view`. Kinds that cannot apply now are left out of the draw.
@@ -217,7 +226,11 @@ impl Generator {
                 let req = if v.solo.is_empty() { v.next_id } else { v.solo[w.random_range(0..v.solo.len())].0 };
                 Op::IllFormed { req, batch, input, variant: w.random() }
             }
-            OpKind::Quantize => crate::sim::family::quant::draw_quantize(cfg, w),
+            // Drawn by the family that owns it (its weight is 0 in runs without one).
+            OpKind::Quantize => match self.drawers.iter().find(|d| d.0 == OpKind::Quantize) {
+                Some((_, draw)) => draw(cfg, w),
+                None => Op::Quantize { bits: 4, group: 64, mid_round: false },
+            },
             OpKind::Persist => {
                 Op::Persist { req: v.solo[w.random_range(0..v.solo.len())].0, mlxlm: w.random_bool(0.5) }
             }

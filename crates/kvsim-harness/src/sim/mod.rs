@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 
 use crate::sim::check::{Failure, Guarantees};
 use crate::sim::config::SimConfig;
+pub use crate::sim::family::Registry;
 use crate::sim::gen::Generator;
 use crate::sim::observe::{NoObserver, RunObserver};
 use crate::sim::ops::Op;
@@ -125,7 +126,7 @@ impl RunResult {
     }
 }
 
-/// Either generate ops from the seed (`ops = None`, `count` of them) or replay `ops`.
+/// Either generate ops from the seed (`ops = None`, `count` of them) or replay `ops`, over kvsim's own families.
 pub fn run(
     seed: u64,
     config: SimConfig,
@@ -146,17 +147,32 @@ pub fn run_observed(
     mutant: Option<Mutant>,
     observer: &mut dyn RunObserver,
 ) -> RunResult {
+    run_in(Registry::builtin(), seed, config, ops, device, mutant, observer)
+}
+
+/// **The** run loop: [`run_observed`] over the families of `registry` (a crate outside kvsim registers its own
+/// families there; the config names which of them the run holds).
+pub fn run_in(
+    registry: &Registry,
+    seed: u64,
+    config: SimConfig,
+    ops: Option<Vec<Op>>,
+    device: DeviceChoice,
+    mutant: Option<Mutant>,
+    observer: &mut dyn RunObserver,
+) -> RunResult {
     device.activate();
     faults::arm(mutant);
     // The runner reads every buffer and output after every op (one evaluation), so per-write evaluation is redundant.
     kvsim_cache::set_eval_after_write(false);
-    let result = run_inner(seed, config, ops, device, mutant, observer);
+    let result = run_inner(registry, seed, config, ops, device, mutant, observer);
     kvsim_cache::set_eval_after_write(true);
     faults::arm(None);
     result
 }
 
 fn run_inner(
+    registry: &Registry,
     seed: u64,
     config: SimConfig,
     ops: Option<Vec<Op>>,
@@ -182,7 +198,7 @@ fn run_inner(
     let mut ops_by_kind = BTreeMap::new();
     let mut api_coverage: BTreeMap<String, u64> = ops::API_CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
     let mut skipped = 0;
-    let mut world = match World::new(config.clone()) {
+    let mut world = match World::new(config.clone(), registry) {
         Ok(w) => w,
         Err(f) => {
             trace.outcome = Outcome::Fail { op_index: 0, check: f.check.clone(), message: f.message.clone() };
@@ -200,7 +216,7 @@ fn run_inner(
     };
     world.set_guarantees(device.guarantees());
     let mut failure = None;
-    let mut gen = Generator::new(seed);
+    let mut gen = Generator::new_in(seed, registry);
     let replay = ops.is_some();
     let list = ops.unwrap_or_default();
     let count = if replay { list.len() } else { config.ops };

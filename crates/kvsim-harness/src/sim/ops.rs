@@ -306,6 +306,12 @@ impl OpKind {
         matches!(self, OpKind::Quantize)
     }
 
+    /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
+    /// family that draws it) and save/restore (weighted from its own stream).
+    pub fn in_base_swarm(self) -> bool {
+        !self.is_quant() && !self.is_persist()
+    }
+
     /// The save/restore op: not in the swarm's list either (its length is part of every seed's draws); about half
     /// the runs whose families all support it get a weight from [`crate::sim::rng::Stream::Persist`].
     pub fn is_persist(self) -> bool {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::sim::check::Failure;
 use crate::sim::config::SimConfig;
-use crate::sim::family::{self, Cx, Family, View};
+use crate::sim::family::{self, Cx, Family, Registry, View};
 use crate::sim::observe::RunObserver;
 use crate::sim::ops::Op;
 use crate::sim::summary::Counters;
@@ -21,6 +21,8 @@ pub struct FamilyFailure {
 /// The simulated world of one run.
 pub struct World {
     pub cfg: SimConfig,
+    /// The families this run may hold (the config names which of them it does).
+    pub registry: Registry,
     /// One instance per family of `cfg.families`, in that order.
     pub families: Vec<Box<dyn Family>>,
     /// Running digest of every byte the checks read (states and outputs), chained across ops.
@@ -32,15 +34,20 @@ pub struct World {
 }
 
 impl World {
-    pub fn new(cfg: SimConfig) -> Result<World, Failure> {
+    /// The world of a run of `cfg`, one instance of each of its families, built from their registrations in
+    /// `registry` (a family the registry does not know is a `setup` failure).
+    pub fn new(cfg: SimConfig, registry: &Registry) -> Result<World, Failure> {
         let names = if cfg.families.is_empty() { family::default_families() } else { cfg.families.clone() };
         let mut families = vec![];
         for n in &names {
-            let reg = family::registration(n)
+            let reg = registry
+                .get(n)
                 .ok_or_else(|| Failure::new("setup", format!("unknown layout family {n:?} in the config")))?;
             families.push((reg.build)(&cfg)?);
         }
-        Ok(World { cfg, families, hasher: blake3::Hasher::new(), ops: BTreeMap::new(), ops_by_kind: BTreeMap::new() })
+        let registry = registry.clone();
+        let (hasher, ops, ops_by_kind) = (blake3::Hasher::new(), BTreeMap::new(), BTreeMap::new());
+        Ok(World { cfg, registry, families, hasher, ops, ops_by_kind })
     }
 
     /// The scheduler's picture (the first family's; every family of a run sees the same requests).
@@ -67,7 +74,7 @@ impl World {
     /// Applies one op to every family. `Ok(false)`: skipped (out of limits, a kind some family does not support,
     /// or references that do not exist). `Err`: a check failed.
     pub fn apply(&mut self, op: &Op, observer: &mut dyn RunObserver) -> Result<bool, FamilyFailure> {
-        if !op_within_limits(op) || !family::all_support(&self.family_names(), op.kind()) {
+        if !op_within_limits(op) || !self.registry.all_support(&self.family_names(), op.kind()) {
             return Ok(false);
         }
         let names = self.family_names();

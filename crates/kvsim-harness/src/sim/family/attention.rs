@@ -1616,12 +1616,8 @@ pub(crate) fn unexpected(what: &str, e: CacheError) -> Failure {
 pub const NAME: &str = "attention";
 
 /// The attention family: every op of the alphabet.
-pub const REGISTRATION: Registration = Registration {
-    name: NAME,
-    supports: |_kind: OpKind| true,
-    swarm_probability: 1.0,
-    build: |cfg| Ok(Box::new(Attention::new(cfg.clone())?)),
-};
+pub const REGISTRATION: Registration =
+    Registration::plain(NAME, |_kind: OpKind| true, 1.0, |cfg| Ok(Box::new(Attention::new(cfg.clone())?)));
 
 impl Family for Attention {
     fn key(&self) -> &'static str {

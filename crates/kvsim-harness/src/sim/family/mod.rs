@@ -6,8 +6,10 @@
 //! counters of what it proved. The runner ([`crate::sim::runner::World`]) holds one instance per family of the
 //! run's swarm config and dispatches every op to each of them; it knows nothing else about any family.
 //!
-//! Adding a family is adding a module here that implements [`Family`] and one [`Registration`] in [`REGISTRY`]
-//! (ARCHITECTURE.md, "How to add a layout family").
+//! Families are registered at run time: a [`Registry`] is the value the run loop takes ([`Registry::builtin`] holds
+//! kvsim's own, and a crate outside kvsim adds its own [`Registration`] with [`Registry::with`]). The swarm config
+//! and the op generator name no family: each registration brings its own draws (the op kinds it owns, parameters
+//! drawn per seed, op kinds weighted from them, and how to draw the ops of a kind it draws itself).
 
 pub mod attention;
 pub mod quant;
@@ -15,8 +17,12 @@ pub mod ssm;
 pub mod training;
 pub mod transition;
 
+use std::sync::LazyLock;
+
+use rand_chacha::ChaCha8Rng;
+
 use crate::sim::check::Failure;
-use crate::sim::config::SimConfig;
+use crate::sim::config::{Params, SimConfig};
 use crate::sim::observe::RunObserver;
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::summary::Counters;
@@ -72,6 +78,7 @@ pub trait Family {
 
 /// How the runner finds a family: its name (as in `SimConfig::families`), which op kinds it supports, and how to
 /// build its instance for a run.
+#[derive(Clone, Copy)]
 pub struct Registration {
     /// The name in [`SimConfig::families`].
     pub name: &'static str,
@@ -81,33 +88,115 @@ pub struct Registration {
     /// Swarm: the probability that a seed's run includes this family (drawn from `Stream::Families`, in registry
     /// order). A run always holds at least one family: the first registered one when the draw picks none.
     pub swarm_probability: f64,
+    /// Op kinds that belong to this family (its own ops): the swarm draws a kind that some registered family owns
+    /// only in runs that hold at least one of its owners.
+    pub owns: fn(OpKind) -> bool,
+    /// Parameters the family draws per seed, from a stream of its own, when the run holds it (`None`: it draws
+    /// none). They are stored in the run's config under the family's name ([`SimConfig::params_of`]).
+    pub draw_params: Option<fn(u64) -> Params>,
+    /// Op kinds (with their weights) this family adds to a run that holds it, from its parameters, after the swarm's
+    /// own kinds (each only where every family of the run supports it).
+    pub weights_from_params: fn(&Params) -> Vec<(OpKind, u32)>,
+    /// The kind whose ops this family draws itself, and how ([`crate::sim::gen::Generator`] calls it).
+    pub draws_op: Option<(OpKind, fn(&SimConfig, &mut ChaCha8Rng) -> Op)>,
     /// One instance for a run of `cfg`.
     pub build: fn(&SimConfig) -> Result<Box<dyn Family>, Failure>,
 }
 
-/// Every family the harness knows, in the order the runner dispatches them.
-pub const REGISTRY: &[Registration] = &[
-    attention::REGISTRATION,
-    training::REGISTRATION,
-    ssm::REGISTRATION,
-    quant::REGISTRATION,
-    transition::REGISTRATION,
-    transition::LEGO_REGISTRATION,
-];
+impl Registration {
+    /// A family with no draws of its own (`owns` nothing, no parameters, no extra kinds, no op it draws itself).
+    pub const fn plain(
+        name: &'static str,
+        supports: fn(OpKind) -> bool,
+        swarm_probability: f64,
+        build: fn(&SimConfig) -> Result<Box<dyn Family>, Failure>,
+    ) -> Registration {
+        Registration {
+            name,
+            supports,
+            swarm_probability,
+            owns: |_| false,
+            draw_params: None,
+            weights_from_params: |_| Vec::new(),
+            draws_op: None,
+            build,
+        }
+    }
+}
 
-/// The registration of `name`.
-pub fn registration(name: &str) -> Option<&'static Registration> {
-    REGISTRY.iter().find(|r| r.name == name)
+/// The layout families a run can hold, in the order the runner dispatches them and the swarm draws them.
+#[derive(Clone)]
+pub struct Registry {
+    families: Vec<Registration>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.families.iter().map(|r| r.name)).finish()
+    }
+}
+
+static BUILTIN: LazyLock<Registry> = LazyLock::new(|| Registry {
+    families: vec![
+        attention::REGISTRATION,
+        training::REGISTRATION,
+        ssm::REGISTRATION,
+        quant::REGISTRATION,
+        transition::REGISTRATION,
+        transition::LEGO_REGISTRATION,
+    ],
+});
+
+impl Registry {
+    /// kvsim's own families (attention, training, recurrent, quantized, bf16-first rows and legos), in that order.
+    pub fn builtin() -> &'static Registry {
+        &BUILTIN
+    }
+
+    /// An empty registry (a run needs at least one family: [`Registry::with`]).
+    pub fn empty() -> Registry {
+        Registry { families: vec![] }
+    }
+
+    /// This registry and `r` after it; a name registered twice is refused.
+    pub fn with(mut self, r: Registration) -> Result<Registry, String> {
+        if self.get(r.name).is_some() {
+            return Err(format!("layout family {:?} is registered twice", r.name));
+        }
+        self.families.push(r);
+        Ok(self)
+    }
+
+    /// Every registration, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &Registration> {
+        self.families.iter()
+    }
+
+    /// The registration of `name`.
+    pub fn get(&self, name: &str) -> Option<&Registration> {
+        self.families.iter().find(|r| r.name == name)
+    }
+
+    /// Whether every family of `names` supports `kind` (an unknown name supports nothing).
+    pub fn all_support(&self, names: &[String], kind: OpKind) -> bool {
+        names.iter().all(|n| self.get(n).is_some_and(|r| (r.supports)(kind)))
+    }
+
+    /// Whether a run of `names` may draw `kind`: no registered family owns it, or one of the run's families does.
+    pub fn owners_present(&self, names: &[String], kind: OpKind) -> bool {
+        let mut owners = self.families.iter().filter(|r| (r.owns)(kind)).peekable();
+        owners.peek().is_none() || owners.any(|r| names.iter().any(|n| n == r.name))
+    }
+
+    /// The families drawing their own ops: `(kind, draw)` pairs, in registry order.
+    pub fn op_drawers(&self) -> Vec<(OpKind, fn(&SimConfig, &mut ChaCha8Rng) -> Op)> {
+        self.families.iter().filter_map(|r| r.draws_op).collect()
+    }
 }
 
 /// The families a run holds by default (a config that names none).
 pub fn default_families() -> Vec<String> {
     vec![attention::NAME.to_string()]
-}
-
-/// Whether every family of `names` supports `kind` (an unknown name supports nothing).
-pub fn all_support(names: &[String], kind: OpKind) -> bool {
-    names.iter().all(|n| registration(n).is_some_and(|r| (r.supports)(kind)))
 }
 
 /// The running rows' order a `Join` lists (`order`; empty = identity) as a permutation of `0..rows`, or `None` when
@@ -163,12 +252,19 @@ mod tests {
 
     #[test]
     fn registry_names_are_unique_and_the_default_is_registered() {
-        for (i, r) in REGISTRY.iter().enumerate() {
-            assert!(REGISTRY[..i].iter().all(|o| o.name != r.name), "{} registered twice", r.name);
+        let reg = Registry::builtin();
+        let names: Vec<&str> = reg.iter().map(|r| r.name).collect();
+        for (i, n) in names.iter().enumerate() {
+            assert!(!names[..i].contains(n), "{n} registered twice");
         }
         for n in default_families() {
-            assert!(registration(&n).is_some());
+            assert!(reg.get(&n).is_some());
         }
-        assert!(!all_support(&["no-such-family".to_string()], OpKind::Decode));
+        assert!(!reg.all_support(&["no-such-family".to_string()], OpKind::Decode));
+        assert!(reg.clone().with(attention::REGISTRATION).is_err(), "a second registration of a name is refused");
+        // The training kinds belong to the training family: drawn only in runs that hold it.
+        assert!(!reg.owners_present(&["attention".to_string()], OpKind::TrainingForward));
+        assert!(reg.owners_present(&["attention".to_string(), "training".to_string()], OpKind::TrainingForward));
+        assert!(reg.owners_present(&["attention".to_string()], OpKind::Decode), "a kind nobody owns");
     }
 }

@@ -29,7 +29,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::sim::check::{self, Failure};
-use crate::sim::config::SimConfig;
+use crate::sim::config::{Params, SimConfig};
 use crate::sim::family::attention::{mlx_fail, unexpected, Attention, Home, Res};
 use crate::sim::family::{Cx, Family, Registration, View};
 use crate::sim::observe::NoObserver;
@@ -49,6 +49,12 @@ pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports: |_kind: OpKind| true,
     swarm_probability: 0.3,
+    owns: OpKind::is_quant,
+    draw_params: Some(|seed| QuantChoice::draw(seed).to_params()),
+    weights_from_params: |p| {
+        QuantChoice::from_params(p).map(|q| vec![(OpKind::Quantize, q.convert_weight)]).unwrap_or_default()
+    },
+    draws_op: Some((OpKind::Quantize, draw_quantize)),
     build: |cfg| Ok(Box::new(Quant::new(cfg)?)),
 };
 
@@ -66,12 +72,9 @@ pub struct QuantChoice {
 }
 
 impl QuantChoice {
-    /// The parameters of `seed`'s run when it holds the quantized family (else `None`), from [`Stream::Quant`]
-    /// (no other subsystem's draws move).
-    pub fn draw(seed: u64, families: &[String]) -> Option<QuantChoice> {
-        if !families.iter().any(|f| f == NAME) {
-            return None;
-        }
+    /// The parameters of `seed`'s run (drawn only when it holds the quantized family), from [`Stream::Quant`] (no
+    /// other subsystem's draws move).
+    pub fn draw(seed: u64) -> QuantChoice {
         let mut rng = stream(seed, Stream::Quant);
         let bits = cache::QUANT_BITS[rng.random_range(0..cache::QUANT_BITS.len())];
         let group = cache::QUANT_GROUPS[rng.random_range(0..cache::QUANT_GROUPS.len())];
@@ -79,7 +82,22 @@ impl QuantChoice {
         let head_dim = dims[rng.random_range(0..dims.len())];
         let native = rng.random_bool(0.5);
         let convert_weight = rng.random_range(1..=3);
-        Some(QuantChoice { bits, group, head_dim, native, convert_weight })
+        QuantChoice { bits, group, head_dim, native, convert_weight }
+    }
+
+    /// This run's parameters, if its config holds the quantized family's.
+    pub fn of(cfg: &SimConfig) -> Option<QuantChoice> {
+        cfg.params_of(NAME).and_then(QuantChoice::from_params)
+    }
+
+    /// The parameters as the config stores them (in field order, as traces have always written them).
+    pub fn to_params(self) -> Params {
+        Params::of(&self)
+    }
+
+    /// The parameters from the config's record (`None` when they do not parse).
+    pub fn from_params(p: &Params) -> Option<QuantChoice> {
+        p.to()
     }
 
     pub fn spec(&self) -> QuantSpec {
@@ -90,7 +108,7 @@ impl QuantChoice {
 /// The generator's conversion op: mostly the run's own parameters; sometimes invalid bits, an invalid group, or
 /// another valid pair (a typed error once the family holds its own), each with `mid_round` now and then.
 pub fn draw_quantize(cfg: &SimConfig, w: &mut ChaCha8Rng) -> Op {
-    let (bits, group) = cfg.quant.map_or((4, 64), |q| (q.bits, q.group));
+    let (bits, group) = QuantChoice::of(cfg).map_or((4, 64), |q| (q.bits, q.group));
     let (bits, group) = match w.random_range(0..20) {
         0 => ([1usize, 7, 16][w.random_range(0..3)], group),
         1 => (bits, [16usize, 48, 256][w.random_range(0..3)]),
@@ -108,8 +126,8 @@ pub struct Quant {
 
 impl Quant {
     pub fn new(cfg: &SimConfig) -> Res<Quant> {
-        let choice =
-            cfg.quant.ok_or_else(|| Failure::new("setup", "the quant family needs the config's quant parameters"))?;
+        let choice = QuantChoice::of(cfg)
+            .ok_or_else(|| Failure::new("setup", "the quant family needs the config's quant parameters"))?;
         let mut own = cfg.clone();
         own.head_dim = choice.head_dim;
         let storage = if choice.native { Storage::Affine(choice.spec()) } else { Storage::Plain };

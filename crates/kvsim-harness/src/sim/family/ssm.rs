@@ -84,6 +84,10 @@ pub const REGISTRATION: Registration = Registration {
         )
     },
     swarm_probability: 0.4,
+    owns: |_| false,
+    draw_params: None,
+    weights_from_params: |_| Vec::new(),
+    draws_op: None,
     build: |cfg| Ok(Box::new(Recurrent::new(cfg)?)),
 };
 

@@ -25,6 +25,10 @@ pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports: |k: OpKind| matches!(k, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal),
     swarm_probability: 0.25,
+    owns: OpKind::is_training,
+    draw_params: None,
+    weights_from_params: |_| Vec::new(),
+    draws_op: None,
     build: |cfg| Ok(Box::new(Training::new(cfg.clone())?)),
 };
 

@@ -113,6 +113,10 @@ pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports,
     swarm_probability: 0.25,
+    owns: OpKind::is_transition,
+    draw_params: None,
+    weights_from_params: |_| Vec::new(),
+    draws_op: None,
     build: |cfg| Ok(Box::new(TransitionFamily::new(cfg, false)?)),
 };
 
@@ -122,6 +126,10 @@ pub const LEGO_REGISTRATION: Registration = Registration {
     name: LEGO_NAME,
     supports: supports_legos,
     swarm_probability: 0.2,
+    owns: OpKind::is_transition,
+    draw_params: None,
+    weights_from_params: |_| Vec::new(),
+    draws_op: None,
     build: |cfg| Ok(Box::new(TransitionFamily::new(cfg, true)?)),
 };
 
