@@ -89,6 +89,11 @@
 )]
 #![cfg_attr(test, allow(clippy::print_stdout, clippy::print_stderr))]
 
+/// The README's code sample, compiled and run as a doctest of this crate (`cargo test -p kvsim-cache --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 /// Whether the fault hook of the named catalog mutant fires here: the mutant is armed on this thread.
 #[cfg(feature = "faults")]
 macro_rules! fault {
