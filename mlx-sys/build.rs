@@ -17,6 +17,10 @@
 //! GCC 12 lacks `std::format`, which `mlx/c/private/io.h` uses (`native/compat.h` supplies it);
 //! x86 mlx-c omits the f16/bf16 accessors mlx-rs calls (`native/x86_shims.cpp`).
 //!
+//! A documentation build (`DOCS_RS` set, as docs.rs sets it) downloads and compiles nothing: it takes the
+//! bindings committed in `docs/bindings.rs` (the ones this script generates; every ordinary build checks that they
+//! still are, `mlx_sys::DOCS_BINDINGS_CURRENT`) and links nothing.
+//!
 //! Dependents get `DEP_MLX_LIB_DIR` (the folder of `libmlx.so`) to put into their run path, so
 //! binaries start without `LD_LIBRARY_PATH`; pointing `LD_LIBRARY_PATH` at another MLX 0.32.2 build
 //! (the CUDA wheel's `mlx/lib`) swaps the runtime without a rebuild.
@@ -37,6 +41,20 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=native");
+    println!("cargo:rerun-if-changed=docs/bindings.rs");
+    println!("cargo:rerun-if-env-changed=DOCS_RS");
+
+    let (a, b, c) = MLX_VERSION;
+    if env::var_os("DOCS_RS").is_some() {
+        // Documentation only: no network, no C++ build, nothing to link.
+        let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
+        fs::copy(Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).join("docs/bindings.rs"), out)
+            .unwrap_or_else(|e| fail(&format!("docs/bindings.rs: {e}"), "restore mlx-sys/docs/bindings.rs"));
+        println!("cargo:rustc-env=KVSIM_MLX_LIB_DIR=");
+        println!("cargo:rustc-env=KVSIM_MLX_VERSION={a}.{b}.{c}");
+        println!("cargo:rustc-env=KVSIM_DOCS_BINDINGS_CURRENT=true");
+        return;
+    }
 
     if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
         fail(
@@ -52,7 +70,9 @@ fn main() {
     let libclang = libclang_dir(&cache);
 
     compile_mlx_c(&mlx, &mlx_c);
-    generate_bindings(&mlx_c, &libclang);
+    let generated = generate_bindings(&mlx_c, &libclang);
+    let committed = fs::read(Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).join("docs/bindings.rs")).ok();
+    println!("cargo:rustc-env=KVSIM_DOCS_BINDINGS_CURRENT={}", committed.as_deref() == Some(generated.as_slice()));
 
     let lib = mlx.join("lib");
     println!("cargo:rustc-link-search=native={}", lib.display());
@@ -62,7 +82,6 @@ fn main() {
     println!("cargo:lib_dir={}", lib.display());
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
     println!("cargo:rustc-env=KVSIM_MLX_LIB_DIR={}", lib.display());
-    let (a, b, c) = MLX_VERSION;
     println!("cargo:rustc-env=KVSIM_MLX_VERSION={a}.{b}.{c}");
 }
 
@@ -334,7 +353,7 @@ fn gcc_include_dir() -> Option<PathBuf> {
     p.join("stddef.h").exists().then_some(p)
 }
 
-fn generate_bindings(mlx_c: &Path, libclang: &Path) {
+fn generate_bindings(mlx_c: &Path, libclang: &Path) -> Vec<u8> {
     env::set_var("LIBCLANG_PATH", libclang);
     let mut headers: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
         .unwrap()
@@ -362,4 +381,5 @@ fn generate_bindings(mlx_c: &Path, libclang: &Path) {
     });
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
     bindings.write_to_file(&out).unwrap();
+    fs::read(&out).unwrap()
 }

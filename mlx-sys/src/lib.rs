@@ -26,5 +26,7 @@ extern "C" {
 
 /// Where the build found `libmlx.so` (also exported to dependents as `DEP_MLX_LIB_DIR`).
 pub const MLX_LIB_DIR: &str = env!("KVSIM_MLX_LIB_DIR");
+/// Whether `docs/bindings.rs` (what a documentation build uses, `DOCS_RS`) is byte for byte what this build generated.
+pub const DOCS_BINDINGS_CURRENT: bool = matches!(env!("KVSIM_DOCS_BINDINGS_CURRENT").as_bytes(), b"true");
 /// The MLX version the headers declare (checked at build time).
 pub const MLX_BUILD_VERSION: &str = env!("KVSIM_MLX_VERSION");

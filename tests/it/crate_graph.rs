@@ -86,3 +86,11 @@ fn the_harness_knows_no_oracle_and_no_command_line() {
     assert_absent("kvsim-harness", &["kvsim-oracle", "kvsim", "clap", "indicatif", "proptest"]);
     assert_absent("kvsim-oracle", &["kvsim", "clap", "indicatif", "proptest"]);
 }
+
+/// A documentation build (`DOCS_RS`, no network) compiles against `mlx-sys/docs/bindings.rs`: they must be the
+/// bindings an ordinary build generates (regenerate with `cp target/*/build/mlx-sys-*/out/bindings.rs
+/// mlx-sys/docs/bindings.rs` after an mlx-c or bindgen change).
+#[test]
+fn the_committed_docs_bindings_are_the_generated_ones() {
+    assert!(mlx_sys::DOCS_BINDINGS_CURRENT, "mlx-sys/docs/bindings.rs differs from the generated bindings");
+}

@@ -87,6 +87,7 @@
     not(feature = "faults"),
     doc = "```compile_fail\nkvsim_cache::faults::arm(Some(kvsim_cache::faults::Mutant::TemporalHead));\n```"
 )]
+#![warn(missing_docs)]
 #![cfg_attr(test, allow(clippy::print_stdout, clippy::print_stderr))]
 
 /// The README's code sample, compiled and run as a doctest of this crate (`cargo test -p kvsim-cache --doc`).

@@ -367,11 +367,7 @@ impl Summary {
         self.reference.checks = t.model_checks;
         self.reference.max_ulp = ModelUlp { bf16: t.model_max_ulp_bf16, f32: t.model_max_ulp_f32 };
         self.guarantees = t.table.clone();
-        let mut h = blake3::Hasher::new();
-        for s in &self.seed_hashes {
-            h.update(s.as_bytes());
-        }
-        self.result_hash = h.finalize().to_hex().to_string();
+        self.result_hash = crate::shard::ordered_hash(self.seed_hashes.iter().map(String::as_str));
     }
 }
 

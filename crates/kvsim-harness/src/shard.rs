@@ -88,11 +88,17 @@ pub fn campaign_hash(seeds: &mut [SeedHash]) -> Result<String, ShardError> {
     if let Some(w) = seeds.windows(2).find(|w| w[0].seed == w[1].seed) {
         return Err(ShardError::DuplicateSeed(w[0].seed));
     }
+    Ok(ordered_hash(seeds.iter().map(|s| s.hash.as_str())))
+}
+
+/// kvsim's one campaign hash: blake3 over the per-seed result hashes (their hex text), in the order given (seed
+/// order, for every caller: a serial campaign folds seeds in order, [`campaign_hash`] sorts them first).
+pub fn ordered_hash<'a>(seed_hashes: impl IntoIterator<Item = &'a str>) -> String {
     let mut h = blake3::Hasher::new();
-    for s in seeds.iter() {
-        h.update(s.hash.as_bytes());
+    for s in seed_hashes {
+        h.update(s.as_bytes());
     }
-    Ok(h.finalize().to_hex().to_string())
+    h.finalize().to_hex().to_string()
 }
 
 /// The last line of `text` that parses as a JSON object (a `kvsim sim --json` output ends with its summary line).
