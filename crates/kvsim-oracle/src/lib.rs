@@ -14,7 +14,8 @@
 //!
 //! The modules, one job each (their items are re-exported here):
 //!
-//! - `record`: kvsim's side, a trace replayed with the recorder; the run each family records; `kvsim oracle record`.
+//! - `record`: kvsim's side, a trace replayed with the recorder; the run each family records.
+//! - `set`: `kvsim oracle record`, the chosen seeds recorded through both sides and stored.
 //! - `driver`: the Python driver, its venv, running it, and the protocol's RESULTS read and written back.
 //! - `choose`: the choice of the recorded seeds (what a recording covers, greedy covers).
 //! - `rules`: the classification rules, their layouts and sizes, and the bounded scope of a root.
@@ -33,6 +34,7 @@ pub mod recorder;
 mod redrive;
 mod report;
 mod rules;
+mod set;
 pub mod teeth;
 #[cfg(test)]
 mod tests;
@@ -40,9 +42,10 @@ mod tests;
 pub use choose::{choose_family_seeds, choose_seeds, describe_choice, features, predicted_root, quant_features};
 pub use diff::{diff, diff_counted, diff_full, diff_measured, output_dtype, Divergence, Measure};
 pub use driver::{driver_dir, parse_results, parse_solo, parse_values, run_driver, setup_driver, strip_known_values};
-pub use record::{family_prefix, family_run, record, record_set, Recording};
+pub use record::{family_prefix, family_run, record, Recording};
 pub use redrive::redrive_set;
 pub use report::{check_dir, diff_recorded, recorded_traces, step_kinds, CheckReport, TraceReport, STEP_KINDS};
 pub use rules::{
     mlx_refuses_quant, padding_in_window_rows, Class, Rule, Verdict, READ_RULE_ULP_BF16, READ_RULE_ULP_F32, RESYNCED,
 };
+pub use set::record_set;

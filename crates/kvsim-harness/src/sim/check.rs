@@ -2,6 +2,7 @@
 //! how many comparisons were made and how many were byte-identical.
 
 use crate::sim::summary::Counters;
+pub use crate::sim::summary::{Guarantees, OutClass};
 use kvsim_cache::bytes::{ArrayBytes, Words};
 use kvsim_cache::{self as cache, CacheError, KvSpec, MaskUse, RingState, RowBatch, SerialCache};
 use kvsim_reference::quant::attention_f64_partly_quantized;
@@ -72,17 +73,6 @@ pub enum ReadKind {
     Decode,
     Window,
     PaddedWindow,
-}
-
-/// Output classes of the guarantees table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OutClass {
-    /// A decode read of a row whose columns span the whole read (no masked column).
-    DecodeUnpadded,
-    /// A decode read of a row read under a mask (other rows are longer).
-    DecodePadded,
-    /// A window read (causal within the window).
-    Window,
 }
 
 impl ReadKind {
@@ -322,17 +312,6 @@ pub fn output_vs_model_quantized(
         ));
     }
     Ok(())
-}
-
-/// Policy for outputs that are not promised bit-exact. Set per device by the driver.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Guarantees {
-    /// Unpadded decode outputs must be byte-identical to the twin's (CPU: yes; CUDA: measured only).
-    pub exact_unpadded_decode: bool,
-    /// Reads run on a GPU, whose kernels (MLX's, and kvsim's exact ones) round differently from the CPU's: the
-    /// distances to the f64 model get the loose bounds ([`model_bound`]), also in exact mode.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub gpu: bool,
 }
 
 /// The distance between two values' bits (one dtype) in ULPs at the output's scale ([`ulp_at`]), rounded up: 0 for

@@ -11,6 +11,7 @@ pub mod rng;
 pub mod runner;
 pub mod shrink;
 pub mod summary;
+pub mod swarm;
 pub mod trace;
 
 use std::collections::BTreeMap;

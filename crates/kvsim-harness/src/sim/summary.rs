@@ -5,8 +5,6 @@ use std::collections::BTreeMap;
 use mlx_rs::Dtype;
 use serde::{Deserialize, Serialize};
 
-use crate::sim::check::{Guarantees, OutClass};
-
 /// Comparisons of one output class against the solo twin.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClassCount {
@@ -69,6 +67,28 @@ impl Recurrent {
         self.model_max_ulp_output = self.model_max_ulp_output.max(o.model_max_ulp_output);
         self.model_max_ulp_state = self.model_max_ulp_state.max(o.model_max_ulp_state);
     }
+}
+
+/// Output classes of the guarantees table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutClass {
+    /// A decode read of a row whose columns span the whole read (no masked column).
+    DecodeUnpadded,
+    /// A decode read of a row read under a mask (other rows are longer).
+    DecodePadded,
+    /// A window read (causal within the window).
+    Window,
+}
+
+/// Policy for outputs that are not promised bit-exact. Set per device by the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Guarantees {
+    /// Unpadded decode outputs must be byte-identical to the twin's (CPU: yes; CUDA: measured only).
+    pub exact_unpadded_decode: bool,
+    /// Reads run on a GPU, whose kernels (MLX's, and kvsim's exact ones) round differently from the CPU's: the
+    /// distances to the f64 model get the loose bounds (`check::model_bound`), also in exact mode.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gpu: bool,
 }
 
 /// Everything counted during a run.

@@ -194,9 +194,9 @@ impl Registry {
     }
 }
 
-/// The families a run holds by default (a config that names none).
+/// The families a run holds by default (a config that names none): [`crate::sim::config::default_families`].
 pub fn default_families() -> Vec<String> {
-    vec![attention::NAME.to_string()]
+    crate::sim::config::default_families()
 }
 
 /// The running rows' order a `Join` lists (`order`; empty = identity) as a permutation of `0..rows`, or `None` when
@@ -257,6 +257,7 @@ mod tests {
         for (i, n) in names.iter().enumerate() {
             assert!(!names[..i].contains(n), "{n} registered twice");
         }
+        assert_eq!(default_families(), [attention::NAME], "the default family is the attention family");
         for n in default_families() {
             assert!(reg.get(&n).is_some());
         }
