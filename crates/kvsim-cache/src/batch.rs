@@ -31,8 +31,12 @@ use super::{KvSpec, Result};
 /// - `pending`: during a prepared (right-padded) prefill, the real positions still to come for this row.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RowState {
+    /// The row's serial state (offset, len, ring head `idx`, `last_concat`): equal to its solo twin's.
     pub ring: RingState,
+    /// The position the row's batch history starts at (`offset - len` when merged or joined from a serial cache;
+    /// `<= offset`); read only by [`RowBatch::left_padding`].
     pub base: usize,
+    /// `Some(n)` while a prepared prefill is pending: `n` real positions still to come for this row (R-BROT-2).
     pub pending: Option<usize>,
 }
 
@@ -134,12 +138,16 @@ impl std::fmt::Debug for RowBatch {
 pub struct BatchKvCache;
 
 impl BatchKvCache {
+    /// A batch of linear rows with no rows ([`RowBatch::empty`]).
     pub fn empty(spec: KvSpec) -> Result<RowBatch> {
         RowBatch::empty(spec, None)
     }
+    /// `rows` empty linear rows (offset 0), e.g. for a prepared prefill ([`RowBatch::with_rows`]).
     pub fn with_rows(spec: KvSpec, rows: usize) -> Result<RowBatch> {
         RowBatch::with_rows(spec, None, rows)
     }
+    /// R-BROT-4: linear rows from per-row temporal slices `(k, v, offset)`, each in temporal order
+    /// ([`RowBatch::merge`]).
     pub fn merge(spec: KvSpec, rows: &[(Array, Array, usize)]) -> Result<RowBatch> {
         RowBatch::merge(spec, None, rows)
     }
@@ -150,12 +158,16 @@ impl BatchKvCache {
 pub struct BatchRotatingKvCache;
 
 impl BatchRotatingKvCache {
+    /// A batch of rotating rows of window `max_size` with no rows (`0` is [`CacheError::InvalidState`]).
     pub fn empty(spec: KvSpec, max_size: usize) -> Result<RowBatch> {
         RowBatch::empty(spec, Some(max_size))
     }
+    /// `rows` empty rings of window `max_size` (offset 0), e.g. for a prepared prefill ([`RowBatch::with_rows`]).
     pub fn with_rows(spec: KvSpec, max_size: usize, rows: usize) -> Result<RowBatch> {
         RowBatch::with_rows(spec, Some(max_size), rows)
     }
+    /// R-BROT-4: rings of window `max_size` from per-row temporal slices `(k, v, offset)` with `L_i <= W`, each in
+    /// temporal order ([`RowBatch::merge`]).
     pub fn merge(spec: KvSpec, max_size: usize, rows: &[(Array, Array, usize)]) -> Result<RowBatch> {
         RowBatch::merge(spec, Some(max_size), rows)
     }
@@ -397,6 +409,7 @@ impl RowBatch {
         Ok(Self::build(spec, max_size, storage, rows, buf))
     }
 
+    /// The K/V geometry (`H_kv`, `D`, dtype) every row shares; writes and reads are checked against it.
     pub fn spec(&self) -> KvSpec {
         self.spec
     }
@@ -406,10 +419,12 @@ impl RowBatch {
         self.storage
     }
 
+    /// Number of rows `B`.
     pub fn rows(&self) -> usize {
         self.rows.len()
     }
 
+    /// Every row's host state, in row order (row `r`'s `ring` equals its solo twin's state).
     pub fn row_states(&self) -> &[RowState] {
         &self.rows
     }

@@ -16,12 +16,23 @@ use kvsim_ulp::FloatFormat;
 /// Why an array's bytes could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BytesError {
+    /// MLX raised an error evaluating or materializing the array, or its data could not be borrowed (null data
+    /// pointer, slice refused); the message says which.
     #[error("MLX failed while materializing the array: {0}")]
     Mlx(String),
+    /// A dtype whose element is not 1, 2, 4 or 8 bytes wide; never returned today (every mlx-rs 0.33 dtype is).
     #[error("dtype {0:?} has no byte view in kvsim")]
     Unsupported(Dtype),
+    /// The buffer to read is not row-major contiguous (after `contiguous`), or its strides do not match its rank.
     #[error("array is not row-major contiguous after `contiguous` (shape {shape:?}, strides {strides:?})")]
-    NotContiguous { shape: Vec<i32>, strides: Vec<usize> },
+    NotContiguous {
+        /// The array's shape.
+        shape: Vec<i32>,
+        /// Its strides as MLX reports them, in elements.
+        strides: Vec<usize>,
+    },
+    /// A host-side request that does not fit the view's shape ([`ArrayBytes::select_columns`]: not 4-D, or a row or
+    /// column out of range).
     #[error("{0}")]
     Shape(String),
 }
@@ -35,9 +46,13 @@ impl From<mlx_rs::error::Exception> for BytesError {
 /// The elements of an array as same-width unsigned integers.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Words {
+    /// 1-byte elements (bool, u8, i8).
     U8(Vec<u8>),
+    /// 2-byte elements (u16, i16, f16, bf16).
     U16(Vec<u16>),
+    /// 4-byte elements (u32, i32, f32).
     U32(Vec<u32>),
+    /// 8-byte elements (u64, i64, f64, complex64).
     U64(Vec<u64>),
 }
 
@@ -102,8 +117,11 @@ impl Words {
 /// An array's dtype, shape and element bits in row-major order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArrayBytes {
+    /// The array's MLX dtype (the words' width is its element size).
     pub dtype: Dtype,
+    /// The array's logical shape.
     pub shape: Vec<i32>,
+    /// Every element's bits, in row-major logical order, whatever the array's strides.
     pub words: Words,
 }
 

@@ -48,8 +48,11 @@ pub struct DecodePlan {
 /// RoPE of the step (MLX `fast::rope` parameters). The offset is not here: it is an input array.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepRope {
+    /// Leading feature dimensions of each head that are rotated (MLX `dims`); the rest pass unchanged.
     pub dims: usize,
+    /// The base of RoPE's angular frequencies (MLX `base`); the position scale is always 1.
     pub base: f32,
+    /// MLX `traditional`: rotate consecutive pairs of dimensions instead of the two halves.
     pub traditional: bool,
 }
 
@@ -118,7 +121,7 @@ pub fn quantized_decode_step(
 ///
 /// `q`, `k` are pre-RoPE (`[1, H, 1, D]`) and rotated inside the step at `rope_offset` (int32 `[1]`); with
 /// `rope: None` (a caller that rotates before the step, or a layer without RoPE) they are used as given and the
-/// offset input only travels. The new column is encoded as the ordinary write encodes it ([`Storage::encode`]:
+/// offset input only travels. The new column is encoded as the ordinary write encodes it (`Storage::encode`:
 /// as given for plain storage; MLX's `quantize` of the one-position block for affine storage, which per (head,
 /// group) gives the triple bytes the ordinary append stores). `out` is the ordinary decode's unmasked read of the
 /// same storage (MLX's fused SDPA over plain planes, mlx-lm's quantized attention over affine ones) over the

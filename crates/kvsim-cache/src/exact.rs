@@ -14,7 +14,7 @@
 //!   block of 128 threads serves one chunk of one K/V head for a tile of up to 4 queries (the GQA group's heads at
 //!   one position, or several positions), so each K/V byte of the chunk is loaded once for the whole group. In the
 //!   chunk, query `r` sees the columns `V_r` of its range, and the block computes, in this order:
-//!   1. **scores**: a group of [`GROUP`] = 8 lanes serves one key column (16 columns per block at a time, four
+//!   1. **scores**: a group of `GROUP` = 8 lanes serves one key column (16 columns per block at a time, four
 //!      such steps in flight). Lane `s` of the group owns the 16-byte vectors `s, s + 8, s + 16, ...` of the key
 //!      row (`E` = 8 bf16 or 4 f32 elements each) and sums `q_d k_d` over its `d` in increasing order, one f32 fused
 //!      multiply-add at a time; the group then adds the 8 lane sums by the xor butterfly 4, 2, 1, and
@@ -108,7 +108,10 @@ pub fn exact_kernels_active() -> bool {
 /// prefix-shared pair's second response skips the first one's tokens; a bidirectional image span).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Visibility {
+    /// Per query `q`, the index (in intervals) of its first interval in `spans`, then a final end: `B * L + 1`
+    /// non-decreasing entries from 0.
     pub starts: Vec<i32>,
+    /// Every query's intervals in query order, flattened: `[lo, hi)` as two physical column indices each.
     pub spans: Vec<i32>,
 }
 
@@ -187,11 +190,17 @@ pub fn visible_ranges(
 /// Dimensions of one read: `q [B, H_q, L, D]`, `k`/`v` `[B, H_kv, N, D]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadDims {
+    /// `B`: rows of the read.
     pub rows: usize,
+    /// `H_q`: query heads (a multiple of `heads_kv`: query head `h` reads K/V head `h / (H_q / H_kv)`).
     pub heads_q: usize,
+    /// `H_kv`: K/V heads.
     pub heads_kv: usize,
+    /// `L`: query positions per row.
     pub queries: usize,
+    /// `N`: physical K/V columns read per row.
     pub cols: usize,
+    /// `D`: elements per head, of queries, keys and values alike.
     pub head_dim: usize,
     /// Bytes of one K/V element (2 for bf16, 4 for f32): the kernels' load width in elements is `16 / kv_bytes`,
     /// which sets how the value pass splits columns into classes.

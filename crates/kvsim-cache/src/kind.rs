@@ -51,9 +51,15 @@ pub struct StorageKind(pub String);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KindRoute {
     /// A batch of rows; `rotating` tells the rows' serial kind.
-    RowBatch { rotating: bool },
+    RowBatch {
+        /// Whether the rows are rotating rings (`rotating-plain`, `kv:rotating-quant:..`) rather than linear.
+        rotating: bool,
+    },
     /// One serial cache.
-    Serial { rotating: bool },
+    Serial {
+        /// Whether the cache is a rotating ring (`rotating-plain`, `kv:rotating-quant:..`) rather than linear.
+        rotating: bool,
+    },
 }
 
 impl StorageKind {
@@ -154,8 +160,11 @@ pub const BF16_FIRST_ROTATING_QUANT_PREFIX: &str = "kv:bf16-first-rotating-quant
 /// precision boundary (`None`: `inf`, never converts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DelayedKind {
+    /// The window `W` (`None`: full attention); a parsed kind always has `W >= 1`.
     pub max_size: Option<usize>,
+    /// The affine format the storage converts to (bits and group among MLX's).
     pub quant: QuantSpec,
+    /// The precision boundary: storage converts once `offset >= start` (and `offset != 0`); `None` (`inf`): never.
     pub start: Option<usize>,
 }
 

@@ -165,7 +165,9 @@ pub type Result<T> = std::result::Result<T, CacheError>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum KvDtype {
+    /// 32-bit IEEE float (MLX `Float32`), 4 bytes per element.
     F32,
+    /// bfloat16 (MLX `Bfloat16`), 2 bytes per element.
     Bf16,
 }
 
@@ -206,8 +208,11 @@ impl From<KvDtype> for mlx_rs::Dtype {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct KvSpec {
+    /// `H_kv`: K/V heads (axis 1 of every K/V buffer); queries have a positive multiple of it (GQA). Non-zero.
     pub heads_kv: usize,
+    /// `D`: elements per head (the last axis of K, V and Q). Non-zero; affine storage needs a multiple of the group.
     pub head_dim: usize,
+    /// The element type of K, V, Q and outputs (and of the scales and biases of affine storage).
     pub dtype: KvDtype,
 }
 

@@ -28,6 +28,7 @@ pub enum MaskKind {
 /// The geometry of one read: everything its visibility depends on (the memo key of [`Masks`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MaskKey {
+    /// Which rule builds the matrix: a decode read (`c < len_r`) or a window read (causal, sliding).
     pub kind: MaskKind,
     /// Per row: live columns after the write (`len_r`).
     pub lens: Vec<usize>,
@@ -44,9 +45,13 @@ pub struct MaskKey {
 /// One visibility matrix, host side: `visible[(b * queries + i) * cols + c]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskSpec {
+    /// Rows `B` of the matrix (1 for a matrix broadcast over every row of the read).
     pub rows: usize,
+    /// Queries per row (`L`).
     pub queries: usize,
+    /// Key columns per query: the physical columns of a cache geometry, or the `N` positions of a family mask.
     pub cols: usize,
+    /// `rows * queries * cols` flags, row-major; `true` = query `i` of row `b` sees column `c`.
     pub visible: Vec<bool>,
 }
 
@@ -105,8 +110,11 @@ impl MaskSpec {
 /// How a read was attended: no mask, MLX's bottom-right `Causal`, or an explicit boolean mask.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MaskUse {
+    /// No mask: every query saw every column it was given (also the answer of a read of no rows).
     None,
+    /// MLX's bottom-right causal mask: query `i` of `L` over `N` columns saw columns `[0, N - L + i + 1)`.
     Causal,
+    /// This boolean matrix (the memoized one of [`Masks`], shared, not a copy).
     Array(Rc<MaskSpec>),
 }
 
@@ -120,16 +128,37 @@ pub enum FamilyKey {
     /// is visible to query `i` of row `b` iff `j <= i`, `j < l[b]` and (with a window) `i - j < window`: exactly
     /// mlx-lm 0.32.2's `create_causal_mask(N, 0, window, right_padding = N - l)` (`mlx_lm/models/base.py`), padded
     /// query rows included (their outputs are unspecified; a padded row may see no key at all).
-    Training { lengths: Option<Vec<usize>>, queries: usize, window: Option<usize> },
+    Training {
+        /// Real positions per row of a right-padded batch (`None`: unpadded, one broadcast row).
+        lengths: Option<Vec<usize>>,
+        /// `N`: positions of the forward (queries = keys).
+        queries: usize,
+        /// The layer's sliding window (`None`: full attention).
+        window: Option<usize>,
+    },
     /// Chosen/rejected pairs sharing a prompt (`P` prompt, `Rc` chosen, `Rr` rejected positions, `N = P + Rc + Rr`):
     /// causal, and no rejected query (`i >= P + Rc`) sees a chosen key (`P <= j < P + Rc`); with a window also
     /// `logpos(i) - logpos(j) < window`, where `logpos(x) = x` for `x < P + Rc` and `x - Rc` after (the rejected
     /// answer continues the prompt's positions). Rule of the upstream engine's `PrefixSharedCache` (mlx-bun
     /// `packages/inference/src/state/training-cache.ts`).
-    PrefixShared { prompt: usize, chosen: usize, rejected: usize, window: Option<usize> },
+    PrefixShared {
+        /// `P`: prompt positions, seen by both answers.
+        prompt: usize,
+        /// `Rc`: chosen-answer positions, hidden from the rejected answer.
+        chosen: usize,
+        /// `Rr`: rejected-answer positions, after the chosen ones.
+        rejected: usize,
+        /// The layer's sliding window over logical positions (`None`: full attention).
+        window: Option<usize>,
+    },
     /// Gemma 4's vision prefill at offset 0 (R-ROT-9a): `causal(window) OR (image[i] AND image[j])`: image tokens
     /// see each other regardless of order and window (mlx-bun `bidirMask`, `src/model/gemma4-base.ts`).
-    Bidirectional { image: Vec<bool>, window: Option<usize> },
+    Bidirectional {
+        /// Per position of the block: whether it is an image token (`N = image.len()`).
+        image: Vec<bool>,
+        /// The layer's sliding window for the causal part (`None`: full attention).
+        window: Option<usize>,
+    },
 }
 
 impl FamilyKey {

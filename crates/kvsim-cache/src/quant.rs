@@ -44,7 +44,9 @@ pub const QUANT_GROUPS: [usize; 3] = [32, 64, 128];
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct QuantSpec {
+    /// Bits per quantized element, one of [`QUANT_BITS`]; a packed row is [`packed_width`] u32 words.
     pub bits: usize,
+    /// Elements of head_dim sharing one scale and one bias, one of [`QUANT_GROUPS`]; must divide `head_dim`.
     pub group: usize,
 }
 

@@ -5,7 +5,7 @@
 //! hold data. Buffers grow in steps of [`GROW_STEP`] zero columns (capped at `W` for rings, except that a window
 //! write may leave up to `W - 1 + L` columns: the plateau of R-ROT-3).
 //!
-//! The host rules (`RingState::prepared_for_decode`, [`window_keep`], [`plan_trim`], [`temporal_view_columns`]) are
+//! The host rules (`RingState::prepared_for_decode`, `window_keep`, `plan_trim`, `temporal_view_columns`) are
 //! shared with [`super::RowBatch`], which applies them per row: that is what makes a row's physical columns and
 //! phase equal its serial twin's.
 
@@ -25,7 +25,9 @@ pub const GROW_STEP: usize = 256;
 /// Whether the next decode write appends a column (`Concat`) or overwrites the oldest one (`Ring`) (R-ROT-5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodePhase {
+    /// The write appends physical column `len` (`idx == len` after the head's bookkeeping): `len` grows by one.
     Concat,
+    /// The write overwrites physical column `idx`, the ring head, which holds the oldest position; `len` stays `W`.
     Ring,
 }
 
@@ -39,9 +41,14 @@ pub enum DecodePhase {
 ///   which leaves `Some(L - n)`): what a bypass trim may remove (R-C-5).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RingState {
+    /// Positions ever written: the RoPE position of the next write (R-ROT-1).
     pub offset: usize,
+    /// Live physical columns: `[0, len)` hold the newest `len` positions; `len <= offset`.
     pub len: usize,
+    /// The ring head (physical write column); `idx < len` iff rotated (then `len == W`), else `idx == len`.
     pub idx: usize,
+    /// `Some(L)` iff the last mutation was a window write of `L` positions (less any bypass trim since): what a
+    /// bypass trim may still remove (R-C-5).
     pub last_concat: Option<usize>,
 }
 
@@ -450,6 +457,7 @@ impl SerialCache {
         Ok(SerialCache { spec, max_size, storage, state, buf })
     }
 
+    /// The K/V geometry (`H_kv`, `D`, dtype) every write and read is checked against.
     pub fn spec(&self) -> KvSpec {
         self.spec
     }
@@ -464,6 +472,7 @@ impl SerialCache {
         self.max_size
     }
 
+    /// The host state: offset, len, ring head `idx` and `last_concat` (plain integers, no MLX).
     pub fn state(&self) -> &RingState {
         &self.state
     }
@@ -706,7 +715,7 @@ impl SerialCache {
     }
 
     /// DiffusionGemma's canvas read (R-ROT-9c): the block `k`, `v`, `q` (`L >= 1` positions) attends the stored
-    /// context ([`SerialCache::block_context_columns`]: the live window in temporal order, its newest `W - 1`
+    /// context (`SerialCache::block_context_columns`: the live window in temporal order, its newest `W - 1`
     /// positions once full) and the whole block, with no mask (every block query sees every context column and
     /// every block column: the decoder's mask sliced to the kept columns is all ones). Nothing is stored; offsets
     /// never move (`&self`).

@@ -1,4 +1,4 @@
-//! The gated-DeltaNet recurrent cache ([`SsmCache`], storage kind [`SSM`](super::kind::SSM)): one layer's
+//! The gated-DeltaNet recurrent cache ([`SsmCache`], storage kind [`SSM`]): one layer's
 //! convolution tail and recurrent state for `B` rows, the layer's cache-side arithmetic on MLX, prepared prefill
 //! padding, and speculative rounds (R-SSM-1..4, R-C-4, R-C-5, R-C-6).
 //!
@@ -605,14 +605,10 @@ impl SsmCache {
         }
         let keep: Vec<usize> = keep
             .iter()
-            .map(|&k| {
-                if fault!(SsmReplayOneMore) {
-                    (k + 1).min(rec.window)
-                } else if fault!(SsmReplayOneFewer) {
-                    k.saturating_sub(1)
-                } else {
-                    k
-                }
+            .map(|&k| match (fault!(SsmReplayOneMore), fault!(SsmReplayOneFewer)) {
+                (true, _) => (k + 1).min(rec.window),
+                (false, true) => k.saturating_sub(1),
+                (false, false) => k,
             })
             .collect();
         let count = keep.iter().copied().max().unwrap_or(0);

@@ -69,6 +69,7 @@ impl TrainingCache {
         Ok(c)
     }
 
+    /// The K/V geometry (`H_kv`, `D`, dtype) every `k`, `v` and `q` is checked against.
     pub fn spec(&self) -> KvSpec {
         self.spec
     }

@@ -40,7 +40,9 @@ use super::{KvSpec, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Transition {
+    /// The precision boundary: the transition is due once `offset >= start` (and `offset != 0`); `None`: never.
     pub start: Option<usize>,
+    /// The affine format the storage converts to.
     pub quant: QuantSpec,
 }
 
@@ -324,8 +326,12 @@ fn out_of_order(what: &str) -> CacheError {
 /// Per-row lifecycle bookkeeping of [`TransitioningKvRows`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RowLifecycle {
+    /// The offset at which the row converted to affine storage (`None`: still bf16).
     pub converted_at: Option<usize>,
+    /// The row's `minimum_reusable_offset`: prefix reuse never trims below it; kept by trims and extract.
     pub floor: usize,
+    /// The row's left padding in the aligned geometry (bookkeeping only, no column stored): set by merge, grown by
+    /// a rotating rollback's shift, its shared part dropped by filter.
     pub left_pad: usize,
 }
 

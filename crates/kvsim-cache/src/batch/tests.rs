@@ -1,4 +1,5 @@
 use super::*;
+#[cfg(feature = "faults")]
 use crate::kind::{is_plain_kv, is_rotating, is_row_batch};
 use crate::testutil::testlock;
 use crate::testutil::*;

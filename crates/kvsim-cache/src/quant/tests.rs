@@ -6,7 +6,9 @@ use super::*;
 use crate::batch::{JoinSource, RowBatch};
 use crate::kind::StorageKind;
 use crate::mask::Masks;
-use crate::ring::{DecodePhase, SerialCache};
+#[cfg(feature = "faults")]
+use crate::ring::DecodePhase;
+use crate::ring::SerialCache;
 use crate::testutil::testlock;
 use crate::testutil::*;
 use crate::KvDtype;
