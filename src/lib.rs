@@ -4,11 +4,11 @@
 //! the command's own modules and its integration tests; an engine that wants the caches depends on `kvsim-cache`
 //! alone (ARCHITECTURE.md has the codemap):
 //! - [`cache`] (`kvsim-cache`): the production layouts, and [`bytes`], the byte views every bit-exact claim uses.
-//! - [`reference`] (`kvsim-reference`): the pure-Rust model of every layout (no MLX).
+//! - [`reference`](mod@reference) (`kvsim-reference`): the pure-Rust model of every layout (no MLX).
 //! - [`persist`] (`kvsim-persist`): cache files by storage kind, kvsim's format and mlx-lm's.
 //! - [`sim`], [`campaign`], [`shard`], [`soak`], [`fuzzing`] (`kvsim-harness`): the simulator and its campaigns.
 //! - [`oracle`] (`kvsim-oracle`): the mlx-lm differential oracle.
-//! - [`bench`], [`doctor`], [`exact_check`]: the command line's own measurements.
+//! - [`bench`](mod@bench), [`doctor`], [`exact_check`]: the command line's own measurements.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 pub use kvsim_cache as cache;

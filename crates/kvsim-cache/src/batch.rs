@@ -769,7 +769,7 @@ impl RowBatch {
             // plain single-request shortcut, which sees only this block; the quantized prompt context is lost.
             let (k, v) = self.storage.dense(&live)?;
             let (k, v) = (cols(&k, width - real[0], width)?, cols(&v, width - real[0], width)?);
-            return Ok((super::mask::attend(q, &k, &v, scale, None, true)?, MaskUse::Causal));
+            return Ok((super::read::attend(q, &k, &v, scale, None, true)?, MaskUse::Causal));
         }
         let causal = real.iter().all(|&n| n == l)
             && lens.iter().all(|&n| n == lens[0])

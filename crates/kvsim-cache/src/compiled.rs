@@ -32,18 +32,7 @@ use super::ring::{Buf, DecodePhase, SerialCache};
 use super::util::{cols, dim, ncols};
 use super::Result;
 
-/// The plan of one compiled decode step: host-side integers only.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodePlan {
-    /// `Concat`: the step reads the `active_len` live columns and the new one after them (an append); `Ring`: it
-    /// writes the new column into the `active_len`-column buffer at `write_pos` and reads the whole buffer (an
-    /// overwrite of the oldest position).
-    pub fetch: DecodePhase,
-    /// The physical column the new position lands in (`== active_len` for `Concat`).
-    pub write_pos: usize,
-    /// Buffer columns the step takes as input (the live columns before the write).
-    pub active_len: usize,
-}
+pub use crate::ring::DecodePlan;
 
 /// RoPE of the step (MLX `fast::rope` parameters). The offset is not here: it is an input array.
 #[derive(Debug, Clone, Copy, PartialEq)]

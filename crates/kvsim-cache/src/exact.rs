@@ -92,10 +92,7 @@ pub fn read_mode() -> ReadMode {
     MODE.with(|m| m.get())
 }
 
-/// Whether MLX's default device (this thread's) is a GPU.
-pub fn default_device_is_gpu() -> bool {
-    mlx_rs::Device::try_default().and_then(|d| d.get_type()).is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
-}
+pub use crate::util::default_device_is_gpu;
 
 /// Whether reads on this thread go through the exact kernels now (exact mode on a GPU).
 pub fn exact_kernels_active() -> bool {

@@ -289,6 +289,19 @@ pub fn is_known(k: &StorageKind) -> bool {
     k.route().is_ok()
 }
 
+impl Storage {
+    /// The serial kind string of this storage (`kv:quant:<bits>:<group>`, `kv:rotating-quant:<bits>:<group>`, or
+    /// the plain kinds).
+    pub(crate) fn serial_kind(&self, max_size: Option<usize>) -> String {
+        match (self, max_size) {
+            (Storage::Plain, None) => KV_PLAIN.to_string(),
+            (Storage::Plain, Some(_)) => ROTATING_PLAIN.to_string(),
+            (Storage::Affine(q), None) => format!("{}{}:{}", QUANT_PREFIX, q.bits, q.group),
+            (Storage::Affine(q), Some(_)) => format!("{}{}:{}", ROTATING_QUANT_PREFIX, q.bits, q.group),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -122,6 +122,7 @@ pub mod faults;
 pub mod kind;
 pub mod mask;
 pub mod quant;
+mod read;
 pub mod ring;
 pub mod ssm;
 #[cfg(any(test, feature = "testutil"))]

@@ -8,7 +8,6 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::Array;
 
 use super::util::dim;
@@ -305,36 +304,6 @@ impl Masks {
         self.memo.borrow_mut().insert(key, (spec.clone(), arr.clone()));
         Ok((spec, arr))
     }
-}
-
-/// The read itself over `k`, `v` (`[B, H_kv, cols, D]`) with the given mask: MLX's fused SDPA, or in
-/// [`super::exact::ReadMode::Exact`] on a GPU the batch-invariant kernels of [`super::exact`].
-pub(crate) fn attend(
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    scale: f32,
-    mask: Option<(&MaskSpec, &Array)>,
-    causal: bool,
-) -> Result<Array> {
-    use mlx_rs::fast::scaled_dot_product_attention as sdpa;
-    if super::exact::exact_kernels_active() {
-        let (qs, ks) = (q.shape(), k.shape());
-        let (rows, queries, cols) = (dim_of(qs, 0), dim_of(qs, 2), dim_of(ks, 2));
-        let ranges = super::exact::visible_ranges(rows, queries, cols, mask.map(|m| m.0), causal)?;
-        return super::exact::exact_attend(q, k, v, scale, &ranges);
-    }
-    let mask = mask.map(|m| m.1);
-    let out = match (mask, causal) {
-        (Some(m), _) => sdpa(q, k, v, scale, ScaledDotProductAttentionMask::Array(m), None)?,
-        (None, true) => sdpa(q, k, v, scale, ScaledDotProductAttentionMask::Causal, None)?,
-        (None, false) => sdpa(q, k, v, scale, None, None)?,
-    };
-    Ok(out)
-}
-
-fn dim_of(s: &[i32], i: usize) -> usize {
-    s.get(i).map_or(0, |&d| d.max(0) as usize)
 }
 
 #[cfg(test)]

@@ -195,17 +195,6 @@ impl Storage {
         }
         self.encode(&planes[0], &planes[1])
     }
-
-    /// The serial kind string of this storage (`kv:quant:<bits>:<group>`, `kv:rotating-quant:<bits>:<group>`, or
-    /// the plain kinds).
-    pub(crate) fn serial_kind(&self, max_size: Option<usize>) -> String {
-        match (self, max_size) {
-            (Storage::Plain, None) => super::kind::KV_PLAIN.to_string(),
-            (Storage::Plain, Some(_)) => super::kind::ROTATING_PLAIN.to_string(),
-            (Storage::Affine(q), None) => format!("{}{}:{}", super::kind::QUANT_PREFIX, q.bits, q.group),
-            (Storage::Affine(q), Some(_)) => format!("{}{}:{}", super::kind::ROTATING_QUANT_PREFIX, q.bits, q.group),
-        }
-    }
 }
 
 /// The read of any storage: MLX's fused SDPA over `[k, v]` (`super::mask::attend`) or [`quantized_attend`]; in
@@ -221,15 +210,15 @@ pub(crate) fn attend_planes(
 ) -> Result<Array> {
     check_planes(storage, planes)?;
     match storage {
-        Storage::Plain => super::mask::attend(q, &planes[0], &planes[1], scale, mask, causal),
+        Storage::Plain => super::read::attend(q, &planes[0], &planes[1], scale, mask, causal),
         // On a GPU: MLX's `dequantize` (elementwise: each value a function of its own code, scale and bias, whatever
-        // else is in the batch), then the read of dense K/V (`super::mask::attend`: fused SDPA, or in exact mode the
+        // else is in the batch), then the read of dense K/V (`super::read::attend`: fused SDPA, or in exact mode the
         // batch-invariant kernels of `super::exact`). MLX 0.32.2's CUDA `quantized_matmul` has no kernel for most of
         // the small shapes a simulator draws (measured on an H200: "No implementation for problem shape" for 4-,
         // 5- and 6-bit reads of head dim 128 over a handful of keys), so mlx-lm's quantized read cannot run there.
         Storage::Affine(_) if super::exact::default_device_is_gpu() => {
             let (k, v) = storage.dense(planes)?;
-            super::mask::attend(q, &k, &v, scale, mask, causal)
+            super::read::attend(q, &k, &v, scale, mask, causal)
         }
         Storage::Affine(quant) => quantized_attend(q, planes, *quant, scale, mask.map(|m| m.1), causal),
     }

@@ -11,11 +11,11 @@
 
 use mlx_rs::Array;
 
-use super::compiled::DecodePlan;
 use super::error::{invalid, shape, CacheError};
 use super::kind::StorageKind;
-use super::mask::{attend, FamilyKey, MaskKey, MaskKind, MaskUse, Masks};
+use super::mask::{FamilyKey, MaskKey, MaskKind, MaskUse, Masks};
 use super::quant::{attend_planes, check_planes_shape, QuantSpec, Storage};
+use super::read::attend;
 use super::util::{check_kv, check_q, cols, eval, index_array, ncols, zeros};
 use super::{KvSpec, Result};
 
@@ -344,6 +344,19 @@ impl std::fmt::Debug for SerialCache {
             .field("cap", &self.cap())
             .finish()
     }
+}
+
+/// The plan of one compiled decode step: host-side integers only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodePlan {
+    /// `Concat`: the step reads the `active_len` live columns and the new one after them (an append); `Ring`: it
+    /// writes the new column into the `active_len`-column buffer at `write_pos` and reads the whole buffer (an
+    /// overwrite of the oldest position).
+    pub fetch: DecodePhase,
+    /// The physical column the new position lands in (`== active_len` for `Concat`).
+    pub write_pos: usize,
+    /// Buffer columns the step takes as input (the live columns before the write).
+    pub active_len: usize,
 }
 
 /// Constructor of the linear serial cache (`W = ∞`).

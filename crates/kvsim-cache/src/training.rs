@@ -21,7 +21,8 @@ use mlx_rs::Array;
 
 use super::error::{invalid, CacheError};
 use super::kind::{StorageKind, PREFIX_SHARED, TRAINING, TRAINING_SSM};
-use super::mask::{attend, FamilyKey, MaskUse, Masks};
+use super::mask::{FamilyKey, MaskUse, Masks};
+use super::read::attend;
 use super::ssm::{GdnParams, SsmCache, SsmSpec};
 use super::util::{check_kv, check_q, ncols};
 use super::{KvSpec, Result};

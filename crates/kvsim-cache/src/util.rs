@@ -69,7 +69,7 @@ fn step_scalar(n: usize) -> Result<Array> {
 ///   largest fixed cost on CUDA (docs/exact-read.md, "Host-made arrays", has the measurement).
 /// - Otherwise (and always on the CPU, where a host array costs a copy only) it is [`index_array`].
 pub(crate) fn step_index_array(values: &[usize], shape_: &[usize], modulus: Option<usize>) -> Result<Array> {
-    if !super::exact::default_device_is_gpu() {
+    if !default_device_is_gpu() {
         return index_array(values, shape_);
     }
     Ok(derived_index_array(values, shape_, modulus)?.0)
@@ -281,4 +281,9 @@ mod tests {
         let a = step_index_array(&[7, 8], &[2, 1, 1, 1], Some(9)).unwrap();
         assert_eq!(host(&a), vec![7, 8]);
     }
+}
+
+/// Whether MLX's default device (this thread's) is a GPU.
+pub fn default_device_is_gpu() -> bool {
+    mlx_rs::Device::try_default().and_then(|d| d.get_type()).is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
 }

@@ -225,7 +225,7 @@ const METRICS: [fn(&MemorySample) -> u64; 6] = [
 pub const BUCKETS: u64 = 1000;
 
 /// The samples a soak keeps, bounded whatever the run's length: for every bucket of 1/[`BUCKETS`] of the budget,
-/// only the samples holding a [`METRICS`] maximum in that bucket (at most six, fewer when one sample holds several).
+/// only the samples holding a `METRICS` maximum in that bucket (at most six, fewer when one sample holds several).
 /// A window's level is a maximum, so [`judge`] over the kept samples gives the levels it gives over all of them
 /// wherever the windows' edges fall on bucket edges (the warm-up window's do with the default fractions; the final
 /// window's start, `reached - window`, may cut a bucket, and then that one bucket's maxima are placed by where they

@@ -46,7 +46,7 @@ pub fn record(trace: &Trace, emit_steps: bool) -> Result<Recording, String> {
 }
 
 /// The run of `seed` whose calls the oracle records for `family`: for `attention` the seed's swarm run (the
-/// recorder watches its attention family); for another family of [`recorder::ORACLE_FAMILIES`] the seed's
+/// recorder watches its attention family); for another family of [`crate::recorder::ORACLE_FAMILIES`] the seed's
 /// configuration with that family alone (`None` when the seed's swarm draw does not hold it: its parameters, e.g.
 /// the quantized family's bits and group, come from that draw), without the kinds listed below. `None` too when the
 /// run fails or holds an op whose writes the recorder does not describe (a prepared prefill into running rows, a

@@ -336,7 +336,7 @@ fn quantized_read_matches_dequantized_attention_and_mutants_show() {
     let (k, v, qq) = kvq(&spec, 5, 1, 6);
     let (out, _) = c.window(&k, &v, &qq, 0.3, &masks).unwrap();
     let (dk, dv) = c.physical().unwrap();
-    let dense = crate::mask::attend(&qq, &dk, &dv, 0.3, None, true).unwrap();
+    let dense = crate::read::attend(&qq, &dk, &dv, 0.3, None, true).unwrap();
     // Distance in ULPs at the output's scale (f32 ulp of the largest |output|): a measurement, not a claim of
     // exactness (the two reads round in different orders).
     let diff = out.subtract(&dense).unwrap().abs().unwrap().max(None).unwrap().item_cast::<f32>();

@@ -1,5 +1,5 @@
 use super::*;
-use crate::mask::attend;
+use crate::read::attend;
 use crate::testutil::testlock;
 use crate::testutil::*;
 use crate::KvDtype;
