@@ -36,6 +36,8 @@
 //! This file holds the sets, the family's state, its payloads and the op dispatch; the rest lives in child modules:
 //! `forward` (the forward passes and their output checks), `lifecycle` (admit, merge/join, extract, filter), `batch`
 //! (prefill, decode, window, commit_span, verify), `training`, `checks` (state after every op) and `persist`.
+//!
+//! [`TrainingSsmCache`]: kvsim_cache::TrainingSsmCache
 
 use std::collections::BTreeMap;
 

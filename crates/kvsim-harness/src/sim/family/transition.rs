@@ -56,6 +56,8 @@
 //! `lifecycle` (admit, merge/join, extract, filter), `reads` (appends, batch forwards, commit_span, verify),
 //! `prefill` (batch_prefill, chunked or padded), `prefix` (prefix_reuse, plain_read), `checks` (reads and state),
 //! `persist`, and `legos` (lego mode).
+//!
+//! [`take`]: kvsim_reference::transition::take
 
 use std::collections::BTreeMap;
 
