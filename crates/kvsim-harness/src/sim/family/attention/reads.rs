@@ -1,0 +1,533 @@
+//! The attention family's reads and writes: a request outside the batch (`solo_window`, `solo_decode`) and the
+//! running batch (`batch_prefill` and its padded chunks, `decode`, `window` / `append`, `verify`, `commit_span`),
+//! with the solo twins' reads for batch ops.
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Array;
+
+use super::{emit, model_after_map, unexpected, Attention, Home, Res, TwinRead};
+use crate::sim::check::{self, ReadKind};
+use crate::sim::family::Cx;
+use crate::sim::observe::{Call, Read, TrimInfo};
+use kvsim_cache::{JoinSource, Masks, RowBatch};
+use kvsim_reference::{RowModel, Tok};
+
+impl Attention {
+    pub(super) fn solo_window(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, read: bool) -> Res<bool> {
+        if !self.solo_req(req) || len == 0 {
+            return Ok(false);
+        }
+        let toks = self.next_toks(req, len);
+        let scale = self.cfg.scale();
+        let offset_before = self.reqs[&req].model.offset;
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let got = r.solo[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("solo window", e))?;
+            if cx.observer.wants_calls() {
+                let kind = if read { Read::Window } else { Read::Append };
+                emit(
+                    cx,
+                    Call::Solo {
+                        req,
+                        layer,
+                        read: kind,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                        offset: offset_before,
+                    },
+                )?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
+            let twin =
+                r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
+            if read {
+                let real: Vec<Tok> = toks.iter().flatten().copied().collect();
+                let model_after = {
+                    let mut m = self.reqs[&req].model.clone();
+                    m.window_write(&real);
+                    m
+                };
+                self.check_read(
+                    cx,
+                    layer,
+                    ReadKind::Window,
+                    &got.0,
+                    &[(0, req, real.clone(), Some(&twin.0))],
+                    &model_after_map(req, &model_after),
+                    &got.1,
+                )?;
+            }
+        }
+        let real: Vec<Tok> = toks.iter().flatten().copied().collect();
+        self.reqs.get_mut(&req).unwrap().model.window_write(&real);
+        Ok(true)
+    }
+
+    pub(super) fn solo_decode(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
+        if !self.solo_req(req) {
+            return Ok(false);
+        }
+        let toks = self.next_toks(req, 1);
+        let scale = self.cfg.scale();
+        let mut model_after = self.reqs[&req].model.clone();
+        model_after.decode_write(toks[0].unwrap());
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let got =
+                r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
+            if cx.observer.wants_calls() {
+                let off = model_after.offset - 1;
+                emit(
+                    cx,
+                    Call::Solo {
+                        req,
+                        layer,
+                        read: Read::Decode,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                        offset: off,
+                    },
+                )?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
+            let twin =
+                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
+            let real = vec![toks[0].unwrap()];
+            self.check_read(
+                cx,
+                layer,
+                ReadKind::Decode,
+                &got.0,
+                &[(0, req, real, Some(&twin.0))],
+                &model_after_map(req, &model_after),
+                &got.1,
+            )?;
+        }
+        self.reqs.get_mut(&req).unwrap().model = model_after;
+        Ok(true)
+    }
+
+    pub(super) fn batch_prefill(&mut self, cx: &mut Cx<'_>, reqs: &[u32], lengths: &[u32], chunk: usize) -> Res<bool> {
+        let mut ids: Vec<u32> = vec![];
+        let mut lens: Vec<usize> = vec![];
+        for (i, &r) in reqs.iter().enumerate() {
+            let fresh = self.reqs.get(&r).is_some_and(|q| q.home == Home::Solo && q.model.offset == 0);
+            if fresh && !ids.contains(&r) {
+                ids.push(r);
+                lens.push(lengths.get(i).copied().unwrap_or(1).max(1) as usize);
+            }
+        }
+        if ids.is_empty() || chunk == 0 {
+            return Ok(false);
+        }
+        let max = self.max_size();
+        let b = ids.len();
+        // Fresh rows, from the requests' own (empty) serial caches.
+        let mut pre: Vec<RowBatch> = vec![];
+        for layer in 0..self.cfg.layers {
+            let sources: Vec<JoinSource> =
+                ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
+            let mut p = RowBatch::join_storage(self.spec, max, self.storage, &sources)
+                .map_err(|e| unexpected("join (fresh rows)", e))?;
+            p.prepare(&lens).map_err(|e| unexpected("prepare", e))?;
+            pre.push(p);
+        }
+        for id in &ids {
+            self.reqs.get_mut(id).unwrap().model.base = 0;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Prefill { reqs: &ids, lengths: &lens, chunk })?;
+        }
+        let total = *lens.iter().max().unwrap();
+        self.padded_chunks(cx, &mut pre, &ids, &lens, chunk, usize::MAX, true)?;
+        for (layer, p) in pre.iter_mut().enumerate() {
+            p.finalize().map_err(|e| unexpected("finalize", e))?;
+            let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
+            self.batch[layer] = RowBatch::join_storage(
+                self.spec,
+                max,
+                self.storage,
+                &[JoinSource::Rows(&self.batch[layer], all), JoinSource::Rows(p, (0..b).collect())],
+            )
+            .map_err(|e| unexpected("join (prefilled rows)", e))?;
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).unwrap();
+            r.home = Home::Batch;
+            r.history.layout_event = true;
+            r.solo.clear();
+            self.rows.push(*id);
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::PrefillEnd { longest: total })?;
+        }
+        let _ = b;
+        Ok(true)
+    }
+
+    /// The chunks of a prepared (right-padded) prefill on `batches` (one per layer, rows `ids`, `lens[r]` real
+    /// positions still to come for row `r`): at most `max_chunks` window reads of `chunk` positions, each checked
+    /// row by row against the twins (fed only the row's real positions) and the model. Returns the positions
+    /// delivered to the longest row. Calls are described to the observer only with `observe`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn padded_chunks(
+        &mut self,
+        cx: &mut Cx<'_>,
+        batches: &mut [RowBatch],
+        ids: &[u32],
+        lens: &[usize],
+        chunk: usize,
+        max_chunks: usize,
+        observe: bool,
+    ) -> Res<usize> {
+        let scale = self.cfg.scale();
+        let padded = lens.iter().any(|&x| x != lens[0]);
+        let total = lens.iter().copied().max().unwrap_or(0);
+        let mut done = 0;
+        let mut chunks = 0;
+        while done < total && chunks < max_chunks {
+            chunks += 1;
+            let l = chunk.min(total - done);
+            // Per row: the real positions of this chunk, then padding.
+            let mut toks: Vec<Vec<Option<Tok>>> = vec![];
+            let mut reals: Vec<Vec<Tok>> = vec![];
+            for (r, id) in ids.iter().enumerate() {
+                let remaining = lens[r].saturating_sub(done);
+                let n = remaining.min(l);
+                let off = self.reqs[id].model.offset as u32;
+                let real: Vec<Tok> = (0..n as u32).map(|i| Tok { req: *id, pos: off + i }).collect();
+                let mut row: Vec<Option<Tok>> = real.iter().map(|t| Some(*t)).collect();
+                row.resize(l, None);
+                toks.push(row);
+                reals.push(real);
+            }
+            let mut models: BTreeMap<u32, RowModel> = BTreeMap::new();
+            for (r, id) in ids.iter().enumerate() {
+                let mut m = self.reqs[id].model.clone();
+                if !reals[r].is_empty() {
+                    m.window_write(&reals[r]);
+                }
+                models.insert(*id, m);
+            }
+            for layer in 0..self.cfg.layers {
+                let masks = Masks::new();
+                let (k, v, q) = self.kvq(layer, &toks)?;
+                let got =
+                    batches[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("prefill window", e))?;
+                if observe && cx.observer.wants_calls() {
+                    let real: Vec<usize> = reals.iter().map(Vec::len).collect();
+                    emit(
+                        cx,
+                        Call::PrefillChunk {
+                            layer,
+                            reqs: ids,
+                            k: &k,
+                            v: &v,
+                            q: &q,
+                            real: &real,
+                            out: &got.0,
+                            done,
+                            padded,
+                        },
+                    )?;
+                }
+                let mut twin_outs = vec![];
+                for (r, id) in ids.iter().enumerate() {
+                    if reals[r].is_empty() {
+                        twin_outs.push(None);
+                        continue;
+                    }
+                    let one: Vec<Vec<Option<Tok>>> = vec![reals[r].iter().map(|t| Some(*t)).collect()];
+                    let (tk, tv, tq) = self.kvq(layer, &one)?;
+                    let t = self.reqs.get_mut(id).unwrap().twin[layer]
+                        .window(&tk, &tv, &tq, scale, &Masks::new())
+                        .map_err(|e| unexpected("twin window", e))?;
+                    twin_outs.push(Some(t.0));
+                }
+                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> =
+                    ids.iter().enumerate().map(|(r, id)| (r, *id, reals[r].clone(), twin_outs[r].as_ref())).collect();
+                self.check_read(cx, layer, ReadKind::PaddedWindow, &got.0, &rows, &models, &got.1)?;
+            }
+            for (id, m) in models {
+                self.reqs.get_mut(&id).unwrap().model = m;
+            }
+            done += l;
+        }
+        Ok(done)
+    }
+
+    /// Every batch row's twin reads its request's next `len` positions (the same K/V/Q the row got); outputs in row
+    /// order.
+    fn twin_reads(&mut self, layer: usize, len: usize, how: TwinRead) -> Res<Vec<Array>> {
+        let scale = self.cfg.scale();
+        let mut outs = vec![];
+        for id in self.rows.clone() {
+            let one = vec![self.next_toks(id, len)];
+            let (k, v, q) = self.kvq(layer, &one)?;
+            let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+            let out = match how {
+                TwinRead::Decode => twin.decode(&k, &v, &q, scale, &Masks::new()).map(|o| o.0),
+                TwinRead::Window => twin.window(&k, &v, &q, scale, &Masks::new()).map(|o| o.0),
+                TwinRead::Span => twin.commit_span(&k, &v, &q, scale, &Masks::new()),
+            };
+            outs.push(out.map_err(|e| unexpected(&format!("twin {how:?}"), e))?);
+        }
+        Ok(outs)
+    }
+
+    pub(super) fn batch_decode(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
+        if self.rows.is_empty() {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, 1)).collect();
+        let mut models = BTreeMap::new();
+        for &id in &self.rows {
+            let mut m = self.reqs[&id].model.clone();
+            m.decode_write(Tok { req: id, pos: m.offset as u32 });
+            models.insert(id, m);
+        }
+        let rope_before = self.batch[0].rope_offsets();
+        let rope_values = rope_before.values();
+        // One memo for the forward: every layer reads the same geometry, built once (checked after the layers).
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
+            if cx.observer.wants_calls() {
+                let offsets: Vec<(usize, usize)> =
+                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                emit(
+                    cx,
+                    Call::Batch {
+                        layer,
+                        read: Read::Decode,
+                        reqs: &self.rows,
+                        rows: &offsets,
+                        k: &k,
+                        v: &v,
+                        q: Some(&q),
+                        out: Some(&got.0),
+                    },
+                )?;
+            }
+            let twin_outs = self.twin_reads(layer, 1, TwinRead::Decode)?;
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
+                .rows
+                .iter()
+                .enumerate()
+                .map(|(r, &id)| (r, id, vec![toks[r][0].unwrap()], Some(&twin_outs[r])))
+                .collect();
+            self.check_read(cx, layer, ReadKind::Decode, &got.0, &rows, &models, &got.1)?;
+        }
+        check::rope_snapshot(
+            &rope_values,
+            &rope_before.values(),
+            &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
+        )?;
+        check::mask_memo("batch decode", &masks.families())?;
+        self.counters.checks += 1;
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: 1 })?;
+        }
+        self.counters.checks += 1;
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        Ok(true)
+    }
+
+    pub(super) fn batch_window(&mut self, cx: &mut Cx<'_>, len: usize, read: bool) -> Res<bool> {
+        if self.rows.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, len)).collect();
+        let mut models = BTreeMap::new();
+        for (r, &id) in self.rows.iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
+            models.insert(id, m);
+        }
+        // One memo for the forward (checked after the layers).
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            if read {
+                let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
+                if cx.observer.wants_calls() {
+                    let offsets: Vec<(usize, usize)> = self
+                        .rows
+                        .iter()
+                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                        .collect();
+                    emit(
+                        cx,
+                        Call::Batch {
+                            layer,
+                            read: Read::Window,
+                            reqs: &self.rows,
+                            rows: &offsets,
+                            k: &k,
+                            v: &v,
+                            q: Some(&q),
+                            out: Some(&got.0),
+                        },
+                    )?;
+                }
+                let twin_outs = self.twin_reads(layer, len, TwinRead::Window)?;
+                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
+                    .rows
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), Some(&twin_outs[r])))
+                    .collect();
+                self.check_read(cx, layer, ReadKind::Window, &got.0, &rows, &models, &got.1)?;
+            } else {
+                self.batch[layer].append(&k, &v).map_err(|e| unexpected("append", e))?;
+                if cx.observer.wants_calls() {
+                    let offsets: Vec<(usize, usize)> = self
+                        .rows
+                        .iter()
+                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                        .collect();
+                    emit(
+                        cx,
+                        Call::Batch {
+                            layer,
+                            read: Read::Append,
+                            reqs: &self.rows,
+                            rows: &offsets,
+                            k: &k,
+                            v: &v,
+                            q: None,
+                            out: None,
+                        },
+                    )?;
+                }
+                for &id in &self.rows.clone() {
+                    let one = vec![self.next_toks(id, len)];
+                    let (tk, tv, _) = self.kvq(layer, &one)?;
+                    self.reqs.get_mut(&id).unwrap().twin[layer]
+                        .append(&tk, &tv)
+                        .map_err(|e| unexpected("twin append", e))?;
+                }
+            }
+        }
+        check::mask_memo("batch window", &masks.families())?;
+        self.counters.checks += 1;
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: len })?;
+        }
+        Ok(true)
+    }
+
+    pub(super) fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
+        if self.rows.is_empty() || gamma == 0 {
+            return Ok(false);
+        }
+        self.batch_window(cx, gamma, true)?;
+        self.check_all(cx)?;
+        // The oracle compares the verify window's state before the rollback (a checkpoint of its own).
+        self.record_checkpoint(cx)?;
+        let rollback: Vec<usize> = (0..self.rows.len())
+            .map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma))
+            .collect();
+        let (models, expected) = self.model_trims(&rollback, true);
+        let recording = cx.observer.wants_calls();
+        let before: Vec<kvsim_cache::RingState> = if recording {
+            self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
+        } else {
+            vec![]
+        };
+        let mut first: Option<Result<usize, String>> = None;
+        for layer in 0..self.cfg.layers {
+            let got = self.batch[layer].trim_rows(&rollback, true);
+            if recording && first.is_none() {
+                first = Some(
+                    got.as_ref().map(|_| rollback.iter().copied().max().unwrap_or(0)).map_err(|e| format!("{e:?}")),
+                );
+            }
+            check::error_matches("verify rollback (trim_rows bypass)", &expected, &got)?;
+            for (r, &id) in self.rows.clone().iter().enumerate() {
+                let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(rollback[r], true);
+                check::error_matches("twin rollback", &expected, &t.map(|_| ()))?;
+            }
+        }
+        if cx.observer.wants_calls() {
+            let offsets: Vec<usize> = before.iter().map(|s| s.offset).collect();
+            let after_window = before.iter().zip(&rollback).all(|(s, &n)| s.last_concat.is_some_and(|l| l >= n));
+            let live = before.iter().map(|s| s.len).collect();
+            let trim =
+                TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
+            emit(cx, Call::TrimRows { reqs: &self.rows, offsets: &offsets, trim: &trim })?;
+        }
+        if expected.is_ok() {
+            for (r, (id, m)) in models.into_iter().enumerate() {
+                let q = self.reqs.get_mut(&id).unwrap();
+                q.model = m;
+                let _ = r;
+            }
+            for (r, id) in self.rows.clone().iter().enumerate() {
+                if rollback[r] > 0 {
+                    self.reqs.get_mut(id).unwrap().history.rolled_back = true;
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    pub(super) fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
+        if self.rows.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, len)).collect();
+        let mut models = BTreeMap::new();
+        for (r, &id) in self.rows.iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            for t in toks[r].iter().flatten() {
+                m.decode_write(*t);
+            }
+            models.insert(id, m);
+        }
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            let got =
+                self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
+            if cx.observer.wants_calls() {
+                let offsets: Vec<(usize, usize)> =
+                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                emit(cx, Call::BatchSpan { layer, reqs: &self.rows, rows: &offsets, k: &k, v: &v, q: &q, out: &got })?;
+            }
+            let twin_outs = self.twin_reads(layer, len, TwinRead::Span)?;
+            // Outputs: compared with the twin (bytes) and the f64 model of each position's decode read.
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
+                .rows
+                .iter()
+                .enumerate()
+                .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), Some(&twin_outs[r])))
+                .collect();
+            self.check_span(cx, layer, &got, &rows)?;
+        }
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: len })?;
+        }
+        Ok(true)
+    }
+}

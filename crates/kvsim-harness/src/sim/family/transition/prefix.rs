@@ -1,0 +1,101 @@
+//! The bf16-first family's own ops on the rows: `prefix_reuse` (a `take` from the run's stored prefix-cache entry,
+//! then more positions) and `plain_read` (refused while any row is affine; the dense fetch against the twins').
+
+use super::{bytes_of, model_fail, same_error, unexpected, Res, Stored, TransitionFamily};
+use crate::sim::check::{self, Failure};
+use crate::sim::family::Cx;
+use kvsim_cache::Masks;
+use kvsim_reference::transition::take;
+
+impl TransitionFamily {
+    /// Prefix reuse from the stored entry (module docs).
+    pub(super) fn prefix_reuse(&mut self, cx: &mut Cx<'_>, common: usize, prompt: usize, extra: usize) -> Res<bool> {
+        let Some(st) = self.stored.take() else { return Ok(true) };
+        let want = take(&st.model, common, prompt);
+        let mut taken = Vec::with_capacity(self.cfg.layers);
+        let mut twins = Vec::with_capacity(self.cfg.layers);
+        for layer in 0..self.cfg.layers {
+            let got = st.lego[layer].take(common, prompt);
+            match (&want, got) {
+                (Ok(_), Ok(l)) => {
+                    taken.push(l);
+                    twins.push(st.twin[layer].take(common, prompt).map_err(|e| unexpected("twin take", e))?);
+                }
+                (Err(w), Err(e)) if same_error(&e, w) => self.counters.expected_errors += 1,
+                (w, g) => {
+                    self.stored = Some(st);
+                    return Err(Failure::new(
+                        "errors",
+                        format!(
+                            "take({common}, {prompt}): model {:?}, production {:?}",
+                            w.as_ref().map(|_| ()),
+                            g.map(|_| ())
+                        ),
+                    ));
+                }
+            }
+        }
+        let Ok(model) = want else {
+            // Refused: the entry is unchanged (take borrows it); it stays stored.
+            self.stored = Some(st);
+            return Ok(true);
+        };
+        self.counters.reuses += 1;
+        let id = model.row.ring.temporal_view().first().map_or(u32::MAX - 1, |t| t.req);
+        let mut model = model;
+        if extra > 0 {
+            let toks = Self::toks_from(id, model.row.offset(), extra);
+            let (read, converted) = model.append(&toks, false).map_err(|e| model_fail("reuse append", e))?;
+            let scale = self.cfg.scale();
+            let masks = Masks::new();
+            for layer in 0..self.cfg.layers {
+                let (k, v, q) = self.kvq(layer, std::slice::from_ref(&toks));
+                let before = taken[layer].converted_at();
+                let (out, _) =
+                    taken[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("reuse read", e))?;
+                let (tw, _) = twins[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("twin read", e))?;
+                check::flag(
+                    "conversion after reuse",
+                    before.is_none() && taken[layer].converted_at().is_some(),
+                    converted,
+                )?;
+                let (ob, tb) = (bytes_of(&out)?, bytes_of(&tw)?);
+                cx.hasher.update(&ob.digest());
+                self.read_vs_model(layer, &ob, 0, &toks, &read)?;
+                self.read_vs_twin(&ob, 0, &tb, extra, false, false, true)?;
+                if converted {
+                    self.counters.conversions += 1;
+                }
+            }
+        }
+        self.stored = Some(Stored { lego: taken, twin: twins, model });
+        Ok(true)
+    }
+
+    /// The plain read of the batch (refused while mixed) and the dense fetch.
+    pub(super) fn plain_read(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
+        if self.rows.is_empty() {
+            return Ok(true);
+        }
+        let want = self.rows_model.check_plain_read();
+        for layer in 0..self.cfg.layers {
+            let b = self.batch_rows(layer)?.clone();
+            match (b.check_plain_read(), &want) {
+                (Ok(()), Ok(())) => {}
+                (Err(e), Err(w)) if same_error(&e, w) => self.counters.expected_errors += 1,
+                (g, w) => return Err(Failure::new("errors", format!("plain read: model {w:?}, production {g:?}"))),
+            }
+            let dense = b.dense_fetch().map_err(|e| unexpected("dense fetch", e))?;
+            for (r, (k, v)) in dense.iter().enumerate() {
+                let (tk, tv) = self.reqs[&self.rows[r]].twin[layer].dense().map_err(|e| unexpected("twin dense", e))?;
+                let (kb, vb) = (bytes_of(k)?, bytes_of(v)?);
+                check::bytes_equal("dense fetch keys vs the lego twin", &kb, &bytes_of(&tk)?)?;
+                check::bytes_equal("dense fetch values vs the lego twin", &vb, &bytes_of(&tv)?)?;
+                cx.hasher.update(&kb.digest());
+                self.counters.record_state(mlx_rs::Dtype::Bfloat16, 2);
+                self.counters.bit_exact_state += 2;
+            }
+        }
+        Ok(true)
+    }
+}

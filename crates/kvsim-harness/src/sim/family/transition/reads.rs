@@ -1,0 +1,275 @@
+//! The transitioning rows' appends and reads: a request outside the batch (its legos), and the running batch's
+//! forwards (`decode`, `window`), `commit_span` and `verify`.
+
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+
+use super::{bytes_of, model_fail, row_of, same_error, unexpected, Res, TransitionFamily};
+use crate::sim::check::{self, Failure};
+use crate::sim::family::Cx;
+use kvsim_cache::transition::TransitioningKvRows;
+use kvsim_cache::Masks;
+use kvsim_reference::Tok;
+
+impl TransitionFamily {
+    // ----- solo requests (legos) ----------------------------------------------------------------------------
+
+    /// A window (or decode) on a request outside the batch: lego, twin and model, reads checked.
+    pub(super) fn solo_append(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, decode: bool) -> Res<bool> {
+        if !self.solo_req(req) || len == 0 {
+            return Ok(false);
+        }
+        self.lego_append(cx, req, len, decode)?;
+        Ok(true)
+    }
+
+    /// A window (or decode) on request `req`'s lego (outside the batch, or a row of the lego family's batch), its
+    /// twin and model: reads against the model (f64) and the twin (bytes), conversion against the model's.
+    pub(super) fn lego_append(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, decode: bool) -> Res<()> {
+        let mut model = self.reqs[&req].model.clone();
+        let toks = Self::toks_from(req, model.row.offset(), len);
+        let (read, converted) = model.append(&toks, decode).map_err(|e| model_fail("lego append", e))?;
+        let scale = self.cfg.scale();
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, std::slice::from_ref(&toks));
+            let r = self.reqs.get_mut(&req).unwrap();
+            let before = r.solo[layer].converted_at();
+            let (out, _) = if decode {
+                r.solo[layer].decode(&k, &v, &q, scale, &masks)
+            } else {
+                r.solo[layer].window(&k, &v, &q, scale, &masks)
+            }
+            .map_err(|e| unexpected("lego read", e))?;
+            let (tw, _) = if decode {
+                r.twin[layer].decode(&k, &v, &q, scale, &masks)
+            } else {
+                r.twin[layer].window(&k, &v, &q, scale, &masks)
+            }
+            .map_err(|e| unexpected("twin read", e))?;
+            let did = before.is_none() && r.solo[layer].converted_at().is_some();
+            check::flag("lego conversion vs the model", did, converted)?;
+            let (ob, tb) = (bytes_of(&out)?, bytes_of(&tw)?);
+            cx.hasher.update(&ob.digest());
+            self.read_vs_model(layer, &ob, 0, &toks, &read)?;
+            self.read_vs_twin(&ob, 0, &tb, len, decode, false, true)?;
+            if did {
+                self.counters.conversions += 1;
+            }
+        }
+        self.reqs.get_mut(&req).unwrap().model = model;
+        Ok(())
+    }
+
+    // ----- the running batch ----------------------------------------------------------------------------------
+
+    pub(super) fn batch_rows(&self, layer: usize) -> Res<&TransitioningKvRows> {
+        self.batch.get(layer).and_then(|b| b.as_ref()).ok_or_else(|| Failure::new("state", "no running batch"))
+    }
+
+    pub(super) fn batch_mut(&mut self, layer: usize) -> Res<&mut TransitioningKvRows> {
+        self.batch.get_mut(layer).and_then(|b| b.as_mut()).ok_or_else(|| Failure::new("state", "no running batch"))
+    }
+
+    /// One forward of `toks[r]` per row (equal lengths) on the running batch, twins fed the same blocks. Returns
+    /// the rows that converted (checked against the model's).
+    fn forward(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<Vec<usize>> {
+        let n = self.rows.len();
+        let toks: Vec<Vec<Tok>> =
+            (0..n).map(|r| Self::toks_from(self.rows[r], self.rows_model.rows[r].offset(), len)).collect();
+        let (reads, mconv) = self.rows_model.append(&toks, decode).map_err(|e| model_fail("rows append", e))?;
+        let scale = self.cfg.scale();
+        let masks = Masks::new();
+        let mut converted = Vec::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &toks);
+            let (out, conv) = {
+                let b = self.batch_mut(layer)?;
+                if decode { b.decode(&k, &v, &q, scale, &masks) } else { b.window(&k, &v, &q, scale, &masks) }
+                    .map_err(|e| unexpected("rows read", e))?
+            };
+            if conv != mconv {
+                return Err(Failure::new("conversion", format!("rows converted {conv:?}, the model says {mconv:?}")));
+            }
+            self.counters.conversions += conv.len() as u64;
+            let packed_before_read = self.read_packed_before(layer, &conv);
+            let lens_equal = {
+                let lens: Vec<usize> = self.reqs_len_before(&toks, len);
+                lens.iter().all(|&x| x == lens[0])
+            };
+            let ob = bytes_of(&out)?;
+            cx.hasher.update(&ob.digest());
+            for r in 0..n {
+                let id = self.rows[r];
+                let (kr, vr, qr) = (row_of(&k, r), row_of(&v, r), row_of(&q, r));
+                let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+                let (tw, _) = if decode {
+                    twin.decode(&kr, &vr, &qr, scale, &masks)
+                } else {
+                    twin.window(&kr, &vr, &qr, scale, &masks)
+                }
+                .map_err(|e| unexpected("twin read", e))?;
+                let tb = bytes_of(&tw)?;
+                self.read_vs_model(layer, &ob, r, &toks[r], &reads[r])?;
+                self.read_vs_twin(&ob, r, &tb, len, decode, packed_before_read, lens_equal)?;
+            }
+            converted = conv;
+        }
+        Ok(converted)
+    }
+
+    /// Whether the batch was packed when it read (it packs only at a boundary after the read: when rows converted
+    /// in this very call, the read ran on the unpacked rows).
+    fn read_packed_before(&self, layer: usize, conv: &[usize]) -> bool {
+        self.batch_rows(layer).is_ok_and(|b| b.is_packed()) && conv.is_empty()
+    }
+
+    /// Live column counts of the rows when they read (the model after the append).
+    fn reqs_len_before(&self, _toks: &[Vec<Tok>], _len: usize) -> Vec<usize> {
+        self.rows_model.rows.iter().map(|r| r.ring.len()).collect()
+    }
+
+    pub(super) fn batch_read(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<bool> {
+        if self.rows.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        self.forward(cx, len, decode)?;
+        Ok(true)
+    }
+
+    /// A committed span on the running batch: `TransitioningKvRows::commit_span`, one decode per
+    /// position. Each position's read against the model (its own precision: a row converts between the span's
+    /// positions when its transition comes due) and against the twin's ordinary decode of that position (bytes);
+    /// the rows converted, in order, against the model's.
+    pub(super) fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
+        if self.rows.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let n = self.rows.len();
+        let toks: Vec<Vec<Tok>> =
+            (0..n).map(|r| Self::toks_from(self.rows[r], self.rows_model.rows[r].offset(), len)).collect();
+        // The model: one decode per position; whether the batch was packed when each position read, and whether
+        // the rows then held equal live lengths.
+        let mut model = self.rows_model.clone();
+        let mut steps = Vec::with_capacity(len);
+        let mut mconv = Vec::new();
+        for i in 0..len {
+            let packed = model.packed;
+            let col: Vec<Vec<Tok>> = toks.iter().map(|t| vec![t[i]]).collect();
+            let (reads, c) = model.append(&col, true).map_err(|e| model_fail("rows span", e))?;
+            let lens: Vec<usize> = model.rows.iter().map(|r| r.ring.len()).collect();
+            steps.push((reads, packed, lens.iter().all(|&x| x == lens[0])));
+            mconv.extend(c);
+        }
+        let scale = self.cfg.scale();
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &toks);
+            let (out, conv) = self
+                .batch_mut(layer)?
+                .commit_span(&k, &v, &q, scale, &masks)
+                .map_err(|e| unexpected("rows commit_span", e))?;
+            if conv != mconv {
+                return Err(Failure::new("conversion", format!("span converted {conv:?}, the model says {mconv:?}")));
+            }
+            self.counters.conversions += conv.len() as u64;
+            for (i, (reads, packed, equal)) in steps.iter().enumerate() {
+                let i32_ = i as i32;
+                let ob = bytes_of(&out.index((.., .., i32_..i32_ + 1, ..)))?;
+                cx.hasher.update(&ob.digest());
+                for r in 0..n {
+                    let id = self.rows[r];
+                    let c = |a: &Array| row_of(a, r).index((.., .., i32_..i32_ + 1, ..));
+                    let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+                    let (tw, _) =
+                        twin.decode(&c(&k), &c(&v), &c(&q), scale, &masks).map_err(|e| unexpected("twin decode", e))?;
+                    let tb = bytes_of(&tw)?;
+                    self.read_vs_model(layer, &ob, r, &toks[r][i..i + 1], &reads[r])?;
+                    self.read_vs_twin(&ob, r, &tb, 1, true, *packed, *equal)?;
+                }
+            }
+        }
+        self.rows_model = model;
+        Ok(true)
+    }
+
+    /// A speculative round (module docs).
+    pub(super) fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
+        if self.rows.is_empty() || gamma == 0 {
+            return Ok(false);
+        }
+        let n = self.rows.len();
+        for layer in 0..self.cfg.layers {
+            self.batch_mut(layer)?.round_begin().map_err(|e| unexpected("round_begin", e))?;
+            for &id in &self.rows.clone() {
+                self.reqs.get_mut(&id).unwrap().twin[layer].round_begin().map_err(|e| unexpected("twin round", e))?;
+            }
+        }
+        self.rows_model.round_begin().map_err(|e| model_fail("round_begin", e))?;
+        let conv = self.forward(cx, gamma, false)?;
+        if !conv.is_empty() {
+            return Err(Failure::new("conversion", format!("rows {conv:?} converted inside an armed round")));
+        }
+        let keep: Vec<usize> =
+            (0..n).map(|r| (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
+        // Bad input first: row 0 keeps more than the round wrote; refused, nothing changed.
+        let mut bad = keep.clone();
+        bad[0] = gamma + 1;
+        let want = self.rows_model.round_rollback(&bad).err();
+        let Some(want) = want else {
+            return Err(Failure::new("model", "the model accepted a rollback keeping more than the round wrote"));
+        };
+        for layer in 0..self.cfg.layers {
+            let b = self.batch_mut(layer)?;
+            let before = (b.offsets(), b.lifecycle().to_vec());
+            match b.round_rollback(&bad) {
+                Err(e) if same_error(&e, &want) => {}
+                other => {
+                    return Err(Failure::new(
+                        "errors",
+                        format!("rollback keeping {bad:?}: expected {want}, got {:?}", other.map(|_| ())),
+                    ))
+                }
+            }
+            check::flag(
+                "state unchanged after a refused rollback",
+                (b.offsets(), b.lifecycle().to_vec()) == before,
+                true,
+            )?;
+            self.counters.expected_errors += 1;
+        }
+        let offsets_after: Vec<usize> = self.rows_model.rows.iter().map(|r| r.offset()).collect();
+        let commit = keep.iter().all(|&k| k == gamma);
+        let mconv = if commit {
+            self.rows_model.round_commit().map_err(|e| model_fail("round_commit", e))?
+        } else {
+            self.rows_model.round_rollback(&keep).map_err(|e| model_fail("round_rollback", e))?.1
+        };
+        for layer in 0..self.cfg.layers {
+            let got = if commit {
+                self.batch_mut(layer)?.round_commit().map_err(|e| unexpected("round_commit", e))?
+            } else {
+                self.batch_mut(layer)?.round_rollback(&keep).map_err(|e| unexpected("round_rollback", e))?.1
+            };
+            if got != mconv {
+                return Err(Failure::new("conversion", format!("round end converted {got:?}, model {mconv:?}")));
+            }
+            for (r, &id) in self.rows.clone().iter().enumerate() {
+                let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+                let did = if commit { twin.round_commit() } else { twin.round_rollback(keep[r]) }
+                    .map_err(|e| unexpected("twin round end", e))?;
+                check::flag("twin conversion at the round's end", did, mconv.contains(&r))?;
+            }
+        }
+        self.counters.conversions += (mconv.len() * self.cfg.layers) as u64;
+        if !commit && keep.iter().any(|&k| k != keep[0]) {
+            self.counters.rounds += 1;
+        }
+        if let Some(w) = self.max_size() {
+            if !commit && (0..n).any(|r| keep[r] < gamma && offsets_after[r] > w) {
+                self.counters.rollbacks_across_wrap += 1;
+            }
+        }
+        Ok(true)
+    }
+}
