@@ -1,0 +1,48 @@
+//! Whole mlx-lm files to and from kvsim caches ([`file_to_kvsim`], [`file_from_kvsim`]): every layer converted, and
+//! the recurrent layers' offsets carried in the file's user metadata ([`SSM_OFFSETS_KEY`]).
+
+use std::collections::BTreeMap;
+
+use crate::codec::AnyCache;
+use crate::error::{PersistError, Result};
+
+use super::convert::{from_kvsim, to_kvsim_at};
+use super::hints::{Hints, SSM_OFFSETS_KEY};
+use super::MlxFile;
+
+/// Every layer of an mlx-lm file as a kvsim cache, with the hints of its user metadata ([`Hints::from_metadata`]).
+pub fn file_to_kvsim(f: &MlxFile) -> Result<Vec<AnyCache>> {
+    let hints = Hints::from_metadata(&f.metadata)?;
+    f.layers.iter().enumerate().map(|(i, l)| to_kvsim_at(l, &i.to_string(), &hints)).collect()
+}
+
+/// The mlx-lm file of these kvsim caches: [`from_kvsim`] per layer, and `metadata` plus [`SSM_OFFSETS_KEY`] when a
+/// layer holds a recurrent cache (so that [`file_to_kvsim`] restores its offsets).
+pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache]) -> Result<MlxFile> {
+    let mut offsets = BTreeMap::new();
+    for (i, c) in caches.iter().enumerate() {
+        collect_ssm_offsets(c, i.to_string(), &mut offsets);
+    }
+    let mut metadata = metadata.clone();
+    metadata.remove(SSM_OFFSETS_KEY);
+    if !offsets.is_empty() {
+        let json = serde_json::to_string(&offsets).map_err(|e| PersistError::malformed(e.to_string()))?;
+        metadata.insert(SSM_OFFSETS_KEY.to_string(), json);
+    }
+    let layers = caches.iter().map(from_kvsim).collect::<Result<_>>()?;
+    Ok(MlxFile { metadata, layers })
+}
+
+fn collect_ssm_offsets(c: &AnyCache, at: String, out: &mut BTreeMap<String, Vec<usize>>) {
+    match c {
+        AnyCache::Ssm(s) => {
+            out.insert(at, s.offsets().to_vec());
+        }
+        AnyCache::List(v) => {
+            for (j, child) in v.iter().enumerate() {
+                collect_ssm_offsets(child, format!("{at}.{j}"), out);
+            }
+        }
+        _ => {}
+    }
+}
