@@ -7,6 +7,7 @@ mod corpus;
 mod crate_graph;
 mod determinism;
 mod fuzz_corpus;
+mod module_cycles;
 mod mutants;
 mod oracle;
 mod persist;
