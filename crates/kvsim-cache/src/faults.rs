@@ -134,6 +134,10 @@ pub enum Mutant {
     /// A row handed back to serial use loses its floor (`extract` composes the lego with floor 0). Hook:
     /// `TransitioningKvRows::extract`.
     TkvFloorLostByExtract,
+    /// `end_prefill` ends a chunked prefill cohort without committing the requests that did not commit their
+    /// chunks: a row past its transition stays bf16 (the upstream engine's "prefill defers conversion" vector, which
+    /// kvsim's rows failed before they committed at the end). Hook: `TransitioningKvRows::end_prefill`.
+    TkvEndPrefillLeavesDue,
 }
 
 impl Mutant {
@@ -177,6 +181,7 @@ impl Mutant {
         Mutant::TkvPackBeforeAllConverted,
         Mutant::TkvRollbackDropsKept,
         Mutant::TkvFloorLostByExtract,
+        Mutant::TkvEndPrefillLeavesDue,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -220,6 +225,7 @@ impl Mutant {
             Mutant::TkvPackBeforeAllConverted => "tkv-pack-before-all-converted",
             Mutant::TkvRollbackDropsKept => "tkv-rollback-drops-kept",
             Mutant::TkvFloorLostByExtract => "tkv-floor-lost-by-extract",
+            Mutant::TkvEndPrefillLeavesDue => "tkv-end-prefill-leaves-due",
         }
     }
 
@@ -298,6 +304,7 @@ impl Mutant {
             Mutant::TkvPackBeforeAllConverted => "transitioning rows pack once any row has converted",
             Mutant::TkvRollbackDropsKept => "a round's rollback drops one kept position of every rejecting row",
             Mutant::TkvFloorLostByExtract => "a row handed back to serial use loses its reuse floor",
+            Mutant::TkvEndPrefillLeavesDue => "end_prefill leaves an uncommitted row past its transition unconverted",
         }
     }
 

@@ -772,13 +772,20 @@ impl TransitioningKvRows {
         self.settle(which)
     }
 
-    /// Ends the prefill cohort (a prepared prefill ends with [`TransitioningKvRows::finalize`] instead).
-    pub fn end_prefill(&mut self) -> Result<()> {
+    /// Ends the prefill cohort (a prepared prefill ends with [`TransitioningKvRows::finalize`] instead): every
+    /// request whose chunk was not committed commits now, so the rows whose transition is due convert (as at
+    /// `finalize`; then the rows pack if all have). No row is left past its transition unconverted. Returns the rows
+    /// converted. Without a cohort (or with a prepared prefill pending): [`CacheError::Lifecycle`], nothing changed.
+    pub fn end_prefill(&mut self) -> Result<Vec<usize>> {
         if !self.prefilling || self.pending.is_some() {
             return Err(out_of_order("end_prefill without a prefill"));
         }
-        self.prefilling = false;
-        Ok(())
+        let mut next = self.clone();
+        next.prefilling = false;
+        // Mutation hook `Mutant::TkvEndPrefillLeavesDue`: the cohort ends, nothing commits.
+        let converted = if fault!(TkvEndPrefillLeavesDue) { Vec::new() } else { next.settle_all()? };
+        *self = next;
+        Ok(converted)
     }
 
     /// Arms a speculative round (records every row's committed offset).

@@ -131,6 +131,9 @@ pub struct Summary {
     /// bf16-first rows: right-padded prefills of a cohort.
     #[serde(default)]
     pub prepared_prefills: u64,
+    /// bf16-first rows: prefills that the prefill's end committed for some request (`sim::summary::Counters`).
+    #[serde(default)]
+    pub prefills_ended_uncommitted: u64,
     /// The bf16-first families: conversions to affine storage (one per row or lego and per layer), of
     /// which at a prefill chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the
     /// ring's wrap; prefix reuses of a stored entry; trims of a converted lego below `start`
@@ -339,6 +342,7 @@ impl Summary {
         self.persist_roundtrips = t.persist_roundtrips;
         self.persist_batches = t.persist_batches;
         self.prepared_prefills = t.prepared_prefills;
+        self.prefills_ended_uncommitted = t.prefills_ended_uncommitted;
         self.conversions = t.conversions;
         self.prefill_conversions = t.prefill_conversions;
         self.rounds = t.rounds;
@@ -535,6 +539,9 @@ pub fn test_budget(m: Mutant) -> u64 {
         | Mutant::TkvPackBeforeAllConverted
         | Mutant::TkvRollbackDropsKept
         | Mutant::TkvFloorLostByExtract => 120,
+        // Needs a chunked prefill cohort of the bf16-first rows that crosses `start` with a request that never
+        // commits its chunks (measured catch seed 234).
+        Mutant::TkvEndPrefillLeavesDue => 240,
         // Caught at seed 132 since the legos joined the swarm as a family of their own (`bf16-first`) and the rows
         // family draws `commit_span` (both moved the draws of the seeds holding them).
         Mutant::TkvReuseBelowFloor => 160,

@@ -498,14 +498,17 @@ impl RowsModel {
         })
     }
 
-    /// Ends the prefill cohort (rows not committed stay as they are until their next boundary). A prepared prefill
-    /// ends with `finalize` instead.
-    pub fn end_prefill(&mut self) -> Result<()> {
+    /// Ends the prefill cohort: the requests that did not commit their chunk commit now, so every row whose
+    /// transition is due converts (then the rows pack if all have), as at `finalize`. Returns the rows converted. A
+    /// prepared prefill ends with `finalize` instead.
+    pub fn end_prefill(&mut self) -> Result<Vec<usize>> {
         if !self.prefilling || self.pending.is_some() {
             return Err(TransitionError::Prefill { what: "end without a prefill" });
         }
-        self.prefilling = false;
-        Ok(())
+        self.transact(|s| {
+            s.prefilling = false;
+            Ok(s.settle_all())
+        })
     }
 
     /// Arms a speculative round (records each row's committed offset).

@@ -4,6 +4,8 @@
 
 use super::*;
 use crate::mask::Masks;
+#[cfg(feature = "faults")]
+use crate::testutil::testlock;
 use crate::testutil::*;
 use crate::KvDtype;
 
@@ -442,4 +444,67 @@ fn rows_max_append_tokens_is_the_least_of_their_legos_inside_a_round() {
     rows.round_commit().unwrap();
     assert_eq!(rows.lifecycle()[0].converted_at, Some(4), "the commit converts row 0 at its boundary");
     assert_eq!(rows.max_append_tokens(), Some(2));
+}
+
+/// The upstream engine's "prefill defers conversion" vector: rows at offsets `[6, 3]`, transition start 5; a prefill
+/// cohort takes one 2-position window and ends with no per-request `commit_prefill`. `end_prefill` commits the
+/// uncommitted requests: offsets `[8, 5]`, row 1 converts at 5 (its transition is due), the extracted lego is one
+/// `Bf16FirstCache::restore` accepts, and the next decode reads exactly as rows whose requests committed first.
+#[test]
+fn end_prefill_converts_the_uncommitted_rows_whose_transition_is_due() {
+    let spec = tspec();
+    let masks = Masks::new();
+    let (w, t) = (None, tr(Some(5)));
+    let legos = legos_after_windows(spec, w, t, &[6, 3], 70);
+    assert_eq!((legos[0].converted_at(), legos[1].converted_at()), (Some(6), None));
+    let mut rows = TransitioningKvRows::merge(spec, w, t, legos.clone()).unwrap();
+    let mut committed = rows.clone();
+    let (k, v, q) = kvq(&spec, 71, 2, 2);
+    for r in [&mut rows, &mut committed] {
+        r.begin_prefill().unwrap();
+        let (_, conv) = r.window(&k, &v, &q, 0.3, &masks).unwrap();
+        assert!(conv.is_empty(), "no row converts inside the cohort");
+    }
+    assert_eq!(committed.commit_prefill(&[0, 1]).unwrap(), vec![1]);
+    assert_eq!(committed.end_prefill().unwrap(), Vec::<usize>::new(), "nothing left to convert");
+    assert_eq!(rows.end_prefill().unwrap(), vec![1], "the uncommitted row whose transition is due converts");
+    assert_eq!(rows.offsets(), vec![8, 5]);
+    assert_eq!(rows.lifecycle()[1].converted_at, Some(5));
+    assert!(matches!(rows.end_prefill(), Err(CacheError::Lifecycle { .. })), "a second end changes nothing");
+    let lego = rows.extract(1).unwrap();
+    assert_eq!(lego.converted_at(), Some(5));
+    Bf16FirstCache::restore(lego.inner().clone(), t, lego.converted_at(), lego.minimum_reusable_offset())
+        .expect("the extracted lego is one its lifecycle can reach");
+    for i in 0..2 {
+        assert_eq!(
+            planes_bits(&rows.row_physical_planes(i).unwrap()),
+            planes_bits(&committed.row_physical_planes(i).unwrap()),
+            "row {i}: the same planes as after a commit"
+        );
+    }
+    let (k1, v1, q1) = kvq(&spec, 72, 2, 1);
+    let a = rows.decode(&k1, &v1, &q1, 0.3, &masks).unwrap().0;
+    let b = committed.decode(&k1, &v1, &q1, 0.3, &masks).unwrap().0;
+    assert_same_bytes(&a, &b, "the next decode reads as after a commit");
+}
+
+/// The same vector with `end_prefill` as it was (mutant `tkv-end-prefill-leaves-due`): row 1 stays bf16 at offset 5
+/// although its transition is due, and its extracted lego is one `Bf16FirstCache::restore` refuses.
+#[cfg(feature = "faults")]
+#[test]
+fn end_prefill_without_its_commit_leaves_a_due_row_unconverted() {
+    let _m = testlock::arm(crate::faults::Mutant::TkvEndPrefillLeavesDue);
+    let spec = tspec();
+    let (w, t) = (None, tr(Some(5)));
+    let mut rows = TransitioningKvRows::merge(spec, w, t, legos_after_windows(spec, w, t, &[6, 3], 70)).unwrap();
+    rows.begin_prefill().unwrap();
+    let (k, v, q) = kvq(&spec, 71, 2, 2);
+    rows.window(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+    assert_eq!(rows.end_prefill().unwrap(), Vec::<usize>::new());
+    assert_eq!((rows.offsets(), rows.lifecycle()[1].converted_at), (vec![8, 5], None));
+    let lego = rows.extract(1).unwrap();
+    assert!(
+        Bf16FirstCache::restore(lego.inner().clone(), t, lego.converted_at(), lego.minimum_reusable_offset()).is_err(),
+        "a lego past its transition but not converted is not one its lifecycle reaches"
+    );
 }

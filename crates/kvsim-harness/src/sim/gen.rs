@@ -13,6 +13,8 @@ use crate::sim::rng::{stream, Stream};
 pub struct Generator {
     work: ChaCha8Rng,
     spec: ChaCha8Rng,
+    /// Which prefilled requests leave their chunks to the prefill's end ([`Stream::Prefill`]).
+    prefill: ChaCha8Rng,
     /// The kinds whose ops a family draws itself, with its draw.
     drawers: Vec<(OpKind, fn(&SimConfig, &mut ChaCha8Rng) -> Op)>,
 }
@@ -26,7 +28,9 @@ impl Generator {
     /// The generator of `seed` over the families of `registry` (for the kinds they draw themselves).
     pub fn new_in(seed: u64, registry: &Registry) -> Generator {
         let drawers = registry.op_drawers();
-        Generator { work: stream(seed, Stream::Workload), spec: stream(seed, Stream::Speculation), drawers }
+        let (work, spec, prefill) =
+            (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
+        Generator { work, spec, prefill, drawers }
     }
 
     /// The next op for `view`. Kinds that cannot apply now are left out of the draw.
@@ -121,7 +125,14 @@ impl Generator {
                 let n = w.random_range(1..=room.min(fresh.len()));
                 let reqs: Vec<u32> = fresh[..n].to_vec();
                 let lengths = (0..n).map(|_| w.random_range(1..=cfg.max_prompt as u32)).collect();
-                Op::BatchPrefill { reqs, lengths, chunk: chunk(w) }
+                let chunk = chunk(w);
+                // Every legal end of a prefill: every request commits its chunks, none does, or every other one.
+                let uncommitted = match self.prefill.random_range(0..3) {
+                    0 => vec![],
+                    1 => reqs.clone(),
+                    _ => reqs.iter().skip(1).step_by(2).copied().collect(),
+                };
+                Op::BatchPrefill { reqs, lengths, chunk, uncommitted }
             }
             OpKind::Decode => Op::Decode,
             OpKind::Window => Op::Window { len: chunk(w) },

@@ -34,7 +34,15 @@ pub enum Op {
     },
     /// Fresh (empty) requests are prefilled together: right-padded to the longest with `prepare(lengths)`, fed in
     /// chunks of `chunk` (each a window read), `finalize`d, then joined into the running batch (R-BROT-2).
-    BatchPrefill { reqs: Vec<u32>, lengths: Vec<u32>, chunk: u32 },
+    /// `uncommitted`: the requests that never commit a chunk of their own; the prefill's end (`end_prefill` of a
+    /// chunked cohort, `finalize` of a prepared one) commits them (R-TKV-3; the bf16-first family gives it meaning).
+    BatchPrefill {
+        reqs: Vec<u32>,
+        lengths: Vec<u32>,
+        chunk: u32,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        uncommitted: Vec<u32>,
+    },
     /// One decode step for every row of the running batch (R-C-2, R-BROT-2).
     Decode,
     /// A window read of `len` new positions for every row (prefill tail, committed context, R-C-2).
@@ -338,6 +346,7 @@ pub const API_CLASSES: &[&str] = &[
     "join/permuted",
     "batch_prefill",
     "batch_prefill/uneven_lengths",
+    "batch_prefill/uncommitted",
     "decode",
     "window",
     "append",
@@ -394,10 +403,13 @@ impl Op {
                 let permuted = order.iter().enumerate().any(|(i, &r)| r as usize != i);
                 vec![if permuted { "join/permuted" } else { "join/identity_order" }]
             }
-            Op::BatchPrefill { lengths, .. } => {
+            Op::BatchPrefill { lengths, uncommitted, .. } => {
                 let mut v = vec!["batch_prefill"];
                 if lengths.iter().any(|&l| l != lengths[0]) {
                     v.push("batch_prefill/uneven_lengths");
+                }
+                if !uncommitted.is_empty() {
+                    v.push("batch_prefill/uncommitted");
                 }
                 v
             }
@@ -544,25 +556,45 @@ impl Op {
                     }
                 }
             }
-            Op::BatchPrefill { reqs, lengths, chunk } => {
+            Op::BatchPrefill { reqs, lengths, chunk, uncommitted } => {
+                let un = uncommitted.clone();
+                if !un.is_empty() {
+                    out.push(Op::BatchPrefill {
+                        reqs: reqs.clone(),
+                        lengths: lengths.clone(),
+                        chunk: *chunk,
+                        uncommitted: vec![],
+                    });
+                }
                 for c in halve(*chunk) {
-                    out.push(Op::BatchPrefill { reqs: reqs.clone(), lengths: lengths.clone(), chunk: c });
+                    out.push(Op::BatchPrefill {
+                        reqs: reqs.clone(),
+                        lengths: lengths.clone(),
+                        chunk: c,
+                        uncommitted: un.clone(),
+                    });
                 }
                 for (i, &l) in lengths.iter().enumerate() {
                     for s in halve(l) {
                         let mut ls = lengths.clone();
                         ls[i] = s;
-                        out.push(Op::BatchPrefill { reqs: reqs.clone(), lengths: ls, chunk: *chunk });
+                        out.push(Op::BatchPrefill {
+                            reqs: reqs.clone(),
+                            lengths: ls,
+                            chunk: *chunk,
+                            uncommitted: un.clone(),
+                        });
                     }
                 }
                 if reqs.len() > 1 {
                     for i in 0..reqs.len() {
                         let (mut r, mut l) = (reqs.clone(), lengths.clone());
-                        r.remove(i);
+                        let gone = r.remove(i);
                         if i < l.len() {
                             l.remove(i);
                         }
-                        out.push(Op::BatchPrefill { reqs: r, lengths: l, chunk: *chunk });
+                        let u = un.iter().copied().filter(|&x| x != gone).collect();
+                        out.push(Op::BatchPrefill { reqs: r, lengths: l, chunk: *chunk, uncommitted: u });
                     }
                 }
             }

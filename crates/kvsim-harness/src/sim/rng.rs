@@ -31,6 +31,9 @@ pub enum Stream {
     Quant = 7,
     /// Whether a run draws the save/restore op, and its weight (`sim::config`).
     Persist = 10,
+    /// Which requests of a batch prefill leave their chunks uncommitted, for the prefill's end to commit
+    /// (`Op::BatchPrefill::uncommitted`).
+    Prefill = 11,
 }
 
 /// A generator for one subsystem of one seed.

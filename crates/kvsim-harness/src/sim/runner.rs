@@ -132,8 +132,12 @@ fn op_within_limits(op: &Op) -> bool {
         Op::SoloWindow { len, .. } | Op::Window { len } | Op::Append { len } | Op::CommitSpan { len } => ok(*len),
         Op::SoloTrim { n, .. } | Op::Trim { n, .. } => ok(*n),
         Op::Verify { gamma, accept } => ok(*gamma) && accept.len() <= MAX_OP_LEN as usize,
-        Op::BatchPrefill { reqs, lengths, chunk } => {
-            ok(*chunk) && reqs.len() <= 64 && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
+        Op::BatchPrefill { reqs, lengths, chunk, uncommitted } => {
+            ok(*chunk)
+                && reqs.len() <= 64
+                && lengths.len() <= 64
+                && uncommitted.len() <= 64
+                && lengths.iter().all(|&l| ok(l))
         }
         Op::Merge { reqs } => reqs.len() <= 64,
         Op::Join { reqs, order } => reqs.len() <= 64 && order.len() <= MAX_OP_LEN as usize,

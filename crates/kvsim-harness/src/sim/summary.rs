@@ -106,6 +106,10 @@ pub struct Counters {
     /// bf16-first rows: right-padded prefills (`prepare` .. `finalize`) of a cohort (one per op, all layers).
     #[serde(default)]
     pub prepared_prefills: u64,
+    /// bf16-first rows: prefills (chunked or prepared) that some request ended without committing a chunk of its
+    /// own, so that the prefill's end (`end_prefill`, `finalize`) committed it (one per op, all layers).
+    #[serde(default)]
+    pub prefills_ended_uncommitted: u64,
     /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
     /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
     /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
@@ -153,6 +157,7 @@ impl Default for Counters {
             persist_roundtrips: 0,
             persist_batches: 0,
             prepared_prefills: 0,
+            prefills_ended_uncommitted: 0,
             conversions: 0,
             prefill_conversions: 0,
             rounds: 0,
@@ -240,6 +245,7 @@ impl Counters {
         self.persist_roundtrips += o.persist_roundtrips;
         self.persist_batches += o.persist_batches;
         self.prepared_prefills += o.prepared_prefills;
+        self.prefills_ended_uncommitted += o.prefills_ended_uncommitted;
         self.conversions += o.conversions;
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;

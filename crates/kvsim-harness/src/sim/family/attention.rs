@@ -201,7 +201,7 @@ impl Attention {
             Op::SoloTrim { req, n, bypass } => self.solo_trim(cx, *req, *n as usize, *bypass)?,
             Op::Merge { reqs } => self.enter(cx, reqs, true)?,
             Op::Join { reqs, order } => self.join(cx, reqs, order)?,
-            Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize)?,
+            Op::BatchPrefill { reqs, lengths, chunk, .. } => self.batch_prefill(cx, reqs, lengths, *chunk as usize)?,
             Op::Decode => self.batch_decode(cx)?,
             Op::Window { len } => self.batch_window(cx, *len as usize, true)?,
             Op::Append { len } => self.batch_window(cx, *len as usize, false)?,

@@ -477,7 +477,7 @@ impl Family for Recurrent {
             }
             Op::Merge { reqs } => self.merge_or_join(cx, reqs, &[]),
             Op::Join { reqs, order } => self.merge_or_join(cx, reqs, order),
-            Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
+            Op::BatchPrefill { reqs, lengths, chunk, .. } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.decode(cx),
             Op::Window { len } | Op::Append { len } => self.window(cx, *len as usize),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),

@@ -179,9 +179,12 @@ impl TransitionChoice {
         let group = cache::QUANT_GROUPS[rng.random_range(0..cache::QUANT_GROUPS.len())];
         let dims: Vec<usize> = [32usize, 64, 128].into_iter().filter(|d| d % group == 0).collect();
         let head_dim = dims[rng.random_range(0..dims.len())];
+        // A third of the runs put the boundary inside the first prompt (a prefill cohort crosses it), the rest
+        // anywhere a schedule reaches.
         let start = match rng.random_range(0..20) {
             0..=2 => Some(0),
             3 => None,
+            4..=10 => Some(rng.random_range(1..=cfg.max_prompt.max(2))),
             _ => Some(rng.random_range(1..=3 * cfg.max_prompt.max(4))),
         };
         let padded_prefill = rng.random_bool(0.35);
@@ -353,7 +356,9 @@ impl Family for TransitionFamily {
             Op::SoloDecode { req } => self.solo_append(cx, *req, 1, true),
             Op::Merge { reqs } => self.enter(reqs, &[]),
             Op::Join { reqs, order } => self.enter(reqs, order),
-            Op::BatchPrefill { reqs, lengths, chunk } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
+            Op::BatchPrefill { reqs, lengths, chunk, uncommitted } => {
+                self.batch_prefill(cx, reqs, lengths, *chunk as usize, uncommitted)
+            }
             Op::Decode => self.batch_read(cx, 1, true),
             Op::Window { len } => self.batch_read(cx, *len as usize, false),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),

@@ -44,7 +44,7 @@ impl TransitionFamily {
             }
             Op::Merge { reqs } => self.lego_enter(reqs, &[]),
             Op::Join { reqs, order } => self.lego_enter(reqs, order),
-            Op::BatchPrefill { reqs, lengths, chunk } => self.lego_prefill(cx, reqs, lengths, *chunk as usize),
+            Op::BatchPrefill { reqs, lengths, chunk, .. } => self.lego_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.lego_rows_append(cx, 1, true),
             Op::Window { len } => self.lego_rows_append(cx, *len as usize, false),
             Op::Verify { gamma, accept } => self.lego_verify(cx, *gamma as usize, accept),

@@ -14,7 +14,14 @@ use kvsim_reference::Tok;
 
 impl TransitionFamily {
     /// Fresh requests prefilled as a cohort (module docs).
-    pub(super) fn batch_prefill(&mut self, cx: &mut Cx<'_>, reqs: &[u32], lengths: &[u32], chunk: usize) -> Res<bool> {
+    pub(super) fn batch_prefill(
+        &mut self,
+        cx: &mut Cx<'_>,
+        reqs: &[u32],
+        lengths: &[u32],
+        chunk: usize,
+        uncommitted: &[u32],
+    ) -> Res<bool> {
         let mut ids: Vec<u32> = vec![];
         let mut lens: Vec<usize> = vec![];
         for (i, &r) in reqs.iter().enumerate() {
@@ -27,8 +34,10 @@ impl TransitionFamily {
         if ids.is_empty() || chunk == 0 {
             return Ok(false);
         }
+        // The requests that never commit a chunk of their own: the prefill's end commits them.
+        let skip: Vec<bool> = ids.iter().map(|id| uncommitted.contains(id)).collect();
         if self.padded_prefill {
-            return self.batch_prefill_padded(cx, &ids, &lens, chunk);
+            return self.batch_prefill_padded(cx, &ids, &lens, chunk, &skip);
         }
         let n = ids.len();
         let common = *lens.iter().min().unwrap();
@@ -48,8 +57,13 @@ impl TransitionFamily {
         while done < common {
             let planned = chunk.min(common - done);
             let parts = sibling_split(planned);
+            // Twins: each chunk a lego round committed with its request; an uncommitted request's round spans
+            // every chunk and ends with the prefill.
             for layer in 0..self.cfg.layers {
-                for &id in &ids {
+                for (r, &id) in ids.iter().enumerate() {
+                    if skip[r] && done > 0 {
+                        continue;
+                    }
                     let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
                     twin.round_begin().map_err(|e| unexpected("twin chunk", e))?;
                 }
@@ -85,8 +99,8 @@ impl TransitionFamily {
                     }
                 }
             }
-            // Each request commits its own chunk boundary.
-            for r in 0..n {
+            // Each request commits its own chunk boundary (except the uncommitted ones).
+            for r in (0..n).filter(|&r| !skip[r]) {
                 let mconv = model.commit_prefill(&[r]).map_err(|e| model_fail("commit_prefill", e))?;
                 for layer in 0..self.cfg.layers {
                     let got = cohort[layer].commit_prefill(&[r]).map_err(|e| unexpected("commit_prefill", e))?;
@@ -102,10 +116,30 @@ impl TransitionFamily {
             }
             done += planned;
         }
-        model.end_prefill().map_err(|e| model_fail("end_prefill", e))?;
+        // The end commits the requests that did not commit their chunks: the rows due convert, as the model says,
+        // and so do their twins at the end of their rounds.
+        let mconv = model.end_prefill().map_err(|e| model_fail("end_prefill", e))?;
         for c in cohort.iter_mut() {
-            c.end_prefill().map_err(|e| unexpected("end_prefill", e))?;
+            let got = c.end_prefill().map_err(|e| unexpected("end_prefill", e))?;
+            if got != mconv {
+                return Err(Failure::new("conversion", format!("end_prefill: {got:?}, model {mconv:?}")));
+            }
         }
+        if mconv.iter().any(|&r| !skip[r]) {
+            return Err(Failure::new("model", format!("end_prefill converted committed rows {mconv:?}")));
+        }
+        for r in (0..n).filter(|&r| skip[r] && done > 0) {
+            for layer in 0..self.cfg.layers {
+                let twin = &mut self.reqs.get_mut(&ids[r]).unwrap().twin[layer];
+                let did = twin.round_commit().map_err(|e| unexpected("twin prefill end", e))?;
+                check::flag("twin conversion at the prefill's end", did, mconv.contains(&r))?;
+            }
+        }
+        if skip.iter().any(|&s| s) {
+            self.counters.prefills_ended_uncommitted += 1;
+        }
+        self.counters.conversions += (mconv.len() * self.cfg.layers) as u64;
+        self.counters.prefill_conversions += (mconv.len() * self.cfg.layers) as u64;
         self.hand_back_cohort(&cohort, &model, &ids)?;
         self.check_all(cx)?;
         // The longer requests' tails: solo lego windows.
@@ -124,7 +158,14 @@ impl TransitionFamily {
     /// request commits (`commit_prefill`) at the end of the planned chunk where its prompt ends, except those ending
     /// in the last chunk, which `finalize` commits; nothing converts before its request commits. Twins: legos fed
     /// each row's real positions inside a lego round committed at the same point. Then the cohort enters the batch.
-    fn batch_prefill_padded(&mut self, cx: &mut Cx<'_>, ids: &[u32], lens: &[usize], chunk: usize) -> Res<bool> {
+    fn batch_prefill_padded(
+        &mut self,
+        cx: &mut Cx<'_>,
+        ids: &[u32],
+        lens: &[usize],
+        chunk: usize,
+        skip: &[bool],
+    ) -> Res<bool> {
         let n = ids.len();
         let longest = *lens.iter().max().unwrap();
         let scale = self.cfg.scale();
@@ -189,10 +230,11 @@ impl TransitionFamily {
                 }
             }
             done += planned;
-            // The requests whose prompt ended in this chunk commit (those of the last chunk: `finalize`).
+            // The requests whose prompt ended in this chunk commit (those of the last chunk, and the uncommitted
+            // ones: `finalize`).
             if done < longest {
                 for r in 0..n {
-                    if !committed[r] && lens[r] <= done {
+                    if !committed[r] && !skip[r] && lens[r] <= done {
                         committed[r] = true;
                         let mconv = model.commit_prefill(&[r]).map_err(|e| model_fail("commit_prefill", e))?;
                         self.commit_padded_row(&mut cohort, ids, r, &mconv, Some(r))?;
@@ -213,6 +255,9 @@ impl TransitionFamily {
         }
         self.hand_back_cohort(&cohort, &model, ids)?;
         self.counters.prepared_prefills += 1;
+        if skip.iter().any(|&s| s) {
+            self.counters.prefills_ended_uncommitted += 1;
+        }
         self.check_all(cx)?;
         self.enter_ids(ids)?;
         Ok(true)
