@@ -10,5 +10,5 @@ fn a_campaign_counts_the_recurrent_rounds() {
     assert_eq!(s.failures, 0, "{:?}", s.failed_seeds);
     let keys: Vec<&String> = s.layouts.keys().filter(|k| *k == "ssm" || k.starts_with("hybrid:")).collect();
     assert!(!keys.is_empty(), "{:?}", s.layouts.keys());
-    assert!(s.recurrent.rounds > 0 && s.recurrent.replays > 0, "{:?}", s.recurrent);
+    assert!(s.counters.recurrent.rounds > 0 && s.counters.recurrent.replays > 0, "{:?}", s.counters.recurrent);
 }

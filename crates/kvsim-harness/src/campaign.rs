@@ -102,9 +102,163 @@ pub struct Reference {
     pub max_ulp: ModelUlp,
 }
 
-/// The `--json` summary of `kvsim sim` (its last line): a fold of per-seed results.
+/// A campaign's summary: a fold of per-seed results. Every count is held once, in `counters`; its JSON form
+/// ([`SummaryJson`], the last line of `kvsim sim --json`) shows them under the names summaries have always used.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(into = "SummaryJson", from = "SummaryJson")]
 pub struct Summary {
+    pub seeds: u64,
+    pub ops: u64,
+    pub skipped_ops: u64,
+    pub failures: u64,
+    pub ops_by_kind: BTreeMap<String, u64>,
+    /// Applied ops per public operation / parameter class (`sim::ops::API_CLASSES`); a 0 is an input class the
+    /// generator never produced.
+    pub api_coverage: BTreeMap<String, u64>,
+    /// Every count of the campaign's runs, summed (checks, comparisons, the guarantees table, conversions, ...).
+    pub counters: Counters,
+    /// Failed seeds whose failing check compares production with the model ([`sim::check::Failure::against_model`]).
+    pub model_failures: u64,
+    pub device: String,
+    pub mlx_version: String,
+    /// Which read the attention outputs went through, when not MLX's fused SDPA (`Exact`: `--exact-read`); parts of
+    /// different modes never merge.
+    pub read_mode: Option<kvsim_cache::ReadMode>,
+    /// [`crate::shard::ordered_hash`] of the ordered per-seed result hashes.
+    pub result_hash: String,
+    pub failed_seeds: Vec<FailedSeed>,
+    pub seconds: f64,
+    /// Per storage-kind family (`"kv:plain"`, `"kv:rotating-plain"`, ...): ops, checks, failures, bit-exact
+    /// comparisons and its guarantees table.
+    pub layouts: BTreeMap<String, LayoutStats>,
+    /// The ordered per-seed result hashes the campaign hash is made of (not part of the JSON).
+    pub seed_hashes: Vec<String>,
+    /// The seeds of `seed_hashes`, in the same order (not part of the JSON).
+    pub seeds_run: Vec<u64>,
+    /// Stopped early (Ctrl-C): the summary covers the seeds that ran.
+    pub interrupted: bool,
+}
+
+impl From<Summary> for SummaryJson {
+    fn from(s: Summary) -> SummaryJson {
+        let t = &s.counters;
+        SummaryJson {
+            seeds: s.seeds,
+            ops: s.ops,
+            skipped_ops: s.skipped_ops,
+            checks: t.checks,
+            failures: s.failures,
+            ops_by_kind: s.ops_by_kind.clone(),
+            api_coverage: s.api_coverage.clone(),
+            ill_formed_rejected: t.ill_formed_rejected.clone(),
+            bit_exact: BitExact {
+                state: t.bit_exact_state,
+                decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,
+                decode_unpadded: t.decode_unpadded.bit_exact,
+                decode_padded: t.decode_padded.bit_exact,
+                window: t.window.bit_exact,
+            },
+            compared: Compared {
+                decode_padded: t.decode_padded.compared,
+                decode_unpadded: t.decode_unpadded.compared,
+                window: t.window.compared,
+            },
+            max_ulp: MaxUlp {
+                decode_padded_vs_solo: t.decode_padded.max_ulp,
+                decode_unpadded_vs_solo: t.decode_unpadded.max_ulp,
+                window_vs_solo: t.window.max_ulp,
+            },
+            reference: Reference {
+                checks: t.model_checks,
+                failures: s.model_failures,
+                max_ulp: ModelUlp { bf16: t.model_max_ulp_bf16, f32: t.model_max_ulp_f32 },
+            },
+            expected_errors: t.expected_errors,
+            persist_roundtrips: t.persist_roundtrips,
+            persist_batches: t.persist_batches,
+            prepared_prefills: t.prepared_prefills,
+            prefills_ended_uncommitted: t.prefills_ended_uncommitted,
+            conversions: t.conversions,
+            prefill_conversions: t.prefill_conversions,
+            rounds: t.rounds,
+            rollbacks_across_wrap: t.rollbacks_across_wrap,
+            reuses: t.reuses,
+            trims_below_start: t.trims_below_start,
+            recurrent: t.recurrent,
+            device: s.device,
+            mlx_version: s.mlx_version,
+            read_mode: s.read_mode,
+            result_hash: s.result_hash,
+            failed_seeds: s.failed_seeds,
+            seconds: s.seconds,
+            guarantees: t.table.clone(),
+            layouts: s.layouts,
+            interrupted: s.interrupted,
+        }
+    }
+}
+
+impl From<SummaryJson> for Summary {
+    /// The summary a JSON line describes; its counters are those the JSON shows (what is promised on the device,
+    /// `Counters::guarantees`, is not part of it and comes back as the default).
+    fn from(j: SummaryJson) -> Summary {
+        let class = |compared, bit_exact, max_ulp| ClassCount { compared, bit_exact, max_ulp };
+        let counters = Counters {
+            checks: j.checks,
+            expected_errors: j.expected_errors,
+            persist_roundtrips: j.persist_roundtrips,
+            persist_batches: j.persist_batches,
+            prepared_prefills: j.prepared_prefills,
+            prefills_ended_uncommitted: j.prefills_ended_uncommitted,
+            conversions: j.conversions,
+            prefill_conversions: j.prefill_conversions,
+            rounds: j.rounds,
+            rollbacks_across_wrap: j.rollbacks_across_wrap,
+            reuses: j.reuses,
+            trims_below_start: j.trims_below_start,
+            bit_exact_state: j.bit_exact.state,
+            decode_unpadded: class(
+                j.compared.decode_unpadded,
+                j.bit_exact.decode_unpadded,
+                j.max_ulp.decode_unpadded_vs_solo,
+            ),
+            decode_padded: class(j.compared.decode_padded, j.bit_exact.decode_padded, j.max_ulp.decode_padded_vs_solo),
+            window: class(j.compared.window, j.bit_exact.window, j.max_ulp.window_vs_solo),
+            model_max_ulp_f32: j.reference.max_ulp.f32,
+            model_max_ulp_bf16: j.reference.max_ulp.bf16,
+            model_checks: j.reference.checks,
+            table: j.guarantees,
+            recurrent: j.recurrent,
+            ill_formed_rejected: j.ill_formed_rejected,
+            ..Counters::default()
+        };
+        Summary {
+            seeds: j.seeds,
+            ops: j.ops,
+            skipped_ops: j.skipped_ops,
+            failures: j.failures,
+            ops_by_kind: j.ops_by_kind,
+            api_coverage: j.api_coverage,
+            counters,
+            model_failures: j.reference.failures,
+            device: j.device,
+            mlx_version: j.mlx_version,
+            read_mode: j.read_mode,
+            result_hash: j.result_hash,
+            failed_seeds: j.failed_seeds,
+            seconds: j.seconds,
+            layouts: j.layouts,
+            seed_hashes: vec![],
+            seeds_run: vec![],
+            interrupted: j.interrupted,
+        }
+    }
+}
+
+/// The JSON form of a [`Summary`] (the last line of `kvsim sim --json`): its counts under the names summaries have
+/// always used, derived from the one [`Counters`] it holds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SummaryJson {
     pub seeds: u64,
     pub ops: u64,
     pub skipped_ops: u64,
@@ -169,15 +323,6 @@ pub struct Summary {
     /// Per storage-kind family (`"kv:plain"`, `"kv:rotating-plain"`, ...): ops, checks, failures, bit-exact
     /// comparisons and its guarantees table.
     pub layouts: BTreeMap<String, LayoutStats>,
-    /// The summed counters (for the human-readable table; not part of the JSON).
-    #[serde(skip)]
-    pub counters: Counters,
-    /// The ordered per-seed result hashes the campaign hash is made of.
-    #[serde(skip)]
-    pub seed_hashes: Vec<String>,
-    /// The seeds of `seed_hashes`, in the same order.
-    #[serde(skip)]
-    pub seeds_run: Vec<u64>,
     /// Stopped early (Ctrl-C): the summary covers the seeds that ran. Absent from the JSON when false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub interrupted: bool,
@@ -210,14 +355,13 @@ impl Summary {
         if let Some(f) = failed {
             self.failures += 1;
             if run.failure.as_ref().is_some_and(|f| f.failure.against_model()) {
-                self.reference.failures += 1;
+                self.model_failures += 1;
             }
             self.failed_seeds.push(f);
         }
         self.refresh();
     }
 
-    /// The human-readable report of `kvsim sim` (before its JSON line).
     /// The verdict a user reads first, at most 15 lines: the totals, the reads against the solo twin and the f64
     /// model, one line per layout family (a family's rotating layout beside its linear one), the weakest guarantee
     /// class (the largest ULP distance to the twin; then the smallest bit-exact share), and the failing seeds.
@@ -229,7 +373,7 @@ impl Summary {
             "kvsim sim: {verdict}: {} seeds, {} ops, {} checks, {} failures, {:.1}s on {}{}",
             s.seeds,
             s.ops,
-            s.checks,
+            t.checks,
             s.failures,
             s.seconds,
             s.device,
@@ -258,7 +402,7 @@ impl Summary {
             let label = if kinds.len() > 1 { format!("{name} (+rotating)") } else { name.clone() };
             lines.push(format!("  {label:<34} {:>9} ops {:>10} checks {:>3} failures", l.ops, l.checks, l.failures));
         }
-        let weakest = s.guarantees.iter().max_by(|(_, a), (_, b)| {
+        let weakest = t.table.iter().max_by(|(_, a), (_, b)| {
             let share = |c: &ClassCount| c.bit_exact as f64 / c.compared.max(1) as f64;
             a.max_ulp.cmp(&b.max_ulp).then(share(b).total_cmp(&share(a)))
         });
@@ -288,7 +432,7 @@ impl Summary {
             s.seeds,
             s.ops,
             s.skipped_ops,
-            s.checks,
+            t.checks,
             s.failures,
             s.seconds,
             s.device,
@@ -307,7 +451,7 @@ impl Summary {
         }
         lines.push(format!("  state comparisons byte-identical: {}", t.bit_exact_state));
         lines.push("  guarantees table (vs solo twin; ULPs at output scale):".into());
-        for (k, c) in &s.guarantees {
+        for (k, c) in &t.table {
             lines.push(format!(
                 "    {:<40} {:>9} compared {:>9} bit-exact  max {} ULP",
                 k, c.compared, c.bit_exact, c.max_ulp
@@ -329,48 +473,13 @@ impl Summary {
         if !never.is_empty() {
             lines.push(format!("  api classes never generated: {}", never.join(" ")));
         }
-        let rejected: Vec<String> = s.ill_formed_rejected.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let rejected: Vec<String> = t.ill_formed_rejected.iter().map(|(k, v)| format!("{k}={v}")).collect();
         lines.push(format!("  ill-formed inputs rejected (typed error, nothing changed): {}", rejected.join(" ")));
         lines
     }
 
-    /// Recomputes the derived fields from the summed counters and the ordered seed hashes.
+    /// Recomputes the campaign hash from the ordered seed hashes.
     pub(crate) fn refresh(&mut self) {
-        let t = &self.counters;
-        self.checks = t.checks;
-        self.expected_errors = t.expected_errors;
-        self.persist_roundtrips = t.persist_roundtrips;
-        self.persist_batches = t.persist_batches;
-        self.prepared_prefills = t.prepared_prefills;
-        self.prefills_ended_uncommitted = t.prefills_ended_uncommitted;
-        self.conversions = t.conversions;
-        self.prefill_conversions = t.prefill_conversions;
-        self.rounds = t.rounds;
-        self.rollbacks_across_wrap = t.rollbacks_across_wrap;
-        self.reuses = t.reuses;
-        self.trims_below_start = t.trims_below_start;
-        self.recurrent = t.recurrent;
-        self.ill_formed_rejected = t.ill_formed_rejected.clone();
-        self.bit_exact = BitExact {
-            state: t.bit_exact_state,
-            decode: t.decode_unpadded.bit_exact + t.decode_padded.bit_exact,
-            decode_unpadded: t.decode_unpadded.bit_exact,
-            decode_padded: t.decode_padded.bit_exact,
-            window: t.window.bit_exact,
-        };
-        self.compared = Compared {
-            decode_padded: t.decode_padded.compared,
-            decode_unpadded: t.decode_unpadded.compared,
-            window: t.window.compared,
-        };
-        self.max_ulp = MaxUlp {
-            decode_padded_vs_solo: t.decode_padded.max_ulp,
-            decode_unpadded_vs_solo: t.decode_unpadded.max_ulp,
-            window_vs_solo: t.window.max_ulp,
-        };
-        self.reference.checks = t.model_checks;
-        self.reference.max_ulp = ModelUlp { bf16: t.model_max_ulp_bf16, f32: t.model_max_ulp_f32 };
-        self.guarantees = t.table.clone();
         self.result_hash = crate::shard::ordered_hash(self.seed_hashes.iter().map(String::as_str));
     }
 }
@@ -499,7 +608,7 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
         out.ops += s.ops;
         out.skipped_ops += s.skipped_ops;
         out.failures += s.failures;
-        out.reference.failures += s.reference.failures;
+        out.model_failures += s.model_failures;
         out.interrupted |= s.interrupted;
         out.seconds = out.seconds.max(s.seconds);
         for (k, v) in &s.ops_by_kind {
