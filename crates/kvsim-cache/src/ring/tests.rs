@@ -353,3 +353,87 @@ fn mutant_temporal_head_and_concat_keeps_window_are_visible() {
         assert_eq!(c.state().len, 6);
     }
 }
+
+/// A ring one position short of its window, at it, and one past it (R-ROT-5, R-ROT-6, R-C-5): trimmable only below
+/// `W`, a plain trim there and a typed `NotTrimmable` (state unchanged) from `W` on; the next decode appends below
+/// `W` and overwrites the ring head from `W` on. A bypass trim after a window write reaching exactly `W` still works
+/// and makes the ring trimmable again. A linear cache is trimmable and appends at every offset.
+#[test]
+fn ring_boundaries_at_w_minus_one_w_and_w_plus_one() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    let masks = Masks::new();
+    for w in [2usize, 3, 5] {
+        for (offset, trimmable, phase) in
+            [(w - 1, true, DecodePhase::Concat), (w, false, DecodePhase::Ring), (w + 1, false, DecodePhase::Ring)]
+        {
+            let mut c = RotatingKvCache::new(spec, w).unwrap();
+            for s in 0..offset {
+                let (k, v, q) = kvq(&spec, s as u64, 1, 1);
+                c.decode(&k, &v, &q, 0.3, &masks).unwrap();
+            }
+            let at = format!("W = {w}, offset = {offset}");
+            assert_eq!(c.offset(), offset, "{at}");
+            assert_eq!(c.is_trimmable(), trimmable, "{at}");
+            assert_eq!(c.decode_phase(), phase, "{at}");
+            let before = c.state().clone();
+            if trimmable {
+                assert_eq!(c.trim(1, false), Ok(1), "{at}");
+                assert_eq!((c.offset(), c.state().len), (offset - 1, offset - 1), "{at}");
+            } else {
+                assert_eq!(c.trim(1, false), Err(CacheError::NotTrimmable { offset, max_size: w }), "{at}");
+                assert_eq!(c.state().clone(), before, "{at}: a refused trim changes nothing");
+                assert!(matches!(c.trim(1, true), Err(CacheError::BypassNotAfterWindow)), "{at}: no window to bypass");
+            }
+        }
+        // A window write that reaches exactly W: not trimmable, but its bypass trim is.
+        let mut c = RotatingKvCache::new(spec, w).unwrap();
+        let (k, v, q) = kvq(&spec, 9, 1, w);
+        c.window(&k, &v, &q, 0.3, &masks).unwrap();
+        assert!(!c.is_trimmable(), "W = {w}");
+        assert_eq!(c.trim(1, true), Ok(1), "W = {w}");
+        assert_eq!(c.offset(), w - 1);
+        assert!(c.is_trimmable(), "W = {w}: below the window again");
+        assert_eq!(c.decode_phase(), DecodePhase::Concat, "W = {w}");
+    }
+    let mut linear = KvCache::new(spec).unwrap();
+    for s in 0..7 {
+        assert!(linear.is_trimmable());
+        assert_eq!(linear.decode_phase(), DecodePhase::Concat);
+        let (k, v, q) = kvq(&spec, s, 1, 1);
+        linear.decode(&k, &v, &q, 0.3, &masks).unwrap();
+    }
+}
+
+/// K and V are validated independently (R-C-2): a wrong dtype, head count or head dim in either one alone is a
+/// typed `ShapeMismatch` for a decode and a window, and nothing changes.
+#[test]
+fn keys_and_values_are_validated_each_on_its_own() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    let masks = Masks::new();
+    let mut c = RotatingKvCache::new(spec, 4).unwrap();
+    let (k, v, q) = kvq(&spec, 1, 1, 3);
+    c.window(&k, &v, &q, 0.3, &masks).unwrap();
+    let before = (c.state().clone(), bits(&c.temporal_view().unwrap().0), bits(&c.temporal_view().unwrap().1));
+    let wrong_dtype = |a: &Array| a.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+    let wrong_heads = |l: usize| data(5, 1, spec.heads_kv + 1, l, spec.head_dim, spec.dtype);
+    let wrong_dim = |l: usize| data(6, 1, spec.heads_kv, l, spec.head_dim + 1, spec.dtype);
+    for l in [1usize, 2] {
+        let (k, v, q) = kvq(&spec, 2, 1, l);
+        let bad: [(&str, Array, Array); 6] = [
+            ("keys' dtype", wrong_dtype(&k), v.clone()),
+            ("values' dtype", k.clone(), wrong_dtype(&v)),
+            ("keys' heads", wrong_heads(l), v.clone()),
+            ("values' heads", k.clone(), wrong_heads(l)),
+            ("keys' head dim", wrong_dim(l), v.clone()),
+            ("values' head dim", k.clone(), wrong_dim(l)),
+        ];
+        for (what, bk, bv) in bad {
+            let r = if l == 1 { c.decode(&bk, &bv, &q, 0.3, &masks) } else { c.window(&bk, &bv, &q, 0.3, &masks) };
+            assert!(matches!(r, Err(CacheError::ShapeMismatch { .. })), "{what} (L = {l}): {r:?}");
+            let now = (c.state().clone(), bits(&c.temporal_view().unwrap().0), bits(&c.temporal_view().unwrap().1));
+            assert!(now == before, "{what} (L = {l}): a refused write changes nothing");
+        }
+    }
+}
