@@ -138,6 +138,9 @@ pub enum Mutant {
     /// chunks: a row past its transition stays bf16 (the upstream engine's "prefill defers conversion" vector, which
     /// kvsim's rows failed before they committed at the end). Hook: `TransitioningKvRows::end_prefill`.
     TkvEndPrefillLeavesDue,
+    /// kvsim's file reader skips the per-tensor sha256: a file whose tensor bytes were damaged loads as other values.
+    /// Hook: `kvsim_persist::kvsim::decode_entries`.
+    KvsimSkipsTensorChecksum,
 }
 
 impl Mutant {
@@ -182,6 +185,7 @@ impl Mutant {
         Mutant::TkvRollbackDropsKept,
         Mutant::TkvFloorLostByExtract,
         Mutant::TkvEndPrefillLeavesDue,
+        Mutant::KvsimSkipsTensorChecksum,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -226,6 +230,7 @@ impl Mutant {
             Mutant::TkvRollbackDropsKept => "tkv-rollback-drops-kept",
             Mutant::TkvFloorLostByExtract => "tkv-floor-lost-by-extract",
             Mutant::TkvEndPrefillLeavesDue => "tkv-end-prefill-leaves-due",
+            Mutant::KvsimSkipsTensorChecksum => "kvsim-skips-tensor-checksum",
         }
     }
 
@@ -241,7 +246,8 @@ impl Mutant {
             Mutant::FloorNotPersisted
             | Mutant::MlxlmLoadDropsRightPadding
             | Mutant::MlxlmRotatedFlagFromString
-            | Mutant::CodecSavesWholeBuffer => "persist",
+            | Mutant::CodecSavesWholeBuffer
+            | Mutant::KvsimSkipsTensorChecksum => "persist",
             _ if self.name().starts_with("ssm-") => "ssm",
             _ => "kv",
         }
@@ -305,6 +311,7 @@ impl Mutant {
             Mutant::TkvRollbackDropsKept => "a round's rollback drops one kept position of every rejecting row",
             Mutant::TkvFloorLostByExtract => "a row handed back to serial use loses its reuse floor",
             Mutant::TkvEndPrefillLeavesDue => "end_prefill leaves an uncommitted row past its transition unconverted",
+            Mutant::KvsimSkipsTensorChecksum => "kvsim's file reader skips the per-tensor checksums",
         }
     }
 

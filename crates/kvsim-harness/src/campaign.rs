@@ -178,6 +178,7 @@ impl From<Summary> for SummaryJson {
             persist_batches: t.persist_batches,
             prepared_prefills: t.prepared_prefills,
             prefills_ended_uncommitted: t.prefills_ended_uncommitted,
+            damaged_files_refused: t.damaged_files_refused,
             conversions: t.conversions,
             prefill_conversions: t.prefill_conversions,
             rounds: t.rounds,
@@ -210,6 +211,7 @@ impl From<SummaryJson> for Summary {
             persist_batches: j.persist_batches,
             prepared_prefills: j.prepared_prefills,
             prefills_ended_uncommitted: j.prefills_ended_uncommitted,
+            damaged_files_refused: j.damaged_files_refused,
             conversions: j.conversions,
             prefill_conversions: j.prefill_conversions,
             rounds: j.rounds,
@@ -288,6 +290,9 @@ pub struct SummaryJson {
     /// bf16-first rows: prefills that the prefill's end committed for some request (`sim::summary::Counters`).
     #[serde(default)]
     pub prefills_ended_uncommitted: u64,
+    /// Damaged copies of the saved kvsim files refused with a typed error (`sim::summary::Counters`).
+    #[serde(default)]
+    pub damaged_files_refused: u64,
     /// The bf16-first families: conversions to affine storage (one per row or lego and per layer), of
     /// which at a prefill chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the
     /// ring's wrap; prefix reuses of a stored entry; trims of a converted lego below `start`

@@ -110,6 +110,9 @@ pub struct Counters {
     /// own, so that the prefill's end (`end_prefill`, `finalize`) committed it (one per op, all layers).
     #[serde(default)]
     pub prefills_ended_uncommitted: u64,
+    /// Damaged copies of saved kvsim files (a header bit, a tensor bit, a truncation) refused with a typed error.
+    #[serde(default)]
+    pub damaged_files_refused: u64,
     /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
     /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
     /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
@@ -158,6 +161,7 @@ impl Default for Counters {
             persist_batches: 0,
             prepared_prefills: 0,
             prefills_ended_uncommitted: 0,
+            damaged_files_refused: 0,
             conversions: 0,
             prefill_conversions: 0,
             rounds: 0,
@@ -246,6 +250,7 @@ impl Counters {
         self.persist_batches += o.persist_batches;
         self.prepared_prefills += o.prepared_prefills;
         self.prefills_ended_uncommitted += o.prefills_ended_uncommitted;
+        self.damaged_files_refused += o.damaged_files_refused;
         self.conversions += o.conversions;
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;

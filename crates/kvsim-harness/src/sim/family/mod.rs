@@ -221,12 +221,54 @@ pub(crate) fn entering(reqs: &[u32], eligible: impl Fn(u32) -> bool) -> Vec<u32>
     ids
 }
 
+/// A kvsim-format file damaged three ways, each at a place its own bytes choose (so the run's seed decides it): one
+/// bit flipped in the header, one in the tensor data, and the file cut short. Each copy must be refused with a typed
+/// error, for every byte of kvsim's format is under a checksum or a length check (`kvsim_persist::kvsim`); the
+/// undamaged bytes are then restored as usual. Returns the copies refused. (mlx-lm's files carry no checksums: a
+/// flipped tensor bit would load as other values, so they are not damaged.)
+pub(crate) fn damaged_copies_refused(bytes: &[u8]) -> Result<u64, Failure> {
+    // The file layout: a 52-byte prefix (magic, version, header length, header sha256), the header, then the data.
+    const PREFIX: usize = 52;
+    let pick = blake3::hash(bytes);
+    let word = |i: usize| u64::from_le_bytes(pick.as_bytes()[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+    let hlen = bytes.get(12..20).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
+    let data_start = PREFIX.saturating_add(hlen).min(bytes.len());
+    let flip = |lo: usize, hi: usize, w: u64| -> Option<(usize, Vec<u8>)> {
+        (hi > lo).then(|| {
+            let bit = lo * 8 + (w % ((hi - lo) as u64 * 8)) as usize;
+            let mut copy = bytes.to_vec();
+            copy[bit / 8] ^= 1 << (bit % 8);
+            (bit / 8, copy)
+        })
+    };
+    let mut damaged: Vec<(String, Vec<u8>)> = vec![];
+    if let Some((at, c)) = flip(PREFIX, data_start, word(0)) {
+        damaged.push((format!("a header bit flipped at byte {at}"), c));
+    }
+    if let Some((at, c)) = flip(data_start, bytes.len(), word(1)) {
+        damaged.push((format!("a tensor bit flipped at byte {at}"), c));
+    }
+    if !bytes.is_empty() {
+        let keep = (word(2) % bytes.len() as u64) as usize;
+        damaged.push((format!("cut to {keep} of {} bytes", bytes.len()), bytes[..keep].to_vec()));
+    }
+    let mut refused = 0;
+    for (what, copy) in damaged {
+        match kvsim_persist::inspect::load_any(&copy) {
+            Err(_) => refused += 1,
+            Ok(_) => crate::sim::check::fail(Failure::new("persist", format!("a kvsim file with {what} loaded")))?,
+        }
+    }
+    Ok(refused)
+}
+
 /// Saves caches to one file of `format` (every cache one layer), drops them, and restores them from the bytes alone:
 /// the persist op's round trip, shared by every family. Each cache's reuse floor and storage kind must come back
 /// (a `persist` failure otherwise); the restored caches are returned in order for the family to unwrap.
 pub(crate) fn persist_through_bytes(
     persisted: Vec<kvsim_persist::Persisted>,
     format: kvsim_persist::inspect::Format,
+    counters: &mut Counters,
 ) -> Result<Vec<kvsim_persist::AnyCache>, Failure> {
     use kvsim_persist::inspect::{load_any, save_as};
     let fail = |what: &str, e: kvsim_persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
@@ -234,6 +276,9 @@ pub(crate) fn persist_through_bytes(
     let kinds: Vec<String> = persisted.iter().map(|p| p.cache.storage_kind().to_string()).collect();
     let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
     drop(persisted);
+    if format == kvsim_persist::inspect::Format::Kvsim {
+        counters.damaged_files_refused += damaged_copies_refused(&bytes)?;
+    }
     let restored = load_any(&bytes).map_err(|e| fail("restore", e))?.1;
     let back: Vec<usize> = restored.iter().map(|p| p.minimum_reusable_offset).collect();
     if back != floors {

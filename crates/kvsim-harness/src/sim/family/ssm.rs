@@ -492,7 +492,7 @@ impl Family for Recurrent {
                 }
                 let r = self.reqs.get_mut(req).unwrap();
                 let caches = std::mem::take(&mut r.solo);
-                r.solo = persist_roundtrip(caches, *mlxlm)?;
+                r.solo = persist_roundtrip(caches, *mlxlm, &mut self.counters)?;
                 self.counters.persist_roundtrips += 1;
                 if !self.rows.is_empty() {
                     self.persist_batch()?;

@@ -158,7 +158,7 @@ impl Attention {
         // the twin and the model. Even requests go through kvsim's format, odd ones through an mlx-lm prompt-cache
         // file when every layer has an mlx-lm form (else kvsim's format).
         // Affine storage goes through kvsim's format (its codecs store the six planes as they are).
-        let extracted = persist_roundtrip(extracted, id % 2 == 1)?;
+        let extracted = persist_roundtrip(extracted, id % 2 == 1, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
         let r = self.reqs.get_mut(&id).unwrap();
         r.home = Home::Solo;

@@ -15,7 +15,7 @@ impl Attention {
         }
         let r = self.reqs.get_mut(&req).unwrap();
         let caches = std::mem::take(&mut r.solo);
-        r.solo = persist_roundtrip(caches, mlxlm)?;
+        r.solo = persist_roundtrip(caches, mlxlm, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
         if !self.rows.is_empty() {
             self.persist_batch()?;
@@ -34,7 +34,7 @@ impl Attention {
             .into_iter()
             .map(|b| Persisted { minimum_reusable_offset: b.offset() / 2, cache: AnyCache::Rows(b) })
             .collect();
-        self.batch = crate::sim::family::persist_through_bytes(persisted, Format::Kvsim)?
+        self.batch = crate::sim::family::persist_through_bytes(persisted, Format::Kvsim, &mut self.counters)?
             .into_iter()
             .map(|c| match c {
                 AnyCache::Rows(b) => Ok(b),
@@ -49,7 +49,11 @@ impl Attention {
 /// Saves serial caches to bytes (kvsim's format, or an mlx-lm prompt-cache file when `via_mlxlm` and every cache
 /// has an mlx-lm form that keeps its state: positions held, and no bypass-trim record, which mlx-lm's classes do not
 /// carry), drops them, and restores them from the bytes alone.
-pub(super) fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Res<Vec<SerialCache>> {
+pub(super) fn persist_roundtrip(
+    caches: Vec<SerialCache>,
+    via_mlxlm: bool,
+    counters: &mut crate::sim::summary::Counters,
+) -> Res<Vec<SerialCache>> {
     use kvsim_persist::inspect::{load_any, save_as, Format};
     use kvsim_persist::{mlxlm, AnyCache, Persisted};
     let fail = |what: &str, e: kvsim_persist::PersistError| Failure::new("persist", format!("{what}: {e}"));
@@ -66,7 +70,10 @@ pub(super) fn persist_roundtrip(caches: Vec<SerialCache>, via_mlxlm: bool) -> Re
     let bytes = save_as(format, &Default::default(), &persisted).map_err(|e| fail("save", e))?;
     drop(persisted);
     let restored = match format {
-        Format::Kvsim => load_any(&bytes).map_err(|e| fail("restore", e))?.1,
+        Format::Kvsim => {
+            counters.damaged_files_refused += crate::sim::family::damaged_copies_refused(&bytes)?;
+            load_any(&bytes).map_err(|e| fail("restore", e))?.1
+        }
         Format::MlxLm => {
             let f = mlxlm::read(&bytes).map_err(|e| fail("restore", e))?;
             f.layers

@@ -138,7 +138,7 @@ impl Recurrent {
             self.reqs.remove(&id);
             return Ok(true);
         }
-        let out = persist_roundtrip(out, false)?;
+        let out = persist_roundtrip(out, false, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
         let attn = self.attn;
         let r = self.reqs.get_mut(&id).unwrap();

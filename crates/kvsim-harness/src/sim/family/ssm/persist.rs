@@ -24,7 +24,7 @@ impl Recurrent {
                 Persisted { minimum_reusable_offset: cache.offset() / 2, cache }
             })
             .collect();
-        self.batch = crate::sim::family::persist_through_bytes(persisted, Format::Kvsim)?
+        self.batch = crate::sim::family::persist_through_bytes(persisted, Format::Kvsim, &mut self.counters)?
             .into_iter()
             .map(|c| match c {
                 AnyCache::Ssm(c) => Ok(Rows::Ssm(c)),
@@ -42,7 +42,11 @@ impl Recurrent {
 /// (DeltaNet layers as `ArraysCache`, offsets in its user metadata) when every layer's mlx-lm form keeps its state.
 /// The layers keep their kinds. The state checks after the op and every later read compare the restored caches
 /// with the twins and the model.
-pub(super) fn persist_roundtrip(caches: Vec<Cache>, via_mlxlm: bool) -> Res<Vec<Cache>> {
+pub(super) fn persist_roundtrip(
+    caches: Vec<Cache>,
+    via_mlxlm: bool,
+    counters: &mut crate::sim::summary::Counters,
+) -> Res<Vec<Cache>> {
     use kvsim_persist::inspect::Format;
     use kvsim_persist::{AnyCache, Persisted};
     let persisted: Vec<Persisted> = caches
@@ -62,7 +66,7 @@ pub(super) fn persist_roundtrip(caches: Vec<Cache>, via_mlxlm: bool) -> Res<Vec<
     } else {
         (Format::Kvsim, persisted)
     };
-    crate::sim::family::persist_through_bytes(persisted, format)?
+    crate::sim::family::persist_through_bytes(persisted, format, counters)?
         .into_iter()
         .map(|c| match c {
             AnyCache::Ssm(c) => Ok(Cache::Ssm(c)),

@@ -13,7 +13,7 @@ impl TransitionFamily {
         }
         let r = self.reqs.get_mut(&req).unwrap();
         let legos = std::mem::take(&mut r.solo);
-        r.solo = persist_legos(legos, mlxlm)?;
+        r.solo = persist_legos(legos, mlxlm, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
         Ok(true)
     }
@@ -23,7 +23,11 @@ impl TransitionFamily {
 /// drops them, and restores them from the bytes alone (`family::persist_through_bytes`: floors and kinds must come
 /// back). With `via_mlxlm`, mlx-lm's form of every lego must first be refused as unsupported (and nothing is written
 /// in that format).
-fn persist_legos(legos: Vec<Bf16FirstCache>, via_mlxlm: bool) -> Res<Vec<Bf16FirstCache>> {
+fn persist_legos(
+    legos: Vec<Bf16FirstCache>,
+    via_mlxlm: bool,
+    counters: &mut crate::sim::summary::Counters,
+) -> Res<Vec<Bf16FirstCache>> {
     use kvsim_persist::inspect::Format;
     use kvsim_persist::{mlxlm, AnyCache, PersistError, Persisted};
     let persisted: Vec<Persisted> = legos
@@ -43,7 +47,7 @@ fn persist_legos(legos: Vec<Bf16FirstCache>, via_mlxlm: bool) -> Res<Vec<Bf16Fir
             }
         }
     }
-    crate::sim::family::persist_through_bytes(persisted, Format::Kvsim)?
+    crate::sim::family::persist_through_bytes(persisted, Format::Kvsim, counters)?
         .into_iter()
         .map(|c| match c {
             AnyCache::Bf16First(c) => Ok(c),
