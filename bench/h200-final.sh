@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The wave-2 closing GPU run (issues #18 and #19), as executed on the lent H200 through the `device` tool, in six
-# back-to-back calls (the machine goes back after 30 s idle). Builds nothing there. Stages, one per call:
+# The closing GPU run (exact mode and the default mode, 1000 seeds each; the step and exact benches), as executed on
+# the lent H200 through the `device` tool, in six back-to-back calls (the machine goes back after 30 s idle). Builds nothing there. Stages, one per call:
 # SOAKS=0 skips the CPU soaks (and the mlx-cpu wheel they need).
 #   park     keep the first part of the mlx-cuda-13==0.32.2 wheel and the mlx-cpu==0.32.2 wheel (.device/park/) in
 #            /tmp/park (one call carries at most 64 MiB)
