@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The exact-read GPU run (issue #18), as executed on the lent H200 through the `device` tool. Builds nothing there.
+# The exact-read GPU run, as executed on the lent H200 through the `device` tool. Builds nothing there.
 # Expects in .device/run/: the release `kvsim` binary built on the dev machine, the second part of the
 # mlx-cuda-13==0.32.2 wheel (`wheel.part2`; the first part parked in /tmp/park by the call just before, see
 # bench/gpu.sh), the cp312 `mlx` and `mlx-lm` 0.32.2 wheels (for the anchor), and the anchor script

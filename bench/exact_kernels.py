@@ -1,4 +1,4 @@
-"""Kernel-only timing of kvsim's exact read (issue #18) against MLX's fused SDPA, on a CUDA build of MLX.
+"""Kernel-only timing of kvsim's exact read against MLX's fused SDPA, on a CUDA build of MLX.
 
 The kernels are read out of the Rust source (`HEADER`, `PARTIAL_SRC`, `COMBINE_SRC` and the launch constants of
 `src/cache/exact.rs`), so this measures exactly what the crate launches; `--variant NAME=PATH` adds another copy of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Does pinning each worker to its own core change `--jobs` scaling? (issue #19; run on the device machine's 16 cores)
+# Does pinning each worker to its own core change `--jobs` scaling? (run on the device machine's 16 cores)
 # Each kvsim process runs two busy threads, its own and MLX's CPU stream thread, and hands work between them on every
 # evaluation (1.27 cores per process measured on the dev machine). Compares, over the same seeds: one process
 # (the baseline), N shards as N processes unpinned, the same N shards each pinned to one core (`taskset -c i`), and
