@@ -1,4 +1,4 @@
-"""MLX primitives one CPU SDPA decode read costs (issue #19's bound): run under
+"""MLX primitives one CPU SDPA decode read costs: run under
 `perf stat -e probe_libmlx:<probe on mlx::core::cpu::eval(array&)>` with N = 0 and N = 1000 and take the difference / N.
 Usage: python bench/sdpa_primitives.py f32|bf16 N [causal]   (the simulator bench's shapes: H_q 4, H_kv 2, D 16, 8 keys)
 """
