@@ -95,16 +95,21 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
-/// Whether the fault hook of the named catalog mutant fires here: the mutant is armed on this thread.
+/// Whether the fault hook of the named catalog mutant fires here: the mutant is armed on this thread. The hooks of
+/// this crate and of the crates built on it (persistence) use it.
 #[cfg(feature = "faults")]
+#[doc(hidden)]
+#[macro_export]
 macro_rules! fault {
     ($m:ident) => {
-        crate::faults::is(crate::faults::Mutant::$m)
+        $crate::faults::is($crate::faults::Mutant::$m)
     };
 }
 
 /// Without the feature `faults` every fault hook is the constant `false`, so none is compiled.
 #[cfg(not(feature = "faults"))]
+#[doc(hidden)]
+#[macro_export]
 macro_rules! fault {
     ($m:ident) => {
         false

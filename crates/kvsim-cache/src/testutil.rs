@@ -204,19 +204,19 @@ impl Twin {
 
 /// Tests arm a global mutant; they serialize through this lock. Every cache test holds [`testlock::shared`]; a
 /// test that arms holds [`testlock::arm`] (exclusive), which disarms on drop.
-pub(crate) mod testlock {
+pub mod testlock {
     #[cfg(feature = "faults")]
     use crate::faults::{arm as set, Mutant};
     use std::sync::{RwLock, RwLockReadGuard};
 
     static LOCK: RwLock<()> = RwLock::new(());
 
-    pub(crate) fn shared() -> RwLockReadGuard<'static, ()> {
+    pub fn shared() -> RwLockReadGuard<'static, ()> {
         LOCK.read().unwrap_or_else(|e| e.into_inner())
     }
 
     #[cfg(feature = "faults")]
-    pub(crate) struct Armed(#[allow(dead_code)] std::sync::RwLockWriteGuard<'static, ()>);
+    pub struct Armed(#[allow(dead_code)] std::sync::RwLockWriteGuard<'static, ()>);
 
     #[cfg(feature = "faults")]
     impl Drop for Armed {
@@ -226,7 +226,7 @@ pub(crate) mod testlock {
     }
 
     #[cfg(feature = "faults")]
-    pub(crate) fn arm(m: Mutant) -> Armed {
+    pub fn arm(m: Mutant) -> Armed {
         let g = LOCK.write().unwrap_or_else(|e| e.into_inner());
         set(Some(m));
         Armed(g)

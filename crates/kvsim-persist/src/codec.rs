@@ -266,7 +266,7 @@ impl Registry {
 
 /// Mutation hook `Mutant::FloorNotPersisted`.
 fn floor_dropped() -> bool {
-    fault!(FloorNotPersisted)
+    kvsim_cache::fault!(FloorNotPersisted)
 }
 
 fn check_floor(floor: usize, offset: usize) -> Result<()> {
@@ -572,7 +572,7 @@ impl Codec for RowsCodec {
                 ring: RingState { offset: r.offset, len: r.len, idx: r.idx, last_concat: r.last_concat },
                 base: r.base,
                 // Mutation hook: mlx-lm 0.32.2's load loses a pending prefill's right padding.
-                pending: if fault!(MlxlmLoadDropsRightPadding) { None } else { r.pending },
+                pending: if kvsim_cache::fault!(MlxlmLoadDropsRightPadding) { None } else { r.pending },
             })
             .collect();
         let arrays = planes.iter().map(|t| t.to_array()).collect::<Result<Vec<_>>>()?;
@@ -823,7 +823,7 @@ impl Codec for Bf16FirstCodec {
 
 /// Mutation hook `Mutant::CodecSavesWholeBuffer`: the serial codec saves every allocated column, not `[0, len)`.
 fn whole_buffer() -> bool {
-    fault!(CodecSavesWholeBuffer)
+    kvsim_cache::fault!(CodecSavesWholeBuffer)
 }
 
 /// The storage kind of row batches whose rows have `serial` kind (for codecs of other families).

@@ -116,6 +116,18 @@ pub fn encode_entries(metadata: &BTreeMap<String, String>, entries: &[Entry]) ->
     Ok(out)
 }
 
+/// Where a kvsim file's parts lie in `bytes`, from its fixed prefix alone (nothing is verified): the prefix
+/// (magic, version, header length, header sha256), the header, and the tensor data. `None` when `bytes` is not a
+/// kvsim file or is shorter than its prefix; a header length past the end is cut to it.
+pub fn regions(bytes: &[u8]) -> Option<[std::ops::Range<usize>; 3]> {
+    if !is_kvsim(bytes) || bytes.len() < PREFIX {
+        return None;
+    }
+    let hlen = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+    let data = usize::try_from(hlen).map_or(bytes.len(), |h| PREFIX.saturating_add(h).min(bytes.len()));
+    Some([0..PREFIX, PREFIX..data, data..bytes.len()])
+}
+
 /// Whether `bytes` start like a kvsim cache file.
 pub fn is_kvsim(bytes: &[u8]) -> bool {
     bytes.starts_with(MAGIC)
@@ -178,7 +190,7 @@ pub fn decode_entries(bytes: &[u8]) -> Result<KvsimFile> {
             }
             let raw = &data[cursor..end];
             // Mutation hook `Mutant::KvsimSkipsTensorChecksum`: the check skipped.
-            if !fault!(KvsimSkipsTensorChecksum) && hex(&Sha256::digest(raw)) != slot.sha256 {
+            if !kvsim_cache::fault!(KvsimSkipsTensorChecksum) && hex(&Sha256::digest(raw)) != slot.sha256 {
                 return Err(PersistError::TensorChecksum { name });
             }
             tensors.push((slot.name.clone(), HostTensor::new(&name, slot.dtype, slot.shape, raw.to_vec())?));

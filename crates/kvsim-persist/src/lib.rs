@@ -11,23 +11,6 @@
 //! Depends on `src/cache` only (never on `src/sim` or `src/reference`).
 #![cfg_attr(test, allow(clippy::print_stdout, clippy::print_stderr))]
 
-/// Whether the fault hook of the named catalog mutant fires here (the caches' `faults` module; with the feature
-/// `faults` only).
-#[cfg(feature = "faults")]
-macro_rules! fault {
-    ($m:ident) => {
-        kvsim_cache::faults::is(kvsim_cache::faults::Mutant::$m)
-    };
-}
-
-/// Without the feature `faults` every fault hook is the constant `false`, so none is compiled.
-#[cfg(not(feature = "faults"))]
-macro_rules! fault {
-    ($m:ident) => {
-        false
-    };
-}
-
 pub mod codec;
 pub mod error;
 pub mod inspect;

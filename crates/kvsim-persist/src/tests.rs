@@ -6,34 +6,7 @@ use super::codec::{AnyCache, Codec, Entry, Persisted, Registry};
 use super::error::PersistError;
 use super::{inspect, kvsim, mlxlm};
 
-/// Tests that arm a mutant hold [`testlock::arm`] (exclusive, disarmed on drop); every other test holds
-/// [`testlock::shared`], so no test runs beside an armed one.
-mod testlock {
-    use std::sync::{RwLock, RwLockReadGuard};
-
-    static LOCK: RwLock<()> = RwLock::new(());
-
-    pub(crate) fn shared() -> RwLockReadGuard<'static, ()> {
-        LOCK.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    #[cfg(feature = "faults")]
-    pub(crate) struct Armed(#[allow(dead_code)] std::sync::RwLockWriteGuard<'static, ()>);
-
-    #[cfg(feature = "faults")]
-    impl Drop for Armed {
-        fn drop(&mut self) {
-            kvsim_cache::faults::arm(None);
-        }
-    }
-
-    #[cfg(feature = "faults")]
-    pub(crate) fn arm(m: kvsim_cache::faults::Mutant) -> Armed {
-        let g = LOCK.write().unwrap_or_else(|e| e.into_inner());
-        kvsim_cache::faults::arm(Some(m));
-        Armed(g)
-    }
-}
+use kvsim_cache::testutil::testlock;
 use kvsim_cache::testutil::{assert_same_bytes, kvq, row, spec};
 use kvsim_cache::{
     BatchQuantizedKvCache, JoinSource, KvDtype, KvSpec, Masks, QuantSpec, QuantizedKvCache, RotatingQuantizedKvCache,

@@ -208,7 +208,7 @@ fn boolean(n: &Node, at: &str) -> Result<bool> {
         Node::Leaf(Leaf::Bool(b)) => Ok(*b),
         Node::Leaf(Leaf::Int(i @ (0 | 1))) => Ok(*i == 1),
         // Mutation hook: Python's `bool(s)` of an older file's string flag (`bool("False")` is `True`).
-        Node::Leaf(Leaf::Str(s)) if fault!(MlxlmRotatedFlagFromString) => Ok(!s.is_empty()),
+        Node::Leaf(Leaf::Str(s)) if kvsim_cache::fault!(MlxlmRotatedFlagFromString) => Ok(!s.is_empty()),
         _ => Err(PersistError::malformed(format!("{at}: expected a boolean scalar"))),
     }
 }

@@ -227,12 +227,10 @@ pub(crate) fn entering(reqs: &[u32], eligible: impl Fn(u32) -> bool) -> Vec<u32>
 /// undamaged bytes are then restored as usual. Returns the copies refused. (mlx-lm's files carry no checksums: a
 /// flipped tensor bit would load as other values, so they are not damaged.)
 pub(crate) fn damaged_copies_refused(bytes: &[u8]) -> Result<u64, Failure> {
-    // The file layout: a 52-byte prefix (magic, version, header length, header sha256), the header, then the data.
-    const PREFIX: usize = 52;
+    let [_, header, data] = kvsim_persist::kvsim::regions(bytes)
+        .ok_or_else(|| Failure::new("persist", "the saved bytes are not a kvsim file"))?;
     let pick = blake3::hash(bytes);
     let word = |i: usize| u64::from_le_bytes(pick.as_bytes()[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-    let hlen = bytes.get(12..20).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
-    let data_start = PREFIX.saturating_add(hlen).min(bytes.len());
     let flip = |lo: usize, hi: usize, w: u64| -> Option<(usize, Vec<u8>)> {
         (hi > lo).then(|| {
             let bit = lo * 8 + (w % ((hi - lo) as u64 * 8)) as usize;
@@ -242,10 +240,10 @@ pub(crate) fn damaged_copies_refused(bytes: &[u8]) -> Result<u64, Failure> {
         })
     };
     let mut damaged: Vec<(String, Vec<u8>)> = vec![];
-    if let Some((at, c)) = flip(PREFIX, data_start, word(0)) {
+    if let Some((at, c)) = flip(header.start, header.end, word(0)) {
         damaged.push((format!("a header bit flipped at byte {at}"), c));
     }
-    if let Some((at, c)) = flip(data_start, bytes.len(), word(1)) {
+    if let Some((at, c)) = flip(data.start, data.end, word(1)) {
         damaged.push((format!("a tensor bit flipped at byte {at}"), c));
     }
     if !bytes.is_empty() {

@@ -75,9 +75,9 @@ pub const NAME: &str = "ssm";
 /// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward, and
 /// the attention API probes (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs)
 /// and the bf16-first family's own ops (`prefix_reuse`, `plain_read`).
-pub const REGISTRATION: Registration = Registration {
-    name: NAME,
-    supports: |k: OpKind| {
+pub const REGISTRATION: Registration = Registration::plain(
+    NAME,
+    |k: OpKind| {
         !matches!(
             k,
             OpKind::Trim
@@ -95,13 +95,9 @@ pub const REGISTRATION: Registration = Registration {
                 | OpKind::PlainRead
         )
     },
-    swarm_probability: 0.4,
-    owns: |_| false,
-    draw_params: None,
-    weights_from_params: |_| Vec::new(),
-    draws_op: None,
-    build: |cfg| Ok(Box::new(Recurrent::new(cfg)?)),
-};
+    0.4,
+    |cfg| Ok(Box::new(Recurrent::new(cfg)?)),
+);
 
 /// The attention scale of the set's attention layers.
 const SCALE: f32 = 0.35;

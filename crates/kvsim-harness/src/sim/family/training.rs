@@ -22,14 +22,13 @@ pub const NAME: &str = "training";
 
 /// The training family: only the training kinds (a training cache is never admitted, merged, decoded or trimmed).
 pub const REGISTRATION: Registration = Registration {
-    name: NAME,
-    supports: |k: OpKind| matches!(k, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal),
-    swarm_probability: 0.25,
     owns: OpKind::is_training,
-    draw_params: None,
-    weights_from_params: |_| Vec::new(),
-    draws_op: None,
-    build: |cfg| Ok(Box::new(Training::new(cfg.clone())?)),
+    ..Registration::plain(
+        NAME,
+        |k: OpKind| matches!(k, OpKind::TrainingForward | OpKind::PrefixSharedForward | OpKind::TrainingRefusal),
+        0.25,
+        |cfg| Ok(Box::new(Training::new(cfg.clone())?)),
+    )
 };
 
 pub struct Training {

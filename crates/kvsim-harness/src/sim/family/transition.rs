@@ -117,27 +117,15 @@ pub fn supports_legos(k: OpKind) -> bool {
 
 /// The bf16-first family, in about a quarter of the runs.
 pub const REGISTRATION: Registration = Registration {
-    name: NAME,
-    supports,
-    swarm_probability: 0.25,
     owns: OpKind::is_transition,
-    draw_params: None,
-    weights_from_params: |_| Vec::new(),
-    draws_op: None,
-    build: |cfg| Ok(Box::new(TransitionFamily::new(cfg, false)?)),
+    ..Registration::plain(NAME, supports, 0.25, |cfg| Ok(Box::new(TransitionFamily::new(cfg, false)?)))
 };
 
 /// The serial legos as a family of their own (`kv:bf16-first-quant`, `kv:bf16-first-rotating-quant`), in about a
 /// fifth of the runs.
 pub const LEGO_REGISTRATION: Registration = Registration {
-    name: LEGO_NAME,
-    supports: supports_legos,
-    swarm_probability: 0.2,
     owns: OpKind::is_transition,
-    draw_params: None,
-    weights_from_params: |_| Vec::new(),
-    draws_op: None,
-    build: |cfg| Ok(Box::new(TransitionFamily::new(cfg, true)?)),
+    ..Registration::plain(LEGO_NAME, supports_legos, 0.2, |cfg| Ok(Box::new(TransitionFamily::new(cfg, true)?)))
 };
 
 /// Largest scaled-ULP distance of a bf16 read to the f64 model (head dims 32..128; measured, README "Guarantees").
