@@ -5,9 +5,10 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::sim::config::SimConfig;
-use crate::sim::family::{Registry, View};
+use crate::sim::family::Registry;
 use crate::sim::ops::{IllInput, Op, OpKind};
 use crate::sim::rng::{stream, Stream};
+use crate::sim::roster::View;
 
 /// Draws ops for one seed.
 pub struct Generator {

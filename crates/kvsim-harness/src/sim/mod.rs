@@ -8,6 +8,7 @@ pub mod gen;
 pub mod observe;
 pub mod ops;
 pub mod rng;
+pub mod roster;
 pub mod runner;
 pub mod shrink;
 pub mod summary;

@@ -1,14 +1,17 @@
-//! The run loop's world: one instance of every layout family of the run (`sim::family`), the run's digest, and
-//! per-family tallies. It dispatches each op to every family, then has each check its whole state, then (when an
-//! observer watches) has each describe its state. It knows no family's internals and no observer's purpose.
+//! The run loop's world: the run's one [`Roster`] (the scheduler's picture), one instance of every layout family of
+//! the run (`sim::family`), the run's digest, and per-family tallies. For each op it has the roster resolve and
+//! commit what the op does to the membership, dispatches the op to every family, then has each check its whole
+//! state, then (when an observer watches) has each describe its state. It knows no family's internals and no
+//! observer's purpose.
 
 use std::collections::BTreeMap;
 
 use crate::sim::check::Failure;
 use crate::sim::config::SimConfig;
-use crate::sim::family::{self, Cx, Family, Registry, View};
+use crate::sim::family::{self, Cx, Family, Registry};
 use crate::sim::observe::RunObserver;
 use crate::sim::ops::Op;
+use crate::sim::roster::{Resolved, Roster, View};
 use crate::sim::summary::Counters;
 
 /// A failed check, attributed to the family whose check it was (`None`: the runner's own, e.g. setup).
@@ -23,6 +26,8 @@ pub struct World {
     pub cfg: SimConfig,
     /// The families this run may hold (the config names which of them it does).
     pub registry: Registry,
+    /// The scheduler's picture: the one owner of which requests live, the batch rows and the next id.
+    pub roster: Roster,
     /// One instance per family of `cfg.families`, in that order.
     pub families: Vec<Box<dyn Family>>,
     /// Running digest of every byte the checks read (states and outputs), chained across ops.
@@ -47,12 +52,17 @@ impl World {
         }
         let registry = registry.clone();
         let (hasher, ops, ops_by_kind) = (blake3::Hasher::new(), BTreeMap::new(), BTreeMap::new());
-        Ok(World { cfg, registry, families, hasher, ops, ops_by_kind })
+        Ok(World { cfg, registry, roster: Roster::default(), families, hasher, ops, ops_by_kind })
     }
 
-    /// The scheduler's picture (the first family's; every family of a run sees the same requests).
+    /// The generator's view: the roster, with the positions the run's first family's model gives.
     pub fn view(&self) -> View {
-        self.families.first().map(|f| f.view()).unwrap_or_default()
+        self.roster.view(|id| self.position(id))
+    }
+
+    /// A live request's (offset, last window width), as the run's first family's model has it.
+    fn position(&self, req: u32) -> (usize, Option<usize>) {
+        self.families.first().and_then(|f| f.position(req)).unwrap_or((0, None))
     }
 
     /// Every family's counters, summed.
@@ -77,6 +87,14 @@ impl World {
         if !op_within_limits(op) || !self.registry.all_support(&self.family_names(), op.kind()) {
             return Ok(false);
         }
+        let change = match self.roster.resolve(op, |id| self.position(id).0) {
+            Resolved::Skip => return Ok(false),
+            Resolved::Unchanged => None,
+            Resolved::Change(c) => Some(c),
+        };
+        if let Some(c) = &change {
+            self.roster.commit(c);
+        }
         let names = self.family_names();
         let watched: Vec<bool> = names.iter().map(|n| observer.watches(n)).collect();
         let mut quiet = crate::sim::observe::NoObserver;
@@ -84,7 +102,7 @@ impl World {
         for (i, f) in self.families.iter_mut().enumerate() {
             let key = f.key();
             let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
-            let mut cx = Cx { hasher: &mut self.hasher, observer: obs };
+            let mut cx = Cx { hasher: &mut self.hasher, observer: obs, roster: &self.roster, change: change.as_ref() };
             let a = f.apply(op, &mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             if *applied.get_or_insert(a) != a {
                 return Err(FamilyFailure {
@@ -94,19 +112,24 @@ impl World {
             }
         }
         let applied = applied.unwrap_or(false);
+        if change.is_some() && !applied {
+            let failure = Failure::new("families", format!("the families skipped {op:?}, which changes the roster"));
+            return Err(FamilyFailure { family: None, failure });
+        }
         if applied {
             for (i, f) in self.families.iter_mut().enumerate() {
                 *self.ops.entry(f.key()).or_insert(0) += 1;
                 *self.ops_by_kind.entry(f.key()).or_default().entry(op.kind().name()).or_insert(0) += 1;
                 let key = f.key();
                 let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
-                let mut cx = Cx { hasher: &mut self.hasher, observer: obs };
+                let mut cx = Cx { hasher: &mut self.hasher, observer: obs, roster: &self.roster, change: None };
                 f.check_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             }
             if observer.wants_calls() {
                 for (_, f) in self.families.iter_mut().enumerate().filter(|(i, _)| watched[*i]) {
                     let key = f.key();
-                    let mut cx = Cx { hasher: &mut self.hasher, observer: &mut *observer };
+                    let mut cx =
+                        Cx { hasher: &mut self.hasher, observer: &mut *observer, roster: &self.roster, change: None };
                     f.observe_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
                 }
             }
@@ -161,5 +184,55 @@ fn op_within_limits(op: &Op) -> bool {
         Op::PrefixSharedForward { prompt, chosen, rejected, len, window } => {
             [*prompt, *chosen, *rejected, *len, *window].into_iter().all(ok)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::family::{Registration, Registry};
+    use crate::sim::observe::NoObserver;
+
+    /// A family that keeps no state and skips every op: a lifecycle op the roster applied must not pass it.
+    struct Skipper(Counters);
+
+    impl Family for Skipper {
+        fn key(&self) -> &'static str {
+            "test:skipper"
+        }
+        fn apply(&mut self, _op: &Op, _cx: &mut Cx<'_>) -> Result<bool, Failure> {
+            Ok(false)
+        }
+        fn check_state(&mut self, _cx: &mut Cx<'_>) -> Result<(), Failure> {
+            Ok(())
+        }
+        fn observe_state(&mut self, _cx: &mut Cx<'_>) -> Result<(), Failure> {
+            Ok(())
+        }
+        fn position(&self, _req: u32) -> Option<(usize, Option<usize>)> {
+            None
+        }
+        fn counters(&self) -> &Counters {
+            &self.0
+        }
+        fn counters_mut(&mut self) -> &mut Counters {
+            &mut self.0
+        }
+    }
+
+    #[test]
+    fn a_family_skipping_a_roster_change_fails_the_run() {
+        let reg = Registration::plain("skipper", |_| true, 1.0, |_| Ok(Box::new(Skipper(Counters::default()))));
+        let registry = Registry::empty().with(reg).unwrap();
+        let cfg = SimConfig { families: vec!["skipper".to_string()], ..SimConfig::from_seed(0) };
+        let mut world = World::new(cfg, &registry).unwrap();
+        // An op the roster leaves alone: the family may skip it.
+        assert_eq!(world.apply(&Op::Decode, &mut NoObserver), Ok(false));
+        // An admit the roster applies: skipping it is a failure of the run, not of any one family.
+        let err = world.apply(&Op::Admit { req: 0 }, &mut NoObserver).unwrap_err();
+        assert_eq!((err.family, err.failure.check.as_str()), (None, "families"));
+        // A lifecycle op whose references do not exist never reaches the family.
+        assert_eq!(world.apply(&Op::Extract { row: 0, finish: true }, &mut NoObserver), Ok(false));
+        assert_eq!(world.view().live, 1, "the admit was committed before the families ran");
     }
 }

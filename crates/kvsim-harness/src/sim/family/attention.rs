@@ -21,7 +21,7 @@ use mlx_rs::Array;
 
 use crate::sim::check::Failure;
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{Cx, Family, Registration};
 use crate::sim::observe::Call;
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::summary::Counters;
@@ -38,20 +38,10 @@ mod trims;
 
 pub(crate) use persist::mlxlm_keeps_state;
 
-/// Where a request's storage lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Home {
-    /// Its own serial cache (prefill, or continued after extract).
-    Solo,
-    /// A row of the running batch.
-    Batch,
-}
-
 /// One request: its production serial caches (when outside the batch), its twins and its model.
 pub struct Request {
     pub id: u32,
-    pub home: Home,
-    /// Production serial caches, one per layer (meaningful when `home == Solo`).
+    /// Production serial caches, one per layer (meaningful while the request is outside the batch).
     pub solo: Vec<SerialCache>,
     /// Solo twins, one per layer.
     pub twin: Vec<SerialCache>,
@@ -75,12 +65,10 @@ pub struct Attention {
     pub cfg: SimConfig,
     pub vs: ValueSpace,
     pub spec: KvSpec,
+    /// Every live request of the roster (`Cx::roster`), by id.
     pub reqs: BTreeMap<u32, Request>,
-    /// The running batch, one per layer.
+    /// The running batch, one per layer (row `i` is the roster's `rows()[i]`).
     pub batch: Vec<RowBatch>,
-    /// Request id of each batch row.
-    pub rows: Vec<u32>,
-    pub next_id: u32,
     pub counters: Counters,
     /// How every cache of this instance stores K and V: plain (the attention family), or affine triples (the
     /// quantized family, `sim::family::quant`, which may also start plain and convert mid-run).
@@ -105,31 +93,12 @@ impl Attention {
             .map(|_| RowBatch::with_rows_storage(spec, cfg.layout.max_size(), storage, 0))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Failure::new("setup", e.to_string()))?;
-        Ok(Attention {
-            cfg,
-            vs,
-            spec,
-            reqs: BTreeMap::new(),
-            batch,
-            rows: vec![],
-            next_id: 0,
-            counters: Counters::default(),
-            storage,
-        })
+        Ok(Attention { cfg, vs, spec, reqs: BTreeMap::new(), batch, counters: Counters::default(), storage })
     }
 
-    pub fn view(&self) -> View {
-        View {
-            solo: self
-                .reqs
-                .values()
-                .filter(|r| r.home == Home::Solo)
-                .map(|r| (r.id, r.model.offset, r.model.last_concat))
-                .collect(),
-            rows: self.rows.clone(),
-            next_id: self.next_id,
-            live: self.reqs.len(),
-        }
+    /// A live request's (offset, last window width), from its model.
+    pub fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
+        self.reqs.get(&req).map(|r| (r.model.offset, r.model.last_concat))
     }
 
     fn max_size(&self) -> Option<usize> {
@@ -194,21 +163,23 @@ impl Attention {
 
     /// Applies one op. `Ok(false)`: skipped (its references do not exist). `Err`: a check failed.
     fn run_op(&mut self, cx: &mut Cx<'_>, op: &Op) -> Res<bool> {
+        if let Some(change) = cx.change {
+            return self.carry_out(cx, change, matches!(op, Op::Merge { .. }));
+        }
         Ok(match op {
-            Op::Admit { req } => self.admit(cx, *req)?,
+            // Lifecycle ops that change nothing were skipped by the roster, but for an extract of a missing row.
+            Op::Admit { .. } | Op::Merge { .. } | Op::Join { .. } | Op::BatchPrefill { .. } | Op::Filter { .. } => {
+                false
+            }
+            Op::Extract { row, .. } => self.extract_missing(*row as usize)?,
             Op::SoloWindow { req, len } => self.solo_window(cx, *req, *len as usize, true)?,
             Op::SoloDecode { req } => self.solo_decode(cx, *req)?,
             Op::SoloTrim { req, n, bypass } => self.solo_trim(cx, *req, *n as usize, *bypass)?,
-            Op::Merge { reqs } => self.enter(cx, reqs, true)?,
-            Op::Join { reqs, order } => self.join(cx, reqs, order)?,
-            Op::BatchPrefill { reqs, lengths, chunk, .. } => self.batch_prefill(cx, reqs, lengths, *chunk as usize)?,
             Op::Decode => self.batch_decode(cx)?,
             Op::Window { len } => self.batch_window(cx, *len as usize, true)?,
             Op::Append { len } => self.batch_window(cx, *len as usize, false)?,
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept)?,
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize)?,
-            Op::Extract { row, finish } => self.extract(cx, *row as usize, *finish)?,
-            Op::Filter { keep } => self.filter(cx, keep)?,
             Op::Trim { n, bypass } => self.batch_trim(cx, *n as usize, *bypass)?,
             Op::ReadBlock { req, len } => self.solo_read_block(cx, *req, *len as usize)?,
             Op::BidirPrefill { req, len, image } => self.bidir_prefill(cx, *req, *len as usize, *image)?,
@@ -222,16 +193,14 @@ impl Attention {
             // The bf16-first family's own ops (prefix reuse from its stored entry, the refused plain read) touch
             // no cache here: `check_all` after the op proves it.
             Op::PrefixReuse { .. } | Op::PlainRead => true,
-            Op::Adopt { invalid } => self.adopt(*invalid)?,
-            Op::DecodePhase => self.decode_phases()?,
+            Op::Adopt { invalid } => self.adopt(cx.roster, *invalid)?,
+            Op::DecodePhase => self.decode_phases(cx.roster)?,
             Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,
-            Op::IllFormed { req, batch, input, variant } => self.ill_formed(*req, *batch, *input, *variant)?,
-            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm)?,
+            Op::IllFormed { req, batch, input, variant } => {
+                self.ill_formed(cx.roster, *req, *batch, *input, *variant)?
+            }
+            Op::Persist { req, mlxlm } => self.persist(cx.roster, *req, *mlxlm)?,
         })
-    }
-
-    fn solo_req(&self, req: u32) -> bool {
-        self.reqs.get(&req).is_some_and(|r| r.home == Home::Solo)
     }
 }
 
@@ -285,8 +254,8 @@ impl Family for Attention {
         self.record_checkpoint(cx)
     }
 
-    fn view(&self) -> View {
-        Attention::view(self)
+    fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
+        Attention::position(self, req)
     }
 
     fn counters(&self) -> &Counters {

@@ -3,8 +3,10 @@
 //! A **family** is one kind of cache a model's layers may hold (attention K/V caches, quantized ones, a recurrent
 //! state, ...). It owns, for one run, everything about its layers: the production layouts (serial caches and rows
 //! of the running batch), one solo twin per request, its reference model, the ops it supports, its checks, and the
-//! counters of what it proved. The runner ([`crate::sim::runner::World`]) holds one instance per family of the
-//! run's swarm config and dispatches every op to each of them; it knows nothing else about any family.
+//! counters of what it proved. It keeps no scheduler state: which requests live, which run in the batch and in
+//! which order is the run's one [`Roster`], handed to every call in [`Cx`]. The runner
+//! ([`crate::sim::runner::World`]) holds the roster and one instance per family of the run's swarm config and
+//! dispatches every op to each of them; it knows nothing else about any family.
 //!
 //! Families are registered at run time: a [`Registry`] is the value the run loop takes ([`Registry::builtin`] holds
 //! kvsim's own, and a crate outside kvsim adds its own [`Registration`] with [`Registry::with`]). The swarm config
@@ -25,32 +27,27 @@ use crate::sim::check::Failure;
 use crate::sim::config::{Params, SimConfig};
 use crate::sim::observe::RunObserver;
 use crate::sim::ops::{Op, OpKind};
+use crate::sim::roster::{Change, Roster};
 use crate::sim::summary::Counters;
 
-/// What a family hands its checks besides itself: the run's digest (every byte a check reads is chained into it, in
-/// order) and the observer.
+/// What a family hands its checks besides itself: the run's roster, the change the op made to it, the run's digest
+/// (every byte a check reads is chained into it, in order) and the observer.
 pub struct Cx<'a> {
     pub hasher: &'a mut blake3::Hasher,
     pub observer: &'a mut dyn RunObserver,
-}
-
-/// What the op generator may look at (the scheduler's picture; the same in every family of a run).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct View {
-    /// Requests outside the batch: (id, offset, width of the last window write if it was the last mutation).
-    pub solo: Vec<(u32, usize, Option<usize>)>,
-    /// Requests of the batch rows, in row order.
-    pub rows: Vec<u32>,
-    pub next_id: u32,
-    pub live: usize,
+    /// The scheduler's picture, the op's change already committed (which requests live, the batch rows in order).
+    pub roster: &'a Roster,
+    /// What the op being applied did to the roster (`None` for ops that leave it alone, and in the state checks).
+    pub change: Option<&'a Change>,
 }
 
 /// One layout family of one run.
 ///
 /// Contract (what the runner relies on):
 /// - [`Family::apply`] executes `op` on production, twins and model, checks every read it makes, and returns
-///   `Ok(false)` (changing nothing) when the op's references do not exist in this family's state; an impossible
-///   request is executed and must yield the model's typed error. Ops of kinds the family does not
+///   `Ok(false)` (changing nothing) when the op's references do not exist; an impossible request is executed and
+///   must yield the model's typed error. A lifecycle op reaches it only when the roster changed (`cx.change`, which
+///   it carries out on its layouts: skipping it then is a failure). Ops of kinds the family does not
 ///   [`support`](Registration::supports) never reach it.
 /// - [`Family::check_state`] runs after every applied op: every live request's state against twin and model.
 /// - Everything the checks read goes into `cx.hasher` in a deterministic order (the run's result hash).
@@ -64,8 +61,10 @@ pub trait Family {
     fn check_state(&mut self, cx: &mut Cx<'_>) -> Result<(), Failure>;
     /// Hands every live request's production state to the observer (only called when it wants calls).
     fn observe_state(&mut self, cx: &mut Cx<'_>) -> Result<(), Failure>;
-    /// The scheduler's picture, for the generator.
-    fn view(&self) -> View;
+    /// A live request's position as this family's model has it: (offset, width of the last window write when that
+    /// was its last mutation). The generator's view takes the run's first family's (`None`: the family holds no
+    /// request state).
+    fn position(&self, req: u32) -> Option<(usize, Option<usize>)>;
     /// What this family counted so far.
     fn counters(&self) -> &Counters;
     fn counters_mut(&mut self) -> &mut Counters;
@@ -197,28 +196,6 @@ impl Registry {
 /// The families a run holds by default (a config that names none): [`crate::sim::config::default_families`].
 pub fn default_families() -> Vec<String> {
     crate::sim::config::default_families()
-}
-
-/// The running rows' order a `Join` lists (`order`; empty = identity) as a permutation of `0..rows`, or `None` when
-/// it is not one: every family then skips the op alike.
-pub(crate) fn join_permutation(order: &[u32], rows: usize) -> Option<Vec<usize>> {
-    let perm: Vec<usize> =
-        if order.is_empty() { (0..rows).collect() } else { order.iter().map(|&r| r as usize).collect() };
-    let mut sorted = perm.clone();
-    sorted.sort_unstable();
-    (sorted == (0..rows).collect::<Vec<_>>()).then_some(perm)
-}
-
-/// The requests of `reqs` that may enter the batch (`eligible`: a solo request of the family), each once, in the
-/// order listed.
-pub(crate) fn entering(reqs: &[u32], eligible: impl Fn(u32) -> bool) -> Vec<u32> {
-    let mut ids: Vec<u32> = vec![];
-    for &r in reqs {
-        if eligible(r) && !ids.contains(&r) {
-            ids.push(r);
-        }
-    }
-    ids
 }
 
 /// A kvsim-format file damaged three ways, each at a place its own bytes choose (so the run's seed decides it): one

@@ -30,11 +30,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::sim::check::{self, Failure};
 use crate::sim::config::{Params, SimConfig};
-use crate::sim::family::attention::{mlx_fail, unexpected, Attention, Home, Res};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::attention::{mlx_fail, unexpected, Attention, Res};
+use crate::sim::family::{Cx, Family, Registration};
 use crate::sim::observe::NoObserver;
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
+use crate::sim::roster::Roster;
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
 use kvsim_cache::{self as cache, CacheError, CompiledDecode, DecodePhase, QuantSpec, Storage};
@@ -147,7 +148,7 @@ impl Family for Quant {
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
         if let Op::CompiledStep { req } = op {
             // On copies, before the real step: the typed refusal of a step of the other storage.
-            self.inner.compiled_step_other_storage(*req, self.choice.spec())?;
+            self.inner.compiled_step_other_storage(cx.roster, *req, self.choice.spec())?;
         }
         // Calls are described as the attention family's (the mlx-lm oracle maps them on `QuantizedKVCache`), plus
         // the conversion op (`Call::Quantize`).
@@ -156,7 +157,7 @@ impl Family for Quant {
 
     fn check_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let mut quiet = NoObserver;
-        let mut own = Cx { hasher: &mut *cx.hasher, observer: &mut quiet };
+        let mut own = Cx { hasher: &mut *cx.hasher, observer: &mut quiet, roster: cx.roster, change: None };
         self.inner.check_all(&mut own)
     }
 
@@ -164,8 +165,8 @@ impl Family for Quant {
         self.inner.record_checkpoint(cx)
     }
 
-    fn view(&self) -> View {
-        self.inner.view()
+    fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
+        self.inner.position(req)
     }
 
     fn counters(&self) -> &Counters {
@@ -226,9 +227,10 @@ impl Attention {
     /// the model's positions, columns and ring phases do not move (the state check after the op proves it, and,
     /// when the verdict is an error, that nothing changed).
     pub(crate) fn quantize(&mut self, cx: &mut Cx<'_>, bits: usize, group: usize, mid_round: bool) -> Res<bool> {
+        let roster = cx.roster;
         let target = QuantSpec { bits, group };
         let v = verdict(self.storage, self.spec.head_dim, target);
-        if mid_round && !self.rows.is_empty() {
+        if mid_round && !roster.rows().is_empty() {
             self.refuse_mid_round(target)?;
         }
         for layer in 0..self.cfg.layers {
@@ -237,9 +239,10 @@ impl Attention {
         }
         let ids: Vec<u32> = self.reqs.keys().copied().collect();
         for id in ids {
+            let solo = roster.is_solo(id);
             let r = self.reqs.get_mut(&id).unwrap();
             for layer in 0..r.twin.len() {
-                if r.home == Home::Solo {
+                if solo {
                     conversion_matches("solo to_quantized", v, &r.solo[layer].to_quantized(target))?;
                 }
                 conversion_matches("twin to_quantized", v, &r.twin[layer].to_quantized(target))?;
@@ -308,8 +311,8 @@ impl Attention {
     /// handed what a plain step returns for its plan (dense K and V of the slot's columns, its own outputs' shapes
     /// otherwise). Both applies must be `StepMismatch` with the copy's state and every plane's bytes as they were
     /// before the apply. The run's own caches are not touched (the op then runs the real step).
-    pub(crate) fn compiled_step_other_storage(&mut self, req: u32, quant: QuantSpec) -> Res<()> {
-        if !self.reqs.get(&req).is_some_and(|r| r.home == Home::Solo) {
+    pub(crate) fn compiled_step_other_storage(&mut self, roster: &Roster, req: u32, quant: QuantSpec) -> Res<()> {
+        if !roster.is_solo(req) {
             return Ok(());
         }
         let fail = |what: String| Failure::new("errors", what);
@@ -379,23 +382,25 @@ impl Attention {
     /// planes (physical and temporal view) against its twin's (bytes) and the model's tokens quantized by the
     /// reference (bytes), with one device round trip.
     pub(crate) fn check_all_planes(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let roster = cx.roster;
         let quant = self.storage.quant().ok_or_else(|| Failure::new("setup", "plane check of plain storage"))?;
         let max = self.cfg.layout.max_size();
         for layer in 0..self.cfg.layers {
-            check::row_count(&self.batch[layer], self.rows.len())?;
+            check::row_count(&self.batch[layer], roster.rows().len())?;
             let b = &self.batch[layer];
             kinds(&b.storage_kind(), true, max, quant)?;
             bytes_per_token("batch", b.bytes_per_token(), |n| b.bytes_for_tokens(n), max, &self.spec, quant)?;
-            let width = self.rows.iter().map(|id| self.reqs[id].model.cols.len()).max().unwrap_or(0);
-            let expected_lp: Vec<i64> = self.rows.iter().map(|id| self.reqs[id].model.left_padding(width)).collect();
+            let width = roster.rows().iter().map(|id| self.reqs[id].model.cols.len()).max().unwrap_or(0);
+            let expected_lp: Vec<i64> =
+                roster.rows().iter().map(|id| self.reqs[id].model.left_padding(width)).collect();
             check::left_padding(&b.left_padding(), &expected_lp)?;
-            let trimmable = self.rows.iter().all(|id| self.reqs[id].model.is_trimmable());
+            let trimmable = roster.rows().iter().all(|id| self.reqs[id].model.is_trimmable());
             check::flag("batch is_trimmable", b.is_trimmable(), trimmable)?;
         }
         // Per item: production's physical planes and temporal-view planes (12 arrays), then the twin's (12).
         let mut items: Vec<(String, u32, usize)> = vec![];
         let mut arrays: Vec<mlx_rs::Array> = vec![];
-        for (row, id) in self.rows.iter().enumerate() {
+        for (row, id) in roster.rows().iter().enumerate() {
             for layer in 0..self.cfg.layers {
                 let what = format!("row {row} (request {id}) layer {layer}");
                 let b = &self.batch[layer];
@@ -405,7 +410,7 @@ impl Attention {
                 items.push((what, *id, layer));
             }
         }
-        let solo: Vec<u32> = self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| r.id).collect();
+        let solo: Vec<u32> = roster.solo().collect();
         for id in solo {
             for layer in 0..self.cfg.layers {
                 let what = format!("solo request {id} layer {layer}");

@@ -47,7 +47,7 @@ use rand::Rng;
 
 use crate::sim::check::{ulp_at, Failure};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{Cx, Family, Registration};
 use crate::sim::observe::{Call, StateView};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
@@ -205,15 +205,8 @@ enum Rows {
     Attn(RowBatch),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Home {
-    Solo,
-    Batch,
-}
-
 /// One request: its caches outside the batch, its twins, its models (DeltaNet layers) and positions fed.
 struct Req {
-    home: Home,
     solo: Vec<Cache>,
     twin: Vec<Cache>,
     models: Vec<Option<SsmRowModel>>,
@@ -227,10 +220,10 @@ pub struct Recurrent {
     attn: KvSpec,
     values: SsmValues,
     layers: Vec<LayerDef>,
+    /// Every live request of the roster (`Cx::roster`), by id.
     reqs: BTreeMap<u32, Req>,
+    /// The running batch, one per layer (row `i` is the roster's `rows()[i]`).
     batch: Vec<Rows>,
-    rows: Vec<u32>,
-    next_id: u32,
     round_no: u64,
     counters: Counters,
     /// The observer has been told the geometry and weights ([`Call::SsmLayers`]).
@@ -326,8 +319,6 @@ impl Recurrent {
             layers,
             reqs: BTreeMap::new(),
             batch,
-            rows: vec![],
-            next_id: 0,
             round_no: 0,
             counters: Counters::default(),
             described: false,
@@ -437,6 +428,7 @@ impl Family for Recurrent {
     }
 
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        let roster = cx.roster;
         if cx.observer.wants_calls() && !self.described {
             self.described = true;
             let params: Vec<GdnParams> = self
@@ -449,48 +441,45 @@ impl Family for Recurrent {
                 .collect();
             emit(cx, Call::SsmLayers { spec: self.spec, params: &params })?;
         }
+        if let Some(change) = cx.change {
+            self.carry_out(cx, change)?;
+            return Ok(true);
+        }
         match op {
-            Op::Admit { req } => {
-                let admitted = self.admit(*req)?;
-                if admitted && cx.observer.wants_calls() {
-                    emit(cx, Call::Admit { req: *req })?;
-                }
-                Ok(admitted)
+            // Lifecycle ops that change nothing were skipped by the roster, but for an extract of a missing row.
+            Op::Admit { .. } | Op::Merge { .. } | Op::Join { .. } | Op::BatchPrefill { .. } | Op::Filter { .. } => {
+                Ok(false)
             }
+            Op::Extract { row, .. } => self.extract_missing(*row as usize),
             Op::SoloWindow { req, len } => {
-                if !self.solo_req(*req) || *len == 0 {
+                if !roster.is_solo(*req) || *len == 0 {
                     return Ok(false);
                 }
                 self.solo_forward(cx, *req, *len as usize, false)?;
                 Ok(true)
             }
             Op::SoloDecode { req } => {
-                if !self.solo_req(*req) {
+                if !roster.is_solo(*req) {
                     return Ok(false);
                 }
                 self.solo_forward(cx, *req, 1, true)?;
                 Ok(true)
             }
-            Op::Merge { reqs } => self.merge_or_join(cx, reqs, &[]),
-            Op::Join { reqs, order } => self.merge_or_join(cx, reqs, order),
-            Op::BatchPrefill { reqs, lengths, chunk, .. } => self.batch_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.decode(cx),
             Op::Window { len } | Op::Append { len } => self.window(cx, *len as usize),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),
-            Op::Extract { row, finish } => self.extract(cx, *row as usize, *finish),
-            Op::Filter { keep } => self.filter(cx, keep),
             Op::TrainingForward { lengths, len, .. } => self.training_forward(cx, lengths, *len as usize),
             Op::TrainingRefusal { .. } => self.training_refusal(),
             Op::Persist { req, mlxlm } => {
-                if !self.solo_req(*req) {
+                if !roster.is_solo(*req) {
                     return Ok(false);
                 }
                 let r = self.reqs.get_mut(req).unwrap();
                 let caches = std::mem::take(&mut r.solo);
                 r.solo = persist_roundtrip(caches, *mlxlm, &mut self.counters)?;
                 self.counters.persist_roundtrips += 1;
-                if !self.rows.is_empty() {
+                if !roster.rows().is_empty() {
                     self.persist_batch()?;
                 }
                 Ok(true)
@@ -518,11 +507,12 @@ impl Family for Recurrent {
 
     /// Every live request's two states per DeltaNet layer (`[1, K-1, conv_dim]`, `[1, Hv, Dv, Dk]`) and positions.
     fn observe_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let roster = cx.roster;
         if !cx.observer.wants_calls() {
             return Ok(());
         }
         let mut views = BTreeMap::new();
-        for (r, id) in self.rows.iter().enumerate() {
+        for (r, id) in roster.rows().iter().enumerate() {
             let mut layers = vec![];
             for b in &self.batch {
                 if let Rows::Ssm(b) = b {
@@ -531,25 +521,20 @@ impl Family for Recurrent {
             }
             views.insert(*id, StateView { offset: self.reqs[id].pos, layers, planes: None });
         }
-        for (id, req) in self.reqs.iter().filter(|(_, r)| r.home == Home::Solo) {
+        for (id, req) in roster.solo().map(|id| (id, &self.reqs[&id])) {
             let mut layers = vec![];
             for c in &req.solo {
                 if let Cache::Ssm(c) = c {
                     layers.push(c.row_states(0).map_err(|e| mlx("row states", e))?);
                 }
             }
-            views.insert(*id, StateView { offset: req.pos, layers, planes: None });
+            views.insert(id, StateView { offset: req.pos, layers, planes: None });
         }
         cx.observer.on_state(views).map_err(|e| Failure::new("mlx", format!("observe: {e}")))
     }
 
-    fn view(&self) -> View {
-        View {
-            solo: self.reqs.iter().filter(|(_, r)| r.home == Home::Solo).map(|(id, r)| (*id, r.pos, None)).collect(),
-            rows: self.rows.clone(),
-            next_id: self.next_id,
-            live: self.reqs.len(),
-        }
+    fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
+        self.reqs.get(&req).map(|r| (r.pos, None))
     }
 
     fn counters(&self) -> &Counters {

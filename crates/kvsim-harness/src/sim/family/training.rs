@@ -9,7 +9,7 @@ use mlx_rs::Array;
 
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::family::{Cx, Family, Registration, View};
+use crate::sim::family::{Cx, Family, Registration};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
@@ -318,8 +318,9 @@ impl Family for Training {
         Ok(())
     }
 
-    fn view(&self) -> View {
-        View::default()
+    /// Training caches hold no request of the roster.
+    fn position(&self, _req: u32) -> Option<(usize, Option<usize>)> {
+        None
     }
 
     fn counters(&self) -> &Counters {

@@ -68,9 +68,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::sim::check::{self, Failure};
 use crate::sim::config::{DtypeChoice, SimConfig};
-use crate::sim::family::{entering, join_permutation, Cx, Family, Registration, View};
+use crate::sim::family::{Cx, Family, Registration};
 use crate::sim::ops::{Op, OpKind};
 use crate::sim::rng::{stream, Stream};
+use crate::sim::roster::Change;
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
 use kvsim_cache::transition::{Bf16FirstCache, Transition, TransitioningKvRows};
@@ -180,15 +181,8 @@ impl TransitionChoice {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Home {
-    Solo,
-    Batch,
-}
-
 /// One request: its production lego per layer (outside the batch), its twins, its model (outside the batch).
 struct Req {
-    home: Home,
     solo: Vec<Bf16FirstCache>,
     twin: Vec<Bf16FirstCache>,
     model: LegoModel,
@@ -207,13 +201,12 @@ pub struct TransitionFamily {
     spec: KvSpec,
     t: Transition,
     ts: TransitionSpec,
+    /// Every live request of the roster (`Cx::roster`), by id.
     reqs: BTreeMap<u32, Req>,
-    rows: Vec<u32>,
     /// The running batch, one per layer (`None` while no row runs).
     batch: Vec<Option<TransitioningKvRows>>,
     rows_model: RowsModel,
     stored: Option<Stored>,
-    next_id: u32,
     counters: Counters,
     /// The lego family (`legos.rs`): every request, in the batch or not, is a serial lego; no rows layout.
     legos: bool,
@@ -281,11 +274,9 @@ impl TransitionFamily {
             t,
             ts,
             reqs: BTreeMap::new(),
-            rows: Vec::new(),
             batch: Vec::new(),
             rows_model,
             stored: None,
-            next_id: 0,
             counters: Counters::default(),
             legos,
             padded_prefill: choice.padded_prefill,
@@ -315,10 +306,6 @@ impl TransitionFamily {
         (self.block(layer, Tensor::K, toks), self.block(layer, Tensor::V, toks), self.block(layer, Tensor::Q, toks))
     }
 
-    fn solo_req(&self, req: u32) -> bool {
-        self.reqs.get(&req).is_some_and(|r| r.home == Home::Solo)
-    }
-
     fn toks_from(id: u32, offset: usize, n: usize) -> Vec<Tok> {
         (offset..offset + n).map(|p| Tok::new(id, p as u32)).collect()
     }
@@ -335,29 +322,34 @@ impl Family for TransitionFamily {
     }
 
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        if let Some(change) = cx.change {
+            if self.legos {
+                self.lego_carry_out(cx, change)?;
+            } else {
+                self.carry_out(cx, op, change)?;
+            }
+            return Ok(true);
+        }
         if self.legos {
             return self.apply_legos(op, cx);
         }
         match op {
-            Op::Admit { req } => self.admit(*req),
+            // Lifecycle ops that change nothing were skipped by the roster, but for an extract of a missing row.
+            Op::Admit { .. } | Op::Merge { .. } | Op::Join { .. } | Op::BatchPrefill { .. } | Op::Filter { .. } => {
+                Ok(false)
+            }
+            Op::Extract { row, .. } => self.extract_missing(*row as usize),
             Op::SoloWindow { req, len } => self.solo_append(cx, *req, *len as usize, false),
             Op::SoloDecode { req } => self.solo_append(cx, *req, 1, true),
-            Op::Merge { reqs } => self.enter(reqs, &[]),
-            Op::Join { reqs, order } => self.enter(reqs, order),
-            Op::BatchPrefill { reqs, lengths, chunk, uncommitted } => {
-                self.batch_prefill(cx, reqs, lengths, *chunk as usize, uncommitted)
-            }
             Op::Decode => self.batch_read(cx, 1, true),
             Op::Window { len } => self.batch_read(cx, *len as usize, false),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),
-            Op::Extract { row, finish } => self.extract(*row as usize, *finish),
-            Op::Filter { keep } => self.filter(keep),
             Op::PrefixReuse { common, prompt, extra } => {
                 self.prefix_reuse(cx, *common as usize, *prompt as usize, *extra as usize)
             }
             Op::PlainRead => self.plain_read(cx),
-            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm),
+            Op::Persist { req, mlxlm } => self.persist(cx.roster, *req, *mlxlm),
             // The training kinds use their own stateless caches: every cache here must come out unchanged.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),
             _ => Ok(false),
@@ -372,18 +364,8 @@ impl Family for TransitionFamily {
         Ok(())
     }
 
-    fn view(&self) -> View {
-        View {
-            solo: self
-                .reqs
-                .iter()
-                .filter(|(_, r)| r.home == Home::Solo)
-                .map(|(&id, r)| (id, r.model.row.offset(), r.model.row.ring.last_concat))
-                .collect(),
-            rows: self.rows.clone(),
-            next_id: self.next_id,
-            live: self.reqs.len(),
-        }
+    fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
+        self.reqs.get(&req).map(|r| (r.model.row.offset(), r.model.row.ring.last_concat))
     }
 
     fn counters(&self) -> &Counters {

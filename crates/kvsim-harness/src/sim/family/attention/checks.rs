@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use mlx_rs::Array;
 
-use super::{mlx_fail, unexpected, Attention, Home, Res};
+use super::{mlx_fail, unexpected, Attention, Res};
 use crate::sim::check::{self, ReadKind};
 use crate::sim::family::Cx;
 use crate::sim::observe::StateView;
@@ -149,12 +149,13 @@ impl Attention {
     /// Hands the observer every live request's offset and per-layer temporal K/V views, from the production
     /// caches (batch rows first, in row order, then requests outside the batch). Nothing when it does not watch.
     pub fn record_checkpoint(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let roster = cx.roster;
         if !cx.observer.wants_calls() {
             return Ok(());
         }
         let affine = self.storage != Storage::Plain;
         let mut views = BTreeMap::new();
-        for (row, id) in self.rows.iter().enumerate() {
+        for (row, id) in roster.rows().iter().enumerate() {
             let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
                 let b = &self.batch[layer];
@@ -167,7 +168,7 @@ impl Attention {
             let offset = self.batch[0].row_states()[row].ring.offset;
             views.insert(*id, StateView { offset, layers, planes: affine.then_some(planes) });
         }
-        for r in self.reqs.values().filter(|r| r.home == Home::Solo) {
+        for r in roster.solo().map(|id| &self.reqs[&id]) {
             let (mut layers, mut planes) = (vec![], vec![]);
             for layer in 0..self.cfg.layers {
                 if affine {
@@ -183,17 +184,19 @@ impl Attention {
 
     /// After every op: every live request's state, bytes and kinds, in production, twin and model.
     pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let roster = cx.roster;
         if self.storage != Storage::Plain {
             return self.check_all_planes(cx);
         }
-        let rows_model = self.rows.len();
+        let rows_model = roster.rows().len();
         for layer in 0..self.cfg.layers {
             check::row_count(&self.batch[layer], rows_model)?;
             check::kinds_batch(&self.batch[layer], self.max_size(), self.spec)?;
-            let width = self.rows.iter().map(|id| self.reqs[id].model.cols.len()).max().unwrap_or(0);
-            let expected_lp: Vec<i64> = self.rows.iter().map(|id| self.reqs[id].model.left_padding(width)).collect();
+            let width = roster.rows().iter().map(|id| self.reqs[id].model.cols.len()).max().unwrap_or(0);
+            let expected_lp: Vec<i64> =
+                roster.rows().iter().map(|id| self.reqs[id].model.left_padding(width)).collect();
             check::left_padding(&self.batch[layer].left_padding(), &expected_lp)?;
-            let trimmable = self.rows.iter().all(|id| self.reqs[id].model.is_trimmable());
+            let trimmable = roster.rows().iter().all(|id| self.reqs[id].model.is_trimmable());
             check::flag("batch is_trimmable", self.batch[layer].is_trimmable(), trimmable)?;
         }
         // Host-side state first (cheap), then every byte with one device round trip and few MLX ops: each layer's
@@ -212,7 +215,7 @@ impl Attention {
         let mut srcs: Vec<Src> = vec![];
         let mut arrays: Vec<Array> = vec![];
         let mut layer_at: Vec<Option<(usize, Vec<usize>)>> = vec![None; self.cfg.layers];
-        if !self.rows.is_empty() {
+        if !roster.rows().is_empty() {
             for (layer, slot) in layer_at.iter_mut().enumerate() {
                 let b = &self.batch[layer];
                 let (bk, bv) = match b.buffers() {
@@ -224,7 +227,7 @@ impl Attention {
                 arrays.extend([bk, bv, tk, tv]);
             }
         }
-        for (row, id) in self.rows.iter().enumerate() {
+        for (row, id) in roster.rows().iter().enumerate() {
             for layer in 0..self.cfg.layers {
                 let what = format!("row {row} (request {id}) layer {layer}");
                 let model = &self.reqs[id].model;
@@ -243,7 +246,7 @@ impl Attention {
                 items.push((what, *id, layer));
             }
         }
-        let solo: Vec<u32> = self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| r.id).collect();
+        let solo: Vec<u32> = roster.solo().collect();
         for id in solo {
             for layer in 0..self.cfg.layers {
                 let what = format!("solo request {id} layer {layer}");

@@ -2,54 +2,43 @@
 //! leaving it (`extract`, `filter`).
 
 use super::persist::persist_roundtrip;
-use super::{emit, unexpected, Attention, History, Home, Request, Res};
+use super::{emit, unexpected, Attention, History, Request, Res};
 use crate::sim::check::Failure;
-use crate::sim::family::{entering, join_permutation, Cx};
+use crate::sim::family::Cx;
 use crate::sim::observe::Call;
+use crate::sim::roster::Change;
 use kvsim_cache::{CacheError, JoinSource, RowBatch, SerialCache};
 use kvsim_reference::RowModel;
 
 impl Attention {
-    pub(super) fn admit(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
-        if self.reqs.contains_key(&req) || req < self.next_id && self.reqs.contains_key(&req) {
-            return Ok(false);
-        }
-        if req < self.next_id {
-            // Ids are never reused: a finished request stays finished.
-            return Ok(false);
-        }
-        let layers = self.cfg.layers;
-        let solo = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
-        let twin = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
-        let model = RowModel::new(self.max_size());
-        self.reqs.insert(req, Request { id: req, home: Home::Solo, solo, twin, model, history: History::default() });
-        self.next_id = req + 1;
-        if cx.observer.wants_calls() {
-            emit(cx, Call::Admit { req })?;
+    /// Carries out on the layouts what a lifecycle op did to the roster (`merge`: a `Merge`'s temporal merge).
+    pub(super) fn carry_out(&mut self, cx: &mut Cx<'_>, change: &Change, merge: bool) -> Res<bool> {
+        match change {
+            Change::Admit { req } => self.admit(cx, *req)?,
+            Change::Enter { ids, perm } => self.enter_ordered(cx, ids, merge, perm)?,
+            Change::Prefill { ids, lens, chunk, .. } => self.batch_prefill(cx, ids, lens, *chunk)?,
+            Change::Extract { row, req, finish, keep } => self.extract(cx, *row, *req, *finish, keep)?,
+            Change::Filter { kept, dropped } => self.filter(cx, kept, dropped)?,
         }
         Ok(true)
     }
 
-    /// Solo requests enter the running batch: by temporal merge (`merge = true`) or keeping their phase (join).
-    /// `join` with the running batch's rows listed in `order` (empty: identity). A permutation is first described to
+    fn admit(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<()> {
+        let layers = self.cfg.layers;
+        let solo = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
+        let twin = (0..layers).map(|_| self.new_serial()).collect::<Res<Vec<_>>>()?;
+        let model = RowModel::new(self.max_size());
+        self.reqs.insert(req, Request { id: req, solo, twin, model, history: History::default() });
+        if cx.observer.wants_calls() {
+            emit(cx, Call::Admit { req })?;
+        }
+        Ok(())
+    }
+
+    /// Solo requests `ids` enter the running batch: by temporal merge (`merge = true`) or keeping their phase
+    /// (join), the running rows first reordered as `perm` lists them. A permutation is first described to
     /// observers as a `filter` keeping every row in that order (mlx-lm's `filter` reorders rows alike).
-    pub(super) fn join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        match join_permutation(order, self.rows.len()) {
-            Some(perm) if reqs.iter().any(|&r| self.solo_req(r)) => self.enter_ordered(cx, reqs, false, &perm),
-            _ => Ok(false),
-        }
-    }
-
-    pub(super) fn enter(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool) -> Res<bool> {
-        let perm: Vec<usize> = (0..self.rows.len()).collect();
-        self.enter_ordered(cx, reqs, merge, &perm)
-    }
-
-    fn enter_ordered(&mut self, cx: &mut Cx<'_>, reqs: &[u32], merge: bool, perm: &[usize]) -> Res<bool> {
-        let ids = entering(reqs, |r| self.solo_req(r));
-        if ids.is_empty() {
-            return Ok(false);
-        }
+    fn enter_ordered(&mut self, cx: &mut Cx<'_>, ids: &[u32], merge: bool, perm: &[usize]) -> Res<()> {
         let max = self.max_size();
         let identity = perm.iter().enumerate().all(|(i, &r)| i == r);
         if cx.observer.wants_calls() {
@@ -58,12 +47,12 @@ impl Attention {
             }
             let offsets: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.offset).collect();
             let sizes: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.cols.len()).collect();
-            emit(cx, Call::Enter { reqs: &ids, merge, offsets: &offsets, sizes: &sizes })?;
+            emit(cx, Call::Enter { reqs: ids, merge, offsets: &offsets, sizes: &sizes })?;
         }
         for layer in 0..self.cfg.layers {
             let incoming = if merge {
                 let mut slices = vec![];
-                for id in &ids {
+                for id in ids {
                     let planes =
                         self.reqs[id].solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?;
                     slices.push((planes, self.reqs[id].model.offset));
@@ -87,10 +76,8 @@ impl Attention {
             .map_err(|e| unexpected("join", e))?;
             self.batch[layer] = joined;
         }
-        self.rows = perm.iter().map(|&r| self.rows[r]).collect();
-        for id in &ids {
+        for id in ids {
             let r = self.reqs.get_mut(id).unwrap();
-            r.home = Home::Batch;
             r.history.layout_event = true;
             if merge {
                 // Layout event: the row is rebuilt from its temporal view; the twin mirrors it.
@@ -108,49 +95,46 @@ impl Attention {
                 r.model.base = r.model.offset - r.model.cols.len();
             }
             r.solo.clear();
-            self.rows.push(*id);
         }
+        Ok(())
+    }
+
+    /// An extract of a row the batch does not have: every layer must refuse it with `NoSuchRow`, and change
+    /// nothing.
+    pub(super) fn extract_missing(&mut self, row: usize) -> Res<bool> {
+        let rows = self.batch.first().map_or(0, |b| b.rows());
+        for layer in 0..self.cfg.layers {
+            match self.batch[layer].extract(row) {
+                Err(CacheError::NoSuchRow { .. }) => {}
+                other => {
+                    return Err(Failure::new(
+                        "errors",
+                        format!(
+                            "extract of missing row {row} (rows {rows}): expected NoSuchRow, got {:?}",
+                            other.map(|_| ())
+                        ),
+                    ))
+                }
+            }
+        }
+        self.counters.expected_errors += 1;
         Ok(true)
     }
 
-    pub(super) fn extract(&mut self, cx: &mut Cx<'_>, row: usize, finish: bool) -> Res<bool> {
-        if self.rows.is_empty() {
-            return Ok(false);
-        }
-        if row >= self.rows.len() {
-            // An impossible request: every layer must refuse it with NoSuchRow, and change nothing.
-            for layer in 0..self.cfg.layers {
-                match self.batch[layer].extract(row) {
-                    Err(CacheError::NoSuchRow { .. }) => {}
-                    other => {
-                        return Err(Failure::new(
-                            "errors",
-                            format!(
-                                "extract of missing row {row} (rows {}): expected NoSuchRow, got {:?}",
-                                self.rows.len(),
-                                other.map(|_| ())
-                            ),
-                        ))
-                    }
-                }
-            }
-            self.counters.expected_errors += 1;
-            return Ok(true);
-        }
-        let id = self.rows[row];
+    /// Row `row` (request `id`) leaves the batch (`keep`: the other rows): finished, or saved, restored and
+    /// continued solo.
+    fn extract(&mut self, cx: &mut Cx<'_>, row: usize, id: u32, finish: bool, keep: &[usize]) -> Res<()> {
         let mut extracted = vec![];
         for layer in 0..self.cfg.layers {
             extracted.push(self.batch[layer].extract(row).map_err(|e| unexpected("extract", e))?);
-            let keep: Vec<usize> = (0..self.rows.len()).filter(|&r| r != row).collect();
-            self.batch[layer].filter(&keep).map_err(|e| unexpected("filter after extract", e))?;
+            self.batch[layer].filter(keep).map_err(|e| unexpected("filter after extract", e))?;
         }
-        self.rows.remove(row);
         if cx.observer.wants_calls() {
-            emit(cx, Call::Extract { row, req: id, finish, rows_left: self.rows.len() })?;
+            emit(cx, Call::Extract { row, req: id, finish, rows_left: keep.len() })?;
         }
         if finish {
             self.reqs.remove(&id);
-            return Ok(true);
+            return Ok(());
         }
         let max = self.max_size();
         // Save/restore: the extracted row is persisted (every layer, one file), dropped and restored before it
@@ -161,7 +145,6 @@ impl Attention {
         let extracted = persist_roundtrip(extracted, id % 2 == 1, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
         let r = self.reqs.get_mut(&id).unwrap();
-        r.home = Home::Solo;
         r.history.layout_event = true;
         r.solo = extracted;
         // Layout event: extract de-rolls the row into a fresh serial cache (R-BROT-5); the twin and the model follow.
@@ -172,32 +155,20 @@ impl Attention {
             *twin = SerialCache::from_temporal_planes(self.spec, max, self.storage, &planes, r.model.offset)
                 .map_err(|e| unexpected("twin from_temporal", e))?;
         }
-        let _ = max;
-        Ok(true)
+        Ok(())
     }
 
-    pub(super) fn filter(&mut self, cx: &mut Cx<'_>, keep: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() {
-            return Ok(false);
-        }
-        let mut kept: Vec<usize> = vec![];
-        for &k in keep {
-            let k = k as usize;
-            if k < self.rows.len() && !kept.contains(&k) {
-                kept.push(k);
-            }
-        }
+    /// Rows `kept` stay, in that order; the requests `dropped` finish.
+    fn filter(&mut self, cx: &mut Cx<'_>, kept: &[usize], dropped: &[u32]) -> Res<()> {
         for layer in 0..self.cfg.layers {
-            self.batch[layer].filter(&kept).map_err(|e| unexpected("filter", e))?;
+            self.batch[layer].filter(kept).map_err(|e| unexpected("filter", e))?;
         }
         if cx.observer.wants_calls() {
-            emit(cx, Call::Filter { keep: &kept })?;
+            emit(cx, Call::Filter { keep: kept })?;
         }
-        let dropped: Vec<u32> = (0..self.rows.len()).filter(|r| !kept.contains(r)).map(|r| self.rows[r]).collect();
-        self.rows = kept.iter().map(|&r| self.rows[r]).collect();
         for id in dropped {
-            self.reqs.remove(&id);
+            self.reqs.remove(id);
         }
-        Ok(true)
+        Ok(())
     }
 }

@@ -3,21 +3,22 @@
 
 use super::{Attention, Res};
 use crate::sim::check::Failure;
+use crate::sim::roster::Roster;
 use kvsim_cache::SerialCache;
 
 impl Attention {
     /// Save/restore of a request outside the batch: every layer saved in one file, dropped, restored
     /// from the bytes alone. `check_all` after the op compares the restored caches with the twins (state and bytes)
     /// and the model; every later op continues them.
-    pub(super) fn persist(&mut self, req: u32, mlxlm: bool) -> Res<bool> {
-        if !self.solo_req(req) {
+    pub(super) fn persist(&mut self, roster: &Roster, req: u32, mlxlm: bool) -> Res<bool> {
+        if !roster.is_solo(req) {
             return Ok(false);
         }
         let r = self.reqs.get_mut(&req).unwrap();
         let caches = std::mem::take(&mut r.solo);
         r.solo = persist_roundtrip(caches, mlxlm, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
-        if !self.rows.is_empty() {
+        if !roster.rows().is_empty() {
             self.persist_batch()?;
         }
         Ok(true)

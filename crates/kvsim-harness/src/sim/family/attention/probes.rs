@@ -9,10 +9,11 @@
 
 use mlx_rs::{Array, Dtype};
 
-use super::{unexpected, Attention, Home, Res};
+use super::{unexpected, Attention, Res};
 use crate::sim::check::Failure;
 use crate::sim::family::Cx;
 use crate::sim::ops::IllInput;
+use crate::sim::roster::Roster;
 use kvsim_cache::bytes::ArrayBytes;
 use kvsim_cache::{CacheError, DecodePhase, Masks, RowBatch, StorageKind, ROW_BATCH_MARKER};
 use kvsim_persist::{AnyCache, PersistError, Persisted, Registry};
@@ -77,8 +78,8 @@ impl Attention {
     /// `Op::Adopt`: every layer's running batch rebuilt from its own buffers and row states (`adopt` for plain
     /// storage, `adopt_planes` otherwise); `check_all` then proves every byte and state kept. With `invalid`, row
     /// 0 claims one column more than the buffer holds: `InvalidState`, and the batch is not replaced.
-    pub(super) fn adopt(&mut self, invalid: bool) -> Res<bool> {
-        if self.rows.is_empty() || self.batch[0].buffer_planes().is_none() {
+    pub(super) fn adopt(&mut self, roster: &Roster, invalid: bool) -> Res<bool> {
+        if roster.rows().is_empty() || self.batch[0].buffer_planes().is_none() {
             return Ok(false);
         }
         let before = if invalid { Some(self.snapshot(true, 0)?) } else { None };
@@ -116,14 +117,14 @@ impl Attention {
 
     /// `Op::DecodePhase`: every batch row's `row_decode_phase` and every outside request's `decode_phase` against
     /// the model's answer (R-ROT-5); the row one past the end is `NoSuchRow`.
-    pub(super) fn decode_phases(&mut self) -> Res<bool> {
-        let solo: Vec<u32> = self.reqs.values().filter(|r| r.home == Home::Solo).map(|r| r.id).collect();
-        if self.rows.is_empty() && solo.is_empty() {
+    pub(super) fn decode_phases(&mut self, roster: &Roster) -> Res<bool> {
+        let solo: Vec<u32> = roster.solo().collect();
+        if roster.rows().is_empty() && solo.is_empty() {
             return Ok(false);
         }
         let want = |ring: bool| if ring { DecodePhase::Ring } else { DecodePhase::Concat };
         for layer in 0..self.cfg.layers {
-            for (r, id) in self.rows.iter().enumerate() {
+            for (r, id) in roster.rows().iter().enumerate() {
                 let got = self.batch[layer].row_decode_phase(r).map_err(|e| unexpected("row_decode_phase", e))?;
                 let expected = want(self.reqs[id].model.decode_phase_is_ring());
                 if got != expected {
@@ -134,7 +135,7 @@ impl Attention {
                 }
                 self.counters.checks += 1;
             }
-            let n = self.rows.len();
+            let n = roster.rows().len();
             match self.batch[layer].row_decode_phase(n) {
                 Err(CacheError::NoSuchRow { row, rows }) if row == n && rows == n => {
                     self.counters.expected_errors += 1;
@@ -161,10 +162,11 @@ impl Attention {
     /// are delivered, then `finalize` (the undelivered positions are forgotten: the model and the twins never see
     /// them); a second `finalize` is `NoPendingPrefill`.
     pub(super) fn prepare_rows(&mut self, cx: &mut Cx<'_>, lengths: &[u32], chunk: usize, chunks: u32) -> Res<bool> {
-        if self.rows.is_empty()
-            || lengths.len() != self.rows.len()
+        let roster = cx.roster;
+        if roster.rows().is_empty()
+            || lengths.len() != roster.rows().len()
             || chunk == 0
-            || self.rows.iter().all(|id| self.reqs[id].model.offset == 0)
+            || roster.rows().iter().all(|id| self.reqs[id].model.offset == 0)
         {
             return Ok(false);
         }
@@ -174,7 +176,7 @@ impl Attention {
         }
         // Pending: a decode and a second prepare are refused, the batch unchanged.
         let before = self.snapshot(true, 0)?;
-        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, 1)).collect();
+        let toks: Vec<Vec<Option<Tok>>> = roster.rows().iter().map(|&id| self.next_toks(id, 1)).collect();
         let scale = self.cfg.scale();
         for layer in 0..self.cfg.layers {
             let (k, v, q) = self.kvq(layer, &toks)?;
@@ -196,7 +198,7 @@ impl Attention {
                 "a refused decode or prepare changed the pending batch",
             ))?;
         }
-        let ids = self.rows.clone();
+        let ids = roster.rows().to_vec();
         let mut batches = std::mem::take(&mut self.batch);
         let done = self.padded_chunks(cx, &mut batches, &ids, &lens, chunk, chunks as usize, false);
         self.batch = batches;
@@ -212,9 +214,16 @@ impl Attention {
     }
 
     /// `Op::IllFormed`: one ill-formed input offered to the running batch or to request `req` outside it.
-    pub(super) fn ill_formed(&mut self, req: u32, batch: bool, input: IllInput, variant: u32) -> Res<bool> {
-        let on_batch = batch && !self.rows.is_empty();
-        if !on_batch && !self.solo_req(req) || input == IllInput::RowId && self.rows.is_empty() {
+    pub(super) fn ill_formed(
+        &mut self,
+        roster: &Roster,
+        req: u32,
+        batch: bool,
+        input: IllInput,
+        variant: u32,
+    ) -> Res<bool> {
+        let on_batch = batch && !roster.rows().is_empty();
+        if !on_batch && !roster.is_solo(req) || input == IllInput::RowId && roster.rows().is_empty() {
             return Ok(false);
         }
         let on_batch = on_batch || input == IllInput::RowId;
@@ -222,10 +231,10 @@ impl Attention {
         let layer = variant as usize % self.cfg.layers;
         let what = match input {
             IllInput::Dtype | IllInput::Shape | IllInput::Heads => {
-                self.bad_tensor(on_batch, req, layer, input, variant)?
+                self.bad_tensor(roster, on_batch, req, layer, input, variant)?
             }
             IllInput::StorageKind => self.bad_kind(on_batch, req, layer, variant)?,
-            IllInput::RowId => self.bad_row(layer, variant)?,
+            IllInput::RowId => self.bad_row(roster, layer, variant)?,
         };
         self.rejected(input.name(), on_batch, req, &before, &what)?;
         Ok(true)
@@ -233,8 +242,16 @@ impl Attention {
 
     /// A write (+ read) whose K, V or Q is ill-formed (`variant` picks the call, the tensor and the fault):
     /// `ShapeMismatch`.
-    fn bad_tensor(&mut self, on_batch: bool, req: u32, layer: usize, input: IllInput, variant: u32) -> Res<String> {
-        let rows: Vec<u32> = if on_batch { self.rows.clone() } else { vec![req] };
+    fn bad_tensor(
+        &mut self,
+        roster: &Roster,
+        on_batch: bool,
+        req: u32,
+        layer: usize,
+        input: IllInput,
+        variant: u32,
+    ) -> Res<String> {
+        let rows: Vec<u32> = if on_batch { roster.rows().to_vec() } else { vec![req] };
         // The call: 0 decode, 1 window, 2 append (no queries); its well-formed inputs are the rows' next positions.
         let call = variant / 3 % 3;
         let l = if call == 0 { 1 } else { 1 + (variant / 9 % 3) as usize };
@@ -357,8 +374,8 @@ impl Attention {
     /// A row id that does not exist or is listed twice, somewhere in a `filter` list of the other rows in reverse
     /// order (so that a filter that validated as it went would already have changed the batch), or an `extract`
     /// past the end: `NoSuchRow`, `DuplicateRow`.
-    fn bad_row(&mut self, layer: usize, variant: u32) -> Res<String> {
-        let n = self.rows.len();
+    fn bad_row(&mut self, roster: &Roster, layer: usize, variant: u32) -> Res<String> {
+        let n = roster.rows().len();
         let past = n + (variant as usize / 3 % 3);
         let at = variant as usize / 9 % (n + 1);
         let dup = n.saturating_sub(1);

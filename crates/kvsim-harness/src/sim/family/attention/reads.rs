@@ -6,16 +6,18 @@ use std::collections::BTreeMap;
 
 use mlx_rs::Array;
 
-use super::{emit, model_after_map, unexpected, Attention, Home, Res, TwinRead};
+use super::{emit, model_after_map, unexpected, Attention, Res, TwinRead};
 use crate::sim::check::{self, ReadKind};
 use crate::sim::family::Cx;
 use crate::sim::observe::{Call, Read, TrimInfo};
+use crate::sim::roster::Roster;
 use kvsim_cache::{JoinSource, Masks, RowBatch};
 use kvsim_reference::{RowModel, Tok};
 
 impl Attention {
     pub(super) fn solo_window(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, read: bool) -> Res<bool> {
-        if !self.solo_req(req) || len == 0 {
+        let roster = cx.roster;
+        if !roster.is_solo(req) || len == 0 {
             return Ok(false);
         }
         let toks = self.next_toks(req, len);
@@ -69,7 +71,8 @@ impl Attention {
     }
 
     pub(super) fn solo_decode(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
-        if !self.solo_req(req) {
+        let roster = cx.roster;
+        if !roster.is_solo(req) {
             return Ok(false);
         }
         let toks = self.next_toks(req, 1);
@@ -115,19 +118,9 @@ impl Attention {
         Ok(true)
     }
 
-    pub(super) fn batch_prefill(&mut self, cx: &mut Cx<'_>, reqs: &[u32], lengths: &[u32], chunk: usize) -> Res<bool> {
-        let mut ids: Vec<u32> = vec![];
-        let mut lens: Vec<usize> = vec![];
-        for (i, &r) in reqs.iter().enumerate() {
-            let fresh = self.reqs.get(&r).is_some_and(|q| q.home == Home::Solo && q.model.offset == 0);
-            if fresh && !ids.contains(&r) {
-                ids.push(r);
-                lens.push(lengths.get(i).copied().unwrap_or(1).max(1) as usize);
-            }
-        }
-        if ids.is_empty() || chunk == 0 {
-            return Ok(false);
-        }
+    /// The fresh requests `ids` (prompt lengths `lens`) prefilled as new rows in chunks of `chunk`, then
+    /// joined after the running rows.
+    pub(super) fn batch_prefill(&mut self, cx: &mut Cx<'_>, ids: &[u32], lens: &[usize], chunk: usize) -> Res<()> {
         let max = self.max_size();
         let b = ids.len();
         // Fresh rows, from the requests' own (empty) serial caches.
@@ -137,17 +130,17 @@ impl Attention {
                 ids.iter().map(|id| JoinSource::Serial(&self.reqs[id].solo[layer])).collect();
             let mut p = RowBatch::join_storage(self.spec, max, self.storage, &sources)
                 .map_err(|e| unexpected("join (fresh rows)", e))?;
-            p.prepare(&lens).map_err(|e| unexpected("prepare", e))?;
+            p.prepare(lens).map_err(|e| unexpected("prepare", e))?;
             pre.push(p);
         }
-        for id in &ids {
+        for id in ids {
             self.reqs.get_mut(id).unwrap().model.base = 0;
         }
         if cx.observer.wants_calls() {
-            emit(cx, Call::Prefill { reqs: &ids, lengths: &lens, chunk })?;
+            emit(cx, Call::Prefill { reqs: ids, lengths: lens, chunk })?;
         }
         let total = *lens.iter().max().unwrap();
-        self.padded_chunks(cx, &mut pre, &ids, &lens, chunk, usize::MAX, true)?;
+        self.padded_chunks(cx, &mut pre, ids, lens, chunk, usize::MAX, true)?;
         for (layer, p) in pre.iter_mut().enumerate() {
             p.finalize().map_err(|e| unexpected("finalize", e))?;
             let all: Vec<usize> = (0..self.batch[layer].rows()).collect();
@@ -159,18 +152,15 @@ impl Attention {
             )
             .map_err(|e| unexpected("join (prefilled rows)", e))?;
         }
-        for id in &ids {
+        for id in ids {
             let r = self.reqs.get_mut(id).unwrap();
-            r.home = Home::Batch;
             r.history.layout_event = true;
             r.solo.clear();
-            self.rows.push(*id);
         }
         if cx.observer.wants_calls() {
             emit(cx, Call::PrefillEnd { longest: total })?;
         }
-        let _ = b;
-        Ok(true)
+        Ok(())
     }
 
     /// The chunks of a prepared (right-padded) prefill on `batches` (one per layer, rows `ids`, `lens[r]` real
@@ -266,10 +256,10 @@ impl Attention {
 
     /// Every batch row's twin reads its request's next `len` positions (the same K/V/Q the row got); outputs in row
     /// order.
-    fn twin_reads(&mut self, layer: usize, len: usize, how: TwinRead) -> Res<Vec<Array>> {
+    fn twin_reads(&mut self, roster: &Roster, layer: usize, len: usize, how: TwinRead) -> Res<Vec<Array>> {
         let scale = self.cfg.scale();
         let mut outs = vec![];
-        for id in self.rows.clone() {
+        for id in roster.rows().to_vec() {
             let one = vec![self.next_toks(id, len)];
             let (k, v, q) = self.kvq(layer, &one)?;
             let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
@@ -284,13 +274,14 @@ impl Attention {
     }
 
     pub(super) fn batch_decode(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
-        if self.rows.is_empty() {
+        let roster = cx.roster;
+        if roster.rows().is_empty() {
             return Ok(false);
         }
         let scale = self.cfg.scale();
-        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, 1)).collect();
+        let toks: Vec<Vec<Option<Tok>>> = roster.rows().iter().map(|&id| self.next_toks(id, 1)).collect();
         let mut models = BTreeMap::new();
-        for &id in &self.rows {
+        for &id in roster.rows() {
             let mut m = self.reqs[&id].model.clone();
             m.decode_write(Tok { req: id, pos: m.offset as u32 });
             models.insert(id, m);
@@ -303,14 +294,17 @@ impl Attention {
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
             if cx.observer.wants_calls() {
-                let offsets: Vec<(usize, usize)> =
-                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
+                let offsets: Vec<(usize, usize)> = roster
+                    .rows()
+                    .iter()
+                    .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                    .collect();
                 emit(
                     cx,
                     Call::Batch {
                         layer,
                         read: Read::Decode,
-                        reqs: &self.rows,
+                        reqs: roster.rows(),
                         rows: &offsets,
                         k: &k,
                         v: &v,
@@ -319,9 +313,9 @@ impl Attention {
                     },
                 )?;
             }
-            let twin_outs = self.twin_reads(layer, 1, TwinRead::Decode)?;
-            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
-                .rows
+            let twin_outs = self.twin_reads(roster, layer, 1, TwinRead::Decode)?;
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
+                .rows()
                 .iter()
                 .enumerate()
                 .map(|(r, &id)| (r, id, vec![toks[r][0].unwrap()], Some(&twin_outs[r])))
@@ -331,7 +325,7 @@ impl Attention {
         check::rope_snapshot(
             &rope_values,
             &rope_before.values(),
-            &self.rows.iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
+            &roster.rows().iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
         )?;
         check::mask_memo("batch decode", &masks.families())?;
         self.counters.checks += 1;
@@ -346,13 +340,14 @@ impl Attention {
     }
 
     pub(super) fn batch_window(&mut self, cx: &mut Cx<'_>, len: usize, read: bool) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
         let scale = self.cfg.scale();
-        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, len)).collect();
+        let toks: Vec<Vec<Option<Tok>>> = roster.rows().iter().map(|&id| self.next_toks(id, len)).collect();
         let mut models = BTreeMap::new();
-        for (r, &id) in self.rows.iter().enumerate() {
+        for (r, &id) in roster.rows().iter().enumerate() {
             let mut m = self.reqs[&id].model.clone();
             m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
             models.insert(id, m);
@@ -364,8 +359,8 @@ impl Attention {
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
                 if cx.observer.wants_calls() {
-                    let offsets: Vec<(usize, usize)> = self
-                        .rows
+                    let offsets: Vec<(usize, usize)> = roster
+                        .rows()
                         .iter()
                         .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
                         .collect();
@@ -374,7 +369,7 @@ impl Attention {
                         Call::Batch {
                             layer,
                             read: Read::Window,
-                            reqs: &self.rows,
+                            reqs: roster.rows(),
                             rows: &offsets,
                             k: &k,
                             v: &v,
@@ -383,9 +378,9 @@ impl Attention {
                         },
                     )?;
                 }
-                let twin_outs = self.twin_reads(layer, len, TwinRead::Window)?;
-                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
-                    .rows
+                let twin_outs = self.twin_reads(roster, layer, len, TwinRead::Window)?;
+                let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
+                    .rows()
                     .iter()
                     .enumerate()
                     .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), Some(&twin_outs[r])))
@@ -394,8 +389,8 @@ impl Attention {
             } else {
                 self.batch[layer].append(&k, &v).map_err(|e| unexpected("append", e))?;
                 if cx.observer.wants_calls() {
-                    let offsets: Vec<(usize, usize)> = self
-                        .rows
+                    let offsets: Vec<(usize, usize)> = roster
+                        .rows()
                         .iter()
                         .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
                         .collect();
@@ -404,7 +399,7 @@ impl Attention {
                         Call::Batch {
                             layer,
                             read: Read::Append,
-                            reqs: &self.rows,
+                            reqs: roster.rows(),
                             rows: &offsets,
                             k: &k,
                             v: &v,
@@ -413,7 +408,7 @@ impl Attention {
                         },
                     )?;
                 }
-                for &id in &self.rows.clone() {
+                for &id in roster.rows() {
                     let one = vec![self.next_toks(id, len)];
                     let (tk, tv, _) = self.kvq(layer, &one)?;
                     self.reqs.get_mut(&id).unwrap().twin[layer]
@@ -434,17 +429,18 @@ impl Attention {
     }
 
     pub(super) fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() || gamma == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || gamma == 0 {
             return Ok(false);
         }
         self.batch_window(cx, gamma, true)?;
         self.check_all(cx)?;
         // The oracle compares the verify window's state before the rollback (a checkpoint of its own).
         self.record_checkpoint(cx)?;
-        let rollback: Vec<usize> = (0..self.rows.len())
+        let rollback: Vec<usize> = (0..roster.rows().len())
             .map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma))
             .collect();
-        let (models, expected) = self.model_trims(&rollback, true);
+        let (models, expected) = self.model_trims(roster, &rollback, true);
         let recording = cx.observer.wants_calls();
         let before: Vec<kvsim_cache::RingState> = if recording {
             self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
@@ -460,7 +456,7 @@ impl Attention {
                 );
             }
             check::error_matches("verify rollback (trim_rows bypass)", &expected, &got)?;
-            for (r, &id) in self.rows.clone().iter().enumerate() {
+            for (r, &id) in roster.rows().to_vec().iter().enumerate() {
                 let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(rollback[r], true);
                 check::error_matches("twin rollback", &expected, &t.map(|_| ()))?;
             }
@@ -471,7 +467,7 @@ impl Attention {
             let live = before.iter().map(|s| s.len).collect();
             let trim =
                 TrimInfo { n: rollback.clone(), bypass: true, kvsim: first.unwrap_or(Ok(0)), after_window, live };
-            emit(cx, Call::TrimRows { reqs: &self.rows, offsets: &offsets, trim: &trim })?;
+            emit(cx, Call::TrimRows { reqs: roster.rows(), offsets: &offsets, trim: &trim })?;
         }
         if expected.is_ok() {
             for (r, (id, m)) in models.into_iter().enumerate() {
@@ -479,7 +475,7 @@ impl Attention {
                 q.model = m;
                 let _ = r;
             }
-            for (r, id) in self.rows.clone().iter().enumerate() {
+            for (r, id) in roster.rows().to_vec().iter().enumerate() {
                 if rollback[r] > 0 {
                     self.reqs.get_mut(id).unwrap().history.rolled_back = true;
                 }
@@ -489,13 +485,14 @@ impl Attention {
     }
 
     pub(super) fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
         let scale = self.cfg.scale();
-        let toks: Vec<Vec<Option<Tok>>> = self.rows.iter().map(|&id| self.next_toks(id, len)).collect();
+        let toks: Vec<Vec<Option<Tok>>> = roster.rows().iter().map(|&id| self.next_toks(id, len)).collect();
         let mut models = BTreeMap::new();
-        for (r, &id) in self.rows.iter().enumerate() {
+        for (r, &id) in roster.rows().iter().enumerate() {
             let mut m = self.reqs[&id].model.clone();
             for t in toks[r].iter().flatten() {
                 m.decode_write(*t);
@@ -508,14 +505,20 @@ impl Attention {
             let got =
                 self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
             if cx.observer.wants_calls() {
-                let offsets: Vec<(usize, usize)> =
-                    self.rows.iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect();
-                emit(cx, Call::BatchSpan { layer, reqs: &self.rows, rows: &offsets, k: &k, v: &v, q: &q, out: &got })?;
+                let offsets: Vec<(usize, usize)> = roster
+                    .rows()
+                    .iter()
+                    .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
+                    .collect();
+                emit(
+                    cx,
+                    Call::BatchSpan { layer, reqs: roster.rows(), rows: &offsets, k: &k, v: &v, q: &q, out: &got },
+                )?;
             }
-            let twin_outs = self.twin_reads(layer, len, TwinRead::Span)?;
+            let twin_outs = self.twin_reads(roster, layer, len, TwinRead::Span)?;
             // Outputs: compared with the twin (bytes) and the f64 model of each position's decode read.
-            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = self
-                .rows
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
+                .rows()
                 .iter()
                 .enumerate()
                 .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), Some(&twin_outs[r])))

@@ -16,7 +16,8 @@ impl Attention {
     /// `u32::MAX - req`, so they never alias a stored position) attend the stored context and the whole block.
     /// Nothing is stored: `check_all` after the op proves every state unchanged.
     pub(super) fn solo_read_block(&mut self, cx: &mut Cx<'_>, req: u32, len: usize) -> Res<bool> {
-        if !self.solo_req(req) || len == 0 {
+        let roster = cx.roster;
+        if !roster.is_solo(req) || len == 0 {
             return Ok(false);
         }
         let model = self.reqs[&req].model.clone();
@@ -53,7 +54,8 @@ impl Attention {
     /// Gemma 4's vision prefill on a request outside the batch: only at offset 0; at any other offset production
     /// must refuse with `NotAtOffsetZero` and change nothing (the model predicts the refusal).
     pub(super) fn bidir_prefill(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, image_bits: u64) -> Res<bool> {
-        if !self.solo_req(req) || len == 0 {
+        let roster = cx.roster;
+        if !roster.is_solo(req) || len == 0 {
             return Ok(false);
         }
         let image: Vec<bool> = (0..len).map(|i| i < 64 && image_bits >> i & 1 == 1).collect();
@@ -127,7 +129,8 @@ impl Attention {
     /// are byte-identical to the ordinary append (the state check after the op compares the planes with the
     /// twin's and, for affine storage, with the reference's triples).
     pub(super) fn compiled_step(&mut self, cx: &mut Cx<'_>, req: u32) -> Res<bool> {
-        if !self.solo_req(req) {
+        let roster = cx.roster;
+        if !roster.is_solo(req) {
             return Ok(false);
         }
         let toks = self.next_toks(req, 1);

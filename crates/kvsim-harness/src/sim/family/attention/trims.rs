@@ -7,11 +7,13 @@ use super::{emit, Attention, Res};
 use crate::sim::check;
 use crate::sim::family::Cx;
 use crate::sim::observe::{Call, TrimInfo};
+use crate::sim::roster::Roster;
 use kvsim_reference::RowModel;
 
 impl Attention {
     pub(super) fn solo_trim(&mut self, cx: &mut Cx<'_>, req: u32, n: usize, bypass: bool) -> Res<bool> {
-        if !self.solo_req(req) {
+        let roster = cx.roster;
+        if !roster.is_solo(req) {
             return Ok(false);
         }
         let mut model = self.reqs[&req].model.clone();
@@ -60,12 +62,13 @@ impl Attention {
     /// production batch checks rows in order and changes nothing when one refuses).
     pub(super) fn model_trims(
         &self,
+        roster: &Roster,
         n: &[usize],
         bypass: bool,
     ) -> (BTreeMap<u32, RowModel>, Result<(), kvsim_reference::ModelError>) {
         let mut models = BTreeMap::new();
         let mut expected = Ok(());
-        for (r, &id) in self.rows.iter().enumerate() {
+        for (r, &id) in roster.rows().iter().enumerate() {
             let mut m = self.reqs[&id].model.clone();
             if let Err(e) = m.trim(n[r], bypass) {
                 if expected.is_ok() {
@@ -78,10 +81,11 @@ impl Attention {
     }
 
     pub(super) fn batch_trim(&mut self, cx: &mut Cx<'_>, n: usize, bypass: bool) -> Res<bool> {
-        if self.rows.is_empty() {
+        let roster = cx.roster;
+        if roster.rows().is_empty() {
             return Ok(false);
         }
-        let (models, expected) = self.model_trims(&vec![n; self.rows.len()], bypass);
+        let (models, expected) = self.model_trims(roster, &vec![n; roster.rows().len()], bypass);
         let recording = cx.observer.wants_calls();
         let before: Vec<kvsim_cache::RingState> = if recording {
             self.batch.first().map(|b| b.row_states().iter().map(|s| s.ring.clone()).collect()).unwrap_or_default()
@@ -96,7 +100,7 @@ impl Attention {
             }
             check::error_matches("batch trim", &expected, &got.map(|_| ()))?;
             if expected.is_ok() {
-                for &id in &self.rows.clone() {
+                for &id in roster.rows() {
                     let t = self.reqs.get_mut(&id).unwrap().twin[layer].trim(n, bypass);
                     check::error_matches("twin trim", &expected, &t.map(|_| ()))?;
                 }
@@ -107,7 +111,7 @@ impl Attention {
             let after_window = before.iter().all(|s| s.last_concat.is_some_and(|l| l >= n));
             let live = before.iter().map(|s| s.len).collect();
             let trim = TrimInfo { n: vec![n], bypass, kvsim: first.unwrap_or(Ok(0)), after_window, live };
-            emit(cx, Call::Trim { reqs: &self.rows, offsets: &offsets, trim: &trim })?;
+            emit(cx, Call::Trim { reqs: roster.rows(), offsets: &offsets, trim: &trim })?;
         }
         match expected {
             Ok(()) => {

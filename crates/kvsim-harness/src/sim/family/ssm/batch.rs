@@ -4,38 +4,34 @@
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 
-use super::{emit, mlx, pick, same_slice, words, Cache, Home, LayerDef, Recurrent, Res, RowIn, Rows, SCALE};
+use super::{emit, mlx, pick, same_slice, words, Cache, LayerDef, Recurrent, Res, RowIn, Rows, SCALE};
 use crate::sim::check::Failure;
 use crate::sim::family::attention::mlx_fail;
 use crate::sim::family::Cx;
 use crate::sim::observe::{Call, Read};
+use crate::sim::roster::Roster;
 use kvsim_cache::{CacheError, Masks, SsmCache};
 
 impl Recurrent {
     /// The fresh requests' caches merged into the running batch, then one prepared prefill over the whole batch
     /// (running rows: all padding), in chunks of `chunk`, then finalize.
-    pub(super) fn batch_prefill(&mut self, cx: &mut Cx<'_>, reqs: &[u32], lengths: &[u32], chunk: usize) -> Res<bool> {
-        let mut ids: Vec<u32> = vec![];
-        let mut lens: Vec<usize> = vec![];
-        for (i, &r) in reqs.iter().enumerate() {
-            let fresh = self.reqs.get(&r).is_some_and(|q| q.home == Home::Solo && q.pos == 0);
-            if fresh && !ids.contains(&r) {
-                ids.push(r);
-                lens.push(lengths.get(i).copied().unwrap_or(1).max(1) as usize);
-            }
-        }
-        if ids.is_empty() || chunk == 0 {
-            return Ok(false);
-        }
+    pub(super) fn batch_prefill(
+        &mut self,
+        cx: &mut Cx<'_>,
+        ids: &[u32],
+        lens: &[usize],
+        chunk: usize,
+        old: usize,
+    ) -> Res {
+        let roster = cx.roster;
         let left = !self.set.hybrid() && (ids[0] as usize + chunk) % 3 != 0;
-        let old = self.rows.len();
-        self.enter(cx, &ids, &(0..old).collect::<Vec<_>>())?;
+        self.enter(cx, ids, &(0..old).collect::<Vec<_>>())?;
         let width = *lens.iter().max().unwrap();
         // Running rows are all padding: right padding (`lengths = 0`), or with left padding `left = lengths =
         // width`, so a mask that ignored left padding would step their states (bug catalog #1).
         let mut lengths = vec![if left { width } else { 0 }; old];
         let mut lefts = vec![if left { width } else { 0 }; old];
-        for &p in &lens {
+        for &p in lens {
             lengths.push(if left { width } else { p });
             lefts.push(if left { width - p } else { 0 });
         }
@@ -87,7 +83,7 @@ impl Recurrent {
                 let rows: Vec<RowIn> = keep
                     .iter()
                     .map(|&r| {
-                        let id = self.rows[old + r];
+                        let id = roster.rows()[old + r];
                         (id as u64, self.reqs[&id].pos, real[old + r].0, real[old + r].1)
                     })
                     .collect();
@@ -100,7 +96,7 @@ impl Recurrent {
             }
             self.batch_forward(cx, s, &real, None)?;
             for (r, &(st, en)) in real.iter().enumerate() {
-                let id = self.rows[r];
+                let id = roster.rows()[r];
                 self.reqs.get_mut(&id).unwrap().pos += en - st;
             }
             pad.iter_mut().for_each(|(l, n)| {
@@ -142,30 +138,32 @@ impl Recurrent {
             self.counters.checks += matched;
             self.record("ssm_filter_pending", matched);
         }
-        Ok(true)
+        Ok(())
     }
 
     pub(super) fn decode(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
-        if self.rows.is_empty() {
+        let roster = cx.roster;
+        if roster.rows().is_empty() {
             return Ok(false);
         }
-        self.batch_forward(cx, 1, &vec![(0, 1); self.rows.len()], None)?;
-        self.advance(&vec![1; self.rows.len()]);
+        self.batch_forward(cx, 1, &vec![(0, 1); roster.rows().len()], None)?;
+        self.advance(roster, &vec![1; roster.rows().len()]);
         Ok(true)
     }
 
-    fn advance(&mut self, n: &[usize]) {
-        for (id, &k) in self.rows.iter().zip(n) {
+    fn advance(&mut self, roster: &Roster, n: &[usize]) {
+        for (id, &k) in roster.rows().iter().zip(n) {
             self.reqs.get_mut(id).unwrap().pos += k;
         }
     }
 
     pub(super) fn window(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
-        self.batch_forward(cx, len, &vec![(0, len); self.rows.len()], None)?;
-        self.advance(&vec![len; self.rows.len()]);
+        self.batch_forward(cx, len, &vec![(0, len); roster.rows().len()], None)?;
+        self.advance(roster, &vec![len; roster.rows().len()]);
         Ok(true)
     }
 
@@ -176,10 +174,11 @@ impl Recurrent {
     /// the op by `check_state`, as after any op. Attention outputs are recorded when byte-identical (a batch decode
     /// of rows of different lengths is a padded read, measured by the attention family).
     pub(super) fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
-        let rows: Vec<RowIn> = self.rows.iter().map(|id| (*id as u64, self.reqs[id].pos, 0, len)).collect();
+        let rows: Vec<RowIn> = roster.rows().iter().map(|id| (*id as u64, self.reqs[id].pos, 0, len)).collect();
         let masks = Masks::new();
         let per = self.set.dims.heads_v * self.set.dims.dv;
         for li in 0..self.layers.len() {
@@ -193,7 +192,7 @@ impl Recurrent {
                     let y = batch.commit_span(&q, &a, &b, &params).map_err(|e| mlx("ssm commit_span", e))?;
                     if cx.observer.wants_calls() {
                         // The oracle sees the span as what it promises to equal: one decode per position.
-                        let reqs = self.rows.clone();
+                        let reqs = roster.rows().to_vec();
                         let spans = vec![(0usize, 1usize); reqs.len()];
                         let read = if padded { Read::Window } else { Read::Decode };
                         for t in 0..len as i32 {
@@ -217,8 +216,8 @@ impl Recurrent {
                     }
                     let yb = words(&y)?;
                     cx.hasher.update(&yb.digest());
-                    for r in 0..self.rows.len() {
-                        let id = self.rows[r];
+                    for r in 0..roster.rows().len() {
+                        let id = roster.rows()[r];
                         let tokens = self.tokens(idx, id as u64, rows[r].1, len);
                         let req = self.reqs.get_mut(&id).unwrap();
                         let Cache::Ssm(twin) = &mut req.twin[li] else { unreachable!() };
@@ -252,8 +251,8 @@ impl Recurrent {
                     let out =
                         batch.commit_span(&k, &v, &q, SCALE, &masks).map_err(|e| mlx("attention commit_span", e))?;
                     cx.hasher.update(&words(&out)?.digest());
-                    for r in 0..self.rows.len() {
-                        let id = self.rows[r];
+                    for r in 0..roster.rows().len() {
+                        let id = roster.rows()[r];
                         let Cache::Attn(twin) = &mut self.reqs.get_mut(&id).unwrap().twin[li] else { unreachable!() };
                         let mut steps = Vec::with_capacity(len);
                         for t in 0..len {
@@ -274,22 +273,23 @@ impl Recurrent {
                 }
             }
         }
-        self.advance(&vec![len; self.rows.len()]);
+        self.advance(roster, &vec![len; roster.rows().len()]);
         Ok(true)
     }
 
     /// A speculative round of `gamma` draft positions; row `r` accepts `min(accept[r], gamma)` (all when absent).
     pub(super) fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() || gamma == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || gamma == 0 {
             return Ok(false);
         }
-        let n = self.rows.len();
+        let n = roster.rows().len();
         let keep: Vec<usize> =
             (0..n).map(|r| (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
         self.round_no += 1;
         self.counters.recurrent.rounds += 1;
         // Pre-round twins: the fresh-prefix runs start from them.
-        let snapshots: Vec<Vec<Cache>> = self.rows.iter().map(|id| self.reqs[id].twin.clone()).collect();
+        let snapshots: Vec<Vec<Cache>> = roster.rows().iter().map(|id| self.reqs[id].twin.clone()).collect();
         for b in &mut self.batch {
             if let Rows::Ssm(b) = b {
                 if b.trim(1) != Err(CacheError::RecurrentNotTrimmable) {
@@ -317,7 +317,7 @@ impl Recurrent {
                         .iter()
                         .enumerate()
                         .map(|(r, &k)| {
-                            let id = self.rows[r];
+                            let id = roster.rows()[r];
                             (k > 0)
                                 .then(|| self.ssm_inputs(li as u32, &[(id as u64, self.reqs[&id].pos, 0, k)], k, None))
                         })
@@ -342,7 +342,7 @@ impl Recurrent {
                     self.counters.recurrent.replays += after.replays - before.replays;
                     self.counters.recurrent.replayed_steps += after.replayed_steps - before.replayed_steps;
                     for (r, &k) in keep.iter().enumerate() {
-                        let id = self.rows[r];
+                        let id = roster.rows()[r];
                         let Cache::Ssm(t) = &mut self.reqs.get_mut(&id).unwrap().twin[li] else { unreachable!() };
                         if all {
                             t.spec_round_commit().map_err(|e| mlx("twin commit", e))?;
@@ -378,7 +378,7 @@ impl Recurrent {
                         let Rows::Attn(b) = &mut self.batch[li] else { unreachable!() };
                         b.trim_rows(&cut, true).map_err(|e| mlx("trim_rows", e))?;
                         for (r, &x) in cut.iter().enumerate() {
-                            let id = self.rows[r];
+                            let id = roster.rows()[r];
                             let Cache::Attn(t) = &mut self.reqs.get_mut(&id).unwrap().twin[li] else { unreachable!() };
                             t.trim(x, true).map_err(|e| mlx("twin trim", e))?;
                         }
@@ -393,10 +393,10 @@ impl Recurrent {
             self.counters.recurrent.rollbacks_unequal += u64::from(unequal);
         }
         if cx.observer.wants_calls() {
-            let reqs = self.rows.clone();
+            let reqs = roster.rows().to_vec();
             emit(cx, Call::SsmRound { reqs: &reqs, gamma, keep: &keep })?;
         }
-        self.advance(&keep);
+        self.advance(roster, &keep);
         Ok(true)
     }
 }

@@ -3,7 +3,7 @@
 
 use mlx_rs::Array;
 
-use super::{mlx, same_slice, words, worst_ulp, Cache, Home, Recurrent, Res, Rows};
+use super::{mlx, same_slice, words, worst_ulp, Cache, Recurrent, Res, Rows};
 use crate::sim::check::Failure;
 use crate::sim::family::Cx;
 use kvsim_cache::bytes::ArrayBytes;
@@ -106,7 +106,8 @@ impl Recurrent {
     }
 
     pub(super) fn check_all(&mut self, cx: &mut Cx<'_>) -> Res {
-        let n = self.rows.len();
+        let roster = cx.roster;
+        let n = roster.rows().len();
         for li in 0..self.layers.len() {
             match &self.batch[li] {
                 Rows::Ssm(b) => {
@@ -120,7 +121,7 @@ impl Recurrent {
                     let offsets = b.offsets().to_vec();
                     let (cw, rw) = (conv.words.len() / n.max(1), rec.words.len() / n.max(1));
                     for r in 0..n {
-                        let id = self.rows[r];
+                        let id = roster.rows()[r];
                         self.check_ssm_row(
                             cx,
                             li,
@@ -139,12 +140,12 @@ impl Recurrent {
                         prods.push((b.row_states()[r].ring.clone(), k, v));
                     }
                     for (r, p) in prods.into_iter().enumerate() {
-                        self.check_attn(cx, li, &format!("row {r}"), self.rows[r], p)?;
+                        self.check_attn(cx, li, &format!("row {r}"), roster.rows()[r], p)?;
                     }
                 }
             }
         }
-        let solo: Vec<u32> = self.reqs.iter().filter(|(_, r)| r.home == Home::Solo).map(|(id, _)| *id).collect();
+        let solo: Vec<u32> = roster.solo().collect();
         for id in solo {
             for li in 0..self.layers.len() {
                 match self.reqs[&id].solo[li].clone() {

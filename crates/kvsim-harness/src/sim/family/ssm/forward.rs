@@ -89,8 +89,13 @@ impl Recurrent {
         real: &[(usize, usize)],
         draft: Option<&[usize]>,
     ) -> Res {
-        let rows: Vec<RowIn> =
-            self.rows.iter().enumerate().map(|(r, id)| (*id as u64, self.reqs[id].pos, real[r].0, real[r].1)).collect();
+        let roster = cx.roster;
+        let rows: Vec<RowIn> = roster
+            .rows()
+            .iter()
+            .enumerate()
+            .map(|(r, id)| (*id as u64, self.reqs[id].pos, real[r].0, real[r].1))
+            .collect();
         let masks = Masks::new();
         let per = self.set.dims.heads_v * self.set.dims.dv;
         for li in 0..self.layers.len() {
@@ -105,7 +110,7 @@ impl Recurrent {
                         .map_err(|e| mlx("ssm window", e))?;
                     if cx.observer.wants_calls() {
                         let read = if decode { Read::Decode } else { Read::Window };
-                        let reqs = self.rows.clone();
+                        let reqs = roster.rows().to_vec();
                         emit(
                             cx,
                             Call::SsmCall {
@@ -127,7 +132,7 @@ impl Recurrent {
                         if en == st {
                             continue;
                         }
-                        let id = self.rows[r];
+                        let id = roster.rows()[r];
                         let n_model = draft.map_or(en - st, |k| k[r]);
                         let tokens = self.tokens(idx, id as u64, rows[r].1, n_model);
                         let req = self.reqs.get_mut(&id).unwrap();
@@ -168,7 +173,7 @@ impl Recurrent {
                         if en == st {
                             continue;
                         }
-                        let id = self.rows[r];
+                        let id = roster.rows()[r];
                         let Cache::Attn(twin) = &mut self.reqs.get_mut(&id).unwrap().twin[li] else { unreachable!() };
                         let (pk, pv, pq) = (pick(&k, r, st, en, 2)?, pick(&v, r, st, en, 2)?, pick(&q, r, st, en, 2)?);
                         let (to, _) = if decode {

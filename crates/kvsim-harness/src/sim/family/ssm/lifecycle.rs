@@ -2,33 +2,43 @@
 //! leaving it (`extract`, `filter`).
 
 use super::persist::persist_roundtrip;
-use super::{emit, mlx, Cache, Home, LayerDef, Recurrent, Req, Res, Rows};
+use super::{emit, mlx, Cache, LayerDef, Recurrent, Req, Res, Rows};
 use crate::sim::check::Failure;
-use crate::sim::family::{entering, join_permutation, Cx};
+use crate::sim::family::Cx;
 use crate::sim::observe::Call;
+use crate::sim::roster::Change;
 use kvsim_cache::{CacheError, JoinSource, RowBatch, SerialCache, SsmCache};
 use kvsim_reference::SsmRowModel;
 
 impl Recurrent {
     // ----- ops -------------------------------------------------------------------------------------------------
 
-    pub(super) fn solo_req(&self, id: u32) -> bool {
-        self.reqs.get(&id).is_some_and(|r| r.home == Home::Solo)
+    /// Carries out on the layouts what a lifecycle op did to the roster.
+    pub(super) fn carry_out(&mut self, cx: &mut Cx<'_>, change: &Change) -> Res {
+        match change {
+            Change::Admit { req } => {
+                self.admit(*req)?;
+                if cx.observer.wants_calls() {
+                    emit(cx, Call::Admit { req: *req })?;
+                }
+                Ok(())
+            }
+            Change::Enter { ids, perm } => self.enter(cx, ids, perm),
+            Change::Prefill { ids, lens, chunk, running } => self.batch_prefill(cx, ids, lens, *chunk, *running),
+            Change::Extract { row, req, finish, keep } => self.extract(cx, *row, *req, *finish, keep),
+            Change::Filter { kept, dropped } => self.filter(cx, kept, dropped),
+        }
     }
 
-    pub(super) fn admit(&mut self, id: u32) -> Res<bool> {
-        if self.reqs.contains_key(&id) || id < self.next_id {
-            return Ok(false);
-        }
+    fn admit(&mut self, id: u32) -> Res {
         let models = self
             .layers
             .iter()
             .map(|l| matches!(l, LayerDef::DeltaNet { .. }).then(|| SsmRowModel::new(self.set.dims)))
             .collect();
-        let req = Req { home: Home::Solo, solo: self.fresh_caches()?, twin: self.fresh_caches()?, models, pos: 0 };
+        let req = Req { solo: self.fresh_caches()?, twin: self.fresh_caches()?, models, pos: 0 };
         self.reqs.insert(id, req);
-        self.next_id = id + 1;
-        Ok(true)
+        Ok(())
     }
 
     /// Requests outside the batch enter it after the running rows, listed in `perm` order (a permutation of the
@@ -74,49 +84,30 @@ impl Recurrent {
             };
             self.batch[li] = joined;
         }
-        self.rows = perm.iter().map(|&r| self.rows[r]).collect();
         for id in ids {
-            let r = self.reqs.get_mut(id).unwrap();
-            r.home = Home::Batch;
-            r.solo.clear();
-            self.rows.push(*id);
+            self.reqs.get_mut(id).unwrap().solo.clear();
         }
         Ok(())
     }
 
-    /// `merge` (identity order) or `join` (the running rows in `order`; empty = identity; anything but a
-    /// permutation of the rows makes the op skipped, as in the attention family).
-    pub(super) fn merge_or_join(&mut self, cx: &mut Cx<'_>, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let Some(perm) = join_permutation(order, self.rows.len()) else {
-            return Ok(false);
-        };
-        let ids = entering(reqs, |r| self.solo_req(r));
-        if ids.is_empty() {
-            return Ok(false);
+    /// An extract of a row the batch does not have: every layer must refuse it with `NoSuchRow`.
+    pub(super) fn extract_missing(&mut self, row: usize) -> Res<bool> {
+        for b in &self.batch {
+            let got = match b {
+                Rows::Ssm(b) => b.extract(row).map(|_| ()),
+                Rows::Attn(b) => b.extract(row).map(|_| ()),
+            };
+            if !matches!(got, Err(CacheError::NoSuchRow { .. })) {
+                return Err(Failure::new("errors", format!("extract of missing row {row}: got {got:?}")));
+            }
         }
-        self.enter(cx, &ids, &perm)?;
+        self.counters.expected_errors += 1;
         Ok(true)
     }
 
-    pub(super) fn extract(&mut self, cx: &mut Cx<'_>, row: usize, finish: bool) -> Res<bool> {
-        if self.rows.is_empty() {
-            return Ok(false);
-        }
-        if row >= self.rows.len() {
-            for b in &self.batch {
-                let got = match b {
-                    Rows::Ssm(b) => b.extract(row).map(|_| ()),
-                    Rows::Attn(b) => b.extract(row).map(|_| ()),
-                };
-                if !matches!(got, Err(CacheError::NoSuchRow { .. })) {
-                    return Err(Failure::new("errors", format!("extract of missing row {row}: got {got:?}")));
-                }
-            }
-            self.counters.expected_errors += 1;
-            return Ok(true);
-        }
-        let id = self.rows[row];
-        let keep: Vec<usize> = (0..self.rows.len()).filter(|&r| r != row).collect();
+    /// Row `row` (request `id`) leaves the batch (`keep`: the other rows): finished, or saved, restored and
+    /// continued solo.
+    fn extract(&mut self, cx: &mut Cx<'_>, row: usize, id: u32, finish: bool, keep: &[usize]) -> Res {
         if cx.observer.wants_calls() {
             emit(cx, Call::Extract { row, req: id, finish, rows_left: keep.len() })?;
         }
@@ -125,24 +116,22 @@ impl Recurrent {
             match b {
                 Rows::Ssm(b) => {
                     out.push(Cache::Ssm(b.extract(row).map_err(|e| mlx("extract", e))?));
-                    b.filter(&keep).map_err(|e| mlx("filter after extract", e))?;
+                    b.filter(keep).map_err(|e| mlx("filter after extract", e))?;
                 }
                 Rows::Attn(b) => {
                     out.push(Cache::Attn(b.extract(row).map_err(|e| mlx("extract", e))?));
-                    b.filter(&keep).map_err(|e| mlx("filter after extract", e))?;
+                    b.filter(keep).map_err(|e| mlx("filter after extract", e))?;
                 }
             }
         }
-        self.rows.remove(row);
         if finish {
             self.reqs.remove(&id);
-            return Ok(true);
+            return Ok(());
         }
         let out = persist_roundtrip(out, false, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
         let attn = self.attn;
         let r = self.reqs.get_mut(&id).unwrap();
-        r.home = Home::Solo;
         r.solo = out;
         // Layout event for the attention layers: extract de-rolls the row into a fresh serial cache (R-BROT-5).
         for (li, twin) in r.twin.iter_mut().enumerate() {
@@ -154,20 +143,11 @@ impl Recurrent {
                     SerialCache::from_temporal(attn, *window, &k, &v, off).map_err(|e| mlx("twin from_temporal", e))?;
             }
         }
-        Ok(true)
+        Ok(())
     }
 
-    pub(super) fn filter(&mut self, cx: &mut Cx<'_>, keep: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() {
-            return Ok(false);
-        }
-        let mut kept: Vec<usize> = vec![];
-        for &k in keep {
-            let k = k as usize;
-            if k < self.rows.len() && !kept.contains(&k) {
-                kept.push(k);
-            }
-        }
+    /// Rows `kept` stay, in that order; the requests `dropped` finish.
+    fn filter(&mut self, cx: &mut Cx<'_>, kept: &[usize], dropped: &[u32]) -> Res {
         for b in &mut self.batch {
             match b {
                 Rows::Ssm(b) => {
@@ -176,20 +156,18 @@ impl Recurrent {
                         crate::sim::check::fail(Failure::new("ssm_filter_errors", "a repeated row was not refused"))?;
                     }
                     self.counters.expected_errors += 1;
-                    b.filter(&kept)
+                    b.filter(kept)
                 }
-                Rows::Attn(b) => b.filter(&kept),
+                Rows::Attn(b) => b.filter(kept),
             }
             .map_err(|e| mlx("filter", e))?;
         }
         if cx.observer.wants_calls() {
-            emit(cx, Call::Filter { keep: &kept })?;
+            emit(cx, Call::Filter { keep: kept })?;
         }
-        let dropped: Vec<u32> = (0..self.rows.len()).filter(|r| !kept.contains(r)).map(|r| self.rows[r]).collect();
-        self.rows = kept.iter().map(|&r| self.rows[r]).collect();
         for id in dropped {
-            self.reqs.remove(&id);
+            self.reqs.remove(id);
         }
-        Ok(true)
+        Ok(())
     }
 }

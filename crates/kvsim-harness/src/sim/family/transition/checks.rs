@@ -1,7 +1,7 @@
 //! The transitioning rows' checks: every read against the model (in its own precision) and the twin, and the state
 //! check after every op (each lego and row: planes against the twin's and the model's tokens, lifecycle, kinds).
 
-use super::{planes_bytes, unexpected, Home, Res, TransitionFamily, AFFINE_READ_BOUND, BF16_READ_BOUND};
+use super::{planes_bytes, unexpected, Res, TransitionFamily, AFFINE_READ_BOUND, BF16_READ_BOUND};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::family::Cx;
 use kvsim_cache as cache;
@@ -216,10 +216,15 @@ impl TransitionFamily {
     }
 
     pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let roster = cx.roster;
         // Every request outside the batch; in the lego family every request (its rows are legos too).
-        let solo: Vec<u32> =
-            self.reqs.iter().filter(|(_, r)| r.home == Home::Solo || self.legos).map(|(&id, _)| id).collect();
-        for id in solo {
+        let solo: Vec<u32> = if self.legos { roster.live().collect() } else { roster.solo().collect() };
+        self.check_layouts(cx, &solo, roster.rows())
+    }
+
+    /// Every lego of `solo` (in that order), the stored entry, and the running rows, whose requests are `rows`.
+    pub(super) fn check_layouts(&mut self, cx: &mut Cx<'_>, solo: &[u32], rows: &[u32]) -> Res<()> {
+        for &id in solo {
             let r = self.reqs.remove(&id).unwrap();
             let res = (0..self.cfg.layers).try_for_each(|layer| {
                 self.check_lego(
@@ -248,7 +253,7 @@ impl TransitionFamily {
             self.stored = Some(st);
             res?;
         }
-        if self.rows.is_empty() || self.legos {
+        if rows.is_empty() || self.legos {
             return Ok(());
         }
         let m = self.rows_model.clone();
@@ -303,7 +308,7 @@ impl TransitionFamily {
                         ),
                     ));
                 }
-                let id = self.rows[i];
+                let id = rows[i];
                 let twin = self.reqs[&id].twin[layer].clone();
                 // The row's planes in physical order against its twin's.
                 let planes = planes_bytes(&b.row_physical_planes(i).map_err(|e| unexpected("row planes", e))?)?;

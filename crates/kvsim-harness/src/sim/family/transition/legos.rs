@@ -31,134 +31,83 @@ use super::*;
 
 impl TransitionFamily {
     pub(super) fn apply_legos(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        let roster = cx.roster;
         match op {
-            Op::Admit { req } => self.admit(*req),
+            // Lifecycle ops that change nothing were skipped by the roster, but for an extract of a missing row:
+            // no rows layout to ask, the scheduler's out-of-range row changes nothing (checked after the op).
+            Op::Admit { .. } | Op::Merge { .. } | Op::Join { .. } | Op::BatchPrefill { .. } | Op::Filter { .. } => {
+                Ok(false)
+            }
+            Op::Extract { .. } => Ok(true),
             Op::SoloWindow { req, len } => self.solo_append(cx, *req, *len as usize, false),
             Op::SoloDecode { req } => self.solo_append(cx, *req, 1, true),
             Op::SoloTrim { req, n, bypass } => {
-                if !self.solo_req(*req) {
+                if !roster.is_solo(*req) {
                     return Ok(false);
                 }
                 self.lego_trim(&[*req], *n as usize, *bypass)?;
                 Ok(true)
             }
-            Op::Merge { reqs } => self.lego_enter(reqs, &[]),
-            Op::Join { reqs, order } => self.lego_enter(reqs, order),
-            Op::BatchPrefill { reqs, lengths, chunk, .. } => self.lego_prefill(cx, reqs, lengths, *chunk as usize),
             Op::Decode => self.lego_rows_append(cx, 1, true),
             Op::Window { len } => self.lego_rows_append(cx, *len as usize, false),
             Op::Verify { gamma, accept } => self.lego_verify(cx, *gamma as usize, accept),
             Op::CommitSpan { len } => self.lego_span(cx, *len as usize),
-            Op::Extract { row, finish } => self.lego_extract(*row as usize, *finish),
-            Op::Filter { keep } => self.lego_filter(keep),
             Op::Trim { n, bypass } => {
-                if self.rows.is_empty() {
+                if roster.rows().is_empty() {
                     return Ok(false);
                 }
-                self.lego_trim(&self.rows.clone(), *n as usize, *bypass)?;
+                self.lego_trim(roster.rows(), *n as usize, *bypass)?;
                 Ok(true)
             }
             Op::PrefixReuse { common, prompt, extra } => {
                 self.prefix_reuse(cx, *common as usize, *prompt as usize, *extra as usize)
             }
             Op::PlainRead => self.lego_dense(cx),
-            Op::Persist { req, mlxlm } => self.persist(*req, *mlxlm),
+            Op::Persist { req, mlxlm } => self.persist(cx.roster, *req, *mlxlm),
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),
             _ => Ok(false),
         }
     }
 
-    /// Membership: the requests outside the batch join it (the running rows first reordered as `order` lists
-    /// them; anything but a permutation skips the op, as in the rows family).
-    fn lego_enter(&mut self, reqs: &[u32], order: &[u32]) -> Res<bool> {
-        let Some(perm) = join_permutation(order, self.rows.len()) else {
-            return Ok(false);
-        };
-        let ids = entering(reqs, |r| self.solo_req(r));
-        if ids.is_empty() {
-            return Ok(false);
+    /// What a lifecycle op did to the roster: the batch is only membership here, so entering it changes no lego;
+    /// a prefill appends each fresh request's prompt in windows of `chunk` positions; a finished request's lego
+    /// becomes the prefix-cache entry; filtered-out requests end.
+    pub(super) fn lego_carry_out(&mut self, cx: &mut Cx<'_>, change: &Change) -> Res<()> {
+        match change {
+            Change::Admit { req } => self.admit(*req)?,
+            Change::Enter { .. } => {}
+            Change::Prefill { ids, lens, chunk, .. } => {
+                for (&id, &len) in ids.iter().zip(lens) {
+                    let mut done = 0;
+                    while done < len {
+                        let l = (*chunk).min(len - done);
+                        self.lego_append(cx, id, l, false)?;
+                        done += l;
+                    }
+                }
+            }
+            Change::Extract { req, finish, .. } => {
+                if *finish {
+                    let r = self.reqs.remove(req).unwrap();
+                    self.stored = Some(Stored { lego: r.solo, twin: r.twin, model: r.model });
+                }
+            }
+            Change::Filter { dropped, .. } => {
+                for id in dropped {
+                    self.reqs.remove(id);
+                }
+            }
         }
-        self.rows = perm.iter().map(|&r| self.rows[r]).collect();
-        self.lego_rows_push(&ids);
-        Ok(true)
-    }
-
-    fn lego_rows_push(&mut self, ids: &[u32]) {
-        for id in ids {
-            self.reqs.get_mut(id).unwrap().home = Home::Batch;
-            self.rows.push(*id);
-        }
+        Ok(())
     }
 
     fn lego_rows_append(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
-        for id in self.rows.clone() {
+        for id in roster.rows().to_vec() {
             self.lego_append(cx, id, len, decode)?;
-        }
-        Ok(true)
-    }
-
-    /// Fresh requests' prompts, each in windows of `chunk` positions, then they join the batch.
-    fn lego_prefill(&mut self, cx: &mut Cx<'_>, reqs: &[u32], lengths: &[u32], chunk: usize) -> Res<bool> {
-        let mut ids: Vec<u32> = vec![];
-        let mut lens: Vec<usize> = vec![];
-        for (i, &r) in reqs.iter().enumerate() {
-            let fresh = self.reqs.get(&r).is_some_and(|q| q.home == Home::Solo && q.model.row.offset() == 0);
-            if fresh && !ids.contains(&r) {
-                ids.push(r);
-                lens.push(lengths.get(i).copied().unwrap_or(1).max(1) as usize);
-            }
-        }
-        if ids.is_empty() || chunk == 0 {
-            return Ok(false);
-        }
-        for (&id, &len) in ids.iter().zip(&lens) {
-            let mut done = 0;
-            while done < len {
-                let l = chunk.min(len - done);
-                self.lego_append(cx, id, l, false)?;
-                done += l;
-            }
-        }
-        self.lego_rows_push(&ids);
-        Ok(true)
-    }
-
-    fn lego_extract(&mut self, row: usize, finish: bool) -> Res<bool> {
-        if self.rows.is_empty() {
-            return Ok(false);
-        }
-        if row >= self.rows.len() {
-            // No rows layout to ask: the scheduler's out-of-range row changes nothing (checked after the op).
-            return Ok(true);
-        }
-        let id = self.rows.remove(row);
-        if finish {
-            let r = self.reqs.remove(&id).unwrap();
-            self.stored = Some(Stored { lego: r.solo, twin: r.twin, model: r.model });
-        } else {
-            self.reqs.get_mut(&id).unwrap().home = Home::Solo;
-        }
-        Ok(true)
-    }
-
-    fn lego_filter(&mut self, keep: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() {
-            return Ok(false);
-        }
-        let mut kept: Vec<usize> = vec![];
-        for &k in keep {
-            let k = k as usize;
-            if k < self.rows.len() && !kept.contains(&k) {
-                kept.push(k);
-            }
-        }
-        let dropped: Vec<u32> = (0..self.rows.len()).filter(|r| !kept.contains(r)).map(|r| self.rows[r]).collect();
-        self.rows = kept.iter().map(|&r| self.rows[r]).collect();
-        for id in dropped {
-            self.reqs.remove(&id);
         }
         Ok(true)
     }
@@ -211,12 +160,13 @@ impl TransitionFamily {
 
     /// A committed span on every row's lego: one decode per position; the twin decodes position by position.
     fn lego_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
         let scale = self.cfg.scale();
         let masks = Masks::new();
-        for id in self.rows.clone() {
+        for id in roster.rows().to_vec() {
             let mut model = self.reqs[&id].model.clone();
             let toks = Self::toks_from(id, model.row.offset(), len);
             let was = model.row.converted_at;
@@ -258,12 +208,13 @@ impl TransitionFamily {
 
     /// A lego round per row (module docs).
     fn lego_verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() || gamma == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || gamma == 0 {
             return Ok(false);
         }
         let scale = self.cfg.scale();
         let masks = Masks::new();
-        let rows = self.rows.clone();
+        let rows = roster.rows().to_vec();
         let keeps: Vec<usize> =
             (0..rows.len()).map(|r| (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
         let mut across_wrap = false;
@@ -357,7 +308,8 @@ impl TransitionFamily {
 
     /// Each lego's dense fetch against its twin's (bytes) and, while bf16, against the model's tokens.
     fn lego_dense(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
-        if self.rows.is_empty() {
+        let roster = cx.roster;
+        if roster.rows().is_empty() {
             return Ok(true);
         }
         let ids: Vec<u32> = self.reqs.keys().copied().collect();

@@ -3,12 +3,13 @@
 
 use super::{Res, TransitionFamily};
 use crate::sim::check::Failure;
+use crate::sim::roster::Roster;
 use kvsim_cache::transition::Bf16FirstCache;
 
 impl TransitionFamily {
     /// `Persist { req, mlxlm }`: a request outside the batch through a save and a restore (`persist_legos`).
-    pub(super) fn persist(&mut self, req: u32, mlxlm: bool) -> Res<bool> {
-        if !self.solo_req(req) {
+    pub(super) fn persist(&mut self, roster: &Roster, req: u32, mlxlm: bool) -> Res<bool> {
+        if !roster.is_solo(req) {
             return Ok(false);
         }
         let r = self.reqs.get_mut(&req).unwrap();

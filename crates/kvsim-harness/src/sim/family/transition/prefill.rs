@@ -4,7 +4,7 @@
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
-use super::{bytes_of, model_fail, row_of, sibling_split, unexpected, Home, Res, TransitionFamily};
+use super::{bytes_of, model_fail, row_of, sibling_split, unexpected, Res, TransitionFamily};
 use crate::sim::check::{self, Failure};
 use crate::sim::family::Cx;
 use kvsim_cache::transition::{Bf16FirstCache, TransitioningKvRows};
@@ -13,31 +13,19 @@ use kvsim_reference::transition::RowsModel;
 use kvsim_reference::Tok;
 
 impl TransitionFamily {
-    /// Fresh requests prefilled as a cohort (module docs).
+    /// Fresh requests `ids` (prompt lengths `lens`) prefilled as a cohort, then entering the batch (module docs).
     pub(super) fn batch_prefill(
         &mut self,
         cx: &mut Cx<'_>,
-        reqs: &[u32],
-        lengths: &[u32],
+        ids: &[u32],
+        lens: &[usize],
         chunk: usize,
         uncommitted: &[u32],
-    ) -> Res<bool> {
-        let mut ids: Vec<u32> = vec![];
-        let mut lens: Vec<usize> = vec![];
-        for (i, &r) in reqs.iter().enumerate() {
-            let fresh = self.reqs.get(&r).is_some_and(|q| q.home == Home::Solo && q.model.row.offset() == 0);
-            if fresh && !ids.contains(&r) {
-                ids.push(r);
-                lens.push(lengths.get(i).copied().unwrap_or(1).max(1) as usize);
-            }
-        }
-        if ids.is_empty() || chunk == 0 {
-            return Ok(false);
-        }
+    ) -> Res<()> {
         // The requests that never commit a chunk of their own: the prefill's end commits them.
         let skip: Vec<bool> = ids.iter().map(|id| uncommitted.contains(id)).collect();
         if self.padded_prefill {
-            return self.batch_prefill_padded(cx, &ids, &lens, chunk, &skip);
+            return self.batch_prefill_padded(cx, ids, lens, chunk, &skip);
         }
         let n = ids.len();
         let common = *lens.iter().min().unwrap();
@@ -140,16 +128,25 @@ impl TransitionFamily {
         }
         self.counters.conversions += (mconv.len() * self.cfg.layers) as u64;
         self.counters.prefill_conversions += (mconv.len() * self.cfg.layers) as u64;
-        self.hand_back_cohort(&cohort, &model, &ids)?;
-        self.check_all(cx)?;
+        self.hand_back_cohort(&cohort, &model, ids)?;
+        self.check_before_entering(cx, ids)?;
         // The longer requests' tails: solo lego windows.
         for (r, id) in ids.iter().enumerate() {
             if lens[r] > common {
-                self.solo_append(cx, *id, lens[r] - common, false)?;
+                self.lego_append(cx, *id, lens[r] - common, false)?;
             }
         }
-        self.enter_ids(&ids)?;
-        Ok(true)
+        self.enter_ids(cx.roster, ids)
+    }
+
+    /// The state check in the middle of a prefill, the cohort `ids` handed back and not yet in the batch (the
+    /// roster's last rows): they are checked as the requests outside it.
+    fn check_before_entering(&mut self, cx: &mut Cx<'_>, ids: &[u32]) -> Res<()> {
+        let roster = cx.roster;
+        let rows = &roster.rows()[..roster.rows().len() - ids.len()];
+        let mut solo: Vec<u32> = roster.solo().chain(ids.iter().copied()).collect();
+        solo.sort_unstable();
+        self.check_layouts(cx, &solo, rows)
     }
 
     /// `BatchPrefill` as a right-padded prefill: the fresh requests' legos merged into a cohort,
@@ -165,7 +162,7 @@ impl TransitionFamily {
         lens: &[usize],
         chunk: usize,
         skip: &[bool],
-    ) -> Res<bool> {
+    ) -> Res<()> {
         let n = ids.len();
         let longest = *lens.iter().max().unwrap();
         let scale = self.cfg.scale();
@@ -258,9 +255,8 @@ impl TransitionFamily {
         if skip.iter().any(|&s| s) {
             self.counters.prefills_ended_uncommitted += 1;
         }
-        self.check_all(cx)?;
-        self.enter_ids(ids)?;
-        Ok(true)
+        self.check_before_entering(cx, ids)?;
+        self.enter_ids(cx.roster, ids)
     }
 
     /// A prefill cohort's rows go back to serial use: each request's lego of every layer and its model row, and, when

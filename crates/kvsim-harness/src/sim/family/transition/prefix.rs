@@ -74,7 +74,8 @@ impl TransitionFamily {
 
     /// The plain read of the batch (refused while mixed) and the dense fetch.
     pub(super) fn plain_read(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
-        if self.rows.is_empty() {
+        let roster = cx.roster;
+        if roster.rows().is_empty() {
             return Ok(true);
         }
         let want = self.rows_model.check_plain_read();
@@ -87,7 +88,8 @@ impl TransitionFamily {
             }
             let dense = b.dense_fetch().map_err(|e| unexpected("dense fetch", e))?;
             for (r, (k, v)) in dense.iter().enumerate() {
-                let (tk, tv) = self.reqs[&self.rows[r]].twin[layer].dense().map_err(|e| unexpected("twin dense", e))?;
+                let (tk, tv) =
+                    self.reqs[&roster.rows()[r]].twin[layer].dense().map_err(|e| unexpected("twin dense", e))?;
                 let (kb, vb) = (bytes_of(k)?, bytes_of(v)?);
                 check::bytes_equal("dense fetch keys vs the lego twin", &kb, &bytes_of(&tk)?)?;
                 check::bytes_equal("dense fetch values vs the lego twin", &vb, &bytes_of(&tv)?)?;

@@ -16,7 +16,8 @@ impl TransitionFamily {
 
     /// A window (or decode) on a request outside the batch: lego, twin and model, reads checked.
     pub(super) fn solo_append(&mut self, cx: &mut Cx<'_>, req: u32, len: usize, decode: bool) -> Res<bool> {
-        if !self.solo_req(req) || len == 0 {
+        let roster = cx.roster;
+        if !roster.is_solo(req) || len == 0 {
             return Ok(false);
         }
         self.lego_append(cx, req, len, decode)?;
@@ -74,9 +75,10 @@ impl TransitionFamily {
     /// One forward of `toks[r]` per row (equal lengths) on the running batch, twins fed the same blocks. Returns
     /// the rows that converted (checked against the model's).
     fn forward(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<Vec<usize>> {
-        let n = self.rows.len();
+        let roster = cx.roster;
+        let n = roster.rows().len();
         let toks: Vec<Vec<Tok>> =
-            (0..n).map(|r| Self::toks_from(self.rows[r], self.rows_model.rows[r].offset(), len)).collect();
+            (0..n).map(|r| Self::toks_from(roster.rows()[r], self.rows_model.rows[r].offset(), len)).collect();
         let (reads, mconv) = self.rows_model.append(&toks, decode).map_err(|e| model_fail("rows append", e))?;
         let scale = self.cfg.scale();
         let masks = Masks::new();
@@ -100,7 +102,7 @@ impl TransitionFamily {
             let ob = bytes_of(&out)?;
             cx.hasher.update(&ob.digest());
             for r in 0..n {
-                let id = self.rows[r];
+                let id = roster.rows()[r];
                 let (kr, vr, qr) = (row_of(&k, r), row_of(&v, r), row_of(&q, r));
                 let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
                 let (tw, _) = if decode {
@@ -130,7 +132,8 @@ impl TransitionFamily {
     }
 
     pub(super) fn batch_read(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
         self.forward(cx, len, decode)?;
@@ -142,12 +145,13 @@ impl TransitionFamily {
     /// positions when its transition comes due) and against the twin's ordinary decode of that position (bytes);
     /// the rows converted, in order, against the model's.
     pub(super) fn commit_span(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
-        if self.rows.is_empty() || len == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
-        let n = self.rows.len();
+        let n = roster.rows().len();
         let toks: Vec<Vec<Tok>> =
-            (0..n).map(|r| Self::toks_from(self.rows[r], self.rows_model.rows[r].offset(), len)).collect();
+            (0..n).map(|r| Self::toks_from(roster.rows()[r], self.rows_model.rows[r].offset(), len)).collect();
         // The model: one decode per position; whether the batch was packed when each position read, and whether
         // the rows then held equal live lengths.
         let mut model = self.rows_model.clone();
@@ -178,7 +182,7 @@ impl TransitionFamily {
                 let ob = bytes_of(&out.index((.., .., i32_..i32_ + 1, ..)))?;
                 cx.hasher.update(&ob.digest());
                 for r in 0..n {
-                    let id = self.rows[r];
+                    let id = roster.rows()[r];
                     let c = |a: &Array| row_of(a, r).index((.., .., i32_..i32_ + 1, ..));
                     let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
                     let (tw, _) =
@@ -195,13 +199,14 @@ impl TransitionFamily {
 
     /// A speculative round (module docs).
     pub(super) fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
-        if self.rows.is_empty() || gamma == 0 {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || gamma == 0 {
             return Ok(false);
         }
-        let n = self.rows.len();
+        let n = roster.rows().len();
         for layer in 0..self.cfg.layers {
             self.batch_mut(layer)?.round_begin().map_err(|e| unexpected("round_begin", e))?;
-            for &id in &self.rows.clone() {
+            for &id in roster.rows() {
                 self.reqs.get_mut(&id).unwrap().twin[layer].round_begin().map_err(|e| unexpected("twin round", e))?;
             }
         }
@@ -254,7 +259,7 @@ impl TransitionFamily {
             if got != mconv {
                 return Err(Failure::new("conversion", format!("round end converted {got:?}, model {mconv:?}")));
             }
-            for (r, &id) in self.rows.clone().iter().enumerate() {
+            for (r, &id) in roster.rows().to_vec().iter().enumerate() {
                 let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
                 let did = if commit { twin.round_commit() } else { twin.round_rollback(keep[r]) }
                     .map_err(|e| unexpected("twin round end", e))?;
