@@ -100,7 +100,7 @@ impl Words {
     /// The inverse of [`Words::le_bytes`]: `bytes` read as little-endian words of `width` bytes (1, 2, 4 or 8);
     /// `None` for another width or a length that is not a whole number of words.
     pub fn from_le(bytes: &[u8], width: usize) -> Option<Words> {
-        if width == 0 || bytes.len() % width != 0 {
+        if width == 0 || !bytes.len().is_multiple_of(width) {
             return None;
         }
         let chunks = bytes.chunks_exact(width);

@@ -63,7 +63,7 @@ impl QuantSpec {
         if !QUANT_GROUPS.contains(&self.group) {
             return bad("group must be one of 32, 64, 128");
         }
-        if head_dim % self.group != 0 {
+        if !head_dim.is_multiple_of(self.group) {
             return bad("head_dim is not a multiple of the group");
         }
         Ok(())

@@ -184,7 +184,7 @@ pub(crate) fn check_q(spec: &KvSpec, q: &Array, rows: usize, len: usize) -> Resu
             spec.head_dim
         )));
     }
-    if d[1] == 0 || d[1] % spec.heads_kv != 0 {
+    if d[1] == 0 || !d[1].is_multiple_of(spec.heads_kv) {
         return Err(shape(format!("H_q = {} is not a positive multiple of H_kv = {}", d[1], spec.heads_kv)));
     }
     if q.dtype() != spec.dtype.to_mlx() {

@@ -587,7 +587,7 @@ fn refused_trim_rule(info: &StepInfo) -> Option<Rule> {
 /// Whether MLX 0.32.2 refuses `(bits, group)` for a head dim (`mlx/ops.cpp` `quantize`: bits 2, 3, 4, 5, 6, 8; group
 /// 32, 64, 128, dividing the last axis). Written here from MLX's messages, independently of kvsim's caches.
 pub fn mlx_refuses_quant(bits: usize, group: usize, head_dim: usize) -> bool {
-    ![2, 3, 4, 5, 6, 8].contains(&bits) || ![32, 64, 128].contains(&group) || head_dim % group != 0
+    ![2, 3, 4, 5, 6, 8].contains(&bits) || ![32, 64, 128].contains(&group) || !head_dim.is_multiple_of(group)
 }
 
 /// The rules of the quantized family's divergences (`kv:quant`, `kv:rotating-quant`), from the step's geometry and

@@ -8,9 +8,10 @@ use kvsim_cache::CacheError;
 /// a failed save leaves the previous file at that path untouched (atomic write).
 #[derive(Debug, Error)]
 pub enum PersistError {
-    /// The file system refused (open, write, fsync, rename).
+    /// The file system refused (open, write, fsync, rename). `kind` says why: e.g. `StorageFull` (ENOSPC),
+    /// `ReadOnlyFilesystem` or `PermissionDenied` (a folder that cannot be written), `NotFound`.
     #[error("i/o error on {path}: {message}")]
-    Io { path: String, message: String },
+    Io { path: String, kind: std::io::ErrorKind, message: String },
     /// The file ends before the structure its header announces.
     #[error("truncated file: {what}")]
     Truncated { what: String },
@@ -70,7 +71,7 @@ impl PersistError {
     }
 
     pub(crate) fn io(path: &std::path::Path, e: std::io::Error) -> Self {
-        PersistError::Io { path: path.display().to_string(), message: e.to_string() }
+        PersistError::Io { path: path.display().to_string(), kind: e.kind(), message: e.to_string() }
     }
 }
 

@@ -16,8 +16,10 @@
 //! covering the data exactly, byte count = shape x itemsize), every tensor's sha256, and finally each codec's
 //! validation of the state. Any failure is a typed [`PersistError`]; nothing is half-loaded.
 //!
-//! Writing is atomic ([`write_atomic`]): a temporary file in the same folder, `fsync`, `rename` over the target,
-//! `fsync` of the folder. A failed write leaves the previous file at the path intact.
+//! Writing is atomic ([`write_atomic`]): a temporary file in the same folder, locked by its write, `fsync`, `rename`
+//! over the target, `fsync` of the folder. A failed or killed write leaves the previous file at the path intact (the
+//! tests stop a write after every byte of a file of each format, and kill writing processes); a killed write's
+//! temporary file is removed by the next successful write to the path.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -222,23 +224,43 @@ pub fn decode(registry: &Registry, bytes: &[u8]) -> Result<(BTreeMap<String, Str
     Ok((f.metadata, caches))
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file beside it, `fsync`, `rename`, `fsync` of the folder. On any
-/// error the temporary file is removed and whatever was at `path` before is untouched.
+/// Writes `bytes` to `path` atomically: a temporary file beside it (locked by this write until its rename), `fsync`,
+/// `rename` over `path`, `fsync` of the folder. On any error the temporary file is removed and whatever was at `path`
+/// before is untouched. A write interrupted harder (the process killed) leaves its temporary file behind, unlocked:
+/// the next successful write to `path` removes it. (A write that starts while another removes such files may have
+/// its temporary file removed under it: its rename then fails with a typed error, and `path` is untouched.)
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, bytes, |f, b| f.write_all(b))
+}
+
+/// [`write_atomic`], with `write` putting the bytes into the (locked, empty) temporary file: the tests hand it
+/// writers that fail or stop after `n` bytes.
+pub(crate) fn write_atomic_with(
+    path: &Path,
+    bytes: &[u8],
+    write: impl FnOnce(&mut std::fs::File, &[u8]) -> std::io::Result<()>,
+) -> Result<()> {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
-    let fname = path
-        .file_name()
-        .ok_or_else(|| PersistError::Io { path: path.display().to_string(), message: "not a file path".into() })?;
-    let tmp = dir.join(format!(".{}.tmp.{}", fname.to_string_lossy(), std::process::id()));
+    let fname = path.file_name().ok_or_else(|| PersistError::Io {
+        path: path.display().to_string(),
+        kind: std::io::ErrorKind::InvalidInput,
+        message: "not a file path".into(),
+    })?;
+    let prefix = temporary_prefix(&fname.to_string_lossy());
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("{prefix}{}.{n}", std::process::id()));
     let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
-        f.write_all(bytes)?;
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        // Held until the rename: a write in progress is never taken for an interrupted one.
+        f.lock()?;
+        write(&mut f, bytes)?;
         f.sync_all()?;
-        drop(f);
         std::fs::rename(&tmp, path)?;
+        drop(f);
         if let Ok(d) = std::fs::File::open(&dir) {
             let _ = d.sync_all();
         }
@@ -248,7 +270,30 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
         return Err(PersistError::io(path, e));
     }
+    remove_interrupted(&dir, &prefix);
     Ok(())
+}
+
+/// The name prefix of the temporary files of writes to a file named `fname`.
+pub(crate) fn temporary_prefix(fname: &str) -> String {
+    format!(".{fname}.tmp.")
+}
+
+/// Removes the temporary files of `prefix` in `dir` that no write holds: each write locks its own until the rename,
+/// so one whose lock can be taken belongs to a write that was interrupted.
+fn remove_interrupted(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        if !e.file_name().to_string_lossy().starts_with(prefix) {
+            continue;
+        }
+        let p = e.path();
+        if let Ok(f) = std::fs::File::open(&p) {
+            if f.try_lock().is_ok() {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+    }
 }
 
 /// Saves caches to a kvsim file at `path` (atomically).

@@ -44,7 +44,7 @@ impl RefQuant {
         let ok = REF_QUANT_BITS.contains(&self.bits)
             && REF_QUANT_GROUPS.contains(&self.group)
             && head_dim > 0
-            && head_dim % self.group == 0;
+            && head_dim.is_multiple_of(self.group);
         if ok {
             Ok(())
         } else {
@@ -78,7 +78,7 @@ fn store(d: RefDtype, x: f32) -> u32 {
 /// kernel does (module docs).
 pub fn quantize(values: &[f32], head_dim: usize, dtype: RefDtype, q: RefQuant) -> Result<Quantized, ModelError> {
     q.validate(head_dim)?;
-    if values.len() % head_dim != 0 {
+    if !values.len().is_multiple_of(head_dim) {
         return Err(ModelError::BadLengths { what: format!("{} values are not rows of {head_dim}", values.len()) });
     }
     let n_bins = ((1u32 << q.bits) - 1) as f32;
@@ -153,7 +153,7 @@ pub fn unpack(packed: &[u32], bits: usize, n: usize) -> Vec<u32> {
 /// Dequantize as the upstream CPU fallback does: `T(code) * scale`, rounded to `T`, then `+ bias`, rounded to `T`.
 /// Returns f32 values (exactly representable in `dtype`). `n` is the number of elements.
 pub fn dequantize(x: &Quantized, n: usize, dtype: RefDtype, q: RefQuant) -> Result<Vec<f32>, ModelError> {
-    if n % q.group != 0 || x.scales.len() < n / q.group || x.biases.len() < n / q.group {
+    if !n.is_multiple_of(q.group) || x.scales.len() < n / q.group || x.biases.len() < n / q.group {
         return Err(ModelError::BadLengths {
             what: format!("{n} elements, {} scales, {} biases, group {}", x.scales.len(), x.biases.len(), q.group),
         });

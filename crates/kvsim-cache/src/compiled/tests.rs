@@ -211,7 +211,7 @@ fn stepped_quantized_ring_equals_ordinary_append_through_wrap_trim_and_rotation(
             // Both modes for two of the pairs, one mode (alternating) for the others: the 2-core budget.
             let modes: &[Mode] = match i {
                 0 | 2 => &[Mode::Eager, Mode::Compiled],
-                _ if (i + (dtype == KvDtype::Bf16) as usize) % 2 == 0 => &[Mode::Eager],
+                _ if (i + (dtype == KvDtype::Bf16) as usize).is_multiple_of(2) => &[Mode::Eager],
                 _ => &[Mode::Compiled],
             };
             for &mode in modes {

@@ -107,7 +107,7 @@ impl SimConfig {
         if self.heads_kv == 0 || self.heads_kv > 16 {
             return bad("heads_kv must be 1..=16");
         }
-        if self.heads_q == 0 || self.heads_q % self.heads_kv != 0 || self.heads_q > 64 {
+        if self.heads_q == 0 || !self.heads_q.is_multiple_of(self.heads_kv) || self.heads_q > 64 {
             return bad("heads_q must be a positive multiple of heads_kv, at most 64");
         }
         if self.head_dim == 0 || self.head_dim > 256 {

@@ -24,7 +24,7 @@ impl Recurrent {
         old: usize,
     ) -> Res {
         let roster = cx.roster;
-        let left = !self.set.hybrid() && (ids[0] as usize + chunk) % 3 != 0;
+        let left = !self.set.hybrid() && !(ids[0] as usize + chunk).is_multiple_of(3);
         self.enter(cx, ids, &(0..old).collect::<Vec<_>>())?;
         let width = *lens.iter().max().unwrap();
         // Running rows are all padding: right padding (`lengths = 0`), or with left padding `left = lengths =
