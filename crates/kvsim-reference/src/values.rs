@@ -142,7 +142,8 @@ fn rounded(d: RefDtype, x: f32) -> f32 {
 impl ValueSpace {
     /// Checks the shapes: `heads_kv >= 1`, `head_dim >= 1`, `heads_q` a positive multiple of `heads_kv`.
     pub fn validate(&self) -> Result<(), ModelError> {
-        if self.heads_kv == 0 || self.head_dim == 0 || self.heads_q == 0 || !self.heads_q.is_multiple_of(self.heads_kv) {
+        if self.heads_kv == 0 || self.head_dim == 0 || self.heads_q == 0 || !self.heads_q.is_multiple_of(self.heads_kv)
+        {
             return Err(ModelError::InvalidState {
                 what: format!(
                     "value space shapes: heads_q {} must be a positive multiple of heads_kv {}, head_dim {} >= 1",
