@@ -145,9 +145,10 @@ pub enum Cmd {
     },
     /// Run the mutation catalog: each mutant must be caught within its seed budget.
     Mutants {
-        /// Seeds tried per mutant.
-        #[arg(long, default_value_t = 200)]
-        budget: u64,
+        /// Seeds tried per mutant (default: the mutant's own budget, `campaign::mutant_budget`, the one `cargo test`
+        /// gives it).
+        #[arg(long)]
+        budget: Option<u64>,
         /// Shrink each caught mutant's trace (replays per mutant).
         #[arg(long, default_value_t = 600)]
         shrink_budget: usize,

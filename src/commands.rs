@@ -526,12 +526,12 @@ pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, devic
     }
 }
 
-pub(crate) fn mutants_cmd(budget: u64, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
+pub(crate) fn mutants_cmd(budget: Option<u64>, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
     let mut rows = vec![];
     // The quantized mutants are hunted through the quantized family (`sim::family::quant`); the recurrent cache's
     // are hunted through the recurrent family (`sim::family::ssm`) like every other.
     for &m in Mutant::ALL.iter().filter(|m| m.in_simulator() && only.as_deref().is_none_or(|o| o == m.name())) {
-        let hunt = campaign::MutantHunt::run(m, budget, shrink_budget);
+        let hunt = campaign::MutantHunt::run(m, budget.unwrap_or(campaign::mutant_budget(m)), shrink_budget);
         if let (true, Some(t)) = (save, hunt.corpus_trace()) {
             write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);
         }

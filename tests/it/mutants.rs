@@ -1,6 +1,6 @@
 //! CI smoke of `kvsim mutants`: every mutant of the catalog is caught within its seed budget.
 use kvsim::cache::faults::Mutant;
-use kvsim::campaign::{hunt_mutant, test_budget};
+use kvsim::campaign::{hunt_mutant, mutant_budget};
 
 #[test]
 fn every_mutant_is_caught_within_its_budget() {
@@ -9,7 +9,7 @@ fn every_mutant_is_caught_within_its_budget() {
     let survivors: Vec<&str> = Mutant::ALL
         .iter()
         .filter(|m| m.in_simulator())
-        .filter(|&&m| hunt_mutant(m, test_budget(m)).is_none())
+        .filter(|&&m| hunt_mutant(m, mutant_budget(m)).is_none())
         .map(|m| m.name())
         .collect();
     assert!(survivors.is_empty(), "mutants that survived their budget: {survivors:?}");

@@ -645,8 +645,9 @@ pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
     })
 }
 
-/// The seed budget the tests give each mutant (README "Mutation catalog" lists the measured catch seed).
-pub fn test_budget(m: Mutant) -> u64 {
+/// The seed budget of each mutant: the one table `kvsim mutants` (by default) and `cargo test` hunt with (README
+/// "Mutation catalog" lists the measured catch seed).
+pub fn mutant_budget(m: Mutant) -> u64 {
     match m {
         // The bf16-first mutants live in the transition family, which about a quarter of the seeds hold.
         Mutant::TkvConvertUncommitted
