@@ -335,7 +335,10 @@ fn layout(message: &str, who: &str, watcher: Option<&Watcher>, out: &mut Vec<Det
         let act = column(ab, col);
         let words = exp.len() / heads_dim.0.max(1);
         out.push(Detail::Values(compare(
-            format!("{who}: layer {layer} {t} packed words of column {col}, token (request {}, position {}) against production", tok.req, tok.pos),
+            format!(
+                "{who}: the {t} packed words of token (request {}, position {}) against production's",
+                tok.req, tok.pos
+            ),
             ab.dtype,
             ("expected", "production"),
             ((heads_dim.0, words), "word"),
@@ -351,8 +354,8 @@ fn layout(message: &str, who: &str, watcher: Option<&Watcher>, out: &mut Vec<Det
     let dtype = if w.vs.dtype == RefDtype::Bf16 { Dtype::Bfloat16 } else { Dtype::Float32 };
     out.push(Detail::Values(compare(
         format!(
-            "{who}: layer {layer} {t} column {col} (every head and dim): token (request {}, position {}) against the \
-             bytes production holds there after the op",
+            "{who}, every head and dim: the bytes of token (request {}, position {}) against those production holds \
+             there after the op",
             tok.req, tok.pos
         ),
         dtype,

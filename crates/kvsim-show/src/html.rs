@@ -10,23 +10,110 @@
 //! `data-marked="first-failure"`; an error in it sets the title to `kvsim show: SCRIPT ERROR ...` and fills
 //! `script-error`.
 
+use std::collections::HashMap;
 use std::fmt::Write;
 
 use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use serde::Serialize;
+use serde_json::{json, Value};
 
-use crate::page::{Detail, FamilyView, OpCell, Page, Place, RingPic, Status, ValueTable};
+use crate::page::{Detail, FamilyView, LayerSnap, Page, Place, RingPic, Status, ValueTable};
 
 const CSS: &str = include_str!("page.css");
 const SCRIPT: &str = include_str!("page.js");
 
-/// What the script needs: the op cells, the families' snapshots and the preselected op.
+/// What the script needs: the op cells, the families' snapshots (compacted: [`compact_family`]) and the
+/// preselected op.
 #[derive(Serialize)]
 struct ScriptData<'a> {
     selected: usize,
     fail_at: Option<usize>,
-    ops: &'a [OpCell],
-    families: &'a [FamilyView],
+    ops: Vec<(&'a str, &'a str, &'a str)>,
+    families: Vec<Value>,
+}
+
+/// A family's snapshots as the script reads them, small enough for long traces: every distinct layer picture once
+/// in `layers` (a request's layers rarely change from one op to the next), referenced by index from the rows;
+/// stages as `[source, calls, batch, rows]` with `source` an index into `sources`, rows as `[req, offset, [layer
+/// indices]]`, the k-th index being the model's layer `layer_ids[k]` (identical windows of different layers share
+/// one entry). A plain layer is `[len, storage, runs, planes]`, a run `[kind, req, pos, n, flags]` (kind `t`
+/// token, `p` padding, `z` zeros, `u` unknown; flags 1: out of the row's own order, 2: named by the failing check);
+/// a recurrent layer is `["ssm", conv, rec, conv digest, rec digest]`.
+pub fn compact_family(f: &FamilyView) -> Value {
+    let mut layers: Vec<Value> = vec![];
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut sources: Vec<String> = vec![];
+    let mut intern = |v: Value, table: &mut Vec<Value>| -> usize {
+        let key = v.to_string();
+        *index.entry(key).or_insert_with(|| {
+            table.push(v);
+            table.len() - 1
+        })
+    };
+    let ops: Vec<Value> = f
+        .ops
+        .iter()
+        .map(|snap| {
+            let Some(snap) = snap else { return Value::Null };
+            let stages: Vec<Value> = snap
+                .stages
+                .iter()
+                .map(|st| {
+                    let src = match sources.iter().position(|s| *s == st.source) {
+                        Some(i) => i,
+                        None => {
+                            sources.push(st.source.clone());
+                            sources.len() - 1
+                        }
+                    };
+                    let rows: Vec<Value> = st
+                        .rows
+                        .iter()
+                        .map(|r| {
+                            let ls: Vec<usize> =
+                                r.layers.iter().map(|l| intern(compact_layer(l), &mut layers)).collect();
+                            json!([r.req, r.offset, ls])
+                        })
+                        .collect();
+                    json!([src, st.calls, st.batch, rows])
+                })
+                .collect();
+            json!({"s": stages, "m": snap.missing})
+        })
+        .collect();
+    // A row's k-th layer picture is the model's layer `layer_ids[k]` (the same in every row of a family).
+    let layer_ids: Vec<usize> = f
+        .ops
+        .iter()
+        .flatten()
+        .flat_map(|s| &s.stages)
+        .flat_map(|st| &st.rows)
+        .next()
+        .map(|r| r.layers.iter().map(|l| l.layer).collect())
+        .unwrap_or_default();
+    json!({"name": f.name, "kind": f.kind, "window": f.window, "geometry": f.geometry, "sources": sources,
+           "layer_ids": layer_ids, "layers": layers, "ops": ops})
+}
+
+fn compact_layer(l: &LayerSnap) -> Value {
+    if let Some(s) = &l.ssm {
+        return json!(["ssm", s.conv, s.rec, s.conv_digest, s.rec_digest]);
+    }
+    let runs: Vec<Value> = l
+        .tokens
+        .iter()
+        .map(|r| {
+            let kind = match r.kind.as_str() {
+                "tok" => "t",
+                "pad" => "p",
+                "zero" => "z",
+                _ => "u",
+            };
+            let flags = u8::from(!r.expected) | (u8::from(r.named) << 1);
+            json!([kind, r.req, r.pos, r.n, flags])
+        })
+        .collect();
+    json!([l.len, l.storage, runs, l.planes])
 }
 
 /// JSON that is safe inside a `<script>` element: `<`, `>` and `&` escaped as JSON `\u` escapes (they only occur
@@ -57,23 +144,23 @@ pub fn title(p: &Page) -> String {
 pub fn render(p: &Page) -> String {
     let mut h = String::with_capacity(64 * 1024);
     let t = title(p);
-    let _ = write!(
+    let _ = writeln!(
         h,
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{}</title>\n\
          <script>window.onerror=function(m,s,l){{document.title='kvsim show: SCRIPT ERROR '+m;\
          var e=document.getElementById('script-error');if(e){{e.hidden=false;e.textContent='script error: '+m+' (line '+l+')';}}}};</script>\n\
-         <style>\n{CSS}</style>\n</head>\n<body data-selected=\"{}\">\n<pre id=\"script-error\" hidden></pre>\n",
+         <style>\n{CSS}</style>\n</head>\n<body data-selected=\"{}\">\n<pre id=\"script-error\" hidden></pre>",
         text(&t),
         p.selected
     );
     header(&mut h, p);
     failure(&mut h, p);
     timeline(&mut h, p);
-    let _ = write!(
+    let _ = writeln!(
         h,
         "<section id=\"detail\"><h2 id=\"detail-title\">Op {}</h2>\
          <p class=\"hint\">Click a cell of the timeline or an op of the list (or press ← →) to see its pictures.</p>\
-         <div id=\"detail-body\"></div><noscript>The per-op pictures are drawn by the page's script.</noscript></section>\n",
+         <div id=\"detail-body\"></div><noscript>The per-op pictures are drawn by the page's script.</noscript></section>",
         p.selected
     );
     shrunk(&mut h, p);
@@ -86,11 +173,11 @@ pub fn render(p: &Page) -> String {
     let data = ScriptData {
         selected: p.selected,
         fail_at: p.failure.as_ref().map(|f| f.op_index),
-        ops: &p.ops,
-        families: &p.families,
+        ops: p.ops.iter().map(|o| (o.kind.as_str(), o.text.as_str(), status_class(o.status))).collect(),
+        families: p.families.iter().map(compact_family).collect(),
     };
-    let _ = write!(h, "<script type=\"application/json\" id=\"kvsim-data\">{}</script>\n", script_json(&data));
-    let _ = write!(h, "<script>\n{SCRIPT}</script>\n</body>\n</html>\n");
+    let _ = writeln!(h, "<script type=\"application/json\" id=\"kvsim-data\">{}</script>", script_json(&data));
+    let _ = writeln!(h, "<script>\n{SCRIPT}</script>\n</body>\n</html>");
     h
 }
 
@@ -116,10 +203,10 @@ fn header(h: &mut String, p: &Page) {
         row("note", &hd.note);
     }
     let cfg = serde_json::to_string_pretty(&hd.config).unwrap_or_default();
-    let _ = write!(
+    let _ = writeln!(
         h,
         "</dl><p id=\"repro\">Reproduce: <code>{}</code><br>This page: <code>{}</code></p>\
-         <details><summary>config</summary><pre id=\"config\">{}</pre></details></header>\n",
+         <details><summary>config</summary><pre id=\"config\">{}</pre></details></header>",
         text(&p.replay_command),
         text(&p.show_command),
         text(&cfg)
@@ -266,9 +353,9 @@ fn detail(h: &mut String, d: &Detail, i: usize) {
 
 fn failure(h: &mut String, p: &Page) {
     let Some(f) = &p.failure else {
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "<section id=\"failure\" class=\"pass\"><h2>No failing check</h2><p>All {} ops replayed; every check passed.</p></section>\n",
+            "<section id=\"failure\" class=\"pass\"><h2>No failing check</h2><p>All {} ops replayed; every check passed.</p></section>",
             p.ops.len()
         );
         return;

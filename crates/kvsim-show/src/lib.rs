@@ -1,10 +1,11 @@
 //! `kvsim show`: a trace replayed under observers of its own and drawn as one self-contained HTML page
 //! ([`html::render`]) or as terminal text ([`text::render`]).
 //!
-//! [`build`] replays the trace once for the verdict of every op ([`watch::Verdicts`]), then once per family the
-//! observer interface describes (the attention, quantized and recurrent families) with a [`watch::Watcher`] that
-//! watches that family alone: its production calls and the state of every live request after every op. The
-//! failing op runs to its end with kvsim's checks off ([`kvsim_harness::sim::check::checks_off`]), so the page shows
+//! [`build`] replays the trace once per family the observer interface describes (the attention, quantized and
+//! recurrent families) with a [`watch::Watcher`] that watches that family alone: its production calls and the state
+//! of every live request after every op (the first of these replays also gives every op's verdict; with no such
+//! family, [`watch::Verdicts`] does). After a failure the watchers replay up to the failing op, which runs to its
+//! end with kvsim's checks off ([`kvsim_harness::sim::check::checks_off`]), so the page shows
 //! the state production left there and every check that op failed. [`failure::details`] turns the failing check's
 //! message into pictures (rings, mask, expected against actual bytes) where the observed data holds both sides.
 //!
@@ -103,15 +104,21 @@ fn watcher_for<'a>(watchers: &'a [Watcher], key: Option<&str>) -> Option<&'a Wat
 /// Replays `trace` under the page's observers and builds the page.
 pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
     let device = opts.device;
+    let families = families_of(trace);
+    let watched: Vec<&String> = families.iter().filter(|n| WATCHED.contains(&n.as_str())).collect();
+    // The verdicts come from a plain replay; when some family is watched, that replay is the first watcher's.
+    let mut first = watched.first().map(|n| Watcher::new(n, &trace.config));
     let mut verdicts = Verdicts::default();
-    let run = sim::run_observed(
-        trace.seed,
-        trace.config.clone(),
-        Some(trace.ops.clone()),
-        device,
-        trace.mutant,
-        &mut verdicts,
-    );
+    let observer: &mut dyn kvsim_harness::sim::observe::RunObserver = match first.as_mut() {
+        Some(w) => w,
+        None => &mut verdicts,
+    };
+    let run =
+        sim::run_observed(trace.seed, trace.config.clone(), Some(trace.ops.clone()), device, trace.mutant, observer);
+    let results = first.as_ref().map_or(verdicts.results, |w| w.results.clone());
+    if let Some(e) = first.as_ref().and_then(|w| w.error.clone()) {
+        return Err(format!("observing the {} family: {e}", watched[0]));
+    }
     let fail_at = match &run.trace.outcome {
         Outcome::Fail { op_index, .. } => Some(*op_index),
         Outcome::Pass => None,
@@ -125,7 +132,7 @@ pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
             index: i,
             kind: op.kind().name().to_string(),
             text: format!("{op:?}"),
-            status: match verdicts.results.get(i) {
+            status: match results.get(i) {
                 _ if Some(i) == fail_at => Status::Failed,
                 _ if i >= reached => Status::NotRun,
                 Some(Ok(true)) => Status::Passed,
@@ -136,12 +143,16 @@ pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
         })
         .collect();
 
-    // One replay per watched family, up to and including the failing op, with the checks off: the ops before the
-    // failure pass either way, and the failing op runs to its end and hands over its state.
-    let families = families_of(trace);
+    // Every other watched family (and, when the run failed, the first one again): one replay each, up to and
+    // including the failing op, with the checks off. The ops before the failure pass either way, and the failing op
+    // runs to its end and hands over its state.
     let mut watchers = vec![];
     let mut suppressed = vec![];
-    for name in families.iter().filter(|n| WATCHED.contains(&n.as_str())) {
+    for (k, name) in watched.iter().enumerate() {
+        if k == 0 && fail_at.is_none() {
+            watchers.extend(first.take());
+            continue;
+        }
         let mut w = Watcher::new(name, &trace.config);
         let ops_run = trace.ops[..reached].to_vec();
         let (r, found) = checks_off(|| {
@@ -166,6 +177,18 @@ pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
             }
         }
         watchers.push(w);
+    }
+    // The recurrent family's states list its layers in order; which model layers they are is known once its calls
+    // named them.
+    for w in watchers.iter_mut().filter(|w| w.ssm) {
+        let ids: Vec<usize> = (0..trace.config.layers).map(|k| w.ssm_layer(k)).collect();
+        for st in w.snaps.iter_mut().flatten().flat_map(|s| s.stages.iter_mut()) {
+            for r in &mut st.rows {
+                for (k, l) in r.layers.iter_mut().enumerate() {
+                    l.layer = ids.get(k).copied().unwrap_or(k);
+                }
+            }
+        }
     }
 
     let lanes = lanes_of(&watchers, reached);
@@ -339,8 +362,12 @@ fn geometry(trace: &Trace, w: &Watcher) -> String {
         None => String::new(),
     };
     format!(
-        "{window}, {} layers, {} KV heads x head dim {}, {:?}{storage}",
-        c.layers, w.vs.heads_kv, w.vs.head_dim, c.dtype
+        "{window}, {} layer{}, {} KV heads x head dim {}, {:?}{storage}",
+        c.layers,
+        if c.layers == 1 { "" } else { "s" },
+        w.vs.heads_kv,
+        w.vs.head_dim,
+        c.dtype
     )
 }
 

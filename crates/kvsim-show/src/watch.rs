@@ -61,6 +61,8 @@ pub struct Watcher {
     pub ssm_layers: BTreeSet<usize>,
     /// An observer error (an array that could not be read): it also fails the run.
     pub error: Option<String>,
+    /// How each op ended, as [`Verdicts`] records it.
+    pub results: Vec<Result<bool, String>>,
     calls: Vec<String>,
     stages: Vec<Stage>,
     got_state: bool,
@@ -133,6 +135,46 @@ fn trim_text(t: &TrimInfo) -> String {
     format!("trim {n}{} (live {:?}): {res}", if t.bypass { " (bypass)" } else { "" }, t.live)
 }
 
+/// Consecutive calls that differ only in their layer (`layer N: ...`) as one line (`layers 0, 1: ...`).
+pub fn merge_layers(calls: Vec<String>) -> Vec<String> {
+    let split = |c: &str| -> Option<(usize, String)> {
+        let rest = c.strip_prefix("layer ")?;
+        let (n, tail) = rest.split_once(": ")?;
+        Some((n.parse().ok()?, tail.to_string()))
+    };
+    let mut out: Vec<(Vec<usize>, String)> = vec![];
+    let mut plain: Vec<Option<String>> = vec![];
+    for c in calls {
+        match split(&c) {
+            Some((n, tail)) => {
+                if let (Some(last), Some(None)) = (out.last_mut(), plain.last()) {
+                    if last.1 == tail && !last.0.contains(&n) {
+                        last.0.push(n);
+                        continue;
+                    }
+                }
+                out.push((vec![n], tail));
+                plain.push(None);
+            }
+            None => {
+                out.push((vec![], String::new()));
+                plain.push(Some(c));
+            }
+        }
+    }
+    out.into_iter()
+        .zip(plain)
+        .map(|((layers, tail), p)| match (p, layers.len()) {
+            (Some(c), _) => c,
+            (None, 1) => format!("layer {}: {tail}", layers[0]),
+            (None, _) => {
+                let l: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
+                format!("layers {}: {tail}", l.join(", "))
+            }
+        })
+        .collect()
+}
+
 fn bytes(a: &mlx_rs::Array) -> Result<ArrayBytes, String> {
     ArrayBytes::of(a).map_err(|e| e.to_string())
 }
@@ -166,6 +208,7 @@ impl Watcher {
             ssm_rows: vec![],
             ssm_layers: BTreeSet::new(),
             error: None,
+            results: vec![],
             calls: vec![],
             stages: vec![],
             got_state: false,
@@ -442,7 +485,7 @@ impl Watcher {
         self.live.retain(|r, _| raw.contains_key(r));
         self.raw = raw;
         self.got_state = true;
-        let stage = Stage { source: String::new(), calls: std::mem::take(&mut self.calls), batch, rows };
+        let stage = Stage { source: String::new(), calls: merge_layers(std::mem::take(&mut self.calls)), batch, rows };
         self.stages.push(stage);
         Ok(())
     }
@@ -475,6 +518,8 @@ impl RunObserver for Watcher {
     fn on_op_end(&mut self, index: usize, _op: &Op, result: Result<bool, &str>) {
         self.snaps.resize(index, None);
         self.places.resize(index, self.live.clone());
+        self.results.resize(index, Ok(false));
+        self.results.push(result.map_err(str::to_string));
         let mut stages = std::mem::take(&mut self.stages);
         let n = stages.len();
         for (i, s) in stages.iter_mut().enumerate() {
@@ -484,7 +529,7 @@ impl RunObserver for Watcher {
                 format!("handed over mid-op (checkpoint {} of {n}: a verify's window, before its rollback)", i + 1)
             };
         }
-        let calls = std::mem::take(&mut self.calls);
+        let calls = merge_layers(std::mem::take(&mut self.calls));
         let batch = if self.ssm { self.ssm_rows.clone() } else { self.rows.clone() };
         let missing = match result {
             Err(check) if !self.got_state || !calls.is_empty() => {
@@ -502,5 +547,22 @@ impl RunObserver for Watcher {
         };
         self.snaps.push(snap);
         self.places.push(self.live.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_layers;
+
+    #[test]
+    fn calls_of_every_layer_read_as_one_line() {
+        let calls =
+            ["layer 0: batch decode of 1: rows 3", "layer 1: batch decode of 1: rows 3", "every batch row received 1"];
+        let got = merge_layers(calls.iter().map(|c| c.to_string()).collect());
+        assert_eq!(got, vec!["layers 0, 1: batch decode of 1: rows 3", "every batch row received 1"]);
+        // Different calls stay apart, and so does a layer seen twice (a second chunk).
+        let calls = ["layer 0: chunk a", "layer 0: chunk a", "layer 1: chunk b", "admit request 2"];
+        let got = merge_layers(calls.iter().map(|c| c.to_string()).collect());
+        assert_eq!(got, vec!["layer 0: chunk a", "layer 0: chunk a", "layer 1: chunk b", "admit request 2"]);
     }
 }
