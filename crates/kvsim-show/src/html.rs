@@ -35,8 +35,8 @@ struct ScriptData<'a> {
 /// A family's snapshots as the script reads them, small enough for long traces: every distinct layer picture once
 /// in `layers` (a request's layers rarely change from one op to the next), referenced by index from the rows;
 /// stages as `[source, calls, batch, rows]` with `source` an index into `sources`, rows as `[req, offset, [layer
-/// indices]]`, the k-th index being the model's layer `layer_ids[k]` (identical windows of different layers share
-/// one entry). A plain layer is `[len, storage, runs, planes]`, a run `[kind, req, pos, n, flags]` (kind `t`
+/// indices]]` plus the row's home when its place in `batch` does not say it; the k-th index is the model's layer
+/// `layer_ids[k]` (identical windows of different layers share one entry). A plain layer is `[len, storage, runs, planes]`, a run `[kind, req, pos, n, flags]` (kind `t`
 /// token, `p` padding, `z` zeros, `u` unknown; flags 1: out of the row's own order, 2: named by the failing check);
 /// a recurrent layer is `["ssm", conv, rec, conv digest, rec digest]`.
 pub fn compact_family(f: &FamilyView) -> Value {
@@ -72,7 +72,16 @@ pub fn compact_family(f: &FamilyView) -> Value {
                         .map(|r| {
                             let ls: Vec<usize> =
                                 r.layers.iter().map(|l| intern(compact_layer(l), &mut layers)).collect();
-                            json!([r.req, r.offset, ls])
+                            // The home only when the row's place in `batch` does not say it.
+                            let plain = match st.batch.iter().position(|&b| b == r.req) {
+                                Some(i) => r.home == format!("batch row {i}"),
+                                None => r.home == "solo",
+                            };
+                            if plain {
+                                json!([r.req, r.offset, ls])
+                            } else {
+                                json!([r.req, r.offset, ls, r.home])
+                            }
                         })
                         .collect();
                     json!([src, st.calls, st.batch, rows])

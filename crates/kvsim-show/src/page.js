@@ -108,7 +108,7 @@
         var req = row[0], b = batch.indexOf(req);
         var r = el("div", "row");
         r.id = "row-" + fam.name + "-" + k + "-" + req;
-        r.appendChild(el("h4", "", "request " + req + " · " + (b >= 0 ? "batch row " + b : "solo") + " · offset " + row[1]));
+        r.appendChild(el("h4", "", "request " + req + " · " + (row.length > 3 ? row[3] : b >= 0 ? "batch row " + b : "solo") + " · offset " + row[1]));
         row[2].forEach(function (li, n) {
           layerLine(fam, i, req, li, n, "ring-" + fam.name + "-" + k + "-r" + req).forEach(function (e) { r.appendChild(e); });
         });

@@ -156,7 +156,8 @@ pub struct Stage {
 #[derive(Debug, Clone, Serialize)]
 pub struct RowSnap {
     pub req: u32,
-    /// `batch row R` or `solo`.
+    /// `batch row R` or `solo` (a recurrent row: `batch row R at op K's batch call` when the op made no batch
+    /// call, as that family describes no extract or filter).
     pub home: String,
     /// Positions ever written (the RoPE position of its next write).
     pub offset: usize,

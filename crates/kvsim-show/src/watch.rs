@@ -59,6 +59,9 @@ pub struct Watcher {
     /// states list these layers, in order).
     pub ssm_rows: Vec<u32>,
     pub ssm_layers: BTreeSet<usize>,
+    /// The op of that batch call (the family describes no extract or filter: rows may have left since).
+    ssm_rows_at: Option<usize>,
+    op: usize,
     /// An observer error (an array that could not be read): it also fails the run.
     pub error: Option<String>,
     /// How each op ended, as [`Verdicts`] records it.
@@ -207,6 +210,8 @@ impl Watcher {
             raw: BTreeMap::new(),
             ssm_rows: vec![],
             ssm_layers: BTreeSet::new(),
+            ssm_rows_at: None,
+            op: 0,
             error: None,
             results: vec![],
             calls: vec![],
@@ -397,6 +402,7 @@ impl Watcher {
                     Some(r) => format!("request {r} alone"),
                     None => {
                         self.ssm_rows = reqs.to_vec();
+                        self.ssm_rows_at = Some(self.op);
                         format!("batch rows {reqs:?}")
                     }
                 };
@@ -428,9 +434,10 @@ impl Watcher {
             let Some(view) = views.remove(&req) else { continue };
             self.admitted.insert(req);
             self.max_offset = self.max_offset.max(view.offset);
-            let home = match batch.iter().position(|&r| r == req) {
-                Some(i) => format!("batch row {i}"),
-                None => "solo".to_string(),
+            let home = match (batch.iter().position(|&r| r == req), self.ssm_rows_at) {
+                (Some(i), Some(at)) if self.ssm && at != self.op => format!("batch row {i} at op {at}'s batch call"),
+                (Some(i), _) => format!("batch row {i}"),
+                (None, _) => "solo".to_string(),
             };
             let mut layers = vec![];
             let mut raw_layers = vec![];
@@ -492,7 +499,8 @@ impl Watcher {
 }
 
 impl RunObserver for Watcher {
-    fn on_op_start(&mut self, _index: usize, _op: &Op) {
+    fn on_op_start(&mut self, index: usize, _op: &Op) {
+        self.op = index;
         self.calls.clear();
         self.outs.clear();
         self.got_state = false;
