@@ -377,12 +377,14 @@ fn observed_output(check: &str, message: &str, watcher: Option<&Watcher>, out: &
         "the f64 model's output"
     } else if check.contains("fresh") {
         "the fresh prefix run's state"
+    } else if state {
+        "the solo twin's state"
     } else {
-        "the solo twin's"
+        "the solo twin's output"
     };
     if state && w.ssm {
         let (Some(row), Some(layer)) = (row, layer) else { return };
-        let Some(&req) = w.ssm_rows.get(row).or(w.raw.keys().nth(row)) else { return };
+        let Some(&req) = w.ssm_rows.get(row) else { return };
         let k = w.ssm_layers.iter().position(|&l| l == layer).unwrap_or(layer);
         if let Some((conv, rec)) = w.raw.get(&req).and_then(|r| r.layers.get(k)) {
             let (ab, name) = if message.contains("conv") { (conv, "conv") } else { (rec, "recurrent") };
@@ -403,12 +405,19 @@ fn observed_output(check: &str, message: &str, watcher: Option<&Watcher>, out: &
         });
         return;
     }
+    // `solo request R ...` names a request alone (its one-row read); `row R ...` a row of the batch.
+    let solo = message.starts_with("solo request ").then(|| num_after(message, "solo request ")).flatten();
+    let row = if solo.is_some() { Some(0) } else { row };
     let Some(row) = row else { return };
-    let rec = w
-        .outs
-        .iter()
-        .rev()
-        .find(|o| layer.is_none_or(|l| o.layer == l) && row < o.reqs.len() && o.bytes.shape.len() == 4);
+    let rec = w.outs.iter().rev().find(|o| {
+        layer.is_none_or(|l| o.layer == l)
+            && row < o.reqs.len()
+            && o.bytes.shape.len() == 4
+            && match solo {
+                Some(r) => !o.batch && o.reqs[0] == r as u32,
+                None => o.batch,
+            }
+    });
     if let Some(o) = rec {
         let dims: Vec<usize> = o.bytes.shape.iter().map(|&x| x.max(0) as usize).collect();
         let per_row: usize = dims[1..].iter().product();

@@ -30,6 +30,8 @@ pub struct OutRec {
     pub layer: usize,
     /// The requests of the output's rows, in row order.
     pub reqs: Vec<u32>,
+    /// A read of the running batch (or of a prefill batch), not of one request alone.
+    pub batch: bool,
     pub bytes: ArrayBytes,
 }
 
@@ -301,9 +303,9 @@ impl Watcher {
         self.calls.push(s);
     }
 
-    fn keep_out(&mut self, layer: usize, reqs: Vec<u32>, out: &mlx_rs::Array) -> Result<(), String> {
+    fn keep_out(&mut self, layer: usize, reqs: Vec<u32>, batch: bool, out: &mlx_rs::Array) -> Result<(), String> {
         let bytes = bytes(out)?;
-        self.outs.push(OutRec { layer, reqs, bytes });
+        self.outs.push(OutRec { layer, reqs, batch, bytes });
         Ok(())
     }
 
@@ -317,7 +319,7 @@ impl Watcher {
                 let l = len_of(&bytes(k)?);
                 self.line(format!("layer {layer}: request {req} alone: {} of {l} at offset {offset}", read.name()));
                 if let Some(o) = out {
-                    self.keep_out(layer, vec![req], o)?;
+                    self.keep_out(layer, vec![req], false, o)?;
                 }
             }
             Call::SoloTrim { req, offset, trim } => {
@@ -343,7 +345,7 @@ impl Watcher {
                 let l = len_of(&bytes(k)?);
                 let pad = if padded { " (right-padded)" } else { "" };
                 self.line(format!("layer {layer}: prefill chunk of {l} after {done}{pad}: real queries {real:?}"));
-                self.keep_out(layer, reqs.to_vec(), out)?;
+                self.keep_out(layer, reqs.to_vec(), true, out)?;
             }
             Call::PrefillEnd { longest } => {
                 let p = std::mem::take(&mut self.prefill_rows);
@@ -354,13 +356,13 @@ impl Watcher {
                 let l = len_of(&bytes(k)?);
                 self.line(format!("layer {layer}: batch {} of {l}: rows {}", read.name(), rows_text(reqs, rows)));
                 if let Some(o) = out {
-                    self.keep_out(layer, reqs.to_vec(), o)?;
+                    self.keep_out(layer, reqs.to_vec(), true, o)?;
                 }
             }
             Call::BatchSpan { layer, reqs, rows, k, out, .. } => {
                 let l = len_of(&bytes(k)?);
                 self.line(format!("layer {layer}: batch span of {l}: rows {}", rows_text(reqs, rows)));
-                self.keep_out(layer, reqs.to_vec(), out)?;
+                self.keep_out(layer, reqs.to_vec(), true, out)?;
             }
             Call::BatchWritten { l } => self.line(format!("every batch row received {l}")),
             Call::TrimRows { reqs, trim, .. } => self.line(format!("batch rows {reqs:?}: per-row {}", trim_text(trim))),
@@ -408,7 +410,7 @@ impl Watcher {
                 };
                 self.line(format!("layer {layer}: {who}: {} over real spans {spans:?}", read.name()));
                 let rows = if req.is_some() { req.into_iter().collect() } else { reqs.to_vec() };
-                self.keep_out(layer, rows, out)?;
+                self.keep_out(layer, rows, req.is_none(), out)?;
             }
             Call::SsmPrepare { lengths, left } => {
                 self.line(format!("prepare lengths {lengths:?}, left padding {left:?}"));
