@@ -181,7 +181,7 @@ pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
     // The recurrent family's states list its layers in order; which model layers they are is known once its calls
     // named them.
     for w in watchers.iter_mut().filter(|w| w.ssm) {
-        let ids: Vec<usize> = (0..trace.config.layers).map(|k| w.ssm_layer(k)).collect();
+        let ids: Vec<usize> = (0..trace.config.layers.max(w.ssm_layers.len())).map(|k| w.ssm_layer(k)).collect();
         for st in w.snaps.iter_mut().flatten().flat_map(|s| s.stages.iter_mut()) {
             for r in &mut st.rows {
                 for (k, l) in r.layers.iter_mut().enumerate() {
@@ -353,7 +353,8 @@ fn split_at_column(runs: Vec<page::TokRun>, col: usize) -> Vec<page::TokRun> {
 fn geometry(trace: &Trace, w: &Watcher) -> String {
     let c = &trace.config;
     if w.ssm {
-        return format!("recurrent (gated DeltaNet) rows, {} layers, {:?}", c.layers, c.dtype);
+        let n = w.ssm_layer_count.unwrap_or(w.ssm_layers.len());
+        return format!("recurrent (gated DeltaNet) rows, {n} layer{}, {:?}", if n == 1 { "" } else { "s" }, c.dtype);
     }
     let window = c.layout.max_size().map_or("linear".to_string(), |w| format!("rotating, window {w}"));
     let storage = match kvsim_harness::sim::family::quant::QuantChoice::of(c).filter(|_| w.family == "quant") {

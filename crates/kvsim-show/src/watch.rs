@@ -63,6 +63,8 @@ pub struct Watcher {
     pub ssm_layers: BTreeSet<usize>,
     /// The op of that batch call (the family describes no extract or filter: rows may have left since).
     ssm_rows_at: Option<usize>,
+    /// The recurrent family's DeltaNet layers, as its geometry call describes them.
+    pub ssm_layer_count: Option<usize>,
     op: usize,
     /// An observer error (an array that could not be read): it also fails the run.
     pub error: Option<String>,
@@ -213,6 +215,7 @@ impl Watcher {
             ssm_rows: vec![],
             ssm_layers: BTreeSet::new(),
             ssm_rows_at: None,
+            ssm_layer_count: None,
             op: 0,
             error: None,
             results: vec![],
@@ -388,16 +391,19 @@ impl Watcher {
                 let what = if converted { "converted" } else { "unchanged" };
                 self.line(format!("quantize to {bits} bits, group {group}: {what}"));
             }
-            Call::SsmLayers { spec, params } => self.line(format!(
-                "gated DeltaNet, {} layers: kernel {}, key heads {} x {}, value heads {} x {}, conv width {}",
-                params.len(),
-                spec.kernel,
-                spec.heads_k,
-                spec.dk,
-                spec.heads_v,
-                spec.dv,
-                spec.conv_dim()
-            )),
+            Call::SsmLayers { spec, params } => {
+                self.ssm_layer_count = Some(params.len());
+                self.line(format!(
+                    "gated DeltaNet, {} layers: kernel {}, key heads {} x {}, value heads {} x {}, conv width {}",
+                    params.len(),
+                    spec.kernel,
+                    spec.heads_k,
+                    spec.dk,
+                    spec.heads_v,
+                    spec.dv,
+                    spec.conv_dim()
+                ));
+            }
             Call::SsmCall { req, layer, read, reqs, spans, out, .. } => {
                 self.ssm_layers.insert(layer);
                 let who = match req {
