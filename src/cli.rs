@@ -56,6 +56,10 @@ pub enum Cmd {
         /// Worker mode: one progress line per seed on stderr instead of the progress bar.
         #[arg(long, hide = true)]
         progress_lines: bool,
+        /// With --seed: run that seed's swarm config with this many ops instead of its drawn count, and write its
+        /// trace into --out whether it passes or fails (a long trace for `kvsim show`).
+        #[arg(long, requires = "seed", conflicts_with_all = ["jobs", "shard", "seed_feed"])]
+        ops: Option<usize>,
         /// Worker mode of `--jobs`: run the seeds read from stdin (one per line, as the parent hands them out)
         /// instead of the campaign's, and print the summary as a part for `kvsim merge`.
         #[arg(long, hide = true)]
@@ -97,6 +101,25 @@ pub enum Cmd {
     /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
     Replay {
         trace: PathBuf,
+        #[arg(long, default_value_t = DeviceChoice::Cpu)]
+        device: DeviceChoice,
+    },
+    /// Replay a trace and draw it: ops and requests on a timeline, each op's rows and layers, the first failing
+    /// check with what it compared; one self-contained HTML page with --html, else text.
+    Show {
+        trace: PathBuf,
+        /// Write the page here (one HTML file; no network, no external script).
+        #[arg(long)]
+        html: Option<PathBuf>,
+        /// Open with this op's pictures (default: the failing op, else the last).
+        #[arg(long)]
+        op: Option<usize>,
+        /// Shrink a failing trace now (within this many replays) and show the result beside it.
+        #[arg(long)]
+        shrink: Option<usize>,
+        /// Show this shrunk trace beside it.
+        #[arg(long, conflicts_with = "shrink")]
+        shrunk: Option<PathBuf>,
         #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
     },

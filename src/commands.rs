@@ -177,8 +177,9 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
             let (seed, op, check, msg) = (r.seed, f.op_index, f.check, f.message);
             bar.suspend(|| {
                 eprintln!(
-                    "FAIL seed {seed} op {op} [{check}] {msg}\n     trace: {}\n     config: {config}",
-                    p.display()
+                    "FAIL seed {seed} op {op} [{check}] {msg}\n     trace: {}\n     config: {config}\n     see it: {}",
+                    p.display(),
+                    show_hint(&p)
                 )
             });
             p.display().to_string()
@@ -402,11 +403,12 @@ pub(crate) fn soak_cmd(
                 let p = write_trace(&failures_dir, &format!("seed-{seed}.json"), &r.run.trace);
                 bar.suspend(|| {
                     eprintln!(
-                        "FAIL seed {seed} op {} [{}] {}\n     trace: {}",
+                        "FAIL seed {seed} op {} [{}] {}\n     trace: {}\n     see it: {}",
                         f.op_index,
                         f.check,
                         f.message,
-                        p.display()
+                        p.display(),
+                        show_hint(&p)
                     )
                 });
             }
@@ -496,10 +498,81 @@ pub(crate) fn replay_cmd(path: &Path, device: DeviceChoice) -> ExitCode {
         Ok(trace) => {
             let (lines, ok) = sim::replay_report(&trace, device);
             print_all(&lines);
+            // `replay_report` says "replay: all N ops passed" for a passing replay; any other replay failed.
+            if !lines.iter().any(|l| l.starts_with("replay: all ")) {
+                println!("see it: {}", show_hint(path));
+            }
             exit(ok)
         }
         Err(e) => fail("replay", e, 2),
     }
+}
+
+/// The `kvsim show` command that draws a failing trace written at `trace` (the page beside it, `.html`).
+pub(crate) fn show_hint(trace: &Path) -> String {
+    let html = trace.with_extension("html");
+    kvsim::show::show_command(&trace.display().to_string(), &html.display().to_string())
+}
+
+/// `kvsim sim --seed S --ops N`: one run of seed S's swarm config with N ops; its trace is written either way.
+pub(crate) fn sim_ops_cmd(seed: u64, ops: usize, device: DeviceChoice, out: &Path) -> ExitCode {
+    let mut config = kvsim::sim::config::SimConfig::from_seed(seed);
+    config.ops = ops;
+    let r = sim::run(seed, config, None, device, None);
+    let p = write_trace(out, &format!("seed-{seed}-{ops}ops.json"), &r.trace);
+    match &r.trace.outcome {
+        kvsim::sim::trace::Outcome::Pass => {
+            println!("seed {seed}: {ops} ops ({} skipped) passed; trace: {}", r.skipped, p.display())
+        }
+        kvsim::sim::trace::Outcome::Fail { op_index, check, message } => {
+            eprintln!("FAIL seed {seed} op {op_index} [{check}] {message}\n     trace: {}", p.display())
+        }
+    }
+    println!("see it: {}", show_hint(&p));
+    exit(!r.failed())
+}
+
+/// `kvsim show`: replays the trace under the page's observers, then writes the page or prints the text.
+pub(crate) fn show_cmd(
+    path: &Path,
+    html: Option<&Path>,
+    op: Option<usize>,
+    shrink: Option<usize>,
+    shrunk: Option<&Path>,
+    device: DeviceChoice,
+) -> ExitCode {
+    let trace = match Trace::load(path) {
+        Ok(t) => t,
+        Err(e) => return fail("show", e, 2),
+    };
+    let shrunk = match shrunk.map(|p| Trace::load(p).map(|t| (p.display().to_string(), t))).transpose() {
+        Ok(s) => s,
+        Err(e) => return fail("show --shrunk", e, 2),
+    };
+    let opts = kvsim::show::Options {
+        path: path.display().to_string(),
+        device,
+        op,
+        shrink,
+        shrunk,
+        kvsim_version: env!("CARGO_PKG_VERSION").to_string(),
+        html: html.map(|h| h.display().to_string()),
+    };
+    let page = match kvsim::show::build(&trace, &opts) {
+        Ok(p) => p,
+        Err(e) => return fail("show", e, 1),
+    };
+    match html {
+        Some(out) => {
+            let doc = kvsim::show::html::render(&page);
+            if let Err(e) = std::fs::write(out, &doc) {
+                return fail("show", format!("cannot write {}: {e}", out.display()), 2);
+            }
+            println!("wrote {} ({} bytes): {}", out.display(), doc.len(), kvsim::show::html::title(&page));
+        }
+        None => print!("{}", kvsim::show::text::render(&page)),
+    }
+    ExitCode::SUCCESS
 }
 
 pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, device: DeviceChoice) -> ExitCode {
@@ -520,6 +593,7 @@ pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, devic
                 None => write_trace(Path::new("corpus"), &format!("seed-{}-{}ops.json", t.seed, t.ops.len()), &t),
             };
             println!("shrunk {} ops to {} in {} replays: {}", trace.ops.len(), t.ops.len(), s.runs, p.display());
+            println!("see it: {} --shrunk {}", show_hint(path), p.display());
             ExitCode::SUCCESS
         }
         Err(e) => fail("shrink", e, 1),

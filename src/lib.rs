@@ -8,6 +8,7 @@
 //! - [`persist`] (`kvsim-persist`): cache files by storage kind, kvsim's format and mlx-lm's.
 //! - [`sim`], [`campaign`], [`shard`], [`soak`], [`fuzzing`] (`kvsim-harness`): the simulator and its campaigns.
 //! - [`oracle`] (`kvsim-oracle`): the mlx-lm differential oracle.
+//! - [`show`] (`kvsim-show`): a trace replayed and drawn as an HTML page or terminal text (`kvsim show`).
 //! - [`bench`](mod@bench), [`doctor`], [`exact_check`]: the command line's own measurements.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -17,6 +18,7 @@ pub use kvsim_harness::{campaign, fuzzing, shard, sim, soak};
 pub use kvsim_oracle as oracle;
 pub use kvsim_persist as persist;
 pub use kvsim_reference as reference;
+pub use kvsim_show as show;
 
 pub mod bench;
 pub mod doctor;

@@ -1,4 +1,4 @@
-//! The kvsim command line: `doctor`, `sim`, `replay`, `shrink`, `mutants`, `oracle`, `bench`, `cache`. It parses arguments,
+//! The kvsim command line: `doctor`, `sim`, `replay`, `show`, `shrink`, `mutants`, `oracle`, `bench`, `cache`. It parses arguments,
 //! calls the library (`kvsim::campaign`, `kvsim::oracle`, `kvsim::bench`, ...) and prints; it is the only module
 //! that writes to stdout or chooses exit codes.
 // The command line is the one crate that prints.
@@ -35,9 +35,13 @@ fn main() -> ExitCode {
             progress_lines,
             seed_feed,
             verbose,
+            ops,
         } => {
             if exact_read {
                 kvsim::cache::set_read_mode(kvsim::cache::ReadMode::Exact);
+            }
+            if let (Some(seed), Some(ops)) = (seed, ops) {
+                return sim_ops_cmd(seed, ops, device, &out);
             }
             let (first, requested) = seed.map_or((first, seeds), |s| (s, 1));
             let a =
@@ -47,6 +51,9 @@ fn main() -> ExitCode {
         Cmd::Merge { parts, json } => merge_cmd(&parts, json),
         Cmd::Soak { ops, time, first, device, trim, out, json } => soak_cmd(ops, time, first, device, trim, out, json),
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
+        Cmd::Show { trace, html, op, shrink, shrunk, device } => {
+            show_cmd(&trace, html.as_deref(), op, shrink, shrunk.as_deref(), device)
+        }
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => {
             mutants_cmd(budget, shrink_budget, only, save, json)

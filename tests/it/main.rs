@@ -12,6 +12,7 @@ mod mutants;
 mod oracle;
 mod persist;
 mod quant;
+mod show;
 mod sim_smoke;
 mod snapshots;
 mod special_reads;

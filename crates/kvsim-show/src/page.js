@@ -1,0 +1,174 @@
+// Draws the selected op's pictures from the page's data (the element `kvsim-data`, in the compact form
+// `html::compact_family` documents) and marks the failing cell.
+(function () {
+  "use strict";
+  var data = JSON.parse(document.getElementById("kvsim-data").textContent);
+  var SHOWN = 96; // columns drawn at each end of a very long window
+  var KINDS = { t: "tok", p: "pad", z: "zero", u: "unknown" };
+
+  function el(tag, cls, txt) {
+    var e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (txt !== undefined) e.textContent = txt;
+    return e;
+  }
+  // Hues 75..305 only: red stays the colour of a failure.
+  function hue(req) { return "hsl(" + (75 + (req * 67) % 230) + ",70%,78%)"; }
+
+  // One column of a window: [kind, req, pos, n, flags] run `run`, its k-th column.
+  function cell(run, k, i, rowReq) {
+    var kind = KINDS[run[0]], req = run[1], pos = run[2] + (run[0] === "t" ? k : 0);
+    var odd = (run[4] & 1) !== 0, named = (run[4] & 2) !== 0;
+    var cls = kind + (odd ? " unexpected" : "") + (named ? " named" : "");
+    var s;
+    if (kind === "tok") {
+      s = el("span", cls, (req === rowReq ? "" : "r" + req + ":") + pos);
+      s.style.background = hue(req);
+      s.title = "temporal column " + i + ": request " + req + ", position " + pos;
+    } else {
+      s = el("span", cls, kind === "pad" ? "pad" : kind === "zero" ? "0" : "?");
+      s.title = "temporal column " + i + ": " + (kind === "pad" ? "padding poison" : kind === "zero" ? "zeros" : "bytes of no admitted request's token");
+    }
+    if (odd) s.title += " (out of the row's own order)";
+    if (named) s.title += " — the column the failing check names";
+    return s;
+  }
+
+  function tokenCells(runs, rowReq) {
+    var box = el("div", "tokens");
+    var cols = [];
+    runs.forEach(function (run) { for (var k = 0; k < run[3]; k++) cols.push([run, k]); });
+    function add(i) { box.appendChild(cell(cols[i][0], cols[i][1], i, rowReq)); }
+    if (cols.length > 2 * SHOWN) {
+      for (var i = 0; i < SHOWN; i++) add(i);
+      box.appendChild(el("span", "gap", "… " + (cols.length - 2 * SHOWN) + " more …"));
+      for (var j = cols.length - SHOWN; j < cols.length; j++) add(j);
+    } else {
+      for (var c = 0; c < cols.length; c++) add(c);
+    }
+    if (cols.length === 0) box.appendChild(el("span", "gap", "(empty)"));
+    return box;
+  }
+
+  // The k-th recurrent layer of request `req` as the latest op before `i` saw it (for "changed").
+  function previousSsm(fam, i, req, k) {
+    for (var o = i - 1; o >= 0; o--) {
+      var snap = fam.ops[o];
+      if (!snap) continue;
+      for (var s = snap.s.length - 1; s >= 0; s--) {
+        var rows = snap.s[s][3];
+        for (var r = 0; r < rows.length; r++) {
+          if (rows[r][0] === req && k < rows[r][2].length) return fam.layers[rows[r][2][k]];
+        }
+      }
+    }
+    return null;
+  }
+
+  function layerLine(fam, i, rowReq, li, k, prefix) {
+    var v = fam.layers[li];
+    var id = k < fam.layer_ids.length ? fam.layer_ids[k] : k;
+    var line = el("div", "layer");
+    line.id = prefix + "-l" + id;
+    line.appendChild(el("span", "lbl", "layer " + id));
+    if (v[0] === "ssm") {
+      var p = previousSsm(fam, i, rowReq, k);
+      var cc = !p || p[3] !== v[3], rc = !p || p[4] !== v[4];
+      line.appendChild(el("span", "", "conv state " + v[1] + " #" + v[3] + (cc ? " (changed)" : " (unchanged)") +
+        " · recurrent state " + v[2] + " #" + v[4] + (rc ? " (changed)" : " (unchanged)")));
+      return [line];
+    }
+    line.appendChild(tokenCells(v[2], rowReq));
+    var w = fam.window === null ? "linear" : "window " + fam.window;
+    line.appendChild(el("span", "note", "live window " + v[0] + " (" + w + ") · " + v[1]));
+    var out = [line];
+    if (v[3].length) out.push(el("p", "note", "planes: " + v[3].join(" · ")));
+    return out;
+  }
+
+  function familyPanel(fam, i) {
+    var snap = fam.ops[i];
+    var d = el("div", "family");
+    d.id = "family-" + fam.name;
+    d.appendChild(el("h3", "", "family " + fam.name + " — " + fam.geometry));
+    if (!snap) {
+      d.appendChild(el("p", "missing", "Nothing observed at this op (skipped, or not reached)."));
+      return d;
+    }
+    snap.s.forEach(function (st, k) {
+      var sd = el("div", "stage");
+      sd.id = "stage-" + fam.name + "-" + k;
+      var batch = st[2];
+      sd.appendChild(el("h4", "", "State " + fam.sources[st[0]] + " · batch rows (request per row): [" + batch.join(", ") + "]"));
+      var calls = el("ol", "calls");
+      st[1].forEach(function (c) { calls.appendChild(el("li", "", c)); });
+      if (st[1].length === 0) calls.appendChild(el("li", "", "(no production call)"));
+      sd.appendChild(calls);
+      st[3].forEach(function (row) {
+        var req = row[0], b = batch.indexOf(req);
+        var r = el("div", "row");
+        r.id = "row-" + fam.name + "-" + k + "-" + req;
+        r.appendChild(el("h4", "", "request " + req + " · " + (row.length > 3 ? row[3] : b >= 0 ? "batch row " + b : "solo") + " · offset " + row[1]));
+        row[2].forEach(function (li, n) {
+          layerLine(fam, i, req, li, n, "ring-" + fam.name + "-" + k + "-r" + req).forEach(function (e) { r.appendChild(e); });
+        });
+        sd.appendChild(r);
+      });
+      d.appendChild(sd);
+    });
+    if (snap.m) d.appendChild(el("p", "missing", snap.m));
+    if (fam.kind === "kv") {
+      d.appendChild(el("p", "note", "Temporal order, oldest first; tokens identified from the K bytes (self-identifying values); " +
+        "a red outline: out of the row's own order; a black frame: the column the failing check names. " +
+        "Physical columns, write head, left padding and masks are not handed to observers (see Not observable)."));
+    } else {
+      d.appendChild(el("p", "note", "Recurrent rows: offset = positions fed; the round and the spans are in the calls above."));
+    }
+    return d;
+  }
+
+  function select(i) {
+    if (isNaN(i) || i < 0 || i >= data.ops.length) return;
+    var prev = document.querySelectorAll(".selected");
+    for (var k = 0; k < prev.length; k++) prev[k].classList.remove("selected");
+    var cellEl = document.getElementById("cell-" + i);
+    if (cellEl) cellEl.classList.add("selected");
+    var li = document.getElementById("op-" + i);
+    if (li) li.classList.add("selected");
+    var op = data.ops[i];
+    document.getElementById("detail-title").textContent = "Op " + i + ": " + op[1] + " — " + op[2].replace("_", " ");
+    var body = document.getElementById("detail-body");
+    while (body.firstChild) body.removeChild(body.firstChild);
+    if (data.families.length === 0) body.appendChild(el("p", "missing", "No family of this run describes its state to observers."));
+    data.families.forEach(function (f) { body.appendChild(familyPanel(f, i)); });
+    document.getElementById("detail").setAttribute("data-rendered-op", String(i));
+    data.selected = i;
+  }
+
+  function opOf(t) {
+    while (t && t.getAttribute) {
+      var v = t.getAttribute("data-op");
+      if (v !== null) return parseInt(v, 10);
+      t = t.parentNode;
+    }
+    return NaN;
+  }
+  document.getElementById("timeline-svg").addEventListener("click", function (e) { select(opOf(e.target)); });
+  document.getElementById("ops").addEventListener("click", function (e) { select(opOf(e.target)); });
+  document.addEventListener("keydown", function (e) {
+    if (e.key === "ArrowRight") select(data.selected + 1);
+    if (e.key === "ArrowLeft") select(data.selected - 1);
+  });
+
+  if (data.fail_at !== null) {
+    var f = document.getElementById("cell-" + data.fail_at);
+    f.setAttribute("data-marked", "first-failure");
+    var scroller = f.closest(".scroll");
+    var cw = parseInt(document.getElementById("timeline-svg").getAttribute("data-cell-width"), 10);
+    if (scroller) scroller.scrollLeft = Math.max(0, 90 + data.fail_at * cw - scroller.clientWidth / 2);
+  }
+  select(data.selected);
+  // Milliseconds from navigation start to the pictures drawn and laid out (reading offsetHeight forces the layout).
+  void document.body.offsetHeight;
+  document.body.setAttribute("data-render-ms", String(Math.round(performance.now())));
+})();
