@@ -600,7 +600,13 @@ pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, devic
     }
 }
 
-pub(crate) fn mutants_cmd(budget: Option<u64>, shrink_budget: usize, only: Option<String>, save: bool, json: bool) -> ExitCode {
+pub(crate) fn mutants_cmd(
+    budget: Option<u64>,
+    shrink_budget: usize,
+    only: Option<String>,
+    save: bool,
+    json: bool,
+) -> ExitCode {
     let mut rows = vec![];
     // The quantized mutants are hunted through the quantized family (`sim::family::quant`); the recurrent cache's
     // are hunted through the recurrent family (`sim::family::ssm`) like every other.
