@@ -41,8 +41,9 @@ pub enum Change {
     /// then the requests `ids`, outside the batch until now, appended in that order.
     Enter { ids: Vec<u32>, perm: Vec<usize> },
     /// `BatchPrefill`: the fresh requests `ids` (outside the batch, offset 0), with their prompt lengths `lens`
-    /// (at least 1), prefilled in chunks of `chunk` and appended after the `running` rows.
-    Prefill { ids: Vec<u32>, lens: Vec<usize>, chunk: usize, running: usize },
+    /// (at least 1), prefilled in chunks of `chunk` and appended after the `running` rows; those listed in
+    /// `uncommitted` commit no chunk of their own (the prefill's end commits them, where a layout has the call).
+    Prefill { ids: Vec<u32>, lens: Vec<usize>, chunk: usize, running: usize, uncommitted: Vec<u32> },
     /// `Extract` of a row the batch has: request `req` leaves row `row`, finished or back outside the batch;
     /// `keep` lists the other rows, in order.
     Extract { row: usize, req: u32, finish: bool, keep: Vec<usize> },
@@ -130,7 +131,7 @@ impl Roster {
                 Some(perm) => Change::Enter { ids: self.entering(reqs), perm },
                 None => return Resolved::Skip,
             },
-            Op::BatchPrefill { reqs, lengths, chunk, .. } => {
+            Op::BatchPrefill { reqs, lengths, chunk, uncommitted } => {
                 let (mut ids, mut lens) = (vec![], vec![]);
                 for (i, &r) in reqs.iter().enumerate() {
                     if self.is_solo(r) && offset(r) == 0 && !ids.contains(&r) {
@@ -141,7 +142,8 @@ impl Roster {
                 if *chunk == 0 {
                     return Resolved::Skip;
                 }
-                Change::Prefill { ids, lens, chunk: *chunk as usize, running: self.rows.len() }
+                let uncommitted = uncommitted.clone();
+                Change::Prefill { ids, lens, chunk: *chunk as usize, running: self.rows.len(), uncommitted }
             }
             Op::Extract { row, finish } => {
                 let row = *row as usize;
@@ -285,7 +287,16 @@ mod tests {
         let mut r = admitted(3);
         let op = Op::BatchPrefill { reqs: vec![2, 0, 1, 2], lengths: vec![4, 0, 5], chunk: 2, uncommitted: vec![] };
         let v = apply(&mut r, op, |id| if id == 0 { 3 } else { 0 });
-        assert_eq!(v, Resolved::Change(Change::Prefill { ids: vec![2, 1], lens: vec![4, 5], chunk: 2, running: 0 }));
+        assert_eq!(
+            v,
+            Resolved::Change(Change::Prefill {
+                ids: vec![2, 1],
+                lens: vec![4, 5],
+                chunk: 2,
+                running: 0,
+                uncommitted: vec![]
+            })
+        );
         assert_eq!(r.rows(), [2, 1]);
         let none = Op::BatchPrefill { reqs: vec![0], lengths: vec![], chunk: 0, uncommitted: vec![] };
         assert_eq!(r.resolve(&none, |_| 0), Resolved::Skip);

@@ -24,6 +24,7 @@ use crate::sim::config::{DtypeChoice, SimConfig};
 use crate::sim::family::{Cx, Family, Registration};
 use crate::sim::observe::Call;
 use crate::sim::ops::{Op, OpKind};
+use crate::sim::roster::Roster;
 use crate::sim::summary::Counters;
 use kvsim_cache::{CacheError, KvSpec, RowBatch, SerialCache, Storage};
 use kvsim_reference::{RowModel, Tensor, Tok, ValueSpace};
@@ -99,6 +100,11 @@ impl Attention {
     /// A live request's (offset, last window width), from its model.
     pub fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
         self.reqs.get(&req).map(|r| (r.model.offset, r.model.last_concat))
+    }
+
+    /// Each batch row's (offset, live columns), in row order, as the models have them (the observer's `rows`).
+    fn row_extents(&self, roster: &Roster) -> Vec<(usize, usize)> {
+        roster.rows().iter().map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len())).collect()
     }
 
     fn max_size(&self) -> Option<usize> {

@@ -326,7 +326,7 @@ impl Family for TransitionFamily {
             if self.legos {
                 self.lego_carry_out(cx, change)?;
             } else {
-                self.carry_out(cx, op, change)?;
+                self.carry_out(cx, change)?;
             }
             return Ok(true);
         }

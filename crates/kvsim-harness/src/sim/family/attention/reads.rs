@@ -294,11 +294,7 @@ impl Attention {
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
             if cx.observer.wants_calls() {
-                let offsets: Vec<(usize, usize)> = roster
-                    .rows()
-                    .iter()
-                    .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
-                    .collect();
+                let offsets = self.row_extents(roster);
                 emit(
                     cx,
                     Call::Batch {
@@ -359,11 +355,7 @@ impl Attention {
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
                 if cx.observer.wants_calls() {
-                    let offsets: Vec<(usize, usize)> = roster
-                        .rows()
-                        .iter()
-                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
-                        .collect();
+                    let offsets = self.row_extents(roster);
                     emit(
                         cx,
                         Call::Batch {
@@ -389,11 +381,7 @@ impl Attention {
             } else {
                 self.batch[layer].append(&k, &v).map_err(|e| unexpected("append", e))?;
                 if cx.observer.wants_calls() {
-                    let offsets: Vec<(usize, usize)> = roster
-                        .rows()
-                        .iter()
-                        .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
-                        .collect();
+                    let offsets = self.row_extents(roster);
                     emit(
                         cx,
                         Call::Batch {
@@ -505,11 +493,7 @@ impl Attention {
             let got =
                 self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
             if cx.observer.wants_calls() {
-                let offsets: Vec<(usize, usize)> = roster
-                    .rows()
-                    .iter()
-                    .map(|id| (self.reqs[id].model.offset, self.reqs[id].model.cols.len()))
-                    .collect();
+                let offsets = self.row_extents(roster);
                 emit(
                     cx,
                     Call::BatchSpan { layer, reqs: roster.rows(), rows: &offsets, k: &k, v: &v, q: &q, out: &got },

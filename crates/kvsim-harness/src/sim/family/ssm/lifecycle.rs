@@ -24,7 +24,7 @@ impl Recurrent {
                 Ok(())
             }
             Change::Enter { ids, perm } => self.enter(cx, ids, perm),
-            Change::Prefill { ids, lens, chunk, running } => self.batch_prefill(cx, ids, lens, *chunk, *running),
+            Change::Prefill { ids, lens, chunk, running, .. } => self.batch_prefill(cx, ids, lens, *chunk, *running),
             Change::Extract { row, req, finish, keep } => self.extract(cx, *row, *req, *finish, keep),
             Change::Filter { kept, dropped } => self.filter(cx, kept, dropped),
         }

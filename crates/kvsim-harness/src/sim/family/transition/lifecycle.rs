@@ -4,14 +4,13 @@
 use super::{model_fail, same_error, unexpected, Req, Res, Stored, TransitionFamily};
 use crate::sim::check::{self, Failure};
 use crate::sim::family::Cx;
-use crate::sim::ops::Op;
 use crate::sim::roster::{Change, Roster};
 use kvsim_cache::transition::{Bf16FirstCache, TransitioningKvRows};
 use kvsim_reference::transition::{LegoModel, RowsModel};
 
 impl TransitionFamily {
-    /// Carries out on the rows layout what a lifecycle op (`op`) did to the roster.
-    pub(super) fn carry_out(&mut self, cx: &mut Cx<'_>, op: &Op, change: &Change) -> Res<()> {
+    /// Carries out on the rows layout what a lifecycle op did to the roster.
+    pub(super) fn carry_out(&mut self, cx: &mut Cx<'_>, change: &Change) -> Res<()> {
         let roster = cx.roster;
         match change {
             Change::Admit { req } => self.admit(*req),
@@ -22,11 +21,7 @@ impl TransitionFamily {
                 }
                 self.enter_ids(roster, ids)
             }
-            Change::Prefill { ids, lens, chunk, .. } => {
-                let uncommitted = match op {
-                    Op::BatchPrefill { uncommitted, .. } => uncommitted.as_slice(),
-                    _ => &[],
-                };
+            Change::Prefill { ids, lens, chunk, uncommitted, .. } => {
                 self.batch_prefill(cx, ids, lens, *chunk, uncommitted)
             }
             Change::Extract { row, req, finish, keep } => self.extract(*row, *req, *finish, keep),
