@@ -186,6 +186,15 @@ pub enum CacheError {
         /// Which call came out of order.
         what: String,
     },
+    /// A contract call this layout does not have (a recurrent or training cache has no K/V decode step, a
+    /// stateless cache no trim), nothing changed.
+    #[error("{kind} has no {call}")]
+    Unsupported {
+        /// The cache's storage kind.
+        kind: String,
+        /// The call it does not have.
+        call: &'static str,
+    },
     /// The MLX runtime raised an exception.
     #[error("mlx: {0}")]
     Mlx(String),

@@ -120,6 +120,7 @@ pub mod batch;
 pub mod bytes;
 pub mod chunked;
 pub mod compiled;
+pub mod contract;
 pub mod error;
 pub mod exact;
 #[cfg(feature = "faults")]
@@ -142,6 +143,7 @@ pub use chunked::ChunkedKvCache;
 pub use compiled::{
     decode_step, int32_input, plain_decode_step, quantized_decode_step, CompiledDecode, DecodePlan, StepRope,
 };
+pub use contract::{AttentionCache, Cache, Capabilities, Composed, KvGeometry, LegoGeometry, RowLayout, SpecRounds};
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{

@@ -281,6 +281,11 @@ impl TrainingSsmCache {
         Ok(TrainingSsmCache { spec, lengths: Some(lengths) })
     }
 
+    /// Real positions per row of a right-padded batch; `None` for unpadded rows.
+    pub fn row_lengths(&self) -> Option<&[usize]> {
+        self.lengths.as_deref()
+    }
+
     /// `train:training-ssm`.
     pub fn storage_kind(&self) -> StorageKind {
         StorageKind::new(TRAINING_SSM)

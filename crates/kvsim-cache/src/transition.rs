@@ -268,6 +268,28 @@ impl Bf16FirstCache {
         self.cache.trim(n, bypass)
     }
 
+    /// R-C-5: the storage's answer (a ring stops being trimmable once it wraps).
+    pub fn is_trimmable(&self) -> bool {
+        self.cache.is_trimmable()
+    }
+
+    /// R-C-4: what one more token costs in the storage held now (bf16 planes, then the affine planes after the
+    /// transition): [`Storage::bytes_per_token`].
+    pub fn bytes_per_token(&self) -> usize {
+        self.cache.bytes_per_token()
+    }
+
+    /// R-ROT-5 / R-TKV-6: the fetch of the coming decode step (the storage's ring rule), without moving anything.
+    pub fn decode_phase(&self) -> super::ring::DecodePhase {
+        self.cache.decode_phase()
+    }
+
+    /// R-C-9: the host bookkeeping of the coming one-position step (growth, oversize drop, rotation) on the held
+    /// storage, without the write; the plan's `write_pos` is where the position lands.
+    pub fn prepare_decode_step(&mut self) -> Result<super::ring::DecodePlan> {
+        self.cache.prepare_decode_step()
+    }
+
     /// Arms a speculative round: conversion waits for its commit or rollback.
     pub fn round_begin(&mut self) -> Result<()> {
         if self.round.is_some() {
@@ -422,6 +444,26 @@ impl TransitioningKvRows {
     /// The storage kind (`kv:delayed-quant:..` / `kv:delayed-rotating-quant:..`).
     pub fn storage_kind(&self) -> StorageKind {
         self.transition.rows_kind(self.max_size)
+    }
+
+    /// The K/V geometry of every row.
+    pub fn spec(&self) -> KvSpec {
+        self.spec
+    }
+
+    /// The rows' window (`None`: full attention).
+    pub fn max_size(&self) -> Option<usize> {
+        self.max_size
+    }
+
+    /// When and to what the rows convert.
+    pub fn transition(&self) -> Transition {
+        self.transition
+    }
+
+    /// Whether a speculative round is armed.
+    pub fn in_round(&self) -> bool {
+        self.round.is_some()
     }
 
     /// Number of rows.
@@ -847,6 +889,102 @@ impl TransitioningKvRows {
         let converted = next.settle_all()?;
         *self = next;
         Ok((shifts, converted))
+    }
+
+    /// R-TKV-5: row `i`'s bare storage, owned by the caller (a copy of its live columns and ring state, plain or
+    /// affine as the row holds now): what another row layout merges. The lifecycle (conversion, floor) stays here;
+    /// [`TransitioningKvRows::extract`] is the same storage composed again by its lego.
+    pub fn row_storage(&self, i: usize) -> Result<SerialCache> {
+        self.check_row(i)?;
+        match &self.store {
+            Store::Rows(caches) => Ok(caches[i].clone()),
+            Store::Packed(b) => b.extract(i),
+        }
+    }
+
+    /// Each row's storage kind now (`kv-plain` / `rotating-plain`, `kv:quant:..` / `kv:rotating-quant:..` once
+    /// converted): the storage the lego composes (R-C-10).
+    pub fn row_storage_kinds(&self) -> Vec<StorageKind> {
+        match &self.store {
+            Store::Rows(caches) => caches.iter().map(SerialCache::storage_kind).collect(),
+            Store::Packed(b) => vec![StorageKind::serial_of(self.max_size, b.storage()); b.rows()],
+        }
+    }
+
+    /// R-C-4 per row: what one more token costs row `i` in the precision it holds now.
+    pub fn row_bytes_per_token(&self, i: usize) -> Result<usize> {
+        self.check_row(i)?;
+        Ok(match &self.store {
+            Store::Rows(caches) => caches[i].bytes_per_token(),
+            Store::Packed(b) => b.bytes_per_token(),
+        })
+    }
+
+    /// R-C-4 for the layout: the most one more token costs any row (rows of mixed precision differ; an
+    /// admission budget needs the largest). **kvsim's choice**: upstream documents one value per cache. 0 without
+    /// rows.
+    pub fn bytes_per_token(&self) -> usize {
+        (0..self.rows()).filter_map(|i| self.row_bytes_per_token(i).ok()).max().unwrap_or(0)
+    }
+
+    /// R-ROT-5 / R-TKV-6 per row: the fetch of the coming decode step, without moving any row (an unpacked row's
+    /// own ring rule, or the packed rows').
+    pub fn decode_phases(&self) -> Vec<super::ring::DecodePhase> {
+        match &self.store {
+            Store::Rows(caches) => caches.iter().map(SerialCache::decode_phase).collect(),
+            Store::Packed(b) => (0..b.rows()).filter_map(|i| b.row_decode_phase(i).ok()).collect(),
+        }
+    }
+
+    /// R-C-9: the host bookkeeping of the coming one-position step on every row (growth, oversize drop,
+    /// rotation), without the write. Returns each row's target column. [`CacheError::PendingPrefill`] while a
+    /// prepared prefill is pending; nothing changed on error.
+    pub fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
+        if self.pending.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let mut next = self.store.clone();
+        let targets = match &mut next {
+            Store::Rows(caches) => {
+                caches.iter_mut().map(|c| Ok(c.prepare_decode_step()?.write_pos)).collect::<Result<Vec<_>>>()?
+            }
+            Store::Packed(b) => b.prepare_decode_step()?,
+        };
+        self.store = next;
+        Ok(targets)
+    }
+
+    /// R-C-5: every row trimmable by its ring rule, outside an armed round and a prefill.
+    pub fn is_trimmable(&self) -> bool {
+        if self.round.is_some() {
+            return false;
+        }
+        match &self.store {
+            Store::Rows(caches) => caches.iter().all(SerialCache::is_trimmable),
+            Store::Packed(b) => b.is_trimmable(),
+        }
+    }
+
+    /// R-C-5 on every row: the last `n` positions dropped (precision and floors kept, as the lego's trim). Every
+    /// row is checked first. Inside an armed round (its rollback is the way back) it is [`CacheError::Lifecycle`];
+    /// a ring that wrapped is [`CacheError::NotTrimmable`]; nothing changed on error. Returns `n`.
+    pub fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
+        if self.round.is_some() {
+            return Err(out_of_order("trim inside an armed round (roll the round back instead)"));
+        }
+        let mut next = self.store.clone();
+        match &mut next {
+            Store::Rows(caches) => {
+                for c in caches.iter_mut() {
+                    c.trim(n, bypass)?;
+                }
+            }
+            Store::Packed(b) => {
+                b.trim(n, bypass)?;
+            }
+        }
+        self.store = next;
+        Ok(n)
     }
 
     /// Row `i` handed back to serial use, composed again by its lego (conversion and floor kept; R-TKV-5).
