@@ -516,3 +516,58 @@ pub fn bytes_equal(what: &str, a: &ArrayBytes, b: &ArrayBytes) -> Res {
 
 #[cfg(test)]
 mod tests;
+
+/// What the harness knows of one layout independently of the layout's own answers (from the models and the
+/// roster), for [`contract`].
+pub struct ContractView<'a> {
+    /// The models of its rows, in row order (one for a serial cache).
+    pub rows: Vec<&'a RowModel>,
+    /// Whether a plain trim may drop positions now (the models' answer, and the layout's own lifecycle).
+    pub trimmable: bool,
+    /// The storage kind each row holds now, for a wrapper (`None`: the layout is its storage).
+    pub composed: Option<Vec<cache::StorageKind>>,
+}
+
+/// The common contract (R-C-1, R-C-4, R-C-5, R-ROT-5, R-C-10) through `&dyn Cache`, against the models: the rows
+/// and their offsets, trimmability, each row's decode phase, the capabilities the kind string gives (a known kind),
+/// what a wrapper composes, and `bytes_per_token` times each row's live columns against the bytes of the state the
+/// layout hands out. Integers only: nothing is added to the run's digest.
+pub fn contract(what: &str, c: &dyn cache::Cache, want: &ContractView<'_>, counters: &mut Counters) -> Res {
+    let bad = |m: String| fail(Failure::new("contract", format!("{what}: {m}")));
+    counters.checks += 1;
+    let kind = c.storage_kind();
+    if c.capabilities() != cache::Capabilities::of(&kind) || !c.capabilities().known {
+        return bad(format!("{kind}: capabilities {:?} not those of its kind string", c.capabilities()));
+    }
+    let offsets: Vec<usize> = want.rows.iter().map(|m| m.offset).collect();
+    if c.rows() != want.rows.len() || c.offsets() != offsets {
+        return bad(format!("{} rows at offsets {:?}, the models have {offsets:?}", c.rows(), c.offsets()));
+    }
+    if c.is_trimmable() != want.trimmable {
+        return bad(format!("is_trimmable = {}, the models say {}", c.is_trimmable(), want.trimmable));
+    }
+    let phases: Vec<cache::DecodePhase> = want
+        .rows
+        .iter()
+        .map(|m| if m.decode_phase_is_ring() { cache::DecodePhase::Ring } else { cache::DecodePhase::Concat })
+        .collect();
+    if c.decode_phase() != Some(phases.clone()) {
+        return bad(format!("decode_phase {:?}, the models say {phases:?}", c.decode_phase()));
+    }
+    let composed = c.composed().map(|x| x.storage);
+    if composed != want.composed {
+        return bad(format!("composes {composed:?}, expected {:?}", want.composed));
+    }
+    // Rows of one precision cost one rate; rows of mixed precision (some bf16-first rows converted) each their own,
+    // which the per-row answers of those rows cover.
+    let uniform = want.composed.as_ref().is_none_or(|k| k.windows(2).all(|w| w[0] == w[1]));
+    let per = c.bytes_per_token().ok_or_else(|| Failure::new("contract", format!("{what}: no bytes_per_token")))?;
+    let live: usize = want.rows.iter().map(|m| m.cols.len()).sum();
+    // `nbytes` of the lazily sliced state: shapes only, nothing evaluated.
+    let state = c.state().map_err(|e| Failure::new("contract", format!("{what}: state(): {e}")))?;
+    let stored: usize = state.iter().map(|a| a.nbytes()).sum();
+    if uniform && per * live != stored {
+        return bad(format!("bytes_per_token {per} x {live} live columns, {stored} bytes stored"));
+    }
+    Ok(())
+}

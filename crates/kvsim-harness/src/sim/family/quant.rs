@@ -396,6 +396,7 @@ impl Attention {
             check::left_padding(&b.left_padding(), &expected_lp)?;
             let trimmable = roster.rows().iter().all(|id| self.reqs[id].model.is_trimmable());
             check::flag("batch is_trimmable", b.is_trimmable(), trimmable)?;
+            self.check_contract(cx, layer)?;
         }
         // Per item: production's physical planes and temporal-view planes (12 arrays), then the twin's (12).
         let mut items: Vec<(String, u32, usize)> = vec![];

@@ -182,6 +182,22 @@ impl Attention {
         cx.observer.on_state(views).map_err(|e| mlx_fail("observe", e))
     }
 
+    /// The common contract through `&dyn Cache` (`check::contract`) for layer `layer`'s batch rows and every solo
+    /// cache, against their models.
+    pub(crate) fn check_contract(&mut self, cx: &mut Cx<'_>, layer: usize) -> Res<()> {
+        let roster = cx.roster;
+        let rows: Vec<&RowModel> = roster.rows().iter().map(|id| &self.reqs[id].model).collect();
+        let trimmable = rows.iter().all(|m| m.is_trimmable());
+        let view = check::ContractView { rows, trimmable, composed: None };
+        check::contract(&format!("batch layer {layer}"), &self.batch[layer], &view, &mut self.counters)?;
+        for id in roster.solo() {
+            let r = &self.reqs[&id];
+            let view = check::ContractView { rows: vec![&r.model], trimmable: r.model.is_trimmable(), composed: None };
+            check::contract(&format!("solo request {id} layer {layer}"), &r.solo[layer], &view, &mut self.counters)?;
+        }
+        Ok(())
+    }
+
     /// After every op: every live request's state, bytes and kinds, in production, twin and model.
     pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let roster = cx.roster;
@@ -198,6 +214,7 @@ impl Attention {
             check::left_padding(&self.batch[layer].left_padding(), &expected_lp)?;
             let trimmable = roster.rows().iter().all(|id| self.reqs[id].model.is_trimmable());
             check::flag("batch is_trimmable", self.batch[layer].is_trimmable(), trimmable)?;
+            self.check_contract(cx, layer)?;
         }
         // Host-side state first (cheap), then every byte with one device round trip and few MLX ops: each layer's
         // batch buffers and all rows' temporal views (one gather per tensor), each solo cache's buffers and temporal

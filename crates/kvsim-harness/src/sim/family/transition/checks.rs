@@ -133,6 +133,12 @@ impl TransitionFamily {
                 format!("{what}: (converted_at, floor, offset) production {lc:?}, twin {tc:?}, model {mc:?}"),
             ));
         }
+        let view = check::ContractView {
+            rows: vec![&m.row.ring],
+            trimmable: m.row.ring.is_trimmable(),
+            composed: Some(vec![self.storage_kind_of(m.row.converted_at.is_some())]),
+        };
+        check::contract(what, prod, &view, &mut self.counters)?;
         if prod.max_append_tokens() != m.max_append_tokens() {
             return Err(Failure::new(
                 "lifecycle",
@@ -215,6 +221,12 @@ impl TransitionFamily {
         Ok(())
     }
 
+    /// The serial storage kind a row of this family holds: plain (bf16) before its conversion, affine after.
+    fn storage_kind_of(&self, converted: bool) -> cache::StorageKind {
+        let storage = if converted { cache::Storage::Affine(self.t.quant) } else { cache::Storage::Plain };
+        cache::StorageKind::serial_of(self.max_size(), storage)
+    }
+
     pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let roster = cx.roster;
         // Every request outside the batch; in the lego family every request (its rows are legos too).
@@ -293,6 +305,12 @@ impl TransitionFamily {
                     ),
                 ));
             }
+            let view = check::ContractView {
+                rows: m.rows.iter().map(|r| &r.ring).collect(),
+                trimmable: m.round.is_none() && m.rows.iter().all(|r| r.ring.is_trimmable()),
+                composed: Some(m.rows.iter().map(|r| self.storage_kind_of(r.converted_at.is_some())).collect()),
+            };
+            check::contract(&format!("rows layer {layer}"), &b, &view, &mut self.counters)?;
             let offsets = b.offsets();
             for (i, mr) in m.rows.iter().enumerate() {
                 let p = b.lifecycle()[i];
