@@ -737,14 +737,7 @@ impl RowBatch {
         if uniform || fault!(MaskIgnoresPadding) {
             return Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None));
         }
-        let key = MaskKey {
-            kind: MaskKind::Decode,
-            real: vec![1; lens.len()],
-            lens,
-            queries: 1,
-            window: self.max_size,
-            cols: width,
-        };
+        let key = decode_mask_key(lens, self.max_size, width);
         let (spec, arr) = masks.get(&key)?;
         Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
@@ -1041,6 +1034,27 @@ impl RowBatch {
             out.push('\n');
         }
         out
+    }
+}
+
+/// The mask of a batched decode read whose rows hold `lens` live columns after the write, over `width` columns.
+pub(crate) fn decode_mask_key(lens: Vec<usize>, window: Option<usize>, width: usize) -> MaskKey {
+    MaskKey { kind: MaskKind::Decode, real: vec![1; lens.len()], lens, queries: 1, window, cols: width }
+}
+
+impl RowBatch {
+    /// The buffers (for the compiled step, `compiled.rs`).
+    pub(crate) fn buf_ref(&self) -> Option<&Buf> {
+        self.buf.as_ref()
+    }
+
+    /// Installs the buffers a compiled step wrote, then advances every row as the ordinary decode write does.
+    pub(crate) fn commit_step(&mut self, b: Buf) {
+        self.buf = Some(b);
+        for r in &mut self.rows {
+            r.ring.after_decode_write();
+        }
+        self.sync();
     }
 }
 

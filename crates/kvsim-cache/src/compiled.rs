@@ -26,10 +26,12 @@
 
 use mlx_rs::Array;
 
+use super::batch::{decode_mask_key, RowBatch};
 use super::error::CacheError;
+use super::mask::{MaskKey, MaskSpec, MaskUse, Masks};
 use super::quant::{attend_planes, QuantSpec, Storage};
 use super::ring::{Buf, DecodePhase, SerialCache};
-use super::util::{cols, dim, ncols};
+use super::util::{cols, dim, index_array, ncols};
 use super::Result;
 
 pub use crate::ring::DecodePlan;
@@ -241,6 +243,159 @@ impl CompiledDecode for SerialCache {
         self.state_mut().after_decode_write();
         Ok(roots)
     }
+}
+
+/// The host plan of one batched compiled decode step (R-C-9 on rows): each row's target column (its own ring head,
+/// as the ordinary batched decode writes it), the buffer columns the read attends, and the read's mask (`None`: every
+/// row holds `width` columns after the write, so the read takes no mask, as the ordinary read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowsStepPlan {
+    /// Each row's target column.
+    pub targets: Vec<usize>,
+    /// Buffer columns the step takes and attends: the longest row's live columns after the write.
+    pub width: usize,
+    /// The decode mask of rows of unequal length (`c < len_r`), else `None`.
+    pub mask: Option<MaskKey>,
+}
+
+impl RowBatch {
+    /// R-C-9 for rows: the host bookkeeping of the coming one-position step of every row (the ordinary decode's
+    /// [`RowBatch::prepare_decode_step`]: oversize dropped, heads rotated, buffer grown), and its plan. Idempotent.
+    /// [`CacheError::PendingPrefill`] during a prepared prefill; no rows is [`CacheError::StepMismatch`].
+    pub fn prepare_rows_step(&mut self) -> Result<RowsStepPlan> {
+        if self.rows() == 0 {
+            return Err(CacheError::StepMismatch { what: "a step of no rows".into() });
+        }
+        let targets = self.prepare_decode_step()?;
+        Ok(self.rows_plan(targets))
+    }
+
+    fn rows_plan(&self, targets: Vec<usize>) -> RowsStepPlan {
+        let lens: Vec<usize> = self.row_states().iter().map(|r| r.ring.len.max(r.ring.idx + 1)).collect();
+        let width = lens.iter().copied().max().unwrap_or(0).max(1);
+        let mask = (!lens.iter().all(|&l| l == lens[0])).then(|| decode_mask_key(lens, self.max_size(), width));
+        RowsStepPlan { targets, width, mask }
+    }
+
+    fn check_rows_plan(&self, plan: &RowsStepPlan) -> Result<()> {
+        let prepared =
+            self.row_states().iter().all(|r| r.ring.prepared_for_decode(self.max_size()) == (0, r.ring.clone()));
+        let targets: Vec<usize> = self.row_states().iter().map(|r| r.ring.idx).collect();
+        if !prepared || self.is_pending() || targets != plan.targets || self.rows_plan(targets) != *plan {
+            return Err(CacheError::StepMismatch { what: format!("plan {plan:?} does not match the prepared rows") });
+        }
+        if self.cap() < plan.width {
+            return Err(CacheError::StepMismatch {
+                what: format!("a buffer of {} columns, {} planned", self.cap(), plan.width),
+            });
+        }
+        Ok(())
+    }
+
+    /// The step's closure inputs, in order: the storage's planes cut to the plan's `width` columns, each row's
+    /// target column as int32 `[B, 1, 1, 1]`, then the decode mask (boolean `[B, 1, 1, width]`, from the forward's
+    /// `masks`, built once per forward) when the plan has one; and the mask use the read reports. The caller adds
+    /// `[q, k, v, rope_offsets]` ([`rows_decode_step`]).
+    pub fn rows_step_inputs(&self, plan: &RowsStepPlan, masks: &Masks) -> Result<(Vec<Array>, MaskUse)> {
+        self.check_rows_plan(plan)?;
+        let b = self.buf_ref().ok_or_else(|| CacheError::StepMismatch { what: "no buffer: prepare first".into() })?;
+        let mut inputs = b.planes.iter().map(|p| cols(p, 0, plan.width)).collect::<Result<Vec<_>>>()?;
+        inputs.push(index_array(&plan.targets, &[plan.targets.len(), 1, 1, 1])?);
+        let used = match &plan.mask {
+            None => MaskUse::None,
+            Some(key) => {
+                let (spec, arr) = masks.get(key)?;
+                inputs.push(arr);
+                MaskUse::Array(spec)
+            }
+        };
+        Ok((inputs, used))
+    }
+
+    /// The RoPE positions of the step's rows (each row's offset), as the int32 `[B]` input array.
+    pub fn rows_rope_input(&self) -> Array {
+        self.rope_offsets().to_array()
+    }
+
+    /// Applies the step's outputs `[out, planes']` (ownership taken): the written planes replace the buffer's first
+    /// `width` columns and every row advances as after the ordinary decode write. Returns the arrays to evaluate with
+    /// the step. A plan that no longer matches the rows, or outputs that do not fit, are
+    /// [`CacheError::StepMismatch`] with the rows unchanged.
+    pub fn apply_rows_step(&mut self, plan: &RowsStepPlan, outputs: Vec<Array>) -> Result<Vec<Array>> {
+        self.check_rows_plan(plan)?;
+        let (spec, storage) = (self.spec(), self.storage());
+        let layout = storage.plane_layout(&spec);
+        let bad = |what: String| CacheError::StepMismatch { what };
+        if outputs.len() != 1 + layout.len() {
+            return Err(bad(format!(
+                "{} outputs, {} expected for {storage:?} storage",
+                outputs.len(),
+                1 + layout.len()
+            )));
+        }
+        for (a, &(w, dt)) in outputs[1..].iter().zip(&layout) {
+            let s = a.shape();
+            let fits = s.len() == 4
+                && s[0] as usize == self.rows()
+                && s[1] as usize == spec.heads_kv
+                && ncols(a) == plan.width
+                && s[3] as usize == w
+                && a.dtype() == dt;
+            if !fits {
+                return Err(bad(format!(
+                    "output {s:?} {:?} does not fit the planned rows of {storage:?} storage",
+                    a.dtype()
+                )));
+            }
+        }
+        let b = self.buf_ref().ok_or_else(|| bad("no buffer: prepare first".into()))?;
+        let written = &outputs[1..];
+        let nb = if b.cap() == plan.width {
+            Buf { planes: written.to_vec() }
+        } else {
+            let at = index_array(&(0..plan.width).collect::<Vec<_>>(), &[1, 1, plan.width, 1])?;
+            b.zip_map(written, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?
+        };
+        nb.eval()?;
+        let roots = nb.planes.clone();
+        self.commit_step(nb);
+        Ok(roots)
+    }
+}
+
+/// The batched step, a pure function of `inputs` = the slot ([`RowBatch::rows_step_inputs`]: `n` planes of
+/// `width` columns, the targets, the mask array when the plan has one) ++ `[q, k, v, rope_offsets]`: every row's new column
+/// (encoded as the ordinary write encodes it) written at its target, then the read of the `width` columns under the
+/// mask (MLX's fused SDPA over plain planes, the quantized attention over affine ones), as the ordinary batched
+/// decode reads them. `q`, `k` are pre-RoPE (`[B, H, 1, D]`) and rotated at each row's int32 offset (`[B]`); with
+/// `rope: None` they are used as given. `mask` is the host description of the mask input (the [`MaskUse`] the
+/// slot reported): only the exact read (`ReadMode::Exact` on CUDA) consults it, for its visible ranges; every other
+/// read takes the array alone. Returns `[out, planes']`. Inputs of another count are [`CacheError::StepMismatch`].
+pub fn rows_decode_step(
+    storage: Storage,
+    mask: Option<&MaskSpec>,
+    rope: Option<StepRope>,
+    scale: f32,
+    inputs: &[Array],
+) -> Result<Vec<Array>> {
+    let n = storage.planes();
+    let slot = n + 1 + usize::from(mask.is_some());
+    if inputs.len() != slot + 4 {
+        return Err(CacheError::StepMismatch {
+            what: format!("{} inputs for a rows step of {storage:?} storage, {} expected", inputs.len(), slot + 4),
+        });
+    }
+    let (q, k, v, offset) = (&inputs[slot], &inputs[slot + 1], &inputs[slot + 2], &inputs[slot + 3]);
+    let (qr, kr) = match rope {
+        Some(r) => (r.apply_dynamic(q, offset)?, r.apply_dynamic(k, offset)?),
+        None => (q.clone(), k.clone()),
+    };
+    let column = storage.encode(&kr, v)?;
+    let at = &inputs[n];
+    let planes =
+        inputs[..n].iter().zip(&column).map(|(p, x)| Ok(p.put_along_axis(at, x, 2)?)).collect::<Result<Vec<_>>>()?;
+    let out = attend_planes(&storage, &qr, &planes, scale, mask.map(|m| (m, &inputs[n + 1])), false)?;
+    Ok(std::iter::once(out).chain(planes).collect())
 }
 
 #[cfg(test)]

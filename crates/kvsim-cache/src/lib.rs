@@ -141,7 +141,8 @@ mod util;
 pub use batch::{BatchKvCache, BatchRotatingKvCache, JoinSource, RopeOffsets, RowBatch, RowState};
 pub use chunked::ChunkedKvCache;
 pub use compiled::{
-    decode_step, int32_input, plain_decode_step, quantized_decode_step, CompiledDecode, DecodePlan, StepRope,
+    decode_step, int32_input, plain_decode_step, quantized_decode_step, rows_decode_step, CompiledDecode, DecodePlan,
+    RowsStepPlan, StepRope,
 };
 pub use contract::{AttentionCache, Cache, Capabilities, Composed, KvGeometry, LegoGeometry, RowLayout, SpecRounds};
 pub use error::CacheError;

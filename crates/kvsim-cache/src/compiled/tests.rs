@@ -4,7 +4,7 @@ use mlx_rs::Array;
 use super::*;
 use crate::testutil::testlock;
 use crate::testutil::*;
-use crate::{KvDtype, KvSpec, Masks, RingState};
+use crate::{BatchKvCache, JoinSource, KvDtype, KvSpec, MaskUse, Masks, RingState, RowBatch};
 
 const Q4: QuantSpec = QuantSpec { bits: 4, group: 32 };
 
@@ -350,4 +350,187 @@ fn step_of_the_other_storage_is_a_typed_error_and_changes_nothing() {
     for (i, (a, b)) in c.buffer_planes().unwrap().iter().zip(&ordinary.buffer_planes().unwrap()).enumerate() {
         assert_same_bytes(a, b, &format!("plane {i} after the step"));
     }
+}
+
+/// Drives ordinary batched rows and stepped ones side by side (rows step, R-C-9 on rows).
+struct RowsPair {
+    spec: KvSpec,
+    storage: Storage,
+    ordinary: RowBatch,
+    stepped: RowBatch,
+    mode: Mode,
+    masked: usize,
+    phases: Vec<DecodePhase>,
+}
+
+fn compiled_rows_step(
+    storage: Storage,
+    mask: Option<crate::MaskSpec>,
+) -> impl FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception> {
+    let f = move |inputs: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
+        rows_decode_step(storage, mask.as_ref(), None, SCALE, inputs).map_err(|e| Exception::custom(e.to_string()))
+    };
+    mlx_rs::transforms::compile::compile(f, false)
+}
+
+impl RowsPair {
+    /// Rows joined from serial caches after windows of `prefills[r]` positions (unequal: the read is masked).
+    fn new(spec: KvSpec, max_size: Option<usize>, storage: Storage, mode: Mode, prefills: &[usize]) -> Self {
+        let masks = Masks::new();
+        let serials: Vec<SerialCache> = prefills
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let mut c = SerialCache::with_storage(spec, max_size, storage).unwrap();
+                if n > 0 {
+                    let (k, v, q) = kvq(&spec, 100 + i as u64, 1, n);
+                    c.window(&k, &v, &q, SCALE, &masks).unwrap();
+                }
+                c
+            })
+            .collect();
+        let sources: Vec<JoinSource<'_>> = serials.iter().map(JoinSource::Serial).collect();
+        let rows = RowBatch::join_storage(spec, max_size, storage, &sources).unwrap();
+        RowsPair { spec, storage, ordinary: rows.clone(), stepped: rows, mode, masked: 0, phases: vec![] }
+    }
+
+    fn window(&mut self, seed: u64, l: usize) {
+        let (k, v, q) = kvq(&self.spec, seed, self.ordinary.rows(), l);
+        let masks = Masks::new();
+        let (a, _) = self.ordinary.window(&k, &v, &q, SCALE, &masks).unwrap();
+        let (b, _) = self.stepped.window(&k, &v, &q, SCALE, &masks).unwrap();
+        assert_same_bytes(&a, &b, "rows window");
+    }
+
+    fn step(&mut self, seed: u64) {
+        let (k, v, q) = kvq(&self.spec, seed, self.ordinary.rows(), 1);
+        let masks = Masks::new();
+        let (want, want_mask) = self.ordinary.decode(&k, &v, &q, SCALE, &masks).unwrap();
+        let phases: Vec<DecodePhase> =
+            (0..self.stepped.rows()).map(|r| self.stepped.row_decode_phase(r).unwrap()).collect();
+        let plan = self.stepped.prepare_rows_step().unwrap();
+        assert_eq!(self.stepped.prepare_rows_step().unwrap(), plan, "idempotent");
+        self.phases.extend(phases);
+        let step_masks = Masks::new();
+        let (mut inputs, used) = self.stepped.rows_step_inputs(&plan, &step_masks).unwrap();
+        assert_eq!(used, want_mask, "the step's mask is the ordinary read's");
+        let spec = match &used {
+            MaskUse::Array(s) => {
+                self.masked += 1;
+                Some((**s).clone())
+            }
+            _ => None,
+        };
+        inputs.extend([q, k, v, self.stepped.rows_rope_input()]);
+        let outputs = match self.mode {
+            Mode::Eager => rows_decode_step(self.storage, spec.as_ref(), None, SCALE, &inputs).unwrap(),
+            Mode::Compiled => compiled_rows_step(self.storage, spec)(&inputs).unwrap(),
+        };
+        let out = outputs[0].clone();
+        self.stepped.apply_rows_step(&plan, outputs).unwrap();
+        let what = format!("rows step {seed} {plan:?} {:?} {:?}", self.mode, self.storage);
+        assert_same_bytes(&out, &want, &format!("{what}: output"));
+        assert_eq!(self.stepped.row_states(), self.ordinary.row_states(), "{what}: state");
+        for r in 0..self.ordinary.rows() {
+            let (a, b) = (self.stepped.row_physical_planes(r).unwrap(), self.ordinary.row_physical_planes(r).unwrap());
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert_same_bytes(x, y, &format!("{what}: row {r} plane {i}"));
+            }
+        }
+    }
+}
+
+/// The batched step through growth, unequal rows (the masked read), the first wrap, rotation and the oversize
+/// drop after a window: every output, every row's planes and state byte-identical to the ordinary batched decode,
+/// eager and under `compile`, plain and affine.
+#[test]
+fn stepped_rows_equal_the_ordinary_batched_decode() {
+    let _g = testlock::shared();
+    let q4 = Storage::Affine(Q4);
+    for mode in [Mode::Eager, Mode::Compiled] {
+        for (spec, storage) in
+            [(spec(KvDtype::F32), Storage::Plain), (spec(KvDtype::Bf16), Storage::Plain), (qspec(KvDtype::Bf16), q4)]
+        {
+            for (w, prefills) in [(None, vec![3, 1, 0]), (Some(4), vec![2, 5]), (Some(3), vec![3, 3])] {
+                let mut p = RowsPair::new(spec, w, storage, mode, &prefills);
+                for s in 0..6 {
+                    p.step(10 + s);
+                }
+                p.window(30, 3);
+                for s in 0..4 {
+                    p.step(40 + s);
+                }
+                let what = format!("{mode:?} {storage:?} W {w:?} {prefills:?}");
+                if w.is_some() {
+                    assert!(p.phases.contains(&DecodePhase::Ring), "{what}: the ring ran");
+                }
+                if prefills.windows(2).any(|x| x[0] != x[1]) && w.is_none() {
+                    assert!(p.masked > 0, "{what}: unequal rows read masked");
+                }
+            }
+        }
+    }
+    // Growth past the first buffer step, rows of unequal length.
+    let mut p = RowsPair::new(spec(KvDtype::F32), None, Storage::Plain, Mode::Eager, &[1, 4]);
+    for s in 0..(crate::ring::GROW_STEP as u64 + 3) {
+        p.step(1000 + s);
+    }
+}
+
+/// A plan that no longer matches, or outputs that do not fit, are typed errors with the rows unchanged.
+#[test]
+fn mismatched_rows_plans_and_outputs_are_typed_errors() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    let mut p = RowsPair::new(spec, Some(4), Storage::Plain, Mode::Eager, &[2, 1]);
+    let plan = p.stepped.prepare_rows_step().unwrap();
+    let before = p.stepped.row_states().to_vec();
+    let (mut inputs, used) = p.stepped.rows_step_inputs(&plan, &Masks::new()).unwrap();
+    let (k, v, q) = kvq(&spec, 5, 2, 1);
+    inputs.extend([q, k, v, p.stepped.rows_rope_input()]);
+    let mask = match &used {
+        MaskUse::Array(s) => Some((**s).clone()),
+        _ => None,
+    };
+    let outputs = rows_decode_step(Storage::Plain, mask.as_ref(), None, SCALE, &inputs).unwrap();
+    assert!(matches!(
+        rows_decode_step(Storage::Plain, None, None, SCALE, &inputs),
+        Err(CacheError::StepMismatch { .. })
+    ));
+    let mut stale = plan.clone();
+    stale.targets[0] += 1;
+    assert!(matches!(p.stepped.apply_rows_step(&stale, outputs.clone()), Err(CacheError::StepMismatch { .. })));
+    assert!(matches!(p.stepped.apply_rows_step(&plan, outputs[..2].to_vec()), Err(CacheError::StepMismatch { .. })));
+    let narrow: Vec<Array> =
+        outputs.iter().enumerate().map(|(i, a)| if i == 0 { a.clone() } else { cols(a, 0, 1).unwrap() }).collect();
+    assert!(matches!(p.stepped.apply_rows_step(&plan, narrow), Err(CacheError::StepMismatch { .. })));
+    assert_eq!(p.stepped.row_states(), &before[..], "refused applies change nothing");
+    p.stepped.apply_rows_step(&plan, outputs).unwrap();
+    assert!(matches!(p.stepped.apply_rows_step(&plan, vec![]), Err(CacheError::StepMismatch { .. })), "a used plan");
+    let mut empty = BatchKvCache::empty(spec).unwrap();
+    assert!(matches!(empty.prepare_rows_step(), Err(CacheError::StepMismatch { .. })));
+}
+
+/// RoPE inside the rows step at each row's int32 offset equals each row rotated alone at its static offset.
+#[test]
+fn rows_step_rope_at_per_row_offsets_equals_each_row_alone() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::Bf16);
+    let mut p = RowsPair::new(spec, Some(4), Storage::Plain, Mode::Eager, &[2, 5]);
+    let offsets: Vec<usize> = p.ordinary.row_states().iter().map(|r| r.ring.offset).collect();
+    let (k, v, q) = kvq(&spec, 77, 2, 1);
+    let rot = |x: &Array| {
+        let parts: Vec<Array> = offsets.iter().enumerate().map(|(r, &o)| ROPE.apply(&row(x, r), o).unwrap()).collect();
+        mlx_rs::ops::concatenate(&parts, 0).unwrap()
+    };
+    let (want, _) = p.ordinary.decode(&rot(&k), &v, &rot(&q), SCALE, &Masks::new()).unwrap();
+    let plan = p.stepped.prepare_rows_step().unwrap();
+    let (mut inputs, used) = p.stepped.rows_step_inputs(&plan, &Masks::new()).unwrap();
+    let mask = match &used {
+        MaskUse::Array(s) => Some((**s).clone()),
+        _ => None,
+    };
+    inputs.extend([q, k, v, p.stepped.rows_rope_input()]);
+    let outputs = rows_decode_step(Storage::Plain, mask.as_ref(), Some(ROPE), SCALE, &inputs).unwrap();
+    assert_same_bytes(&outputs[0], &want, "rows step with RoPE inside");
 }
