@@ -602,11 +602,21 @@ impl RowBatch {
     /// heads rotated, buffer grown. Returns each row's target column. Idempotent; changes no live byte.
     /// [`CacheError::PendingPrefill`] during a prepared prefill.
     pub fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
+        self.prepare_some(None)
+    }
+
+    /// [`RowBatch::prepare_decode_step`] of the rows `active` marks (all with `None`); the others keep their state.
+    fn prepare_some(&mut self, active: Option<&[bool]>) -> Result<Vec<usize>> {
         if self.is_pending() {
             return Err(CacheError::PendingPrefill);
         }
-        let plans: Vec<(usize, RingState)> =
-            self.rows.iter().map(|r| r.ring.prepared_for_decode(self.max_size)).collect();
+        let on = |r: usize| active.is_none_or(|a| a[r]);
+        let plans: Vec<(usize, RingState)> = self
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| if on(i) { r.ring.prepared_for_decode(self.max_size) } else { (0, r.ring.clone()) })
+            .collect();
         if plans.iter().any(|(d, _)| *d > 0) {
             if let Some(b) = &self.buf {
                 let (nrows, cap) = (self.rows.len(), b.cap());
@@ -1055,6 +1065,104 @@ impl RowBatch {
             r.ring.after_decode_write();
         }
         self.sync();
+    }
+}
+
+impl RowBatch {
+    /// R-TKV-7 on rows: a committed read under known spans of unequal per-row lengths. Row `r` commits its first
+    /// `lens[r]` positions of the block (`k`, `v` `[B, H_kv, L, D]`, `q` `[B, H_q, L, D]`, `L >= max lens`), one
+    /// decode per position (R-ROT-7): at position `i` exactly the rows with `lens[r] > i` are written (each at its
+    /// own ring head) and read; the other rows' state and bytes do not change. Each row's output at its real
+    /// positions is the one its solo cache's [`SerialCache::commit_span`] of those positions gives (same keys, same
+    /// physical order, the decode mask `c < len_r` when rows differ); outputs at padded positions (`i >= lens[r]`)
+    /// are unspecified. A wrong count or a length past `L` is [`CacheError::BadLengths`], a pending prefill
+    /// [`CacheError::PendingPrefill`], nothing changed.
+    pub fn commit_known_spans(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+        lens: &[usize],
+    ) -> Result<Array> {
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let l = self.check_step(k, v, Some(q))?;
+        if lens.len() != self.rows.len() || lens.iter().any(|&n| n > l) {
+            return Err(CacheError::BadLengths {
+                what: format!("span lengths {lens:?} for {} rows of a {l}-position block", self.rows.len()),
+            });
+        }
+        let mut next = self.clone();
+        let mut outs = Vec::with_capacity(l);
+        for i in 0..l {
+            let active: Vec<bool> = lens.iter().map(|&n| n > i).collect();
+            let (ki, vi, qi) = (cols(k, i, i + 1)?, cols(v, i, i + 1)?, cols(q, i, i + 1)?);
+            let out = if active.iter().all(|&a| a) {
+                next.decode(&ki, &vi, &qi, scale, masks)?.0
+            } else if active.iter().any(|&a| a) {
+                next.decode_some(&ki, &vi, &qi, scale, masks, &active)?
+            } else {
+                next.empty_output(&qi)?
+            };
+            outs.push(out);
+        }
+        *self = next;
+        Ok(mlx_rs::ops::concatenate(&outs, 2)?)
+    }
+
+    /// One decode of the rows `active` marks (some but not all): their columns written at their ring heads, the
+    /// others rewritten with the bytes they hold (column 0), then the batched decode read. Rows outside `active` keep
+    /// their state; their outputs are unspecified.
+    fn decode_some(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+        active: &[bool],
+    ) -> Result<Array> {
+        let block = self.storage.encode(k, v)?;
+        let mut targets = self.prepare_some(Some(active))?;
+        self.ensure_capacity(1)?;
+        for (t, &a) in targets.iter_mut().zip(active) {
+            if !a {
+                *t = 0;
+            }
+        }
+        let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare"))?;
+        let written = (|| -> Result<Buf> {
+            let on: Vec<u8> = active.iter().map(|&a| u8::from(a)).collect();
+            let on = Array::from_slice(&on, &[active.len() as i32, 1, 1, 1]).as_dtype(mlx_rs::Dtype::Bool)?;
+            let at = index_array(&targets, &[self.rows.len(), 1, 1, 1])?;
+            let kept = b.map(|p| Ok(p.take_along_axis(&at, 2)?))?;
+            let column: Vec<Array> = block
+                .iter()
+                .zip(&kept.planes)
+                .map(|(new, old)| Ok(mlx_rs::ops::select(&on, new, old)?))
+                .collect::<Result<_>>()?;
+            let nb = b.zip_map(&column, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?;
+            nb.eval()?;
+            Ok(nb)
+        })();
+        let nb = match written {
+            Ok(nb) => nb,
+            Err(e) => {
+                self.buf = Some(b);
+                return Err(e);
+            }
+        };
+        self.buf = Some(nb);
+        for (r, &a) in self.rows.iter_mut().zip(active) {
+            if a {
+                r.ring.after_decode_write();
+            }
+        }
+        self.sync();
+        Ok(self.read_decode(q, scale, masks)?.0)
     }
 }
 

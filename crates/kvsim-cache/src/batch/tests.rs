@@ -558,3 +558,69 @@ fn pictures() {
     p.append(&k, &v).unwrap();
     insta::assert_snapshot!("prefill_in_progress", p.picture());
 }
+
+/// R-TKV-7 on rows: known spans of unequal per-row lengths (0 included) commit each row as its solo cache's
+/// committed span of its own length: outputs at the real positions, every plane, every ring state byte-identical,
+/// through wraps and plateaus, linear and rotating, plain and affine. Bad lengths change nothing.
+#[test]
+fn known_spans_of_unequal_lengths_commit_each_row_as_alone() {
+    let _g = testlock::shared();
+    let q4 = Storage::Affine(QuantSpec { bits: 4, group: 32 });
+    let qspec = KvSpec { head_dim: 64, ..spec(KvDtype::Bf16) };
+    for (spec, storage) in [(spec(KvDtype::F32), Storage::Plain), (qspec, q4)] {
+        for w in [None, Some(4)] {
+            let solos: Vec<SerialCache> = solo_rows(spec, w)
+                .into_iter()
+                .map(|c| {
+                    let mut x = SerialCache::with_storage(spec, w, storage).unwrap();
+                    if let Ok(p) = c.temporal_view() {
+                        if c.offset() > 0 {
+                            x = SerialCache::from_temporal_planes(
+                                spec,
+                                w,
+                                storage,
+                                &storage.encode(&p.0, &p.1).unwrap(),
+                                c.offset(),
+                            )
+                            .unwrap();
+                        }
+                    }
+                    x
+                })
+                .collect();
+            let sources: Vec<JoinSource<'_>> = solos.iter().map(JoinSource::Serial).collect();
+            let mut rows = RowBatch::join_storage(spec, w, storage, &sources).unwrap();
+            let lens = [3usize, 0, 5, 1, 5];
+            let (k, v, q) = kvq(&spec, 4242, lens.len(), 5);
+            let before = rows.row_states().to_vec();
+            assert!(matches!(
+                rows.commit_known_spans(&k, &v, &q, 0.3, &Masks::new(), &lens[..4]),
+                Err(CacheError::BadLengths { .. })
+            ));
+            assert!(matches!(
+                rows.commit_known_spans(&k, &v, &q, 0.3, &Masks::new(), &[6, 0, 0, 0, 0]),
+                Err(CacheError::BadLengths { .. })
+            ));
+            assert_eq!(rows.row_states(), &before[..]);
+            let out = rows.commit_known_spans(&k, &v, &q, 0.3, &Masks::new(), &lens).unwrap();
+            for (r, mut solo) in solos.into_iter().enumerate() {
+                let what = format!("{storage:?} W {w:?} row {r} span {}", lens[r]);
+                if lens[r] > 0 {
+                    let (kr, vr, qr) = (
+                        cols(&row(&k, r), 0, lens[r]).unwrap(),
+                        cols(&row(&v, r), 0, lens[r]).unwrap(),
+                        cols(&row(&q, r), 0, lens[r]).unwrap(),
+                    );
+                    let want = solo.commit_span(&kr, &vr, &qr, 0.3, &Masks::new()).unwrap();
+                    assert_same_bytes(&cols(&row(&out, r), 0, lens[r]).unwrap(), &want, &format!("{what}: output"));
+                }
+                assert_eq!(&rows.row_states()[r].ring, solo.state(), "{what}: state");
+                for (i, (a, b)) in
+                    rows.row_physical_planes(r).unwrap().iter().zip(&solo.physical_planes().unwrap()).enumerate()
+                {
+                    assert_same_bytes(a, b, &format!("{what}: plane {i}"));
+                }
+            }
+        }
+    }
+}
