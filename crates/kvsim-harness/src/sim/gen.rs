@@ -18,9 +18,37 @@ pub struct Generator {
     prefill: ChaCha8Rng,
     /// The kinds whose ops a family draws itself, with its draw.
     drawers: Vec<(OpKind, fn(&SimConfig, &mut ChaCha8Rng) -> Op)>,
+    /// Whether the next op is a contract op ([`Stream::Contract`]), and its parameters.
+    contract: ChaCha8Rng,
+    /// The families' registry, for which contract ops the run's families support.
+    registry: Registry,
 }
 
+/// The chance, per op with a running batch, that the generator draws one of the contract ops instead.
+pub const CONTRACT_OP_CHANCE: f64 = 0.03;
+
 impl Generator {
+    /// A contract op, drawn only from [`Stream::Contract`] (the workload stream is not touched): with a running
+    /// batch, at [`CONTRACT_OP_CHANCE`], one the run's families all support.
+    fn contract_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
+        if v.rows.is_empty() || !self.contract.random_bool(CONTRACT_OP_CHANCE) {
+            return None;
+        }
+        let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
+        let c = &mut self.contract;
+        let op = if c.random_bool(0.5) {
+            Op::CompiledBatchStep
+        } else {
+            // Unequal lengths (0 allowed), at least one row committing.
+            let mut lens: Vec<u32> = v.rows.iter().map(|_| c.random_range(0..=cfg.max_chunk.min(4) as u32)).collect();
+            if lens.iter().all(|&l| l == 0) {
+                lens[0] = 1;
+            }
+            Op::CommitKnownSpans { lens }
+        };
+        self.registry.all_support(&names, op.kind()).then_some(op)
+    }
+
     /// The generator of `seed` over kvsim's own families.
     pub fn new(seed: u64) -> Generator {
         Generator::new_in(seed, Registry::builtin())
@@ -31,12 +59,16 @@ impl Generator {
         let drawers = registry.op_drawers();
         let (work, spec, prefill) =
             (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
-        Generator { work, spec, prefill, drawers }
+        let contract = stream(seed, Stream::Contract);
+        Generator { work, spec, prefill, drawers, contract, registry: registry.clone() }
     }
 
     /// The next op for `view`. Kinds that cannot apply now are left out of the draw.
     pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
         let rows = v.rows.len();
+        if let Some(op) = self.contract_op(cfg, v) {
+            return op;
+        }
         let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
         let room = cfg.max_batch.saturating_sub(rows);
         let applicable = |k: OpKind| -> bool {
@@ -54,6 +86,8 @@ impl Generator {
                 OpKind::Adopt | OpKind::Prepare => rows > 0,
                 OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
                 OpKind::Quantize => true,
+                // Never by weight: `contract_op`.
+                OpKind::CompiledBatchStep | OpKind::CommitKnownSpans => false,
                 OpKind::Persist => !v.solo.is_empty(),
             }
         };
@@ -180,6 +214,8 @@ impl Generator {
                 Op::BidirPrefill { req, len: w.random_range(1..=cfg.max_prompt as u32), image: w.random() }
             }
             OpKind::CompiledStep => Op::CompiledStep { req: v.solo[w.random_range(0..v.solo.len())].0 },
+            OpKind::CompiledBatchStep => Op::CompiledBatchStep,
+            OpKind::CommitKnownSpans => Op::CommitKnownSpans { lens: vec![1; rows] },
             OpKind::TrainingForward => {
                 let len = w.random_range(1..=12u32);
                 let rows = w.random_range(1..=3);

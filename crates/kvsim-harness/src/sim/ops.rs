@@ -75,6 +75,10 @@ pub enum Op {
     /// One decode step of a request outside the batch through the compiled-decode protocol (R-C-9): plan, pure step,
     /// apply; it must equal the ordinary append byte for byte.
     CompiledStep { req: u32 },
+    /// The running batch's decode through the batched compiled step (prepare, closure inputs, pure step, apply).
+    CompiledBatchStep,
+    /// A committed read under known spans: row `r` commits `lens[r]` positions (unequal lengths, 0 allowed).
+    CommitKnownSpans { lens: Vec<u32> },
     /// A stateless training forward (R-TRN-3) of `len` positions on a right-padded batch whose row `r` holds
     /// `lengths[r]` real positions, under a sliding window `window` (0 = none). A length above `len` is the typed
     /// error `BadLengths`.
@@ -182,6 +186,8 @@ pub enum OpKind {
     ReadBlock,
     BidirPrefill,
     CompiledStep,
+    CompiledBatchStep,
+    CommitKnownSpans,
     TrainingForward,
     PrefixSharedForward,
     TrainingRefusal,
@@ -215,6 +221,8 @@ impl OpKind {
         OpKind::ReadBlock,
         OpKind::BidirPrefill,
         OpKind::CompiledStep,
+        OpKind::CompiledBatchStep,
+        OpKind::CommitKnownSpans,
         OpKind::TrainingForward,
         OpKind::PrefixSharedForward,
         OpKind::TrainingRefusal,
@@ -249,6 +257,8 @@ impl OpKind {
             OpKind::ReadBlock => "read_block",
             OpKind::BidirPrefill => "bidir_prefill",
             OpKind::CompiledStep => "compiled_step",
+            OpKind::CompiledBatchStep => "compiled_batch_step",
+            OpKind::CommitKnownSpans => "commit_known_spans",
             OpKind::TrainingForward => "training_forward",
             OpKind::PrefixSharedForward => "prefix_shared_forward",
             OpKind::TrainingRefusal => "training_refusal",
@@ -284,6 +294,8 @@ impl OpKind {
             OpKind::ReadBlock => 2,
             OpKind::BidirPrefill => 2,
             OpKind::CompiledStep => 3,
+            // Drawn from their own stream (`gen::CONTRACT_OPS`), never by weight.
+            OpKind::CompiledBatchStep | OpKind::CommitKnownSpans => 0,
             OpKind::TrainingForward => 6,
             OpKind::PrefixSharedForward => 3,
             OpKind::TrainingRefusal => 1,
@@ -315,9 +327,16 @@ impl OpKind {
     }
 
     /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
-    /// family that draws it) and save/restore (weighted from its own stream).
+    /// family that draws it), save/restore (weighted from its own stream) and the contract ops (drawn from theirs).
     pub fn in_base_swarm(self) -> bool {
-        !self.is_quant() && !self.is_persist()
+        !self.is_quant() && !self.is_persist() && !self.is_contract()
+    }
+
+    /// The ops of the contract's batched calls (the batched compiled step, known spans of unequal lengths): drawn
+    /// by [`crate::sim::gen::Generator`] from [`crate::sim::rng::Stream::Contract`], never by weight, so a seed
+    /// that draws none of them runs every other op exactly as it would without them.
+    pub fn is_contract(self) -> bool {
+        matches!(self, OpKind::CompiledBatchStep | OpKind::CommitKnownSpans)
     }
 
     /// The save/restore op: not in the swarm's list either (its length is part of every seed's draws); about half
@@ -427,6 +446,8 @@ impl Op {
             Op::ReadBlock { .. } => vec!["read_block"],
             Op::BidirPrefill { .. } => vec!["bidir_prefill"],
             Op::CompiledStep { .. } => vec!["compiled_step"],
+            Op::CompiledBatchStep => vec!["compiled_batch_step"],
+            Op::CommitKnownSpans { .. } => vec!["commit_known_spans"],
             Op::TrainingForward { .. } => vec!["training_forward"],
             Op::PrefixSharedForward { .. } => vec!["prefix_shared_forward"],
             Op::TrainingRefusal { persist } => {
@@ -487,6 +508,8 @@ impl Op {
             Op::ReadBlock { .. } => OpKind::ReadBlock,
             Op::BidirPrefill { .. } => OpKind::BidirPrefill,
             Op::CompiledStep { .. } => OpKind::CompiledStep,
+            Op::CompiledBatchStep => OpKind::CompiledBatchStep,
+            Op::CommitKnownSpans { .. } => OpKind::CommitKnownSpans,
             Op::TrainingForward { .. } => OpKind::TrainingForward,
             Op::PrefixSharedForward { .. } => OpKind::PrefixSharedForward,
             Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,

@@ -34,6 +34,8 @@ pub enum Stream {
     /// Which requests of a batch prefill leave their chunks uncommitted, for the prefill's end to commit
     /// (`Op::BatchPrefill::uncommitted`).
     Prefill = 11,
+    /// Whether the next op is one of the contract's batched calls, and its parameters (`OpKind::is_contract`).
+    Contract = 12,
 }
 
 /// A generator for one subsystem of one seed.

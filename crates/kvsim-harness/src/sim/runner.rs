@@ -169,6 +169,8 @@ fn op_within_limits(op: &Op) -> bool {
         // Request ids index the world's maps and positions are u32: keep them far from overflow.
         Op::Admit { req } => *req <= 1 << 20,
         Op::SoloDecode { .. } | Op::Decode | Op::CompiledStep { .. } | Op::TrainingRefusal { .. } => true,
+        Op::CompiledBatchStep => true,
+        Op::CommitKnownSpans { lens } => lens.len() <= 64 && lens.iter().all(|&l| ok(l)),
         Op::PlainRead => true,
         Op::PrefixReuse { common, prompt, extra } => ok(*common) && ok(*prompt) && ok(*extra),
         Op::Adopt { .. } | Op::DecodePhase | Op::IllFormed { .. } => true,

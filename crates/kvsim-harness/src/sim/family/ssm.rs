@@ -85,6 +85,8 @@ pub const REGISTRATION: Registration = Registration::plain(
                 | OpKind::ReadBlock
                 | OpKind::BidirPrefill
                 | OpKind::CompiledStep
+                | OpKind::CompiledBatchStep
+                | OpKind::CommitKnownSpans
                 | OpKind::PrefixSharedForward
                 | OpKind::Adopt
                 | OpKind::DecodePhase
@@ -490,6 +492,8 @@ impl Family for Recurrent {
             | Op::ReadBlock { .. }
             | Op::BidirPrefill { .. }
             | Op::CompiledStep { .. }
+            | Op::CompiledBatchStep
+            | Op::CommitKnownSpans { .. }
             | Op::PrefixSharedForward { .. }
             | Op::Adopt { .. }
             | Op::DecodePhase

@@ -273,7 +273,11 @@ impl Attention {
         Ok(outs)
     }
 
-    pub(super) fn batch_decode(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
+    /// One decode of the running batch: the ordinary batched decode, or (`compiled`) the batched compiled step
+    /// (`prepare_rows_step`, the closure inputs with the forward's mask, `rows_decode_step`, `apply_rows_step`),
+    /// checked alike: every row's output against its twin's ordinary decode (bytes) and the model (f64), its mask
+    /// against the model's visibility, and the state after the op.
+    pub(super) fn batch_step(&mut self, cx: &mut Cx<'_>, compiled: bool) -> Res<bool> {
         let roster = cx.roster;
         if roster.rows().is_empty() {
             return Ok(false);
@@ -292,7 +296,11 @@ impl Attention {
         let masks = Masks::new();
         for layer in 0..self.cfg.layers {
             let (k, v, q) = self.kvq(layer, &toks)?;
-            let got = self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?;
+            let got = if compiled {
+                self.compiled_rows_step(layer, &k, &v, &q, &masks)?
+            } else {
+                self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?
+            };
             if cx.observer.wants_calls() {
                 let offsets = self.row_extents(roster);
                 emit(
@@ -468,6 +476,95 @@ impl Attention {
                     self.reqs.get_mut(id).unwrap().history.rolled_back = true;
                 }
             }
+        }
+        Ok(true)
+    }
+
+    /// Layer `layer`'s batch through the batched compiled step: host plan, closure inputs (the mask from the
+    /// forward's memo), the pure step, apply. Returns the output and the mask the step read under.
+    fn compiled_rows_step(
+        &mut self,
+        layer: usize,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        masks: &Masks,
+    ) -> Res<(Array, kvsim_cache::MaskUse)> {
+        let b = &mut self.batch[layer];
+        let plan = b.prepare_rows_step().map_err(|e| unexpected("prepare_rows_step", e))?;
+        let (mut inputs, used) = b.rows_step_inputs(&plan, masks).map_err(|e| unexpected("rows_step_inputs", e))?;
+        inputs.extend([q.clone(), k.clone(), v.clone(), b.rows_rope_input()]);
+        let spec = match &used {
+            kvsim_cache::MaskUse::Array(s) => Some(&**s),
+            _ => None,
+        };
+        let outputs = kvsim_cache::rows_decode_step(b.storage(), spec, None, self.cfg.scale(), &inputs)
+            .map_err(|e| unexpected("rows_decode_step", e))?;
+        let out = outputs[0].clone();
+        b.apply_rows_step(&plan, outputs).map_err(|e| unexpected("apply_rows_step", e))?;
+        Ok((out, used))
+    }
+
+    /// A committed read under known spans of unequal per-row lengths (R-TKV-7): row `r` commits `lens[r]`
+    /// positions (the op's list cut or padded with 0 to the batch), one decode per position. Each row's outputs at
+    /// its real positions against its twin's committed span of its own length (bytes) and the model of each
+    /// position's decode read (f64); rows past their span unchanged (the state check after the op).
+    pub(super) fn commit_known_spans(&mut self, cx: &mut Cx<'_>, lens: &[u32]) -> Res<bool> {
+        let roster = cx.roster;
+        let lens: Vec<usize> = (0..roster.rows().len()).map(|r| lens.get(r).copied().unwrap_or(0) as usize).collect();
+        let l = lens.iter().copied().max().unwrap_or(0);
+        if roster.rows().is_empty() || l == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = roster
+            .rows()
+            .iter()
+            .zip(&lens)
+            .map(|(&id, &n)| {
+                let mut t = self.next_toks(id, n);
+                t.resize(l, None);
+                t
+            })
+            .collect();
+        let mut models = BTreeMap::new();
+        for (r, &id) in roster.rows().iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            for t in toks[r].iter().flatten() {
+                m.decode_write(*t);
+            }
+            models.insert(id, m);
+        }
+        for layer in 0..self.cfg.layers {
+            let masks = Masks::new();
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            let got = self.batch[layer]
+                .commit_known_spans(&k, &v, &q, scale, &masks, &lens)
+                .map_err(|e| unexpected("commit_known_spans", e))?;
+            let mut twin_outs = Vec::with_capacity(lens.len());
+            for (&id, &n) in roster.rows().iter().zip(&lens) {
+                if n == 0 {
+                    twin_outs.push(None);
+                    continue;
+                }
+                let one = vec![self.next_toks(id, n)];
+                let (tk, tv, tq) = self.kvq(layer, &one)?;
+                let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+                let out =
+                    twin.commit_span(&tk, &tv, &tq, scale, &Masks::new()).map_err(|e| unexpected("twin span", e))?;
+                twin_outs.push(Some(out));
+            }
+            let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
+                .rows()
+                .iter()
+                .enumerate()
+                .filter(|(r, _)| lens[*r] > 0)
+                .map(|(r, &id)| (r, id, toks[r].iter().flatten().copied().collect(), twin_outs[r].as_ref()))
+                .collect();
+            self.check_span(cx, layer, &got, &rows)?;
+        }
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
         }
         Ok(true)
     }
