@@ -291,6 +291,22 @@ impl TrainingSsmCache {
         StorageKind::new(TRAINING_SSM)
     }
 
+    /// R-SSM-1's ordinary call for a window: [`TrainingSsmCache::forward`] (the recurrence behind the same call a
+    /// serving layer makes on [`SsmCache::window`]; differentiable: only MLX ops with gradients).
+    pub fn window(&self, qkv: &Array, a: &Array, b: &Array, params: &GdnParams) -> Result<Array> {
+        self.forward(qkv, a, b, params)
+    }
+
+    /// R-SSM-1's ordinary call for one position (`N = 1`): [`TrainingSsmCache::forward`] from the zero state.
+    pub fn decode(&self, qkv: &Array, a: &Array, b: &Array, params: &GdnParams) -> Result<Array> {
+        if qkv.shape().get(1) != Some(&1) {
+            return Err(CacheError::ShapeMismatch {
+                what: format!("decode takes one position, qkv {:?}", qkv.shape()),
+            });
+        }
+        self.forward(qkv, a, b, params)
+    }
+
     /// The layer's cache-side forward of `qkv [B, N, conv_dim]`, `a`, `b` `[B, N, Hv]` from the zero state; returns
     /// `y [B, N, Hv, Dv]` (unspecified at padded positions). Lengths that do not match the batch (count, or a row
     /// longer than `N`) are [`CacheError::BadLengths`]; bad shapes [`CacheError::ShapeMismatch`].
