@@ -504,6 +504,18 @@ pub fn mask_memo(what: &str, families: &[(String, usize)]) -> Res {
     }
 }
 
+/// R-C-3 for a forward over several layers: the masks the first layer built are all the forward builds (every
+/// later layer, and every row layout made from the layers' caches, finds its masks in the memo).
+pub fn masks_shared_by_layers(what: &str, after_first_layer: usize, after_all: usize) -> Res {
+    if after_all != after_first_layer {
+        return fail(Failure::new(
+            "mask_memo",
+            format!("{what}: the first layer built {after_first_layer} masks, the forward {after_all}"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn bytes_equal(what: &str, a: &ArrayBytes, b: &ArrayBytes) -> Res {
     if let Some(i) = a.first_difference(b) {
         return fail(Failure::new(

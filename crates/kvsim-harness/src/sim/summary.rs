@@ -130,6 +130,9 @@ pub struct Counters {
     pub reuses: u64,
     #[serde(default)]
     pub trims_below_start: u64,
+    /// Forwards whose mask memo was checked (`check::mask_memo`, `check::masks_shared_by_layers`: R-C-3).
+    #[serde(default)]
+    pub mask_memo: u64,
     /// State comparisons (physical and temporal bytes vs twin and model) that were byte-identical.
     pub bit_exact_state: u64,
     pub decode_unpadded: ClassCount,
@@ -168,6 +171,7 @@ impl Default for Counters {
             rollbacks_across_wrap: 0,
             reuses: 0,
             trims_below_start: 0,
+            mask_memo: 0,
             bit_exact_state: 0,
             decode_unpadded: ClassCount::default(),
             decode_padded: ClassCount::default(),
@@ -256,6 +260,7 @@ impl Counters {
         self.rounds += o.rounds;
         self.rollbacks_across_wrap += o.rollbacks_across_wrap;
         self.trims_below_start += o.trims_below_start;
+        self.mask_memo += o.mask_memo;
         self.reuses += o.reuses;
         self.bit_exact_state += o.bit_exact_state;
         self.decode_unpadded.add(&o.decode_unpadded);
@@ -300,6 +305,9 @@ pub struct LayoutStats {
     pub ops_by_kind: BTreeMap<String, u64>,
     /// Checks the family ran.
     pub checks: u64,
+    /// Forwards whose mask memo the family checked (R-C-3).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mask_memo: u64,
     /// Runs that failed on one of this family's checks.
     pub failures: u64,
     /// Comparisons (states and read outputs, against twin and model) that were byte-identical.
@@ -332,6 +340,7 @@ impl LayoutStats {
             ops,
             ops_by_kind: BTreeMap::new(),
             checks: c.checks,
+            mask_memo: c.mask_memo,
             failures: failed as u64,
             bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
             guarantees: c.table.clone(),
@@ -363,6 +372,7 @@ impl LayoutStats {
             *self.ops_by_kind.entry(k.clone()).or_insert(0) += n;
         }
         self.checks += o.checks;
+        self.mask_memo += o.mask_memo;
         self.failures += o.failures;
         self.bit_exact += o.bit_exact;
         for (k, v) in &o.guarantees {
@@ -377,4 +387,8 @@ impl LayoutStats {
             e.failures += v.failures;
         }
     }
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }

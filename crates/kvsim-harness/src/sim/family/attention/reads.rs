@@ -332,6 +332,7 @@ impl Attention {
             &roster.rows().iter().map(|id| self.reqs[id].model.offset).collect::<Vec<_>>(),
         )?;
         check::mask_memo("batch decode", &masks.families())?;
+        self.counters.mask_memo += 1;
         self.counters.checks += 1;
         if cx.observer.wants_calls() {
             emit(cx, Call::BatchWritten { l: 1 })?;
@@ -414,6 +415,7 @@ impl Attention {
             }
         }
         check::mask_memo("batch window", &masks.families())?;
+        self.counters.mask_memo += 1;
         self.counters.checks += 1;
         for (id, m) in models {
             self.reqs.get_mut(&id).unwrap().model = m;

@@ -195,6 +195,7 @@ impl Recurrent {
         }
         // The forward's attention layers shared one mask memo: each family built once.
         check::mask_memo("hybrid batch forward", &masks.families())?;
+        self.counters.mask_memo += 1;
         self.counters.checks += 1;
         Ok(())
     }

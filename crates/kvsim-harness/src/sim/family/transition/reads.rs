@@ -81,7 +81,11 @@ impl TransitionFamily {
             (0..n).map(|r| Self::toks_from(roster.rows()[r], self.rows_model.rows[r].offset(), len)).collect();
         let (reads, mconv) = self.rows_model.append(&toks, decode).map_err(|e| model_fail("rows append", e))?;
         let scale = self.cfg.scale();
+        // The forward's memo (R-C-3): every layer's rows share it; the twins keep their own.
         let masks = Masks::new();
+        let twin_masks = Masks::new();
+        let mut first_layer_builds = 0;
+        let mut packed_every_layer = true;
         let mut converted = Vec::new();
         for layer in 0..self.cfg.layers {
             let (k, v, q) = self.kvq(layer, &toks);
@@ -95,6 +99,10 @@ impl TransitionFamily {
             }
             self.counters.conversions += conv.len() as u64;
             let packed_before_read = self.read_packed_before(layer, &conv);
+            packed_every_layer &= packed_before_read;
+            if layer == 0 {
+                first_layer_builds = masks.builds();
+            }
             let lens_equal = {
                 let lens: Vec<usize> = self.reqs_len_before(&toks, len);
                 lens.iter().all(|&x| x == lens[0])
@@ -106,9 +114,9 @@ impl TransitionFamily {
                 let (kr, vr, qr) = (row_of(&k, r), row_of(&v, r), row_of(&q, r));
                 let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
                 let (tw, _) = if decode {
-                    twin.decode(&kr, &vr, &qr, scale, &masks)
+                    twin.decode(&kr, &vr, &qr, scale, &twin_masks)
                 } else {
-                    twin.window(&kr, &vr, &qr, scale, &masks)
+                    twin.window(&kr, &vr, &qr, scale, &twin_masks)
                 }
                 .map_err(|e| unexpected("twin read", e))?;
                 let tb = bytes_of(&tw)?;
@@ -117,6 +125,13 @@ impl TransitionFamily {
             }
             converted = conv;
         }
+        check::masks_shared_by_layers("rows forward", first_layer_builds, masks.builds())?;
+        if packed_every_layer || n == 1 {
+            // One layout read all rows: each mask family built once for the whole forward.
+            check::mask_memo("rows forward", &masks.families())?;
+        }
+        self.counters.mask_memo += 1;
+        self.counters.checks += 1;
         Ok(converted)
     }
 
