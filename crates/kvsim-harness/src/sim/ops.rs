@@ -72,6 +72,17 @@ pub enum Op {
     /// Gemma 4's bidirectional vision prefill (R-ROT-9a) of `len` positions on a request outside the batch; bit `i`
     /// of `image` marks position `i` an image token. Defined only at offset 0: elsewhere the typed error is expected.
     BidirPrefill { req: u32, len: u32, image: u64 },
+    /// DiffusionGemma's vision-encoder read (R-ROT-9b) of `len` block positions: on request `req` outside the batch,
+    /// or with `batch` on every row of the running batch (then `req` is not read; no rows: skipped). The block is
+    /// appended by the window rule (every block position kept, even past the window), then attended under the
+    /// encoder's own sliding `window` (0 = unbounded), which the cache's window does not limit.
+    EncoderRead {
+        req: u32,
+        len: u32,
+        window: u32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        batch: bool,
+    },
     /// One decode step of a request outside the batch through the compiled-decode protocol (R-C-9): plan, pure step,
     /// apply; it must equal the ordinary append byte for byte.
     CompiledStep { req: u32 },
@@ -193,6 +204,7 @@ pub enum OpKind {
     IllFormed,
     Quantize,
     Persist,
+    EncoderRead,
 }
 
 impl OpKind {
@@ -226,6 +238,7 @@ impl OpKind {
         OpKind::IllFormed,
         OpKind::Quantize,
         OpKind::Persist,
+        OpKind::EncoderRead,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -260,6 +273,7 @@ impl OpKind {
             OpKind::IllFormed => "ill_formed",
             OpKind::Quantize => "quantize",
             OpKind::Persist => "persist",
+            OpKind::EncoderRead => "encoder_read",
         }
     }
 
@@ -295,6 +309,7 @@ impl OpKind {
             OpKind::IllFormed => 2,
             OpKind::Quantize => 1,
             OpKind::Persist => 2,
+            OpKind::EncoderRead => 2,
         }
     }
 
@@ -315,9 +330,15 @@ impl OpKind {
     }
 
     /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
-    /// family that draws it) and save/restore (weighted from its own stream).
+    /// family that draws it), save/restore and the encoder read (each weighted from its own stream).
     pub fn in_base_swarm(self) -> bool {
-        !self.is_quant() && !self.is_persist()
+        !self.is_quant() && !self.is_persist() && !self.is_encoder()
+    }
+
+    /// The encoder read: not in the swarm's list (its length is part of every seed's draws); about half the runs
+    /// whose families all support it get a weight from [`crate::sim::rng::Stream::Encoder`].
+    pub fn is_encoder(self) -> bool {
+        matches!(self, OpKind::EncoderRead)
     }
 
     /// The save/restore op: not in the swarm's list either (its length is part of every seed's draws); about half
@@ -360,6 +381,8 @@ pub const API_CLASSES: &[&str] = &[
     "trim/bypass",
     "read_block",
     "bidir_prefill",
+    "encoder_read/solo",
+    "encoder_read/batch",
     "compiled_step",
     "training_forward",
     "prefix_shared_forward",
@@ -426,6 +449,7 @@ impl Op {
             Op::Trim { bypass, .. } => vec![if *bypass { "trim/bypass" } else { "trim/plain" }],
             Op::ReadBlock { .. } => vec!["read_block"],
             Op::BidirPrefill { .. } => vec!["bidir_prefill"],
+            Op::EncoderRead { batch, .. } => vec![if *batch { "encoder_read/batch" } else { "encoder_read/solo" }],
             Op::CompiledStep { .. } => vec!["compiled_step"],
             Op::TrainingForward { .. } => vec!["training_forward"],
             Op::PrefixSharedForward { .. } => vec!["prefix_shared_forward"],
@@ -486,6 +510,7 @@ impl Op {
             Op::Trim { .. } => OpKind::Trim,
             Op::ReadBlock { .. } => OpKind::ReadBlock,
             Op::BidirPrefill { .. } => OpKind::BidirPrefill,
+            Op::EncoderRead { .. } => OpKind::EncoderRead,
             Op::CompiledStep { .. } => OpKind::CompiledStep,
             Op::TrainingForward { .. } => OpKind::TrainingForward,
             Op::PrefixSharedForward { .. } => OpKind::PrefixSharedForward,
@@ -524,6 +549,14 @@ impl Op {
             Op::Window { len } => out.extend(halve(*len).into_iter().map(|len| Op::Window { len })),
             Op::Append { len } => out.extend(halve(*len).into_iter().map(|len| Op::Append { len })),
             Op::CommitSpan { len } => out.extend(halve(*len).into_iter().map(|len| Op::CommitSpan { len })),
+            Op::EncoderRead { req, len, window, batch } => {
+                out.extend(halve(*len).into_iter().map(|len| Op::EncoderRead {
+                    req: *req,
+                    len,
+                    window: *window,
+                    batch: *batch,
+                }))
+            }
             Op::Trim { n, bypass } => out.extend(halve(*n).into_iter().map(|n| Op::Trim { n, bypass: *bypass })),
             Op::Verify { gamma, accept } => {
                 for g in halve(*gamma) {

@@ -34,6 +34,8 @@ pub enum Stream {
     /// Which requests of a batch prefill leave their chunks uncommitted, for the prefill's end to commit
     /// (`Op::BatchPrefill::uncommitted`).
     Prefill = 11,
+    /// Whether a run draws the encoder read, and its weight (`sim::config`).
+    Encoder = 12,
 }
 
 /// A generator for one subsystem of one seed.

@@ -84,6 +84,7 @@ pub const REGISTRATION: Registration = Registration::plain(
                 | OpKind::SoloTrim
                 | OpKind::ReadBlock
                 | OpKind::BidirPrefill
+                | OpKind::EncoderRead
                 | OpKind::CompiledStep
                 | OpKind::PrefixSharedForward
                 | OpKind::Adopt
@@ -489,6 +490,7 @@ impl Family for Recurrent {
             | Op::SoloTrim { .. }
             | Op::ReadBlock { .. }
             | Op::BidirPrefill { .. }
+            | Op::EncoderRead { .. }
             | Op::CompiledStep { .. }
             | Op::PrefixSharedForward { .. }
             | Op::Adopt { .. }
