@@ -4,7 +4,8 @@
 use kvsim::bytes::ArrayBytes;
 use kvsim::cache::{CacheError, FamilyKey, KvDtype, KvSpec, Masks, PrefixSharedCache, SerialCache, TrainingCache};
 use kvsim::reference::{
-    attention_f64, bidirectional_visible, prefix_shared_visible, read_block_context, training_visible, RowModel, Tok,
+    attention_f64, bidirectional_visible, encoder_visible, prefix_shared_visible, read_block_context, training_visible,
+    RowModel, Tok,
 };
 use kvsim::sim::check::{model_bound, ulp_at};
 use mlx_rs::Array;
@@ -57,6 +58,30 @@ fn family_masks_equal_the_reference_bit_for_bit() {
                     let (_, arr) = masks.get_family(&key).unwrap();
                     for (i, vis) in mlx_visible(&arr)[0].iter().enumerate() {
                         assert_eq!(vis, &prefix_shared_visible(p, rc, rr, window, i), "{key:?} q {i}");
+                        compared += 1;
+                    }
+                }
+            }
+        }
+    }
+    // Encoder window: rows of a ring (W = 4) and of a linear cache holding 0..=6 positions before an n-position block,
+    // side by side in one per-row matrix; the model reads each row after its append.
+    for n in 1..=5usize {
+        for window in [None, Some(1), Some(2), Some(4), Some(9)] {
+            for max_size in [None, Some(4)] {
+                let mut after = vec![];
+                for held in 0..=6u32 {
+                    let mut m =
+                        RowModel::from_temporal(max_size, (0..held).map(|j| Tok::new(0, j)).collect(), held as usize);
+                    m.window_write(&(held..held + n as u32).map(|j| Tok::new(0, j)).collect::<Vec<_>>());
+                    after.push(m);
+                }
+                let keys: Vec<usize> = after.iter().map(|m| m.cols.len()).collect();
+                let (_, arr) = masks.get_family(&FamilyKey::EncoderWindow { keys, queries: n, window }).unwrap();
+                for (r, rows) in mlx_visible(&arr).iter().enumerate() {
+                    for (i, vis) in rows.iter().enumerate() {
+                        let want = encoder_visible(&after[r], n, window, i);
+                        assert_eq!(vis, &want, "encoder n {n} window {window:?} W {max_size:?} row {r} q {i}");
                         compared += 1;
                     }
                 }
@@ -216,6 +241,45 @@ fn read_block_matches_the_model_and_moves_nothing() {
                         assert!(u <= bound(&spec), "{spec:?} W {max_size:?} prompt {prompt} L {l} q {i}: {u} ULPs");
                     }
                 }
+            }
+        }
+    }
+}
+
+/// DiffusionGemma's vision-encoder read: every block position stored after the kept history (even past W), every
+/// query within the f64 model's bound over the model's `encoder_visible` keys, the state that of a window write.
+#[test]
+fn encoder_read_matches_the_model_past_max_size() {
+    for spec in specs() {
+        let p = Payload::new(spec, 4, 31);
+        for max_size in [None, Some(1), Some(4), Some(8)] {
+            for window in [None, Some(2), Some(6), Some(20)] {
+                let mut c = SerialCache::new(spec, max_size).unwrap();
+                let mut m = RowModel::new(max_size);
+                let toks: Vec<Tok> = (0..5).map(|j| Tok::new(0, j)).collect();
+                let (k, v, _) = p.kvq1(&toks);
+                c.append(&k, &v).unwrap();
+                m.window_write(&toks);
+                for j in 5..11 {
+                    let (k, v, q) = p.kvq1(&[Tok::new(0, j)]);
+                    c.decode(&k, &v, &q, p.scale(), &Masks::new()).unwrap();
+                    m.decode_write(Tok::new(0, j));
+                }
+                let block: Vec<Tok> = (11..23).map(|j| Tok::new(0, j)).collect();
+                let (k, v, q) = p.kvq1(&block);
+                let masks = Masks::new();
+                let (out, _) = c.encoder_read(&k, &v, &q, p.scale(), window, &masks).unwrap();
+                m.window_write(&block);
+                assert_eq!(c.state().len, m.cols.len(), "{max_size:?}: the kept history and the whole block");
+                assert_eq!((c.state().offset, c.state().last_concat), (23, Some(block.len())));
+                p.assert_columns("encoder keys", kvsim::reference::Tensor::K, &c.physical().unwrap().0, &m.cols);
+                for i in 0..block.len() {
+                    let keys: Vec<Tok> =
+                        encoder_visible(&m, block.len(), window, i).into_iter().map(|c| m.cols[c]).collect();
+                    let u = ulps(&p, &out, 0, i, block[i], &keys);
+                    assert!(u <= bound(&spec), "{spec:?} W {max_size:?} window {window:?} q {i}: {u} ULPs");
+                }
+                assert_eq!(masks.builds(), 1);
             }
         }
     }

@@ -14,11 +14,11 @@ use super::error::{invalid, shape, CacheError};
 #[cfg(feature = "faults")]
 use super::faults;
 use super::kind::{KindRoute, StorageKind};
-use super::mask::{MaskKey, MaskKind, MaskUse, Masks};
+use super::mask::{FamilyKey, MaskKey, MaskKind, MaskUse, Masks};
 use super::quant::{attend_planes, check_planes_shape, QuantSpec, Storage};
 use super::ring::{
-    grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf, DecodePhase,
-    RingState, SerialCache,
+    check_encoder_window, grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size,
+    window_keep, Buf, DecodePhase, RingState, SerialCache,
 };
 use super::training::TrainingCache;
 use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, step_index_array};
@@ -106,7 +106,7 @@ impl RopeOffsets {
 /// Guarantees:
 /// - After every operation, row `r`'s live columns ([`RowBatch::row_physical`]) are byte-identical, in the same
 ///   physical order, to those of a [`SerialCache`] fed the same real positions through the same operations (decode,
-///   window/append with the row's real count, trim), and `row_states()[r].ring` equals that cache's state.
+///   window/append with the row's real count, encoder read, trim), and `row_states()[r].ring` equals that cache's state.
 /// - A decode read attends columns `[0, max len_r)` with no mask when every row has the same `len`, else with the
 ///   boolean mask `c < len_r`; a window read attends with `Causal` when every row has the same `len <= W` and a full
 ///   block, else with the per-row causal sliding-window mask ([`MaskKind::Window`]). Byte-identity of outputs to the
@@ -782,6 +782,41 @@ impl RowBatch {
         }
         let key = MaskKey { kind: MaskKind::Window, lens, real, queries: l, window: self.max_size, cols: width };
         let (spec, arr) = masks.get(&key)?;
+        Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+    }
+
+    /// DiffusionGemma's vision-encoder read (R-ROT-9b) for every row: each row's block of `L >= 1` positions
+    /// (`[B, H_kv, L, D]`, queries `[B, H_q, L, D]`) is written by the serial window rule (its newest `min(len_r, W -
+    /// 1)` positions kept, then the whole block, even past `W`: one gather), then every row is attended under the
+    /// encoder's own window, row by row ([`FamilyKey::EncoderWindow`] with row `r`'s kept history plus `L` keys,
+    /// built once per forward through `masks`): exactly [`SerialCache::encoder_read`] of each row's solo cache, so
+    /// each row's state and stored bytes equal its solo twin's afterwards. Requires no pending prefill
+    /// ([`CacheError::PendingPrefill`]); `encoder_window == Some(0)` is [`CacheError::InvalidState`]. Errors
+    /// change nothing.
+    pub fn encoder_read(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        encoder_window: Option<usize>,
+        masks: &Masks,
+    ) -> Result<(Array, MaskUse)> {
+        if self.is_pending() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let l = self.check_step(k, v, Some(q))?;
+        check_encoder_window(encoder_window)?;
+        if self.rows.is_empty() {
+            return Ok((self.empty_output(q)?, MaskUse::None));
+        }
+        let keys: Vec<usize> = self.rows.iter().map(|r| window_keep(r.ring.len, self.max_size) + l).collect();
+        let width = keys.iter().copied().max().unwrap_or(l);
+        let (spec, arr) = masks.get_family(&FamilyKey::EncoderWindow { keys, queries: l, window: encoder_window })?;
+        self.write_window(k, v)?;
+        self.ensure_capacity(width)?;
+        let b = self.buf.as_ref().ok_or_else(|| invalid("encoder read without a buffer"))?;
+        let live = b.map(|p| cols(p, 0, width))?.planes;
         Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 

@@ -119,7 +119,7 @@ pub enum MaskUse {
 
 /// The mask families that are not a cache geometry (R-TRN-3, R-ROT-9): each is keyed by everything its visibility
 /// depends on and memoized by [`Masks`] beside the [`MaskKey`] geometries. Every matrix is `[1, 1, N, N]` except
-/// [`FamilyKey::Training`] with row lengths (`[B, 1, N, N]`).
+/// [`FamilyKey::Training`] with row lengths (`[B, 1, N, N]`) and [`FamilyKey::EncoderWindow`] (`[B, 1, L, cols]`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum FamilyKey {
     /// The offset-0 training mask of `queries` positions (R-TRN-3). `lengths: None` is the unpadded batch (one row,
@@ -158,26 +158,47 @@ pub enum FamilyKey {
         /// The layer's sliding window for the causal part (`None`: full attention).
         window: Option<usize>,
     },
+    /// DiffusionGemma's vision-encoder read (R-ROT-9b), `[B, 1, L, cols]` with `L = queries` and `cols = max_b
+    /// keys[b]`. Row `b` attends `keys[b]` columns: its `keys[b] - L` stored history columns, oldest first and
+    /// contiguous in position (the newest one just before the block), then the block's `L` positions. Block query
+    /// `i` sits at column `a = keys[b] - L + i` and sees column `c` iff `c <= a` and (with a window) `a - c <
+    /// window`: causal over history and block, limited only by the encoder's own window. The cache's `max_size`
+    /// limits which history is stored (the newest `W - 1` positions), never this mask: with `window > W` a query
+    /// sees every kept history column and every earlier block column, even past `W`. Columns `[keys[b], cols)`
+    /// are another row's width and never visible. The upstream engine's rotating cache (mlx-bun) calls this mask
+    /// `encoderWindowMask`; the rule is its documented one (causal under the encoder's window, which the cache's
+    /// window does not limit), docs/training-and-special-reads.md.
+    EncoderWindow {
+        /// Per row: the columns the block sees, stored history plus the block (`>= queries`).
+        keys: Vec<usize>,
+        /// `L`: the block's positions (its queries).
+        queries: usize,
+        /// The encoder's own window (`None`: unbounded); never the cache's `max_size`.
+        window: Option<usize>,
+    },
 }
 
 impl FamilyKey {
     /// The memo family (one build per family and geometry per forward): `training:<w>`, `prefix-shared:<w>`,
-    /// `bidirectional:<w>` (`w` = the window or `inf`).
+    /// `bidirectional:<w>`, `encoder-window:<w>` (`w` = the window or `inf`).
     pub fn family(&self) -> String {
         let (name, w) = match self {
             FamilyKey::Training { window, .. } => ("training", window),
             FamilyKey::PrefixShared { window, .. } => ("prefix-shared", window),
             FamilyKey::Bidirectional { window, .. } => ("bidirectional", window),
+            FamilyKey::EncoderWindow { window, .. } => ("encoder-window", window),
         };
         format!("{name}:{}", w.map_or("inf".to_string(), |w| w.to_string()))
     }
 
-    /// Positions (queries = keys) of the matrix.
+    /// Key columns of the matrix: `N` (= queries) for the square families, the widest row's keys for
+    /// [`FamilyKey::EncoderWindow`].
     pub fn size(&self) -> usize {
         match self {
             FamilyKey::Training { queries, .. } => *queries,
             FamilyKey::PrefixShared { prompt, chosen, rejected, .. } => prompt + chosen + rejected,
             FamilyKey::Bidirectional { image, .. } => image.len(),
+            FamilyKey::EncoderWindow { keys, .. } => keys.iter().copied().max().unwrap_or(0),
         }
     }
 
@@ -185,6 +206,20 @@ impl FamilyKey {
     pub fn build(&self) -> MaskSpec {
         let n = self.size();
         let causal = |i: usize, j: usize, w: &Option<usize>| j <= i && w.is_none_or(|w| i - j < w);
+        if let FamilyKey::EncoderWindow { keys, queries, window } = self {
+            let (rows, l, cols) = (keys.len(), *queries, n);
+            let mut visible = vec![false; rows * l * cols];
+            for (b, &kb) in keys.iter().enumerate() {
+                for i in 0..l {
+                    // The block's query i at key column kb - l + i (a row with fewer keys than queries sees nothing).
+                    let Some(a) = (kb + i).checked_sub(l) else { continue };
+                    for c in 0..kb.min(cols) {
+                        visible[(b * l + i) * cols + c] = causal(a, c, window);
+                    }
+                }
+            }
+            return MaskSpec { rows, queries: l, cols, visible };
+        }
         let rows = match self {
             FamilyKey::Training { lengths: Some(l), .. } => l.len(),
             _ => 1,
@@ -204,6 +239,8 @@ impl FamilyKey {
                             j <= i && !hidden && window.is_none_or(|w| logpos(i) - logpos(j) < w)
                         }
                         FamilyKey::Bidirectional { image, window } => causal(i, j, window) || (image[i] && image[j]),
+                        // Not square: built above.
+                        FamilyKey::EncoderWindow { .. } => false,
                     };
                 }
             }
@@ -242,7 +279,7 @@ impl AnyKey {
 }
 
 /// The masks of one forward (R-C-3): a memo from [`MaskKey`] (cache geometries) and [`FamilyKey`] (training,
-/// prefix-shared and bidirectional masks) to the matrix and its MLX array. Each distinct key is built once;
+/// prefix-shared, bidirectional and encoder-window masks) to the matrix and its MLX array. Each distinct key is built once;
 /// [`Masks::builds`] and [`Masks::builds_of`] count the builds, so tests prove the sharing.
 #[derive(Default)]
 pub struct Masks {
@@ -370,6 +407,24 @@ mod tests {
         assert_eq!(b.visible_columns(0, 1), vec![1, 3]);
         assert_eq!(b.visible_columns(0, 2), vec![2]);
         assert_eq!(b.visible_columns(0, 3), vec![1, 3]);
+    }
+
+    #[test]
+    fn encoder_window_is_causal_under_its_own_window_per_row() {
+        // Row 0: 3 history columns + a 4-position block; row 1: no history; window 3.
+        let k = FamilyKey::EncoderWindow { keys: vec![7, 4], queries: 4, window: Some(3) };
+        let m = k.build();
+        assert_eq!((m.rows, m.queries, m.cols), (2, 4, 7));
+        assert_eq!(m.visible_columns(0, 0), vec![1, 2, 3], "the first block query reaches back into the history");
+        assert_eq!(m.visible_columns(0, 3), vec![4, 5, 6]);
+        assert_eq!(m.visible_columns(1, 0), vec![0]);
+        assert_eq!(m.visible_columns(1, 3), vec![1, 2, 3], "columns past the row's keys are never visible");
+        // Unbounded: every history column and every earlier block column.
+        let u = FamilyKey::EncoderWindow { keys: vec![5], queries: 2, window: None }.build();
+        assert_eq!(u.visible_columns(0, 0), vec![0, 1, 2, 3]);
+        assert_eq!(u.visible_columns(0, 1), vec![0, 1, 2, 3, 4]);
+        assert_eq!(k.family(), "encoder-window:3");
+        assert_eq!(FamilyKey::EncoderWindow { keys: vec![1], queries: 1, window: None }.family(), "encoder-window:inf");
     }
 
     #[test]

@@ -209,6 +209,14 @@ pub(crate) fn render_cells(state: &RingState, width: usize) -> String {
     s
 }
 
+/// The encoder read's own window must let a query see at least itself (`Some(0)` is [`CacheError::InvalidState`]).
+pub(crate) fn check_encoder_window(window: Option<usize>) -> Result<()> {
+    match window {
+        Some(0) => Err(invalid("encoder window 0: a query would see no key")),
+        _ => Ok(()),
+    }
+}
+
 pub(crate) fn validate_max_size(max_size: Option<usize>) -> Result<()> {
     match max_size {
         Some(0) => Err(invalid("max_size 0: a ring needs at least one column")),
@@ -713,6 +721,43 @@ impl SerialCache {
             return Err(CacheError::BadLengths { what: format!("{} image flags for {l} positions", image.len()) });
         }
         let key = FamilyKey::Bidirectional { image: image.to_vec(), window: self.max_size };
+        let (spec, arr) = masks.get_family(&key)?;
+        self.write_window(k, v)?;
+        let live = self.live()?;
+        Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+    }
+
+    /// DiffusionGemma's vision-encoder read (R-ROT-9b): the block `k`, `v`, `q` (`L >= 1` positions) is written by
+    /// the ordinary concatenating window append, then attended with MLX's fused SDPA under the encoder's own
+    /// window mask ([`FamilyKey::EncoderWindow`], built once per forward through `masks`).
+    ///
+    /// What is kept: every position of the block, even past `max_size`, after the newest `min(len, W - 1)` stored
+    /// positions in temporal order (every stored position for a linear cache): upstream `#updateConcat`, the write
+    /// the encoder's `updateAndFetch` makes. What each query sees: block query `i` (position `offset + i`, `offset`
+    /// before the call) sees every kept position `p <= offset + i` with `offset + i - p < encoder_window` (`None`:
+    /// unbounded); this cache's `W` limits only which history is kept, never the mask. The read attends exactly
+    /// the live columns after the write.
+    ///
+    /// The cache afterwards ([`RingState`]): `offset + L`, `len = min(len, W - 1) + L` (may exceed `W`: the
+    /// plateau of a window write), `idx = len` (temporal order), `last_concat = Some(L)`: exactly the state of
+    /// [`SerialCache::window`] with the same block, so a later decode drops the oversize and rotates, a later
+    /// window keeps the newest `W - 1`, and a bypass trim may remove up to `L` positions. Stored bytes are those
+    /// of that window write. `encoder_window == Some(0)` (a query that sees nothing) is
+    /// [`CacheError::InvalidState`]; bad shapes are [`CacheError::ShapeMismatch`]. Errors change nothing.
+    pub fn encoder_read(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        encoder_window: Option<usize>,
+        masks: &Masks,
+    ) -> Result<(Array, MaskUse)> {
+        let l = check_kv(&self.spec, k, v, 1, 1)?;
+        check_q(&self.spec, q, 1, l)?;
+        check_encoder_window(encoder_window)?;
+        let history = window_keep(self.state.len, self.max_size);
+        let key = FamilyKey::EncoderWindow { keys: vec![history + l], queries: l, window: encoder_window };
         let (spec, arr) = masks.get_family(&key)?;
         self.write_window(k, v)?;
         let live = self.live()?;

@@ -14,7 +14,7 @@
 //!    ([`max_ulp`]).
 //!
 //! 4. **What the training masks and special reads see** ([`training_visible`], [`prefix_shared_visible`],
-//!    [`bidirectional_visible`], [`read_block_context`]), in its own formulation of each rule.
+//!    [`bidirectional_visible`], [`encoder_visible`], [`read_block_context`]), in its own formulation of each rule.
 //! 4. **What a gated-DeltaNet layer's cache should hold and return** ([`SsmRowModel`], [`SsmValues`]): the exact
 //!    conv tail and the f64 recurrence (ssm.rs).
 //!
@@ -41,7 +41,8 @@ pub use error::ModelError;
 pub use model::{BatchModel, JoinModelSource, RowFields, RowModel, Visibility};
 pub use quant::{Quantized, RefQuant};
 pub use special::{
-    bidirectional_visible, prefix_shared_positions, prefix_shared_visible, read_block_context, training_visible,
+    bidirectional_visible, encoder_visible, prefix_shared_positions, prefix_shared_visible, read_block_context,
+    training_visible,
 };
 pub use ssm::{SsmDims, SsmRowModel, SsmToken, SsmValues, SsmWeights};
 pub use values::{

@@ -8,6 +8,8 @@
 //!   `create_causal_mask(N, 0, window, right_padding)` in `models/base.py`).
 //! - [`prefix_shared_visible`], [`prefix_shared_positions`]: chosen/rejected pairs sharing a prompt.
 //! - [`bidirectional_visible`]: Gemma 4's vision prefill (image tokens see each other regardless of order and window).
+//! - [`encoder_visible`]: the stored positions a DiffusionGemma vision-encoder query sees after its block's append
+//!   (R-ROT-9b).
 //! - [`read_block_context`]: the stored positions a DiffusionGemma canvas block attends (R-ROT-9c).
 
 use crate::model::RowModel;
@@ -76,6 +78,20 @@ pub fn bidirectional_visible(image: &[bool], window: Option<usize>, i: usize) ->
     out
 }
 
+/// The columns of `after` (the row right after an encoder read's append of an `l`-position block: its kept history
+/// and the whole block, [`RowModel::window_write`]) that block query `i` sees (R-ROT-9b): the query stands at the
+/// block's position `offset - l + i` and sees every stored token no later than itself whose distance back is below
+/// the encoder's own `window` (`None`: unbounded). The row's `max_size` plays no part here: it decided only which
+/// history the append kept. In physical order; empty when `i >= l` or `l > offset`.
+pub fn encoder_visible(after: &RowModel, l: usize, window: Option<usize>, i: usize) -> Vec<usize> {
+    if i >= l || l > after.offset {
+        return Vec::new();
+    }
+    let me = after.offset - l + i;
+    let earliest = window.map_or(0, |w| (me + 1).saturating_sub(w));
+    after.cols.iter().enumerate().filter(|(_, t)| (earliest..=me).contains(&(t.pos as usize))).map(|(c, _)| c).collect()
+}
+
 /// The stored tokens a canvas block attends before itself (R-ROT-9c), oldest first: the live window in temporal
 /// order ([`RowModel::temporal_view`]), cut to the newest `W - 1` positions on a ring (the block's own positions
 /// complete the window); every stored position for a linear cache. Every block query sees all of these and the
@@ -114,6 +130,27 @@ mod tests {
         assert_eq!(bidirectional_visible(&img, None, 1), vec![0, 1]);
         assert_eq!(bidirectional_visible(&img, Some(1), 3), vec![0, 2, 3]);
         assert_eq!(bidirectional_visible(&img, Some(2), 4), vec![3, 4]);
+    }
+
+    #[test]
+    fn encoder_visible_is_the_encoder_window_over_the_kept_history_and_the_block() {
+        let toks = |a: u32, b: u32| (a..b).map(|p| Tok::new(1, p)).collect::<Vec<_>>();
+        // A ring of W = 4 holding positions 5..=8, then a 6-position block: the append keeps 6, 7, 8 and the block.
+        let mut ring = RowModel::from_temporal(Some(4), toks(5, 9), 9);
+        ring.window_write(&toks(9, 15));
+        assert_eq!(ring.cols, toks(6, 15));
+        let pos = |cs: Vec<usize>| cs.into_iter().map(|c| ring.cols[c].pos).collect::<Vec<_>>();
+        assert_eq!(pos(encoder_visible(&ring, 6, Some(2), 0)), vec![8, 9]);
+        assert_eq!(pos(encoder_visible(&ring, 6, None, 0)), vec![6, 7, 8, 9]);
+        // The last block query sees 9 positions, more than W: the cache's window does not limit the mask.
+        assert_eq!(pos(encoder_visible(&ring, 6, None, 5)), (6..15).collect::<Vec<_>>());
+        assert_eq!(pos(encoder_visible(&ring, 6, Some(5), 5)), (10..15).collect::<Vec<_>>());
+        assert!(encoder_visible(&ring, 6, None, 6).is_empty());
+        // A linear cache keeps every stored position.
+        let mut lin = RowModel::from_temporal(None, toks(0, 3), 3);
+        lin.window_write(&toks(3, 5));
+        assert_eq!(encoder_visible(&lin, 2, None, 1), vec![0, 1, 2, 3, 4]);
+        assert_eq!(encoder_visible(&lin, 2, Some(1), 1), vec![4]);
     }
 
     #[test]

@@ -624,3 +624,86 @@ fn known_spans_of_unequal_lengths_commit_each_row_as_alone() {
         }
     }
 }
+
+/// R-ROT-9b on rows: every row (wrapped, plateau, short, empty, linear; different history lengths, so a per-row
+/// mask) stores and attends exactly as its solo cache's `encoder_read`: state and every stored byte equal, outputs
+/// bit for bit (through `crate::bytes`); one mask build for the forward's layers; then the rows keep following their
+/// twins. Refusals (pending prefill, window 0, shapes) are typed and change nothing.
+#[test]
+fn encoder_read_rows_equal_their_solo_encoder_reads() {
+    let _g = testlock::shared();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for w in [Some(1), Some(4), Some(7), None] {
+            for enc in [Some(2), Some(9), None] {
+                let mut t = joined_twin(spec(dtype), w);
+                drive(&mut t);
+                let b = t.solo.len();
+                let l = 9; // past every W here
+                let forward = Masks::new();
+                let mut seen = None;
+                for layer in 0..2u64 {
+                    let mut batch = t.batch.clone();
+                    let mut solo = t.solo.clone();
+                    let (k, v, q) = kvq(&t.spec, 7000 + layer, b, l);
+                    let (out, used) = batch.encoder_read(&k, &v, &q, 0.35, enc, &forward).unwrap();
+                    let MaskUse::Array(m) = &used else { panic!("an encoder read attends under its mask") };
+                    assert_eq!(m.rows, b);
+                    for r in 0..b {
+                        let (so, _) = solo[r]
+                            .encoder_read(&row(&k, r), &row(&v, r), &row(&q, r), 0.35, enc, &Masks::new())
+                            .unwrap();
+                        let sl = |a: &Array| cols(&row(a, r), 0, l).unwrap();
+                        assert!(
+                            crate::bytes::bit_equal(&sl(&out), &so).unwrap(),
+                            "{dtype:?} W={w:?} enc={enc:?} row {r}: output"
+                        );
+                        assert!(solo[r].state().len >= l, "every block position is kept");
+                    }
+                    let twin = Twin::new(batch, solo);
+                    if layer == 1 {
+                        seen = Some(twin);
+                    }
+                }
+                assert_eq!(forward.builds(), 1, "{dtype:?} W={w:?}: one build for the forward's layers");
+                assert_eq!(forward.families().len(), 1);
+                // The rows keep following their twins through decodes and windows.
+                let mut t = seen.unwrap();
+                for s in 0..4 {
+                    t.decode(8000 + s);
+                }
+                t.window(8100, 2);
+                t.decode(8200);
+                assert_eq!(t.stats.decode_same, t.stats.decode_rows);
+                assert_eq!(t.stats.window_same, t.stats.window_rows);
+            }
+        }
+    }
+}
+
+/// Impossible encoder reads on rows are typed errors with the rows unchanged.
+#[test]
+fn encoder_read_row_errors_are_typed_and_change_nothing() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    let mut t = joined_twin(spec, Some(4));
+    drive(&mut t);
+    let b = t.solo.len();
+    let (k, v, q) = kvq(&spec, 9, b, 3);
+    let masks = Masks::new();
+    let (k1, v1, q1) = kvq(&spec, 10, b - 1, 3);
+    assert!(matches!(t.batch.encoder_read(&k1, &v1, &q1, 0.3, None, &masks), Err(CacheError::ShapeMismatch { .. })));
+    let (_, _, q2) = kvq(&spec, 11, b, 2);
+    assert!(matches!(t.batch.encoder_read(&k, &v, &q2, 0.3, None, &masks), Err(CacheError::ShapeMismatch { .. })));
+    assert!(matches!(t.batch.encoder_read(&k, &v, &q, 0.3, Some(0), &masks), Err(CacheError::InvalidState { .. })));
+    let mut pending = t.batch.clone();
+    pending.prepare(&vec![1; b]).unwrap();
+    let before = pending.row_states().to_vec();
+    assert_eq!(pending.encoder_read(&k, &v, &q, 0.3, None, &masks).unwrap_err(), CacheError::PendingPrefill);
+    assert_eq!(pending.row_states(), before.as_slice());
+    assert_eq!(masks.builds(), 0, "no mask was built for a refused read");
+    t.check_state("refused encoder reads");
+    let mut empty = RowBatch::empty(spec, Some(4)).unwrap();
+    let (k0, v0, q0) = kvq(&spec, 12, 0, 3);
+    let (out, used) = empty.encoder_read(&k0, &v0, &q0, 0.3, None, &masks).unwrap();
+    assert_eq!((out.shape()[0], used), (0, MaskUse::None));
+}

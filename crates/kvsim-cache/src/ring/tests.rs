@@ -437,3 +437,145 @@ fn keys_and_values_are_validated_each_on_its_own() {
         }
     }
 }
+
+/// Every stored plane of `a` and `b` (the live columns and the temporal view), compared bit for bit through
+/// `crate::bytes`.
+fn same_planes(a: &SerialCache, b: &SerialCache) -> bool {
+    let eq = |x: Vec<Array>, y: Vec<Array>| {
+        x.len() == y.len() && x.iter().zip(&y).all(|(p, q)| crate::bytes::bit_equal(p, q).unwrap())
+    };
+    eq(a.physical_planes().unwrap(), b.physical_planes().unwrap())
+        && eq(a.temporal_view_planes().unwrap(), b.temporal_view_planes().unwrap())
+}
+
+/// R-ROT-9b: the encoder read keeps the newest `W - 1` stored positions and every block position, even past `W`
+/// (the state and bytes of the window write), and each query sees exactly the kept positions within the encoder's
+/// own window, which the cache's window does not limit (f64 reference over the positions); a later decode and
+/// window continue as after a window write.
+#[test]
+fn encoder_read_keeps_every_block_position_past_max_size_under_its_own_window() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    for w in [Some(1), Some(4), Some(5), None] {
+        for enc in [Some(1), Some(3), Some(9), None] {
+            let mut c = SerialCache::new(spec, w).unwrap();
+            let mut twin = SerialCache::new(spec, w).unwrap();
+            let mut h = Hist::default();
+            let masks = Masks::new();
+            // A wrapped history: a window of 3, then 4 decodes.
+            let (k, v, q) = kvq(&spec, 11, 1, 3);
+            h.push(&k, &v);
+            c.window(&k, &v, &q, 0.3, &masks).unwrap();
+            twin.window(&k, &v, &q, 0.3, &masks).unwrap();
+            for s in 0..4 {
+                let (k, v, q) = kvq(&spec, 20 + s, 1, 1);
+                h.push(&k, &v);
+                c.decode(&k, &v, &q, 0.3, &masks).unwrap();
+                twin.decode(&k, &v, &q, 0.3, &masks).unwrap();
+            }
+            let before = c.state().clone();
+            let l = 7; // past every W here
+            let (k, v, q) = kvq(&spec, 40, 1, l);
+            h.push(&k, &v);
+            let masks = Masks::new();
+            let (out, used) = c.encoder_read(&k, &v, &q, 0.3, enc, &masks).unwrap();
+            twin.window(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+            let kept = w.map_or(before.len, |w| before.len.min(w - 1));
+            let expect = RingState { offset: before.offset + l, len: kept + l, idx: kept + l, last_concat: Some(l) };
+            assert_eq!(c.state(), &expect, "W={w:?} enc={enc:?}: the state of a window write");
+            assert_eq!(c.state(), twin.state());
+            assert!(same_planes(&c, &twin), "W={w:?} enc={enc:?}: the bytes of a window write");
+            assert!(matches!(used, MaskUse::Array(_)));
+            assert_eq!(
+                masks.builds_of(&FamilyKey::EncoderWindow { keys: vec![], queries: 0, window: enc }.family()),
+                1
+            );
+            // Query i (position p) sees the kept positions p' <= p with p - p' < enc, never cut at W.
+            let (qf, of) = (f32s(&q), f32s(&out));
+            let first_kept = before.offset - kept;
+            for i in 0..l {
+                let p = before.offset + i;
+                let vis: Vec<usize> = (first_kept..=p).filter(|&x| enc.is_none_or(|e| p - x < e)).collect();
+                if let (Some(w), None) = (w, enc) {
+                    assert!(i < w || vis.len() > w, "an unbounded encoder window sees past W");
+                }
+                let e = expected(&h, &qf, l, i, &vis, spec.heads_kv, spec.head_dim, 0.3);
+                for hq in 0..HQ {
+                    for x in 0..spec.head_dim {
+                        let (got, want) = (of[(hq * l + i) * spec.head_dim + x] as f64, e[hq * spec.head_dim + x]);
+                        assert!((got - want).abs() < 1e-4, "W={w:?} enc={enc:?} query {i}: {got} vs {want}");
+                    }
+                }
+            }
+            // The next decode and window go exactly as after the window write.
+            for s in 0..3 {
+                let (k, v, q) = kvq(&spec, 60 + s, 1, 1 + s as usize);
+                let a = c.window(&k, &v, &q, 0.3, &Masks::new()).unwrap().0;
+                let b = twin.window(&k, &v, &q, 0.3, &Masks::new()).unwrap().0;
+                assert!(crate::bytes::bit_equal(&a, &b).unwrap());
+                let (k, v, q) = kvq(&spec, 70 + s, 1, 1);
+                let a = c.decode(&k, &v, &q, 0.3, &Masks::new()).unwrap().0;
+                let b = twin.decode(&k, &v, &q, 0.3, &Masks::new()).unwrap().0;
+                assert!(crate::bytes::bit_equal(&a, &b).unwrap());
+                assert_eq!(c.state(), twin.state());
+                assert!(same_planes(&c, &twin));
+            }
+        }
+    }
+}
+
+/// The encoder read's output is the fused SDPA over the live columns under the memoized encoder-window mask, bit
+/// for bit; one build per forward however many layers read the same geometry.
+#[test]
+fn encoder_read_is_fused_sdpa_under_one_memoized_mask() {
+    let _g = testlock::shared();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = spec(dtype);
+        let masks = Masks::new();
+        let mut layers: Vec<SerialCache> = (0..3).map(|_| RotatingKvCache::new(spec, 4).unwrap()).collect();
+        for (i, c) in layers.iter_mut().enumerate() {
+            let (k, v, q) = kvq(&spec, 5 + i as u64, 1, 6);
+            c.window(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+        }
+        let forward = Masks::new();
+        for (i, c) in layers.iter_mut().enumerate() {
+            let (k, v, q) = kvq(&spec, 50 + i as u64, 1, 5);
+            let (out, used) = c.encoder_read(&k, &v, &q, 0.3, Some(6), &forward).unwrap();
+            let key = FamilyKey::EncoderWindow { keys: vec![3 + 5], queries: 5, window: Some(6) };
+            let (mspec, arr) = masks.get_family(&key).unwrap();
+            assert_eq!(used, MaskUse::Array(mspec.clone()));
+            let (kl, vl) = c.physical().unwrap();
+            let explicit = attend(&q, &kl, &vl, 0.3, Some((&mspec, &arr)), false).unwrap();
+            assert!(crate::bytes::bit_equal(&out, &explicit).unwrap(), "{dtype:?} layer {i}");
+        }
+        assert_eq!(forward.builds(), 1, "one build for the forward's three layers");
+        assert_eq!(forward.builds_of("encoder-window:6"), 1);
+    }
+}
+
+/// Impossible encoder reads are typed errors and change nothing (state and bytes).
+#[test]
+fn encoder_read_errors_are_typed_and_change_nothing() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    let mut c = RotatingKvCache::new(spec, 4).unwrap();
+    let (k, v, q) = kvq(&spec, 1, 1, 6);
+    c.window(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+    let before = c.clone();
+    let masks = Masks::new();
+    let (k2, v2, q2) = kvq(&spec, 2, 1, 2);
+    let (k3, _, q3) = kvq(&spec, 3, 1, 3);
+    let shape_err = |r: Result<(Array, MaskUse)>| matches!(r, Err(CacheError::ShapeMismatch { .. }));
+    assert!(shape_err(c.encoder_read(&k2, &v2, &q3, 0.3, None, &masks)), "queries of another length");
+    assert!(shape_err(c.encoder_read(&k3, &v2, &q2, 0.3, None, &masks)), "k and v differ");
+    let (kb, vb, qb) = kvq(&spec, 4, 2, 2);
+    assert!(shape_err(c.encoder_read(&kb, &vb, &qb, 0.3, None, &masks)), "two rows into a serial cache");
+    let k0 = data(6, 1, spec.heads_kv, 0, spec.head_dim, spec.dtype);
+    assert!(shape_err(c.encoder_read(&k0, &k0, &k0, 0.3, None, &masks)), "an empty block");
+    let bf = k2.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+    assert!(shape_err(c.encoder_read(&bf, &bf, &q2, 0.3, None, &masks)), "dtype");
+    assert!(matches!(c.encoder_read(&k2, &v2, &q2, 0.3, Some(0), &masks), Err(CacheError::InvalidState { .. })));
+    assert_eq!(c.state(), before.state(), "errors change nothing");
+    assert!(same_planes(&c, &before), "errors change no byte");
+    assert_eq!(masks.builds(), 0, "no mask was built for a refused read");
+}

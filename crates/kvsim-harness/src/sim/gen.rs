@@ -89,6 +89,7 @@ impl Generator {
                 // Never by weight: `contract_op`.
                 OpKind::CompiledBatchStep | OpKind::CommitKnownSpans => false,
                 OpKind::Persist => !v.solo.is_empty(),
+                OpKind::EncoderRead => rows > 0 || !v.solo.is_empty(),
             }
         };
         let choices: Vec<(OpKind, u32)> = OpKind::ALL
@@ -281,6 +282,16 @@ impl Generator {
             },
             OpKind::Persist => {
                 Op::Persist { req: v.solo[w.random_range(0..v.solo.len())].0, mlxlm: w.random_bool(0.5) }
+            }
+            OpKind::EncoderRead => {
+                // Half on the running batch's rows (when there are any), blocks past the cache's window, and the
+                // encoder's own window below, at and past it (a quarter unbounded).
+                let batch = rows > 0 && (v.solo.is_empty() || w.random_bool(0.5));
+                let req = if v.solo.is_empty() { v.next_id } else { v.solo[w.random_range(0..v.solo.len())].0 };
+                let wide = cfg.layout.max_size().unwrap_or(8) as u32;
+                let len = w.random_range(1..=(cfg.max_prompt as u32).max(wide + 2));
+                let window = if w.random_bool(0.25) { 0 } else { w.random_range(1..=2 * wide + 2) };
+                Op::EncoderRead { req, len, window, batch }
             }
         }
     }

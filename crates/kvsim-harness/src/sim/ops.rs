@@ -72,6 +72,17 @@ pub enum Op {
     /// Gemma 4's bidirectional vision prefill (R-ROT-9a) of `len` positions on a request outside the batch; bit `i`
     /// of `image` marks position `i` an image token. Defined only at offset 0: elsewhere the typed error is expected.
     BidirPrefill { req: u32, len: u32, image: u64 },
+    /// DiffusionGemma's vision-encoder read (R-ROT-9b) of `len` block positions: on request `req` outside the batch,
+    /// or with `batch` on every row of the running batch (then `req` is not read; no rows: skipped). The block is
+    /// appended by the window rule (every block position kept, even past the window), then attended under the
+    /// encoder's own sliding `window` (0 = unbounded), which the cache's window does not limit.
+    EncoderRead {
+        req: u32,
+        len: u32,
+        window: u32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        batch: bool,
+    },
     /// One decode step of a request outside the batch through the compiled-decode protocol (R-C-9): plan, pure step,
     /// apply; it must equal the ordinary append byte for byte.
     CompiledStep { req: u32 },
@@ -199,6 +210,7 @@ pub enum OpKind {
     IllFormed,
     Quantize,
     Persist,
+    EncoderRead,
 }
 
 impl OpKind {
@@ -234,6 +246,7 @@ impl OpKind {
         OpKind::IllFormed,
         OpKind::Quantize,
         OpKind::Persist,
+        OpKind::EncoderRead,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -270,6 +283,7 @@ impl OpKind {
             OpKind::IllFormed => "ill_formed",
             OpKind::Quantize => "quantize",
             OpKind::Persist => "persist",
+            OpKind::EncoderRead => "encoder_read",
         }
     }
 
@@ -307,6 +321,7 @@ impl OpKind {
             OpKind::IllFormed => 2,
             OpKind::Quantize => 1,
             OpKind::Persist => 2,
+            OpKind::EncoderRead => 2,
         }
     }
 
@@ -327,9 +342,10 @@ impl OpKind {
     }
 
     /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
-    /// family that draws it), save/restore (weighted from its own stream) and the contract ops (drawn from theirs).
+    /// family that draws it), save/restore and the encoder read (each weighted from its own stream) and the
+    /// contract ops (drawn from theirs).
     pub fn in_base_swarm(self) -> bool {
-        !self.is_quant() && !self.is_persist() && !self.is_contract()
+        !self.is_quant() && !self.is_persist() && !self.is_encoder() && !self.is_contract()
     }
 
     /// The ops of the contract's batched calls (the batched compiled step, known spans of unequal lengths): drawn
@@ -337,6 +353,12 @@ impl OpKind {
     /// that draws none of them runs every other op exactly as it would without them.
     pub fn is_contract(self) -> bool {
         matches!(self, OpKind::CompiledBatchStep | OpKind::CommitKnownSpans)
+    }
+
+    /// The encoder read: not in the swarm's list (its length is part of every seed's draws); about half the runs
+    /// whose families all support it get a weight from [`crate::sim::rng::Stream::Encoder`].
+    pub fn is_encoder(self) -> bool {
+        matches!(self, OpKind::EncoderRead)
     }
 
     /// The save/restore op: not in the swarm's list either (its length is part of every seed's draws); about half
@@ -379,6 +401,8 @@ pub const API_CLASSES: &[&str] = &[
     "trim/bypass",
     "read_block",
     "bidir_prefill",
+    "encoder_read/solo",
+    "encoder_read/batch",
     "compiled_step",
     "training_forward",
     "prefix_shared_forward",
@@ -445,6 +469,7 @@ impl Op {
             Op::Trim { bypass, .. } => vec![if *bypass { "trim/bypass" } else { "trim/plain" }],
             Op::ReadBlock { .. } => vec!["read_block"],
             Op::BidirPrefill { .. } => vec!["bidir_prefill"],
+            Op::EncoderRead { batch, .. } => vec![if *batch { "encoder_read/batch" } else { "encoder_read/solo" }],
             Op::CompiledStep { .. } => vec!["compiled_step"],
             Op::CompiledBatchStep => vec!["compiled_batch_step"],
             Op::CommitKnownSpans { .. } => vec!["commit_known_spans"],
@@ -507,6 +532,7 @@ impl Op {
             Op::Trim { .. } => OpKind::Trim,
             Op::ReadBlock { .. } => OpKind::ReadBlock,
             Op::BidirPrefill { .. } => OpKind::BidirPrefill,
+            Op::EncoderRead { .. } => OpKind::EncoderRead,
             Op::CompiledStep { .. } => OpKind::CompiledStep,
             Op::CompiledBatchStep => OpKind::CompiledBatchStep,
             Op::CommitKnownSpans { .. } => OpKind::CommitKnownSpans,
@@ -547,6 +573,14 @@ impl Op {
             Op::Window { len } => out.extend(halve(*len).into_iter().map(|len| Op::Window { len })),
             Op::Append { len } => out.extend(halve(*len).into_iter().map(|len| Op::Append { len })),
             Op::CommitSpan { len } => out.extend(halve(*len).into_iter().map(|len| Op::CommitSpan { len })),
+            Op::EncoderRead { req, len, window, batch } => {
+                out.extend(halve(*len).into_iter().map(|len| Op::EncoderRead {
+                    req: *req,
+                    len,
+                    window: *window,
+                    batch: *batch,
+                }))
+            }
             Op::Trim { n, bypass } => out.extend(halve(*n).into_iter().map(|n| Op::Trim { n, bypass: *bypass })),
             Op::Verify { gamma, accept } => {
                 for g in halve(*gamma) {

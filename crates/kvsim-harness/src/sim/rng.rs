@@ -36,6 +36,8 @@ pub enum Stream {
     Prefill = 11,
     /// Whether the next op is one of the contract's batched calls, and its parameters (`OpKind::is_contract`).
     Contract = 12,
+    /// Whether a run draws the encoder read, and its weight (`sim::config`).
+    Encoder = 13,
 }
 
 /// A generator for one subsystem of one seed.

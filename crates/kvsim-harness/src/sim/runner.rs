@@ -180,6 +180,7 @@ fn op_within_limits(op: &Op) -> bool {
         Op::Quantize { bits, group, .. } => ok(*bits) && ok(*group),
         Op::Persist { .. } => true,
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
+        Op::EncoderRead { len, window, .. } => ok(*len) && ok(*window),
         Op::TrainingForward { lengths, len, window } => {
             ok(*len) && ok(*window) && lengths.len() <= 64 && lengths.iter().all(|&l| ok(l))
         }

@@ -86,6 +86,11 @@ impl SimConfig {
         if prng.random_bool(0.5) && registry.all_support(&families, OpKind::Persist) {
             weights.push((OpKind::Persist, prng.random_range(2..=6)));
         }
+        // The encoder read, from its own stream: about half the runs whose families all support it, a modest weight.
+        let mut erng = stream(seed, Stream::Encoder);
+        if erng.random_bool(0.5) && registry.all_support(&families, OpKind::EncoderRead) {
+            weights.push((OpKind::EncoderRead, erng.random_range(2..=6)));
+        }
         SimConfig {
             layout,
             dtype,

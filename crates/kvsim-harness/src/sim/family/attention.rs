@@ -12,7 +12,7 @@
 //!
 //! This file holds the family's state, its payloads and the op dispatch; the ops and checks live in child modules:
 //! `lifecycle` (admit, merge/join, extract, filter), `reads` (solo and batch reads and writes, verify, commit_span),
-//! `trims`, `special` (read_block, bidir_prefill, compiled_step), `persist`, `checks` (reads and state) and `probes`
+//! `trims`, `special` (read_block, bidir_prefill, encoder_read, compiled_step), `persist`, `checks` (reads and state) and `probes`
 //! (API probes and ill-formed inputs).
 
 use std::collections::BTreeMap;
@@ -191,6 +191,14 @@ impl Attention {
             Op::Trim { n, bypass } => self.batch_trim(cx, *n as usize, *bypass)?,
             Op::ReadBlock { req, len } => self.solo_read_block(cx, *req, *len as usize)?,
             Op::BidirPrefill { req, len, image } => self.bidir_prefill(cx, *req, *len as usize, *image)?,
+            Op::EncoderRead { req, len, window, batch } => {
+                let window = (*window > 0).then_some(*window as usize);
+                if *batch {
+                    self.batch_encoder_read(cx, *len as usize, window)?
+                } else {
+                    self.solo_encoder_read(cx, *req, *len as usize, window)?
+                }
+            }
             Op::CompiledStep { req } => self.compiled_step(cx, *req)?,
             Op::Quantize { bits, group, mid_round } => {
                 self.quantize(cx, *bits as usize, *group as usize, *mid_round)?

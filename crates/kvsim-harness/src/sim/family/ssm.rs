@@ -84,6 +84,7 @@ pub const REGISTRATION: Registration = Registration::plain(
                 | OpKind::SoloTrim
                 | OpKind::ReadBlock
                 | OpKind::BidirPrefill
+                | OpKind::EncoderRead
                 | OpKind::CompiledStep
                 | OpKind::CompiledBatchStep
                 | OpKind::CommitKnownSpans
@@ -491,6 +492,7 @@ impl Family for Recurrent {
             | Op::SoloTrim { .. }
             | Op::ReadBlock { .. }
             | Op::BidirPrefill { .. }
+            | Op::EncoderRead { .. }
             | Op::CompiledStep { .. }
             | Op::CompiledBatchStep
             | Op::CommitKnownSpans { .. }

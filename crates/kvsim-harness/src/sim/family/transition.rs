@@ -21,7 +21,7 @@
 //! bounds of the f64 attention over the values the model says the read sees (bf16, or dequantized affine).
 //!
 //! How the op stream maps here (what the rows layout has no call for is not supported, so runs holding this
-//! family never draw it: `SoloTrim`, `Trim`, `Append`, `ReadBlock`, `BidirPrefill`, `CompiledStep`, `Adopt`,
+//! family never draw it: `SoloTrim`, `Trim`, `Append`, `ReadBlock`, `BidirPrefill`, `EncoderRead`, `CompiledStep`, `Adopt`,
 //! `DecodePhase`, `Prepare`, `IllFormed`, `Quantize`):
 //! - `Merge`/`Join`: every running row is handed back to its lego (`extract`) and merged with the incoming legos
 //!   (`TransitioningKvRows::merge`; several rows are rewritten in temporal order behind left padding, and so are

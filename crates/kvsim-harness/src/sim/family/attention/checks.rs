@@ -97,7 +97,7 @@ impl Attention {
     }
 
     /// The guarantees-table classes a read of request `id` (state `model` after the write) also belongs to.
-    fn tags(&self, id: u32, model: &RowModel) -> Vec<&'static str> {
+    pub(super) fn tags(&self, id: u32, model: &RowModel) -> Vec<&'static str> {
         let mut t = vec![];
         if model.max_size.is_some_and(|w| model.offset > w) {
             t.push("after_rotation");

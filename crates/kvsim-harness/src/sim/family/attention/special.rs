@@ -1,13 +1,18 @@
-//! The attention family's special reads on a request outside the batch: DiffusionGemma's `read_block`, Gemma 4's
-//! `bidir_prefill`, and one decode step through the compiled-decode protocol (`compiled_step`).
+//! The attention family's special reads: DiffusionGemma's `read_block` and Gemma 4's `bidir_prefill` on a request
+//! outside the batch, DiffusionGemma's `encoder_read` on such a request or on every row of the running batch, and
+//! one decode step through the compiled-decode protocol (`compiled_step`).
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Array;
 
 use super::{emit, mlx_fail, unexpected, Attention, Res};
-use crate::sim::check::{self, Failure};
+use crate::sim::check::{self, Failure, ReadKind};
 use crate::sim::family::Cx;
 use crate::sim::observe::{Call, Read};
 use kvsim_cache::bytes::ArrayBytes;
-use kvsim_cache::{decode_step, CacheError, CompiledDecode, DecodePhase, Masks};
-use kvsim_reference::{bidirectional_visible, read_block_context, Tok};
+use kvsim_cache::{decode_step, CacheError, CompiledDecode, DecodePhase, MaskUse, Masks};
+use kvsim_reference::{bidirectional_visible, encoder_visible, read_block_context, RowModel, Tok};
 
 impl Attention {
     // ----- special reads and the compiled step (R-ROT-9, R-C-9) -------------------------------------------------
@@ -121,6 +126,167 @@ impl Attention {
         }
         self.reqs.get_mut(&req).unwrap().model = model_after;
         Ok(true)
+    }
+
+    /// DiffusionGemma's vision-encoder read on a request outside the batch: `len` positions appended by the window
+    /// rule and attended under the encoder's own `window`. Checked per layer: the mask against the reference's
+    /// `encoder_visible`, every query against the f64 model over those keys, the output against the solo twin's
+    /// `encoder_read`; one mask build for the forward (`mask_memo`); the stored state by `check_all` after the op.
+    /// Observers see the write as the append it is (mlx-lm has no encoder read: its output is not described).
+    pub(super) fn solo_encoder_read(
+        &mut self,
+        cx: &mut Cx<'_>,
+        req: u32,
+        len: usize,
+        window: Option<usize>,
+    ) -> Res<bool> {
+        let roster = cx.roster;
+        if !roster.is_solo(req) || len == 0 {
+            return Ok(false);
+        }
+        let toks = self.next_toks(req, len);
+        let real: Vec<Tok> = toks.iter().flatten().copied().collect();
+        let offset_before = self.reqs[&req].model.offset;
+        let mut model_after = self.reqs[&req].model.clone();
+        model_after.window_write(&real);
+        let scale = self.cfg.scale();
+        // One memo for the forward: every layer reads the same geometry, built once (checked after the layers).
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let (out, used) = r.solo[layer]
+                .encoder_read(&k, &v, &q, scale, window, &masks)
+                .map_err(|e| unexpected("encoder_read", e))?;
+            if cx.observer.wants_calls() {
+                let call = Call::Solo {
+                    req,
+                    layer,
+                    read: Read::Append,
+                    k: &k,
+                    v: &v,
+                    q: None,
+                    out: None,
+                    offset: offset_before,
+                };
+                emit(cx, call)?;
+            }
+            let r = self.reqs.get_mut(&req).unwrap();
+            let (tw, _) = r.twin[layer]
+                .encoder_read(&k, &v, &q, scale, window, &Masks::new())
+                .map_err(|e| unexpected("twin encoder_read", e))?;
+            let models = BTreeMap::from([(req, model_after.clone())]);
+            self.check_encoder(cx, layer, &out, &used, &[(0, req, real.clone(), tw)], &models, window)?;
+        }
+        check::mask_memo("encoder read", &masks.families())?;
+        self.counters.checks += 1;
+        self.reqs.get_mut(&req).unwrap().model = model_after;
+        Ok(true)
+    }
+
+    /// [`Attention::solo_encoder_read`] on every row of the running batch (`RowBatch::encoder_read`, rows of
+    /// different history lengths under one per-row mask); each row's twin makes its own solo `encoder_read` of the
+    /// row's block.
+    pub(super) fn batch_encoder_read(&mut self, cx: &mut Cx<'_>, len: usize, window: Option<usize>) -> Res<bool> {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let toks: Vec<Vec<Option<Tok>>> = roster.rows().iter().map(|&id| self.next_toks(id, len)).collect();
+        let mut models = BTreeMap::new();
+        for (r, &id) in roster.rows().iter().enumerate() {
+            let mut m = self.reqs[&id].model.clone();
+            m.window_write(&toks[r].iter().flatten().copied().collect::<Vec<_>>());
+            models.insert(id, m);
+        }
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &toks)?;
+            let (out, used) = self.batch[layer]
+                .encoder_read(&k, &v, &q, scale, window, &masks)
+                .map_err(|e| unexpected("batch encoder_read", e))?;
+            if cx.observer.wants_calls() {
+                let offsets = self.row_extents(roster);
+                let call = Call::Batch {
+                    layer,
+                    read: Read::Append,
+                    reqs: roster.rows(),
+                    rows: &offsets,
+                    k: &k,
+                    v: &v,
+                    q: None,
+                    out: None,
+                };
+                emit(cx, call)?;
+            }
+            let mut rows = vec![];
+            for (r, &id) in roster.rows().iter().enumerate() {
+                let (tk, tv, tq) = self.kvq(layer, &[toks[r].clone()])?;
+                let (tw, _) = self.reqs.get_mut(&id).unwrap().twin[layer]
+                    .encoder_read(&tk, &tv, &tq, scale, window, &Masks::new())
+                    .map_err(|e| unexpected("twin encoder_read", e))?;
+                rows.push((r, id, toks[r].iter().flatten().copied().collect(), tw));
+            }
+            self.check_encoder(cx, layer, &out, &used, &rows, &models, window)?;
+        }
+        check::mask_memo("batch encoder read", &masks.families())?;
+        self.counters.checks += 1;
+        for (id, m) in models {
+            self.reqs.get_mut(&id).unwrap().model = m;
+        }
+        if cx.observer.wants_calls() {
+            emit(cx, Call::BatchWritten { l: len })?;
+        }
+        Ok(true)
+    }
+
+    /// One layer of an encoder read: for each `(row, request, block tokens, twin output)`, every block query's mask
+    /// row against the reference's `encoder_visible` over the row's state after the append (`models`), its output
+    /// against the f64 model over those keys, and the row's output against the twin's (bytes; recorded under
+    /// `encoder_read` in the guarantees table).
+    #[allow(clippy::too_many_arguments)]
+    fn check_encoder(
+        &mut self,
+        cx: &mut Cx<'_>,
+        layer: usize,
+        out: &Array,
+        used: &MaskUse,
+        rows: &[(usize, u32, Vec<Tok>, Array)],
+        models: &BTreeMap<u32, RowModel>,
+        window: Option<usize>,
+    ) -> Res<()> {
+        let mut to_read = vec![out];
+        to_read.extend(rows.iter().map(|r| &r.3));
+        let read = ArrayBytes::read_many(&to_read).map_err(|e| mlx_fail("read output", e))?;
+        cx.hasher.update(&read[0].digest());
+        let width = rows.iter().map(|(_, id, _, _)| models[id].cols.len()).max().unwrap_or(0);
+        let scale = self.cfg.scale();
+        for (n, (row, id, block, _)) in rows.iter().enumerate() {
+            let model = &models[id];
+            for (i, t) in block.iter().enumerate() {
+                let visible = encoder_visible(model, block.len(), window, i);
+                check::mask_row(used, *row, i, &visible, block.len(), width, ReadKind::Window).map_err(|mut f| {
+                    f.message = format!("encoder read (window {window:?}): {}", f.message);
+                    f
+                })?;
+                self.counters.checks += 1;
+                let keys: Vec<Tok> = visible.iter().map(|&c| model.cols[c]).collect();
+                self.out_vs_model(layer as u32, *t, &keys, keys.len(), scale, &read[0], *row, i)?;
+            }
+            let mut tags = self.tags(*id, model);
+            tags.push("encoder_read");
+            check::output_vs_twin(
+                check::OutClass::Window,
+                &tags,
+                &read[0],
+                *row,
+                &read[n + 1],
+                block.len(),
+                &mut self.counters,
+            )?;
+        }
+        Ok(())
     }
 
     /// One decode step of a request outside the batch through the compiled-decode protocol (plan, pure step of
