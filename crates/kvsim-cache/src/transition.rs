@@ -778,6 +778,31 @@ impl TransitioningKvRows {
         }
     }
 
+    /// R-TKV-4's aligned form: the rows joined along the batch in one geometry, `[B, H_kv, width, D]` each for K
+    /// and V, the caller owning both. Row `r` holds `left_pad_r` zero columns, then its live columns in physical order
+    /// as its storage fetches them dense (a converted row dequantized: exactly [`TransitioningKvRows::dense_fetch`]'s
+    /// row), then zero columns up to `width = max_r (left_pad_r + len_r)`. A lone row has no padding: its physical
+    /// columns and phase as they are. No rows is `[0, H_kv, 0, D]`.
+    pub fn dense_fetch_aligned(&self) -> Result<(Array, Array)> {
+        let rows = self.dense_fetch()?;
+        let lens: Vec<usize> = rows.iter().map(|(k, _)| k.shape()[2].max(0) as usize).collect();
+        let width = self.meta.iter().zip(&lens).map(|(m, &l)| m.left_pad + l).max().unwrap_or(0);
+        let (h, d, dt) = (self.spec.heads_kv, self.spec.head_dim, self.spec.dtype.to_mlx());
+        if rows.is_empty() {
+            let z = zeros(&[0, h, 0, d], dt)?;
+            return Ok((z.clone(), z));
+        }
+        let pad = |n: usize| zeros(&[1, h, n, d], dt);
+        let mut ks = Vec::with_capacity(rows.len());
+        let mut vs = Vec::with_capacity(rows.len());
+        for ((k, v), (m, &l)) in rows.iter().zip(self.meta.iter().zip(&lens)) {
+            let (front, back) = (pad(m.left_pad)?, pad(width - m.left_pad - l)?);
+            ks.push(mlx_rs::ops::concatenate(&[&front, k, &back], 2)?);
+            vs.push(mlx_rs::ops::concatenate(&[&front, v, &back], 2)?);
+        }
+        Ok((mlx_rs::ops::concatenate(&ks, 0)?, mlx_rs::ops::concatenate(&vs, 0)?))
+    }
+
     /// Row `i`'s storage planes, live columns in physical order (for byte comparisons).
     pub fn row_physical_planes(&self, i: usize) -> Result<Vec<Array>> {
         self.check_row(i)?;

@@ -508,3 +508,37 @@ fn end_prefill_without_its_commit_leaves_a_due_row_unconverted() {
         "a lego past its transition but not converted is not one its lifecycle reaches"
     );
 }
+
+/// R-TKV-4's aligned form: every row's columns of the one batch tensor are exactly its own dense fetch behind its
+/// left padding (converted rows dequantized), the padding and the tail are zeros; a lone row is its physical columns.
+#[test]
+fn aligned_dense_fetch_is_each_rows_fetch_behind_its_padding() {
+    let spec = tspec();
+    for (w, lens) in [(Some(6), vec![5, 2, 9]), (None, vec![3, 1]), (Some(4), vec![7])] {
+        let legos = legos_after_windows(spec, w, tr(Some(4)), &lens, 70);
+        let mut rows = TransitioningKvRows::merge(spec, w, tr(Some(4)), legos).unwrap();
+        let (k, v, q) = kvq(&spec, 71, lens.len(), 1);
+        rows.decode(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+        let (ak, av) = rows.dense_fetch_aligned().unwrap();
+        let per_row = rows.dense_fetch().unwrap();
+        let width = ak.shape()[2] as usize;
+        assert_eq!(ak.shape()[0] as usize, lens.len());
+        for (r, ((k, v), m)) in per_row.iter().zip(rows.lifecycle()).enumerate() {
+            let l = k.shape()[2] as usize;
+            assert!(m.left_pad + l <= width);
+            let (rk, rv) = (row(&ak, r), row(&av, r));
+            assert_same_bytes(&cols(&rk, m.left_pad, m.left_pad + l).unwrap(), k, &format!("row {r} keys"));
+            assert_same_bytes(&cols(&rv, m.left_pad, m.left_pad + l).unwrap(), v, &format!("row {r} values"));
+            for (a, b) in [(0, m.left_pad), (m.left_pad + l, width)] {
+                if b > a {
+                    let z = cols(&rk, a, b).unwrap();
+                    assert!(bits(&z).iter().all(|&x| x == 0), "row {r} padding [{a}, {b}) is zeros");
+                }
+            }
+        }
+        if lens.len() == 1 {
+            assert_eq!(rows.lifecycle()[0].left_pad, 0, "a lone row keeps its physical columns");
+            assert_eq!(width, per_row[0].0.shape()[2] as usize);
+        }
+    }
+}

@@ -87,6 +87,7 @@ impl TransitionFamily {
                 (g, w) => return Err(Failure::new("errors", format!("plain read: model {w:?}, production {g:?}"))),
             }
             let dense = b.dense_fetch().map_err(|e| unexpected("dense fetch", e))?;
+            self.check_aligned_fetch(&b, &dense)?;
             for (r, (k, v)) in dense.iter().enumerate() {
                 let (tk, tv) =
                     self.reqs[&roster.rows()[r]].twin[layer].dense().map_err(|e| unexpected("twin dense", e))?;
@@ -99,5 +100,52 @@ impl TransitionFamily {
             }
         }
         Ok(true)
+    }
+
+    /// R-TKV-4's aligned form (one batch tensor) against the model's aligned geometry: its width, and per row and
+    /// slot, zeros where the model has padding and the row's own dense fetch (compared with the lego twin by the
+    /// caller) at the row's slots, in order.
+    fn check_aligned_fetch(
+        &mut self,
+        b: &kvsim_cache::TransitioningKvRows,
+        dense: &[(mlx_rs::Array, mlx_rs::Array)],
+    ) -> Res<()> {
+        let (ak, av) = b.dense_fetch_aligned().map_err(|e| unexpected("aligned dense fetch", e))?;
+        let model = self.rows_model.dense_fetch();
+        let width = model.first().map_or(0, |r| r.slots.len());
+        let (akb, avb) = (bytes_of(&ak)?, bytes_of(&av)?);
+        if akb.shape.get(2).copied() != Some(width as i32) || akb.shape[0] as usize != model.len() {
+            return Err(Failure::new(
+                "dense_fetch",
+                format!("aligned fetch of shape {:?}, the model's geometry {} rows x {width}", akb.shape, model.len()),
+            ));
+        }
+        for (r, m) in model.iter().enumerate() {
+            let pad = m.slots.iter().take_while(|s| s.is_none()).count();
+            let (rk, rv) = (bytes_of(&dense[r].0)?, bytes_of(&dense[r].1)?);
+            for (j, slot) in m.slots.iter().enumerate() {
+                for (all, own, t) in [(&akb, &rk, "keys"), (&avb, &rv, "values")] {
+                    let got =
+                        all.select_columns(r, &[j]).map_err(|e| Failure::new("dense_fetch", format!("cut: {e}")))?;
+                    let ok = match slot {
+                        None => got.words.to_u32().iter().all(|&x| x == 0),
+                        Some(_) => {
+                            own.select_columns(0, &[j - pad])
+                                .map_err(|e| Failure::new("dense_fetch", format!("cut: {e}")))?
+                                .words
+                                == got.words
+                        }
+                    };
+                    if !ok {
+                        return Err(Failure::new(
+                            "dense_fetch",
+                            format!("aligned {t} row {r} slot {j}: the model has {slot:?}, the bytes differ"),
+                        ));
+                    }
+                }
+            }
+        }
+        self.counters.checks += 1;
+        Ok(())
     }
 }
