@@ -1151,7 +1151,7 @@ impl RowBatch {
     /// One decode of the rows `active` marks (some but not all): their columns written at their ring heads, the
     /// others rewritten with the bytes they hold (column 0), then the batched decode read. Rows outside `active` keep
     /// their state; their outputs are unspecified.
-    fn decode_some(
+    pub(crate) fn decode_some(
         &mut self,
         k: &Array,
         v: &Array,

@@ -760,6 +760,71 @@ impl TransitioningKvRows {
         Ok((out, converted))
     }
 
+    /// R-TKV-7: the committed read under known spans of unequal per-row lengths. Row `r` commits its first
+    /// `lens[r]` positions of the block, one decode per position: at position `i` exactly the rows with
+    /// `lens[r] > i` decode (each row in its own precision, as [`TransitioningKvRows::decode`]), the others are left
+    /// as they are; after every position the rows whose transition came due convert (outside a prefill and a round)
+    /// and the rows pack once all have. Each row's state and outputs at its real positions are its lego's
+    /// [`Bf16FirstCache::commit_span`] of its own length; outputs at padded positions are unspecified. Returns the
+    /// outputs and the rows converted, in order. Lengths of another count or past `L` are
+    /// [`CacheError::BadLengths`], a pending prefill [`CacheError::PendingPrefill`]; errors change nothing.
+    pub fn commit_known_spans(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+        lens: &[usize],
+    ) -> Result<(Array, Vec<usize>)> {
+        let n = self.rows();
+        let l = check_kv(&self.spec, k, v, n, 1)?;
+        let hq = check_q(&self.spec, q, n, l)?;
+        if lens.len() != n || lens.iter().any(|&x| x > l) {
+            return Err(CacheError::BadLengths {
+                what: format!("span lengths {lens:?} for {n} rows of {l} positions"),
+            });
+        }
+        if self.pending.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let mut next = self.clone();
+        let (mut outs, mut converted) = (Vec::with_capacity(l), Vec::new());
+        for i in 0..l {
+            let active: Vec<bool> = lens.iter().map(|&x| x > i).collect();
+            let (ki, vi, qi) = (cols(k, i, i + 1)?, cols(v, i, i + 1)?, cols(q, i, i + 1)?);
+            if active.iter().all(|&a| a) {
+                let (o, c) = next.decode(&ki, &vi, &qi, scale, masks)?;
+                outs.push(o);
+                converted.extend(c);
+                continue;
+            }
+            let zero = || zeros(&[1, hq, 1, self.spec.head_dim], self.spec.dtype.to_mlx());
+            let o = match &mut next.store {
+                _ if !active.iter().any(|&a| a) => zeros(&[n, hq, 1, self.spec.head_dim], self.spec.dtype.to_mlx())?,
+                Store::Packed(b) => b.decode_some(&ki, &vi, &qi, scale, masks, &active)?,
+                Store::Rows(caches) => {
+                    let mut parts = Vec::with_capacity(n);
+                    for (r, c) in caches.iter_mut().enumerate() {
+                        parts.push(if active[r] {
+                            let (kr, vr, qr) =
+                                (row_slice(&ki, r, r + 1)?, row_slice(&vi, r, r + 1)?, row_slice(&qi, r, r + 1)?);
+                            c.decode(&kr, &vr, &qr, scale, masks)?.0
+                        } else {
+                            zero()?
+                        });
+                    }
+                    mlx_rs::ops::concatenate(&parts, 0)?
+                }
+            };
+            outs.push(o);
+            converted.extend(next.settle_all()?);
+        }
+        let out = mlx_rs::ops::concatenate(&outs, 2)?;
+        *self = next;
+        Ok((out, converted))
+    }
+
     /// The plain read's guard (`update_and_fetch`, one dense K/V for the batch): refused while any row is affine
     /// or the rows are packed, with nothing changed.
     pub fn check_plain_read(&self) -> Result<()> {

@@ -542,3 +542,53 @@ fn aligned_dense_fetch_is_each_rows_fetch_behind_its_padding() {
         }
     }
 }
+
+/// R-TKV-7 on the bf16-first rows: known spans of unequal lengths (0 included) commit each row exactly as its lego
+/// commits a span of its own length: outputs at the real positions, planes, conversion offsets and floors, through
+/// conversions inside the span and packing; bad lengths change nothing.
+#[test]
+fn rows_known_spans_of_unequal_lengths_commit_each_row_as_its_lego() {
+    let spec = tspec();
+    for (w, lens, spans) in [
+        (Some(6), vec![2, 3, 1], vec![4usize, 0, 6]),
+        (None, vec![3, 3], vec![1, 5]),
+        (Some(4), vec![5, 3], vec![3, 3]),
+    ] {
+        let legos = legos_after_windows(spec, w, tr(Some(4)), &lens, 90);
+        let mut rows = TransitioningKvRows::merge(spec, w, tr(Some(4)), legos.clone()).unwrap();
+        let mut twins: Vec<Bf16FirstCache> = (0..lens.len()).map(|i| rows.extract(i).unwrap()).collect();
+        let l = *spans.iter().max().unwrap();
+        let (k, v, q) = kvq(&spec, 91, lens.len(), l);
+        let before = rows.offsets();
+        assert!(matches!(
+            rows.commit_known_spans(&k, &v, &q, 0.3, &Masks::new(), &spans[1..]),
+            Err(CacheError::BadLengths { .. })
+        ));
+        assert_eq!(rows.offsets(), before);
+        let (out, _) = rows.commit_known_spans(&k, &v, &q, 0.3, &Masks::new(), &spans).unwrap();
+        for (r, twin) in twins.iter_mut().enumerate() {
+            let what = format!("W {w:?} row {r} span {}", spans[r]);
+            if spans[r] > 0 {
+                let s = spans[r];
+                let (kr, vr, qr) = (
+                    cols(&row(&k, r), 0, s).unwrap(),
+                    cols(&row(&v, r), 0, s).unwrap(),
+                    cols(&row(&q, r), 0, s).unwrap(),
+                );
+                let want = twin.commit_span(&kr, &vr, &qr, 0.3, &Masks::new()).unwrap();
+                assert_same_bytes(&cols(&row(&out, r), 0, s).unwrap(), &want, &format!("{what}: output"));
+            }
+            let got = rows.extract(r).unwrap();
+            assert_eq!(
+                (got.converted_at(), got.minimum_reusable_offset(), got.offset()),
+                (twin.converted_at(), twin.minimum_reusable_offset(), twin.offset()),
+                "{what}: lifecycle"
+            );
+            assert_eq!(
+                planes_bits(&rows.row_physical_planes(r).unwrap()),
+                planes_bits(&twin.inner().physical_planes().unwrap()),
+                "{what}: planes"
+            );
+        }
+    }
+}
