@@ -404,6 +404,8 @@ pub const API_CLASSES: &[&str] = &[
     "encoder_read/solo",
     "encoder_read/batch",
     "compiled_step",
+    "compiled_batch_step",
+    "commit_known_spans",
     "training_forward",
     "prefix_shared_forward",
     "training_refusal/merge",
