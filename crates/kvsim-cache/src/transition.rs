@@ -345,6 +345,34 @@ fn out_of_order(what: &str) -> CacheError {
     CacheError::Lifecycle { what: what.to_string() }
 }
 
+/// The plan of one compiled decode step of the bf16-first rows (R-TKV-6, R-C-9): while the rows are serial rings
+/// each row fetches by its own ring in its own precision (`Rows`: one serial plan per row); once packed, the batch's
+/// plan (`Packed`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowsStep {
+    /// One plan per row, each of the row's serial storage.
+    Rows(Vec<super::ring::DecodePlan>),
+    /// The packed batch's plan.
+    Packed(super::compiled::RowsStepPlan),
+}
+
+/// One closure slot of a bf16-first rows step: the storage its step runs on and its inputs, in order. A `Rows` plan
+/// has one slot per row (run with [`super::compiled::decode_step`] of `fetch`, the row's `[q, k, v]` and RoPE
+/// offset appended); a `Packed` plan one slot (run with [`super::compiled::rows_decode_step`] under `mask`).
+#[derive(Debug, Clone)]
+pub struct StepSlot {
+    /// The slot's storage: bf16 planes, or affine once its row converted.
+    pub storage: Storage,
+    /// The serial slot's fetch (`None` for the packed slot).
+    pub fetch: Option<super::ring::DecodePhase>,
+    /// The packed slot's mask use (`MaskUse::None` for serial slots: a lone ring reads unmasked).
+    pub mask: MaskUse,
+    /// The slot's inputs, in order.
+    pub inputs: Vec<Array>,
+    /// The RoPE offset(s) of the slot as int32 (`[1]` per serial row, `[B]` for the packed slot).
+    pub rope: Array,
+}
+
 /// Per-row lifecycle bookkeeping of [`TransitioningKvRows`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RowLifecycle {
@@ -1042,6 +1070,77 @@ impl TransitioningKvRows {
         };
         self.store = next;
         Ok(targets)
+    }
+
+    /// R-C-9 / R-TKV-6: the host side of the coming compiled step of every row, without the write (each unpacked
+    /// row's own serial plan, or the packed batch's). [`CacheError::PendingPrefill`] while a prepared prefill is
+    /// pending; nothing changed on error. Idempotent.
+    pub fn prepare_step(&mut self) -> Result<RowsStep> {
+        if self.pending.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let mut next = self.store.clone();
+        let plan = match &mut next {
+            Store::Rows(caches) => {
+                RowsStep::Rows(caches.iter_mut().map(SerialCache::prepare_decode_step).collect::<Result<Vec<_>>>()?)
+            }
+            Store::Packed(b) => RowsStep::Packed(b.prepare_rows_step()?),
+        };
+        self.store = next;
+        Ok(plan)
+    }
+
+    /// The closure slots of `plan` (see [`StepSlot`]); the packed slot's mask comes from the forward's `masks`.
+    /// A plan of the other store (the rows packed since) is [`CacheError::StepMismatch`].
+    pub fn step_slots(&self, plan: &RowsStep, masks: &Masks) -> Result<Vec<StepSlot>> {
+        use super::compiled::CompiledDecode;
+        match (&self.store, plan) {
+            (Store::Rows(caches), RowsStep::Rows(plans)) if plans.len() == caches.len() => caches
+                .iter()
+                .zip(plans)
+                .map(|(c, p)| {
+                    Ok(StepSlot {
+                        storage: c.storage(),
+                        fetch: Some(p.fetch),
+                        mask: MaskUse::None,
+                        inputs: c.step_inputs(p)?,
+                        rope: c.rope_input()?,
+                    })
+                })
+                .collect(),
+            (Store::Packed(b), RowsStep::Packed(p)) => {
+                let (inputs, mask) = b.rows_step_inputs(p, masks)?;
+                Ok(vec![StepSlot { storage: b.storage(), fetch: None, mask, inputs, rope: b.rows_rope_input() }])
+            }
+            _ => Err(CacheError::StepMismatch { what: "a plan of the other store (the rows packed since)".into() }),
+        }
+    }
+
+    /// Applies every slot's outputs (ownership taken, in slot order), then, outside a prefill and a round, the rows
+    /// whose transition came due convert (and pack once all have), as after the ordinary decode. Returns the arrays to
+    /// evaluate with the step and the rows converted. Outputs that do not fit, or a stale plan, are
+    /// [`CacheError::StepMismatch`] with the rows unchanged.
+    pub fn apply_step(&mut self, plan: &RowsStep, outputs: Vec<Vec<Array>>) -> Result<(Vec<Array>, Vec<usize>)> {
+        use super::compiled::CompiledDecode;
+        let mut next = self.clone();
+        let mut roots = Vec::new();
+        match (&mut next.store, plan) {
+            (Store::Rows(caches), RowsStep::Rows(plans))
+                if plans.len() == caches.len() && outputs.len() == plans.len() =>
+            {
+                for ((c, p), o) in caches.iter_mut().zip(plans).zip(outputs) {
+                    roots.extend(c.apply_decode_step(p, o)?);
+                }
+            }
+            (Store::Packed(b), RowsStep::Packed(p)) if outputs.len() == 1 => {
+                let o = outputs.into_iter().next().unwrap_or_default();
+                roots.extend(b.apply_rows_step(p, o)?);
+            }
+            _ => return Err(CacheError::StepMismatch { what: "outputs or plan of another store or row count".into() }),
+        }
+        let converted = next.settle_all()?;
+        *self = next;
+        Ok((roots, converted))
     }
 
     /// R-C-5: every row trimmable by its ring rule, outside an armed round and a prefill.

@@ -592,3 +592,71 @@ fn rows_known_spans_of_unequal_lengths_commit_each_row_as_its_lego() {
         }
     }
 }
+
+/// R-TKV-6 / R-C-9: the compiled step of the bf16-first rows (one serial slot per unpacked row in its own precision,
+/// the packed batch's slot once every row converted) equals the ordinary decode byte for byte: outputs, every row's
+/// planes, conversions (same rows, same step) and lifecycle, through conversions, packing and the ring's wrap.
+#[test]
+fn rows_compiled_step_equals_the_ordinary_decode_through_conversion_packing_and_wrap() {
+    use crate::compiled::{decode_step, rows_decode_step};
+    let spec = tspec();
+    for (w, lens) in [(Some(4), vec![1, 3, 2]), (None, vec![2, 1]), (Some(3), vec![3])] {
+        let legos = legos_after_windows(spec, w, tr(Some(4)), &lens, 120);
+        let mut ordinary = TransitioningKvRows::merge(spec, w, tr(Some(4)), legos).unwrap();
+        let mut stepped = ordinary.clone();
+        let mut saw = (false, false);
+        for s in 0..7u64 {
+            let (k, v, q) = kvq(&spec, 130 + s, lens.len(), 1);
+            let masks = Masks::new();
+            let (want, want_conv) = ordinary.decode(&k, &v, &q, 0.3, &masks).unwrap();
+            let plan = stepped.prepare_step().unwrap();
+            assert_eq!(stepped.prepare_step().unwrap(), plan, "idempotent");
+            let slots = stepped.step_slots(&plan, &Masks::new()).unwrap();
+            let mut outs = Vec::new();
+            let mut parts = Vec::new();
+            for (r, slot) in slots.into_iter().enumerate() {
+                let o = match slot.fetch {
+                    Some(fetch) => {
+                        saw.0 = true;
+                        let (kr, vr, qr) = (row(&k, r), row(&v, r), row(&q, r));
+                        let inputs: Vec<Array> = slot.inputs.into_iter().chain([qr, kr, vr, slot.rope]).collect();
+                        decode_step(slot.storage, fetch, None, 0.3, &inputs).unwrap()
+                    }
+                    None => {
+                        saw.1 = true;
+                        let spec_m = match &slot.mask {
+                            MaskUse::Array(m) => Some((**m).clone()),
+                            _ => None,
+                        };
+                        let inputs: Vec<Array> =
+                            slot.inputs.into_iter().chain([q.clone(), k.clone(), v.clone(), slot.rope]).collect();
+                        rows_decode_step(slot.storage, spec_m.as_ref(), None, 0.3, &inputs).unwrap()
+                    }
+                };
+                parts.push(o[0].clone());
+                outs.push(o);
+            }
+            let got = mlx_rs::ops::concatenate(&parts, 0).unwrap();
+            let (_, conv) = stepped.apply_step(&plan, outs).unwrap();
+            let what = format!("W {w:?} {lens:?} step {s}");
+            assert_same_bytes(&got, &want, &format!("{what}: output"));
+            assert_eq!(conv, want_conv, "{what}: conversions");
+            assert_eq!(stepped.lifecycle(), ordinary.lifecycle(), "{what}: lifecycle");
+            assert_eq!(stepped.is_packed(), ordinary.is_packed(), "{what}: packing");
+            for r in 0..lens.len() {
+                assert_eq!(
+                    planes_bits(&stepped.row_physical_planes(r).unwrap()),
+                    planes_bits(&ordinary.row_physical_planes(r).unwrap()),
+                    "{what}: row {r} planes"
+                );
+            }
+        }
+        assert!(saw.0, "{w:?} {lens:?}: serial slots ran");
+        assert!(saw.1, "{w:?} {lens:?}: the packed slot ran");
+    }
+    // A plan of the other store is a typed error.
+    let legos = legos_after_windows(spec, Some(4), tr(Some(4)), &[1, 2], 140);
+    let mut rows = TransitioningKvRows::merge(spec, Some(4), tr(Some(4)), legos).unwrap();
+    let plan = rows.prepare_step().unwrap();
+    assert!(matches!(rows.apply_step(&plan, vec![]), Err(CacheError::StepMismatch { .. })));
+}

@@ -101,6 +101,7 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::Extract
             | OpKind::Filter
             | OpKind::CommitSpan
+            | OpKind::CompiledBatchStep
             | OpKind::PrefixReuse
             | OpKind::PlainRead
             | OpKind::Persist
@@ -113,7 +114,7 @@ pub const LEGO_NAME: &str = "bf16-first";
 /// What the serial legos can be asked: the rows' ops (the running batch is a set of serial legos, one call each)
 /// and the serial trims.
 pub fn supports_legos(k: OpKind) -> bool {
-    supports(k) || matches!(k, OpKind::SoloTrim | OpKind::Trim)
+    (supports(k) && k != OpKind::CompiledBatchStep) || matches!(k, OpKind::SoloTrim | OpKind::Trim)
 }
 
 /// The bf16-first family, in about a quarter of the runs.
@@ -342,6 +343,7 @@ impl Family for TransitionFamily {
             Op::SoloWindow { req, len } => self.solo_append(cx, *req, *len as usize, false),
             Op::SoloDecode { req } => self.solo_append(cx, *req, 1, true),
             Op::Decode => self.batch_read(cx, 1, true),
+            Op::CompiledBatchStep => self.batch_step_compiled(cx),
             Op::Window { len } => self.batch_read(cx, *len as usize, false),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),

@@ -74,7 +74,7 @@ impl TransitionFamily {
 
     /// One forward of `toks[r]` per row (equal lengths) on the running batch, twins fed the same blocks. Returns
     /// the rows that converted (checked against the model's).
-    fn forward(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<Vec<usize>> {
+    fn forward(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool, compiled: bool) -> Res<Vec<usize>> {
         let roster = cx.roster;
         let n = roster.rows().len();
         let toks: Vec<Vec<Tok>> =
@@ -91,8 +91,13 @@ impl TransitionFamily {
             let (k, v, q) = self.kvq(layer, &toks);
             let (out, conv) = {
                 let b = self.batch_mut(layer)?;
-                if decode { b.decode(&k, &v, &q, scale, &masks) } else { b.window(&k, &v, &q, scale, &masks) }
-                    .map_err(|e| unexpected("rows read", e))?
+                if compiled {
+                    compiled_step(b, &k, &v, &q, scale, &masks)?
+                } else if decode {
+                    b.decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("rows read", e))?
+                } else {
+                    b.window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("rows read", e))?
+                }
             };
             if conv != mconv {
                 return Err(Failure::new("conversion", format!("rows converted {conv:?}, the model says {mconv:?}")));
@@ -146,12 +151,23 @@ impl TransitionFamily {
         self.rows_model.rows.iter().map(|r| r.ring.len()).collect()
     }
 
+    /// The running batch's decode through the rows' compiled step (`prepare_step`, `step_slots`, the pure steps,
+    /// `apply_step`), checked as the ordinary decode is: each row against the model and its lego twin's ordinary
+    /// decode, conversions against the model's.
+    pub(super) fn batch_step_compiled(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
+        if cx.roster.rows().is_empty() {
+            return Ok(false);
+        }
+        self.forward(cx, 1, true, true)?;
+        Ok(true)
+    }
+
     pub(super) fn batch_read(&mut self, cx: &mut Cx<'_>, len: usize, decode: bool) -> Res<bool> {
         let roster = cx.roster;
         if roster.rows().is_empty() || len == 0 {
             return Ok(false);
         }
-        self.forward(cx, len, decode)?;
+        self.forward(cx, len, decode, false)?;
         Ok(true)
     }
 
@@ -226,7 +242,7 @@ impl TransitionFamily {
             }
         }
         self.rows_model.round_begin().map_err(|e| model_fail("round_begin", e))?;
-        let conv = self.forward(cx, gamma, false)?;
+        let conv = self.forward(cx, gamma, false, false)?;
         if !conv.is_empty() {
             return Err(Failure::new("conversion", format!("rows {conv:?} converted inside an armed round")));
         }
@@ -292,4 +308,45 @@ impl TransitionFamily {
         }
         Ok(true)
     }
+}
+
+/// One compiled decode step of the bf16-first rows: every slot's pure step (a serial row's `decode_step` in its own
+/// storage, or the packed batch's `rows_decode_step` under the forward's mask), then the apply. Returns the batch's
+/// output (the slots' outputs joined along the batch) and the rows converted.
+fn compiled_step(
+    b: &mut kvsim_cache::TransitioningKvRows,
+    k: &mlx_rs::Array,
+    v: &mlx_rs::Array,
+    q: &mlx_rs::Array,
+    scale: f32,
+    masks: &Masks,
+) -> Res<(mlx_rs::Array, Vec<usize>)> {
+    let plan = b.prepare_step().map_err(|e| unexpected("prepare_step", e))?;
+    let slots = b.step_slots(&plan, masks).map_err(|e| unexpected("step_slots", e))?;
+    let (mut outs, mut parts) = (Vec::with_capacity(slots.len()), Vec::with_capacity(slots.len()));
+    for (r, slot) in slots.into_iter().enumerate() {
+        let o = match slot.fetch {
+            Some(fetch) => {
+                let one = |x: &mlx_rs::Array| row_of(x, r);
+                let inputs: Vec<mlx_rs::Array> =
+                    slot.inputs.into_iter().chain([one(q), one(k), one(v), slot.rope]).collect();
+                kvsim_cache::decode_step(slot.storage, fetch, None, scale, &inputs)
+            }
+            None => {
+                let mask = match &slot.mask {
+                    kvsim_cache::MaskUse::Array(m) => Some(&**m),
+                    _ => None,
+                };
+                let inputs: Vec<mlx_rs::Array> =
+                    slot.inputs.into_iter().chain([q.clone(), k.clone(), v.clone(), slot.rope]).collect();
+                kvsim_cache::rows_decode_step(slot.storage, mask, None, scale, &inputs)
+            }
+        }
+        .map_err(|e| unexpected("step", e))?;
+        parts.push(o[0].clone());
+        outs.push(o);
+    }
+    let out = mlx_rs::ops::concatenate(&parts, 0).map_err(|e| unexpected("join outputs", e.into()))?;
+    let (_, conv) = b.apply_step(&plan, outs).map_err(|e| unexpected("apply_step", e))?;
+    Ok((out, conv))
 }
