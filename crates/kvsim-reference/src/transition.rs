@@ -423,6 +423,28 @@ impl RowsModel {
         })
     }
 
+    /// One position of a committed read under known spans (R-TKV-7): row `r` decodes `toks[r]` when it is `Some`
+    /// (reading in the precision its storage had before the write) and is left as it is when `None` (an empty
+    /// read). Then, outside a prefill and a round, every row whose transition is due converts. A pending prepared
+    /// prefill is refused. Returns the reads and the rows that converted.
+    pub fn decode_some(&mut self, toks: &[Option<Tok>]) -> Result<(Vec<RowRead>, Vec<usize>)> {
+        self.per_row(toks)?;
+        if self.pending.is_some() {
+            return Err(ModelError::PendingPrefill.into());
+        }
+        self.transact(|s| {
+            let mut reads = Vec::with_capacity(toks.len());
+            for (row, t) in s.rows.iter_mut().zip(toks) {
+                reads.push(match t {
+                    Some(t) => row.write(&[*t], true)?,
+                    None => RowRead { precision: row.precision(), queries: Vec::new() },
+                });
+            }
+            let converted = if s.prefilling || s.round.is_some() { Vec::new() } else { s.settle_all() };
+            Ok((reads, converted))
+        })
+    }
+
     /// The plain read (`update_and_fetch`, one dense K/V for the whole batch): refused while any row is affine or
     /// the rows are packed (`MixedPrecision`), with nothing changed.
     pub fn check_plain_read(&self) -> Result<()> {

@@ -434,3 +434,42 @@ proptest! {
         }
     }
 }
+
+// ---- known spans: each row its own committed span ----
+
+#[test]
+fn known_span_positions_decode_only_the_rows_still_in_their_span() {
+    // Row 0 commits 3 positions, row 1 one: row 1 is untouched after its span, and each row ends as its lego would
+    // after its own decodes (row 0 reaches start 4 inside its span and converts; row 1 stops short of it).
+    let s = spec(Some(6), Some(4));
+    let (a, b) = (lego_after(s, 0, &[2]), lego_after(s, 1, &[2]));
+    let mut rows = RowsModel::merge(s, vec![a.row.clone(), b.row.clone()]).unwrap();
+    let lens = [3, 1];
+    let mut converted = vec![];
+    for i in 0..3 {
+        let col: Vec<Option<Tok>> = [(0u32, 2usize), (1, 2)]
+            .iter()
+            .zip(lens)
+            .map(|(&(r, off), n)| (i < n).then(|| Tok::new(r, (off + i) as u32)))
+            .collect();
+        let (reads, c) = rows.decode_some(&col).unwrap();
+        assert_eq!(reads[1].queries.is_empty(), i >= 1, "row 1 reads only inside its span");
+        converted.extend(c);
+    }
+    let (mut la, mut lb) = (a, b);
+    for p in 2..5 {
+        la.append(&[Tok::new(0, p)], true).unwrap();
+    }
+    lb.append(&[Tok::new(1, 2)], true).unwrap();
+    assert_eq!(converted, vec![0], "row 0 converts as it reaches start, row 1 does not");
+    assert_eq!(rows.rows[0].offset(), la.row.offset());
+    assert_eq!(rows.rows[1].offset(), lb.row.offset());
+    assert_eq!(rows.rows[0].converted_at, la.row.converted_at);
+    assert_eq!(rows.rows[0].ring.temporal_view(), la.row.ring.temporal_view());
+    assert_eq!(rows.rows[1].ring.temporal_view(), lb.row.ring.temporal_view());
+    // A prepared prefill refuses the known-span read, nothing changed.
+    rows.pending = Some(vec![1, 0]);
+    let before = rows.clone();
+    assert!(rows.decode_some(&[Some(Tok::new(0, 5)), None]).is_err());
+    assert_eq!(rows, before);
+}

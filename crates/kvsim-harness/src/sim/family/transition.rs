@@ -102,6 +102,7 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::Filter
             | OpKind::CommitSpan
             | OpKind::CompiledBatchStep
+            | OpKind::CommitKnownSpans
             | OpKind::PrefixReuse
             | OpKind::PlainRead
             | OpKind::Persist
@@ -114,7 +115,8 @@ pub const LEGO_NAME: &str = "bf16-first";
 /// What the serial legos can be asked: the rows' ops (the running batch is a set of serial legos, one call each)
 /// and the serial trims.
 pub fn supports_legos(k: OpKind) -> bool {
-    (supports(k) && k != OpKind::CompiledBatchStep) || matches!(k, OpKind::SoloTrim | OpKind::Trim)
+    (supports(k) && !matches!(k, OpKind::CompiledBatchStep | OpKind::CommitKnownSpans))
+        || matches!(k, OpKind::SoloTrim | OpKind::Trim)
 }
 
 /// The bf16-first family, in about a quarter of the runs.
@@ -344,6 +346,7 @@ impl Family for TransitionFamily {
             Op::SoloDecode { req } => self.solo_append(cx, *req, 1, true),
             Op::Decode => self.batch_read(cx, 1, true),
             Op::CompiledBatchStep => self.batch_step_compiled(cx),
+            Op::CommitKnownSpans { lens } => self.commit_known_spans(cx, lens),
             Op::Window { len } => self.batch_read(cx, *len as usize, false),
             Op::Verify { gamma, accept } => self.verify(cx, *gamma as usize, accept),
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),

@@ -228,6 +228,72 @@ impl TransitionFamily {
         Ok(true)
     }
 
+    /// A committed read under known spans of unequal per-row lengths (R-TKV-7): row `r` commits `lens[r]` positions
+    /// (the op's list cut or padded with 0 to the batch), one decode per position, through
+    /// `TransitioningKvRows::commit_known_spans`. At each position every row still inside its span is checked
+    /// against the model's decode read (f64) and its lego twin's decode (bytes); conversions against the model's
+    /// (each row converts inside its own span as its lego does); rows past their span are left as they are (the
+    /// state checks after the op).
+    pub(super) fn commit_known_spans(&mut self, cx: &mut Cx<'_>, lens: &[u32]) -> Res<bool> {
+        let roster = cx.roster;
+        let n = roster.rows().len();
+        let lens: Vec<usize> = (0..n).map(|r| lens.get(r).copied().unwrap_or(0) as usize).collect();
+        let len = lens.iter().copied().max().unwrap_or(0);
+        if n == 0 || len == 0 {
+            return Ok(false);
+        }
+        // Every row is fed `len` positions from its offset; those past its span are never stored.
+        let toks: Vec<Vec<Tok>> =
+            (0..n).map(|r| Self::toks_from(roster.rows()[r], self.rows_model.rows[r].offset(), len)).collect();
+        let mut model = self.rows_model.clone();
+        let mut steps = Vec::with_capacity(len);
+        let mut mconv = Vec::new();
+        for i in 0..len {
+            let packed = model.packed;
+            let col: Vec<Option<Tok>> = (0..n).map(|r| (i < lens[r]).then_some(toks[r][i])).collect();
+            let (reads, c) = model.decode_some(&col).map_err(|e| model_fail("rows known spans", e))?;
+            // Byte identity with the twin is claimed as for an unpadded decode only when every row decodes and the
+            // rows hold equal live lengths.
+            let live: Vec<usize> = model.rows.iter().map(|r| r.ring.len()).collect();
+            let all = col.iter().all(Option::is_some);
+            steps.push((reads, packed, all && live.iter().all(|&x| x == live[0])));
+            mconv.extend(c);
+        }
+        let scale = self.cfg.scale();
+        let masks = Masks::new();
+        for layer in 0..self.cfg.layers {
+            let (k, v, q) = self.kvq(layer, &toks);
+            let (out, conv) = self
+                .batch_mut(layer)?
+                .commit_known_spans(&k, &v, &q, scale, &masks, &lens)
+                .map_err(|e| unexpected("rows commit_known_spans", e))?;
+            if conv != mconv {
+                return Err(Failure::new(
+                    "conversion",
+                    format!("known spans {lens:?} converted {conv:?}, the model says {mconv:?}"),
+                ));
+            }
+            self.counters.conversions += conv.len() as u64;
+            for (i, (reads, packed, equal)) in steps.iter().enumerate() {
+                let i32_ = i as i32;
+                let ob = bytes_of(&out.index((.., .., i32_..i32_ + 1, ..)))?;
+                for r in (0..n).filter(|&r| i < lens[r]) {
+                    let id = roster.rows()[r];
+                    cx.hasher.update(&bytes_of(&row_of(&out, r).index((.., .., i32_..i32_ + 1, ..)))?.digest());
+                    let c = |a: &Array| row_of(a, r).index((.., .., i32_..i32_ + 1, ..));
+                    let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
+                    let (tw, _) =
+                        twin.decode(&c(&k), &c(&v), &c(&q), scale, &masks).map_err(|e| unexpected("twin decode", e))?;
+                    let tb = bytes_of(&tw)?;
+                    self.read_vs_model(layer, &ob, r, &toks[r][i..i + 1], &reads[r])?;
+                    self.read_vs_twin(&ob, r, &tb, 1, true, *packed, *equal)?;
+                }
+            }
+        }
+        self.rows_model = model;
+        Ok(true)
+    }
+
     /// A speculative round (module docs).
     pub(super) fn verify(&mut self, cx: &mut Cx<'_>, gamma: usize, accept: &[u32]) -> Res<bool> {
         let roster = cx.roster;
