@@ -11,6 +11,10 @@ use kvsim_cache::transition::TransitioningKvRows;
 use kvsim_cache::Masks;
 use kvsim_reference::Tok;
 
+/// One position of a committed span as the model read it: each row's read, whether the rows were packed, and
+/// whether every row decoded with equal live lengths (then the unpadded decode's byte claim holds).
+type SpanStep = (Vec<kvsim_reference::transition::RowRead>, bool, bool);
+
 impl TransitionFamily {
     // ----- solo requests (legos) ----------------------------------------------------------------------------
 
@@ -208,21 +212,7 @@ impl TransitionFamily {
                 return Err(Failure::new("conversion", format!("span converted {conv:?}, the model says {mconv:?}")));
             }
             self.counters.conversions += conv.len() as u64;
-            for (i, (reads, packed, equal)) in steps.iter().enumerate() {
-                let i32_ = i as i32;
-                let ob = bytes_of(&out.index((.., .., i32_..i32_ + 1, ..)))?;
-                cx.hasher.update(&ob.digest());
-                for r in 0..n {
-                    let id = roster.rows()[r];
-                    let c = |a: &Array| row_of(a, r).index((.., .., i32_..i32_ + 1, ..));
-                    let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
-                    let (tw, _) =
-                        twin.decode(&c(&k), &c(&v), &c(&q), scale, &masks).map_err(|e| unexpected("twin decode", e))?;
-                    let tb = bytes_of(&tw)?;
-                    self.read_vs_model(layer, &ob, r, &toks[r][i..i + 1], &reads[r])?;
-                    self.read_vs_twin(&ob, r, &tb, 1, true, *packed, *equal)?;
-                }
-            }
+            self.check_span_positions(cx, layer, &out, [&k, &v, &q], &toks, &steps, None)?;
         }
         self.rows_model = model;
         Ok(true)
@@ -274,24 +264,50 @@ impl TransitionFamily {
                 ));
             }
             self.counters.conversions += conv.len() as u64;
-            for (i, (reads, packed, equal)) in steps.iter().enumerate() {
-                let i32_ = i as i32;
-                let ob = bytes_of(&out.index((.., .., i32_..i32_ + 1, ..)))?;
-                for r in (0..n).filter(|&r| i < lens[r]) {
-                    let id = roster.rows()[r];
-                    cx.hasher.update(&bytes_of(&row_of(&out, r).index((.., .., i32_..i32_ + 1, ..)))?.digest());
-                    let c = |a: &Array| row_of(a, r).index((.., .., i32_..i32_ + 1, ..));
-                    let twin = &mut self.reqs.get_mut(&id).unwrap().twin[layer];
-                    let (tw, _) =
-                        twin.decode(&c(&k), &c(&v), &c(&q), scale, &masks).map_err(|e| unexpected("twin decode", e))?;
-                    let tb = bytes_of(&tw)?;
-                    self.read_vs_model(layer, &ob, r, &toks[r][i..i + 1], &reads[r])?;
-                    self.read_vs_twin(&ob, r, &tb, 1, true, *packed, *equal)?;
-                }
-            }
+            self.check_span_positions(cx, layer, &out, [&k, &v, &q], &toks, &steps, Some(&lens))?;
         }
         self.rows_model = model;
         Ok(true)
+    }
+
+    /// The outputs of a committed span, one position at a time: every row inside its span (all rows when `lens` is
+    /// `None`) against the model's decode read of that position (f64) and its lego twin's decode of it (bytes). The
+    /// run's hash takes the whole column of a whole span, and each decoding row's column under known spans (the
+    /// other rows' outputs are unspecified).
+    #[allow(clippy::too_many_arguments)]
+    fn check_span_positions(
+        &mut self,
+        cx: &mut Cx<'_>,
+        layer: usize,
+        out: &Array,
+        [k, v, q]: [&Array; 3],
+        toks: &[Vec<Tok>],
+        steps: &[SpanStep],
+        lens: Option<&[usize]>,
+    ) -> Res<()> {
+        let roster = cx.roster;
+        let (scale, masks) = (self.cfg.scale(), Masks::new());
+        for (i, (reads, packed, equal)) in steps.iter().enumerate() {
+            let i32_ = i as i32;
+            let col = |a: &Array| a.index((.., .., i32_..i32_ + 1, ..));
+            let ob = bytes_of(&col(out))?;
+            if lens.is_none() {
+                cx.hasher.update(&ob.digest());
+            }
+            for r in (0..toks.len()).filter(|&r| lens.is_none_or(|l| i < l[r])) {
+                if lens.is_some() {
+                    cx.hasher.update(&bytes_of(&col(&row_of(out, r)))?.digest());
+                }
+                let c = |a: &Array| col(&row_of(a, r));
+                let twin = &mut self.reqs.get_mut(&roster.rows()[r]).unwrap().twin[layer];
+                let (tw, _) =
+                    twin.decode(&c(k), &c(v), &c(q), scale, &masks).map_err(|e| unexpected("twin decode", e))?;
+                let tb = bytes_of(&tw)?;
+                self.read_vs_model(layer, &ob, r, &toks[r][i..i + 1], &reads[r])?;
+                self.read_vs_twin(&ob, r, &tb, 1, true, *packed, *equal)?;
+            }
+        }
+        Ok(())
     }
 
     /// A speculative round (module docs).
