@@ -104,6 +104,33 @@ impl MaskSpec {
     pub fn to_array(&self) -> Result<Array> {
         Ok(Array::from_slice(&self.visible, &[dim(self.rows)?, 1, dim(self.queries)?, dim(self.cols)?]))
     }
+
+    /// Row `b`'s block of this matrix: its first `queries` queries over its first `cols` columns, as a one-row
+    /// matrix. Out of range is [`crate::CacheError::InvalidState`].
+    pub fn block(&self, b: usize, queries: usize, cols: usize) -> Result<MaskSpec> {
+        if b >= self.rows || queries > self.queries || cols > self.cols {
+            return Err(super::error::invalid(format!(
+                "block of row {b}, {queries} x {cols}, of a {} x {} x {} mask",
+                self.rows, self.queries, self.cols
+            )));
+        }
+        let visible = (0..queries).flat_map(|i| (0..cols).map(move |c| self.is_visible(b, i, c))).collect();
+        Ok(MaskSpec { rows: 1, queries, cols, visible })
+    }
+}
+
+/// Row `b`'s block of a built mask ([`MaskSpec::block`]) with a view of the same MLX array (`[1, 1, queries, cols]`):
+/// how a row layout hands each of its rows its part of the one mask it built for the forward.
+pub(crate) fn row_block(
+    mask: &(Rc<MaskSpec>, Array),
+    b: usize,
+    queries: usize,
+    cols: usize,
+) -> Result<(Rc<MaskSpec>, Array)> {
+    use mlx_rs::ops::indexing::TryIndexOp;
+    let spec = mask.0.block(b, queries, cols)?;
+    let arr = mask.1.try_index((dim(b)?..dim(b + 1)?, .., 0..dim(queries)?, 0..dim(cols)?))?;
+    Ok((Rc::new(spec), arr))
 }
 
 /// How a read was attended: no mask, MLX's bottom-right `Causal`, or an explicit boolean mask.

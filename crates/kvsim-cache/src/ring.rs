@@ -630,25 +630,57 @@ impl SerialCache {
     /// A window read (R-ROT-3, R-C-2): writes the `L >= 1` positions by concatenation in temporal order (keeping
     /// the newest `min(len, W - 1)` columns), then attends every live column, causal within the window: `Causal`
     /// while `len <= W`, else the explicit sliding-window mask from `masks`.
+    /// The mask is this cache's, decided before the append (R-TKV-3): [`SerialCache::window_mask_key`].
     pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
         let l = check_kv(&self.spec, k, v, 1, 1)?;
         check_q(&self.spec, q, 1, l)?;
-        self.write_window(k, v)?;
-        let len = self.state.len;
-        let live = self.live()?;
+        let mask = self.window_mask_key(l).map(|key| masks.get(&key)).transpose()?;
+        self.window_with_mask(k, v, q, scale, mask)
+    }
+
+    /// Live columns after a window write of `l` positions, from the state before it: the newest `min(len, W - 1)`
+    /// stored columns are kept (all of them on a linear cache), then the `l` new ones.
+    pub fn window_len_after(&self, l: usize) -> usize {
+        window_keep(self.state.len, self.max_size) + l
+    }
+
+    /// The explicit mask a window read of `l` positions attends with, decided from the state before the write (a
+    /// read's mask comes before its append): `None` while the live columns after the write fit the window (MLX's
+    /// `Causal`), else the sliding-window geometry of [`SerialCache::window_len_after`] columns whose last `l` are
+    /// the window's.
+    pub fn window_mask_key(&self, l: usize) -> Option<MaskKey> {
+        let len = self.window_len_after(l);
         if self.max_size.is_none_or(|w| len <= w) {
-            return Ok((attend_planes(&self.storage, q, &live, scale, None, true)?, MaskUse::Causal));
+            return None;
         }
-        let key = MaskKey {
+        Some(MaskKey {
             kind: MaskKind::Window,
             lens: vec![len],
             real: vec![l],
             queries: l,
             window: self.max_size,
             cols: len,
-        };
-        let (spec, arr) = masks.get(&key)?;
-        Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+        })
+    }
+
+    /// The window write, then the read under `mask` (the one [`SerialCache::window_mask_key`] names, built by the
+    /// caller before the write; `None`: `Causal`). Shapes are the caller's to have checked.
+    pub(crate) fn window_with_mask(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        mask: Option<(std::rc::Rc<super::mask::MaskSpec>, Array)>,
+    ) -> Result<(Array, MaskUse)> {
+        self.write_window(k, v)?;
+        let live = self.live()?;
+        match mask {
+            None => Ok((attend_planes(&self.storage, q, &live, scale, None, true)?, MaskUse::Causal)),
+            Some((spec, arr)) => {
+                Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+            }
+        }
     }
 
     /// The window write without the read (appending context without attending).

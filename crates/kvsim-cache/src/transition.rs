@@ -263,6 +263,18 @@ impl Bf16FirstCache {
         self.cache.storage().dense(&self.cache.physical_planes()?)
     }
 
+    /// The softcapped read's fetch (R-TKV-4): appends the `L >= 1` positions (the window write), then answers as
+    /// [`Bf16FirstCache::dense`] (the caller owns both and attends them itself); then converts if due, as after a
+    /// read. Returns `(k, v)` and whether it converted. Bad shapes change nothing.
+    pub fn fetch(&mut self, k: &Array, v: &Array) -> Result<((Array, Array), bool)> {
+        let mut next = self.clone();
+        next.cache.append(k, v)?;
+        let kv = next.dense()?;
+        let converted = next.settle()?;
+        *self = next;
+        Ok((kv, converted))
+    }
+
     /// R-C-5 trim; precision and floor are kept (a trim below `start` keeps quantized storage).
     pub fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
         self.cache.trim(n, bypass)
@@ -624,15 +636,20 @@ impl TransitioningKvRows {
                         });
                     }
                 }
+                let l = check_kv(&self.spec, k, v, n, 1)?;
+                check_q(&self.spec, q, n, l)?;
+                // This layout's mask, before any row appends.
+                let row_masks =
+                    if decode { vec![None; n] } else { layout_window_masks(caches, l, &vec![l; n], masks)? };
                 // Every row reads on a copy first, so a failing row leaves all rows unchanged.
                 let mut next = caches.clone();
                 let mut outs = Vec::with_capacity(n);
-                for (i, c) in next.iter_mut().enumerate() {
+                for ((i, c), mask) in next.iter_mut().enumerate().zip(row_masks) {
                     let (ki, vi, qi) = (row_slice(k, i, i + 1)?, row_slice(v, i, i + 1)?, row_slice(q, i, i + 1)?);
                     let o = if decode {
                         c.decode(&ki, &vi, &qi, scale, masks)?
                     } else {
-                        c.window(&ki, &vi, &qi, scale, masks)?
+                        c.window_with_mask(&ki, &vi, &qi, scale, mask)?
                     };
                     outs.push(o.0);
                 }
@@ -665,13 +682,15 @@ impl TransitioningKvRows {
         let out = match &mut next.store {
             Store::Packed(b) => b.window(k, v, q, scale, masks)?.0,
             Store::Rows(caches) => {
+                let row_masks = layout_window_masks(caches, l, &real, masks)?;
                 let mut outs = Vec::with_capacity(n);
-                for (i, c) in caches.iter_mut().enumerate() {
+                for ((i, c), mask) in caches.iter_mut().enumerate().zip(row_masks) {
                     let r = real[i];
                     let mut parts = Vec::with_capacity(2);
                     if r > 0 {
                         let (ki, vi, qi) = (row_slice(k, i, i + 1)?, row_slice(v, i, i + 1)?, row_slice(q, i, i + 1)?);
-                        parts.push(c.window(&cols(&ki, 0, r)?, &cols(&vi, 0, r)?, &cols(&qi, 0, r)?, scale, masks)?.0);
+                        let (kr, vr, qr) = (cols(&ki, 0, r)?, cols(&vi, 0, r)?, cols(&qi, 0, r)?);
+                        parts.push(c.window_with_mask(&kr, &vr, &qr, scale, mask)?.0);
                     }
                     if r < l {
                         parts.push(zeros(&[1, hq, l - r, self.spec.head_dim], self.spec.dtype.to_mlx())?);
@@ -869,6 +888,42 @@ impl TransitioningKvRows {
             Store::Rows(caches) => caches.iter().map(|c| c.storage().dense(&c.physical_planes()?)).collect(),
             Store::Packed(b) => (0..b.rows()).map(|i| b.storage().dense(&b.row_physical_planes(i)?)).collect(),
         }
+    }
+
+    /// The softcapped read's fetch (R-TKV-4): the transition first (nothing is left due outside a prefill or a
+    /// round: rows settle after every call), then every row appends its `L >= 1` positions (each unpacked row's ring
+    /// by its window write, or the packed batch's), then the rows answer as
+    /// [`TransitioningKvRows::dense_fetch_aligned`] (each row as its storage fetches it dense, converted rows
+    /// dequantized, joined along the batch behind their left padding; the caller owns both); then, outside a
+    /// prefill and a round, the rows whose transition is due convert, as after a read. Row `r`'s part is exactly
+    /// its lego's [`Bf16FirstCache::fetch`]. Returns `(k, v)` and the rows converted. While a right-padded prefill
+    /// is pending: [`CacheError::PendingPrefill`]; bad shapes: typed errors; errors change nothing.
+    pub fn fetch(&mut self, k: &Array, v: &Array) -> Result<((Array, Array), Vec<usize>)> {
+        if self.pending.is_some() {
+            return Err(CacheError::PendingPrefill);
+        }
+        let n = self.rows();
+        check_kv(&self.spec, k, v, n, 1)?;
+        let mut next = self.clone();
+        match &mut next.store {
+            Store::Packed(b) => b.append(k, v)?,
+            Store::Rows(caches) => {
+                for (i, c) in caches.iter_mut().enumerate() {
+                    c.append(&row_slice(k, i, i + 1)?, &row_slice(v, i, i + 1)?)?;
+                }
+            }
+        }
+        let kv = next.dense_fetch_aligned()?;
+        let converted = next.settle_all()?;
+        *self = next;
+        Ok((kv, converted))
+    }
+
+    /// The plain read (`update_and_fetch`): [`TransitioningKvRows::check_plain_read`] (refused while any row is
+    /// affine, nothing changed), then [`TransitioningKvRows::fetch`].
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<((Array, Array), Vec<usize>)> {
+        self.check_plain_read()?;
+        self.fetch(k, v)
     }
 
     /// R-TKV-4's aligned form: the rows joined along the batch in one geometry, `[B, H_kv, width, D]` each for K
@@ -1218,6 +1273,38 @@ impl TransitioningKvRows {
         *self = next;
         Ok(())
     }
+}
+
+/// The unpacked rows' one mask of a window read (R-TKV-3), built through `masks` before any row appends: the
+/// sliding-window geometry of every row after its write of `real[r]` of the `l` positions (`lens`: each row's
+/// [`SerialCache::window_len_after`]), built only when some row's read needs an explicit mask
+/// ([`SerialCache::window_mask_key`]); each such row gets its block (its `real[r]` queries over its own columns,
+/// exactly the matrix its own geometry builds), the others `None` (`Causal`, as their serial read).
+fn layout_window_masks(
+    caches: &[SerialCache],
+    l: usize,
+    real: &[usize],
+    masks: &Masks,
+) -> Result<Vec<Option<(std::rc::Rc<super::mask::MaskSpec>, Array)>>> {
+    let needs: Vec<bool> = caches.iter().zip(real).map(|(c, &r)| r > 0 && c.window_mask_key(r).is_some()).collect();
+    if !needs.iter().any(|&x| x) {
+        return Ok(vec![None; caches.len()]);
+    }
+    let lens: Vec<usize> = caches.iter().zip(real).map(|(c, &r)| c.window_len_after(r)).collect();
+    let key = super::mask::MaskKey {
+        kind: super::mask::MaskKind::Window,
+        lens: lens.clone(),
+        real: real.to_vec(),
+        queries: l,
+        window: caches.first().and_then(SerialCache::max_size),
+        cols: lens.iter().copied().max().unwrap_or(0).max(1),
+    };
+    let mask = masks.get(&key)?;
+    needs
+        .iter()
+        .enumerate()
+        .map(|(r, &need)| need.then(|| super::mask::row_block(&mask, r, real[r], lens[r])).transpose())
+        .collect()
 }
 
 #[cfg(test)]

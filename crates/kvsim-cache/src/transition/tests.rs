@@ -660,3 +660,81 @@ fn rows_compiled_step_equals_the_ordinary_decode_through_conversion_packing_and_
     let plan = rows.prepare_step().unwrap();
     assert!(matches!(rows.apply_step(&plan, vec![]), Err(CacheError::StepMismatch { .. })));
 }
+
+/// R-TKV-3 on unpacked rows: one window read of rows whose geometries differ (past the window, inside it, a lone
+/// wide row) builds one mask for the whole layout before any row appends (every later layer finds it), and each row's
+/// output is byte-identical to its lego's own window read under its own mask.
+#[test]
+fn unpacked_rows_build_one_mask_for_the_layout_before_the_append() {
+    let spec = tspec();
+    for (w, lens, l) in [(Some(4), vec![5, 1, 3], 3), (Some(6), vec![2, 7], 2), (None, vec![3, 1], 2)] {
+        let legos = legos_after_windows(spec, w, tr(None), &lens, 120);
+        let mut rows = TransitioningKvRows::merge(spec, w, tr(None), legos.clone()).unwrap();
+        assert!(!rows.is_packed());
+        let mut twins = legos;
+        let (k, v, q) = kvq(&spec, 121, lens.len(), l);
+        let masks = Masks::new();
+        let out = rows.window(&k, &v, &q, 0.3, &masks).unwrap().0;
+        let explicit = lens.iter().any(|&n| w.is_some_and(|w| window_keep_len(n, w) + l > w));
+        assert_eq!(masks.builds(), usize::from(explicit), "w {w:?} lens {lens:?}: one layout mask, or none needed");
+        // A second layer of the same forward finds it.
+        let mut layer2 = TransitioningKvRows::merge(spec, w, tr(None), twins.clone()).unwrap();
+        layer2.window(&k, &v, &q, 0.3, &masks).unwrap();
+        assert_eq!(masks.builds(), usize::from(explicit));
+        for (r, twin) in twins.iter_mut().enumerate() {
+            let own = twin.window(&row(&k, r), &row(&v, r), &row(&q, r), 0.3, &Masks::new()).unwrap().0;
+            assert_same_bytes(&row(&out, r), &own, &format!("w {w:?} row {r}: the lego's own read"));
+        }
+    }
+}
+
+fn window_keep_len(len: usize, w: usize) -> usize {
+    len.min(w - 1)
+}
+
+/// R-TKV-4: the softcapped fetch appends, then answers; each row's part of the aligned tensor is its lego's own
+/// fetch of the same positions (bf16, then dequantized after a conversion, then packed), the conversions after the
+/// fetch are the legos'; `update_and_fetch` is refused while any row is affine; a fetch while a prepared prefill is
+/// pending and bad shapes change nothing.
+#[test]
+fn rows_fetch_appends_then_answers_as_each_legos_fetch() {
+    let spec = tspec();
+    for (w, lens) in [(Some(6), vec![2, 4]), (None, vec![3, 1, 2]), (Some(4), vec![3])] {
+        let t = tr(Some(5));
+        let legos = legos_after_windows(spec, w, t, &lens, 130);
+        let mut rows = TransitioningKvRows::merge(spec, w, t, legos.clone()).unwrap();
+        let mut twins = legos;
+        for step in 0..4u64 {
+            let (k, v, _) = kvq(&spec, 131 + step, lens.len(), 2);
+            let mixed = rows.check_plain_read().is_err();
+            let before = rows.clone();
+            if mixed {
+                assert!(matches!(rows.update_and_fetch(&k, &v), Err(CacheError::MixedPrecision { .. })));
+                assert_eq!(rows.offsets(), before.offsets(), "a refused plain read changes nothing");
+            }
+            let ((ak, av), conv) = rows.fetch(&k, &v).unwrap();
+            let mut twin_conv = vec![];
+            for (r, (twin, m)) in twins.iter_mut().zip(before.lifecycle()).enumerate() {
+                let ((tk, tv), c) = twin.fetch(&row(&k, r), &row(&v, r)).unwrap();
+                if c {
+                    twin_conv.push(r);
+                }
+                let n = tk.shape()[2] as usize;
+                let pad = if lens.len() == 1 { 0 } else { m.left_pad };
+                assert_same_bytes(&cols(&row(&ak, r), pad, pad + n).unwrap(), &tk, &format!("row {r} keys"));
+                assert_same_bytes(&cols(&row(&av, r), pad, pad + n).unwrap(), &tv, &format!("row {r} values"));
+            }
+            assert_eq!(conv, twin_conv, "w {w:?} step {step}: the rows converted as their legos");
+            assert_eq!(rows.offsets(), twins.iter().map(Bf16FirstCache::offset).collect::<Vec<_>>());
+        }
+        assert!(rows.lifecycle().iter().all(|m| m.converted_at.is_some()), "every row crossed start by a fetch");
+    }
+    let (w, t) = (Some(6), tr(Some(5)));
+    let mut rows = TransitioningKvRows::merge(spec, w, t, legos_after_windows(spec, w, t, &[2, 3], 140)).unwrap();
+    let (k, v, _) = kvq(&spec, 141, 2, 1);
+    let (bad, _, _) = kvq(&spec, 142, 3, 1);
+    assert!(matches!(rows.fetch(&bad, &v), Err(CacheError::ShapeMismatch { .. })));
+    rows.prepare(&[1, 2]).unwrap();
+    assert!(matches!(rows.fetch(&k, &v), Err(CacheError::PendingPrefill)));
+    assert_eq!(rows.offsets(), vec![2, 3], "refused fetches change nothing");
+}

@@ -20,9 +20,15 @@ pub struct Generator {
     drawers: Vec<(OpKind, fn(&SimConfig, &mut ChaCha8Rng) -> Op)>,
     /// Whether the next op is a contract op ([`Stream::Contract`]), and its parameters.
     contract: ChaCha8Rng,
+    /// Whether the next op is the rows' softcapped fetch ([`Stream::Fetch`]), and its length.
+    fetch: ChaCha8Rng,
     /// The families' registry, for which contract ops the run's families support.
     registry: Registry,
 }
+
+/// The chance, per op with a running batch in a run that may draw it, that the generator draws the bf16-first
+/// rows' softcapped fetch ([`Op::Fetch`]) instead.
+pub const FETCH_CHANCE: f64 = 0.04;
 
 /// The chance, per op with a running batch, that the generator draws one of the contract ops instead.
 pub const CONTRACT_OP_CHANCE: f64 = 0.03;
@@ -49,6 +55,18 @@ impl Generator {
         self.registry.all_support(&names, op.kind()).then_some(op)
     }
 
+    /// The softcapped fetch, drawn only from [`Stream::Fetch`] and only in runs whose families all support it and
+    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`].
+    fn fetch_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
+        let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
+        let allowed =
+            self.registry.all_support(&names, OpKind::Fetch) && self.registry.owners_present(&names, OpKind::Fetch);
+        if v.rows.is_empty() || !allowed || !self.fetch.random_bool(FETCH_CHANCE) {
+            return None;
+        }
+        Some(Op::Fetch { len: self.fetch.random_range(1..=cfg.max_chunk.max(1) as u32) })
+    }
+
     /// The generator of `seed` over kvsim's own families.
     pub fn new(seed: u64) -> Generator {
         Generator::new_in(seed, Registry::builtin())
@@ -59,14 +77,17 @@ impl Generator {
         let drawers = registry.op_drawers();
         let (work, spec, prefill) =
             (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
-        let contract = stream(seed, Stream::Contract);
-        Generator { work, spec, prefill, drawers, contract, registry: registry.clone() }
+        let (contract, fetch) = (stream(seed, Stream::Contract), stream(seed, Stream::Fetch));
+        Generator { work, spec, prefill, drawers, contract, fetch, registry: registry.clone() }
     }
 
     /// The next op for `view`. Kinds that cannot apply now are left out of the draw.
     pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
         let rows = v.rows.len();
         if let Some(op) = self.contract_op(cfg, v) {
+            return op;
+        }
+        if let Some(op) = self.fetch_op(cfg, v) {
             return op;
         }
         let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
@@ -87,7 +108,7 @@ impl Generator {
                 OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
                 OpKind::Quantize => true,
                 // Never by weight: `contract_op`.
-                OpKind::CompiledBatchStep | OpKind::CommitKnownSpans => false,
+                OpKind::CompiledBatchStep | OpKind::CommitKnownSpans | OpKind::Fetch => false,
                 OpKind::Persist => !v.solo.is_empty(),
                 OpKind::EncoderRead => rows > 0 || !v.solo.is_empty(),
             }
@@ -217,6 +238,7 @@ impl Generator {
             OpKind::CompiledStep => Op::CompiledStep { req: v.solo[w.random_range(0..v.solo.len())].0 },
             OpKind::CompiledBatchStep => Op::CompiledBatchStep,
             OpKind::CommitKnownSpans => Op::CommitKnownSpans { lens: vec![1; rows] },
+            OpKind::Fetch => Op::Fetch { len: 1 },
             OpKind::TrainingForward => {
                 let len = w.random_range(1..=12u32);
                 let rows = w.random_range(1..=3);

@@ -106,6 +106,10 @@ pub enum Op {
     /// The plain (dense `update_and_fetch`) read of the bf16-first rows: refused with `MixedPrecision` while any row
     /// is affine, nothing changed; the dense fetch is checked beside it.
     PlainRead,
+    /// The softcapped read's fetch on the bf16-first rows (R-TKV-4): every row appends `len` positions, then the
+    /// rows answer with one aligned dense K/V (each row's part against its lego twin's own fetch, the geometry and
+    /// the conversions against the model's).
+    Fetch { len: u32 },
     /// The running batch is rebuilt, every layer, from its own owned buffers and per-row states through
     /// `RowBatch::adopt` (plain storage) / `adopt_planes` (R-BROT-8): the adopted batch must hold every byte and
     /// every row state as before. With `invalid`, row `0`'s state is made impossible first (`len` past the buffer's
@@ -211,6 +215,7 @@ pub enum OpKind {
     Quantize,
     Persist,
     EncoderRead,
+    Fetch,
 }
 
 impl OpKind {
@@ -247,6 +252,7 @@ impl OpKind {
         OpKind::Quantize,
         OpKind::Persist,
         OpKind::EncoderRead,
+        OpKind::Fetch,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -284,6 +290,7 @@ impl OpKind {
             OpKind::Quantize => "quantize",
             OpKind::Persist => "persist",
             OpKind::EncoderRead => "encoder_read",
+            OpKind::Fetch => "fetch",
         }
     }
 
@@ -310,6 +317,8 @@ impl OpKind {
             OpKind::CompiledStep => 3,
             // Drawn from their own stream (`gen::CONTRACT_OPS`), never by weight.
             OpKind::CompiledBatchStep | OpKind::CommitKnownSpans => 0,
+            // Drawn from its own stream (`Stream::Fetch`), never by weight.
+            OpKind::Fetch => 0,
             OpKind::TrainingForward => 6,
             OpKind::PrefixSharedForward => 3,
             OpKind::TrainingRefusal => 1,
@@ -332,7 +341,7 @@ impl OpKind {
 
     /// The bf16-first family's own kinds: drawn only in runs that hold it.
     pub fn is_transition(self) -> bool {
-        matches!(self, OpKind::PrefixReuse | OpKind::PlainRead)
+        matches!(self, OpKind::PrefixReuse | OpKind::PlainRead | OpKind::Fetch)
     }
 
     /// The conversion op: drawn only in runs that hold the quantized family (`sim::family::quant`), with a weight
@@ -342,10 +351,10 @@ impl OpKind {
     }
 
     /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
-    /// family that draws it), save/restore and the encoder read (each weighted from its own stream) and the
-    /// contract ops (drawn from theirs).
+    /// family that draws it), save/restore and the encoder read (each weighted from its own stream), the contract
+    /// ops and the softcapped fetch (drawn from theirs).
     pub fn in_base_swarm(self) -> bool {
-        !self.is_quant() && !self.is_persist() && !self.is_encoder() && !self.is_contract()
+        !self.is_quant() && !self.is_persist() && !self.is_encoder() && !self.is_contract() && self != OpKind::Fetch
     }
 
     /// The ops of the contract's batched calls (the batched compiled step, known spans of unequal lengths): drawn
@@ -423,6 +432,7 @@ pub const API_CLASSES: &[&str] = &[
     "ill_formed/row_id",
     "prefix_reuse",
     "plain_read",
+    "fetch",
     "to_quantized",
     "to_quantized/mid_round",
     "persist/kvsim",
@@ -510,6 +520,7 @@ impl Op {
             }],
             Op::PrefixReuse { .. } => vec!["prefix_reuse"],
             Op::PlainRead => vec!["plain_read"],
+            Op::Fetch { .. } => vec!["fetch"],
             Op::Persist { mlxlm, .. } => vec![if *mlxlm { "persist/mlx-lm" } else { "persist/kvsim" }],
         }
     }
@@ -543,6 +554,7 @@ impl Op {
             Op::TrainingRefusal { .. } => OpKind::TrainingRefusal,
             Op::PrefixReuse { .. } => OpKind::PrefixReuse,
             Op::PlainRead => OpKind::PlainRead,
+            Op::Fetch { .. } => OpKind::Fetch,
             Op::Adopt { .. } => OpKind::Adopt,
             Op::DecodePhase => OpKind::DecodePhase,
             Op::Prepare { .. } => OpKind::Prepare,
@@ -575,6 +587,7 @@ impl Op {
             Op::Window { len } => out.extend(halve(*len).into_iter().map(|len| Op::Window { len })),
             Op::Append { len } => out.extend(halve(*len).into_iter().map(|len| Op::Append { len })),
             Op::CommitSpan { len } => out.extend(halve(*len).into_iter().map(|len| Op::CommitSpan { len })),
+            Op::Fetch { len } => out.extend(halve(*len).into_iter().map(|len| Op::Fetch { len })),
             Op::EncoderRead { req, len, window, batch } => {
                 out.extend(halve(*len).into_iter().map(|len| Op::EncoderRead {
                     req: *req,

@@ -38,6 +38,8 @@ pub enum Stream {
     Contract = 12,
     /// Whether a run draws the encoder read, and its weight (`sim::config`).
     Encoder = 13,
+    /// Whether the next op is the bf16-first rows' softcapped fetch (`Op::Fetch`), and its length.
+    Fetch = 14,
 }
 
 /// A generator for one subsystem of one seed.

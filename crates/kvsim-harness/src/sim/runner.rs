@@ -172,6 +172,7 @@ fn op_within_limits(op: &Op) -> bool {
         Op::CompiledBatchStep => true,
         Op::CommitKnownSpans { lens } => lens.len() <= 64 && lens.iter().all(|&l| ok(l)),
         Op::PlainRead => true,
+        Op::Fetch { len } => ok(*len) && *len >= 1,
         Op::PrefixReuse { common, prompt, extra } => ok(*common) && ok(*prompt) && ok(*extra),
         Op::Adopt { .. } | Op::DecodePhase | Op::IllFormed { .. } => true,
         Op::Prepare { lengths, chunk, chunks } => {

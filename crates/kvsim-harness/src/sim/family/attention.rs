@@ -208,7 +208,7 @@ impl Attention {
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => true,
             // The bf16-first family's own ops (prefix reuse from its stored entry, the refused plain read) touch
             // no cache here: `check_all` after the op proves it.
-            Op::PrefixReuse { .. } | Op::PlainRead => true,
+            Op::PrefixReuse { .. } | Op::PlainRead | Op::Fetch { .. } => true,
             Op::Adopt { invalid } => self.adopt(cx.roster, *invalid)?,
             Op::DecodePhase => self.decode_phases(cx.roster)?,
             Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,

@@ -96,6 +96,7 @@ pub const REGISTRATION: Registration = Registration::plain(
                 | OpKind::Quantize
                 | OpKind::PrefixReuse
                 | OpKind::PlainRead
+                | OpKind::Fetch
         )
     },
     0.4,
@@ -503,7 +504,8 @@ impl Family for Recurrent {
             | Op::IllFormed { .. }
             | Op::Quantize { .. }
             | Op::PrefixReuse { .. }
-            | Op::PlainRead => Ok(false),
+            | Op::PlainRead
+            | Op::Fetch { .. } => Ok(false),
         }
     }
 

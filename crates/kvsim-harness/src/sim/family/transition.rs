@@ -46,6 +46,9 @@
 //!   needed trim of a wrapped ring: `NotTrimmable`; nothing changed), then `extra` more positions continue it.
 //! - `PlainRead` (new): the plain read of the batch, refused with `MixedPrecision` while any row is affine; the
 //!   dense fetch (each row as its storage fetches it dense) against the twin's.
+//! - `Fetch { len }`: the softcapped read's fetch (R-TKV-4): every row appends `len` positions and the rows answer
+//!   with one aligned dense K/V; each row's part against its lego twin's own fetch (bytes), the padding and width
+//!   against the model's aligned geometry, the rows converted after it against the model's.
 //! - `Persist { req, mlxlm }` (both modes): a request outside the batch (a transitioning row handed back
 //!   to serial use, or a lego that never ran in the batch) saved in kvsim's format by its legos' own kind, dropped,
 //!   and restored from the bytes alone; `check_all` then compares the restored legos with their twins (planes,
@@ -54,7 +57,7 @@
 //!
 //! This file holds the family's parameters, state, helpers and the op dispatch; the rest lives in child modules:
 //! `lifecycle` (admit, merge/join, extract, filter), `reads` (appends, batch forwards, commit_span, verify),
-//! `prefill` (batch_prefill, chunked or padded), `prefix` (prefix_reuse, plain_read), `checks` (reads and state),
+//! `prefill` (batch_prefill, chunked or padded), `prefix` (prefix_reuse, plain_read, fetch), `checks` (reads and state),
 //! `persist`, and `legos` (lego mode).
 //!
 //! [`take`]: kvsim_reference::transition::take
@@ -105,6 +108,7 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::CommitKnownSpans
             | OpKind::PrefixReuse
             | OpKind::PlainRead
+            | OpKind::Fetch
             | OpKind::Persist
     ) || k.is_training()
 }
@@ -354,6 +358,7 @@ impl Family for TransitionFamily {
                 self.prefix_reuse(cx, *common as usize, *prompt as usize, *extra as usize)
             }
             Op::PlainRead => self.plain_read(cx),
+            Op::Fetch { len } => self.fetch(cx, *len as usize),
             Op::Persist { req, mlxlm } => self.persist(cx.roster, *req, *mlxlm),
             // The training kinds use their own stateless caches: every cache here must come out unchanged.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),

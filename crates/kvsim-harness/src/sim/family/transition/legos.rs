@@ -63,6 +63,7 @@ impl TransitionFamily {
                 self.prefix_reuse(cx, *common as usize, *prompt as usize, *extra as usize)
             }
             Op::PlainRead => self.lego_dense(cx),
+            Op::Fetch { len } => self.lego_fetch(cx, *len as usize),
             Op::Persist { req, mlxlm } => self.persist(cx.roster, *req, *mlxlm),
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),
             _ => Ok(false),
@@ -307,6 +308,44 @@ impl TransitionFamily {
     }
 
     /// Each lego's dense fetch against its twin's (bytes) and, while bf16, against the model's tokens.
+    /// The softcapped fetch (R-TKV-4) on each row's lego and its twin (`Bf16FirstCache::fetch` of the same `len`
+    /// positions): bytes equal, bf16 bytes against the model's tokens, each conversion against the model's.
+    fn lego_fetch(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
+        let roster = cx.roster;
+        if roster.rows().is_empty() || len == 0 {
+            return Ok(false);
+        }
+        for id in roster.rows().to_vec() {
+            let mut model = self.reqs[&id].model.clone();
+            let bf16 = model.row.converted_at.is_none();
+            let toks = Self::toks_from(id, model.row.offset(), len);
+            let (_, converted) = model.append(&toks, false).map_err(|e| model_fail("lego fetch", e))?;
+            let cols = model.row.ring.cols.clone();
+            for layer in 0..self.cfg.layers {
+                let (k, v, _) = self.kvq(layer, std::slice::from_ref(&toks));
+                let r = self.reqs.get_mut(&id).unwrap();
+                let ((lk, lv), did) = r.solo[layer].fetch(&k, &v).map_err(|e| unexpected("lego fetch", e))?;
+                let ((tk, tv), twin_did) = r.twin[layer].fetch(&k, &v).map_err(|e| unexpected("twin fetch", e))?;
+                check::flag("lego conversion at the fetch vs the model", did, converted)?;
+                check::flag("twin conversion at the fetch vs the model", twin_did, converted)?;
+                let (kb, vb) = (bytes_of(&lk)?, bytes_of(&lv)?);
+                check::bytes_equal("lego fetch keys vs the twin", &kb, &bytes_of(&tk)?)?;
+                check::bytes_equal("lego fetch values vs the twin", &vb, &bytes_of(&tv)?)?;
+                cx.hasher.update(&kb.digest());
+                if bf16 {
+                    self.planes_vs_model(layer, &format!("request {id} fetch"), &[kb, vb], &cols, false)?;
+                }
+                if did {
+                    self.counters.conversions += 1;
+                }
+                self.counters.record_state(mlx_rs::Dtype::Bfloat16, 2);
+                self.counters.bit_exact_state += 2;
+            }
+            self.reqs.get_mut(&id).unwrap().model = model;
+        }
+        Ok(true)
+    }
+
     fn lego_dense(&mut self, cx: &mut Cx<'_>) -> Res<bool> {
         let roster = cx.roster;
         if roster.rows().is_empty() {

@@ -62,12 +62,16 @@ impl TransitionFamily {
                 if !mconv.is_empty() {
                     return Err(Failure::new("model", "the model converted inside a prefill chunk"));
                 }
-                let masks = Masks::new();
+                let (masks, twin_masks) = (Masks::new(), Masks::new());
+                let mut first_layer_builds = 0;
                 for layer in 0..self.cfg.layers {
                     let (k, v, q) = self.kvq(layer, &toks);
                     let packed = cohort[layer].is_packed();
                     let (out, conv) =
                         cohort[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("cohort read", e))?;
+                    if layer == 0 {
+                        first_layer_builds = masks.builds();
+                    }
                     if !conv.is_empty() {
                         return Err(Failure::new(
                             "conversion",
@@ -79,13 +83,14 @@ impl TransitionFamily {
                     for r in 0..n {
                         let twin = &mut self.reqs.get_mut(&ids[r]).unwrap().twin[layer];
                         let (tw, _) = twin
-                            .window(&row_of(&k, r), &row_of(&v, r), &row_of(&q, r), scale, &masks)
+                            .window(&row_of(&k, r), &row_of(&v, r), &row_of(&q, r), scale, &twin_masks)
                             .map_err(|e| unexpected("twin chunk read", e))?;
                         let tb = bytes_of(&tw)?;
                         self.read_vs_model(layer, &ob, r, &toks[r], &reads[r])?;
                         self.read_vs_twin(&ob, r, &tb, l, false, packed, false)?;
                     }
                 }
+                self.check_one_mask_per_forward("cohort chunk", first_layer_builds, &masks)?;
             }
             // Each request commits its own chunk boundary (except the uncommitted ones).
             for r in (0..n).filter(|&r| !skip[r]) {
@@ -195,13 +200,17 @@ impl TransitionFamily {
                 if !mconv.is_empty() {
                     return Err(Failure::new("model", "the model converted at a prepared window"));
                 }
-                let masks = Masks::new();
+                let (masks, twin_masks) = (Masks::new(), Masks::new());
+                let mut first_layer_builds = 0;
                 for layer in 0..self.cfg.layers {
                     let (k, v, q) = self.kvq(layer, &toks);
                     let packed = cohort[layer].is_packed();
                     let (out, conv) = cohort[layer]
                         .window(&k, &v, &q, scale, &masks)
                         .map_err(|e| unexpected("prepared window", e))?;
+                    if layer == 0 {
+                        first_layer_builds = masks.builds();
+                    }
                     if !conv.is_empty() {
                         return Err(Failure::new(
                             "conversion",
@@ -218,13 +227,14 @@ impl TransitionFamily {
                         let c = |a: &Array| a.index((r as i32..r as i32 + 1, .., 0..real as i32, ..));
                         let twin = &mut self.reqs.get_mut(&ids[r]).unwrap().twin[layer];
                         let (tw, _) = twin
-                            .window(&c(&k), &c(&v), &c(&q), scale, &masks)
+                            .window(&c(&k), &c(&v), &c(&q), scale, &twin_masks)
                             .map_err(|e| unexpected("twin prefill read", e))?;
                         let tb = bytes_of(&tw)?;
                         self.read_vs_model(layer, &ob, r, &toks[r], &reads[r])?;
                         self.read_vs_twin(&ob, r, &tb, real, false, packed, false)?;
                     }
                 }
+                self.check_one_mask_per_forward("prepared window", first_layer_builds, &masks)?;
             }
             done += planned;
             // The requests whose prompt ended in this chunk commit (those of the last chunk, and the uncommitted

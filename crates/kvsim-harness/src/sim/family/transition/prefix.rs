@@ -1,11 +1,13 @@
 //! The bf16-first family's own ops on the rows: `prefix_reuse` (a `take` from the run's stored prefix-cache entry,
-//! then more positions) and `plain_read` (refused while any row is affine; the dense fetch against the twins').
+//! then more positions), `plain_read` (refused while any row is affine; the dense fetch against the twins') and
+//! `fetch` (the softcapped read's: every row appends, then one aligned dense K/V against the twins' own fetches).
 
-use super::{bytes_of, model_fail, same_error, unexpected, Res, Stored, TransitionFamily};
+use super::{bytes_of, model_fail, row_of, same_error, unexpected, Res, Stored, TransitionFamily};
 use crate::sim::check::{self, Failure};
 use crate::sim::family::Cx;
 use kvsim_cache::Masks;
 use kvsim_reference::transition::take;
+use kvsim_reference::Tok;
 
 impl TransitionFamily {
     /// Prefix reuse from the stored entry (module docs).
@@ -87,7 +89,8 @@ impl TransitionFamily {
                 (g, w) => return Err(Failure::new("errors", format!("plain read: model {w:?}, production {g:?}"))),
             }
             let dense = b.dense_fetch().map_err(|e| unexpected("dense fetch", e))?;
-            self.check_aligned_fetch(&b, &dense)?;
+            let aligned = b.dense_fetch_aligned().map_err(|e| unexpected("aligned dense fetch", e))?;
+            self.check_aligned_fetch(&self.rows_model.dense_fetch(), &aligned, &dense)?;
             for (r, (k, v)) in dense.iter().enumerate() {
                 let (tk, tv) =
                     self.reqs[&roster.rows()[r]].twin[layer].dense().map_err(|e| unexpected("twin dense", e))?;
@@ -102,18 +105,54 @@ impl TransitionFamily {
         Ok(true)
     }
 
+    /// The softcapped read's fetch (R-TKV-4) on the running batch: every row appends `len` positions (the model's
+    /// window write), the rows answer with one aligned dense K/V, checked against the model's aligned geometry
+    /// with each row's part against its lego twin's own fetch of the same positions (bytes); the rows converted
+    /// after the fetch against the model's, and each twin's conversion with its row's.
+    pub(super) fn fetch(&mut self, cx: &mut Cx<'_>, len: usize) -> Res<bool> {
+        let roster = cx.roster;
+        let n = roster.rows().len();
+        if n == 0 || len == 0 {
+            return Ok(false);
+        }
+        let toks: Vec<Vec<Tok>> =
+            (0..n).map(|r| Self::toks_from(roster.rows()[r], self.rows_model.rows[r].offset(), len)).collect();
+        let (_, mconv) = self.rows_model.append(&toks, false).map_err(|e| model_fail("fetch append", e))?;
+        let model = self.rows_model.dense_fetch();
+        for layer in 0..self.cfg.layers {
+            let (k, v, _) = self.kvq(layer, &toks);
+            let (aligned, conv) = self.batch_mut(layer)?.fetch(&k, &v).map_err(|e| unexpected("rows fetch", e))?;
+            if conv != mconv {
+                return Err(Failure::new("conversion", format!("the fetch converted {conv:?}, the model {mconv:?}")));
+            }
+            self.counters.conversions += conv.len() as u64;
+            let mut dense = Vec::with_capacity(n);
+            for r in 0..n {
+                let twin = &mut self.reqs.get_mut(&roster.rows()[r]).unwrap().twin[layer];
+                let (kv, converted) =
+                    twin.fetch(&row_of(&k, r), &row_of(&v, r)).map_err(|e| unexpected("twin fetch", e))?;
+                check::flag("the twin's conversion at the fetch vs its row's", converted, conv.contains(&r))?;
+                dense.push(kv);
+            }
+            self.check_aligned_fetch(&model, &aligned, &dense)?;
+            cx.hasher.update(&bytes_of(&aligned.0)?.digest());
+            self.counters.record_state(mlx_rs::Dtype::Bfloat16, 2);
+            self.counters.bit_exact_state += 2;
+        }
+        Ok(true)
+    }
+
     /// R-TKV-4's aligned form (one batch tensor) against the model's aligned geometry: its width, and per row and
     /// slot, zeros where the model has padding and the row's own dense fetch (compared with the lego twin by the
     /// caller) at the row's slots, in order.
     fn check_aligned_fetch(
         &mut self,
-        b: &kvsim_cache::TransitioningKvRows,
+        model: &[kvsim_reference::transition::DenseRow],
+        (ak, av): &(mlx_rs::Array, mlx_rs::Array),
         dense: &[(mlx_rs::Array, mlx_rs::Array)],
     ) -> Res<()> {
-        let (ak, av) = b.dense_fetch_aligned().map_err(|e| unexpected("aligned dense fetch", e))?;
-        let model = self.rows_model.dense_fetch();
         let width = model.first().map_or(0, |r| r.slots.len());
-        let (akb, avb) = (bytes_of(&ak)?, bytes_of(&av)?);
+        let (akb, avb) = (bytes_of(ak)?, bytes_of(av)?);
         if akb.shape.get(2).copied() != Some(width as i32) || akb.shape[0] as usize != model.len() {
             return Err(Failure::new(
                 "dense_fetch",

@@ -89,7 +89,6 @@ impl TransitionFamily {
         let masks = Masks::new();
         let twin_masks = Masks::new();
         let mut first_layer_builds = 0;
-        let mut packed_every_layer = true;
         let mut converted = Vec::new();
         for layer in 0..self.cfg.layers {
             let (k, v, q) = self.kvq(layer, &toks);
@@ -108,7 +107,6 @@ impl TransitionFamily {
             }
             self.counters.conversions += conv.len() as u64;
             let packed_before_read = self.read_packed_before(layer, &conv);
-            packed_every_layer &= packed_before_read;
             if layer == 0 {
                 first_layer_builds = masks.builds();
             }
@@ -134,14 +132,24 @@ impl TransitionFamily {
             }
             converted = conv;
         }
-        check::masks_shared_by_layers("rows forward", first_layer_builds, masks.builds())?;
-        if packed_every_layer || n == 1 {
-            // One layout read all rows: each mask family built once for the whole forward.
-            check::mask_memo("rows forward", &masks.families())?;
-        }
+        self.check_one_mask_per_forward("rows forward", first_layer_builds, &masks)?;
+        Ok(converted)
+    }
+
+    /// R-C-3 and R-TKV-3 for one forward of the rows (`masks` theirs alone, not the twins'): every later layer
+    /// found the first layer's masks, and one layout read all rows, packed or not (the unpacked rows build one
+    /// mask for all of them before they append), so each mask family was built once.
+    pub(super) fn check_one_mask_per_forward(
+        &mut self,
+        what: &str,
+        first_layer_builds: usize,
+        masks: &Masks,
+    ) -> Res<()> {
+        check::masks_shared_by_layers(what, first_layer_builds, masks.builds())?;
+        check::mask_memo(what, &masks.families())?;
         self.counters.mask_memo += 1;
         self.counters.checks += 1;
-        Ok(converted)
+        Ok(())
     }
 
     /// Whether the batch was packed when it read (it packs only at a boundary after the read: when rows converted
