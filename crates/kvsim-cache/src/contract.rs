@@ -95,6 +95,9 @@ pub struct Composed {
     /// The storage each row holds now, as a serial kind (one entry for a serial wrapper): what the row's bare
     /// storage routes as (`kv-plain`, then `kv:quant:<bits>:<group>` after a transition).
     pub storage: Vec<StorageKind>,
+    /// The kernel set the wrapper's reads attend with, by name ([`crate::KernelSet::name`]; the bf16-first
+    /// layouts), or `None` where the wrapper reads with its storage's own.
+    pub kernels: Option<String>,
 }
 
 /// Speculative rounds (R-C-6): arm before the verify forward, then commit on full acceptance or roll back keeping
@@ -390,7 +393,11 @@ impl Cache for ChunkedKvCache {
         ChunkedKvCache::storage_kind(self)
     }
     fn composed(&self) -> Option<Composed> {
-        Some(Composed { wrapper: ChunkedKvCache::storage_kind(self), storage: vec![self.cache().storage_kind()] })
+        Some(Composed {
+            wrapper: ChunkedKvCache::storage_kind(self),
+            storage: vec![self.cache().storage_kind()],
+            kernels: None,
+        })
     }
     fn rows(&self) -> usize {
         1
@@ -423,7 +430,11 @@ impl Cache for Bf16FirstCache {
         self.lego_kind()
     }
     fn composed(&self) -> Option<Composed> {
-        Some(Composed { wrapper: self.lego_kind(), storage: vec![Bf16FirstCache::storage_kind(self)] })
+        Some(Composed {
+            wrapper: self.lego_kind(),
+            storage: vec![Bf16FirstCache::storage_kind(self)],
+            kernels: Some(self.kernel_set().name()),
+        })
     }
     fn rows(&self) -> usize {
         1
@@ -508,7 +519,7 @@ impl Cache for TransitioningKvRows {
     }
     fn composed(&self) -> Option<Composed> {
         let wrapper = self.transition().lego_kind(TransitioningKvRows::max_size(self));
-        Some(Composed { wrapper, storage: self.row_storage_kinds() })
+        Some(Composed { wrapper, storage: self.row_storage_kinds(), kernels: Some(self.kernel_set().name()) })
     }
     fn rows(&self) -> usize {
         TransitioningKvRows::rows(self)

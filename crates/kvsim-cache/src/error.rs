@@ -48,6 +48,14 @@ pub enum CacheError {
         /// The first row index found a second time.
         row: usize,
     },
+    /// bf16-first legos that attend with different kernel sets cannot be merged into one layout (R-TKV-3).
+    #[error("kernel set mismatch: the rows attend with {expected}, a lego carries {found}")]
+    KernelSetMismatch {
+        /// The set the layout takes (its first lego's), by name.
+        expected: String,
+        /// The other lego's set, by name.
+        found: String,
+    },
     /// Caches with different windows (`max_size`) cannot be merged or joined.
     #[error("window mismatch: expected {expected:?}, found {found:?}")]
     WindowMismatch {

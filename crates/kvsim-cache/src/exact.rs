@@ -92,6 +92,20 @@ pub fn read_mode() -> ReadMode {
     MODE.with(|m| m.get())
 }
 
+/// Runs `f` under read mode `mode` on the calling thread, then restores the mode it had (also when `f` unwinds):
+/// how a layout attends with the kernel set it took when it was built, whatever the thread's mode is now.
+pub(crate) fn with_read_mode<T>(mode: ReadMode, f: impl FnOnce() -> T) -> T {
+    struct Restore(ReadMode);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set_read_mode(self.0);
+        }
+    }
+    let _restore = Restore(read_mode());
+    set_read_mode(mode);
+    f()
+}
+
 pub use crate::util::default_device_is_gpu;
 
 /// Whether reads on this thread go through the exact kernels now (exact mode on a GPU).

@@ -163,8 +163,8 @@ pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKv
 pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
 pub use training::{PrefixSharedCache, TrainingCache, TrainingSsmCache};
 pub use transition::{
-    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, RowLifecycle, RowsStep, StepSlot,
-    Transition, TransitioningKvRows,
+    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, KernelSet, RowLifecycle, RowsStep,
+    StepSlot, Transition, TransitioningKvRows,
 };
 
 /// Result of every fallible cache operation.

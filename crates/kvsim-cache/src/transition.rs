@@ -33,7 +33,8 @@ use super::kind::{DelayedKind, StorageKind};
 use super::mask::{MaskUse, Masks};
 use super::quant::{QuantSpec, Storage};
 use super::ring::SerialCache;
-use super::util::{check_kv, check_q, cols, rows as row_slice, zeros};
+use super::util::{check_kv, check_q, cols, ncols, rows as row_slice, zeros};
+use super::ReadMode;
 use super::{KvSpec, Result};
 
 /// When and to what a bf16-first cache converts: `start` (`None`: never, R-TKV-2) and the affine format.
@@ -73,12 +74,50 @@ impl Transition {
     }
 }
 
+/// The kernel set a bf16-first layout attends with (R-TKV-3), taken when the layout is built and named by its
+/// composition ([`KernelSet::name`]): the affine format its converted rings and packed rows read (`quant`, the
+/// transition's) and the read mode of every read ([`ReadMode`]: MLX's fused SDPA, or kvsim's batch-invariant
+/// kernels on a GPU). A lego takes it when it is created or restored, rows when they are merged (from their legos);
+/// rows a cohort extracts carry it into the layouts they join, and legos carrying different sets are not merged
+/// ([`CacheError::KernelSetMismatch`]). Reads run under it whatever the thread's mode is later
+/// ([`super::set_read_mode`] changes what new layouts take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct KernelSet {
+    /// The affine format of the converted storage.
+    pub quant: QuantSpec,
+    /// How every read of the layout attends.
+    pub mode: ReadMode,
+}
+
+impl KernelSet {
+    /// The set a layout of this format takes now: the calling thread's read mode ([`super::read_mode`]).
+    pub fn taken_now(quant: QuantSpec) -> KernelSet {
+        KernelSet { quant, mode: super::read_mode() }
+    }
+
+    /// The set's name: `affine:<bits>:<group>:fused` or `affine:<bits>:<group>:exact`.
+    pub fn name(&self) -> String {
+        let mode = match self.mode {
+            ReadMode::Fused => "fused",
+            ReadMode::Exact => "exact",
+        };
+        format!("affine:{}:{}:{mode}", self.quant.bits, self.quant.group)
+    }
+
+    /// Runs `f` under this set's read mode.
+    fn run<T>(&self, f: impl FnOnce() -> T) -> T {
+        super::exact::with_read_mode(self.mode, f)
+    }
+}
+
 /// A serial bf16-first cache (the lego): a [`SerialCache`] in bf16 (the spec's dtype) that converts to affine storage
 /// at its transition, with its floor and its armed round.
 #[derive(Debug, Clone)]
 pub struct Bf16FirstCache {
     cache: SerialCache,
     transition: Transition,
+    kernels: KernelSet,
     converted_at: Option<usize>,
     floor: usize,
     round: Option<usize>,
@@ -113,12 +152,20 @@ impl Bf16FirstCache {
     pub fn new(spec: KvSpec, max_size: Option<usize>, transition: Transition) -> Result<Self> {
         Storage::Affine(transition.quant).validate(&spec)?;
         let cache = SerialCache::new(spec, max_size)?;
-        Ok(Bf16FirstCache { cache, transition, converted_at: None, floor: 0, round: None })
+        let kernels = KernelSet::taken_now(transition.quant);
+        Ok(Bf16FirstCache { cache, transition, kernels, converted_at: None, floor: 0, round: None })
     }
 
-    /// A lego composed again over storage handed back to serial use (R-TKV-5), with its conversion and floor.
-    fn compose(cache: SerialCache, transition: Transition, converted_at: Option<usize>, floor: usize) -> Self {
-        Bf16FirstCache { cache, transition, converted_at, floor, round: None }
+    /// A lego composed again over storage handed back to serial use (R-TKV-5), with its conversion, floor and the
+    /// kernel set of the layout it leaves.
+    fn compose(
+        cache: SerialCache,
+        transition: Transition,
+        kernels: KernelSet,
+        converted_at: Option<usize>,
+        floor: usize,
+    ) -> Self {
+        Bf16FirstCache { cache, transition, kernels, converted_at, floor, round: None }
     }
 
     /// A lego restored from its parts (persistence: `persist::codec`'s bf16-first codec), at rest (no armed round).
@@ -162,7 +209,7 @@ impl Bf16FirstCache {
                 }
             }
         }
-        Ok(Self::compose(cache, transition, converted_at, floor))
+        Ok(Self::compose(cache, transition, KernelSet::taken_now(transition.quant), converted_at, floor))
     }
 
     /// Whether a speculative round is armed (neither committed nor rolled back yet).
@@ -225,16 +272,24 @@ impl Bf16FirstCache {
         Ok(true)
     }
 
-    /// One decode step (the serial core's), read in the current precision; then converts if due.
+    /// The kernel set this lego attends with (taken when it was created or restored, or carried from the rows it
+    /// was extracted from).
+    pub fn kernel_set(&self) -> KernelSet {
+        self.kernels
+    }
+
+    /// One decode step (the serial core's), read in the current precision under the lego's kernel set; then
+    /// converts if due.
     pub fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
-        let out = self.cache.decode(k, v, q, scale, masks)?;
+        let out = self.kernels.run(|| self.cache.decode(k, v, q, scale, masks))?;
         self.settle()?;
         Ok(out)
     }
 
-    /// A window read (the serial core's), read in the current precision; then converts if due.
+    /// A window read (the serial core's), read in the current precision under the lego's kernel set; then converts
+    /// if due.
     pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
-        let out = self.cache.window(k, v, q, scale, masks)?;
+        let out = self.kernels.run(|| self.cache.window(k, v, q, scale, masks))?;
         self.settle()?;
         Ok(out)
     }
@@ -411,6 +466,7 @@ pub struct TransitioningKvRows {
     spec: KvSpec,
     max_size: Option<usize>,
     transition: Transition,
+    kernels: KernelSet,
     store: Store,
     meta: Vec<RowLifecycle>,
     prefilling: bool,
@@ -423,8 +479,9 @@ impl TransitioningKvRows {
     /// Merges legos (consumed) into rows: one row keeps its physical columns and phase; several are each rewritten
     /// in temporal order (their newest `min(offset, W)` positions; a layout event) behind left padding to
     /// `width = max min(offset_i, W)`. Rows keep precision and floor; they pack if every row has converted. Legos of
-    /// another window or format are [`CacheError::WindowMismatch`] / [`CacheError::StorageMismatch`]; an armed
-    /// round is [`CacheError::Lifecycle`].
+    /// another window or format are [`CacheError::WindowMismatch`] / [`CacheError::StorageMismatch`], legos carrying
+    /// different kernel sets [`CacheError::KernelSetMismatch`]; an armed round is [`CacheError::Lifecycle`]. The rows
+    /// attend with their legos' kernel set (no legos: the one [`KernelSet::taken_now`]).
     pub fn merge(
         spec: KvSpec,
         max_size: Option<usize>,
@@ -445,6 +502,10 @@ impl TransitioningKvRows {
             if l.round.is_some() {
                 return Err(out_of_order("merge of a lego with an armed round"));
             }
+        }
+        let kernels = legos.first().map_or_else(|| KernelSet::taken_now(transition.quant), |l| l.kernels);
+        if let Some(l) = legos.iter().find(|l| l.kernels != kernels) {
+            return Err(CacheError::KernelSetMismatch { expected: kernels.name(), found: l.kernels.name() });
         }
         let w = max_size.unwrap_or(usize::MAX);
         let width = legos.iter().map(|l| l.offset().min(w)).max().unwrap_or(0);
@@ -471,6 +532,7 @@ impl TransitioningKvRows {
             spec,
             max_size,
             transition,
+            kernels,
             store: Store::Rows(caches),
             meta,
             prefilling: false,
@@ -494,6 +556,11 @@ impl TransitioningKvRows {
     /// The rows' window (`None`: full attention).
     pub fn max_size(&self) -> Option<usize> {
         self.max_size
+    }
+
+    /// The kernel set the rows attend with ([`KernelSet`]: their legos', carried into every lego extracted).
+    pub fn kernel_set(&self) -> KernelSet {
+        self.kernels
     }
 
     /// When and to what the rows convert.
@@ -601,7 +668,21 @@ impl TransitioningKvRows {
         self.settle(&all)
     }
 
+    /// A read under the rows' kernel set.
     fn read(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+        decode: bool,
+    ) -> Result<(Array, Vec<usize>)> {
+        let kernels = self.kernels;
+        kernels.run(|| self.read_in_mode(k, v, q, scale, masks, decode))
+    }
+
+    fn read_in_mode(
         &mut self,
         k: &Array,
         v: &Array,
@@ -835,6 +916,22 @@ impl TransitioningKvRows {
         if self.pending.is_some() {
             return Err(CacheError::PendingPrefill);
         }
+        let kernels = self.kernels;
+        kernels.run(|| self.known_spans_in_mode(k, v, q, scale, masks, lens, hq))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn known_spans_in_mode(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        q: &Array,
+        scale: f32,
+        masks: &Masks,
+        lens: &[usize],
+        hq: usize,
+    ) -> Result<(Array, Vec<usize>)> {
+        let (n, l) = (self.rows(), ncols(k));
         let mut next = self.clone();
         let (mut outs, mut converted) = (Vec::with_capacity(l), Vec::new());
         for i in 0..l {
@@ -1241,7 +1338,7 @@ impl TransitioningKvRows {
         let m = self.meta[i];
         // Mutation hook `Mutant::TkvFloorLostByExtract`: the floor is not carried.
         let floor = if fault!(TkvFloorLostByExtract) { 0 } else { m.floor };
-        Ok(Bf16FirstCache::compose(cache, self.transition, m.converted_at, floor))
+        Ok(Bf16FirstCache::compose(cache, self.transition, self.kernels, m.converted_at, floor))
     }
 
     /// Keeps these rows in this order (floors kept; the padding every kept row shares is shifted off); then packs if

@@ -738,3 +738,38 @@ fn rows_fetch_appends_then_answers_as_each_legos_fetch() {
     assert!(matches!(rows.fetch(&k, &v), Err(CacheError::PendingPrefill)));
     assert_eq!(rows.offsets(), vec![2, 3], "refused fetches change nothing");
 }
+
+/// R-TKV-3's named kernel set: a lego takes the thread's read mode with its format when it is created, the rows
+/// take their legos' set, every lego extracted carries it into the layout it joins (whatever the thread's mode is
+/// by then), the composition names it, a merge of legos carrying different sets is refused, and a read leaves the
+/// thread's own mode as it was.
+#[test]
+fn the_kernel_set_is_taken_at_build_and_carried_by_extracted_rows() {
+    let spec = tspec();
+    let (w, t) = (Some(6), tr(Some(4)));
+    crate::set_read_mode(crate::ReadMode::Exact);
+    let exact = legos_after_windows(spec, w, t, &[2, 5], 150);
+    crate::set_read_mode(crate::ReadMode::Fused);
+    let fused = legos_after_windows(spec, w, t, &[3], 151);
+    assert_eq!(exact[0].kernel_set(), KernelSet { quant: t.quant, mode: crate::ReadMode::Exact });
+    assert_eq!(exact[0].kernel_set().name(), "affine:4:32:exact");
+    assert_eq!(fused[0].kernel_set().name(), "affine:4:32:fused");
+    let mut rows = TransitioningKvRows::merge(spec, w, t, exact.clone()).unwrap();
+    assert_eq!(rows.kernel_set(), exact[0].kernel_set(), "the rows attend with their legos' set");
+    let (k, v, q) = kvq(&spec, 152, 2, 1);
+    rows.decode(&k, &v, &q, 0.3, &Masks::new()).unwrap();
+    assert_eq!(crate::read_mode(), crate::ReadMode::Fused, "a read restores the thread's mode");
+    let out = rows.extract(1).unwrap();
+    assert_eq!(out.kernel_set().mode, crate::ReadMode::Exact, "an extracted row carries the set");
+    let composed = crate::contract::Cache::composed(&rows).unwrap();
+    assert_eq!(composed.kernels.as_deref(), Some("affine:4:32:exact"));
+    let rejoined = TransitioningKvRows::merge(spec, w, t, vec![out.clone(), exact[0].clone()]).unwrap();
+    assert_eq!(rejoined.kernel_set().mode, crate::ReadMode::Exact, "into the layout it joins");
+    match TransitioningKvRows::merge(spec, w, t, vec![out, fused[0].clone()]) {
+        Err(CacheError::KernelSetMismatch { expected, found }) => {
+            assert_eq!((expected.as_str(), found.as_str()), ("affine:4:32:exact", "affine:4:32:fused"));
+        }
+        other => panic!("a merge of legos with different kernel sets: {other:?}"),
+    }
+    assert_eq!(TransitioningKvRows::merge(spec, w, t, vec![]).unwrap().kernel_set().mode, crate::ReadMode::Fused);
+}
