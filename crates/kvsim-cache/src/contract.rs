@@ -11,8 +11,8 @@
 //! - [`AttentionCache`]: the K/V reads (decode, window, committed span), each taking the forward's [`Masks`]
 //!   (R-C-3: every layer and every row layout made from a cache shares them, so each mask is built once), and
 //!   the stored planes of a row in physical order (what a byte comparison reads).
-//! - [`RowLayout`]: rows under continuous batching (merge, join, extract, filter, a right-padded prefill's
-//!   prepare / finalize).
+//! - [`RowLayout`]: rows under continuous batching (merge, join, extract, filter, `adopt` of storage already laid
+//!   out and the `parts` it takes, a right-padded prefill's prepare / finalize).
 //!
 //! Capability predicates answer from the storage kind only (R-C-1): a cache whose kind is unknown has no
 //! capability and every router refuses it (fail closed). The traits add no behaviour: each method is the
@@ -20,7 +20,7 @@
 
 use mlx_rs::Array;
 
-use super::batch::{JoinSource, RowBatch};
+use super::batch::{JoinSource, RowBatch, RowState};
 use super::chunked::ChunkedKvCache;
 use super::error::CacheError;
 use super::kind::{self, StorageKind};
@@ -29,7 +29,7 @@ use super::quant::Storage;
 use super::ring::{DecodePhase, SerialCache};
 use super::ssm::{SsmCache, SsmSpec};
 use super::training::{PrefixSharedCache, TrainingCache, TrainingSsmCache};
-use super::transition::{Bf16FirstCache, Transition, TransitioningKvRows};
+use super::transition::{Bf16FirstCache, RowsParts, Transition, TransitioningKvRows};
 use super::{KvSpec, Result};
 
 /// What a cache of some storage kind can take part in, decided from the kind string alone (R-C-1). Every field is
@@ -228,6 +228,37 @@ pub trait RowLayout: Cache + Sized {
     fn finalize(&mut self) -> Result<()>;
     /// Whether a prepared prefill is pending.
     fn is_pending(&self) -> bool;
+    /// What the layout is made of when it takes storage already laid out (upstream `adopt`; R-BROT-8): owned
+    /// buffers or per-row storage, and the per-row state.
+    type Parts;
+    /// This layout's parts, owned by the caller: [`RowLayout::adopt`] of them (with this geometry) is this layout
+    /// again, every row's bytes and state. A layout mid-round or mid-prefill whose bookkeeping is not a part is a
+    /// typed error.
+    fn parts(&self) -> Result<Self::Parts>;
+    /// The layout that takes these parts, moving no column; a state no writes could produce is
+    /// [`CacheError::InvalidState`], parts of another geometry a mismatch error; nothing is built on an error.
+    fn adopt(geometry: &Self::Geometry, parts: Self::Parts) -> Result<Self>;
+}
+
+/// What a [`RowBatch`] is made of ([`RowLayout::parts`]): its owned planes `[B, H_kv, cap, ·]` (zero columns when
+/// it holds none) and every row's state.
+#[derive(Debug, Clone)]
+pub struct BatchParts {
+    /// The storage's planes (`[k, v]`, or the six affine planes), every row's physical columns.
+    pub planes: Vec<Array>,
+    /// Row `r`'s state (ring, base, pending prefill).
+    pub rows: Vec<RowState>,
+}
+
+/// What a [`SsmCache`] is made of ([`RowLayout::parts`]): its two states and every row's offset.
+#[derive(Debug, Clone)]
+pub struct SsmParts {
+    /// The convolution state `[B, kernel - 1, conv_dim]`.
+    pub conv: Array,
+    /// The recurrent state `[B, H_v, D_v, D_k]` (f32).
+    pub recurrent: Array,
+    /// Row `r`'s offset.
+    pub offsets: Vec<usize>,
 }
 
 fn unsupported(kind: StorageKind, call: &'static str) -> CacheError {
@@ -382,6 +413,21 @@ impl RowLayout for RowBatch {
     }
     fn is_pending(&self) -> bool {
         RowBatch::is_pending(self)
+    }
+    type Parts = BatchParts;
+    fn parts(&self) -> Result<BatchParts> {
+        let planes = match self.buffer_planes() {
+            Some(p) => p,
+            None => {
+                let (spec, rows) = (RowBatch::spec(self), RowBatch::rows(self));
+                let zero = |(w, dt): (usize, mlx_rs::Dtype)| super::util::zeros(&[rows, spec.heads_kv, 0, w], dt);
+                self.storage().plane_layout(&spec).into_iter().map(zero).collect::<Result<Vec<_>>>()?
+            }
+        };
+        Ok(BatchParts { planes, rows: self.row_states().to_vec() })
+    }
+    fn adopt(g: &KvGeometry, parts: BatchParts) -> Result<Self> {
+        RowBatch::adopt_planes(g.spec, g.max_size, g.storage, parts.planes, parts.rows)
     }
 }
 
@@ -616,6 +662,13 @@ impl RowLayout for TransitioningKvRows {
     fn is_pending(&self) -> bool {
         self.pending().is_some()
     }
+    type Parts = RowsParts;
+    fn parts(&self) -> Result<RowsParts> {
+        TransitioningKvRows::parts(self)
+    }
+    fn adopt(g: &LegoGeometry, parts: RowsParts) -> Result<Self> {
+        TransitioningKvRows::adopt(g.spec, g.max_size, g.transition, parts)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -696,6 +749,21 @@ impl RowLayout for SsmCache {
     }
     fn is_pending(&self) -> bool {
         SsmCache::is_pending(self)
+    }
+    type Parts = SsmParts;
+    /// Refused while a prefill is pending or a round is armed (their inputs and padding are not parts).
+    fn parts(&self) -> Result<SsmParts> {
+        if SsmCache::is_pending(self) || self.in_round() {
+            return Err(CacheError::Lifecycle { what: "parts of a recurrent cache mid-prefill or mid-round".into() });
+        }
+        Ok(SsmParts {
+            conv: self.conv().clone(),
+            recurrent: self.recurrent().clone(),
+            offsets: self.offsets().to_vec(),
+        })
+    }
+    fn adopt(g: &SsmSpec, parts: SsmParts) -> Result<Self> {
+        SsmCache::from_states(*g, parts.conv, parts.recurrent, parts.offsets)
     }
 }
 

@@ -144,7 +144,10 @@ pub use compiled::{
     decode_step, int32_input, plain_decode_step, quantized_decode_step, rows_decode_step, CompiledDecode, DecodePlan,
     RowsStepPlan, StepRope,
 };
-pub use contract::{AttentionCache, Cache, Capabilities, Composed, KvGeometry, LegoGeometry, RowLayout, SpecRounds};
+pub use contract::{
+    AttentionCache, BatchParts, Cache, Capabilities, Composed, KvGeometry, LegoGeometry, RowLayout, SpecRounds,
+    SsmParts,
+};
 pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
@@ -163,8 +166,8 @@ pub use ring::{set_eval_after_write, DecodePhase, KvCache, RingState, RotatingKv
 pub use ssm::{GdnParams, SsmCache, SsmPadding, SsmSpec, SsmStats};
 pub use training::{PrefixSharedCache, TrainingCache, TrainingSsmCache};
 pub use transition::{
-    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, KernelSet, RowLifecycle, RowsStep,
-    StepSlot, Transition, TransitioningKvRows,
+    Bf16FirstCache, Bf16FirstQuantizedKvCache, Bf16FirstRotatingQuantizedKvCache, KernelSet, RowLifecycle, RowsParts,
+    RowsStep, StepSlot, Transition, TransitioningKvRows,
 };
 
 /// Result of every fallible cache operation.

@@ -214,8 +214,9 @@ fn state_handed_out_is_owned_by_the_caller() {
     assert_eq!(bytes_of(&held), snapshot, "a recurrent step changed states handed out earlier");
 }
 
-/// Generic row-layout code: merge serial caches, then every row extracted holds its source's bytes; filter keeps
-/// the kept rows' bytes; a bad filter is a typed error with nothing changed.
+/// Generic row-layout code: merge serial caches, then every row extracted holds its source's bytes; the layout
+/// adopted from its own parts is the same layout; filter keeps the kept rows' bytes; a bad filter is a typed error
+/// with nothing changed.
 fn rows_round_trip<R>(g: &R::Geometry, serials: Vec<R::Serial>, planes: impl Fn(&R::Serial) -> Vec<Array>)
 where
     R: RowLayout,
@@ -225,6 +226,13 @@ where
     assert_eq!(rows.rows(), want.len());
     for (i, w) in want.iter().enumerate() {
         assert_eq!(&bytes_of(&planes(&rows.extract(i).unwrap())), w, "row {i} extracted");
+    }
+    // `adopt` of the layout's own parts is the layout again: offsets, state and every row's bytes.
+    let again = R::adopt(g, rows.parts().unwrap()).unwrap();
+    assert_eq!((again.offsets(), again.storage_kind()), (rows.offsets(), rows.storage_kind()));
+    assert_eq!(bytes_of(&again.state().unwrap()), bytes_of(&rows.state().unwrap()), "adopted state");
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&bytes_of(&planes(&again.extract(i).unwrap())), w, "row {i} of the adopted layout");
     }
     let before = bytes_of(&rows.state().unwrap());
     assert!(rows.filter(&[0, 0]).is_err());

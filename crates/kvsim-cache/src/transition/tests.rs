@@ -773,3 +773,39 @@ fn the_kernel_set_is_taken_at_build_and_carried_by_extracted_rows() {
     }
     assert_eq!(TransitioningKvRows::merge(spec, w, t, vec![]).unwrap().kernel_set().mode, crate::ReadMode::Fused);
 }
+
+/// Rows adopt their own parts (unpacked and packed) as they were: offsets, lifecycles, kernel set and every row's
+/// planes; parts of a lifecycle no lego reaches (a converted row said unconverted, a floor that conversion did not
+/// leave) are `InvalidState`, counts that differ `BadLengths`, and a layout mid-round has no parts.
+#[test]
+fn rows_adopt_their_parts_and_refuse_a_lifecycle_they_cannot_reach() {
+    let spec = tspec();
+    for (w, lens) in [(Some(6), vec![6, 2]), (None, vec![5, 7])] {
+        let t = tr(Some(4));
+        let rows = TransitioningKvRows::merge(spec, w, t, legos_after_windows(spec, w, t, &lens, 160)).unwrap();
+        let again = TransitioningKvRows::adopt(spec, w, t, rows.parts().unwrap()).unwrap();
+        assert_eq!(again.is_packed(), rows.is_packed(), "w {w:?}: packed as before");
+        assert_eq!((again.offsets(), again.lifecycle()), (rows.offsets(), rows.lifecycle()));
+        assert_eq!(again.kernel_set(), rows.kernel_set());
+        for i in 0..lens.len() {
+            assert_eq!(
+                planes_bits(&again.row_physical_planes(i).unwrap()),
+                planes_bits(&rows.row_physical_planes(i).unwrap()),
+                "w {w:?} row {i}"
+            );
+        }
+        let converted = rows.lifecycle().iter().position(|m| m.converted_at.is_some()).unwrap();
+        let mut lying = rows.parts().unwrap();
+        lying.lifecycle[converted].converted_at = None;
+        assert!(matches!(TransitioningKvRows::adopt(spec, w, t, lying), Err(CacheError::InvalidState { .. })));
+        let mut floor = rows.parts().unwrap();
+        floor.lifecycle[converted].floor += 1;
+        assert!(matches!(TransitioningKvRows::adopt(spec, w, t, floor), Err(CacheError::InvalidState { .. })));
+        let mut short = rows.parts().unwrap();
+        short.lifecycle.pop();
+        assert!(matches!(TransitioningKvRows::adopt(spec, w, t, short), Err(CacheError::BadLengths { .. })));
+        let mut armed = rows.clone();
+        armed.round_begin().unwrap();
+        assert!(matches!(armed.parts(), Err(CacheError::Lifecycle { .. })));
+    }
+}

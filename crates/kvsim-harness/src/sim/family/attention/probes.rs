@@ -75,8 +75,8 @@ impl Attention {
         Ok(())
     }
 
-    /// `Op::Adopt`: every layer's running batch rebuilt from its own buffers and row states (`adopt` for plain
-    /// storage, `adopt_planes` otherwise); `check_all` then proves every byte and state kept. With `invalid`, row
+    /// `Op::Adopt`: every layer's running batch rebuilt from its own parts (`RowLayout::parts`: buffers and row
+    /// states; `adopt` for plain storage, the contract's `RowLayout::adopt` otherwise); `check_all` then proves every byte and state kept. With `invalid`, row
     /// 0 claims one column more than the buffer holds: `InvalidState`, and the batch is not replaced.
     pub(super) fn adopt(&mut self, roster: &Roster, invalid: bool) -> Res<bool> {
         if roster.rows().is_empty() || self.batch[0].buffer_planes().is_none() {
@@ -87,15 +87,18 @@ impl Attention {
         for layer in 0..self.cfg.layers {
             let b = &self.batch[layer];
             let storage = b.storage();
-            let planes = b.buffer_planes().ok_or_else(|| errors("adopt: a layer without buffers"))?;
-            let mut rows = b.row_states().to_vec();
+            // The row-layout contract's parts (`RowLayout::parts`): the owned planes and every row's state.
+            let kvsim_cache::BatchParts { planes, rows: mut states } =
+                kvsim_cache::RowLayout::parts(b).map_err(|e| unexpected("parts", e))?;
             if invalid {
-                rows[0].ring.len = b.cap() + 1;
+                states[0].ring.len = b.cap() + 1;
             }
+            // Plain storage through R-BROT-8's `adopt(k, v, rows)`, affine through the contract's `RowLayout::adopt`.
             let got = if storage == kvsim_cache::Storage::Plain {
-                RowBatch::adopt(self.spec, max, planes[0].clone(), planes[1].clone(), rows)
+                RowBatch::adopt(self.spec, max, planes[0].clone(), planes[1].clone(), states)
             } else {
-                RowBatch::adopt_planes(self.spec, max, storage, planes, rows)
+                let g = kvsim_cache::RowLayout::geometry(b);
+                <RowBatch as kvsim_cache::RowLayout>::adopt(&g, kvsim_cache::BatchParts { planes, rows: states })
             };
             match (invalid, got) {
                 (false, Ok(adopted)) => self.batch[layer] = adopted,

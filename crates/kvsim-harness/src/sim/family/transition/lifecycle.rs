@@ -1,11 +1,13 @@
 //! The transitioning rows' lifecycle ops: `admit`, requests entering the running batch (`merge` / `join`, the
-//! twins re-laid out as the rows are), and rows leaving it (`extract`, `filter`).
+//! twins re-laid out as the rows are), and rows leaving it (`extract`, `filter`). The rows layout is driven
+//! through the spec's row-layout contract ([`RowLayout`]: merge, extract, filter), as any row layout would be.
 
 use super::{model_fail, same_error, unexpected, Req, Res, Stored, TransitionFamily};
 use crate::sim::check::{self, Failure};
 use crate::sim::family::Cx;
 use crate::sim::roster::{Change, Roster};
 use kvsim_cache::transition::{Bf16FirstCache, TransitioningKvRows};
+use kvsim_cache::{LegoGeometry, RowLayout};
 use kvsim_reference::transition::{LegoModel, RowsModel};
 
 impl TransitionFamily {
@@ -71,13 +73,13 @@ impl TransitionFamily {
             let mut legos = Vec::with_capacity(total);
             if let Some(b) = &self.batch.get(layer).and_then(|b| b.as_ref()) {
                 for i in 0..n_old {
-                    legos.push(b.extract(i).map_err(|e| unexpected("extract for merge", e))?);
+                    legos.push(RowLayout::extract(*b, i).map_err(|e| unexpected("extract for merge", e))?);
                 }
             }
             for id in ids {
                 legos.push(self.reqs[id].solo[layer].clone());
             }
-            let merged = TransitioningKvRows::merge(self.spec, self.max_size(), self.t, legos)
+            let merged = <TransitioningKvRows as RowLayout>::merge(&self.geometry(), legos)
                 .map_err(|e| unexpected("merge", e))?;
             if self.batch.len() <= layer {
                 self.batch.push(Some(merged));
@@ -107,6 +109,11 @@ impl TransitionFamily {
         Ok(())
     }
 
+    /// The rows' geometry (the row-layout contract's `Geometry`).
+    fn geometry(&self) -> LegoGeometry {
+        LegoGeometry { spec: self.spec, max_size: self.max_size(), transition: self.t }
+    }
+
     /// An extract of a row the batch does not have: every layer must refuse it as the model does.
     pub(super) fn extract_missing(&mut self, row: usize) -> Res<bool> {
         let want = self.rows_model.extract(row).err().ok_or_else(|| Failure::new("model", "extract of no row"))?;
@@ -131,7 +138,7 @@ impl TransitionFamily {
         let mut legos = Vec::with_capacity(self.cfg.layers);
         let packed = self.batch_rows(0)?.is_packed();
         for layer in 0..self.cfg.layers {
-            legos.push(self.batch_rows(layer)?.extract(row).map_err(|e| unexpected("extract", e))?);
+            legos.push(RowLayout::extract(self.batch_rows(layer)?, row).map_err(|e| unexpected("extract", e))?);
         }
         self.filter_rows(keep)?;
         let mut r = self.reqs.remove(&id).unwrap();
@@ -152,7 +159,7 @@ impl TransitionFamily {
 
     fn filter_rows(&mut self, kept: &[usize]) -> Res<()> {
         for layer in 0..self.cfg.layers {
-            self.batch_mut(layer)?.filter(kept).map_err(|e| unexpected("filter", e))?;
+            RowLayout::filter(self.batch_mut(layer)?, kept).map_err(|e| unexpected("filter", e))?;
         }
         self.rows_model.filter(kept).map_err(|e| model_fail("filter", e))?;
         if kept.is_empty() {
