@@ -92,18 +92,23 @@ pub fn read_mode() -> ReadMode {
     MODE.with(|m| m.get())
 }
 
-/// Runs `f` under read mode `mode` on the calling thread, then restores the mode it had (also when `f` unwinds):
-/// how a layout attends with the kernel set it took when it was built, whatever the thread's mode is now.
-pub(crate) fn with_read_mode<T>(mode: ReadMode, f: impl FnOnce() -> T) -> T {
-    struct Restore(ReadMode);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            set_read_mode(self.0);
-        }
+/// The calling thread's read mode set to another until this guard drops (also on unwind), then restored: how a
+/// layout attends with the kernel set it took when it was built, whatever the thread's mode is now.
+pub(crate) struct ModeGuard(ReadMode);
+
+impl ModeGuard {
+    /// Sets `mode` on the calling thread until the guard drops.
+    pub(crate) fn enter(mode: ReadMode) -> ModeGuard {
+        let before = read_mode();
+        set_read_mode(mode);
+        ModeGuard(before)
     }
-    let _restore = Restore(read_mode());
-    set_read_mode(mode);
-    f()
+}
+
+impl Drop for ModeGuard {
+    fn drop(&mut self) {
+        set_read_mode(self.0);
+    }
 }
 
 pub use crate::util::default_device_is_gpu;

@@ -33,7 +33,7 @@ use super::kind::{DelayedKind, StorageKind};
 use super::mask::{MaskUse, Masks};
 use super::quant::{QuantSpec, Storage};
 use super::ring::SerialCache;
-use super::util::{check_kv, check_q, cols, ncols, rows as row_slice, zeros};
+use super::util::{check_kv, check_q, cols, rows as row_slice, zeros};
 use super::ReadMode;
 use super::{KvSpec, Result};
 
@@ -105,9 +105,9 @@ impl KernelSet {
         format!("affine:{}:{}:{mode}", self.quant.bits, self.quant.group)
     }
 
-    /// Runs `f` under this set's read mode.
-    fn run<T>(&self, f: impl FnOnce() -> T) -> T {
-        super::exact::with_read_mode(self.mode, f)
+    /// This set's read mode on the calling thread until the guard drops.
+    fn enter(&self) -> super::exact::ModeGuard {
+        super::exact::ModeGuard::enter(self.mode)
     }
 }
 
@@ -281,7 +281,10 @@ impl Bf16FirstCache {
     /// One decode step (the serial core's), read in the current precision under the lego's kernel set; then
     /// converts if due.
     pub fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
-        let out = self.kernels.run(|| self.cache.decode(k, v, q, scale, masks))?;
+        let out = {
+            let _mode = self.kernels.enter();
+            self.cache.decode(k, v, q, scale, masks)?
+        };
         self.settle()?;
         Ok(out)
     }
@@ -289,7 +292,10 @@ impl Bf16FirstCache {
     /// A window read (the serial core's), read in the current precision under the lego's kernel set; then converts
     /// if due.
     pub fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
-        let out = self.kernels.run(|| self.cache.window(k, v, q, scale, masks))?;
+        let out = {
+            let _mode = self.kernels.enter();
+            self.cache.window(k, v, q, scale, masks)?
+        };
         self.settle()?;
         Ok(out)
     }
@@ -690,19 +696,7 @@ impl TransitioningKvRows {
         masks: &Masks,
         decode: bool,
     ) -> Result<(Array, Vec<usize>)> {
-        let kernels = self.kernels;
-        kernels.run(|| self.read_in_mode(k, v, q, scale, masks, decode))
-    }
-
-    fn read_in_mode(
-        &mut self,
-        k: &Array,
-        v: &Array,
-        q: &Array,
-        scale: f32,
-        masks: &Masks,
-        decode: bool,
-    ) -> Result<(Array, Vec<usize>)> {
+        let _mode = self.kernels.enter();
         if self.pending.is_some() {
             if decode {
                 return Err(CacheError::PendingPrefill);
@@ -928,22 +922,7 @@ impl TransitioningKvRows {
         if self.pending.is_some() {
             return Err(CacheError::PendingPrefill);
         }
-        let kernels = self.kernels;
-        kernels.run(|| self.known_spans_in_mode(k, v, q, scale, masks, lens, hq))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn known_spans_in_mode(
-        &mut self,
-        k: &Array,
-        v: &Array,
-        q: &Array,
-        scale: f32,
-        masks: &Masks,
-        lens: &[usize],
-        hq: usize,
-    ) -> Result<(Array, Vec<usize>)> {
-        let (n, l) = (self.rows(), ncols(k));
+        let _mode = self.kernels.enter();
         let mut next = self.clone();
         let (mut outs, mut converted) = (Vec::with_capacity(l), Vec::new());
         for i in 0..l {
