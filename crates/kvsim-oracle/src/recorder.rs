@@ -898,7 +898,7 @@ impl RunObserver for Recorder {
     fn on_call(&mut self, call: Call<'_>) -> Result<(), String> {
         match call {
             Call::Admit { req } => self.admit(req),
-            Call::Solo { req, layer, read, k, v, q, out, offset } => {
+            Call::Solo { req, layer, read, k, v, q, out, offset, .. } => {
                 self.solo(req, layer, read, k, v, q, out, offset)?
             }
             Call::SoloTrim { req, offset, trim } => self.solo_trim(req, offset, trim.clone()),
@@ -908,10 +908,12 @@ impl RunObserver for Recorder {
                 self.prefill_chunk(layer, reqs, k, v, q, real, out, done, padded)?
             }
             Call::PrefillEnd { longest } => self.prefill_end(longest),
-            Call::Batch { layer, read, reqs, rows, k, v, q, out } => {
+            Call::Batch { layer, read, reqs, rows, k, v, q, out, .. } => {
                 self.batch(layer, read, reqs, rows, k, v, q, out)?
             }
-            Call::BatchSpan { layer, reqs, rows, k, v, q, out } => self.batch_span(layer, reqs, rows, k, v, q, out)?,
+            Call::BatchSpan { layer, reqs, rows, k, v, q, out, .. } => {
+                self.batch_span(layer, reqs, rows, k, v, q, out)?
+            }
             Call::BatchWritten { l } => self.batch_written(l),
             Call::TrimRows { reqs, offsets, trim } => self.trim_rows(reqs, offsets, trim.clone()),
             Call::Trim { reqs, offsets, trim } => self.trim(reqs, offsets, trim.clone()),

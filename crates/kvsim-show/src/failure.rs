@@ -190,14 +190,7 @@ fn actual_only(what: String, ab: &ArrayBytes, start: usize, count: usize, dims: 
 }
 
 /// Everything the failure's message and the failing op's observed bytes let the page draw.
-/// `others`: the messages of every check the op failed with kvsim's checks off (`[check] message` or bare).
-pub fn details(
-    check: &str,
-    message: &str,
-    others: &[String],
-    window: Option<usize>,
-    watcher: Option<&Watcher>,
-) -> Vec<Detail> {
+pub fn details(check: &str, message: &str, window: Option<usize>, watcher: Option<&Watcher>) -> Vec<Detail> {
     let mut out = vec![];
     let who = message.split(':').next().unwrap_or("").to_string();
     match check {
@@ -226,22 +219,9 @@ pub fn details(
             }
         }
         "layout" => {
-            // The checks name physical columns of a buffer and columns of the temporal view; observers see only
-            // the latter, so a physical one is drawn through the first temporal-view failure of the op.
-            let temporal =
-                std::iter::once(message).chain(others.iter().map(String::as_str)).find(|m| m.contains("temporal_view"));
-            if !message.contains("temporal_view") {
-                out.push(Detail::Unobservable {
-                    what:
-                        "The check names a physical column of the buffer; observers are handed the temporal view only."
-                            .into(),
-                });
-            }
-            if let Some(m) = temporal {
-                let m = if m.starts_with('[') { m.split_once("] ").map_or(m, |(_, r)| r) } else { m };
-                let who = m.split(':').next().unwrap_or("").to_string();
-                layout(m, &who, watcher, &mut out);
-            }
+            // The checks name a physical column of the buffer or a column of the temporal view; both are handed
+            // to observers (the ring's live columns and the temporal view).
+            layout(message, &who, watcher, &mut out);
         }
         "left_padding" => {
             if let (Some(p), Some(m)) = (list_after(message, "left_padding "), list_after(message, "model ")) {
@@ -249,11 +229,6 @@ pub fn details(
                     (0..p.len().max(m.len())).map(|r| (format!("row {r}"), opt(p.get(r)), opt(m.get(r)))).collect();
                 out.push(Detail::Pairs { what: "left padding per batch row".into(), rows });
             }
-            out.push(Detail::Unobservable {
-                what: "The batch buffer's physical columns (where the padding sits) are not handed to observers: the \
-                       families describe each row by its temporal view."
-                    .into(),
-            });
         }
         "ssm_offsets" => {
             let fields = ["production ", "twin ", "model ", "fed "];
@@ -276,13 +251,6 @@ pub fn details(
     if check.contains("vs_solo") || check.contains("output") || check.contains("vs_twin") || check.contains("vs_fresh")
     {
         observed_output(check, message, watcher, &mut out);
-    }
-    if check == "mask" {
-        out.push(Detail::Unobservable {
-            what: "Masks are not handed to observers (a read's call carries its inputs and output, not its mask): the \
-                   grid above is the one row and query the check printed."
-                .into(),
-        });
     }
     out
 }
@@ -330,7 +298,10 @@ fn layout(message: &str, who: &str, watcher: Option<&Watcher>, out: &mut Vec<Det
     if packed {
         let (Some(q), Some(planes)) = (w.quant, raw.planes.get(layer)) else { return };
         let plane = if tensor == Tensor::K { 0 } else { 3 };
-        let Some(ab) = planes.get(plane) else { return };
+        let physical =
+            if tensor == Tensor::K { raw.rings.get(layer).map(|r| &r.0) } else { raw.rings.get(layer).map(|r| &r.1) };
+        let view = if message.contains("temporal_view") { planes.get(plane) } else { physical };
+        let Some(ab) = view else { return };
         let exp = kvsim_reference::quant::quantized_column(&w.vs, layer as u32, tensor, tok, q).packed;
         let act = column(ab, col);
         let words = exp.len() / heads_dim.0.max(1);
@@ -347,7 +318,9 @@ fn layout(message: &str, who: &str, watcher: Option<&Watcher>, out: &mut Vec<Det
         )));
         return;
     }
-    let Some((k, v)) = raw.layers.get(layer) else { return };
+    // `... temporal_view K column c`: the view; otherwise column `c` of the buffer's live physical columns.
+    let source = if message.contains("temporal_view") { raw.layers.get(layer) } else { raw.rings.get(layer) };
+    let Some((k, v)) = source else { return };
     let ab = if tensor == Tensor::K { k } else { v };
     let exp = w.vs.column_bits(layer as u32, tensor, tok);
     let act = column(ab, col);
@@ -418,9 +391,37 @@ fn observed_output(check: &str, message: &str, watcher: Option<&Watcher>, out: &
                 None => o.batch,
             }
     });
+    // A read checked against its twin, or against the f64 model (then the twin's same read is shown beside it).
+    let twin_read = !check.contains("fresh") && !state;
     if let Some(o) = rec {
         let dims: Vec<usize> = o.bytes.shape.iter().map(|&x| x.max(0) as usize).collect();
         let per_row: usize = dims[1..].iter().product();
+        if let Some(t) = o.twins.get(row).filter(|t| twin_read && t.words.len() == per_row && t.dtype == o.bytes.dtype)
+        {
+            let act: Vec<u32> = (0..per_row).map(|i| o.bytes.words.get(row * per_row + i) as u32).collect();
+            let exp: Vec<u32> = (0..per_row).map(|i| t.words.get(i) as u32).collect();
+            let per_head = dims[2] * dims[3];
+            out.push(Detail::Values(compare(
+                format!(
+                    "row {row} (request {}): the op's last read on layer {}, {}: production's output against its solo \
+                     twin's (element j of a head: query j / D, dim j % D)",
+                    o.reqs[row],
+                    o.layer,
+                    crate::watch::describe(&o.bytes)
+                ),
+                o.bytes.dtype,
+                ("solo twin", "production"),
+                ((dims[1], per_head), "element"),
+                &exp,
+                &act,
+            )));
+            if check.contains("model") {
+                out.push(Detail::Unobservable {
+                    what: format!("{other} is not handed to observers: the solo twin's same read is shown instead."),
+                });
+            }
+            return;
+        }
         out.push(Detail::Values(actual_only(
             format!(
                 "row {row} (request {}): production's output of the op's last read on layer {}, {} (first elements of the row)",
@@ -458,7 +459,7 @@ mod tests {
         assert_eq!(tok_after(m, "expected token"), Some(Tok::new(0, 1)));
         assert_eq!(num_after(m, "column "), Some(3));
         let m = "solo request 0 layer 0: (offset, len, idx, last_concat) = (7, 5, 2, None), model (7, 5, 5, None)";
-        let d = details("ring_state", m, &[], Some(5), None);
+        let d = details("ring_state", m, Some(5), None);
         let Detail::Rings { production, model, .. } = &d[0] else { panic!("{d:?}") };
         assert!(production.rotated && !model.rotated);
         // Rotated at 2: columns 2.. hold the oldest positions (2, 3, 4), columns 0, 1 the newest (5, 6).

@@ -17,7 +17,7 @@ use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::page::{Detail, FamilyView, LayerSnap, Page, Place, RingPic, Status, ValueTable};
+use crate::page::{Detail, FamilyView, LayerSnap, Page, Place, RingPic, Status, TokRun, ValueTable};
 
 const CSS: &str = include_str!("page.css");
 const SCRIPT: &str = include_str!("page.js");
@@ -36,9 +36,13 @@ struct ScriptData<'a> {
 /// in `layers` (a request's layers rarely change from one op to the next), referenced by index from the rows;
 /// stages as `[source, calls, batch, rows]` with `source` an index into `sources`, rows as `[req, offset, [layer
 /// indices]]` plus the row's home when its place in `batch` does not say it; the k-th index is the model's layer
-/// `layer_ids[k]` (identical windows of different layers share one entry). A plain layer is `[len, storage, runs, planes]`, a run `[kind, req, pos, n, flags]` (kind `t`
-/// token, `p` padding, `z` zeros, `u` unknown; flags 1: out of the row's own order, 2: named by the failing check);
-/// a recurrent layer is `["ssm", conv, rec, conv digest, rec digest]`.
+/// `layer_ids[k]` (identical windows of different layers share one entry). A plain layer is `[len, storage, runs,
+/// planes, ring]`, a run `[kind, req, pos, n, flags]` (kind `t` token, `p` padding, `z` zeros, `u` unknown; flags 1:
+/// out of the row's own order, or not the model's token there; 2: named by the failing check); `ring` is `null` or
+/// `[physical runs, offset, len, head, last window write, rotated, left padding, pending, model]` with `model`
+/// `null` (it agrees) or `[[[req, pos] per physical column], offset, head, last window write, left padding,
+/// pending]`; a recurrent layer is `["ssm", conv, rec, conv digest, rec digest]`. A stage's fifth entry lists its
+/// masks, each `[what, kind, rows, queries, cols, grid lines, clipped]`.
 pub fn compact_family(f: &FamilyView) -> Value {
     let mut layers: Vec<Value> = vec![];
     let mut index: HashMap<String, usize> = HashMap::new();
@@ -84,7 +88,12 @@ pub fn compact_family(f: &FamilyView) -> Value {
                             }
                         })
                         .collect();
-                    json!([src, st.calls, st.batch, rows])
+                    let masks: Vec<Value> = st
+                        .masks
+                        .iter()
+                        .map(|m| json!([m.what, m.kind, m.rows, m.queries, m.cols, m.grid, m.clipped]))
+                        .collect();
+                    json!([src, st.calls, st.batch, rows, masks])
                 })
                 .collect();
             json!({"s": stages, "m": snap.missing})
@@ -108,9 +117,18 @@ fn compact_layer(l: &LayerSnap) -> Value {
     if let Some(s) = &l.ssm {
         return json!(["ssm", s.conv, s.rec, s.conv_digest, s.rec_digest]);
     }
-    let runs: Vec<Value> = l
-        .tokens
-        .iter()
+    let ring = l.ring.as_ref().map(|g| {
+        let model = g.model.as_ref().map(|m| {
+            let cols: Vec<[u32; 2]> = m.columns.iter().map(|&(r, p)| [r, p]).collect();
+            json!([cols, m.offset, m.idx, m.last_concat, m.left_padding, m.pending])
+        });
+        json!([runs(&g.columns), g.offset, g.len, g.idx, g.last_concat, g.rotated, g.left_padding, g.pending, model])
+    });
+    json!([l.len, l.storage, runs(&l.tokens), l.planes, ring])
+}
+
+fn runs(runs: &[TokRun]) -> Vec<Value> {
+    runs.iter()
         .map(|r| {
             let kind = match r.kind.as_str() {
                 "tok" => "t",
@@ -121,8 +139,7 @@ fn compact_layer(l: &LayerSnap) -> Value {
             let flags = u8::from(!r.expected) | (u8::from(r.named) << 1);
             json!([kind, r.req, r.pos, r.n, flags])
         })
-        .collect();
-    json!([l.len, l.storage, runs, l.planes])
+        .collect()
 }
 
 /// JSON that is safe inside a `<script>` element: `<`, `>` and `&` escaped as JSON `\u` escapes (they only occur

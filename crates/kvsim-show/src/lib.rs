@@ -9,9 +9,11 @@
 //! the state production left there and every check that op failed. [`failure::details`] turns the failing check's
 //! message into pictures (rings, mask, expected against actual bytes) where the observed data holds both sides.
 //!
-//! The page shows only what observers are handed; [`page::Page::unobservable`] lists what they are not (the
-//! physical columns of a ring outside a `ring_state` failure, masks, the solo twins' bytes). This crate never
-//! prints: the command line writes its result.
+//! The page shows only what observers are handed: every read's inputs, output, mask and (for the attention
+//! families) its solo twin's output; every request's temporal view and, for rings, the live physical columns, write
+//! head and padding beside the reference model's ring. [`page::Page::unobservable`] lists what they are not
+//! handed (the f64 model outputs, the families that describe nothing). This crate never prints: the command line
+//! writes its result.
 #![cfg_attr(test, allow(clippy::print_stdout, clippy::print_stderr))]
 
 pub mod failure;
@@ -31,7 +33,7 @@ use page::{FailureView, FamilyView, Header, Lane, OpCell, Page, Place, ShrunkVie
 use watch::{Verdicts, Watcher};
 
 /// The families whose calls and states the observer interface describes.
-pub const WATCHED: &[&str] = &["attention", "quant", "ssm"];
+pub const WATCHED: &[&str] = &["attention", "quant", "ssm", "transition", "bf16-first"];
 
 /// What to draw, besides the trace.
 #[derive(Debug, Clone)]
@@ -95,6 +97,8 @@ fn watcher_for<'a>(watchers: &'a [Watcher], key: Option<&str>) -> Option<&'a Wat
     let name = match key {
         "kv:plain" | "kv:rotating-plain" => "attention",
         "kv:quant" | "kv:rotating-quant" => "quant",
+        "kv:delayed-quant" | "kv:delayed-rotating-quant" => "transition",
+        "kv:bf16-first-quant" | "kv:bf16-first-rotating-quant" => "bf16-first",
         k if !k.starts_with("kv:") && !k.starts_with("train:") => "ssm",
         _ => return None,
     };
@@ -208,7 +212,7 @@ pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
                 message: message.clone(),
                 family,
                 all_failures: all.clone(),
-                details: failure::details(check, message, &all, window, w),
+                details: failure::details(check, message, window, w),
             })
         }
         (Outcome::Pass, _) => None,
@@ -268,17 +272,9 @@ pub fn build(trace: &Trace, opts: &Options) -> Result<Page, String> {
         None => format!("kvsim show {}", shell_quote(&opts.path)),
     };
     let mut unobservable = vec![
-        "Physical ring columns, the write head and rotation: observers are handed each request's temporal view \
-         (its live window, oldest first), not the buffer; a ring_state failure's own numbers are drawn as rings."
-            .to_string(),
-        "Left padding of batch rows: not handed to observers (a left_padding failure prints production's and the \
-         model's, drawn beside each other)."
-            .to_string(),
-        "Masks of reads: a read's call carries its inputs and output, not its mask; a mask failure's row and query \
-         are drawn as a grid."
-            .to_string(),
-        "The solo twins' and the reference model's bytes: compared inside the families, never handed over; \
-         expected bytes are shown where the self-identifying values give them (a token's K/V column)."
+        "The reference model's f64 attention outputs: computed inside the output checks from the model's visible \
+         columns and never handed over (a failing output check's message gives its distance); the model's rings \
+         (columns, write head, offset, padding) are handed over and drawn beside production's."
             .to_string(),
     ];
     let unwatched: Vec<&String> = header.families.iter().filter(|f| !WATCHED.contains(&f.as_str())).collect();
@@ -360,15 +356,22 @@ fn geometry(trace: &Trace, w: &Watcher) -> String {
     let storage = match kvsim_harness::sim::family::quant::QuantChoice::of(c).filter(|_| w.family == "quant") {
         Some(q) if q.native => format!(", affine {}-bit group {} from the first write", q.bits, q.group),
         Some(q) => format!(", plain until converted to affine {}-bit group {}", q.bits, q.group),
+        None if w.family == kvsim_harness::sim::family::transition::NAME
+            || w.family == kvsim_harness::sim::family::transition::LEGO_NAME =>
+        {
+            let t = kvsim_harness::sim::family::transition::TransitionChoice::draw(c);
+            let at = t.start.map_or("never converts".to_string(), |s| format!("each request converts at offset {s}"));
+            format!(", bf16 first, then affine {}-bit group {} ({at})", t.bits, t.group)
+        }
         None => String::new(),
     };
+    let dtype = if w.vs.dtype == kvsim_reference::RefDtype::Bf16 { "Bf16" } else { "F32" };
     format!(
-        "{window}, {} layer{}, {} KV heads x head dim {}, {:?}{storage}",
+        "{window}, {} layer{}, {} KV heads x head dim {}, {dtype}{storage}",
         c.layers,
         if c.layers == 1 { "" } else { "s" },
         w.vs.heads_kv,
         w.vs.head_dim,
-        c.dtype
     )
 }
 

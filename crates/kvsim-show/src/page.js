@@ -34,11 +34,19 @@
     return s;
   }
 
-  function tokenCells(runs, rowReq) {
+  // `head`: the physical column of the write head (drawn with a blue edge; past the last column, a trailing mark).
+  function tokenCells(runs, rowReq, head) {
     var box = el("div", "tokens");
     var cols = [];
     runs.forEach(function (run) { for (var k = 0; k < run[3]; k++) cols.push([run, k]); });
-    function add(i) { box.appendChild(cell(cols[i][0], cols[i][1], i, rowReq)); }
+    function add(i) {
+      var c = cell(cols[i][0], cols[i][1], i, rowReq);
+      if (head !== undefined) {
+        c.title = c.title.replace("temporal column", "physical column");
+        if (i === head) { c.classList.add("head"); c.title += " (write head)"; }
+      }
+      box.appendChild(c);
+    }
     if (cols.length > 2 * SHOWN) {
       for (var i = 0; i < SHOWN; i++) add(i);
       box.appendChild(el("span", "gap", "… " + (cols.length - 2 * SHOWN) + " more …"));
@@ -46,8 +54,68 @@
     } else {
       for (var c = 0; c < cols.length; c++) add(c);
     }
-    if (cols.length === 0) box.appendChild(el("span", "gap", "(empty)"));
+    if (head !== undefined && head >= cols.length) {
+      var end = el("span", "gap head", "›");
+      end.title = "write head: past the last live column";
+      box.appendChild(end);
+    } else if (cols.length === 0) box.appendChild(el("span", "gap", "(empty)"));
     return box;
+  }
+
+  // A ring's physical columns, numbers and the model's ring where it differs.
+  function ringLines(g, rowReq, prefix) {
+    var out = [];
+    var line = el("div", "layer physical");
+    line.id = prefix + "-phys";
+    line.appendChild(el("span", "lbl", "physical"));
+    line.appendChild(tokenCells(g[0], rowReq, g[3]));
+    var txt = "offset " + g[1] + " · len " + g[2] + " · head " + g[3] + (g[5] ? " · rotated" : " · in temporal order") +
+      (g[4] === null ? "" : " · last window write " + g[4]) +
+      (g[6] === null ? "" : " · left padding " + g[6]) + (g[7] === null ? "" : " · " + g[7] + " prefill positions pending");
+    line.appendChild(el("span", "note", txt));
+    out.push(line);
+    var m = g[8];
+    if (m === null) {
+      out.push(el("div", "note model-agrees", "model: the same columns, head, offset and padding"));
+    } else {
+      var ml = el("div", "layer model");
+      ml.id = prefix + "-model";
+      ml.appendChild(el("span", "lbl", "model"));
+      var box = el("div", "tokens");
+      m[0].forEach(function (t, c) {
+        var s = el("span", "tok" + (c === m[2] ? " head" : ""), (t[0] === rowReq ? "" : "r" + t[0] + ":") + t[1]);
+        s.style.background = hue(t[0]);
+        s.title = "model, physical column " + c + ": request " + t[0] + ", position " + t[1];
+        box.appendChild(s);
+      });
+      if (m[2] >= m[0].length) box.appendChild(el("span", "gap head", "›"));
+      ml.appendChild(box);
+      ml.appendChild(el("span", "note", "offset " + m[1] + " · len " + m[0].length + " · head " + m[2] +
+        (m[3] === null ? "" : " · last window write " + m[3]) + (m[4] === null ? "" : " · left padding " + m[4]) +
+        (m[5] === null ? "" : " · " + m[5] + " pending")));
+      out.push(ml);
+    }
+    return out;
+  }
+
+  // A read's mask: its kind, and a matrix as a grid of visible (blue) and hidden key columns.
+  function maskBox(m) {
+    var d = el("div", "maskpic");
+    var kinds = { none: "no mask: every column visible", causal: "MLX's bottom-right causal mask" };
+    if (m[1] !== "matrix") {
+      d.appendChild(el("p", "note", "mask of " + m[0] + ": " + kinds[m[1]]));
+      return d;
+    }
+    d.appendChild(el("p", "note", "mask of " + m[0] + ": " + m[2] + " x " + m[3] + " queries x " + m[4] + " key columns" + (m[6] ? " (clipped)" : "")));
+    var t = el("table", "mask");
+    m[5].forEach(function (g, i) {
+      var tr = el("tr");
+      tr.appendChild(el("th", "note", "row " + Math.floor(i / Math.max(1, m[3])) + " q" + (i % Math.max(1, m[3]))));
+      for (var c = 0; c < g.length; c++) tr.appendChild(el("td", g[c] === "#" ? "on" : "off", g[c] === "#" ? "" : "·"));
+      t.appendChild(tr);
+    });
+    d.appendChild(t);
+    return d;
   }
 
   // The k-th recurrent layer of request `req` as the latest op before `i` saw it (for "changed").
@@ -83,6 +151,7 @@
     line.appendChild(el("span", "note", "live window " + v[0] + " (" + w + ") · " + v[1]));
     var out = [line];
     if (v[3].length) out.push(el("p", "note", "planes: " + v[3].join(" · ")));
+    if (v[4]) ringLines(v[4], rowReq, line.id).forEach(function (e) { out.push(e); });
     return out;
   }
 
@@ -104,6 +173,7 @@
       st[1].forEach(function (c) { calls.appendChild(el("li", "", c)); });
       if (st[1].length === 0) calls.appendChild(el("li", "", "(no production call)"));
       sd.appendChild(calls);
+      (st[4] || []).forEach(function (m) { sd.appendChild(maskBox(m)); });
       st[3].forEach(function (row) {
         var req = row[0], b = batch.indexOf(req);
         var r = el("div", "row");
@@ -118,9 +188,9 @@
     });
     if (snap.m) d.appendChild(el("p", "missing", snap.m));
     if (fam.kind === "kv") {
-      d.appendChild(el("p", "note", "Temporal order, oldest first; tokens identified from the K bytes (self-identifying values); " +
-        "a red outline: out of the row's own order; a black frame: the column the failing check names. " +
-        "Physical columns, write head, left padding and masks are not handed to observers (see Not observable)."));
+      d.appendChild(el("p", "note", "Live window: temporal order, oldest first; physical: the buffer's live columns in " +
+        "physical order, the write head with a blue edge; tokens identified from the K bytes (self-identifying values); " +
+        "a red outline: out of the row's own order, or not the model's token there; a black frame: the column the failing check names."));
     } else {
       d.appendChild(el("p", "note", "Recurrent rows: offset = positions fed; the round and the spans are in the calls above."));
     }

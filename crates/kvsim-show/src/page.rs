@@ -150,6 +150,33 @@ pub struct Stage {
     pub batch: Vec<u32>,
     /// Every live request, batch rows first (empty for calls after the last state).
     pub rows: Vec<RowSnap>,
+    /// The masks the reads among `calls` attended with (one per distinct mask and read; layers that read the
+    /// same mask share one).
+    pub masks: Vec<MaskPic>,
+}
+
+/// The mask one read attended with, as the production call reported it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MaskPic {
+    /// The read, `layers 0, 1: batch decode` style.
+    pub what: String,
+    /// `none` (every column visible), `causal` (MLX's bottom-right causal mask) or `matrix` (a boolean matrix).
+    pub kind: String,
+    /// Matrix rows (1: one matrix broadcast over every batch row), queries per row and key columns.
+    pub rows: usize,
+    pub queries: usize,
+    pub cols: usize,
+    /// One line per (row, query) of a matrix, `#` a visible key column and `.` a hidden one; at most
+    /// [`MaskPic::LINES`] lines of [`MaskPic::COLS`] columns are kept (`clipped` then says so).
+    pub grid: Vec<String>,
+    pub clipped: bool,
+}
+
+impl MaskPic {
+    /// Lines of a matrix kept.
+    pub const LINES: usize = 32;
+    /// Columns of a line kept.
+    pub const COLS: usize = 96;
 }
 
 /// One live request after an op.
@@ -179,6 +206,41 @@ pub struct LayerSnap {
     pub planes: Vec<String>,
     /// Recurrent rows: the two states.
     pub ssm: Option<SsmSnap>,
+    /// Families with rings: the ring as production stores it, beside the reference model's.
+    pub ring: Option<RingSnap>,
+}
+
+/// One layer's ring of one request after an op: production's physical columns (tokens identified from its K bytes),
+/// write head and padding, and the reference model's where they differ.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RingSnap {
+    /// Physical columns `[0, len)`, physical order; a run's `expected` is false where the column does not hold the
+    /// model's token for that physical column.
+    pub columns: Vec<TokRun>,
+    pub offset: usize,
+    pub len: usize,
+    /// The write head (physical column of the next write).
+    pub idx: usize,
+    pub last_concat: Option<usize>,
+    /// Physical order is not temporal order (`idx < len`).
+    pub rotated: bool,
+    /// A batch row's mlx-lm left padding and pending prefill positions (`None`: a request alone).
+    pub left_padding: Option<i64>,
+    pub pending: Option<usize>,
+    /// The model's ring, when any of its columns or numbers differ from production's (`None`: they agree).
+    pub model: Option<ModelRing>,
+}
+
+/// The reference model's ring of one row (what production's must equal).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModelRing {
+    /// The token of each physical column, as `(request, position)`.
+    pub columns: Vec<(u32, u32)>,
+    pub offset: usize,
+    pub idx: usize,
+    pub last_concat: Option<usize>,
+    pub left_padding: Option<i64>,
+    pub pending: Option<usize>,
 }
 
 /// Consecutive columns of a window: `n` columns from `pos` of request `req` (`kind` `tok`), or `n` columns that hold

@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use crate::html::value_summary;
-use crate::page::{Detail, FamilyView, LayerSnap, Page, Place, RingPic, Status};
+use crate::page::{Detail, FamilyView, LayerSnap, MaskPic, Page, Place, RingPic, RingSnap, Status, TokRun};
 
 /// Ops per line of the timeline.
 const WIDTH: usize = 100;
@@ -128,8 +128,14 @@ fn layer_line(l: &LayerSnap, req: u32) -> String {
             if s.rec_changed { " (changed)" } else { "" }
         );
     }
+    format!("|{}| live {} · {}", cells(&l.tokens, req, None), l.len, l.storage)
+}
+
+/// Runs of columns as cells (`!` a column out of order, `*` the column the failing check names, `>` before the
+/// column `head`), the middle of a very long window elided.
+fn cells(runs: &[TokRun], req: u32, head: Option<usize>) -> String {
     let mut cells = vec![];
-    for r in &l.tokens {
+    for r in runs {
         for k in 0..r.n {
             let mark = if r.named {
                 "*"
@@ -138,14 +144,18 @@ fn layer_line(l: &LayerSnap, req: u32) -> String {
             } else {
                 "!"
             };
+            let head = if head == Some(cells.len()) { ">" } else { "" };
             cells.push(match r.kind.as_str() {
-                "tok" if r.req == req => format!("{mark}{}", r.pos + k),
-                "tok" => format!("{mark}r{}:{}", r.req, r.pos + k),
-                "pad" => format!("{mark}pad"),
-                "zero" => format!("{mark}0"),
-                _ => format!("{mark}?"),
+                "tok" if r.req == req => format!("{head}{mark}{}", r.pos + k),
+                "tok" => format!("{head}{mark}r{}:{}", r.req, r.pos + k),
+                "pad" => format!("{head}{mark}pad"),
+                "zero" => format!("{head}{mark}0"),
+                _ => format!("{head}{mark}?"),
             });
         }
+    }
+    if head == Some(cells.len()) {
+        cells.push(">".into());
     }
     if cells.len() > 48 {
         let n = cells.len();
@@ -154,7 +164,75 @@ fn layer_line(l: &LayerSnap, req: u32) -> String {
         cells.push(format!("… {} more …", n - 48));
         cells.extend(tail);
     }
-    format!("|{}| live {} · {}", cells.join(" "), l.len, l.storage)
+    cells.join(" ")
+}
+
+/// A ring's physical columns and numbers, then the model's where they differ.
+fn ring_lines(r: &RingSnap, req: u32) -> Vec<String> {
+    let order = if r.rotated { "rotated" } else { "in temporal order" };
+    let last = r.last_concat.map_or(String::new(), |l| format!(", last window write {l}"));
+    let pad = match (r.left_padding, r.pending) {
+        (Some(p), Some(n)) => format!(" · left padding {p}, {n} prefill positions pending"),
+        (Some(p), None) => format!(" · left padding {p}"),
+        _ => String::new(),
+    };
+    let mut out = vec![format!(
+        "physical |{}| offset {} len {} head {} {order}{last}{pad}",
+        cells(&r.columns, req, Some(r.idx)),
+        r.offset,
+        r.len,
+        r.idx
+    )];
+    match &r.model {
+        None => out.push("model agrees (columns, head, offset, padding)".into()),
+        Some(m) => {
+            let cols: Vec<String> = m
+                .columns
+                .iter()
+                .enumerate()
+                .map(|(c, &(q, p))| {
+                    let head = if c == m.idx { ">" } else { "" };
+                    if q == req {
+                        format!("{head}{p}")
+                    } else {
+                        format!("{head}r{q}:{p}")
+                    }
+                })
+                .collect();
+            let last = m.last_concat.map_or(String::new(), |l| format!(", last window write {l}"));
+            let pad = m.left_padding.map_or(String::new(), |p| format!(" · left padding {p}"));
+            out.push(format!(
+                "model    |{}| offset {} len {} head {}{last}{pad}",
+                cols.join(" "),
+                m.offset,
+                m.columns.len(),
+                m.idx
+            ));
+        }
+    }
+    out
+}
+
+/// A mask picture: its kind, and a matrix's grid.
+fn mask_lines(m: &MaskPic) -> Vec<String> {
+    match m.kind.as_str() {
+        "none" => vec![format!("mask of {}: none (every column visible)", m.what)],
+        "causal" => vec![format!("mask of {}: MLX's bottom-right causal mask", m.what)],
+        _ => {
+            let mut out = vec![format!(
+                "mask of {}: {} x {} queries x {} columns (# visible){}",
+                m.what,
+                m.rows,
+                m.queries,
+                m.cols,
+                if m.clipped { ", clipped" } else { "" }
+            )];
+            for (i, g) in m.grid.iter().enumerate() {
+                out.push(format!("  row {} query {}: {g}", i / m.queries.max(1), i % m.queries.max(1)));
+            }
+            out
+        }
+    }
 }
 
 fn family(t: &mut String, f: &FamilyView, i: usize) {
@@ -168,12 +246,18 @@ fn family(t: &mut String, f: &FamilyView, i: usize) {
         for c in &st.calls {
             let _ = writeln!(t, "    call: {c}");
         }
+        for line in st.masks.iter().flat_map(mask_lines) {
+            let _ = writeln!(t, "    {line}");
+        }
         for r in &st.rows {
             let _ = writeln!(t, "    request {} ({}), offset {}", r.req, r.home, r.offset);
             for layer in &r.layers {
                 let _ = writeln!(t, "      layer {}: {}", layer.layer, layer_line(layer, r.req));
                 if !layer.planes.is_empty() {
                     let _ = writeln!(t, "        planes: {}", layer.planes.join(" · "));
+                }
+                for line in layer.ring.iter().flat_map(|g| ring_lines(g, r.req)) {
+                    let _ = writeln!(t, "        {line}");
                 }
             }
         }
@@ -182,7 +266,11 @@ fn family(t: &mut String, f: &FamilyView, i: usize) {
         let _ = writeln!(t, "  {m}");
     }
     if f.kind == "kv" {
-        let _ = writeln!(t, "  (temporal order, oldest first; ! a column out of the row's own order, * the column the failing check names)");
+        let _ = writeln!(
+            t,
+            "  (live window: temporal order, oldest first; physical: buffer order, > the write head; ! a column out of \
+             the row's own order or not the model's, * the column the failing check names)"
+        );
     }
 }
 
@@ -229,8 +317,8 @@ fn detail(t: &mut String, d: &Detail) {
                             .map_or(if r.differs { "differs" } else { "same" }.to_string(), |u| format!("{u} ULPs"));
                         let _ = writeln!(
                             t,
-                            "    {:<16} expected {eh} ({e})  {} {} ({})  {ulp}",
-                            r.at, v.actual_label, r.actual_hex, r.actual
+                            "    {:<16} {} {eh} ({e})  {} {} ({})  {ulp}",
+                            r.at, v.expected_label, v.actual_label, r.actual_hex, r.actual
                         );
                     }
                     _ => {

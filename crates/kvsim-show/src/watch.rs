@@ -4,13 +4,15 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use kvsim_cache::bytes::ArrayBytes;
+use kvsim_cache::mask::MaskUse;
 use kvsim_harness::sim::config::{DtypeChoice, SimConfig};
-use kvsim_harness::sim::observe::{Call, RunObserver, StateView, TrimInfo};
+use kvsim_harness::sim::family::transition;
+use kvsim_harness::sim::observe::{Call, RingView, RunObserver, StateView, TrimInfo};
 use kvsim_harness::sim::ops::Op;
 use kvsim_reference::{BitsKind, RefDtype, RefQuant, Tensor, Tok, ValueSpace};
 use mlx_rs::Dtype;
 
-use crate::page::{LayerSnap, OpSnap, Place, RowSnap, SsmSnap, Stage, TokRun};
+use crate::page::{LayerSnap, MaskPic, ModelRing, OpSnap, Place, RingSnap, RowSnap, SsmSnap, Stage, TokRun};
 
 /// How each op ended (`Ok(true)` applied, `Ok(false)` skipped, `Err(check)` failed).
 #[derive(Debug, Default)]
@@ -33,6 +35,8 @@ pub struct OutRec {
     /// A read of the running batch (or of a prefill batch), not of one request alone.
     pub batch: bool,
     pub bytes: ArrayBytes,
+    /// The same read of each row's solo twin, in row order (empty when the family handed none over).
+    pub twins: Vec<ArrayBytes>,
 }
 
 /// The raw bytes of one request's state after the last op: per layer the K and V views (recurrent rows: conv and
@@ -41,6 +45,8 @@ pub struct RawState {
     pub offset: usize,
     pub layers: Vec<(ArrayBytes, ArrayBytes)>,
     pub planes: Vec<Vec<ArrayBytes>>,
+    /// Families with rings: per layer, the live physical K and V columns (packed words under affine storage).
+    pub rings: Vec<(ArrayBytes, ArrayBytes)>,
 }
 
 /// Watches one family of a run (the runner hands the others a do-nothing observer).
@@ -71,6 +77,8 @@ pub struct Watcher {
     /// How each op ended, as [`Verdicts`] records it.
     pub results: Vec<Result<bool, String>>,
     calls: Vec<String>,
+    /// The masks of the reads since the last state: `(layer, read, picture)`.
+    masks: Vec<(usize, String, MaskPic)>,
     stages: Vec<Stage>,
     got_state: bool,
     rows: Vec<u32>,
@@ -80,7 +88,10 @@ pub struct Watcher {
     max_offset: usize,
     /// Column fingerprints already identified, per layer.
     known: HashMap<(u32, u64), Tok>,
-    expected_fp: HashMap<(u32, Tok), u64>,
+    /// The expected K fingerprint of a token per layer and storage (`None` plain, else affine `(bits, group)`).
+    expected_fp: HashMap<(u32, Tok, Option<(usize, usize)>), u64>,
+    /// The bf16-first families: each request's storage is its own (bf16 until it converts), as its state says.
+    per_request_quant: bool,
     last_digests: BTreeMap<(u32, usize), (String, String)>,
 }
 
@@ -203,6 +214,12 @@ impl Watcher {
             }
         }
         vs.dtype = ref_dtype(cfg);
+        let per_request_quant = family == transition::NAME || family == transition::LEGO_NAME;
+        if per_request_quant {
+            // The bf16-first families run their own head dim, in bf16 until each request converts.
+            vs.head_dim = transition::TransitionChoice::draw(cfg).head_dim;
+            vs.dtype = RefDtype::Bf16;
+        }
         Watcher {
             family: family.to_string(),
             ssm: family == "ssm",
@@ -220,6 +237,7 @@ impl Watcher {
             error: None,
             results: vec![],
             calls: vec![],
+            masks: vec![],
             stages: vec![],
             got_state: false,
             rows: vec![],
@@ -229,6 +247,7 @@ impl Watcher {
             max_offset: 0,
             known: HashMap::new(),
             expected_fp: HashMap::new(),
+            per_request_quant,
             last_digests: BTreeMap::new(),
         }
     }
@@ -236,7 +255,7 @@ impl Watcher {
     fn expected_fingerprint(&mut self, layer: u32, tok: Tok) -> u64 {
         let vs = self.vs;
         let q = self.quant;
-        *self.expected_fp.entry((layer, tok)).or_insert_with(|| match q {
+        *self.expected_fp.entry((layer, tok, q.map(|q| (q.bits, q.group)))).or_insert_with(|| match q {
             None => fingerprint(&vs.column_bits(layer, Tensor::K, tok)),
             Some(q) => fingerprint(&kvsim_reference::quant::quantized_column(&vs, layer, Tensor::K, tok, q).packed),
         })
@@ -276,13 +295,26 @@ impl Watcher {
     /// The window of a `[1, H, L, ·]` view (plain K, or affine K words) as runs of identified tokens.
     fn runs(&mut self, layer: u32, req: u32, offset: usize, k: &ArrayBytes) -> Vec<TokRun> {
         let len = len_of(k);
+        self.runs_by(layer, k, |c| Some(Tok::new(req, (offset + c).saturating_sub(len) as u32)), req)
+    }
+
+    /// The columns of a `[1, H, L, ·]` array as runs of identified tokens; column `c` is `expected` when it holds
+    /// `expected(c)` (`None`: no token belongs there). Runs of one request's consecutive positions merge.
+    fn runs_by(
+        &mut self,
+        layer: u32,
+        k: &ArrayBytes,
+        expected: impl Fn(usize) -> Option<Tok>,
+        req: u32,
+    ) -> Vec<TokRun> {
         let mut out: Vec<TokRun> = vec![];
-        for c in 0..len {
+        for c in 0..len_of(k) {
             let words = column(k, c);
-            let expected = Tok::new(req, (offset + c).saturating_sub(len) as u32);
-            let (kind, tok) = self.identify(layer, &words, expected);
-            let tok_ok = tok == Some(expected);
-            let (r, p) = tok.map_or((req, expected.pos), |t| (t.req, t.pos));
+            let want = expected(c);
+            let (kind, tok) = self.identify(layer, &words, want.unwrap_or(Tok::new(req, 0)));
+            let tok_ok = want.is_some() && tok == want;
+            let fallback = want.map_or(0, |t| t.pos);
+            let (r, p) = tok.map_or((req, fallback), |t| (t.req, t.pos));
             if let Some(last) = out.last_mut() {
                 let follows = last.kind == kind
                     && last.expected == tok_ok
@@ -297,6 +329,96 @@ impl Watcher {
         out
     }
 
+    /// A ring as the page draws it: production's physical columns identified against the model's, its numbers,
+    /// and the model's ring where anything differs. `width`: the widest batch row of the model (for its padding).
+    fn ring_snap(&mut self, layer: u32, req: u32, ring: &RingView, k: &ArrayBytes, width: usize) -> RingSnap {
+        let m = &ring.model;
+        let cols = m.cols.clone();
+        let columns = self.runs_by(layer, k, |c| cols.get(c).copied(), req);
+        let st = &ring.state;
+        let model_pad = ring.left_padding.map(|_| m.left_padding(width));
+        let agrees = columns.iter().all(|r| r.expected)
+            && len_of(k) == m.cols.len()
+            && (st.offset, st.idx, st.last_concat) == (m.offset, m.idx, m.last_concat)
+            && (ring.left_padding, ring.pending) == (model_pad, m.pending.filter(|_| ring.left_padding.is_some()));
+        let model = (!agrees).then(|| ModelRing {
+            columns: m.cols.iter().map(|t| (t.req, t.pos)).collect(),
+            offset: m.offset,
+            idx: m.idx,
+            last_concat: m.last_concat,
+            left_padding: model_pad,
+            pending: m.pending,
+        });
+        RingSnap {
+            columns,
+            offset: st.offset,
+            len: st.len,
+            idx: st.idx,
+            last_concat: st.last_concat,
+            rotated: st.is_rotated(),
+            left_padding: ring.left_padding,
+            pending: ring.pending,
+            model,
+        }
+    }
+
+    /// Keeps the mask a read of `layer` attended with (described as `read`), for the stage's pictures.
+    fn keep_mask(&mut self, layer: usize, read: String, mask: &MaskUse) {
+        let pic = match mask {
+            MaskUse::None => MaskPic {
+                what: String::new(),
+                kind: "none".into(),
+                rows: 0,
+                queries: 0,
+                cols: 0,
+                grid: vec![],
+                clipped: false,
+            },
+            MaskUse::Causal => MaskPic {
+                what: String::new(),
+                kind: "causal".into(),
+                rows: 0,
+                queries: 0,
+                cols: 0,
+                grid: vec![],
+                clipped: false,
+            },
+            MaskUse::Array(spec) => {
+                let (b, l, n) = (spec.rows, spec.queries, spec.cols);
+                let mut grid = vec![];
+                for line in 0..(b * l).min(MaskPic::LINES) {
+                    let at = line * n;
+                    let row: String = (0..n.min(MaskPic::COLS))
+                        .map(|c| if spec.visible.get(at + c).copied().unwrap_or(false) { '#' } else { '.' })
+                        .collect();
+                    grid.push(row);
+                }
+                let clipped = b * l > MaskPic::LINES || n > MaskPic::COLS;
+                MaskPic { what: String::new(), kind: "matrix".into(), rows: b, queries: l, cols: n, grid, clipped }
+            }
+        };
+        self.masks.push((layer, read, pic));
+    }
+
+    /// The masks kept since the last state, one per distinct read and mask (their layers listed together).
+    fn take_masks(&mut self) -> Vec<MaskPic> {
+        let mut out: Vec<(Vec<usize>, String, MaskPic)> = vec![];
+        for (layer, read, pic) in std::mem::take(&mut self.masks) {
+            match out.iter_mut().find(|(ls, r, p)| *r == read && *p == pic && !ls.contains(&layer)) {
+                Some(e) => e.0.push(layer),
+                None => out.push((vec![layer], read, pic)),
+            }
+        }
+        out.into_iter()
+            .map(|(ls, read, mut pic)| {
+                let ls: Vec<String> = ls.iter().map(|l| l.to_string()).collect();
+                let which = if ls.len() == 1 { "layer" } else { "layers" };
+                pic.what = format!("{which} {}: {read}", ls.join(", "));
+                pic
+            })
+            .collect()
+    }
+
     /// The model layer of the recurrent family's `k`-th state (`k` itself before any call named its layers).
     pub fn ssm_layer(&self, k: usize) -> usize {
         self.ssm_layers.iter().nth(k).copied().unwrap_or(k)
@@ -306,9 +428,17 @@ impl Watcher {
         self.calls.push(s);
     }
 
-    fn keep_out(&mut self, layer: usize, reqs: Vec<u32>, batch: bool, out: &mlx_rs::Array) -> Result<(), String> {
+    fn keep_out(
+        &mut self,
+        layer: usize,
+        reqs: Vec<u32>,
+        batch: bool,
+        out: &mlx_rs::Array,
+        twins: &[&mlx_rs::Array],
+    ) -> Result<(), String> {
         let bytes = bytes(out)?;
-        self.outs.push(OutRec { layer, reqs, batch, bytes });
+        let twins = twins.iter().map(|t| self::bytes(t)).collect::<Result<_, _>>()?;
+        self.outs.push(OutRec { layer, reqs, batch, bytes, twins });
         Ok(())
     }
 
@@ -318,11 +448,15 @@ impl Watcher {
                 self.admitted.insert(req);
                 self.line(format!("admit request {req}"));
             }
-            Call::Solo { req, layer, read, k, out, offset, .. } => {
+            Call::Solo { req, layer, read, k, out, offset, mask, twin, .. } => {
                 let l = len_of(&bytes(k)?);
                 self.line(format!("layer {layer}: request {req} alone: {} of {l} at offset {offset}", read.name()));
+                if let Some(m) = mask {
+                    self.keep_mask(layer, format!("request {req} alone, {} of {l}", read.name()), m);
+                }
                 if let Some(o) = out {
-                    self.keep_out(layer, vec![req], false, o)?;
+                    let twins: Vec<&mlx_rs::Array> = twin.into_iter().collect();
+                    self.keep_out(layer, vec![req], false, o, &twins)?;
                 }
             }
             Call::SoloTrim { req, offset, trim } => {
@@ -348,24 +482,29 @@ impl Watcher {
                 let l = len_of(&bytes(k)?);
                 let pad = if padded { " (right-padded)" } else { "" };
                 self.line(format!("layer {layer}: prefill chunk of {l} after {done}{pad}: real queries {real:?}"));
-                self.keep_out(layer, reqs.to_vec(), true, out)?;
+                self.keep_out(layer, reqs.to_vec(), true, out, &[])?;
             }
             Call::PrefillEnd { longest } => {
                 let p = std::mem::take(&mut self.prefill_rows);
                 self.line(format!("prefill ends (longest {longest}): requests {p:?} join the batch"));
                 self.rows.extend(p);
             }
-            Call::Batch { layer, read, reqs, rows, k, out, .. } => {
+            Call::Batch { layer, read, reqs, rows, k, out, mask, twins, .. } => {
                 let l = len_of(&bytes(k)?);
                 self.line(format!("layer {layer}: batch {} of {l}: rows {}", read.name(), rows_text(reqs, rows)));
+                if let Some(m) = mask {
+                    self.keep_mask(layer, format!("batch {} of {l}, rows {reqs:?}", read.name()), m);
+                }
                 if let Some(o) = out {
-                    self.keep_out(layer, reqs.to_vec(), true, o)?;
+                    let twins: Vec<&mlx_rs::Array> = twins.iter().collect();
+                    self.keep_out(layer, reqs.to_vec(), true, o, &twins)?;
                 }
             }
-            Call::BatchSpan { layer, reqs, rows, k, out, .. } => {
+            Call::BatchSpan { layer, reqs, rows, k, out, twins, .. } => {
                 let l = len_of(&bytes(k)?);
                 self.line(format!("layer {layer}: batch span of {l}: rows {}", rows_text(reqs, rows)));
-                self.keep_out(layer, reqs.to_vec(), true, out)?;
+                let twins: Vec<&mlx_rs::Array> = twins.iter().collect();
+                self.keep_out(layer, reqs.to_vec(), true, out, &twins)?;
             }
             Call::BatchWritten { l } => self.line(format!("every batch row received {l}")),
             Call::TrimRows { reqs, trim, .. } => self.line(format!("batch rows {reqs:?}: per-row {}", trim_text(trim))),
@@ -416,7 +555,7 @@ impl Watcher {
                 };
                 self.line(format!("layer {layer}: {who}: {} over real spans {spans:?}", read.name()));
                 let rows = if req.is_some() { req.into_iter().collect() } else { reqs.to_vec() };
-                self.keep_out(layer, rows, req.is_none(), out)?;
+                self.keep_out(layer, rows, req.is_none(), out, &[])?;
             }
             Call::SsmPrepare { lengths, left } => {
                 self.line(format!("prepare lengths {lengths:?}, left padding {left:?}"));
@@ -433,13 +572,37 @@ impl Watcher {
     fn snapshot(&mut self, views: BTreeMap<u32, StateView>) -> Result<(), String> {
         let mut rows = vec![];
         let mut raw = BTreeMap::new();
+        // The batch as the states place it (every family's states name their rows).
+        let mut placed: Vec<(usize, u32)> = views.iter().filter_map(|(&r, v)| v.row.map(|i| (i, r))).collect();
+        placed.sort_unstable();
+        let placed: Vec<u32> = placed.into_iter().map(|p| p.1).collect();
+        if self.ssm {
+            self.ssm_rows = placed;
+            self.ssm_rows_at = Some(self.op);
+        } else {
+            self.rows = placed;
+        }
         let batch: Vec<u32> = if self.ssm { self.ssm_rows.clone() } else { self.rows.clone() };
         // Batch rows first, in row order, then the requests alone.
         let mut order: Vec<u32> = batch.iter().copied().filter(|r| views.contains_key(r)).collect();
         order.extend(views.keys().copied().filter(|r| !batch.contains(r)));
         let mut views = views;
+        // The model's widest batch row, per layer (its left padding is measured against it).
+        let widths: Vec<usize> = {
+            let mut w = vec![];
+            for v in batch.iter().filter_map(|r| views.get(r)) {
+                w.resize(w.len().max(v.rings.len()), 0);
+                for (l, ring) in v.rings.iter().enumerate() {
+                    w[l] = w[l].max(ring.model.cols.len());
+                }
+            }
+            w
+        };
         for req in order {
             let Some(view) = views.remove(&req) else { continue };
+            if self.per_request_quant {
+                self.quant = view.quant.map(|(bits, group)| RefQuant { bits, group });
+            }
             self.admitted.insert(req);
             self.max_offset = self.max_offset.max(view.offset);
             let home = match (batch.iter().position(|&r| r == req), self.ssm_rows_at) {
@@ -466,11 +629,13 @@ impl Watcher {
                     };
                     let storage = "recurrent".to_string();
                     let layer = self.ssm_layer(l);
-                    layers.push(LayerSnap { layer, len: 0, tokens: vec![], storage, planes: vec![], ssm: Some(ssm) });
+                    let (len, tokens, planes) = (0, vec![], vec![]);
+                    layers.push(LayerSnap { layer, len, tokens, storage, planes, ssm: Some(ssm), ring: None });
                 } else {
                     let tokens = self.runs(l as u32, req, view.offset, &a);
                     let storage = "plain".to_string();
-                    layers.push(LayerSnap { layer: l, len: len_of(&a), tokens, storage, planes: vec![], ssm: None });
+                    let len = len_of(&a);
+                    layers.push(LayerSnap { layer: l, len, tokens, storage, planes: vec![], ssm: None, ring: None });
                 }
                 raw_layers.push((a, b));
             }
@@ -488,19 +653,30 @@ impl Watcher {
                         Some(kq) => (len_of(kq), self.runs(l as u32, req, view.offset, kq)),
                         None => (0, vec![]),
                     };
-                    layers.push(LayerSnap { layer: l, len, tokens, storage, planes, ssm: None });
+                    layers.push(LayerSnap { layer: l, len, tokens, storage, planes, ssm: None, ring: None });
                     raw_planes.push(six);
                 }
+            }
+            let mut raw_rings = vec![];
+            for (l, ring) in view.rings.iter().enumerate() {
+                let (k, v) = (bytes(&ring.k)?, bytes(&ring.v)?);
+                let snap = self.ring_snap(l as u32, req, ring, &k, widths.get(l).copied().unwrap_or(0));
+                if let Some(layer) = layers.get_mut(l) {
+                    layer.ring = Some(snap);
+                }
+                raw_rings.push((k, v));
             }
             let place = if home == "solo" { Place::Solo } else { Place::Batch };
             self.live.insert(req, place);
             rows.push(RowSnap { req, home, offset: view.offset, layers });
-            raw.insert(req, RawState { offset: view.offset, layers: raw_layers, planes: raw_planes });
+            let state = RawState { offset: view.offset, layers: raw_layers, planes: raw_planes, rings: raw_rings };
+            raw.insert(req, state);
         }
         self.live.retain(|r, _| raw.contains_key(r));
         self.raw = raw;
         self.got_state = true;
-        let stage = Stage { source: String::new(), calls: merge_layers(std::mem::take(&mut self.calls)), batch, rows };
+        let calls = merge_layers(std::mem::take(&mut self.calls));
+        let stage = Stage { source: String::new(), calls, batch, rows, masks: self.take_masks() };
         self.stages.push(stage);
         Ok(())
     }
@@ -510,6 +686,7 @@ impl RunObserver for Watcher {
     fn on_op_start(&mut self, index: usize, _op: &Op) {
         self.op = index;
         self.calls.clear();
+        self.masks.clear();
         self.outs.clear();
         self.got_state = false;
         self.stages.clear();
@@ -555,7 +732,8 @@ impl RunObserver for Watcher {
             _ => None,
         };
         if !calls.is_empty() {
-            stages.push(Stage { source: "calls after the last state handed over".into(), calls, batch, rows: vec![] });
+            let (source, masks) = ("calls after the last state handed over".into(), self.take_masks());
+            stages.push(Stage { source, calls, batch, rows: vec![], masks });
         }
         let snap = match (stages.is_empty(), result) {
             (true, Ok(false)) => None,

@@ -11,7 +11,10 @@ use std::collections::BTreeMap;
 use mlx_rs::Array;
 
 use crate::sim::ops::Op;
+use kvsim_cache::mask::MaskUse;
 use kvsim_cache::ssm::{GdnParams, SsmSpec};
+use kvsim_cache::RingState;
+use kvsim_reference::RowModel;
 
 /// The read kind of a solo or batch call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +58,9 @@ pub enum Call<'a> {
     Admit {
         req: u32,
     },
-    /// A write (+ read) on a request outside the batch; `q`/`out` are `None` for an append.
+    /// A write (+ read) on a request outside the batch; `q`/`out` are `None` for an append, `mask` the mask the
+    /// read attended with (`None` for an append or a read that reports none), `twin` the same read of the
+    /// request's solo twin (what the family compares `out` against; `None` where there is none).
     Solo {
         req: u32,
         layer: usize,
@@ -65,6 +70,8 @@ pub enum Call<'a> {
         q: Option<&'a Array>,
         out: Option<&'a Array>,
         offset: usize,
+        mask: Option<&'a MaskUse>,
+        twin: Option<&'a Array>,
     },
     SoloTrim {
         req: u32,
@@ -97,7 +104,9 @@ pub enum Call<'a> {
     PrefillEnd {
         longest: usize,
     },
-    /// A write (+ read) on the running batch; `q`/`out` are `None` for an append.
+    /// A write (+ read) on the running batch; `q`/`out` are `None` for an append. `mask` is the mask the read
+    /// attended with; `twins` the same read of every row's solo twin, in row order (empty for an append), the
+    /// outputs the family compares the batch's against.
     Batch {
         layer: usize,
         read: Read,
@@ -107,7 +116,11 @@ pub enum Call<'a> {
         v: &'a Array,
         q: Option<&'a Array>,
         out: Option<&'a Array>,
+        mask: Option<&'a MaskUse>,
+        twins: &'a [Array],
     },
+    /// A committed span on the running batch; `twins` as for [`Call::Batch`] (each twin's ordinary decodes of the
+    /// span, in row order).
     BatchSpan {
         layer: usize,
         reqs: &'a [u32],
@@ -116,6 +129,7 @@ pub enum Call<'a> {
         v: &'a Array,
         q: &'a Array,
         out: &'a Array,
+        twins: &'a [Array],
     },
     /// Every batch row received `l` positions (after all layers' calls of one op).
     BatchWritten {
@@ -183,11 +197,38 @@ pub enum Call<'a> {
 /// One live request at a checkpoint: its offset and, per layer, its temporal K and V views (production); for the
 /// recurrent family each layer's pair is the row's conv state `[K-1, conv_dim]` and recurrent state `[Hv, Dv, Dk]`.
 pub struct StateView {
+    /// The request's row in the running batch (`None`: it runs alone).
+    pub row: Option<usize>,
     pub offset: usize,
     pub layers: Vec<(Array, Array)>,
     /// Affine storage only: per layer, the six planes of the temporal view (K's packed words, scales, biases, then
     /// V's); `layers` is then empty.
     pub planes: Option<Vec<Vec<Array>>>,
+    /// Families with rings (the attention and bf16-first families): per layer, the ring as production stores it
+    /// beside the reference model's; empty for the others.
+    pub rings: Vec<RingView>,
+    /// `Some((bits, group))` when this request's `planes` are affine with parameters the family's own
+    /// configuration does not say (the bf16-first rows, each converting on its own); `None` otherwise.
+    pub quant: Option<(usize, usize)>,
+}
+
+/// One layer's ring of one request, as production stores it and as the reference model says it must be: what a
+/// viewer draws as physical columns, write head, rotation and padding.
+pub struct RingView {
+    /// The live physical columns `[0, len)` in physical order, `[1, H_kv, len, D]`: K and V dense, or their packed
+    /// words under affine storage.
+    pub k: Array,
+    pub v: Array,
+    /// Production's host state (offset, len, write head, last window write).
+    pub state: RingState,
+    /// The window `W` (`None`: linear).
+    pub window: Option<usize>,
+    /// A batch row's mlx-lm left padding (`width - (offset - base)`) and its pending prefill positions; `None`
+    /// for a request alone.
+    pub left_padding: Option<i64>,
+    pub pending: Option<usize>,
+    /// The reference model of the same row (its physical columns, head, base and padding).
+    pub model: RowModel,
 }
 
 /// Hooks a run calls. Every method has a do-nothing default.

@@ -527,7 +527,10 @@ impl Family for Recurrent {
                     layers.push(b.row_states(r).map_err(|e| mlx("row states", e))?);
                 }
             }
-            views.insert(*id, StateView { offset: self.reqs[id].pos, layers, planes: None });
+            views.insert(
+                *id,
+                StateView { row: Some(r), offset: self.reqs[id].pos, layers, planes: None, rings: vec![], quant: None },
+            );
         }
         for (id, req) in roster.solo().map(|id| (id, &self.reqs[&id])) {
             let mut layers = vec![];
@@ -536,7 +539,8 @@ impl Family for Recurrent {
                     layers.push(c.row_states(0).map_err(|e| mlx("row states", e))?);
                 }
             }
-            views.insert(id, StateView { offset: req.pos, layers, planes: None });
+            views
+                .insert(id, StateView { row: None, offset: req.pos, layers, planes: None, rings: vec![], quant: None });
         }
         cx.observer.on_state(views).map_err(|e| Failure::new("mlx", format!("observe: {e}")))
     }

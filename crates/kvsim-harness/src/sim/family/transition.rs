@@ -370,8 +370,8 @@ impl Family for TransitionFamily {
         self.check_all(cx)
     }
 
-    fn observe_state(&mut self, _cx: &mut Cx<'_>) -> Res<()> {
-        Ok(())
+    fn observe_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        self.observe(cx)
     }
 
     fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
@@ -390,6 +390,7 @@ impl Family for TransitionFamily {
 mod checks;
 mod legos;
 mod lifecycle;
+mod observe;
 mod persist;
 mod prefill;
 mod prefix;

@@ -8,7 +8,7 @@ use mlx_rs::Array;
 use super::{mlx_fail, unexpected, Attention, Res};
 use crate::sim::check::{self, ReadKind};
 use crate::sim::family::Cx;
-use crate::sim::observe::StateView;
+use crate::sim::observe::{RingView, StateView};
 use kvsim_cache::bytes::ArrayBytes;
 use kvsim_cache::{MaskUse, Storage};
 use kvsim_reference::{RowModel, Tensor, Tok};
@@ -146,8 +146,9 @@ impl Attention {
         Ok(())
     }
 
-    /// Hands the observer every live request's offset and per-layer temporal K/V views, from the production
-    /// caches (batch rows first, in row order, then requests outside the batch). Nothing when it does not watch.
+    /// Hands the observer every live request's offset, per-layer temporal K/V views and physical rings (beside the
+    /// reference model's), from the production caches (batch rows first, in row order, then requests outside the
+    /// batch). Nothing when it does not watch.
     pub fn record_checkpoint(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let roster = cx.roster;
         if !cx.observer.wants_calls() {
@@ -156,28 +157,51 @@ impl Attention {
         let affine = self.storage != Storage::Plain;
         let mut views = BTreeMap::new();
         for (row, id) in roster.rows().iter().enumerate() {
-            let (mut layers, mut planes) = (vec![], vec![]);
+            let (mut layers, mut planes, mut rings) = (vec![], vec![], vec![]);
             for layer in 0..self.cfg.layers {
                 let b = &self.batch[layer];
-                if affine {
+                let (k, v) = if affine {
                     planes.push(b.row_temporal_view_planes(row).map_err(|e| unexpected("row_temporal_view", e))?);
+                    let p = b.row_physical_planes(row).map_err(|e| unexpected("row_physical", e))?;
+                    (p[0].clone(), p[3].clone())
                 } else {
                     layers.push(b.row_temporal_view(row).map_err(|e| unexpected("row_temporal_view", e))?);
-                }
+                    b.row_physical(row).map_err(|e| unexpected("row_physical", e))?
+                };
+                let st = &b.row_states()[row];
+                rings.push(RingView {
+                    k,
+                    v,
+                    state: st.ring.clone(),
+                    window: b.max_size(),
+                    left_padding: b.left_padding().get(row).copied(),
+                    pending: st.pending,
+                    model: self.reqs[id].model.clone(),
+                });
             }
             let offset = self.batch[0].row_states()[row].ring.offset;
-            views.insert(*id, StateView { offset, layers, planes: affine.then_some(planes) });
+            views.insert(
+                *id,
+                StateView { row: Some(row), offset, layers, planes: affine.then_some(planes), rings, quant: None },
+            );
         }
         for r in roster.solo().map(|id| &self.reqs[&id]) {
-            let (mut layers, mut planes) = (vec![], vec![]);
-            for layer in 0..self.cfg.layers {
-                if affine {
-                    planes.push(r.solo[layer].temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?);
+            let (mut layers, mut planes, mut rings) = (vec![], vec![], vec![]);
+            for c in &r.solo {
+                let (k, v) = if affine {
+                    planes.push(c.temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?);
+                    let p = c.physical_planes().map_err(|e| unexpected("physical", e))?;
+                    (p[0].clone(), p[3].clone())
                 } else {
-                    layers.push(r.solo[layer].temporal_view().map_err(|e| unexpected("temporal_view", e))?);
-                }
+                    layers.push(c.temporal_view().map_err(|e| unexpected("temporal_view", e))?);
+                    c.physical().map_err(|e| unexpected("physical", e))?
+                };
+                let (state, window, model) = (c.state().clone(), c.max_size(), r.model.clone());
+                rings.push(RingView { k, v, state, window, left_padding: None, pending: None, model });
             }
-            views.insert(r.id, StateView { offset: r.solo[0].offset(), layers, planes: affine.then_some(planes) });
+            let planes = affine.then_some(planes);
+            let view = StateView { row: None, offset: r.solo[0].offset(), layers, planes, rings, quant: None };
+            views.insert(r.id, view);
         }
         cx.observer.on_state(views).map_err(|e| mlx_fail("observe", e))
     }

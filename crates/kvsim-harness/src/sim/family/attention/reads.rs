@@ -28,6 +28,9 @@ impl Attention {
             let (k, v, q) = self.kvq(layer, &[toks.clone()])?;
             let r = self.reqs.get_mut(&req).unwrap();
             let got = r.solo[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("solo window", e))?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let twin =
+                r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
             if cx.observer.wants_calls() {
                 let kind = if read { Read::Window } else { Read::Append };
                 emit(
@@ -41,12 +44,11 @@ impl Attention {
                         q: Some(&q),
                         out: Some(&got.0),
                         offset: offset_before,
+                        mask: Some(&got.1),
+                        twin: Some(&twin.0),
                     },
                 )?;
             }
-            let r = self.reqs.get_mut(&req).unwrap();
-            let twin =
-                r.twin[layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin window", e))?;
             if read {
                 let real: Vec<Tok> = toks.iter().flatten().copied().collect();
                 let model_after = {
@@ -84,6 +86,9 @@ impl Attention {
             let r = self.reqs.get_mut(&req).unwrap();
             let got =
                 r.solo[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("solo decode", e))?;
+            let r = self.reqs.get_mut(&req).unwrap();
+            let twin =
+                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             if cx.observer.wants_calls() {
                 let off = model_after.offset - 1;
                 emit(
@@ -97,12 +102,11 @@ impl Attention {
                         q: Some(&q),
                         out: Some(&got.0),
                         offset: off,
+                        mask: Some(&got.1),
+                        twin: Some(&twin.0),
                     },
                 )?;
             }
-            let r = self.reqs.get_mut(&req).unwrap();
-            let twin =
-                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let real = vec![toks[0].unwrap()];
             self.check_read(
                 cx,
@@ -301,6 +305,7 @@ impl Attention {
             } else {
                 self.batch[layer].decode(&k, &v, &q, scale, &masks).map_err(|e| unexpected("decode", e))?
             };
+            let twin_outs = self.twin_reads(roster, layer, 1, TwinRead::Decode)?;
             if cx.observer.wants_calls() {
                 let offsets = self.row_extents(roster);
                 emit(
@@ -314,10 +319,11 @@ impl Attention {
                         v: &v,
                         q: Some(&q),
                         out: Some(&got.0),
+                        mask: Some(&got.1),
+                        twins: &twin_outs,
                     },
                 )?;
             }
-            let twin_outs = self.twin_reads(roster, layer, 1, TwinRead::Decode)?;
             let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
                 .rows()
                 .iter()
@@ -363,6 +369,7 @@ impl Attention {
             let (k, v, q) = self.kvq(layer, &toks)?;
             if read {
                 let got = self.batch[layer].window(&k, &v, &q, scale, &masks).map_err(|e| unexpected("window", e))?;
+                let twin_outs = self.twin_reads(roster, layer, len, TwinRead::Window)?;
                 if cx.observer.wants_calls() {
                     let offsets = self.row_extents(roster);
                     emit(
@@ -376,10 +383,11 @@ impl Attention {
                             v: &v,
                             q: Some(&q),
                             out: Some(&got.0),
+                            mask: Some(&got.1),
+                            twins: &twin_outs,
                         },
                     )?;
                 }
-                let twin_outs = self.twin_reads(roster, layer, len, TwinRead::Window)?;
                 let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
                     .rows()
                     .iter()
@@ -402,6 +410,8 @@ impl Attention {
                             v: &v,
                             q: None,
                             out: None,
+                            mask: None,
+                            twins: &[],
                         },
                     )?;
                 }
@@ -591,14 +601,12 @@ impl Attention {
             let (k, v, q) = self.kvq(layer, &toks)?;
             let got =
                 self.batch[layer].commit_span(&k, &v, &q, scale, &masks).map_err(|e| unexpected("commit_span", e))?;
+            let twin_outs = self.twin_reads(roster, layer, len, TwinRead::Span)?;
             if cx.observer.wants_calls() {
                 let offsets = self.row_extents(roster);
-                emit(
-                    cx,
-                    Call::BatchSpan { layer, reqs: roster.rows(), rows: &offsets, k: &k, v: &v, q: &q, out: &got },
-                )?;
+                let (reqs, rows, twins) = (roster.rows(), &offsets, &twin_outs[..]);
+                emit(cx, Call::BatchSpan { layer, reqs, rows, k: &k, v: &v, q: &q, out: &got, twins })?;
             }
-            let twin_outs = self.twin_reads(roster, layer, len, TwinRead::Span)?;
             // Outputs: compared with the twin (bytes) and the f64 model of each position's decode read.
             let rows: Vec<(usize, u32, Vec<Tok>, Option<&Array>)> = roster
                 .rows()

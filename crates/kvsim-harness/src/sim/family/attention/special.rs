@@ -168,6 +168,8 @@ impl Attention {
                     q: None,
                     out: None,
                     offset: offset_before,
+                    mask: None,
+                    twin: None,
                 };
                 emit(cx, call)?;
             }
@@ -217,6 +219,8 @@ impl Attention {
                     v: &v,
                     q: None,
                     out: None,
+                    mask: None,
+                    twins: &[],
                 };
                 emit(cx, call)?;
             }
@@ -322,16 +326,17 @@ impl Attention {
                 decode_step(self.storage, plan.fetch, None, scale, &inputs).map_err(|e| unexpected("step", e))?;
             let out = outputs[0].clone();
             c.apply_decode_step(&plan, outputs).map_err(|e| unexpected("apply_decode_step", e))?;
+            let (tw, _) =
+                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             if cx.observer.wants_calls() {
                 // The compiled step is a decode (checked byte-identical to the ordinary append below): observers see
                 // the ordinary decode call.
                 let offset = model_after.offset - 1;
+                let (k, v, q, out) = (&k, &v, Some(&q), Some(&out));
                 let call =
-                    Call::Solo { req, layer, read: Read::Decode, k: &k, v: &v, q: Some(&q), out: Some(&out), offset };
+                    Call::Solo { req, layer, read: Read::Decode, k, v, q, out, offset, mask: None, twin: Some(&tw) };
                 emit(cx, call)?;
             }
-            let (tw, _) =
-                r.twin[layer].decode(&k, &v, &q, scale, &Masks::new()).map_err(|e| unexpected("twin decode", e))?;
             let read = ArrayBytes::read_many(&[&out, &tw]).map_err(|e| mlx_fail("read output", e))?;
             cx.hasher.update(&read[0].digest());
             check::bytes_equal("compiled step output vs the ordinary append", &read[0], &read[1])?;
