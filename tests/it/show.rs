@@ -173,3 +173,86 @@ fn the_command_line_draws_text_and_pages_and_replay_points_at_it() {
     let (said, ok) = kvsim(&["replay", "corpus/seed-234-end-prefill-commits-uncommitted.json"]);
     assert!(ok && !said.contains("see it:"), "{said}");
 }
+
+/// The rings of one family's last stage of op `i` (`(request, layer) -> ring`).
+fn rings_at(p: &show::page::Page, family: &str, i: usize) -> Vec<(u32, show::page::RingSnap)> {
+    let fam = p.families.iter().find(|f| f.name == family).expect("the family is watched");
+    let snap = fam.ops[i].as_ref().expect("the op was observed");
+    let st = snap.stages.iter().rev().find(|s| !s.rows.is_empty()).expect("a state was handed over");
+    st.rows
+        .iter()
+        .flat_map(|r| r.layers.iter().map(move |l| (r.req, l.ring.clone().expect("a ring per layer"))))
+        .collect()
+}
+
+#[test]
+fn rings_are_drawn_physically_beside_the_model_and_differences_are_marked() {
+    let p = page("corpus/mutant-merge-slices-by-offset.json", None);
+    // Before the failing merge every ring agrees with its model.
+    for i in 0..6 {
+        if p.families[0].ops[i].is_some() {
+            assert!(rings_at(&p, "attention", i).iter().all(|(_, g)| g.model.is_none()), "op {i}");
+        }
+    }
+    // The merge recorded request 4's slice of 5 as 6 columns: production's ring holds a column the model's does not.
+    let rings = rings_at(&p, "attention", 6);
+    let (_, g) = rings.iter().find(|(r, _)| *r == 4).expect("request 4 is in the batch");
+    let m = g.model.as_ref().expect("the model's ring differs and is drawn");
+    assert_eq!((g.len, m.columns.len()), (6, 5));
+    assert_eq!((g.left_padding, m.left_padding), (Some(0), Some(1)));
+    assert!(g.columns.iter().any(|r| !r.expected), "the stray column is marked: {:?}", g.columns);
+    assert!(m.columns.iter().all(|&(req, _)| req == 4));
+}
+
+#[test]
+fn every_read_hands_over_its_mask() {
+    // The mutant reads a batch of unequal rows with no mask: the page shows it.
+    let p = page("corpus/mutant-mask-ignores-padding.json", None);
+    let f = p.failure.as_ref().unwrap();
+    let snap = p.families[0].ops[f.op_index].as_ref().unwrap();
+    let kinds: Vec<&str> = snap.stages.iter().flat_map(|s| &s.masks).map(|m| m.kind.as_str()).collect();
+    assert!(!kinds.is_empty() && kinds.iter().all(|k| *k == "none"), "{kinds:?}");
+    // A window read's matrix: the grid of query 0 is the columns the failing check says production's mask shows.
+    let p = page("corpus/mutant-concat-keeps-window.json", None);
+    let f = p.failure.as_ref().unwrap();
+    assert!(f.message.contains("mask shows columns [1, 2, 3, 4, 5]"), "{}", f.message);
+    let snap = p.families[0].ops[f.op_index].as_ref().unwrap();
+    let m = snap.stages.iter().flat_map(|s| &s.masks).find(|m| m.kind == "matrix").expect("a matrix mask");
+    assert_eq!(m.grid[0], ".#####", "{m:?}");
+    assert!(m.what.contains("batch window"), "{}", m.what);
+}
+
+#[test]
+fn an_output_failure_shows_production_against_the_twin_in_bytes() {
+    let p = page("corpus/mutant-decode-key-order.json", None);
+    let f = p.failure.as_ref().unwrap();
+    assert_eq!(f.check, "decode_vs_solo");
+    let v = f
+        .details
+        .iter()
+        .find_map(|d| match d {
+            Detail::Values(v) if v.expected_label == "solo twin" => Some(v),
+            _ => None,
+        })
+        .expect("the twin's output is compared");
+    // The message says 1 ULP: the table finds the same distance over every element of the row.
+    assert_eq!(v.max_ulp, Some(1), "{v:?}");
+    assert!(v.differing.is_some_and(|d| d > 0) && v.rows[0].differs);
+    assert!(!f.details.iter().any(|d| matches!(d, Detail::Unobservable { .. })), "{:?}", f.details);
+}
+
+#[test]
+fn the_bf16_first_rows_describe_their_storage_per_request() {
+    // Op 2: request 0 converted at offset 0 (affine), request 1 still holds nothing (bf16).
+    let p = page("corpus/mutant-tkv-pack-before-all-converted.json", None);
+    let fam = p.families.iter().find(|f| f.name == "transition").expect("the rows family is watched");
+    let st = fam.ops[2].as_ref().unwrap().stages.last().unwrap();
+    let r0 = st.rows.iter().find(|r| r.req == 0).unwrap();
+    let l = &r0.layers[0];
+    assert!(l.storage.starts_with("affine 5-bit"), "{}", l.storage);
+    assert_eq!(l.planes.len(), 6);
+    assert!(l.tokens.iter().all(|t| t.kind == "tok" && t.expected), "packed columns identified: {:?}", l.tokens);
+    assert!(l.ring.as_ref().is_some_and(|g| g.model.is_none() && g.columns.iter().all(|c| c.expected)));
+    let r1 = st.rows.iter().find(|r| r.req == 1).unwrap();
+    assert_eq!(r1.layers[0].storage, "plain");
+}

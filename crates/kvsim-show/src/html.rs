@@ -37,16 +37,19 @@ struct ScriptData<'a> {
 /// stages as `[source, calls, batch, rows]` with `source` an index into `sources`, rows as `[req, offset, [layer
 /// indices]]` plus the row's home when its place in `batch` does not say it; the k-th index is the model's layer
 /// `layer_ids[k]` (identical windows of different layers share one entry). A plain layer is `[len, storage, runs,
-/// planes, ring]`, a run `[kind, req, pos, n, flags]` (kind `t` token, `p` padding, `z` zeros, `u` unknown; flags 1:
-/// out of the row's own order, or not the model's token there; 2: named by the failing check); `ring` is `null` or
-/// `[physical runs, offset, len, head, last window write, rotated, left padding, pending, model]` with `model`
-/// `null` (it agrees) or `[[[req, pos] per physical column], offset, head, last window write, left padding,
-/// pending]`; a recurrent layer is `["ssm", conv, rec, conv digest, rec digest]`. A stage's fifth entry lists its
-/// masks, each `[what, kind, rows, queries, cols, grid lines, clipped]`.
+/// planes, ring]` with `storage` an index into `storages` and `planes` one into `plane_sets` (a list of plane
+/// descriptions); a run is `[kind, req, pos, n, flags]` (kind `t` token, `p` padding, `z` zeros, `u` unknown; flags
+/// 1: out of the row's own order, or not the model's token there; 2: named by the failing check); `ring` is `null`
+/// or `[physical runs, offset, len, head, last window write, rotated, left padding, pending, model]`, the physical
+/// runs `0` when they are the live window's own, with `model` `null` (it agrees) or `[[[req, pos] per physical
+/// column], offset, head, last window write, left padding, pending]`; a recurrent layer is `["ssm", conv, rec, conv
+/// digest, rec digest]`. A stage's fifth entry lists its masks, each `[what, kind, rows, queries, cols, grid lines,
+/// clipped]`.
 pub fn compact_family(f: &FamilyView) -> Value {
     let mut layers: Vec<Value> = vec![];
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut sources: Vec<String> = vec![];
+    let mut strings = Strings::default();
     let mut intern = |v: Value, table: &mut Vec<Value>| -> usize {
         let key = v.to_string();
         *index.entry(key).or_insert_with(|| {
@@ -75,7 +78,7 @@ pub fn compact_family(f: &FamilyView) -> Value {
                         .iter()
                         .map(|r| {
                             let ls: Vec<usize> =
-                                r.layers.iter().map(|l| intern(compact_layer(l), &mut layers)).collect();
+                                r.layers.iter().map(|l| intern(compact_layer(l, &mut strings), &mut layers)).collect();
                             // The home only when the row's place in `batch` does not say it.
                             let plain = match st.batch.iter().position(|&b| b == r.req) {
                                 Some(i) => r.home == format!("batch row {i}"),
@@ -110,10 +113,40 @@ pub fn compact_family(f: &FamilyView) -> Value {
         .map(|r| r.layers.iter().map(|l| l.layer).collect())
         .unwrap_or_default();
     json!({"name": f.name, "kind": f.kind, "window": f.window, "geometry": f.geometry, "sources": sources,
-           "layer_ids": layer_ids, "layers": layers, "ops": ops})
+           "layer_ids": layer_ids, "layers": layers, "storages": strings.storages, "plane_sets": strings.plane_sets,
+           "ops": ops})
 }
 
-fn compact_layer(l: &LayerSnap) -> Value {
+/// The storage names and plane descriptions of a family's layers, each once.
+#[derive(Default)]
+struct Strings {
+    storages: Vec<String>,
+    plane_sets: Vec<Vec<String>>,
+}
+
+impl Strings {
+    fn storage(&mut self, s: &str) -> usize {
+        match self.storages.iter().position(|x| x == s) {
+            Some(i) => i,
+            None => {
+                self.storages.push(s.to_string());
+                self.storages.len() - 1
+            }
+        }
+    }
+
+    fn planes(&mut self, p: &[String]) -> usize {
+        match self.plane_sets.iter().position(|x| x == p) {
+            Some(i) => i,
+            None => {
+                self.plane_sets.push(p.to_vec());
+                self.plane_sets.len() - 1
+            }
+        }
+    }
+}
+
+fn compact_layer(l: &LayerSnap, strings: &mut Strings) -> Value {
     if let Some(s) = &l.ssm {
         return json!(["ssm", s.conv, s.rec, s.conv_digest, s.rec_digest]);
     }
@@ -122,9 +155,10 @@ fn compact_layer(l: &LayerSnap) -> Value {
             let cols: Vec<[u32; 2]> = m.columns.iter().map(|&(r, p)| [r, p]).collect();
             json!([cols, m.offset, m.idx, m.last_concat, m.left_padding, m.pending])
         });
-        json!([runs(&g.columns), g.offset, g.len, g.idx, g.last_concat, g.rotated, g.left_padding, g.pending, model])
+        let physical = if g.columns == l.tokens { json!(0) } else { json!(runs(&g.columns)) };
+        json!([physical, g.offset, g.len, g.idx, g.last_concat, g.rotated, g.left_padding, g.pending, model])
     });
-    json!([l.len, l.storage, runs(&l.tokens), l.planes, ring])
+    json!([l.len, strings.storage(&l.storage), runs(&l.tokens), strings.planes(&l.planes), ring])
 }
 
 fn runs(runs: &[TokRun]) -> Vec<Value> {

@@ -63,12 +63,13 @@
   }
 
   // A ring's physical columns, numbers and the model's ring where it differs.
-  function ringLines(g, rowReq, prefix) {
+  // `live`: the layer's live window runs (the physical runs are `0` when they are the same).
+  function ringLines(g, live, rowReq, prefix) {
     var out = [];
     var line = el("div", "layer physical");
     line.id = prefix + "-phys";
     line.appendChild(el("span", "lbl", "physical"));
-    line.appendChild(tokenCells(g[0], rowReq, g[3]));
+    line.appendChild(tokenCells(g[0] === 0 ? live : g[0], rowReq, g[3]));
     var txt = "offset " + g[1] + " · len " + g[2] + " · head " + g[3] + (g[5] ? " · rotated" : " · in temporal order") +
       (g[4] === null ? "" : " · last window write " + g[4]) +
       (g[6] === null ? "" : " · left padding " + g[6]) + (g[7] === null ? "" : " · " + g[7] + " prefill positions pending");
@@ -148,10 +149,11 @@
     }
     line.appendChild(tokenCells(v[2], rowReq));
     var w = fam.window === null ? "linear" : "window " + fam.window;
-    line.appendChild(el("span", "note", "live window " + v[0] + " (" + w + ") · " + v[1]));
+    line.appendChild(el("span", "note", "live window " + v[0] + " (" + w + ") · " + fam.storages[v[1]]));
     var out = [line];
-    if (v[3].length) out.push(el("p", "note", "planes: " + v[3].join(" · ")));
-    if (v[4]) ringLines(v[4], rowReq, line.id).forEach(function (e) { out.push(e); });
+    var planes = fam.plane_sets[v[3]];
+    if (planes.length) out.push(el("p", "note", "planes: " + planes.join(" · ")));
+    if (v[4]) ringLines(v[4], v[2], rowReq, line.id).forEach(function (e) { out.push(e); });
     return out;
   }
 
