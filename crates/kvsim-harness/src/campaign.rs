@@ -677,36 +677,38 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
 /// "Mutation catalog" lists the measured catch seed).
 pub fn mutant_budget(m: Mutant) -> u64 {
     match m {
-        // The bf16-first mutants live in the transition family, which about a quarter of the seeds hold.
+        // The bf16-first mutants live in the two bf16-first families, which about two fifths of the seeds hold.
+        // Measured catch seeds: 26, 2, 2 and 2.
         Mutant::TkvConvertUncommitted
         | Mutant::TkvPackBeforeAllConverted
         | Mutant::TkvRollbackDropsKept
-        | Mutant::TkvFloorLostByExtract => 120,
+        | Mutant::TkvFloorLostByExtract => 60,
         // Needs a chunked prefill cohort of the bf16-first rows that crosses `start` with a request that never
-        // commits its chunks (measured catch seed 234).
-        Mutant::TkvEndPrefillLeavesDue => 240,
-        // Caught at seed 132 since the legos joined the swarm as a family of their own (`bf16-first`) and the rows
-        // family draws `commit_span` (both moved the draws of the seeds holding them).
-        Mutant::TkvReuseBelowFloor => 160,
-        // Needs a prefill cohort whose planned chunk crosses `start` and is split (measured catch seed 140).
-        Mutant::TkvSplitMovesBoundary => 300,
-        // Measured catch seeds with the current generator (README "Mutation catalog"): 2 and 14.
+        // commits its chunks: measured catch seed 1 since an admission is followed by a prefill (`gen::FollowUp`;
+        // 234 before, when only about one prefill in ten transition runs crossed `start` uncommitted).
+        Mutant::TkvEndPrefillLeavesDue => 40,
+        // Measured catch seed 41 (prefix reuse below the floor of a stored entry).
+        Mutant::TkvReuseBelowFloor => 100,
+        // Needs a prefill cohort whose planned chunk crosses `start` and is split: measured catch seed 1 since an
+        // admission is followed by a prefill (40 before).
+        Mutant::TkvSplitMovesBoundary => 40,
+        // Measured catch seeds with the current generator (README "Mutation catalog"): 2 and 4.
         Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
-        // Caught at seed 22 after the bf16-first family joined the swarm (its op kinds moved every seed's draw);
-        // the row-phase mutant at seed 2 since the `contract` check reads every layout's decode phases.
+        // Measured catch seeds 4 (adopt) and 2 (the row phase, read by the `contract` check after every op).
         Mutant::AdoptDropsPhase | Mutant::RowPhaseIgnoresOversize => 60,
         // Needs a merge of windowed rows whose temporal slices are shorter than their offsets and than the widest
-        // row's (a rolled-back or post-window ring beside a full one). Measured catch seed 1460 since the contract
-        // ops and the encoder read joined the draws (602 before); 914 of the 1600 seeds can reach it
-        // (`mutant_reachable`), and only those are run.
-        Mutant::MergeSlicesByOffset => 1600,
+        // row's (a ring rolled back after it wrapped, beside a full one). Measured catch seed 75 since a solo window
+        // is followed by its rollback and a rollback by a merge (`gen::FollowUp`); 1460 before, with a budget of
+        // 1600. Only the seeds that can reach it run (`mutant_reachable`, about 57% of them).
+        Mutant::MergeSlicesByOffset => 100,
         // The recurrent family's left-padding mutants: reached only by seeds that hold it (swarm probability 0.4)
-        // with the `ssm` set and a left-padded prefill (measured catch seed 46 for both; the others at seed 2).
+        // with the `ssm` set and a left-padded prefill (measured catch seed 2 for both).
         Mutant::SsmMaskIgnoresLeftPadding | Mutant::SsmFilterShiftsEmptyPadding => 100,
-        // Needs a run of the quantized family that starts plain and converts a ring after it wrapped.
+        // Needs a run of the quantized family that starts plain and converts a ring after it wrapped (measured
+        // catch seed 2).
         Mutant::QuantConvertTemporalOrder => 60,
         // Reached only by the save/restore op (about half the runs draw it) on a solo cache with spare capacity
-        // (measured catch seed 22).
+        // (measured catch seed 10).
         Mutant::CodecSavesWholeBuffer => 60,
         _ => 20,
     }

@@ -24,7 +24,32 @@ pub struct Generator {
     fetch: ChaCha8Rng,
     /// The families' registry, for which contract ops the run's families support.
     registry: Registry,
+    /// Whether the next op follows up the last one ([`Stream::FollowUp`]), and its parameters.
+    follow: ChaCha8Rng,
+    /// The follow-up the last op asks for, if any.
+    pending: Option<FollowUp>,
 }
+
+/// A step of a request's life that consumes the state the op before it left, drawn right after that op (at
+/// [`FOLLOW_UP_CHANCE`]) rather than left to the weights. The states these steps read are short-lived: an admitted
+/// request stays fresh only until its first write, a window until the next op on its request, a rolled-back ring
+/// only until its next write, and by weight alone the op that reads them seldom comes first (a prefill cohort that
+/// crosses a boundary with an uncommitted request; a merge of a ring rolled back after it wrapped beside a full one,
+/// bug catalog #4). Only kinds the run draws by weight are followed up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FollowUp {
+    /// After an admission: a batch prefill of the fresh requests (a server prefills what it admits).
+    Prefill,
+    /// After a window of `len` positions written into request `req` outside the batch: its speculative rollback
+    /// (a bypass trim of the whole window, or of part of it), as a rejected draft leaves it.
+    Rollback(u32, u32),
+    /// After a speculative rollback of request `req` outside the batch: a merge (or join, by their weights) of it
+    /// with other requests outside the batch, before any write moves its ring on.
+    Merge(u32),
+}
+
+/// The chance that the op a lifecycle step asks for ([`FollowUp`]) comes next.
+pub const FOLLOW_UP_CHANCE: f64 = 0.5;
 
 /// The chance, per op with a running batch in a run that may draw it, that the generator draws the bf16-first
 /// rows' softcapped fetch ([`Op::Fetch`]) instead.
@@ -78,11 +103,71 @@ impl Generator {
         let (work, spec, prefill) =
             (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
         let (contract, fetch) = (stream(seed, Stream::Contract), stream(seed, Stream::Fetch));
-        Generator { work, spec, prefill, drawers, contract, fetch, registry: registry.clone() }
+        let follow = stream(seed, Stream::FollowUp);
+        Generator { work, spec, prefill, drawers, contract, fetch, registry: registry.clone(), follow, pending: None }
     }
 
-    /// The next op for `view`. Kinds that cannot apply now are left out of the draw.
+    /// The follow-up the last op asked for ([`FollowUp`]), drawn only from [`Stream::FollowUp`] (and the prefill's
+    /// uncommitted requests from [`Stream::Prefill`]), when it still applies to `v`.
+    fn follow_up(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
+        let want = self.pending.take()?;
+        let room = cfg.max_batch.saturating_sub(v.rows.len());
+        let solo = |req: u32| v.solo.iter().any(|s| s.0 == req);
+        if !self.follow.random_bool(FOLLOW_UP_CHANCE) {
+            return None;
+        }
+        let f = &mut self.follow;
+        match want {
+            FollowUp::Rollback(req, len) => solo(req).then(|| Op::SoloTrim {
+                req,
+                n: if f.random_bool(0.5) { len } else { f.random_range(0..=len) },
+                bypass: true,
+            }),
+            _ if room == 0 => None,
+            FollowUp::Prefill => {
+                let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
+                (!fresh.is_empty()).then(|| batch_prefill(cfg, f, &mut self.prefill, &fresh, room))
+            }
+            FollowUp::Merge(req) => {
+                if !solo(req) {
+                    return None;
+                }
+                let others: Vec<u32> = v.solo.iter().map(|s| s.0).filter(|&r| r != req).collect();
+                let (merge, join) = (cfg.weight(OpKind::Merge), cfg.weight(OpKind::Join));
+                let kind = if f.random_range(0..merge + join) < merge { OpKind::Merge } else { OpKind::Join };
+                // The rolled-back request first, then as many of the others as fit, in a shuffled order.
+                let mut reqs = vec![req];
+                reqs.extend(shuffled(f, others));
+                reqs.truncate(room);
+                Some(if kind == OpKind::Merge { Op::Merge { reqs } } else { Op::Join { reqs, order: vec![] } })
+            }
+        }
+    }
+
+    /// The follow-up `op` asks for, if the run draws its kind by weight.
+    fn asks_for(cfg: &SimConfig, op: &Op) -> Option<FollowUp> {
+        match op {
+            Op::Admit { .. } if cfg.weight(OpKind::BatchPrefill) > 0 => Some(FollowUp::Prefill),
+            Op::SoloWindow { req, len } if cfg.weight(OpKind::SoloTrim) > 0 => Some(FollowUp::Rollback(*req, *len)),
+            Op::SoloTrim { req, bypass: true, .. } if cfg.weight(OpKind::Merge) + cfg.weight(OpKind::Join) > 0 => {
+                Some(FollowUp::Merge(*req))
+            }
+            _ => None,
+        }
+    }
+
+    /// The next op for `view`: a follow-up of the last op ([`FollowUp`]), a contract op, the fetch, or one drawn by
+    /// weight. Kinds that cannot apply now are left out of the draw.
     pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
+        let op = self.draw(cfg, v);
+        self.pending = Self::asks_for(cfg, &op);
+        op
+    }
+
+    fn draw(&mut self, cfg: &SimConfig, v: &View) -> Op {
+        if let Some(op) = self.follow_up(cfg, v) {
+            return op;
+        }
         let rows = v.rows.len();
         if let Some(op) = self.contract_op(cfg, v) {
             return op;
@@ -159,10 +244,7 @@ impl Generator {
                 // empty) side by side are where merge geometry bugs live (bug catalog #4, #5).
                 let most = room.min(v.solo.len());
                 let n = if w.random_bool(0.5) { most } else { w.random_range(1..=most) };
-                let mut reqs: Vec<u32> = v.solo.iter().map(|s| s.0).collect();
-                for i in (1..reqs.len()).rev() {
-                    reqs.swap(i, w.random_range(0..=i));
-                }
+                let mut reqs = shuffled(w, v.solo.iter().map(|s| s.0).collect());
                 reqs.truncate(n);
                 if kind == OpKind::Merge {
                     Op::Merge { reqs }
@@ -178,19 +260,7 @@ impl Generator {
                     Op::Join { reqs, order }
                 }
             }
-            OpKind::BatchPrefill => {
-                let n = w.random_range(1..=room.min(fresh.len()));
-                let reqs: Vec<u32> = fresh[..n].to_vec();
-                let lengths = (0..n).map(|_| w.random_range(1..=cfg.max_prompt as u32)).collect();
-                let chunk = chunk(w);
-                // Every legal end of a prefill: every request commits its chunks, none does, or every other one.
-                let uncommitted = match self.prefill.random_range(0..3) {
-                    0 => vec![],
-                    1 => reqs.clone(),
-                    _ => reqs.iter().skip(1).step_by(2).copied().collect(),
-                };
-                Op::BatchPrefill { reqs, lengths, chunk, uncommitted }
-            }
+            OpKind::BatchPrefill => batch_prefill(cfg, w, &mut self.prefill, &fresh, room),
             OpKind::Decode => Op::Decode,
             OpKind::Window => Op::Window { len: chunk(w) },
             OpKind::Append => Op::Append { len: chunk(w) },
@@ -317,4 +387,32 @@ impl Generator {
             }
         }
     }
+}
+
+/// `v` in a random order (Fisher-Yates).
+fn shuffled(r: &mut ChaCha8Rng, mut v: Vec<u32>) -> Vec<u32> {
+    for i in (1..v.len()).rev() {
+        v.swap(i, r.random_range(0..=i));
+    }
+    v
+}
+
+/// A batch prefill of the first fresh requests that fit in `room` (`fresh` not empty, `room` > 0): their prompt
+/// lengths and chunk from `w`, which of them leave their chunks uncommitted from `prefill`.
+fn batch_prefill(cfg: &SimConfig, w: &mut ChaCha8Rng, prefill: &mut ChaCha8Rng, fresh: &[u32], room: usize) -> Op {
+    let n = w.random_range(1..=room.min(fresh.len()));
+    let reqs: Vec<u32> = fresh[..n].to_vec();
+    let lengths = (0..n).map(|_| w.random_range(1..=cfg.max_prompt as u32)).collect();
+    let chunk = w.random_range(1..=cfg.max_chunk as u32);
+    // Every legal end of a prefill: every request commits its chunks, none does, or every other one (from the
+    // first or the second, so that a cohort of one leaves its chunks uncommitted in half the prefills).
+    let uncommitted = match prefill.random_range(0..3) {
+        0 => vec![],
+        1 => reqs.clone(),
+        _ => {
+            let from = prefill.random_range(0..2);
+            reqs.iter().skip(from).step_by(2).copied().collect()
+        }
+    };
+    Op::BatchPrefill { reqs, lengths, chunk, uncommitted }
 }

@@ -40,6 +40,9 @@ pub enum Stream {
     Encoder = 13,
     /// Whether the next op is the bf16-first rows' softcapped fetch (`Op::Fetch`), and its length.
     Fetch = 14,
+    /// Whether the op after a lifecycle step is the step that consumes the state it left (`sim::gen::FollowUp`),
+    /// and that op's parameters.
+    FollowUp = 15,
 }
 
 /// A generator for one subsystem of one seed.
