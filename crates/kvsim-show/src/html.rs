@@ -17,7 +17,7 @@ use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::page::{Detail, FamilyView, LayerSnap, Page, Place, RingPic, Status, TokRun, ValueTable};
+use crate::page::{Detail, FamilyView, LayerSnap, MaskPic, Page, Place, RingPic, Status, TokRun, ValueTable};
 
 const CSS: &str = include_str!("page.css");
 const SCRIPT: &str = include_str!("page.js");
@@ -40,11 +40,12 @@ struct ScriptData<'a> {
 /// planes, ring]` with `storage` an index into `storages` and `planes` one into `plane_sets` (a list of plane
 /// descriptions); a run is `[kind, req, pos, n, flags]` (kind `t` token, `p` padding, `z` zeros, `u` unknown; flags
 /// 1: out of the row's own order, or not the model's token there; 2: named by the failing check); `ring` is `null`
-/// or `[physical runs, offset, len, head, last window write, rotated, left padding, pending, model]`, the physical
-/// runs `0` when they are the live window's own, with `model` `null` (it agrees) or `[[[req, pos] per physical
-/// column], offset, head, last window write, left padding, pending]`; a recurrent layer is `["ssm", conv, rec, conv
-/// digest, rec digest]`. A stage's fifth entry lists its masks, each `[what, kind, rows, queries, cols, grid lines,
-/// clipped]`.
+/// or `[physical runs, head, last window write, left padding, pending, model, offset]` (`offset` `null` when it is
+/// the row's; its length is the runs' total, rotated when the head is below it), the physical runs `0` when they are the live window's own,
+/// with `model` `null` (it agrees) or `[[[req, pos] per physical column], offset, head, last window write, left
+/// padding, pending]`; a recurrent layer is `["ssm", conv, rec, conv
+/// digest, rec digest]`. A stage's fifth entry lists its masks as indices into `masks`, each `[what, kind, rows,
+/// queries, cols, grid lines, clipped]`.
 pub fn compact_family(f: &FamilyView) -> Value {
     let mut layers: Vec<Value> = vec![];
     let mut index: HashMap<String, usize> = HashMap::new();
@@ -77,8 +78,11 @@ pub fn compact_family(f: &FamilyView) -> Value {
                         .rows
                         .iter()
                         .map(|r| {
-                            let ls: Vec<usize> =
-                                r.layers.iter().map(|l| intern(compact_layer(l, &mut strings), &mut layers)).collect();
+                            let ls: Vec<usize> = r
+                                .layers
+                                .iter()
+                                .map(|l| intern(compact_layer(l, &mut strings, r.offset), &mut layers))
+                                .collect();
                             // The home only when the row's place in `batch` does not say it.
                             let plain = match st.batch.iter().position(|&b| b == r.req) {
                                 Some(i) => r.home == format!("batch row {i}"),
@@ -91,11 +95,7 @@ pub fn compact_family(f: &FamilyView) -> Value {
                             }
                         })
                         .collect();
-                    let masks: Vec<Value> = st
-                        .masks
-                        .iter()
-                        .map(|m| json!([m.what, m.kind, m.rows, m.queries, m.cols, m.grid, m.clipped]))
-                        .collect();
+                    let masks: Vec<usize> = st.masks.iter().map(|m| strings.mask(m)).collect();
                     json!([src, st.calls, st.batch, rows, masks])
                 })
                 .collect();
@@ -114,17 +114,28 @@ pub fn compact_family(f: &FamilyView) -> Value {
         .unwrap_or_default();
     json!({"name": f.name, "kind": f.kind, "window": f.window, "geometry": f.geometry, "sources": sources,
            "layer_ids": layer_ids, "layers": layers, "storages": strings.storages, "plane_sets": strings.plane_sets,
-           "ops": ops})
+           "masks": strings.masks, "ops": ops})
 }
 
-/// The storage names and plane descriptions of a family's layers, each once.
+/// The storage names and plane descriptions of a family's layers, and its reads' masks, each once.
 #[derive(Default)]
 struct Strings {
     storages: Vec<String>,
     plane_sets: Vec<Vec<String>>,
+    masks: Vec<Value>,
+    mask_index: HashMap<String, usize>,
 }
 
 impl Strings {
+    fn mask(&mut self, m: &MaskPic) -> usize {
+        let v = json!([m.what, m.kind, m.rows, m.queries, m.cols, m.grid, m.clipped]);
+        let masks = &mut self.masks;
+        *self.mask_index.entry(v.to_string()).or_insert_with(|| {
+            masks.push(v);
+            masks.len() - 1
+        })
+    }
+
     fn storage(&mut self, s: &str) -> usize {
         match self.storages.iter().position(|x| x == s) {
             Some(i) => i,
@@ -146,7 +157,7 @@ impl Strings {
     }
 }
 
-fn compact_layer(l: &LayerSnap, strings: &mut Strings) -> Value {
+fn compact_layer(l: &LayerSnap, strings: &mut Strings, row_offset: usize) -> Value {
     if let Some(s) = &l.ssm {
         return json!(["ssm", s.conv, s.rec, s.conv_digest, s.rec_digest]);
     }
@@ -156,7 +167,8 @@ fn compact_layer(l: &LayerSnap, strings: &mut Strings) -> Value {
             json!([cols, m.offset, m.idx, m.last_concat, m.left_padding, m.pending])
         });
         let physical = if g.columns == l.tokens { json!(0) } else { json!(runs(&g.columns)) };
-        json!([physical, g.offset, g.len, g.idx, g.last_concat, g.rotated, g.left_padding, g.pending, model])
+        let offset = (g.offset != row_offset).then_some(g.offset);
+        json!([physical, g.idx, g.last_concat, g.left_padding, g.pending, model, offset])
     });
     json!([l.len, strings.storage(&l.storage), runs(&l.tokens), strings.planes(&l.planes), ring])
 }

@@ -63,19 +63,22 @@
   }
 
   // A ring's physical columns, numbers and the model's ring where it differs.
-  // `live`: the layer's live window runs (the physical runs are `0` when they are the same).
-  function ringLines(g, live, rowReq, prefix) {
+  // `live`: the layer's live window runs (the physical runs are `0` when they are the same); `offset`: the row's.
+  function ringLines(g, live, rowReq, prefix, offset) {
     var out = [];
     var line = el("div", "layer physical");
     line.id = prefix + "-phys";
     line.appendChild(el("span", "lbl", "physical"));
-    line.appendChild(tokenCells(g[0] === 0 ? live : g[0], rowReq, g[3]));
-    var txt = "offset " + g[1] + " · len " + g[2] + " · head " + g[3] + (g[5] ? " · rotated" : " · in temporal order") +
-      (g[4] === null ? "" : " · last window write " + g[4]) +
-      (g[6] === null ? "" : " · left padding " + g[6]) + (g[7] === null ? "" : " · " + g[7] + " prefill positions pending");
+    var runs = g[0] === 0 ? live : g[0], len = 0;
+    runs.forEach(function (r) { len += r[3]; });
+    line.appendChild(tokenCells(runs, rowReq, g[1]));
+    if (g[6] !== null) offset = g[6];
+    var txt = "offset " + offset + " · len " + len + " · head " + g[1] + (g[1] < len ? " · rotated" : " · in temporal order") +
+      (g[2] === null ? "" : " · last window write " + g[2]) +
+      (g[3] === null ? "" : " · left padding " + g[3]) + (g[4] === null ? "" : " · " + g[4] + " prefill positions pending");
     line.appendChild(el("span", "note", txt));
     out.push(line);
-    var m = g[8];
+    var m = g[5];
     if (m === null) {
       out.push(el("div", "note model-agrees", "model: the same columns, head, offset and padding"));
     } else {
@@ -134,7 +137,7 @@
     return null;
   }
 
-  function layerLine(fam, i, rowReq, li, k, prefix) {
+  function layerLine(fam, i, rowReq, li, k, prefix, offset) {
     var v = fam.layers[li];
     var id = k < fam.layer_ids.length ? fam.layer_ids[k] : k;
     var line = el("div", "layer");
@@ -153,7 +156,7 @@
     var out = [line];
     var planes = fam.plane_sets[v[3]];
     if (planes.length) out.push(el("p", "note", "planes: " + planes.join(" · ")));
-    if (v[4]) ringLines(v[4], v[2], rowReq, line.id).forEach(function (e) { out.push(e); });
+    if (v[4]) ringLines(v[4], v[2], rowReq, line.id, offset).forEach(function (e) { out.push(e); });
     return out;
   }
 
@@ -175,14 +178,14 @@
       st[1].forEach(function (c) { calls.appendChild(el("li", "", c)); });
       if (st[1].length === 0) calls.appendChild(el("li", "", "(no production call)"));
       sd.appendChild(calls);
-      (st[4] || []).forEach(function (m) { sd.appendChild(maskBox(m)); });
+      (st[4] || []).forEach(function (m) { sd.appendChild(maskBox(fam.masks[m])); });
       st[3].forEach(function (row) {
         var req = row[0], b = batch.indexOf(req);
         var r = el("div", "row");
         r.id = "row-" + fam.name + "-" + k + "-" + req;
         r.appendChild(el("h4", "", "request " + req + " · " + (row.length > 3 ? row[3] : b >= 0 ? "batch row " + b : "solo") + " · offset " + row[1]));
         row[2].forEach(function (li, n) {
-          layerLine(fam, i, req, li, n, "ring-" + fam.name + "-" + k + "-r" + req).forEach(function (e) { r.appendChild(e); });
+          layerLine(fam, i, req, li, n, "ring-" + fam.name + "-" + k + "-r" + req, row[1]).forEach(function (e) { r.appendChild(e); });
         });
         sd.appendChild(r);
       });

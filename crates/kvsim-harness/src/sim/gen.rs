@@ -37,7 +37,7 @@ pub struct Generator {
 /// crosses a boundary with an uncommitted request; a merge of a ring rolled back after it wrapped beside a full one,
 /// bug catalog #4). Only kinds the run draws by weight are followed up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FollowUp {
+pub enum FollowUp {
     /// After an admission: a batch prefill of the fresh requests (a server prefills what it admits).
     Prefill,
     /// After a window of `len` positions written into request `req` outside the batch: its speculative rollback
