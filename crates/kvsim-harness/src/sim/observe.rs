@@ -13,7 +13,7 @@ use mlx_rs::Array;
 use crate::sim::ops::Op;
 use kvsim_cache::mask::MaskUse;
 use kvsim_cache::ssm::{GdnParams, SsmSpec};
-use kvsim_cache::RingState;
+use kvsim_cache::{CacheError, RingState, SerialCache, Storage};
 use kvsim_reference::RowModel;
 
 /// The read kind of a solo or batch call.
@@ -207,9 +207,40 @@ pub struct StateView {
     /// Families with rings (the attention and bf16-first families): per layer, the ring as production stores it
     /// beside the reference model's; empty for the others.
     pub rings: Vec<RingView>,
-    /// `Some((bits, group))` when this request's `planes` are affine with parameters the family's own
-    /// configuration does not say (the bf16-first rows, each converting on its own); `None` otherwise.
+    /// `Some((bits, group))` when this request's `planes` are affine and its family says their parameters per
+    /// request (the bf16-first rows, each converting on its own, and every request alone); `None` otherwise.
     pub quant: Option<(usize, usize)>,
+}
+
+impl StateView {
+    /// A request held by one serial cache per layer, as an observer is handed it: each layer's temporal view (dense
+    /// K/V, or the six planes once any layer is affine) and its ring beside `model`, the request's reference ring.
+    pub fn of_serial(
+        caches: &[SerialCache],
+        model: &RowModel,
+        row: Option<usize>,
+        offset: usize,
+    ) -> Result<StateView, CacheError> {
+        let affine = caches.iter().any(|c| c.storage() != Storage::Plain);
+        let (mut layers, mut planes, mut rings) = (vec![], vec![], vec![]);
+        let mut quant = None;
+        for c in caches {
+            let (k, v) = if affine {
+                planes.push(c.temporal_view_planes()?);
+                let p = c.physical_planes()?;
+                (p[0].clone(), p[3].clone())
+            } else {
+                layers.push(c.temporal_view()?);
+                c.physical()?
+            };
+            if let Storage::Affine(q) = c.storage() {
+                quant = Some((q.bits, q.group));
+            }
+            let (state, window, model) = (c.state().clone(), c.max_size(), model.clone());
+            rings.push(RingView { k, v, state, window, left_padding: None, pending: None, model });
+        }
+        Ok(StateView { row, offset, layers, planes: affine.then_some(planes), rings, quant })
+    }
 }
 
 /// One layer's ring of one request, as production stores it and as the reference model says it must be: what a

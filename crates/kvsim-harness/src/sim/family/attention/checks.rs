@@ -186,21 +186,8 @@ impl Attention {
             );
         }
         for r in roster.solo().map(|id| &self.reqs[&id]) {
-            let (mut layers, mut planes, mut rings) = (vec![], vec![], vec![]);
-            for c in &r.solo {
-                let (k, v) = if affine {
-                    planes.push(c.temporal_view_planes().map_err(|e| unexpected("temporal_view", e))?);
-                    let p = c.physical_planes().map_err(|e| unexpected("physical", e))?;
-                    (p[0].clone(), p[3].clone())
-                } else {
-                    layers.push(c.temporal_view().map_err(|e| unexpected("temporal_view", e))?);
-                    c.physical().map_err(|e| unexpected("physical", e))?
-                };
-                let (state, window, model) = (c.state().clone(), c.max_size(), r.model.clone());
-                rings.push(RingView { k, v, state, window, left_padding: None, pending: None, model });
-            }
-            let planes = affine.then_some(planes);
-            let view = StateView { row: None, offset: r.solo[0].offset(), layers, planes, rings, quant: None };
+            let view = StateView::of_serial(&r.solo, &r.model, None, r.solo[0].offset())
+                .map_err(|e| unexpected("observed state", e))?;
             views.insert(r.id, view);
         }
         cx.observer.on_state(views).map_err(|e| mlx_fail("observe", e))
