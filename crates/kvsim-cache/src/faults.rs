@@ -141,6 +141,11 @@ pub enum Mutant {
     /// kvsim's file reader skips the per-tensor sha256: a file whose tensor bytes were damaged loads as other values.
     /// Hook: `kvsim_persist::kvsim::decode_entries`.
     KvsimSkipsTensorChecksum,
+    /// kvsim's file writer stores every layer's bookkeeping (offset, ring phase, trim record) from the first layer
+    /// of the same storage kind: a set whose layers are alike still loads, one whose layers differ comes back wrong
+    /// or is refused (the class of mlx-lm#1494 / #1502, whose `trim_prompt_cache` reports layer 0's count for
+    /// every layer). Hook: `kvsim_persist::kvsim::encode`.
+    FirstLayerBookkeeping,
 }
 
 impl Mutant {
@@ -186,6 +191,7 @@ impl Mutant {
         Mutant::TkvFloorLostByExtract,
         Mutant::TkvEndPrefillLeavesDue,
         Mutant::KvsimSkipsTensorChecksum,
+        Mutant::FirstLayerBookkeeping,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -231,6 +237,7 @@ impl Mutant {
             Mutant::TkvFloorLostByExtract => "tkv-floor-lost-by-extract",
             Mutant::TkvEndPrefillLeavesDue => "tkv-end-prefill-leaves-due",
             Mutant::KvsimSkipsTensorChecksum => "kvsim-skips-tensor-checksum",
+            Mutant::FirstLayerBookkeeping => "first-layer-bookkeeping",
         }
     }
 
@@ -247,7 +254,8 @@ impl Mutant {
             | Mutant::MlxlmLoadDropsRightPadding
             | Mutant::MlxlmRotatedFlagFromString
             | Mutant::CodecSavesWholeBuffer
-            | Mutant::KvsimSkipsTensorChecksum => "persist",
+            | Mutant::KvsimSkipsTensorChecksum
+            | Mutant::FirstLayerBookkeeping => "persist",
             _ if self.name().starts_with("ssm-") => "ssm",
             _ => "kv",
         }
@@ -312,6 +320,7 @@ impl Mutant {
             Mutant::TkvFloorLostByExtract => "a row handed back to serial use loses its reuse floor",
             Mutant::TkvEndPrefillLeavesDue => "end_prefill leaves an uncommitted row past its transition unconverted",
             Mutant::KvsimSkipsTensorChecksum => "kvsim's file reader skips the per-tensor checksums",
+            Mutant::FirstLayerBookkeeping => "kvsim's file writer stores every layer's bookkeeping from the first of its kind",
         }
     }
 

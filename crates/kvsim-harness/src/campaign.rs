@@ -115,6 +115,9 @@ pub struct Summary {
     /// Applied ops per public operation / parameter class (`sim::ops::API_CLASSES`); a 0 is an input class the
     /// generator never produced.
     pub api_coverage: BTreeMap<String, u64>,
+    /// Per class of `api_coverage`: the runs that reached it at least once (the coverage floor of rare classes is
+    /// a share of runs, not of ops).
+    pub api_runs: BTreeMap<String, u64>,
     /// Every count of the campaign's runs, summed (checks, comparisons, the guarantees table, conversions, ...).
     pub counters: Counters,
     /// Failed seeds whose failing check compares production with the model ([`sim::check::Failure::against_model`]).
@@ -150,6 +153,7 @@ impl From<Summary> for SummaryJson {
             failures: s.failures,
             ops_by_kind: s.ops_by_kind.clone(),
             api_coverage: s.api_coverage.clone(),
+            api_runs: s.api_runs.clone(),
             ill_formed_rejected: t.ill_formed_rejected.clone(),
             bit_exact: BitExact {
                 state: t.bit_exact_state,
@@ -179,6 +183,8 @@ impl From<Summary> for SummaryJson {
             prepared_prefills: t.prepared_prefills,
             prefills_ended_uncommitted: t.prefills_ended_uncommitted,
             damaged_files_refused: t.damaged_files_refused,
+            layer_sets: t.layer_sets,
+            lying_files_refused: t.lying_files_refused,
             conversions: t.conversions,
             prefill_conversions: t.prefill_conversions,
             rounds: t.rounds,
@@ -212,6 +218,8 @@ impl From<SummaryJson> for Summary {
             prepared_prefills: j.prepared_prefills,
             prefills_ended_uncommitted: j.prefills_ended_uncommitted,
             damaged_files_refused: j.damaged_files_refused,
+            layer_sets: j.layer_sets,
+            lying_files_refused: j.lying_files_refused,
             conversions: j.conversions,
             prefill_conversions: j.prefill_conversions,
             rounds: j.rounds,
@@ -241,6 +249,7 @@ impl From<SummaryJson> for Summary {
             failures: j.failures,
             ops_by_kind: j.ops_by_kind,
             api_coverage: j.api_coverage,
+            api_runs: j.api_runs,
             counters,
             model_failures: j.reference.failures,
             device: j.device,
@@ -271,6 +280,9 @@ pub struct SummaryJson {
     /// generator never produced.
     #[serde(default)]
     pub api_coverage: BTreeMap<String, u64>,
+    /// Per class of `api_coverage`: the runs that reached it at least once.
+    #[serde(default)]
+    pub api_runs: BTreeMap<String, u64>,
     /// Generated ill-formed inputs refused with the expected typed error and nothing changed, per input class.
     #[serde(default)]
     pub ill_formed_rejected: BTreeMap<String, u64>,
@@ -293,6 +305,12 @@ pub struct SummaryJson {
     /// Damaged copies of the saved kvsim files refused with a typed error (`sim::summary::Counters`).
     #[serde(default)]
     pub damaged_files_refused: u64,
+    /// Model cache sets of differing layers saved and restored layer by layer (`sim::summary::Counters`).
+    #[serde(default)]
+    pub layer_sets: u64,
+    /// Saved files made to lie under valid checksums and refused with a typed error (`sim::summary::Counters`).
+    #[serde(default)]
+    pub lying_files_refused: u64,
     /// The bf16-first families: conversions to affine storage (one per row or lego and per layer), of
     /// which at a prefill chunk's commit; speculative rounds with unequal per-row accepts; rollbacks across the
     /// ring's wrap; prefix reuses of a stored entry; trims of a converted lego below `start`
@@ -350,6 +368,7 @@ impl Summary {
         }
         for (k, v) in &run.api_coverage {
             *self.api_coverage.entry(k.clone()).or_insert(0) += v;
+            *self.api_runs.entry(k.clone()).or_insert(0) += u64::from(*v > 0);
         }
         self.counters.add(&run.counters);
         for (k, v) in &run.layouts {
@@ -622,6 +641,9 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
         for (k, v) in &s.api_coverage {
             *out.api_coverage.entry(k.clone()).or_insert(0) += v;
         }
+        for (k, v) in &s.api_runs {
+            *out.api_runs.entry(k.clone()).or_insert(0) += v;
+        }
         for (k, v) in &s.layouts {
             out.layouts.entry(k.clone()).or_default().add(v);
         }
@@ -710,6 +732,9 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         // Reached only by the save/restore op (about half the runs draw it) on a solo cache with spare capacity
         // (measured catch seed 10).
         Mutant::CodecSavesWholeBuffer => 60,
+        // Needs a save of a request outside the batch that holds a position: its set of differing layers
+        // (`sim::family::layer_set`) is the only save whose layers disagree. Measured catch seed 9.
+        Mutant::FirstLayerBookkeeping => 40,
         _ => 20,
     }
 }

@@ -213,7 +213,15 @@ pub fn decode_entries(bytes: &[u8]) -> Result<KvsimFile> {
 
 /// The file bytes of these caches (each routed to its kind's codec).
 pub fn encode(registry: &Registry, metadata: &BTreeMap<String, String>, caches: &[Persisted]) -> Result<Vec<u8>> {
-    let entries = caches.iter().map(|p| registry.encode(p)).collect::<Result<Vec<_>>>()?;
+    let mut entries = caches.iter().map(|p| registry.encode(p)).collect::<Result<Vec<_>>>()?;
+    if kvsim_cache::fault!(FirstLayerBookkeeping) {
+        // Mutation hook `Mutant::FirstLayerBookkeeping`: each layer's state taken from the first of its kind.
+        for i in 1..entries.len() {
+            if let Some(j) = (0..i).find(|&j| entries[j].storage_kind == entries[i].storage_kind) {
+                entries[i].state = entries[j].state.clone();
+            }
+        }
+    }
     encode_entries(metadata, &entries)
 }
 

@@ -949,6 +949,18 @@ fn persistence_mutants_break_a_check() {
                     other => Err(format!("restored {:?}", other.offset())),
                 }
             }
+            Mutant::FirstLayerBookkeeping => {
+                let full = serial(None, KvDtype::Bf16);
+                let mut cut = full.clone();
+                cut.trim(2, false).unwrap();
+                let set = [Persisted::new(AnyCache::Serial(full)), Persisted::new(AnyCache::Serial(cut.clone()))];
+                let reg = Registry::default();
+                let bytes = kvsim::encode(&reg, &BTreeMap::new(), &set).map_err(|e| e.to_string())?;
+                match kvsim::decode(&reg, &bytes).map_err(|e| e.to_string())?.1.remove(1).cache {
+                    AnyCache::Serial(b) if b.state() == cut.state() => Ok(()),
+                    other => Err(format!("the trimmed layer restored at offset {}", other.offset())),
+                }
+            }
             _ => unreachable!(),
         }
     };
@@ -957,6 +969,7 @@ fn persistence_mutants_break_a_check() {
         Mutant::MlxlmLoadDropsRightPadding,
         Mutant::MlxlmRotatedFlagFromString,
         Mutant::CodecSavesWholeBuffer,
+        Mutant::FirstLayerBookkeeping,
     ];
     {
         let _g = testlock::shared();
@@ -1081,4 +1094,103 @@ fn bf16_first_legos_round_trip_across_their_conversion_and_continue() {
     let mut armed = lego;
     armed.round_begin().unwrap();
     assert!(matches!(reg.encode(&Persisted::new(AnyCache::Bf16First(armed))), Err(PersistError::Unsupported { .. })));
+}
+
+/// A model's cache set whose layers differ (a sliding layer that wrapped and cannot trim beside a full layer that
+/// trimmed, and a list whose children were trimmed apart) comes back layer by layer from both formats; each layer
+/// keeps its own offset, ring phase and bytes, and the list's floor may lie between its children's offsets.
+#[test]
+fn layers_that_differ_come_back_layer_by_layer_in_both_formats() {
+    let _g = testlock::shared();
+    let mut sliding = serial(Some(4), KvDtype::Bf16);
+    decode_s(&mut sliding, 40);
+    assert!(!sliding.is_trimmable(), "the sliding layer has wrapped");
+    let before = sliding.state().clone();
+    assert!(sliding.trim(1, false).is_err(), "a wrapped ring refuses a plain trim");
+    assert_eq!(sliding.state(), &before, "a refused trim changes nothing");
+    let mut full = serial(None, KvDtype::Bf16);
+    decode_s(&mut full, 41);
+    let mut trimmed = full.clone();
+    assert_eq!(trimmed.trim(3, false).unwrap(), 3);
+    let mut child = trimmed.clone();
+    assert_eq!(child.trim(2, false).unwrap(), 2);
+    let list = AnyCache::List(vec![AnyCache::Serial(child.clone()), AnyCache::Serial(full.clone())]);
+    let layers =
+        [AnyCache::Serial(sliding.clone()), AnyCache::Serial(full.clone()), AnyCache::Serial(trimmed.clone()), list];
+    let offsets: Vec<usize> = layers.iter().map(AnyCache::offset).collect();
+    assert_eq!(offsets, [10, 10, 7, 10]);
+    // The list's floor lies above one child's offset and below the other's.
+    assert!(child.offset() < 6 && 6 <= full.offset());
+    let floors = [0, 5, 7, 6];
+    let set: Vec<Persisted> = layers
+        .iter()
+        .zip(floors)
+        .map(|(c, f)| Persisted { cache: c.clone(), minimum_reusable_offset: f })
+        .collect();
+    let check = |back: &[Persisted], what: &str, with_floors: bool| {
+        assert_eq!(back.len(), 4, "{what}");
+        for (i, (a, b)) in layers.iter().zip(back).enumerate() {
+            let at = format!("{what}: layer {i}");
+            match (a, &b.cache) {
+                (AnyCache::Serial(a), AnyCache::Serial(b)) => assert_serial_same(a, b, &at),
+                (AnyCache::List(a), AnyCache::List(b)) => {
+                    assert_eq!(a.len(), b.len(), "{at}");
+                    for (x, y) in a.iter().zip(b) {
+                        let (AnyCache::Serial(x), AnyCache::Serial(y)) = (x, y) else { panic!("{at}: child kind") };
+                        assert_serial_same(x, y, &at);
+                    }
+                }
+                _ => panic!("{at}: kind changed"),
+            }
+            if with_floors {
+                assert_eq!(b.minimum_reusable_offset, floors[i], "{at}: floor");
+            }
+        }
+    };
+    let reg = Registry::default();
+    let bytes = kvsim::encode(&reg, &BTreeMap::new(), &set).unwrap();
+    check(&kvsim::decode(&reg, &bytes).unwrap().1, "kvsim", true);
+    let plain: Vec<AnyCache> = layers.to_vec();
+    let f = mlxlm::file_from_kvsim(&BTreeMap::new(), &plain).unwrap();
+    let back: Vec<Persisted> = mlxlm::file_to_kvsim(&mlxlm::read(&mlxlm::write(&f).unwrap()).unwrap())
+        .unwrap()
+        .into_iter()
+        .map(Persisted::new)
+        .collect();
+    check(&back, "mlx-lm", false);
+}
+
+/// Files whose layers disagree, each well formed and under valid checksums: a layer given another layer's
+/// bookkeeping (kvsim's format: the trimmed layer's state replaced by its untrimmed sibling's; mlx-lm's: a
+/// sliding layer's `_idx` and offset taken from the full layer beside it) is refused with a typed error.
+#[test]
+fn a_layer_holding_another_layers_bookkeeping_is_refused() {
+    let _g = testlock::shared();
+    let full = serial(None, KvDtype::Bf16);
+    let mut trimmed = full.clone();
+    trimmed.trim(3, false).unwrap();
+    let reg = Registry::default();
+    let mut entries = [full.clone(), trimmed]
+        .into_iter()
+        .map(|c| reg.encode(&Persisted::new(AnyCache::Serial(c))).unwrap())
+        .collect::<Vec<_>>();
+    entries[1].state = entries[0].state.clone();
+    let bytes = kvsim::encode_entries(&BTreeMap::new(), &entries).unwrap();
+    assert!(kvsim::decode_entries(&bytes).is_ok(), "the lie is under valid checksums");
+    match kvsim::decode(&reg, &bytes) {
+        Err(PersistError::Cache(_)) | Err(PersistError::Malformed { .. }) => {}
+        other => panic!("a layer with its sibling's bookkeeping: {:?}", other.map(|(_, c)| c.len())),
+    }
+    let sliding = serial(Some(4), KvDtype::Bf16);
+    let caches = [AnyCache::Serial(sliding), AnyCache::Serial(full.clone())];
+    let mut f = mlxlm::file_from_kvsim(&BTreeMap::new(), &caches).unwrap();
+    let n = full.offset() as i64;
+    let mlxlm::MlxLayer::RotatingKvCache { offset, idx, .. } = &mut f.layers[0] else { panic!("not a RotatingKVCache") };
+    (*offset, *idx) = (n, n);
+    let bytes = mlxlm::write(&f).unwrap();
+    assert!(mlxlm::read(&bytes).is_ok(), "the file parses");
+    match mlxlm::file_to_kvsim(&mlxlm::read(&bytes).unwrap()) {
+        Err(e) => assert!(!e.to_string().is_empty()),
+        Ok(_) => panic!("a sliding layer with its full sibling's _idx loaded"),
+    }
 }

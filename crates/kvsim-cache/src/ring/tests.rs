@@ -405,39 +405,6 @@ fn ring_boundaries_at_w_minus_one_w_and_w_plus_one() {
     }
 }
 
-/// K and V are validated independently (R-C-2): a wrong dtype, head count or head dim in either one alone is a
-/// typed `ShapeMismatch` for a decode and a window, and nothing changes.
-#[test]
-fn keys_and_values_are_validated_each_on_its_own() {
-    let _g = testlock::shared();
-    let spec = spec(KvDtype::F32);
-    let masks = Masks::new();
-    let mut c = RotatingKvCache::new(spec, 4).unwrap();
-    let (k, v, q) = kvq(&spec, 1, 1, 3);
-    c.window(&k, &v, &q, 0.3, &masks).unwrap();
-    let before = (c.state().clone(), bits(&c.temporal_view().unwrap().0), bits(&c.temporal_view().unwrap().1));
-    let wrong_dtype = |a: &Array| a.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
-    let wrong_heads = |l: usize| data(5, 1, spec.heads_kv + 1, l, spec.head_dim, spec.dtype);
-    let wrong_dim = |l: usize| data(6, 1, spec.heads_kv, l, spec.head_dim + 1, spec.dtype);
-    for l in [1usize, 2] {
-        let (k, v, q) = kvq(&spec, 2, 1, l);
-        let bad: [(&str, Array, Array); 6] = [
-            ("keys' dtype", wrong_dtype(&k), v.clone()),
-            ("values' dtype", k.clone(), wrong_dtype(&v)),
-            ("keys' heads", wrong_heads(l), v.clone()),
-            ("values' heads", k.clone(), wrong_heads(l)),
-            ("keys' head dim", wrong_dim(l), v.clone()),
-            ("values' head dim", k.clone(), wrong_dim(l)),
-        ];
-        for (what, bk, bv) in bad {
-            let r = if l == 1 { c.decode(&bk, &bv, &q, 0.3, &masks) } else { c.window(&bk, &bv, &q, 0.3, &masks) };
-            assert!(matches!(r, Err(CacheError::ShapeMismatch { .. })), "{what} (L = {l}): {r:?}");
-            let now = (c.state().clone(), bits(&c.temporal_view().unwrap().0), bits(&c.temporal_view().unwrap().1));
-            assert!(now == before, "{what} (L = {l}): a refused write changes nothing");
-        }
-    }
-}
-
 /// Every stored plane of `a` and `b` (the live columns and the temporal view), compared bit for bit through
 /// `crate::bytes`.
 fn same_planes(a: &SerialCache, b: &SerialCache) -> bool {
@@ -578,4 +545,84 @@ fn encoder_read_errors_are_typed_and_change_nothing() {
     assert_eq!(c.state(), before.state(), "errors change nothing");
     assert!(same_planes(&c, &before), "errors change no byte");
     assert_eq!(masks.builds(), 0, "no mask was built for a refused read");
+}
+
+/// Keys and values are validated each on its own (R-C-2): a write whose keys are right and values wrong (or the
+/// other way round) in dtype, heads, head dim, batch rows or length is refused with `ShapeMismatch`, and the cache
+/// (state and every live byte) is unchanged: serial caches (linear and rotating; decode, window, append) and rows. A check that looked at the keys only, and took the values' geometry from them,
+/// fails here.
+#[test]
+fn keys_and_values_are_validated_each_on_its_own() {
+    let _g = testlock::shared();
+    let sp = spec(KvDtype::Bf16);
+    let other = if sp.dtype == KvDtype::Bf16 { KvDtype::F32 } else { KvDtype::Bf16 };
+    // Each bad variant of one tensor of `l` positions for `b` rows.
+    let bad = |seed: u64, b: usize, l: usize| -> Vec<(&'static str, Array)> {
+        vec![
+            ("dtype", data(seed, b, sp.heads_kv, l, sp.head_dim, other)),
+            ("heads", data(seed, b, sp.heads_kv + 1, l, sp.head_dim, sp.dtype)),
+            ("head dim", data(seed, b, sp.heads_kv, l, sp.head_dim + 1, sp.dtype)),
+            ("rows", data(seed, b + 1, sp.heads_kv, l, sp.head_dim, sp.dtype)),
+            ("length", data(seed, b, sp.heads_kv, l + 1, sp.head_dim, sp.dtype)),
+        ]
+    };
+    let refused = |r: Result<()>, what: &str| match r {
+        Err(CacheError::ShapeMismatch { .. }) => {}
+        other => panic!("{what}: {other:?}, expected ShapeMismatch"),
+    };
+    for max in [None, Some(4)] {
+        let mut c = SerialCache::new(sp, max).unwrap();
+        let (k, v, q) = kvq(&sp, 1, 1, 5);
+        c.window(&k, &v, &q, 0.5, &Masks::new()).unwrap();
+        let (state, planes) = (c.state().clone(), c.physical_planes().unwrap());
+        for (op, l) in [("decode", 1), ("window", 2), ("append", 2)] {
+            let (k, v, q) = kvq(&sp, 7, 1, l);
+            for (which, wrong) in bad(99, 1, l) {
+                for keys_wrong in [true, false] {
+                    let (kk, vv) = if keys_wrong { (&wrong, &v) } else { (&k, &wrong) };
+                    let what = format!("W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
+                    let r = match op {
+                        "decode" => c.decode(kk, vv, &q, 0.5, &Masks::new()).map(drop),
+                        "window" => c.window(kk, vv, &q, 0.5, &Masks::new()).map(drop),
+                        _ => c.append(kk, vv),
+                    };
+                    refused(r, &what);
+                    assert_eq!(c.state(), &state, "{what}: state changed");
+                    let now = c.physical_planes().unwrap();
+                    for (a, b) in planes.iter().zip(&now) {
+                        assert_eq!(bits(a), bits(b), "{what}: bytes changed");
+                    }
+                }
+            }
+        }
+        // The same for a batch of two rows.
+        let rows: Vec<(Array, Array, usize)> = (0..2)
+            .map(|r| {
+                let (k, v, _) = kvq(&sp, 20 + r, 1, 3 + r as usize);
+                (k, v, 3 + r as usize)
+            })
+            .collect();
+        let mut b = crate::RowBatch::merge(sp, max, &rows).unwrap();
+        let states = b.row_states().to_vec();
+        let before: Vec<_> = (0..2).map(|r| b.row_physical(r).unwrap()).collect();
+        for (op, l) in [("decode", 1), ("window", 2)] {
+            let (k, v, q) = kvq(&sp, 8, 2, l);
+            for (which, wrong) in bad(98, 2, l) {
+                for keys_wrong in [true, false] {
+                    let (kk, vv) = if keys_wrong { (&wrong, &v) } else { (&k, &wrong) };
+                    let what = format!("batch W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
+                    let r = match op {
+                        "decode" => b.decode(kk, vv, &q, 0.5, &Masks::new()).map(drop),
+                        _ => b.window(kk, vv, &q, 0.5, &Masks::new()).map(drop),
+                    };
+                    refused(r, &what);
+                    assert_eq!(b.row_states(), &states[..], "{what}: row states changed");
+                    for (r, (bk, bv)) in before.iter().enumerate() {
+                        let (nk, nv) = b.row_physical(r).unwrap();
+                        assert_eq!((bits(bk), bits(bv)), (bits(&nk), bits(&nv)), "{what}: row {r} bytes changed");
+                    }
+                }
+            }
+        }
+    }
 }

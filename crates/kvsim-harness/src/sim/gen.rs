@@ -38,7 +38,9 @@ pub struct Generator {
 /// bug catalog #4). Only kinds the run draws by weight are followed up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FollowUp {
-    /// After an admission: a batch prefill of the fresh requests (a server prefills what it admits).
+    /// After an admission: a batch prefill of the fresh requests (a server prefills what it admits); in a run that
+    /// converts its storage mid-run and holds other requests, at [`CONVERT_AFTER_ADMIT_CHANCE`] the conversion
+    /// instead, while the fresh request holds no position yet.
     Prefill,
     /// After a window of `len` positions written into request `req` outside the batch: its speculative rollback
     /// (a bypass trim of the whole window, or of part of it), as a rejected draft leaves it.
@@ -50,6 +52,11 @@ pub enum FollowUp {
 
 /// The chance that the op a lifecycle step asks for ([`FollowUp`]) comes next.
 pub const FOLLOW_UP_CHANCE: f64 = 0.5;
+
+/// The chance that an admission's follow-up, in a run that draws the conversion op and beside requests admitted
+/// before, is the conversion (drawn by the family that owns it) rather than the prefill: a conversion while a
+/// request holds no position, which the weights alone reach in under one run in a hundred.
+pub const CONVERT_AFTER_ADMIT_CHANCE: f64 = 0.3;
 
 /// The chance, per op with a running batch in a run that may draw it, that the generator draws the bf16-first
 /// rows' softcapped fetch ([`Op::Fetch`]) instead.
@@ -117,6 +124,15 @@ impl Generator {
             return None;
         }
         let f = &mut self.follow;
+        if matches!(want, FollowUp::Prefill)
+            && v.live > 1
+            && cfg.weight(OpKind::Quantize) > 0
+            && f.random_bool(CONVERT_AFTER_ADMIT_CHANCE)
+        {
+            if let Some((_, draw)) = self.drawers.iter().find(|d| d.0 == OpKind::Quantize) {
+                return Some(draw(cfg, f));
+            }
+        }
         match want {
             FollowUp::Rollback(req, len) => solo(req).then(|| Op::SoloTrim {
                 req,
@@ -124,6 +140,7 @@ impl Generator {
                 bypass: true,
             }),
             _ if room == 0 => None,
+            FollowUp::Prefill if cfg.weight(OpKind::BatchPrefill) == 0 => None,
             FollowUp::Prefill => {
                 let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
                 (!fresh.is_empty()).then(|| batch_prefill(cfg, f, &mut self.prefill, &fresh, room))
@@ -147,7 +164,9 @@ impl Generator {
     /// The follow-up `op` asks for, if the run draws its kind by weight.
     fn asks_for(cfg: &SimConfig, op: &Op) -> Option<FollowUp> {
         match op {
-            Op::Admit { .. } if cfg.weight(OpKind::BatchPrefill) > 0 => Some(FollowUp::Prefill),
+            Op::Admit { .. } if cfg.weight(OpKind::BatchPrefill) + cfg.weight(OpKind::Quantize) > 0 => {
+                Some(FollowUp::Prefill)
+            }
             Op::SoloWindow { req, len } if cfg.weight(OpKind::SoloTrim) > 0 => Some(FollowUp::Rollback(*req, *len)),
             Op::SoloTrim { req, bypass: true, .. } if cfg.weight(OpKind::Merge) + cfg.weight(OpKind::Join) > 0 => {
                 Some(FollowUp::Merge(*req))

@@ -239,8 +239,9 @@ fn run_inner(
         observer.on_op_end(i, &op, result.as_ref().copied().map_err(|f| f.failure.check.as_str()));
         world.hasher.update(serde_json::to_string(&op).unwrap().as_bytes());
         trace.digests.push(world.hasher.clone().finalize().to_hex()[..16].to_string());
+        let reached = world.take_reached();
         if !matches!(result, Ok(false)) {
-            for c in op.api_classes() {
+            for c in op.api_classes().into_iter().chain(reached) {
                 *api_coverage.entry(c.to_string()).or_insert(0) += 1;
             }
         }

@@ -383,7 +383,13 @@ impl OpKind {
 }
 
 /// Every public operation and parameter class the generator is meant to reach: the keys of `api_coverage` in
-/// `kvsim sim --json` (applied ops per class; a class at 0 is an input the simulator never produces).
+/// `kvsim sim --json` (applied ops per class; a class at 0 is an input the simulator never produces). Most follow
+/// from the op alone ([`Op::api_classes`]); the rest from what a family found when it applied it
+/// (`Family::take_reached`): `to_quantized/empty_request` (the conversion op while some request holds no
+/// position: its empty caches converted, left as they are, or refused like the others),
+/// `persist/layers_differ` (a saved set whose layers hold different offsets, windows and trim histories, and
+/// `/mlx-lm` when it also went through an mlx-lm file), `persist/list` (a saved cache list whose children differ)
+/// and `persist/damaged` (damaged copies of a saved file refused).
 pub const API_CLASSES: &[&str] = &[
     "admit",
     "solo_window",
@@ -435,8 +441,13 @@ pub const API_CLASSES: &[&str] = &[
     "fetch",
     "to_quantized",
     "to_quantized/mid_round",
+    "to_quantized/empty_request",
     "persist/kvsim",
     "persist/mlx-lm",
+    "persist/layers_differ",
+    "persist/layers_differ/mlx-lm",
+    "persist/list",
+    "persist/damaged",
 ];
 
 impl Op {

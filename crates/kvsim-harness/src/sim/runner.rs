@@ -36,6 +36,8 @@ pub struct World {
     pub ops: BTreeMap<&'static str, u64>,
     /// Applied ops per family key and op kind (the summary's `layouts.<key>.ops_by_kind`).
     pub ops_by_kind: BTreeMap<&'static str, BTreeMap<&'static str, u64>>,
+    /// The coverage classes the last op reached through some family's state ([`Family::take_reached`]).
+    reached: Vec<&'static str>,
 }
 
 impl World {
@@ -52,7 +54,7 @@ impl World {
         }
         let registry = registry.clone();
         let (hasher, ops, ops_by_kind) = (blake3::Hasher::new(), BTreeMap::new(), BTreeMap::new());
-        Ok(World { cfg, registry, roster: Roster::default(), families, hasher, ops, ops_by_kind })
+        Ok(World { cfg, registry, roster: Roster::default(), families, hasher, ops, ops_by_kind, reached: vec![] })
     }
 
     /// The generator's view: the roster, with the positions the run's first family's model gives.
@@ -63,6 +65,11 @@ impl World {
     /// A live request's (offset, last window width), as the run's first family's model has it.
     fn position(&self, req: u32) -> (usize, Option<usize>) {
         self.families.first().and_then(|f| f.position(req)).unwrap_or((0, None))
+    }
+
+    /// The coverage classes the last op reached through the families' state, each once, in the families' order.
+    pub fn take_reached(&mut self) -> Vec<&'static str> {
+        std::mem::take(&mut self.reached)
     }
 
     /// Every family's counters, summed.
@@ -95,6 +102,7 @@ impl World {
         if let Some(c) = &change {
             self.roster.commit(c);
         }
+        self.reached.clear();
         let names = self.family_names();
         let watched: Vec<bool> = names.iter().map(|n| observer.watches(n)).collect();
         let mut quiet = crate::sim::observe::NoObserver;
@@ -109,6 +117,11 @@ impl World {
                     family: Some(key),
                     failure: Failure::new("families", format!("{key} disagrees with the first family on skipping")),
                 });
+            }
+            for c in f.take_reached() {
+                if !self.reached.contains(&c) {
+                    self.reached.push(c);
+                }
             }
         }
         let applied = applied.unwrap_or(false);

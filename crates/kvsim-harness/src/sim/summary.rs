@@ -113,6 +113,14 @@ pub struct Counters {
     /// Damaged copies of saved kvsim files (a header bit, a tensor bit, a truncation) refused with a typed error.
     #[serde(default)]
     pub damaged_files_refused: u64,
+    /// Model cache sets of differing layers (`sim::family::layer_set`: a wrapped sliding layer, a full or trimmed
+    /// one, a list of children trimmed apart) saved and restored layer by layer, one per persist op that built one.
+    #[serde(default)]
+    pub layer_sets: u64,
+    /// Saved kvsim files made to lie under valid checksums (a layer holding another layer's bookkeeping) and
+    /// refused with a typed error.
+    #[serde(default)]
+    pub lying_files_refused: u64,
     /// bf16-first families: caches that converted to affine storage, one per row or lego **and per layer** (every
     /// one checked against the model's boundary; production caches only, twins not counted); those converted at a
     /// prefill chunk's commit; speculative rounds with unequal per-row accepts (one per round); rollbacks of rows
@@ -165,6 +173,8 @@ impl Default for Counters {
             prepared_prefills: 0,
             prefills_ended_uncommitted: 0,
             damaged_files_refused: 0,
+            layer_sets: 0,
+            lying_files_refused: 0,
             conversions: 0,
             prefill_conversions: 0,
             rounds: 0,
@@ -255,6 +265,8 @@ impl Counters {
         self.prepared_prefills += o.prepared_prefills;
         self.prefills_ended_uncommitted += o.prefills_ended_uncommitted;
         self.damaged_files_refused += o.damaged_files_refused;
+        self.layer_sets += o.layer_sets;
+        self.lying_files_refused += o.lying_files_refused;
         self.conversions += o.conversions;
         self.prefill_conversions += o.prefill_conversions;
         self.rounds += o.rounds;

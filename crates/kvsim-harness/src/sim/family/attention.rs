@@ -74,6 +74,10 @@ pub struct Attention {
     /// How every cache of this instance stores K and V: plain (the attention family), or affine triples (the
     /// quantized family, `sim::family::quant`, which may also start plain and convert mid-run).
     pub storage: Storage,
+    /// Coverage classes the current op reached through this family's state ([`Family::take_reached`]).
+    pub(crate) reached: Vec<&'static str>,
+    /// `counters.damaged_files_refused` when the classes were last drained.
+    pub(crate) damaged_seen: u64,
 }
 
 pub(crate) type Res<T> = Result<T, Failure>;
@@ -94,7 +98,17 @@ impl Attention {
             .map(|_| RowBatch::with_rows_storage(spec, cfg.layout.max_size(), storage, 0))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Failure::new("setup", e.to_string()))?;
-        Ok(Attention { cfg, vs, spec, reqs: BTreeMap::new(), batch, counters: Counters::default(), storage })
+        Ok(Attention {
+            cfg,
+            vs,
+            spec,
+            reqs: BTreeMap::new(),
+            batch,
+            counters: Counters::default(),
+            storage,
+            reached: vec![],
+            damaged_seen: 0,
+        })
     }
 
     /// A live request's (offset, last window width), from its model.
@@ -109,6 +123,15 @@ impl Attention {
 
     fn max_size(&self) -> Option<usize> {
         self.cfg.layout.max_size()
+    }
+
+    /// The classes reached since the last call (see [`Family::take_reached`]).
+    pub(crate) fn drain_reached(&mut self) -> Vec<&'static str> {
+        if self.counters.damaged_files_refused > self.damaged_seen {
+            self.damaged_seen = self.counters.damaged_files_refused;
+            self.reached.push("persist/damaged");
+        }
+        std::mem::take(&mut self.reached)
     }
 
     fn new_serial(&self) -> Res<SerialCache> {
@@ -280,5 +303,9 @@ impl Family for Attention {
 
     fn counters_mut(&mut self) -> &mut Counters {
         &mut self.counters
+    }
+
+    fn take_reached(&mut self) -> Vec<&'static str> {
+        self.drain_reached()
     }
 }

@@ -14,6 +14,7 @@
 //! drawn per seed, op kinds weighted from them, and how to draw the ops of a kind it draws itself).
 
 pub mod attention;
+mod layer_set;
 pub mod quant;
 pub mod ssm;
 pub mod training;
@@ -72,6 +73,12 @@ pub trait Family {
     /// family's `"<bits>:<group>"`): the summary's `layouts.<key>.variants` counts coverage per variant.
     fn variant(&self) -> Option<String> {
         None
+    }
+    /// The coverage classes ([`crate::sim::ops::API_CLASSES`]) the last op reached through this family's state
+    /// rather than its parameters (a conversion while a request holds no position, a saved set whose layers
+    /// differ, ...), each once; the runner drains them after every op.
+    fn take_reached(&mut self) -> Vec<&'static str> {
+        Vec::new()
     }
 }
 

@@ -180,6 +180,10 @@ impl Family for Quant {
     fn variant(&self) -> Option<String> {
         Some(format!("{}:{}", self.choice.bits, self.choice.group))
     }
+
+    fn take_reached(&mut self) -> Vec<&'static str> {
+        self.inner.drain_reached()
+    }
 }
 
 /// The model's verdict on `to_quantized(target)` of a cache of `storage` and head dim `head_dim` (the rules of
@@ -247,6 +251,11 @@ impl Attention {
                 }
                 conversion_matches("twin to_quantized", v, &r.twin[layer].to_quantized(target))?;
             }
+        }
+        // Every cache of a request that holds no position went through the call too (converted empty, left as it
+        // is, or refused with the same typed error as the others), checked like the rest.
+        if self.reqs.values().any(|r| r.model.offset == 0) {
+            self.reached.push("to_quantized/empty_request");
         }
         if cx.observer.wants_calls() {
             let call = crate::sim::observe::Call::Quantize { bits, group, converted: v == Verdict::Converts };

@@ -5,6 +5,7 @@ use super::{Attention, Res};
 use crate::sim::check::Failure;
 use crate::sim::roster::Roster;
 use kvsim_cache::SerialCache;
+use kvsim_reference::{Tensor, Tok};
 
 impl Attention {
     /// Save/restore of a request outside the batch: every layer saved in one file, dropped, restored
@@ -18,10 +19,42 @@ impl Attention {
         let caches = std::mem::take(&mut r.solo);
         r.solo = persist_roundtrip(caches, mlxlm, &mut self.counters)?;
         self.counters.persist_roundtrips += 1;
+        self.persist_layer_set(req)?;
         if !roster.rows().is_empty() {
             self.persist_batch()?;
         }
         Ok(true)
+    }
+
+    /// A model's cache set whose layers differ, built from copies of the request's layer 0 and its positions in
+    /// the other layout (`sim::family::layer_set`), saved and restored through both formats and compared layer by
+    /// layer. The run's caches are untouched. The trim and the list's floor are chosen by the request's id and
+    /// offset.
+    fn persist_layer_set(&mut self, req: u32) -> Res<()> {
+        let n = self.reqs[&req].model.offset;
+        if n == 0 {
+            return Ok(());
+        }
+        // Beside a linear family a ring of ceil(n / 2) columns (wrapped: it holds n > W - 1 positions), beside a
+        // rotating family a linear cache of every position.
+        let (max, first) = match self.max_size() {
+            None => (Some(n.div_ceil(2)), n - n.div_ceil(2)),
+            Some(_) => (None, 0),
+        };
+        let toks: Vec<Option<Tok>> = (first..n).map(|p| Some(Tok { req, pos: p as u32 })).collect();
+        let rows = std::slice::from_ref(&toks);
+        let (k, v) = (self.block(0, Tensor::K, rows)?, self.block(0, Tensor::V, rows)?);
+        let other = SerialCache::from_temporal(self.spec, max, &k, &v, n)
+            .map_err(|e| super::unexpected("the layer set's other layout", e))?;
+        let pick = u64::from(req).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (n as u64).rotate_left(32);
+        let reach = super::super::layer_set::round_trip(&self.reqs[&req].solo[0], other, pick, &mut self.counters)?;
+        if let Some(reach) = reach {
+            self.reached.extend(["persist/layers_differ", "persist/list"]);
+            if reach.mlxlm {
+                self.reached.push("persist/layers_differ/mlx-lm");
+            }
+        }
+        Ok(())
     }
 
     /// The running batch (every layer, one file) through kvsim's format and back, mid-run: rows keep their physical
@@ -106,6 +139,7 @@ pub(crate) fn mlxlm_keeps_state(c: &kvsim_persist::AnyCache) -> bool {
     let ok = match c {
         AnyCache::Serial(s) => serial_ok(s),
         AnyCache::Ssm(s) => !s.is_pending() && !s.in_round(),
+        AnyCache::List(children) => !children.is_empty() && children.iter().all(mlxlm_keeps_state),
         _ => false,
     };
     ok && mlxlm::from_kvsim(c).is_ok()
