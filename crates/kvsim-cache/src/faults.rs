@@ -320,7 +320,9 @@ impl Mutant {
             Mutant::TkvFloorLostByExtract => "a row handed back to serial use loses its reuse floor",
             Mutant::TkvEndPrefillLeavesDue => "end_prefill leaves an uncommitted row past its transition unconverted",
             Mutant::KvsimSkipsTensorChecksum => "kvsim's file reader skips the per-tensor checksums",
-            Mutant::FirstLayerBookkeeping => "kvsim's file writer stores every layer's bookkeeping from the first of its kind",
+            Mutant::FirstLayerBookkeeping => {
+                "kvsim's file writer stores every layer's bookkeeping from the first of its kind"
+            }
         }
     }
 

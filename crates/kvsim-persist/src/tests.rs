@@ -1122,11 +1122,8 @@ fn layers_that_differ_come_back_layer_by_layer_in_both_formats() {
     // The list's floor lies above one child's offset and below the other's.
     assert!(child.offset() < 6 && 6 <= full.offset());
     let floors = [0, 5, 7, 6];
-    let set: Vec<Persisted> = layers
-        .iter()
-        .zip(floors)
-        .map(|(c, f)| Persisted { cache: c.clone(), minimum_reusable_offset: f })
-        .collect();
+    let set: Vec<Persisted> =
+        layers.iter().zip(floors).map(|(c, f)| Persisted { cache: c.clone(), minimum_reusable_offset: f }).collect();
     let check = |back: &[Persisted], what: &str, with_floors: bool| {
         assert_eq!(back.len(), 4, "{what}");
         for (i, (a, b)) in layers.iter().zip(back).enumerate() {
@@ -1185,7 +1182,9 @@ fn a_layer_holding_another_layers_bookkeeping_is_refused() {
     let caches = [AnyCache::Serial(sliding), AnyCache::Serial(full.clone())];
     let mut f = mlxlm::file_from_kvsim(&BTreeMap::new(), &caches).unwrap();
     let n = full.offset() as i64;
-    let mlxlm::MlxLayer::RotatingKvCache { offset, idx, .. } = &mut f.layers[0] else { panic!("not a RotatingKVCache") };
+    let mlxlm::MlxLayer::RotatingKvCache { offset, idx, .. } = &mut f.layers[0] else {
+        panic!("not a RotatingKVCache")
+    };
     (*offset, *idx) = (n, n);
     let bytes = mlxlm::write(&f).unwrap();
     assert!(mlxlm::read(&bytes).is_ok(), "the file parses");

@@ -580,7 +580,8 @@ fn keys_and_values_are_validated_each_on_its_own() {
             for (which, wrong) in bad(99, 1, l) {
                 for keys_wrong in [true, false] {
                     let (kk, vv) = if keys_wrong { (&wrong, &v) } else { (&k, &wrong) };
-                    let what = format!("W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
+                    let what =
+                        format!("W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
                     let r = match op {
                         "decode" => c.decode(kk, vv, &q, 0.5, &Masks::new()).map(drop),
                         "window" => c.window(kk, vv, &q, 0.5, &Masks::new()).map(drop),
@@ -610,7 +611,8 @@ fn keys_and_values_are_validated_each_on_its_own() {
             for (which, wrong) in bad(98, 2, l) {
                 for keys_wrong in [true, false] {
                     let (kk, vv) = if keys_wrong { (&wrong, &v) } else { (&k, &wrong) };
-                    let what = format!("batch W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
+                    let what =
+                        format!("batch W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
                     let r = match op {
                         "decode" => b.decode(kk, vv, &q, 0.5, &Masks::new()).map(drop),
                         _ => b.window(kk, vv, &q, 0.5, &Masks::new()).map(drop),

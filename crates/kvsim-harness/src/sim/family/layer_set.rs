@@ -103,7 +103,8 @@ pub(crate) fn round_trip(
     let mlxlm = set.iter().all(super::attention::mlxlm_keeps_state);
     if mlxlm {
         let plain: Vec<Persisted> = set.iter().cloned().map(Persisted::new).collect();
-        let bytes = save_as(Format::MlxLm, &Default::default(), &plain).map_err(|e| fail(format!("mlx-lm save: {e}")))?;
+        let bytes =
+            save_as(Format::MlxLm, &Default::default(), &plain).map_err(|e| fail(format!("mlx-lm save: {e}")))?;
         let back = load_any(&bytes).map_err(|e| fail(format!("mlx-lm restore: {e}")))?.1;
         same_set("mlx-lm", &set, &back, None)?;
     }
@@ -120,7 +121,10 @@ fn same_set(format: &str, set: &[AnyCache], back: &[Persisted], floors: Option<&
     for (i, (a, b)) in set.iter().zip(back).enumerate() {
         same_layer(&format!("{format} layer {i}"), a, &b.cache)?;
         if let Some(f) = floors.filter(|f| f[i] != b.minimum_reusable_offset) {
-            return Err(fail(format!("{format} layer {i}: floor {} saved, {} restored", f[i], b.minimum_reusable_offset)));
+            return Err(fail(format!(
+                "{format} layer {i}: floor {} saved, {} restored",
+                f[i], b.minimum_reusable_offset
+            )));
         }
     }
     Ok(())
