@@ -566,6 +566,18 @@ fn keys_and_values_are_validated_each_on_its_own() {
             ("length", data(seed, b, sp.heads_kv, l + 1, sp.head_dim, sp.dtype)),
         ]
     };
+    // Every (label, keys, values) of a write with exactly one of the two wrong.
+    let one_sided = |k: &Array, v: &Array, wrongs: Vec<(&'static str, Array)>| -> Vec<(String, Array, Array)> {
+        wrongs
+            .into_iter()
+            .flat_map(|(which, w)| {
+                [
+                    (format!("keys wrong ({which})"), w.clone(), v.clone()),
+                    (format!("values wrong ({which})"), k.clone(), w),
+                ]
+            })
+            .collect()
+    };
     let refused = |r: Result<()>, what: &str| match r {
         Err(CacheError::ShapeMismatch { .. }) => {}
         other => panic!("{what}: {other:?}, expected ShapeMismatch"),
@@ -577,22 +589,18 @@ fn keys_and_values_are_validated_each_on_its_own() {
         let (state, planes) = (c.state().clone(), c.physical_planes().unwrap());
         for (op, l) in [("decode", 1), ("window", 2), ("append", 2)] {
             let (k, v, q) = kvq(&sp, 7, 1, l);
-            for (which, wrong) in bad(99, 1, l) {
-                for keys_wrong in [true, false] {
-                    let (kk, vv) = if keys_wrong { (&wrong, &v) } else { (&k, &wrong) };
-                    let what =
-                        format!("W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
-                    let r = match op {
-                        "decode" => c.decode(kk, vv, &q, 0.5, &Masks::new()).map(drop),
-                        "window" => c.window(kk, vv, &q, 0.5, &Masks::new()).map(drop),
-                        _ => c.append(kk, vv),
-                    };
-                    refused(r, &what);
-                    assert_eq!(c.state(), &state, "{what}: state changed");
-                    let now = c.physical_planes().unwrap();
-                    for (a, b) in planes.iter().zip(&now) {
-                        assert_eq!(bits(a), bits(b), "{what}: bytes changed");
-                    }
+            for (what, kk, vv) in one_sided(&k, &v, bad(99, 1, l)) {
+                let what = format!("W={max:?} {op}: {what}");
+                let r = match op {
+                    "decode" => c.decode(&kk, &vv, &q, 0.5, &Masks::new()).map(drop),
+                    "window" => c.window(&kk, &vv, &q, 0.5, &Masks::new()).map(drop),
+                    _ => c.append(&kk, &vv),
+                };
+                refused(r, &what);
+                assert_eq!(c.state(), &state, "{what}: state changed");
+                let now = c.physical_planes().unwrap();
+                for (a, b) in planes.iter().zip(&now) {
+                    assert_eq!(bits(a), bits(b), "{what}: bytes changed");
                 }
             }
         }
@@ -608,21 +616,17 @@ fn keys_and_values_are_validated_each_on_its_own() {
         let before: Vec<_> = (0..2).map(|r| b.row_physical(r).unwrap()).collect();
         for (op, l) in [("decode", 1), ("window", 2)] {
             let (k, v, q) = kvq(&sp, 8, 2, l);
-            for (which, wrong) in bad(98, 2, l) {
-                for keys_wrong in [true, false] {
-                    let (kk, vv) = if keys_wrong { (&wrong, &v) } else { (&k, &wrong) };
-                    let what =
-                        format!("batch W={max:?} {op}: {} wrong ({which})", if keys_wrong { "keys" } else { "values" });
-                    let r = match op {
-                        "decode" => b.decode(kk, vv, &q, 0.5, &Masks::new()).map(drop),
-                        _ => b.window(kk, vv, &q, 0.5, &Masks::new()).map(drop),
-                    };
-                    refused(r, &what);
-                    assert_eq!(b.row_states(), &states[..], "{what}: row states changed");
-                    for (r, (bk, bv)) in before.iter().enumerate() {
-                        let (nk, nv) = b.row_physical(r).unwrap();
-                        assert_eq!((bits(bk), bits(bv)), (bits(&nk), bits(&nv)), "{what}: row {r} bytes changed");
-                    }
+            for (what, kk, vv) in one_sided(&k, &v, bad(98, 2, l)) {
+                let what = format!("batch W={max:?} {op}: {what}");
+                let r = match op {
+                    "decode" => b.decode(&kk, &vv, &q, 0.5, &Masks::new()).map(drop),
+                    _ => b.window(&kk, &vv, &q, 0.5, &Masks::new()).map(drop),
+                };
+                refused(r, &what);
+                assert_eq!(b.row_states(), &states[..], "{what}: row states changed");
+                for (r, (bk, bv)) in before.iter().enumerate() {
+                    let (nk, nv) = b.row_physical(r).unwrap();
+                    assert_eq!((bits(bk), bits(bv)), (bits(&nk), bits(&nv)), "{what}: row {r} bytes changed");
                 }
             }
         }
