@@ -211,7 +211,9 @@ pub fn decode_entries(bytes: &[u8]) -> Result<KvsimFile> {
     Ok(KvsimFile { metadata: header.metadata, entries })
 }
 
-/// The file bytes of these caches (each routed to its kind's codec).
+/// The file bytes of these caches (each routed to its kind's codec). Guarantee: every layer's entry is made from
+/// that layer's cache alone (its own state, floor and tensors), so layers of one file that hold different offsets,
+/// windows or trim histories come back each as it was (checked by the simulator's set of differing layers).
 pub fn encode(registry: &Registry, metadata: &BTreeMap<String, String>, caches: &[Persisted]) -> Result<Vec<u8>> {
     let mut entries = caches.iter().map(|p| registry.encode(p)).collect::<Result<Vec<_>>>()?;
     if kvsim_cache::fault!(FirstLayerBookkeeping) {
