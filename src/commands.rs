@@ -618,8 +618,10 @@ pub(crate) fn mutants_cmd(
         println!("{}", hunt.line());
         rows.push(hunt);
     }
+    let times = campaign::CatchTimes::of(&rows);
+    println!("{}", times.line());
     if json {
-        println!("{}", serde_json::json!({ "mutants": rows }));
+        println!("{}", serde_json::json!({ "mutants": rows, "time_to_catch": times }));
     }
     exit(rows.iter().all(|h| h.caught))
 }

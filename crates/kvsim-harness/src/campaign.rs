@@ -749,6 +749,11 @@ pub struct MutantHunt {
     pub caught: bool,
     /// Seeds run (the catching seed + 1, or the whole budget).
     pub seeds: u64,
+    /// Wall seconds from the hunt's start to its catching seed's verdict (the whole budget's when it survived):
+    /// the time a user waits for the catch. The shrink's are apart ([`MutantHunt::shrink_seconds`]).
+    pub seconds_to_catch: f64,
+    /// Wall seconds the shrink of the catching run took (0 when it survived).
+    pub shrink_seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
     pub shrunk_ops: Option<usize>,
@@ -765,13 +770,20 @@ impl MutantHunt {
             name: m.name(),
             caught: false,
             seeds: budget,
+            seconds_to_catch: 0.0,
+            shrink_seconds: 0.0,
             check: None,
             shrunk_ops: None,
             seed: None,
             shrunk: None,
         };
-        if let Some((seed, r)) = hunt_mutant(m, budget) {
+        let start = std::time::Instant::now();
+        let found = hunt_mutant(m, budget);
+        h.seconds_to_catch = start.elapsed().as_secs_f64();
+        if let Some((seed, r)) = found {
+            let start = std::time::Instant::now();
             let shrunk = sim::shrink::shrink(&r.trace, DeviceChoice::Cpu, shrink_budget).ok().map(|s| s.trace);
+            h.shrink_seconds = start.elapsed().as_secs_f64();
             h.caught = true;
             h.seeds = seed + 1;
             h.seed = Some(seed);
@@ -794,13 +806,84 @@ impl MutantHunt {
     pub fn line(&self) -> String {
         match self.seed {
             Some(seed) => format!(
-                "{:<26} caught  seed {:>4}  [{}]  shrunk to {} ops",
+                "{:<26} caught  seed {:>4}  {:>6.1} s  [{}]  shrunk to {} ops",
                 self.name,
                 seed,
+                self.seconds_to_catch,
                 self.check.as_deref().unwrap_or(""),
                 self.shrunk_ops.unwrap_or(0)
             ),
-            None => format!("{:<26} SURVIVED {} seeds", self.name, self.seeds),
+            None => format!("{:<26} SURVIVED {} seeds in {:.1} s", self.name, self.seeds, self.seconds_to_catch),
         }
+    }
+}
+
+/// Seconds to catch over a catalog's hunts: the median and the slowest (with its mutant), of the caught ones.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CatchTimes {
+    pub caught: usize,
+    pub median_seconds: f64,
+    pub slowest_seconds: f64,
+    pub slowest: Option<&'static str>,
+}
+
+impl CatchTimes {
+    pub fn of(hunts: &[MutantHunt]) -> CatchTimes {
+        let mut caught: Vec<&MutantHunt> = hunts.iter().filter(|h| h.caught).collect();
+        caught.sort_by(|a, b| a.seconds_to_catch.total_cmp(&b.seconds_to_catch));
+        let n = caught.len();
+        let median_seconds = match n {
+            0 => 0.0,
+            _ if n % 2 == 1 => caught[n / 2].seconds_to_catch,
+            _ => (caught[n / 2 - 1].seconds_to_catch + caught[n / 2].seconds_to_catch) / 2.0,
+        };
+        CatchTimes {
+            caught: n,
+            median_seconds,
+            slowest_seconds: caught.last().map_or(0.0, |h| h.seconds_to_catch),
+            slowest: caught.last().map(|h| h.name),
+        }
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "time to catch: median {:.1} s, slowest {:.1} s ({}), over {} caught mutants",
+            self.median_seconds,
+            self.slowest_seconds,
+            self.slowest.unwrap_or("none"),
+            self.caught
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hunt(name: &'static str, caught: bool, seconds: f64) -> MutantHunt {
+        MutantHunt {
+            mutant: Mutant::ALL[0],
+            name,
+            caught,
+            seeds: 1,
+            seconds_to_catch: seconds,
+            shrink_seconds: 0.0,
+            check: None,
+            shrunk_ops: None,
+            seed: caught.then_some(0),
+            shrunk: None,
+        }
+    }
+
+    #[test]
+    fn catch_times_are_the_median_and_slowest_of_the_caught_hunts() {
+        let odd = [hunt("a", true, 3.0), hunt("b", true, 1.0), hunt("c", false, 99.0), hunt("d", true, 7.0)];
+        let t = CatchTimes::of(&odd);
+        assert_eq!((t.caught, t.median_seconds, t.slowest_seconds, t.slowest), (3, 3.0, 7.0, Some("d")));
+        let even = [hunt("a", true, 4.0), hunt("b", true, 1.0)];
+        assert_eq!(CatchTimes::of(&even).median_seconds, 2.5);
+        let none = CatchTimes::of(&[hunt("a", false, 5.0)]);
+        assert_eq!((none.caught, none.median_seconds, none.slowest), (0, 0.0, None));
+        assert!(none.line().contains("over 0 caught"));
     }
 }

@@ -58,7 +58,7 @@ mod parse;
 
 pub use convert::{from_kvsim, ssm_spec_of, to_kvsim, to_kvsim_at};
 pub use files::{file_from_kvsim, file_to_kvsim};
-pub use hints::{Hints, SSM_OFFSETS_KEY};
+pub use hints::{Hints, EMPTY_SPECS_KEY, SSM_OFFSETS_KEY};
 pub use parse::{looks_like_safetensors, read, write};
 
 /// The file-level leaf of a state tree.

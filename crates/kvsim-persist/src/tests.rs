@@ -157,6 +157,55 @@ fn empty_caches_round_trip() {
     }
 }
 
+/// Layers before any token (an empty linear, rotating and quantized cache, and a list holding an empty linear cache)
+/// through mlx-lm's format: mlx-lm stores no array for them, so kvsim's writer carries their specs in the user
+/// metadata (`EMPTY_SPECS_KEY`) and every such file loads back with the same kinds and specs; without that entry (a
+/// file mlx-lm wrote) the reader refuses with a typed error, or takes the caller's spec (`Hints::spec`).
+#[test]
+fn empty_layers_round_trip_through_mlxlm_files() {
+    let _g = testlock::shared();
+    let sp = spec(KvDtype::Bf16);
+    let q = QuantSpec { bits: 4, group: 64 };
+    let layers = [
+        AnyCache::Serial(SerialCache::new(sp, None).unwrap()),
+        AnyCache::Serial(SerialCache::new(sp, Some(4)).unwrap()),
+        AnyCache::Serial(QuantizedKvCache::new(qspec(KvDtype::F32), q).unwrap()),
+        AnyCache::List(vec![
+            AnyCache::Serial(serial(None, KvDtype::Bf16)),
+            AnyCache::Serial(SerialCache::new(sp, None).unwrap()),
+        ]),
+    ];
+    let caches: Vec<Persisted> = layers.iter().cloned().map(Persisted::new).collect();
+    let bytes = inspect::save_as(inspect::Format::MlxLm, &BTreeMap::new(), &caches).unwrap();
+    let (md, back) = inspect::load_any(&bytes).unwrap();
+    assert!(md.contains_key(mlxlm::EMPTY_SPECS_KEY), "{md:?}");
+    assert_eq!(back.len(), layers.len());
+    for (i, (a, b)) in layers.iter().zip(&back).enumerate() {
+        assert_eq!(a.storage_kind(), b.cache.storage_kind(), "layer {i}");
+        assert_eq!(a.spec(), b.cache.spec(), "layer {i}");
+    }
+    let AnyCache::List(children) = &back[3].cache else { panic!("layer 3 is not a list") };
+    let (AnyCache::Serial(full), AnyCache::Serial(empty)) = (&children[0], &children[1]) else { panic!() };
+    let AnyCache::List(want) = &layers[3] else { unreachable!() };
+    let AnyCache::Serial(want_full) = &want[0] else { unreachable!() };
+    assert_eq!(full.offset(), want_full.offset(), "the list's full child");
+    assert_eq!(empty.offset(), 0);
+    // Saved again, the file is the same.
+    assert_eq!(inspect::save_as(inspect::Format::MlxLm, &md, &back).unwrap(), bytes);
+
+    // A file without the entry: typed refusal, nothing guessed; with the caller's spec, the layer loads.
+    let mut f = mlxlm::read(&bytes).unwrap();
+    f.metadata.remove(mlxlm::EMPTY_SPECS_KEY);
+    let e = mlxlm::file_to_kvsim(&f).unwrap_err();
+    assert!(matches!(e, PersistError::Unsupported { .. }), "{e:?}");
+    let hinted = mlxlm::Hints { spec: Some(sp), ..Default::default() };
+    let c = mlxlm::to_kvsim_at(&f.layers[0], "0", &hinted).unwrap();
+    assert_eq!(c.spec(), Some(sp));
+    // A malformed entry is a typed error too.
+    f.metadata.insert(mlxlm::EMPTY_SPECS_KEY.to_string(), "{\"0\": 3}".to_string());
+    assert!(matches!(mlxlm::file_to_kvsim(&f), Err(PersistError::Malformed { .. })));
+}
+
 #[test]
 fn floor_is_persisted_and_validated() {
     let _g = testlock::shared();

@@ -89,7 +89,8 @@ impl World {
     }
 
     /// Applies one op to every family. `Ok(false)`: skipped (out of limits, a kind some family does not support,
-    /// or references that do not exist). `Err`: a check failed.
+    /// or references that do not exist). `Err`: a check failed. The families that own the op's kind (where the run
+    /// holds one) must agree on whether it was skipped; where none owns it, every family must (check `families`).
     pub fn apply(&mut self, op: &Op, observer: &mut dyn RunObserver) -> Result<bool, FamilyFailure> {
         if !op_within_limits(op) || !self.registry.all_support(&self.family_names(), op.kind()) {
             return Ok(false);
@@ -105,6 +106,11 @@ impl World {
         self.reached.clear();
         let names = self.family_names();
         let watched: Vec<bool> = names.iter().map(|n| observer.watches(n)).collect();
+        // Who decides whether the op was skipped: the run's families that own its kind, where any does (an op of the
+        // bf16-first rows touches no attention cache: the attention family has no say in it); else every family.
+        let kind = op.kind();
+        let owners: Vec<bool> = names.iter().map(|n| self.registry.get(n).is_some_and(|r| (r.owns)(kind))).collect();
+        let voters: Vec<bool> = if owners.contains(&true) { owners } else { vec![true; names.len()] };
         let mut quiet = crate::sim::observe::NoObserver;
         let mut applied = None;
         for (i, f) in self.families.iter_mut().enumerate() {
@@ -112,10 +118,13 @@ impl World {
             let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
             let mut cx = Cx { hasher: &mut self.hasher, observer: obs, roster: &self.roster, change: change.as_ref() };
             let a = f.apply(op, &mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
-            if *applied.get_or_insert(a) != a {
+            if voters[i] && *applied.get_or_insert(a) != a {
                 return Err(FamilyFailure {
                     family: Some(key),
-                    failure: Failure::new("families", format!("{key} disagrees with the first family on skipping")),
+                    failure: Failure::new(
+                        "families",
+                        format!("{key} disagrees with the first family that decides on skipping"),
+                    ),
                 });
             }
             for c in f.take_reached() {

@@ -131,7 +131,7 @@ pub fn ssm_spec_of(cache: &[Option<HostTensor>]) -> Result<(SsmSpec, usize)> {
 /// - `CacheList` -> a list of its children's kvsim caches.
 pub fn to_kvsim_at(layer: &MlxLayer, at: &str, hints: &Hints) -> Result<AnyCache> {
     let class = layer.class_name();
-    let spec_hint = hints.spec;
+    let spec_hint = hints.spec_at(at);
     match layer {
         MlxLayer::KvCache { keys, values, offset } => {
             let offset = usize_of(*offset, "offset")?;

@@ -7,8 +7,8 @@ use crate::codec::AnyCache;
 use crate::error::{PersistError, Result};
 
 use super::convert::{from_kvsim, to_kvsim_at};
-use super::hints::{Hints, SSM_OFFSETS_KEY};
-use super::MlxFile;
+use super::hints::{Hints, EMPTY_SPECS_KEY, SSM_OFFSETS_KEY};
+use super::{MlxFile, MlxLayer};
 
 /// Every layer of an mlx-lm file as a kvsim cache, with the hints of its user metadata ([`Hints::from_metadata`]).
 pub fn file_to_kvsim(f: &MlxFile) -> Result<Vec<AnyCache>> {
@@ -17,7 +17,8 @@ pub fn file_to_kvsim(f: &MlxFile) -> Result<Vec<AnyCache>> {
 }
 
 /// The mlx-lm file of these kvsim caches: [`from_kvsim`] per layer, and `metadata` plus [`SSM_OFFSETS_KEY`] when a
-/// layer holds a recurrent cache (so that [`file_to_kvsim`] restores its offsets).
+/// layer holds a recurrent cache and [`EMPTY_SPECS_KEY`] when an attention layer holds no token (so that
+/// [`file_to_kvsim`] restores their offsets and specs: every file this writes loads back).
 pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache]) -> Result<MlxFile> {
     let mut offsets = BTreeMap::new();
     for (i, c) in caches.iter().enumerate() {
@@ -29,8 +30,41 @@ pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache])
         let json = serde_json::to_string(&offsets).map_err(|e| PersistError::malformed(e.to_string()))?;
         metadata.insert(SSM_OFFSETS_KEY.to_string(), json);
     }
-    let layers = caches.iter().map(from_kvsim).collect::<Result<_>>()?;
+    let layers: Vec<MlxLayer> = caches.iter().map(from_kvsim).collect::<Result<_>>()?;
+    let mut specs = BTreeMap::new();
+    for (i, (c, l)) in caches.iter().zip(&layers).enumerate() {
+        collect_empty_specs(c, l, i.to_string(), &mut specs);
+    }
+    metadata.remove(EMPTY_SPECS_KEY);
+    if !specs.is_empty() {
+        let json = serde_json::to_string(&specs).map_err(|e| PersistError::malformed(e.to_string()))?;
+        metadata.insert(EMPTY_SPECS_KEY.to_string(), json);
+    }
     Ok(MlxFile { metadata, layers })
+}
+
+/// The spec of every attention layer written without arrays, by path.
+fn collect_empty_specs(c: &AnyCache, l: &MlxLayer, at: String, out: &mut BTreeMap<String, kvsim_cache::KvSpec>) {
+    let empty = match l {
+        MlxLayer::KvCache { keys, .. }
+        | MlxLayer::RotatingKvCache { keys, .. }
+        | MlxLayer::BatchKvCache { keys, .. }
+        | MlxLayer::BatchRotatingKvCache { keys, .. }
+        | MlxLayer::ChunkedKvCache { keys, .. } => keys.is_none(),
+        MlxLayer::QuantizedKvCache { keys, .. } => keys.is_none(),
+        MlxLayer::CacheList(children) => {
+            if let AnyCache::List(v) = c {
+                for (j, (cc, cl)) in v.iter().zip(children).enumerate() {
+                    collect_empty_specs(cc, cl, format!("{at}.{j}"), out);
+                }
+            }
+            false
+        }
+        MlxLayer::ArraysCache { .. } => false,
+    };
+    if let (true, Some(spec)) = (empty, c.spec()) {
+        out.insert(at, spec);
+    }
 }
 
 fn collect_ssm_offsets(c: &AnyCache, at: String, out: &mut BTreeMap<String, Vec<usize>>) {
