@@ -101,7 +101,7 @@ for t in "${T[@]}"; do
     START_BYTES[$t]=$(count_bytes "$corpus")
     seeds=()
     [[ -d $ROOT/fuzz/seeds/$t ]] && seeds=("$ROOT/fuzz/seeds/$t")
-    # Its own session, so that its whole process tree can be measured and stopped.
+    # A process group of its own (setsid), so that its whole process tree can be measured and stopped.
     setsid "$BIN_DIR/$t" "$corpus" "${seeds[@]}" \
         -fork="${WORKERS[$t]}" -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1 \
         -rss_limit_mb="$RSS_LIMIT_MB" -timeout="$TIMEOUT_S" -max_total_time="$SECONDS_TOTAL" \
