@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 
 use crate::codec::AnyCache;
-use crate::error::{PersistError, Result};
+use crate::error::Result;
 
 use super::convert::{from_kvsim, to_kvsim_at};
-use super::hints::{Hints, EMPTY_SPECS_KEY, SSM_OFFSETS_KEY};
+use super::hints::{put_by_path, Hints, EMPTY_SPECS_KEY, SSM_OFFSETS_KEY};
 use super::{MlxFile, MlxLayer};
 
 /// Every layer of an mlx-lm file as a kvsim cache, with the hints of its user metadata ([`Hints::from_metadata`]).
@@ -25,21 +25,13 @@ pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache])
         collect_ssm_offsets(c, i.to_string(), &mut offsets);
     }
     let mut metadata = metadata.clone();
-    metadata.remove(SSM_OFFSETS_KEY);
-    if !offsets.is_empty() {
-        let json = serde_json::to_string(&offsets).map_err(|e| PersistError::malformed(e.to_string()))?;
-        metadata.insert(SSM_OFFSETS_KEY.to_string(), json);
-    }
+    put_by_path(&mut metadata, SSM_OFFSETS_KEY, &offsets)?;
     let layers: Vec<MlxLayer> = caches.iter().map(from_kvsim).collect::<Result<_>>()?;
     let mut specs = BTreeMap::new();
     for (i, (c, l)) in caches.iter().zip(&layers).enumerate() {
         collect_empty_specs(c, l, i.to_string(), &mut specs);
     }
-    metadata.remove(EMPTY_SPECS_KEY);
-    if !specs.is_empty() {
-        let json = serde_json::to_string(&specs).map_err(|e| PersistError::malformed(e.to_string()))?;
-        metadata.insert(EMPTY_SPECS_KEY.to_string(), json);
-    }
+    put_by_path(&mut metadata, EMPTY_SPECS_KEY, &specs)?;
     Ok(MlxFile { metadata, layers })
 }
 

@@ -34,22 +34,8 @@ impl Hints {
     /// The hints a file's user metadata carries ([`SSM_OFFSETS_KEY`], [`EMPTY_SPECS_KEY`]; absent = none, malformed
     /// = an error).
     pub fn from_metadata(metadata: &BTreeMap<String, String>) -> Result<Self> {
-        let ssm_offsets = match metadata.get(SSM_OFFSETS_KEY) {
-            None => BTreeMap::new(),
-            Some(s) => serde_json::from_str(s).map_err(|e| {
-                PersistError::malformed(format!(
-                    "user metadata {SSM_OFFSETS_KEY}: {e} (expected {{\"<layer>\": [offsets]}})"
-                ))
-            })?,
-        };
-        let empty_specs = match metadata.get(EMPTY_SPECS_KEY) {
-            None => BTreeMap::new(),
-            Some(s) => serde_json::from_str(s).map_err(|e| {
-                PersistError::malformed(format!(
-                    "user metadata {EMPTY_SPECS_KEY}: {e} (expected {{\"<layer>\": {{\"heads_kv\", \"head_dim\", \"dtype\"}}}})"
-                ))
-            })?,
-        };
+        let ssm_offsets = by_path(metadata, SSM_OFFSETS_KEY, "[offsets]")?;
+        let empty_specs = by_path(metadata, EMPTY_SPECS_KEY, "{\"heads_kv\", \"head_dim\", \"dtype\"}")?;
         Ok(Hints { spec: None, ssm_offsets, empty_specs })
     }
 
@@ -57,4 +43,33 @@ impl Hints {
     pub fn spec_at(&self, at: &str) -> Option<KvSpec> {
         self.spec.or_else(|| self.empty_specs.get(at).copied())
     }
+}
+
+/// A user-metadata entry that maps layer paths to values (absent = empty; malformed JSON = `Malformed`, naming the
+/// key and the `expected` value shape).
+fn by_path<T: serde::de::DeserializeOwned>(
+    metadata: &BTreeMap<String, String>,
+    key: &str,
+    expected: &str,
+) -> Result<BTreeMap<String, T>> {
+    match metadata.get(key) {
+        None => Ok(BTreeMap::new()),
+        Some(s) => serde_json::from_str(s).map_err(|e| {
+            PersistError::malformed(format!("user metadata {key}: {e} (expected {{\"<layer>\": {expected}}})"))
+        }),
+    }
+}
+
+/// Writes `map` under `key` as JSON (an empty map: no entry), replacing what `metadata` held there.
+pub(super) fn put_by_path<T: serde::Serialize>(
+    metadata: &mut BTreeMap<String, String>,
+    key: &str,
+    map: &BTreeMap<String, T>,
+) -> Result<()> {
+    metadata.remove(key);
+    if !map.is_empty() {
+        let json = serde_json::to_string(map).map_err(|e| PersistError::malformed(e.to_string()))?;
+        metadata.insert(key.to_string(), json);
+    }
+    Ok(())
 }
