@@ -203,6 +203,21 @@ pub enum CacheError {
         /// The call it does not have.
         call: &'static str,
     },
+    /// A paged write needs more blocks than the pool can give (free, by growth up to its cap, or by evicting
+    /// unreferenced prefix-index blocks); nothing changed.
+    #[error("paged pool exhausted: the write needs {needed} blocks, {available} can be had")]
+    PoolExhausted {
+        /// Blocks the write needs (new blocks and copy-on-write copies).
+        needed: usize,
+        /// Blocks the pool could supply.
+        available: usize,
+    },
+    /// A paged sequence id the store does not hold.
+    #[error("no paged sequence {seq}")]
+    NoSuchSeq {
+        /// The id asked for.
+        seq: u64,
+    },
     /// The MLX runtime raised an exception.
     #[error("mlx: {0}")]
     Mlx(String),

@@ -127,6 +127,7 @@ pub mod exact;
 pub mod faults;
 pub mod kind;
 pub mod mask;
+pub mod paged;
 pub mod quant;
 mod read;
 pub mod ring;
@@ -158,6 +159,7 @@ pub use kind::{
     TRAINING_SSM,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
+pub use paged::{IndexEntry, PagedParts, PagedSeq, PagedStore, PoolSpec, PrefixHit, SeqId};
 pub use quant::{
     packed_width, BatchQuantizedKvCache, QuantSpec, QuantizedKvCache, RotatingQuantizedKvCache, Storage, QUANT_BITS,
     QUANT_GROUPS,

@@ -1,0 +1,342 @@
+use super::*;
+use crate::testutil::{assert_same_bytes, kvq, row, spec};
+use crate::{KvCache, KvDtype, Masks, SerialCache};
+
+const SCALE: f32 = 0.35;
+
+fn pool(block_size: usize, max_blocks: usize) -> PoolSpec {
+    PoolSpec { block_size, initial_blocks: 2, max_blocks, grow_by: 3, index_budget: 64 }
+}
+
+/// Token ids of positions `[from, to)` of a prompt family (requests of one family share their tokens).
+fn toks(family: u32, from: usize, to: usize) -> Vec<u32> {
+    (from..to).map(|p| family * 1000 + p as u32).collect()
+}
+
+/// K, V, Q of positions `[from, to)` of a prompt family: the same tokens give the same K/V (a model's K/V of a
+/// position is a function of its prefix).
+fn kv_of(spec: &KvSpec, family: u32, from: usize, to: usize) -> (Array, Array, Array) {
+    let parts: Vec<(Array, Array, Array)> =
+        (from..to).map(|p| kvq(spec, u64::from(family) * 1_000_003 + p as u64, 1, 1)).collect();
+    let cat = |i: usize| {
+        let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
+        mlx_rs::ops::concatenate(&xs, 2).unwrap()
+    };
+    (cat(0), cat(1), cat(2))
+}
+
+/// Both sides: a paged sequence and a plain linear cache fed the same positions.
+fn window_both(
+    st: &mut PagedStore,
+    s: SeqId,
+    plain: &mut SerialCache,
+    family: u32,
+    from: usize,
+    to: usize,
+) -> (Array, Array) {
+    let (k, v, q) = kv_of(&st.spec(), family, from, to);
+    let a = st.window(s, &toks(family, from, to), &k, &v, &q, SCALE).unwrap();
+    let (b, _) = plain.window(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+    (a, b)
+}
+
+fn assert_same_contents(st: &PagedStore, s: SeqId, plain: &SerialCache, what: &str) {
+    let (k, v) = st.fetch(s).unwrap();
+    let (pk, pv) = plain.temporal_view().unwrap();
+    assert_same_bytes(&k, &pk, &format!("{what}: K"));
+    assert_same_bytes(&v, &pv, &format!("{what}: V"));
+}
+
+#[test]
+fn a_paged_sequence_reads_like_a_plain_cache_at_every_block_size() {
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = spec(dtype);
+        for bs in [1usize, 3, 4, 7, 16] {
+            let mut st = PagedStore::new(spec, pool(bs, 64)).unwrap();
+            let s = st.open();
+            let mut plain = KvCache::new(spec).unwrap();
+            let mut at = 0;
+            for (step, len) in [5usize, 1, 3, 1, 1, 8, 2].into_iter().enumerate() {
+                let (a, b) = if len == 1 && step % 2 == 1 {
+                    let (k, v, q) = kv_of(&spec, 1, at, at + 1);
+                    let a = st.decode(s, toks(1, at, at + 1)[0], &k, &v, &q, SCALE).unwrap();
+                    let (b, _) = plain.decode(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+                    (a, b)
+                } else {
+                    window_both(&mut st, s, &mut plain, 1, at, at + len)
+                };
+                at += len;
+                assert_same_bytes(&a, &b, &format!("{dtype:?} block {bs} step {step}: output"));
+                assert_same_contents(&st, s, &plain, &format!("{dtype:?} block {bs} step {step}"));
+                st.audit().unwrap();
+            }
+            // A rollback and a trim back into an earlier block free the blocks past the end.
+            st.trim(s, 2, true).unwrap();
+            plain.trim(2, true).unwrap();
+            st.trim(s, 9, false).unwrap();
+            plain.trim(9, false).unwrap();
+            assert_same_contents(&st, s, &plain, "after trims");
+            assert_eq!(st.seq(s).unwrap().table.len(), st.seq(s).unwrap().offset.div_ceil(bs));
+            st.audit().unwrap();
+            assert_eq!(st.bytes_for_tokens(5), 5usize.div_ceil(bs) * bs * spec.bytes_per_token());
+        }
+    }
+}
+
+#[test]
+fn a_warm_request_reads_the_bytes_of_the_same_request_run_cold() {
+    let spec = spec(KvDtype::F32);
+    for bs in [1usize, 4, 5] {
+        let mut st = PagedStore::new(spec, pool(bs, 64)).unwrap();
+        // Request A: 13 prompt positions of family 7, then finished into the index.
+        let a = st.open();
+        let mut plain_a = KvCache::new(spec).unwrap();
+        window_both(&mut st, a, &mut plain_a, 7, 0, 13);
+        let inserted = st.finish(a).unwrap();
+        assert_eq!(inserted, 13 / bs);
+        st.audit().unwrap();
+        // Request B has the same 13-token prompt: the full blocks of its first 12 positions come from the index.
+        let prompt = toks(7, 0, 13);
+        let (b, hit) = st.open_with_prefix(&prompt, prompt.len() - 1);
+        assert_eq!(hit.positions, (12 / bs) * bs);
+        assert!(hit.blocks > 0);
+        let shared: Vec<u32> = st.seq(b).unwrap().table.clone();
+        assert!(shared.iter().all(|&blk| st.refs()[blk as usize] == 2), "shared with the index");
+        let mut cold = KvCache::new(spec).unwrap();
+        let (k, v, q) = kv_of(&spec, 7, 0, hit.positions);
+        if hit.positions > 0 {
+            cold.window(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+        }
+        let (warm_out, cold_out) = window_both(&mut st, b, &mut cold, 7, hit.positions, 16);
+        let rows = 16 - hit.positions;
+        assert_eq!(warm_out.shape()[2] as usize, rows);
+        assert_same_bytes(&warm_out, &cold_out, &format!("block {bs}: warm and cold outputs"));
+        assert_same_contents(&st, b, &cold, &format!("block {bs}: warm contents"));
+        st.audit().unwrap();
+        // A request whose prompt differs inside the first block shares nothing.
+        let other = toks(8, 0, 13);
+        assert_eq!(st.lookup(&other, 12).positions, 0);
+    }
+}
+
+#[test]
+fn appending_into_a_shared_partial_block_copies_it_first() {
+    let spec = spec(KvDtype::F32);
+    let mut st = PagedStore::new(spec, pool(4, 64)).unwrap();
+    let parent = st.open();
+    let mut plain = KvCache::new(spec).unwrap();
+    window_both(&mut st, parent, &mut plain, 3, 0, 6);
+    let child = st.fork(parent).unwrap();
+    let last = *st.seq(parent).unwrap().table.last().unwrap();
+    assert_eq!(st.refs()[last as usize], 2);
+    // The child diverges: family 4's tokens from position 6 on.
+    let mut child_plain = plain.clone();
+    window_both(&mut st, child, &mut child_plain, 4, 6, 9);
+    assert_ne!(*st.seq(child).unwrap().table.last().unwrap(), last, "copied on write");
+    assert_eq!(st.seq(child).unwrap().table[0], st.seq(parent).unwrap().table[0], "the full block stays shared");
+    assert_same_contents(&st, parent, &plain, "parent after the child's write");
+    assert_same_contents(&st, child, &child_plain, "child");
+    st.audit().unwrap();
+    // The parent appends too: its block is its own again (count 1), no copy.
+    window_both(&mut st, parent, &mut plain, 3, 6, 7);
+    assert_eq!(*st.seq(parent).unwrap().table.last().unwrap(), last);
+    assert_same_contents(&st, parent, &plain, "parent");
+    st.release(child).unwrap();
+    st.release(parent).unwrap();
+    assert_eq!(st.free_list().len(), st.capacity(), "every block back in the pool");
+    st.audit().unwrap();
+}
+
+#[test]
+fn an_exhausted_pool_is_a_typed_error_with_nothing_changed() {
+    let spec = spec(KvDtype::F32);
+    let mut st = PagedStore::new(spec, pool(2, 3)).unwrap();
+    let s = st.open();
+    let mut plain = KvCache::new(spec).unwrap();
+    window_both(&mut st, s, &mut plain, 1, 0, 5);
+    let before = (st.refs().to_vec(), st.free_list().to_vec(), st.seq(s).unwrap().clone());
+    let (k, v, q) = kv_of(&spec, 1, 5, 8);
+    let err = st.window(s, &toks(1, 5, 8), &k, &v, &q, SCALE).unwrap_err();
+    assert!(matches!(err, CacheError::PoolExhausted { needed: 1, available: 0 }), "{err:?}");
+    assert_eq!((st.refs().to_vec(), st.free_list().to_vec(), st.seq(s).unwrap().clone()), before);
+    assert_same_contents(&st, s, &plain, "after the refusal");
+    // One more position fits the last block's free slot.
+    window_both(&mut st, s, &mut plain, 1, 5, 6);
+    assert_same_contents(&st, s, &plain, "after the fitting write");
+    // Wrong token counts and unknown sequences are typed too.
+    let (k, v, _) = kv_of(&spec, 1, 6, 7);
+    assert!(matches!(st.append(s, &[], &k, &v), Err(CacheError::BadLengths { .. })));
+    assert!(matches!(st.append(SeqId(99), &[1], &k, &v), Err(CacheError::NoSuchSeq { seq: 99 })));
+    st.audit().unwrap();
+}
+
+#[test]
+fn eviction_takes_unreferenced_leaves_first_and_never_a_referenced_block() {
+    let spec = spec(KvDtype::F32);
+    let mut st = PagedStore::new(spec, PoolSpec { index_budget: 100, ..pool(2, 8) }).unwrap();
+    for family in [1u32, 2] {
+        let s = st.open();
+        let mut plain = KvCache::new(spec).unwrap();
+        window_both(&mut st, s, &mut plain, family, 0, 6);
+        st.finish(s).unwrap();
+    }
+    assert_eq!(st.index_entries().len(), 6);
+    // Family 1's prefix is in use again: its blocks are referenced by a table and cannot go.
+    let (user, hit) = st.open_with_prefix(&toks(1, 0, 6), 5);
+    assert_eq!(hit.positions, 4);
+    assert_eq!(st.evict(10), 4, "family 2's three blocks and family 1's unreferenced leaf");
+    let left: Vec<u32> = st.index_entries().iter().map(|e| e.block).collect();
+    assert_eq!(left, st.seq(user).unwrap().table);
+    st.audit().unwrap();
+    // Under pressure a write evicts the index's unreferenced blocks before it refuses.
+    st.release(user).unwrap();
+    let s = st.open();
+    let mut plain = KvCache::new(spec).unwrap();
+    window_both(&mut st, s, &mut plain, 3, 0, 16);
+    assert!(st.index_entries().is_empty());
+    assert_same_contents(&st, s, &plain, "after evictions under pressure");
+    st.audit().unwrap();
+}
+
+#[test]
+fn placement_never_matters() {
+    let spec = spec(KvDtype::Bf16);
+    let run = |order: Option<u64>| {
+        let mut st = PagedStore::new(spec, pool(3, 40)).unwrap();
+        if let Some(seed) = order {
+            st = st.with_free_order(seed);
+        }
+        let mut outs = vec![];
+        let a = st.open();
+        let mut pa = KvCache::new(spec).unwrap();
+        outs.push(window_both(&mut st, a, &mut pa, 5, 0, 7).0);
+        let b = st.fork(a).unwrap();
+        let mut pb = pa.clone();
+        outs.push(window_both(&mut st, b, &mut pb, 6, 7, 11).0);
+        st.finish(a).unwrap();
+        let (c, hit) = st.open_with_prefix(&toks(5, 0, 7), 6);
+        outs.push(window_both(&mut st, c, &mut KvCache::new(spec).unwrap(), 5, hit.positions, 9).0);
+        st.join(&[b, c]).unwrap();
+        let (k, v, q) = kvq(&spec, 77, 2, 1);
+        outs.push(st.rows_decode(&[1, 2], &k, &v, &q, SCALE, &Masks::new()).unwrap().0);
+        let contents: Vec<(Array, Array)> = [b, c].iter().map(|&s| st.fetch(s).unwrap()).collect();
+        (outs, contents, st.seq(b).unwrap().table.clone())
+    };
+    let (o1, c1, t1) = run(None);
+    let (o2, c2, t2) = run(Some(12345));
+    assert_ne!(t1, t2, "the permuted free list placed blocks elsewhere");
+    for (i, (a, b)) in o1.iter().zip(&o2).enumerate() {
+        assert_same_bytes(a, b, &format!("output {i}"));
+    }
+    for (i, ((k1, v1), (k2, v2))) in c1.iter().zip(&c2).enumerate() {
+        assert_same_bytes(k1, k2, &format!("contents {i}: K"));
+        assert_same_bytes(v1, v2, &format!("contents {i}: V"));
+    }
+}
+
+#[test]
+fn rows_read_like_their_solo_caches() {
+    let spec = spec(KvDtype::F32);
+    let mut st = PagedStore::new(spec, pool(4, 64)).unwrap();
+    let mut solos = vec![];
+    let mut seqs = vec![];
+    for (family, len) in [(1u32, 3usize), (2, 9), (3, 9)] {
+        let s = st.open();
+        let mut plain = KvCache::new(spec).unwrap();
+        window_both(&mut st, s, &mut plain, family, 0, len);
+        seqs.push((s, family, len));
+        solos.push(plain);
+    }
+    st.join(&seqs.iter().map(|x| x.0).collect::<Vec<_>>()).unwrap();
+    let masks = Masks::new();
+    for step in 0..3 {
+        let parts: Vec<(Array, Array, Array)> =
+            seqs.iter().map(|&(_, f, len)| kv_of(&spec, f, len + step, len + step + 1)).collect();
+        let cat = |i: usize| {
+            let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
+            mlx_rs::ops::concatenate(&xs, 0).unwrap()
+        };
+        let tokens: Vec<u32> = seqs.iter().map(|&(_, f, len)| toks(f, len + step, len + step + 1)[0]).collect();
+        let (out, _) = st.rows_decode(&tokens, &cat(0), &cat(1), &cat(2), SCALE, &masks).unwrap();
+        for (r, solo) in solos.iter_mut().enumerate() {
+            let (k, v, q) = &parts[r];
+            let (want, _) = solo.decode(k, v, q, SCALE, &Masks::new()).unwrap();
+            assert_same_bytes(&row(&out, r), &want, &format!("step {step} row {r}"));
+            assert_same_contents(&st, seqs[r].0, solo, &format!("step {step} row {r}"));
+        }
+    }
+    // A window of 2 for every row, then a rollback keeping 1, 0 and 2 positions.
+    let parts: Vec<(Array, Array, Array)> = seqs.iter().map(|&(_, f, len)| kv_of(&spec, f, len + 3, len + 5)).collect();
+    let cat = |i: usize| {
+        let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
+        mlx_rs::ops::concatenate(&xs, 0).unwrap()
+    };
+    let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, f, len)| toks(f, len + 3, len + 5)).collect();
+    let (out, _) = st.rows_window(&tokens, &cat(0), &cat(1), &cat(2), SCALE, &masks).unwrap();
+    for (r, solo) in solos.iter_mut().enumerate() {
+        let (k, v, q) = &parts[r];
+        let (want, _) = solo.window(k, v, q, SCALE, &Masks::new()).unwrap();
+        assert_same_bytes(&row(&out, r), &want, &format!("window row {r}"));
+    }
+    assert!(matches!(st.rows_trim(&[1, 2, 3], true), Err(CacheError::TrimTooLong { requested: 3, available: 2 })));
+    st.rows_trim(&[1, 2, 0], true).unwrap();
+    for (r, (solo, n)) in solos.iter_mut().zip([1, 2, 0]).enumerate() {
+        solo.trim(n, true).unwrap();
+        assert_same_contents(&st, seqs[r].0, solo, &format!("rollback row {r}"));
+    }
+    // Rows leave: extract, filter; the sequences live on outside the batch.
+    let out = st.extract(1).unwrap();
+    assert_eq!(out, seqs[1].0);
+    assert!(matches!(st.filter(&[0, 0]), Err(CacheError::DuplicateRow { row: 0 })));
+    assert!(matches!(st.filter(&[2]), Err(CacheError::NoSuchRow { row: 2, rows: 2 })));
+    assert_eq!(st.filter(&[1]).unwrap(), vec![seqs[0].0]);
+    assert!(st.release(seqs[2].0).is_err(), "a row is not released behind the batch's back");
+    st.audit().unwrap();
+}
+
+#[test]
+fn impossible_saved_states_are_refused() {
+    let spec = spec(KvDtype::F32);
+    let mut st = PagedStore::new(spec, pool(2, 16)).unwrap();
+    let a = st.open();
+    let mut plain = KvCache::new(spec).unwrap();
+    window_both(&mut st, a, &mut plain, 1, 0, 5);
+    st.finish(a).unwrap();
+    let b = st.open_with_prefix(&toks(1, 0, 5), 4).0;
+    window_both(&mut st, b, &mut KvCache::new(spec).unwrap(), 1, 4, 7);
+    let (parts, planes) = st.to_parts().unwrap();
+    // The round trip gives the same store.
+    let back = PagedStore::from_parts(parts.clone(), planes.clone()).unwrap();
+    assert_eq!(back.to_parts().unwrap().0, parts);
+    let (k1, _) = st.fetch(b).unwrap();
+    let (k2, _) = back.fetch(b).unwrap();
+    assert_same_bytes(&k1, &k2, "restored contents");
+    let bad = |f: &dyn Fn(&mut PagedParts)| {
+        let mut p = parts.clone();
+        f(&mut p);
+        PagedStore::from_parts(p, planes.clone())
+    };
+    let refused = [
+        bad(&|p| p.seqs[0].1.table[0] = 99),
+        bad(&|p| p.seqs[0].1.table.pop().map(|_| ()).unwrap_or(())),
+        bad(&|p| p.refs[0] += 1),
+        bad(&|p| p.free.push(p.free[0])),
+        bad(&|p| p.rows = vec![42]),
+        bad(&|p| p.index[0].prefix.pop().map(|_| ()).unwrap_or(())),
+        bad(&|p| p.seqs[0].0 = p.next_seq),
+        bad(&|p| {
+            let t = &mut p.seqs[0].1.table;
+            let (a, b) = (t[0], t[1]);
+            t[1] = a;
+            p.refs[a as usize] += 1;
+            p.refs[b as usize] -= 1;
+            if p.refs[b as usize] == 0 {
+                p.free.push(b);
+            }
+        }),
+    ];
+    for (i, r) in refused.iter().enumerate() {
+        assert!(matches!(r, Err(CacheError::InvalidState { .. })), "case {i}: {r:?}");
+    }
+    assert!(matches!(PagedStore::from_parts(parts.clone(), None), Err(CacheError::InvalidState { .. })));
+}
