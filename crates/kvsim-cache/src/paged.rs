@@ -491,8 +491,9 @@ impl PagedStore {
         let mut items = vec![];
         for &(s, l) in writes {
             let seq = self.seq(s)?;
-            let cow =
-                seq.offset % bs != 0 && l > 0 && self.refs[*seq.table.last().expect("partial block") as usize] > 1;
+            let cow = !seq.offset.is_multiple_of(bs)
+                && l > 0
+                && self.refs[*seq.table.last().expect("partial block") as usize] > 1;
             let new = (seq.offset + l).div_ceil(bs) - seq.table.len();
             items.push((s, l, cow, new));
         }
@@ -946,7 +947,7 @@ impl PagedStore {
         st.next_seq = parts.next_seq;
         st.index.clock = parts.clock;
         for e in parts.index {
-            if e.prefix.is_empty() || e.prefix.len() % bs != 0 || e.last_used > parts.clock {
+            if e.prefix.is_empty() || !e.prefix.len().is_multiple_of(bs) || e.last_used > parts.clock {
                 return Err(invalid(format!("index entry of {} tokens (block size {bs})", e.prefix.len())));
             }
             let depth = e.prefix.len() / bs;

@@ -29,6 +29,7 @@ pub mod attention;
 pub mod compare;
 pub mod error;
 pub mod model;
+pub mod paged;
 pub mod quant;
 pub mod special;
 pub mod ssm;

@@ -6,7 +6,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::sim::config::SimConfig;
 use crate::sim::family::Registry;
-use crate::sim::ops::{IllInput, Op, OpKind};
+use crate::sim::ops::{IllInput, Op, OpKind, PagedAction};
 use crate::sim::rng::{stream, Stream};
 use crate::sim::roster::View;
 
@@ -211,6 +211,7 @@ impl Generator {
                 OpKind::Adopt | OpKind::Prepare => rows > 0,
                 OpKind::DecodePhase | OpKind::IllFormed => rows > 0 || !v.solo.is_empty(),
                 OpKind::Quantize => true,
+                OpKind::Paged => v.live > 0,
                 // Never by weight: `contract_op`.
                 OpKind::CompiledBatchStep | OpKind::CommitKnownSpans | OpKind::Fetch => false,
                 OpKind::Persist => !v.solo.is_empty(),
@@ -391,6 +392,18 @@ impl Generator {
                 Some((_, draw)) => draw(cfg, w),
                 None => Op::Quantize { bits: 4, group: 64, mid_round: false },
             },
+            // Drawn by the family that owns it; a fork's request is a live one of the view.
+            OpKind::Paged => {
+                let mut op = match self.drawers.iter().find(|d| d.0 == OpKind::Paged) {
+                    Some((_, draw)) => draw(cfg, w),
+                    None => Op::Paged { action: PagedAction::Evict { blocks: 1 } },
+                };
+                if let Op::Paged { action: PagedAction::Fork { req, .. } } = &mut op {
+                    let live: Vec<u32> = v.rows.iter().copied().chain(v.solo.iter().map(|s| s.0)).collect();
+                    *req = live.get(w.random_range(0..live.len().max(1))).copied().unwrap_or(v.next_id);
+                }
+                op
+            }
             OpKind::Persist => {
                 Op::Persist { req: v.solo[w.random_range(0..v.solo.len())].0, mlxlm: w.random_bool(0.5) }
             }

@@ -142,6 +142,21 @@ pub enum Op {
     /// the offset (which must come back), or, with `mlxlm`, an mlx-lm prompt-cache file when every layer has an
     /// mlx-lm form that keeps its state (else kvsim's format).
     Persist { req: u32, mlxlm: bool },
+    /// The paged family's own ops (`sim::family::paged`, docs/paged.md): parallel sampling from a request, eviction
+    /// from the prefix index. Drawn only in runs that hold that family; the others leave every cache unchanged.
+    Paged { action: PagedAction },
+}
+
+/// What an [`Op::Paged`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Arbitrary)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum PagedAction {
+    /// Parallel sampling: `n` sequences forked from live request `req` (sharing every block of it), each appending
+    /// `len` positions of its own through a window read, each checked against a copy of the request's twin; then
+    /// each finishes into the prefix index (`finish`) or is dropped. The request itself must come out unchanged.
+    Fork { req: u32, n: u32, len: u32, finish: bool },
+    /// Up to `blocks` blocks evicted from the prefix index (least recently used unreferenced leaves first).
+    Evict { blocks: u32 },
 }
 
 /// What is wrong with an [`Op::IllFormed`] input.
@@ -216,6 +231,7 @@ pub enum OpKind {
     Persist,
     EncoderRead,
     Fetch,
+    Paged,
 }
 
 impl OpKind {
@@ -253,6 +269,7 @@ impl OpKind {
         OpKind::Persist,
         OpKind::EncoderRead,
         OpKind::Fetch,
+        OpKind::Paged,
     ];
 
     /// Snake-case name (as in traces and summaries).
@@ -291,6 +308,7 @@ impl OpKind {
             OpKind::Persist => "persist",
             OpKind::EncoderRead => "encoder_read",
             OpKind::Fetch => "fetch",
+            OpKind::Paged => "paged",
         }
     }
 
@@ -319,6 +337,8 @@ impl OpKind {
             OpKind::CompiledBatchStep | OpKind::CommitKnownSpans => 0,
             // Drawn from its own stream (`Stream::Fetch`), never by weight.
             OpKind::Fetch => 0,
+            // Weighted by the paged family from its own parameters, never by the swarm.
+            OpKind::Paged => 0,
             OpKind::TrainingForward => 6,
             OpKind::PrefixSharedForward => 3,
             OpKind::TrainingRefusal => 1,
@@ -354,7 +374,17 @@ impl OpKind {
     /// family that draws it), save/restore and the encoder read (each weighted from its own stream), the contract
     /// ops and the softcapped fetch (drawn from theirs).
     pub fn in_base_swarm(self) -> bool {
-        !self.is_quant() && !self.is_persist() && !self.is_encoder() && !self.is_contract() && self != OpKind::Fetch
+        !self.is_quant()
+            && !self.is_persist()
+            && !self.is_encoder()
+            && !self.is_contract()
+            && self != OpKind::Fetch
+            && !self.is_paged()
+    }
+
+    /// The paged family's own ops: drawn only in runs that hold it, weighted from its own stream.
+    pub fn is_paged(self) -> bool {
+        matches!(self, OpKind::Paged)
     }
 
     /// The ops of the contract's batched calls (the batched compiled step, known spans of unequal lengths): drawn
@@ -448,6 +478,8 @@ pub const API_CLASSES: &[&str] = &[
     "persist/layers_differ/mlx-lm",
     "persist/list",
     "persist/damaged",
+    "paged/fork",
+    "paged/evict",
 ];
 
 impl Op {
@@ -533,6 +565,8 @@ impl Op {
             Op::PlainRead => vec!["plain_read"],
             Op::Fetch { .. } => vec!["fetch"],
             Op::Persist { mlxlm, .. } => vec![if *mlxlm { "persist/mlx-lm" } else { "persist/kvsim" }],
+            Op::Paged { action: PagedAction::Fork { .. } } => vec!["paged/fork"],
+            Op::Paged { action: PagedAction::Evict { .. } } => vec!["paged/evict"],
         }
     }
 
@@ -572,6 +606,7 @@ impl Op {
             Op::IllFormed { .. } => OpKind::IllFormed,
             Op::Quantize { .. } => OpKind::Quantize,
             Op::Persist { .. } => OpKind::Persist,
+            Op::Paged { .. } => OpKind::Paged,
         }
     }
 
@@ -599,6 +634,17 @@ impl Op {
             Op::Append { len } => out.extend(halve(*len).into_iter().map(|len| Op::Append { len })),
             Op::CommitSpan { len } => out.extend(halve(*len).into_iter().map(|len| Op::CommitSpan { len })),
             Op::Fetch { len } => out.extend(halve(*len).into_iter().map(|len| Op::Fetch { len })),
+            Op::Paged { action: PagedAction::Fork { req, n, len, finish } } => {
+                for n in halve(*n) {
+                    out.push(Op::Paged { action: PagedAction::Fork { req: *req, n, len: *len, finish: *finish } });
+                }
+                for len in halve(*len) {
+                    out.push(Op::Paged { action: PagedAction::Fork { req: *req, n: *n, len, finish: *finish } });
+                }
+            }
+            Op::Paged { action: PagedAction::Evict { blocks } } => {
+                out.extend(halve(*blocks).into_iter().map(|blocks| Op::Paged { action: PagedAction::Evict { blocks } }))
+            }
             Op::EncoderRead { req, len, window, batch } => {
                 out.extend(halve(*len).into_iter().map(|len| Op::EncoderRead {
                     req: *req,

@@ -43,6 +43,8 @@ pub enum Stream {
     /// Whether the op after a lifecycle step is the step that consumes the state it left (`sim::gen::FollowUp`),
     /// and that op's parameters.
     FollowUp = 15,
+    /// The paged family's parameters (block size, pool limits, prompt sharing) and the weight of its own ops.
+    Paged = 16,
 }
 
 /// A generator for one subsystem of one seed.

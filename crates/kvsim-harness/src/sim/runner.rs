@@ -202,6 +202,8 @@ fn op_within_limits(op: &Op) -> bool {
         }
         Op::Quantize { bits, group, .. } => ok(*bits) && ok(*group),
         Op::Persist { .. } => true,
+        Op::Paged { action: crate::sim::ops::PagedAction::Fork { n, len, .. } } => *n <= 8 && ok(*len),
+        Op::Paged { action: crate::sim::ops::PagedAction::Evict { blocks } } => ok(*blocks),
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::EncoderRead { len, window, .. } => ok(*len) && ok(*window),
         Op::TrainingForward { lengths, len, window } => {

@@ -69,6 +69,49 @@ impl Recurrent {
     }
 }
 
+/// What the paged family (`sim::family::paged`) counted: sharing, copies, pressure, and the comparisons only it
+/// makes (a warm request against the same request run cold, a store with a permuted free list against the default
+/// one, the pool's accounting against the model).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PagedCounts {
+    /// Prefills that took a cached prefix from the index.
+    pub prefix_hits: u64,
+    /// Blocks those hits shared.
+    pub shared_blocks: u64,
+    /// Shared, partly filled blocks copied before a write into them.
+    pub cow_copies: u64,
+    /// Blocks the index gave up (its budget, pressure, or the evict op).
+    pub evictions: u64,
+    /// Writes refused with the typed `PoolExhausted`, nothing changed.
+    pub pool_exhausted: u64,
+    /// Sequences forked for parallel sampling.
+    pub forks: u64,
+    /// Reads and states of warm (prefix-hit) requests compared byte for byte with their cold twin.
+    pub warm_vs_cold: u64,
+    /// Reads and states compared byte for byte with the store whose free list is permuted.
+    pub placement_compared: u64,
+    /// Pool accountings (tables, counts, free list, index) compared with the model.
+    pub pool_checks: u64,
+}
+
+impl PagedCounts {
+    pub fn is_zero(&self) -> bool {
+        *self == PagedCounts::default()
+    }
+
+    pub fn add(&mut self, o: &PagedCounts) {
+        self.prefix_hits += o.prefix_hits;
+        self.shared_blocks += o.shared_blocks;
+        self.cow_copies += o.cow_copies;
+        self.evictions += o.evictions;
+        self.pool_exhausted += o.pool_exhausted;
+        self.forks += o.forks;
+        self.warm_vs_cold += o.warm_vs_cold;
+        self.placement_compared += o.placement_compared;
+        self.pool_checks += o.pool_checks;
+    }
+}
+
 /// Output classes of the guarantees table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutClass {
@@ -156,6 +199,9 @@ pub struct Counters {
     /// The recurrent family's rounds, replays and model distances (zero in runs without it).
     #[serde(default, skip_serializing_if = "Recurrent::is_zero")]
     pub recurrent: Recurrent,
+    /// The paged family's sharing, pressure and comparisons (zero in runs without it).
+    #[serde(default, skip_serializing_if = "PagedCounts::is_zero")]
+    pub paged: PagedCounts,
     /// Generated ill-formed inputs (`Op::IllFormed`, impossible adopted states) that production refused with the
     /// expected typed error and every byte and state unchanged, per input class (`dtype`, `shape`, `heads`,
     /// `storage_kind`, `row_id`, `adopt_state`).
@@ -192,6 +238,7 @@ impl Default for Counters {
             guarantees: Guarantees { exact_unpadded_decode: true, gpu: false },
             table: BTreeMap::new(),
             recurrent: Recurrent::default(),
+            paged: PagedCounts::default(),
             ill_formed_rejected: BTreeMap::new(),
         }
     }
@@ -285,6 +332,7 @@ impl Counters {
             self.table.entry(k.clone()).or_default().add(v);
         }
         self.recurrent.add(&o.recurrent);
+        self.paged.add(&o.paged);
         for (k, v) in &o.ill_formed_rejected {
             *self.ill_formed_rejected.entry(k.clone()).or_insert(0) += v;
         }
@@ -329,6 +377,9 @@ pub struct LayoutStats {
     /// The recurrent family's rounds, rollbacks (with unequal per-row keeps), replays and model distances.
     #[serde(default, skip_serializing_if = "Recurrent::is_zero")]
     pub recurrent: Recurrent,
+    /// The paged family's sharing, pressure and comparisons.
+    #[serde(default, skip_serializing_if = "PagedCounts::is_zero")]
+    pub paged: PagedCounts,
     /// Coverage per variant of a family that draws parameters per seed (`Family::variant`, e.g. the quantized
     /// family's `"<bits>:<group>"`): the runs, ops and checks of each. Empty (and not serialized) for the others.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -357,6 +408,7 @@ impl LayoutStats {
             bit_exact: c.bit_exact_state + c.decode_unpadded.bit_exact + c.decode_padded.bit_exact + c.window.bit_exact,
             guarantees: c.table.clone(),
             recurrent: c.recurrent,
+            paged: c.paged,
             variants: BTreeMap::new(),
         }
     }
@@ -391,6 +443,7 @@ impl LayoutStats {
             self.guarantees.entry(k.clone()).or_default().add(v);
         }
         self.recurrent.add(&o.recurrent);
+        self.paged.add(&o.paged);
         for (k, v) in &o.variants {
             let e = self.variants.entry(k.clone()).or_default();
             e.seeds += v.seeds;

@@ -82,6 +82,47 @@ pub struct Attention {
 
 pub(crate) type Res<T> = Result<T, Failure>;
 
+/// `[B, heads, L, D]` for `tensor` of `layer`: row `b`, slot `i` holds `toks[b][i]`, or the pad poison when None
+/// (every family's payloads: values are a pure function of the config's value space and the token).
+pub(crate) fn payload_block(
+    cfg: &SimConfig,
+    vs: &ValueSpace,
+    layer: usize,
+    tensor: Tensor,
+    toks: &[Vec<Option<Tok>>],
+) -> Res<Array> {
+    let heads = if tensor == Tensor::Q { cfg.heads_q } else { cfg.heads_kv };
+    let d = cfg.head_dim;
+    let b = toks.len();
+    let l = toks.iter().map(|r| r.len()).max().unwrap_or(0);
+    let mut data = vec![0f32; b * heads * l * d];
+    for (r, row) in toks.iter().enumerate() {
+        for (i, t) in row.iter().enumerate() {
+            let col: Vec<f32> = match t {
+                Some(t) => vs.column_f32(layer as u32, tensor, *t),
+                None => (0..heads * d)
+                    .map(|x| vs.pad_value(layer as u32, tensor, r as u32, i as u32, x / d, x % d))
+                    .collect(),
+            };
+            for h in 0..heads {
+                for k in 0..d {
+                    data[((r * heads + h) * l + i) * d + k] = col[h * d + k];
+                }
+            }
+        }
+    }
+    let shape = [b as i32, heads as i32, l as i32, d as i32];
+    Ok(match cfg.dtype {
+        DtypeChoice::F32 => Array::from_slice(&data, &shape),
+        // Values are already bf16-representable (reference::values rounds them): the conversion is exact, done
+        // on the host so that no MLX op is spent on it.
+        DtypeChoice::Bf16 => {
+            let h: Vec<half::bf16> = data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            Array::from_slice(&h, &shape)
+        }
+    })
+}
+
 pub(crate) fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
     Failure::new("mlx", format!("{what}: {e}"))
 }
@@ -141,38 +182,9 @@ impl Attention {
 
     // ----- payloads --------------------------------------------------------------------------------------------
 
-    /// `[B, heads, L, D]` for `tensor` of `layer`: row `b`, slot `i` holds `toks[b][i]`, or the pad poison when None.
+    /// `[B, heads, L, D]` for `tensor` of `layer` ([`payload_block`]).
     fn block(&self, layer: usize, tensor: Tensor, toks: &[Vec<Option<Tok>>]) -> Res<Array> {
-        let heads = if tensor == Tensor::Q { self.cfg.heads_q } else { self.cfg.heads_kv };
-        let d = self.cfg.head_dim;
-        let b = toks.len();
-        let l = toks.iter().map(|r| r.len()).max().unwrap_or(0);
-        let mut data = vec![0f32; b * heads * l * d];
-        for (r, row) in toks.iter().enumerate() {
-            for (i, t) in row.iter().enumerate() {
-                let col: Vec<f32> = match t {
-                    Some(t) => self.vs.column_f32(layer as u32, tensor, *t),
-                    None => (0..heads * d)
-                        .map(|x| self.vs.pad_value(layer as u32, tensor, r as u32, i as u32, x / d, x % d))
-                        .collect(),
-                };
-                for h in 0..heads {
-                    for k in 0..d {
-                        data[((r * heads + h) * l + i) * d + k] = col[h * d + k];
-                    }
-                }
-            }
-        }
-        let shape = [b as i32, heads as i32, l as i32, d as i32];
-        Ok(match self.cfg.dtype {
-            DtypeChoice::F32 => Array::from_slice(&data, &shape),
-            // Values are already bf16-representable (reference::values rounds them): the conversion is exact, done
-            // on the host so that no MLX op is spent on it.
-            DtypeChoice::Bf16 => {
-                let h: Vec<half::bf16> = data.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                Array::from_slice(&h, &shape)
-            }
-        })
+        payload_block(&self.cfg, &self.vs, layer, tensor, toks)
     }
 
     fn kvq(&self, layer: usize, toks: &[Vec<Option<Tok>>]) -> Res<(Array, Array, Array)> {
@@ -232,6 +244,8 @@ impl Attention {
             // The bf16-first family's own ops (prefix reuse from its stored entry, the refused plain read) touch
             // no cache here: `check_all` after the op proves it.
             Op::PrefixReuse { .. } | Op::PlainRead | Op::Fetch { .. } => true,
+            // The paged family's own ops touch no cache here either.
+            Op::Paged { .. } => true,
             Op::Adopt { invalid } => self.adopt(cx.roster, *invalid)?,
             Op::DecodePhase => self.decode_phases(cx.roster)?,
             Op::Prepare { lengths, chunk, chunks } => self.prepare_rows(cx, lengths, *chunk as usize, *chunks)?,

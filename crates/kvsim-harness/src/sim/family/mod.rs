@@ -15,6 +15,7 @@
 
 pub mod attention;
 mod layer_set;
+pub mod paged;
 pub mod quant;
 pub mod ssm;
 pub mod training;
@@ -150,11 +151,13 @@ static BUILTIN: LazyLock<Registry> = LazyLock::new(|| Registry {
         quant::REGISTRATION,
         transition::REGISTRATION,
         transition::LEGO_REGISTRATION,
+        paged::REGISTRATION,
     ],
 });
 
 impl Registry {
-    /// kvsim's own families (attention, training, recurrent, quantized, bf16-first rows and legos), in that order.
+    /// kvsim's own families (attention, training, recurrent, quantized, bf16-first rows and legos, paged), in that
+    /// order.
     pub fn builtin() -> &'static Registry {
         &BUILTIN
     }

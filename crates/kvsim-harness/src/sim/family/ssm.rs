@@ -505,7 +505,8 @@ impl Family for Recurrent {
             | Op::Quantize { .. }
             | Op::PrefixReuse { .. }
             | Op::PlainRead
-            | Op::Fetch { .. } => Ok(false),
+            | Op::Fetch { .. }
+            | Op::Paged { .. } => Ok(false),
         }
     }
 

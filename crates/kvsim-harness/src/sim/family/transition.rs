@@ -110,6 +110,7 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::PlainRead
             | OpKind::Fetch
             | OpKind::Persist
+            | OpKind::Paged
     ) || k.is_training()
 }
 
