@@ -99,13 +99,16 @@ pub struct PagedChoice {
 impl PagedChoice {
     pub fn draw(seed: u64) -> PagedChoice {
         let mut rng = stream(seed, Stream::Paged);
-        let block_size = [1usize, 2, 3, 4, 5, 8, 16][rng.random_range(0..7)];
+        // Small blocks most often (the simulator's prompts are short: a hit needs whole blocks), 1 and sizes that
+        // divide nothing in particular among them.
+        let sizes = [1usize, 1, 2, 2, 3, 4, 4, 5, 8, 16];
+        let block_size = sizes[rng.random_range(0..sizes.len())];
         let initial_blocks = rng.random_range(1..=4);
         let grow_by = rng.random_range(1..=4);
         let cap_positions = rng.random_bool(0.35).then(|| rng.random_range(16..=96));
         let index_budget = if rng.random_bool(0.4) { rng.random_range(1..=8) } else { 4096 };
-        let groups = rng.random_range(1..=3);
-        let share_max = rng.random_range(0..=24);
+        let groups = rng.random_range(1..=2);
+        let share_max = rng.random_range(4..=32);
         let weight = rng.random_range(1..=4);
         PagedChoice { block_size, initial_blocks, grow_by, cap_positions, index_budget, groups, share_max, weight }
     }
