@@ -25,6 +25,7 @@ use super::chunked::ChunkedKvCache;
 use super::error::CacheError;
 use super::kind::{self, StorageKind};
 use super::mask::Masks;
+use super::paged::PagedStore;
 use super::quant::Storage;
 use super::ring::{DecodePhase, SerialCache};
 use super::ssm::{SsmCache, SsmSpec};
@@ -67,9 +68,16 @@ impl Capabilities {
         let training_only = kind::is_training(kind);
         let chunked = is_chunked(kind);
         let list = kind.as_str() == kind::CACHE_LIST;
+        let paged = kind::parse_paged(kind);
         Capabilities {
-            known: kind::is_known(kind) || transitioning || chunked || list || recurrent || training_only,
-            row_batch: kind::is_row_batch(kind) || delayed.is_some() || recurrent,
+            known: kind::is_known(kind)
+                || transitioning
+                || chunked
+                || list
+                || recurrent
+                || training_only
+                || paged.is_some(),
+            row_batch: kind::is_row_batch(kind) || delayed.is_some() || recurrent || paged.is_some_and(|p| p.1),
             rotating: kind::is_rotating(kind) || bf16_rotating,
             quantized: kind::is_quantized(kind),
             transitioning,
@@ -719,6 +727,61 @@ impl SpecRounds for SsmCache {
     }
     fn round_rollback(&mut self, keep: &[usize]) -> Result<()> {
         self.spec_round_rollback_rows(keep)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Paged storage: the running batch of a store (its rows share the store's pool and prefix index).
+
+impl Cache for PagedStore {
+    fn storage_kind(&self) -> StorageKind {
+        self.rows_storage_kind()
+    }
+    fn rows(&self) -> usize {
+        PagedStore::rows(self).len()
+    }
+    fn offsets(&self) -> Vec<usize> {
+        PagedStore::rows(self).iter().map(|&s| self.seq(s).map_or(0, |q| q.offset)).collect()
+    }
+    fn bytes_per_token(&self) -> Option<usize> {
+        Some(PagedStore::bytes_per_token(self))
+    }
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+    /// `n` positions from every row ([`PagedStore::rows_trim`]).
+    fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
+        let all = vec![n; PagedStore::rows(self).len()];
+        self.rows_trim(&all, bypass).map(|_| n)
+    }
+    fn decode_phase(&self) -> Option<Vec<DecodePhase>> {
+        None
+    }
+    /// Refused: a paged row's next column is chosen when the write allocates (free list, growth or eviction).
+    fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
+        Err(unsupported(self.rows_storage_kind(), "prepare_decode_step"))
+    }
+    /// The pool's K and V planes (none before the first write).
+    fn state(&self) -> Result<Vec<Array>> {
+        Ok(self.pool_planes().map(|p| p.to_vec()).unwrap_or_default())
+    }
+    fn rounds(&mut self) -> Option<&mut dyn SpecRounds> {
+        Some(self)
+    }
+}
+
+impl SpecRounds for PagedStore {
+    fn in_round(&self) -> bool {
+        PagedStore::in_round(self)
+    }
+    fn round_begin(&mut self) -> Result<()> {
+        PagedStore::round_begin(self)
+    }
+    fn round_commit(&mut self) -> Result<()> {
+        PagedStore::round_commit(self)
+    }
+    fn round_rollback(&mut self, keep: &[usize]) -> Result<()> {
+        PagedStore::round_rollback(self, keep)
     }
 }
 

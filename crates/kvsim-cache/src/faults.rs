@@ -146,6 +146,28 @@ pub enum Mutant {
     /// or is refused (the class of mlx-lm#1494 / #1502, whose `trim_prompt_cache` reports layer 0's count for
     /// every layer). Hook: `kvsim_persist::kvsim::encode`.
     FirstLayerBookkeeping,
+    /// An append into a partly filled block that another holder shares writes into it in place instead of copying it
+    /// first: the other holder (a fork, the prefix index) sees positions it never wrote. Hook: `PagedStore`'s write
+    /// plan.
+    PagedCowSkipped,
+    /// Releasing a sequence (finish, release, the rows a filter hands back) leaves its blocks' reference counts as
+    /// they were: the blocks never return to the pool (a leak). Hook: `PagedStore::release`.
+    PagedRefLeak,
+    /// Releasing a sequence takes two references from every block it shares with another holder: a block still in
+    /// someone's table reaches the free list and is handed out again while it is read (use after free). Hook:
+    /// `PagedStore::release`.
+    PagedDoubleFree,
+    /// A prefix lookup accepts a cached block that agrees with the prompt's next tokens on a part of itself only (a
+    /// partial last block, or a block the prompt leaves midway) as if the whole block matched: the request holds
+    /// positions of another prompt (the radix-boundary corruption of SGLang#22819's class). Hook: the prefix
+    /// index's match.
+    PagedPartialMatch,
+    /// Eviction takes the least recently used leaf even when a sequence still references its block, and returns the
+    /// block to the pool: the sequence reads a block that is handed out again. Hook: `PagedStore::evict`.
+    PagedEvictReferenced,
+    /// A rollback (`trim` with `bypass`) lowers the offset but keeps the tail blocks in the block table: their
+    /// blocks stay held (phantom positions the pool counts as used). Hook: `PagedStore::trim`.
+    PagedRollbackKeepsTable,
 }
 
 impl Mutant {
@@ -192,6 +214,12 @@ impl Mutant {
         Mutant::TkvEndPrefillLeavesDue,
         Mutant::KvsimSkipsTensorChecksum,
         Mutant::FirstLayerBookkeeping,
+        Mutant::PagedCowSkipped,
+        Mutant::PagedRefLeak,
+        Mutant::PagedDoubleFree,
+        Mutant::PagedPartialMatch,
+        Mutant::PagedEvictReferenced,
+        Mutant::PagedRollbackKeepsTable,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -238,6 +266,12 @@ impl Mutant {
             Mutant::TkvEndPrefillLeavesDue => "tkv-end-prefill-leaves-due",
             Mutant::KvsimSkipsTensorChecksum => "kvsim-skips-tensor-checksum",
             Mutant::FirstLayerBookkeeping => "first-layer-bookkeeping",
+            Mutant::PagedCowSkipped => "paged-cow-skipped",
+            Mutant::PagedRefLeak => "paged-ref-leak",
+            Mutant::PagedDoubleFree => "paged-double-free",
+            Mutant::PagedPartialMatch => "paged-partial-match",
+            Mutant::PagedEvictReferenced => "paged-evict-referenced",
+            Mutant::PagedRollbackKeepsTable => "paged-rollback-keeps-table",
         }
     }
 
@@ -323,6 +357,14 @@ impl Mutant {
             Mutant::FirstLayerBookkeeping => {
                 "kvsim's file writer stores every layer's bookkeeping from the first of its kind"
             }
+            Mutant::PagedCowSkipped => "an append into a shared partial block writes in place (no copy-on-write)",
+            Mutant::PagedRefLeak => "releasing a paged sequence leaves its blocks' reference counts (a leak)",
+            Mutant::PagedDoubleFree => "releasing a paged sequence takes two references from each shared block",
+            Mutant::PagedPartialMatch => {
+                "a prefix lookup accepts a block the prompt matches only in part as a whole one"
+            }
+            Mutant::PagedEvictReferenced => "eviction frees a cached block a sequence still references",
+            Mutant::PagedRollbackKeepsTable => "a paged rollback keeps the tail blocks in the block table",
         }
     }
 

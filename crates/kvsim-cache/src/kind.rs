@@ -31,6 +31,10 @@ pub const CHUNKED_PREFIX: &str = "kv-chunked:";
 /// The kind of one layer's list of caches (mlx-lm's `CacheList`: e.g. a DeltaNet state beside an attention cache);
 /// each child keeps its own kind. Persisted only (`persist::AnyCache::List`); never routed.
 pub const CACHE_LIST: &str = "cache-list";
+/// A paged sequence's kind: `kv:paged:<block_size>` (`crate::paged::PagedStore::storage_kind`).
+pub const PAGED_PREFIX: &str = "kv:paged:";
+/// A paged store's running batch: `kv:paged-rows:<block_size>` (`crate::paged::PagedStore::rows_storage_kind`).
+pub const PAGED_ROWS_PREFIX: &str = "kv:paged-rows:";
 /// Appended to a serial kind by a cache that holds rows of that kind (`BatchKvCache`, `BatchRotatingKvCache`).
 pub const ROW_BATCH_MARKER: &str = "+row-batch";
 /// The stateless training cache (`TrainingCache`, R-TRN-1): never admitted, merged or persisted.
@@ -256,6 +260,17 @@ pub fn is_linear(k: &StorageKind) -> bool {
 /// True iff `k` is a quantized kind (serial or row batch).
 pub fn is_quantized(k: &StorageKind) -> bool {
     parse_quant(k.0.strip_suffix(ROW_BATCH_MARKER).unwrap_or(&k.0)).is_some()
+}
+
+/// A paged kind written exactly as `PagedStore` writes it: `Some((block_size, rows))`, `rows` for the running
+/// batch's `kv:paged-rows:<block_size>`; `None` for anything else (a block size of 0, a sign, a leading zero).
+pub fn parse_paged(k: &StorageKind) -> Option<(usize, bool)> {
+    let (n, rows) = match k.0.strip_prefix(PAGED_ROWS_PREFIX) {
+        Some(n) => (n, true),
+        None => (k.0.strip_prefix(PAGED_PREFIX)?, false),
+    };
+    let bs: usize = n.parse().ok()?;
+    (bs > 0 && bs.to_string() == n).then_some((bs, rows))
 }
 
 /// True iff `k` is exactly a known serial kind plus the row-batch marker. Every router asks this first.

@@ -144,14 +144,21 @@ impl PrefixIndex {
         let mut at = None;
         let mut out = vec![];
         for chunk in tokens.chunks_exact(bs) {
-            let next = self.children_of(at).get(chunk).copied();
-            // Mutation hook `Mutant::PagedPartialMatch` is applied by the caller (a partial last block).
-            match next {
+            match self.children_of(at).get(chunk).copied() {
                 Some(n) => {
                     out.push(n);
                     at = Some(n);
                 }
                 None => break,
+            }
+        }
+        if crate::fault!(PagedPartialMatch) {
+            // Mutation hook `Mutant::PagedPartialMatch`: a block that agrees with the prompt's next tokens on a part
+            // of itself only (a partial last block, or a block the prompt leaves midway) matches as a whole.
+            let rest = &tokens[out.len() * bs..];
+            let agree = |key: &Vec<u32>| key.iter().zip(rest).take_while(|(a, b)| a == b).count();
+            if let Some((_, &n)) = self.children_of(at).iter().find(|(key, _)| (1..bs).contains(&agree(key))) {
+                out.push(n);
             }
         }
         out
@@ -169,7 +176,9 @@ impl PrefixIndex {
     /// The least recently used leaf whose block only the index references (ties: the lower block).
     fn lru_leaf(&self, refs: &[u32]) -> Option<usize> {
         self.live()
-            .filter(|(_, n)| n.children.is_empty() && refs[n.block as usize] == 1)
+            .filter(|(_, n)| {
+                n.children.is_empty() && (refs[n.block as usize] == 1 || crate::fault!(PagedEvictReferenced))
+            })
             .min_by_key(|(_, n)| (n.last_used, n.block))
             .map(|(i, _)| i)
     }
@@ -235,6 +244,8 @@ pub struct PagedStore {
     rows: Vec<SeqId>,
     index: PrefixIndex,
     next_seq: u64,
+    /// An armed speculative round: each row's offset when it was armed.
+    round: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for PagedStore {
@@ -278,6 +289,7 @@ impl PagedStore {
             rows: vec![],
             index: PrefixIndex::default(),
             next_seq: 0,
+            round: None,
         })
     }
 
@@ -286,6 +298,11 @@ impl PagedStore {
     pub fn with_free_order(mut self, seed: u64) -> PagedStore {
         self.free_order = Some(seed);
         self
+    }
+
+    /// The pool's K and V planes, `[1, H_kv, capacity * block_size, D]` each (`None` before the first write).
+    pub fn pool_planes(&self) -> Option<&[Array; 2]> {
+        self.planes.as_ref()
     }
 
     /// The K/V geometry and dtype.
@@ -341,12 +358,12 @@ impl PagedStore {
 
     /// `kv:paged:<block_size>`.
     pub fn storage_kind(&self) -> StorageKind {
-        StorageKind::new(format!("kv:paged:{}", self.pool.block_size))
+        StorageKind::new(format!("{}{}", crate::kind::PAGED_PREFIX, self.pool.block_size))
     }
 
     /// `kv:paged-rows:<block_size>`.
     pub fn rows_storage_kind(&self) -> StorageKind {
-        StorageKind::new(format!("kv:paged-rows:{}", self.pool.block_size))
+        StorageKind::new(format!("{}{}", crate::kind::PAGED_ROWS_PREFIX, self.pool.block_size))
     }
 
     /// Bytes one position costs in a full block (K and V, R-C-4).
@@ -388,8 +405,9 @@ impl PagedStore {
         }
         let positions = table.len() * bs;
         let s = self.open();
+        let tokens: Vec<u32> = nodes.iter().flat_map(|&n| self.index.node(n).key.iter().copied()).collect();
         let seq = self.seqs.get_mut(&s).expect("just opened");
-        seq.tokens = usable[..positions].to_vec();
+        seq.tokens = tokens;
         seq.offset = positions;
         let blocks = table.len();
         seq.table = table;
@@ -453,8 +471,16 @@ impl PagedStore {
     pub fn release(&mut self, s: SeqId) -> Result<()> {
         self.not_a_row(s)?;
         let seq = self.seqs.remove(&s).ok_or(CacheError::NoSuchSeq { seq: s.0 })?;
+        if crate::fault!(PagedRefLeak) {
+            // Mutation hook `Mutant::PagedRefLeak`: the references stay.
+            return Ok(());
+        }
         for b in seq.table {
             self.unref(b);
+            if crate::fault!(PagedDoubleFree) && self.refs[b as usize] > 0 {
+                // Mutation hook `Mutant::PagedDoubleFree`: a shared block loses a second reference.
+                self.unref(b);
+            }
         }
         Ok(())
     }
@@ -465,6 +491,10 @@ impl PagedStore {
         while done < n {
             let Some(i) = self.index.lru_leaf(&self.refs) else { break };
             let b = self.index.remove(i);
+            if crate::fault!(PagedEvictReferenced) {
+                // Mutation hook `Mutant::PagedEvictReferenced`: the block goes back to the pool whoever holds it.
+                self.refs[b as usize] = 1;
+            }
             self.unref(b);
             done += 1;
         }
@@ -491,10 +521,12 @@ impl PagedStore {
         let mut items = vec![];
         for &(s, l) in writes {
             let seq = self.seq(s)?;
-            let cow = !seq.offset.is_multiple_of(bs)
+            // Mutation hook `Mutant::PagedCowSkipped`: a shared partial block is written in place.
+            let cow = !crate::fault!(PagedCowSkipped)
+                && !seq.offset.is_multiple_of(bs)
                 && l > 0
                 && self.refs[*seq.table.last().expect("partial block") as usize] > 1;
-            let new = (seq.offset + l).div_ceil(bs) - seq.table.len();
+            let new = (seq.offset + l).div_ceil(bs).saturating_sub(seq.table.len());
             items.push((s, l, cow, new));
         }
         let plan = WritePlan { items };
@@ -695,8 +727,10 @@ impl PagedStore {
         seq.offset -= n;
         seq.tokens.truncate(seq.offset);
         // As a ring's `last_concat`: a rollback leaves what a window of `L - n` would have left; a plain trim none.
-        seq.last_window = if bypass { seq.last_window.map(|w| w - n) } else { None };
-        let keep = seq.offset.div_ceil(bs);
+        seq.last_window = if bypass { seq.last_window.and_then(|w| w.checked_sub(n)) } else { None };
+        // Mutation hook `Mutant::PagedRollbackKeepsTable`: a rollback keeps the tail blocks.
+        let keep =
+            if bypass && crate::fault!(PagedRollbackKeepsTable) { seq.table.len() } else { seq.offset.div_ceil(bs) };
         let dropped: Vec<u32> = seq.table.drain(keep..).collect();
         for b in dropped {
             self.unref(b);
@@ -705,6 +739,7 @@ impl PagedStore {
 
     /// Sequences outside the batch join it at its end, in this order (nothing moves: rows are block tables).
     pub fn join(&mut self, seqs: &[SeqId]) -> Result<()> {
+        self.no_round()?;
         for (i, s) in seqs.iter().enumerate() {
             self.seq(*s)?;
             self.not_a_row(*s)?;
@@ -718,6 +753,7 @@ impl PagedStore {
 
     /// Reorders the running batch's rows: `order` lists every row index once.
     pub fn reorder(&mut self, order: &[usize]) -> Result<()> {
+        self.no_round()?;
         check_rows(order, self.rows.len())?;
         if order.len() != self.rows.len() {
             return Err(CacheError::BadLengths { what: format!("{} rows, order of {}", self.rows.len(), order.len()) });
@@ -728,6 +764,7 @@ impl PagedStore {
 
     /// Row `row` leaves the batch and goes on as a sequence outside it.
     pub fn extract(&mut self, row: usize) -> Result<SeqId> {
+        self.no_round()?;
         if row >= self.rows.len() {
             return Err(CacheError::NoSuchRow { row, rows: self.rows.len() });
         }
@@ -736,6 +773,7 @@ impl PagedStore {
 
     /// Keeps only these rows, in this order; returns the sequences of the others (still live, outside the batch).
     pub fn filter(&mut self, keep: &[usize]) -> Result<Vec<SeqId>> {
+        self.no_round()?;
         check_rows(keep, self.rows.len())?;
         let out: Vec<SeqId> = (0..self.rows.len()).filter(|r| !keep.contains(r)).map(|r| self.rows[r]).collect();
         self.rows = keep.iter().map(|&r| self.rows[r]).collect();
@@ -833,6 +871,7 @@ impl PagedStore {
     /// Per-row trims (`n[r]` positions from row `r`; speculative rollback with per-row accepts when `bypass`):
     /// every row is checked first, nothing changes on an error.
     pub fn rows_trim(&mut self, n: &[usize], bypass: bool) -> Result<()> {
+        self.no_round()?;
         if n.len() != self.rows.len() {
             return Err(CacheError::BadLengths { what: format!("{} trims for {} rows", n.len(), self.rows.len()) });
         }
@@ -843,6 +882,55 @@ impl PagedStore {
             self.trim_unchecked(*s, k, bypass);
         }
         Ok(())
+    }
+
+    // ----- speculative rounds (R-C-6) ---------------------------------------------------------------------------
+
+    /// Whether a speculative round is armed.
+    pub fn in_round(&self) -> bool {
+        self.round.is_some()
+    }
+
+    /// Arms a speculative round over the running batch before its verify window: each row's offset is recorded.
+    /// While it is armed, the rows' writes and reads go on as usual, and `join`, `reorder`, `extract`, `filter`,
+    /// `rows_trim` and `to_parts` are refused ([`CacheError::SpecRoundActive`], nothing changed); so is a second
+    /// `round_begin`.
+    pub fn round_begin(&mut self) -> Result<()> {
+        self.no_round()?;
+        self.round = Some(self.rows.iter().map(|s| self.seqs[s].offset).collect());
+        Ok(())
+    }
+
+    /// Ends the round keeping every position it wrote. [`CacheError::NoSpecRound`] without one.
+    pub fn round_commit(&mut self) -> Result<()> {
+        self.round.take().map(|_| ()).ok_or(CacheError::NoSpecRound)
+    }
+
+    /// Ends the round keeping the first `keep[r]` of the positions it wrote into row `r`: the rest go as a
+    /// rollback trim does (`trim(n, bypass = true)`), their tail blocks back to the pool. Errors, nothing changed:
+    /// [`CacheError::NoSpecRound`], [`CacheError::BadLengths`] (one count per row),
+    /// [`CacheError::KeepOutsideWindow`] (more than the round wrote).
+    pub fn round_rollback(&mut self, keep: &[usize]) -> Result<()> {
+        let at = self.round.as_ref().ok_or(CacheError::NoSpecRound)?;
+        if keep.len() != self.rows.len() {
+            return Err(CacheError::BadLengths { what: format!("{} keeps for {} rows", keep.len(), self.rows.len()) });
+        }
+        let wrote: Vec<usize> = self.rows.iter().zip(at).map(|(s, &o)| self.seqs[s].offset - o).collect();
+        if let Some((&k, &w)) = keep.iter().zip(&wrote).find(|(&k, &w)| k > w) {
+            return Err(CacheError::KeepOutsideWindow { keep: k, window: w });
+        }
+        for (s, (&w, &k)) in self.rows.clone().iter().zip(wrote.iter().zip(keep)) {
+            self.trim_unchecked(*s, w - k, true);
+        }
+        self.round = None;
+        Ok(())
+    }
+
+    fn no_round(&self) -> Result<()> {
+        match self.round {
+            Some(_) => Err(CacheError::SpecRoundActive),
+            None => Ok(()),
+        }
     }
 
     /// Checks the pool's accounting: every count is the number of tables listing the block plus one if the index
@@ -897,8 +985,10 @@ impl PagedStore {
         Ok(())
     }
 
-    /// The store's whole state as plain data and its two pool planes (a save).
+    /// The store's whole state as plain data and its two pool planes (a save). Refused while a speculative round
+    /// is armed ([`CacheError::SpecRoundActive`]): what the round wrote is not committed, and a round is not a part.
     pub fn to_parts(&self) -> Result<(PagedParts, Option<[Array; 2]>)> {
+        self.no_round()?;
         let parts = PagedParts {
             spec: self.spec,
             pool: self.pool,

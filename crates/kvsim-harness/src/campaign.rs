@@ -673,7 +673,7 @@ pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
 /// families, layout and op weights). `true` for the mutants without one. A condition that is wrong does not hide a
 /// mutant: its hunt then goes on past the seed that would have caught it, and `cargo test` sees the survivor.
 pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
-    use crate::sim::family::{attention, quant, transition};
+    use crate::sim::family::{attention, paged, quant, transition};
     let holds = |name: &str| cfg.families.iter().any(|f| f == name);
     match m {
         // `RowBatch::merge_planes` runs only in the attention families' merge op, and only a window leaves a row's
@@ -691,6 +691,13 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
         | Mutant::TkvEndPrefillLeavesDue
         | Mutant::TkvReuseBelowFloor
         | Mutant::TkvSplitMovesBoundary => holds(transition::NAME) || holds(transition::LEGO_NAME),
+        // The paged hooks live in `PagedStore`, which only the paged family runs.
+        Mutant::PagedCowSkipped
+        | Mutant::PagedRefLeak
+        | Mutant::PagedDoubleFree
+        | Mutant::PagedPartialMatch
+        | Mutant::PagedEvictReferenced
+        | Mutant::PagedRollbackKeepsTable => holds(paged::NAME),
         _ => true,
     }
 }
@@ -735,6 +742,14 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         // Needs a save of a request outside the batch that holds a position: its set of differing layers
         // (`sim::family::layer_set`) is the only save whose layers disagree. Measured catch seed 9.
         Mutant::FirstLayerBookkeeping => 40,
+        // The paged family's mutants: reached only by seeds that hold it (swarm probability 0.2); the hunt skips
+        // the others (`mutant_reachable`).
+        Mutant::PagedCowSkipped
+        | Mutant::PagedRefLeak
+        | Mutant::PagedDoubleFree
+        | Mutant::PagedPartialMatch
+        | Mutant::PagedEvictReferenced
+        | Mutant::PagedRollbackKeepsTable => 100,
         _ => 20,
     }
 }

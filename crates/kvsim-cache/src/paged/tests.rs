@@ -340,3 +340,59 @@ fn impossible_saved_states_are_refused() {
     }
     assert!(matches!(PagedStore::from_parts(parts.clone(), None), Err(CacheError::InvalidState { .. })));
 }
+
+#[test]
+fn a_speculative_round_rolls_back_per_row_and_refuses_a_save_while_armed() {
+    use crate::contract::{Cache, Capabilities, SpecRounds};
+    let spec = spec(KvDtype::F32);
+    let mut st = PagedStore::new(spec, pool(3, 64)).unwrap();
+    let mut solos = vec![];
+    let mut seqs = vec![];
+    for (family, len) in [(1u32, 4usize), (2, 6)] {
+        let s = st.open();
+        let mut plain = KvCache::new(spec).unwrap();
+        window_both(&mut st, s, &mut plain, family, 0, len);
+        seqs.push((s, family, len));
+        solos.push(plain);
+    }
+    st.join(&[seqs[0].0, seqs[1].0]).unwrap();
+    let caps = Capabilities::of(&Cache::storage_kind(&st));
+    assert!(caps.known && caps.row_batch && !caps.rotating, "{caps:?}");
+    assert!(Capabilities::of(&st.storage_kind()).known && !Capabilities::of(&st.storage_kind()).row_batch);
+    assert!(!Capabilities::of(&StorageKind::new("kv:paged-rows:04")).known, "written only as the store writes it");
+    assert!(matches!(st.round_commit(), Err(CacheError::NoSpecRound)));
+    SpecRounds::round_begin(&mut st).unwrap();
+    assert!(matches!(st.round_begin(), Err(CacheError::SpecRoundActive)));
+    // The verify window: 4 positions per row.
+    let parts: Vec<(Array, Array, Array)> = seqs.iter().map(|&(_, f, len)| kv_of(&spec, f, len, len + 4)).collect();
+    let cat = |i: usize| {
+        let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
+        mlx_rs::ops::concatenate(&xs, 0).unwrap()
+    };
+    let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, f, len)| toks(f, len, len + 4)).collect();
+    st.rows_window(&tokens, &cat(0), &cat(1), &cat(2), SCALE, &Masks::new()).unwrap();
+    // While armed: no save, no change of the batch's shape, nothing changed by the refusals.
+    let before = format!("{st:?}");
+    assert!(matches!(st.to_parts(), Err(CacheError::SpecRoundActive)));
+    assert!(matches!(st.filter(&[0]), Err(CacheError::SpecRoundActive)));
+    assert!(matches!(st.extract(0), Err(CacheError::SpecRoundActive)));
+    assert!(matches!(st.rows_trim(&[1, 1], true), Err(CacheError::SpecRoundActive)));
+    assert!(matches!(st.round_rollback(&[1]), Err(CacheError::BadLengths { .. })));
+    assert!(matches!(st.round_rollback(&[5, 0]), Err(CacheError::KeepOutsideWindow { keep: 5, window: 4 })));
+    assert_eq!(format!("{st:?}"), before, "refusals change nothing");
+    assert!(st.in_round());
+    st.round_rollback(&[1, 4]).unwrap();
+    assert!(!st.in_round());
+    for (r, (solo, keep)) in solos.iter_mut().zip([1usize, 4]).enumerate() {
+        let (k, v, q) = &parts[r];
+        solo.window(k, v, q, SCALE, &Masks::new()).unwrap();
+        solo.trim(4 - keep, true).unwrap();
+        assert_same_contents(&st, seqs[r].0, solo, &format!("row {r} after the rollback"));
+    }
+    assert_eq!(Cache::offsets(&st), vec![5, 10]);
+    st.audit().unwrap();
+    // A committed round keeps everything; the save works again.
+    st.round_begin().unwrap();
+    st.round_commit().unwrap();
+    st.to_parts().unwrap();
+}
