@@ -15,8 +15,9 @@
 //! drawn length, then tokens of their own), so prefix hits happen; forks (parallel sampling) share every block of
 //! their request and then diverge.
 //!
-//! Lifecycle: a request's first prefill chunk looks its prompt up in the index (at most `len - 1` positions, full
-//! blocks only); `extract` with finish and `filter` end requests, whose full blocks enter the index. The layout is
+//! Lifecycle: before a request's first window, its prompt (its next `len + share_max` tokens) is looked up in the
+//! index (all but its last position at most, full blocks only), and the window computes its `len` positions after
+//! the prefix it got; `extract` with finish and `filter` end requests, whose full blocks enter the index. The layout is
 //! linear (no window): the attention family's window does not apply to it.
 
 use std::collections::{BTreeMap, HashMap};
@@ -450,21 +451,28 @@ impl Paged {
         let mut r = self.reqs[&id].clone();
         if !r.looked_up && r.tokens.is_empty() {
             r.looked_up = true;
-            self.lookup(&mut r, len)?;
+            self.lookup(&mut r, len + self.choice.share_max as usize)?;
         }
-        let n = len - (r.tokens.len() - self.reqs[&id].tokens.len());
         self.reqs.insert(id, r);
-        self.write_solo(cx, id, n, read)
+        self.write_solo(cx, id, len, read)
     }
 
-    /// The prefix lookup of a request's first chunk of `len` positions: the longest cached prefix of at most `len
-    /// - 1` positions replaces its empty sequence; its twin computes those positions itself (cold).
+    /// The prefix lookup of a request's prompt before its first window: the longest cached prefix of its next
+    /// `len` tokens, at most `len - 1` positions (the last prompt position is always computed), replaces its empty
+    /// sequence; its twin computes those positions itself (cold). The window then computes its positions after the
+    /// prefix, as an engine computes the rest of a prompt after a hit.
     fn lookup(&mut self, r: &mut Req, len: usize) -> Res<()> {
         let (prompt, hashes, toks) = self.next(r, len);
         let (_, hit_m) = {
             let k = self.model.hit_blocks(&prompt, len - 1);
             (k, k * self.choice.block_size)
         };
+        for st in self.stores.iter().chain(std::iter::once(&self.placement)) {
+            let hit = st.lookup(&prompt, len - 1);
+            if hit.positions != hit_m {
+                return Err(pool_fail(format!("prefix lookup of {} positions, the model {hit_m}", hit.positions)));
+            }
+        }
         if hit_m == 0 {
             return Ok(());
         }
@@ -699,6 +707,11 @@ impl Paged {
             self.counters.expected_errors += 1;
             return Ok(());
         }
+        self.trim_twins_and_model(ids, &seqs, n, bypass)
+    }
+
+    /// The twins and the model follow trims the stores made.
+    fn trim_twins_and_model(&mut self, ids: &[u32], seqs: &[u64], n: &[usize], bypass: bool) -> Res<()> {
         for (id, &k) in ids.iter().zip(n) {
             let r = self.reqs.get_mut(id).expect("live");
             for tw in &mut r.twin {
@@ -721,17 +734,53 @@ impl Paged {
         if rows.is_empty() || gamma == 0 {
             return Ok(false);
         }
+        for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+            st.round_begin().map_err(|e| cache_fail("round_begin", e))?;
+        }
         let exhausted = self.counters.paged.pool_exhausted;
         self.batch_write(cx, gamma, true)?;
         if self.counters.paged.pool_exhausted > exhausted {
-            // No verify window happened, so no rollback: the rows stay as they were.
+            // No verify window happened: the round ends with nothing to keep or drop.
+            for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+                st.round_commit().map_err(|e| cache_fail("round_commit", e))?;
+            }
             return Ok(true);
         }
+        // A save while the round is armed is refused, and so is a change of the batch's rows.
+        for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+            let before = format!("{st:?}");
+            match (st.to_parts(), st.filter(&[])) {
+                (Err(CacheError::SpecRoundActive), Err(CacheError::SpecRoundActive)) => {}
+                (a, b) => {
+                    return Err(Failure::new(
+                        "errors",
+                        format!(
+                            "a save and a filter inside an armed round: expected SpecRoundActive twice, got {:?}, {:?}",
+                            a.map(|_| ()),
+                            b.map(|_| ())
+                        ),
+                    ))
+                }
+            }
+            if format!("{st:?}") != before {
+                return Err(pool_fail("a refused save or filter inside a round changed the store".to_string()));
+            }
+            self.counters.record_rejected("paged_save_in_round");
+        }
         self.check_all(cx)?;
-        let rollback: Vec<usize> = (0..rows.len())
-            .map(|r| gamma - (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma))
-            .collect();
-        self.trims(&rows, &rollback, true, true)?;
+        let keep: Vec<usize> =
+            (0..rows.len()).map(|r| (accept.get(r).copied().unwrap_or(gamma as u32) as usize).min(gamma)).collect();
+        let rollback: Vec<usize> = keep.iter().map(|&k| gamma - k).collect();
+        let seqs: Vec<u64> = rows.iter().map(|id| self.reqs[id].seq.0).collect();
+        for (&s, &k) in seqs.iter().zip(&rollback) {
+            if let Err(e) = self.model.check_trim(s, k, true) {
+                return Err(pool_fail(format!("the model refuses the round's rollback of {k}: {e:?}")));
+            }
+        }
+        for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+            st.round_rollback(&keep).map_err(|e| cache_fail("round_rollback", e))?;
+        }
+        self.trim_twins_and_model(&rows, &seqs, &rollback, true)?;
         Ok(true)
     }
 
