@@ -118,6 +118,13 @@ fn rows_view(c: &AnyCache) -> Vec<(usize, Vec<ArrayBytes>)> {
         AnyCache::Chunked(c) => vec![(c.offset(), all(c.cache().temporal_view_planes().unwrap()))],
         AnyCache::List(v) => v.iter().flat_map(rows_view).collect(),
         AnyCache::Bf16First(c) => vec![(c.offset(), all(c.inner().temporal_view_planes().unwrap()))],
+        AnyCache::Paged(p) => p
+            .seqs()
+            .map(|(s, q)| {
+                let (k, v) = p.fetch(s).unwrap();
+                (q.offset, vec![bytes_of(&k), bytes_of(&v)])
+            })
+            .collect(),
     }
 }
 
@@ -169,6 +176,7 @@ fn step(cache: &mut AnyCache, io: &BTreeMap<String, Array>, p: &str, i: usize, s
             v.iter_mut().enumerate().flat_map(|(j, c)| step(c, io, &format!("{p}c{j}."), i, scale)).collect()
         }
         AnyCache::Bf16First(c) => panic!("no mlx-lm fixture holds a bf16-first lego ({})", c.lego_kind()),
+        AnyCache::Paged(p) => panic!("no mlx-lm fixture holds a paged store ({})", p.rows_storage_kind()),
     }
 }
 

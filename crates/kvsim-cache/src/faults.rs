@@ -281,7 +281,7 @@ impl Mutant {
     }
 
     /// The layout family the mutant lives in: `"ssm"` for the recurrent cache's, `"persist"` for the persistence
-    /// codecs' (`src/persist`), `"kv"` for the attention layouts'.
+    /// codecs' (`src/persist`), `"paged"` for the paged store's, `"kv"` for the other attention layouts'.
     pub fn layout(&self) -> &'static str {
         match self {
             Mutant::FloorNotPersisted
@@ -291,6 +291,7 @@ impl Mutant {
             | Mutant::KvsimSkipsTensorChecksum
             | Mutant::FirstLayerBookkeeping => "persist",
             _ if self.name().starts_with("ssm-") => "ssm",
+            _ if self.name().starts_with("paged-") => "paged",
             _ => "kv",
         }
     }

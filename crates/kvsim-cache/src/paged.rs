@@ -50,6 +50,8 @@ pub const DEFAULT_BLOCK_SIZE: usize = 256;
 
 /// The pool's geometry and limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
 pub struct PoolSpec {
     /// Positions per block (`>= 1`).
     pub block_size: usize,
@@ -79,6 +81,8 @@ pub struct SeqId(pub u64);
 
 /// A sequence's host state: its block table, its positions and the token ids they were written for.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
 pub struct PagedSeq {
     /// Physical block of each logical block, in logical order (`ceil(offset / block_size)` entries).
     pub table: Vec<u32>,
@@ -102,6 +106,8 @@ struct Node {
 
 /// One entry of the prefix index as [`PagedStore::index_entries`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
 pub struct IndexEntry {
     /// The token ids from the first position to the end of this block.
     pub prefix: Vec<u32>,
@@ -1071,6 +1077,8 @@ impl PagedStore {
 
 /// A [`PagedStore`]'s host state as plain data (what a save writes beside the two pool planes).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
 pub struct PagedParts {
     /// The K/V geometry and dtype.
     pub spec: KvSpec,

@@ -10,6 +10,7 @@
 //! | `kv-plain+row-batch`, `rotating-plain+row-batch` | `keys`, `values` `[B, H_kv, width, D]` with `width = max_r len_r`: every row's columns `[0, width)` | spec, window, per row `offset`, `len`, `idx`, `last_concat`, `base`, `pending` |
 //! | `kv:quant:<bits>:<group>`, `kv:rotating-quant:<bits>:<group>` (and their `+row-batch`) | the six stored planes instead of `keys`, `values`: `keys.packed` (U32, `D * bits / 32` words), `keys.scales`, `keys.biases` (`D / group`, the spec's dtype), and the same three for `values`; columns as for the plain kinds | as for the plain kinds, plus `quant` = `{bits, group}` |
 //! | `kv:bf16-first-quant:<bits>:<group>:<start>`, `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>` (the bf16-first legos, and so the transitioning rows through their extracted serial rows) | the storage it holds now, as its own codec stores it (`keys`, `values` before the conversion, the six planes after) | `storage` (that storage's kind), `inner` (its codec's state), `converted_at`, `floor` (the lego's own floor: it survives a trim below `start`, so it may exceed the offset) |
+//! | `kv:paged-rows:<block_size>` (one layer's whole paged store) | `keys`, `values` `[1, H_kv, capacity * block_size, D]`: the pool planes, free blocks included (absent before the first write) | the store's `PagedParts`: spec, pool limits, reference counts, free list in stack order, every sequence's block table, offset, token ids and last window, the rows, the prefix index's entries and clock |
 //!
 //! Quantized caches are stored as quantized: the planes' bytes are exactly what MLX's `quantize` wrote, never
 //! dequantized and quantized again, so a loaded cache continues byte for byte.
@@ -33,9 +34,9 @@ use serde::{Deserialize, Serialize};
 use super::error::{PersistError, Result};
 use super::tensor::{HostTensor, TensorDtype};
 use kvsim_cache::{
-    parse_bf16_first, Bf16FirstCache, ChunkedKvCache, KindRoute, KvDtype, KvSpec, QuantSpec, RingState, RowBatch,
-    RowState, SerialCache, SsmCache, SsmSpec, Storage, StorageKind, Transition, CACHE_LIST, CHUNKED_PREFIX, KV_PLAIN,
-    ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
+    parse_bf16_first, parse_paged, Bf16FirstCache, ChunkedKvCache, KindRoute, KvDtype, KvSpec, PagedParts, PagedStore,
+    QuantSpec, RingState, RowBatch, RowState, SerialCache, SsmCache, SsmSpec, Storage, StorageKind, Transition,
+    CACHE_LIST, CHUNKED_PREFIX, KV_PLAIN, ROTATING_PLAIN, ROW_BATCH_MARKER, SSM,
 };
 
 /// A cache of any persistable kind.
@@ -51,6 +52,8 @@ pub enum AnyCache {
     List(Vec<AnyCache>),
     /// A serial bf16-first lego (its layout's own kind, whichever storage it holds now).
     Bf16First(Bf16FirstCache),
+    /// One layer's whole paged store (`kv:paged-rows:<block_size>`): pool, sequences, rows and prefix index.
+    Paged(PagedStore),
 }
 
 impl AnyCache {
@@ -63,6 +66,7 @@ impl AnyCache {
             AnyCache::Chunked(c) => c.storage_kind(),
             AnyCache::List(_) => StorageKind::new(CACHE_LIST),
             AnyCache::Bf16First(c) => c.lego_kind(),
+            AnyCache::Paged(p) => p.rows_storage_kind(),
         }
     }
 
@@ -75,6 +79,7 @@ impl AnyCache {
             AnyCache::Chunked(c) => c.offset(),
             AnyCache::List(v) => v.iter().map(AnyCache::offset).max().unwrap_or(0),
             AnyCache::Bf16First(c) => c.offset(),
+            AnyCache::Paged(p) => p.seqs().map(|(_, s)| s.offset).max().unwrap_or(0),
         }
     }
 
@@ -85,6 +90,7 @@ impl AnyCache {
             AnyCache::Rows(b) => Some(b.spec()),
             AnyCache::Chunked(c) => Some(c.cache().spec()),
             AnyCache::Bf16First(c) => Some(c.inner().spec()),
+            AnyCache::Paged(p) => Some(p.spec()),
             AnyCache::Ssm(_) | AnyCache::List(_) => None,
         }
     }
@@ -95,7 +101,7 @@ impl AnyCache {
             AnyCache::Serial(c) => c.max_size(),
             AnyCache::Rows(b) => b.max_size(),
             AnyCache::Bf16First(c) => c.inner().max_size(),
-            AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) => None,
+            AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) | AnyCache::Paged(_) => None,
         }
     }
 }
@@ -170,6 +176,7 @@ impl Default for Registry {
                 Box::new(ChunkedCodec),
                 Box::new(Bf16FirstCodec { rotating: false }),
                 Box::new(Bf16FirstCodec { rotating: true }),
+                Box::new(PagedCodec),
             ],
         }
     }
@@ -597,6 +604,87 @@ struct SsmState {
     dv: usize,
     dtype: KvDtype,
     offsets: Vec<usize>,
+}
+
+/// A whole paged store (`kv:paged-rows:<block_size>`): its state is [`PagedParts`] (spec, pool, reference counts,
+/// free list in stack order, every sequence's table, offset, token ids and last window, the rows, the prefix index's
+/// entries and clock); its tensors `keys`, `values` the two pool planes `[1, H_kv, capacity * block_size, D]`
+/// (absent before the first write). Free blocks are stored as they lie (nothing reads them). Loading checks the
+/// planes' shape and dtype on the host, then every count, table, row and index entry against the others
+/// ([`PagedStore::from_parts`]): an impossible store is a typed error. A store with an armed speculative round is
+/// not saved.
+struct PagedCodec;
+
+impl Codec for PagedCodec {
+    fn storage_kind(&self) -> &'static str {
+        "kv:paged-rows:<block_size>"
+    }
+
+    fn handles(&self, kind: &str) -> bool {
+        parse_paged(&StorageKind::new(kind)).is_some_and(|(_, rows)| rows)
+    }
+
+    fn encode(&self, cache: &AnyCache) -> Result<Entry> {
+        let AnyCache::Paged(st) = cache else {
+            return Err(PersistError::malformed("paged codec given another cache"));
+        };
+        if st.in_round() {
+            return Err(PersistError::unsupported("a paged store with an armed speculative round"));
+        }
+        let (parts, planes) = st.to_parts()?;
+        let tensors = match planes {
+            None => vec![],
+            Some([k, v]) => {
+                vec![("keys".into(), HostTensor::from_array(&k)?), ("values".into(), HostTensor::from_array(&v)?)]
+            }
+        };
+        Ok(Entry {
+            storage_kind: st.rows_storage_kind().to_string(),
+            state: serde_json::to_value(parts).map_err(|e| PersistError::malformed(e.to_string()))?,
+            tensors,
+            minimum_reusable_offset: 0,
+        })
+    }
+
+    fn decode(&self, e: &Entry) -> Result<AnyCache> {
+        let parts: PagedParts = state_of(e)?;
+        let kind = format!("{}{}", kvsim_cache::PAGED_ROWS_PREFIX, parts.pool.block_size);
+        if kind != e.storage_kind {
+            return Err(PersistError::malformed(format!("a {} entry holding a pool of {kind}", e.storage_kind)));
+        }
+        let cap = parts.refs.len();
+        let planes = if cap == 0 && e.tensors.is_empty() {
+            None
+        } else {
+            let cols = cap.checked_mul(parts.pool.block_size).ok_or_else(|| PersistError::malformed("pool size"))?;
+            let want = [1, parts.spec.heads_kv, cols, parts.spec.head_dim];
+            let mut out = vec![];
+            for name in ["keys", "values"] {
+                let t = e.tensor(name)?;
+                if t.dtype != kv_dtype(parts.spec.dtype) {
+                    return Err(PersistError::Dtype {
+                        name: name.into(),
+                        expected: kv_dtype(parts.spec.dtype).to_string(),
+                        found: t.dtype.to_string(),
+                    });
+                }
+                if t.dims4(name)? != want {
+                    return Err(PersistError::Shape {
+                        name: name.into(),
+                        what: format!("{:?}, the pool of {cap} blocks needs {want:?}", t.shape),
+                    });
+                }
+                out.push(t.to_array()?);
+            }
+            if e.tensors.len() != 2 {
+                return Err(PersistError::malformed(format!("a paged entry with {} tensors", e.tensors.len())));
+            }
+            let v = out.pop().expect("two planes");
+            let k = out.pop().expect("two planes");
+            Some([k, v])
+        };
+        Ok(AnyCache::Paged(PagedStore::from_parts(parts, planes)?))
+    }
 }
 
 impl Codec for SsmCodec {

@@ -227,6 +227,9 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
                     super::AnyCache::Ssm(c) => serde_json::json!(c.offsets()),
                     super::AnyCache::Chunked(c) => serde_json::json!(c.offset()),
                     super::AnyCache::Bf16First(c) => serde_json::json!(c.offset()),
+                    super::AnyCache::Paged(p) => {
+                        serde_json::json!(p.seqs().map(|(_, s)| s.offset).collect::<Vec<_>>())
+                    }
                     super::AnyCache::List(v) => serde_json::json!(v.iter().map(|c| c.offset()).collect::<Vec<_>>()),
                 };
                 layers.push(LayerInfo {

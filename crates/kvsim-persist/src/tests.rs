@@ -1242,3 +1242,112 @@ fn a_layer_holding_another_layers_bookkeeping_is_refused() {
         Ok(_) => panic!("a sliding layer with its full sibling's _idx loaded"),
     }
 }
+
+/// A paged store: two requests sharing a prefix through the index, one of them a row of the running batch.
+fn paged_store(dtype: KvDtype) -> kvsim_cache::PagedStore {
+    let spec = spec(dtype);
+    let pool = kvsim_cache::PoolSpec { block_size: 3, initial_blocks: 2, max_blocks: 32, grow_by: 2, index_budget: 16 };
+    let mut st = kvsim_cache::PagedStore::new(spec, pool).unwrap();
+    let prompt: Vec<u32> = (100..108).collect();
+    let a = st.open();
+    let (k, v, q) = kvq(&spec, 5, 1, 8);
+    st.window(a, &prompt, &k, &v, &q, SCALE).unwrap();
+    st.finish(a).unwrap();
+    let (b, hit) = st.open_with_prefix(&prompt, 7);
+    assert_eq!(hit.positions, 6);
+    let (k, v, q) = kvq(&spec, 6, 1, 2);
+    st.window(b, &[106, 7], &k, &v, &q, SCALE).unwrap();
+    let c = st.open();
+    let (k, v, q) = kvq(&spec, 7, 1, 4);
+    st.window(c, &[1, 2, 3, 4], &k, &v, &q, SCALE).unwrap();
+    st.join(&[b]).unwrap();
+    st
+}
+
+#[test]
+fn a_paged_store_round_trips_whole_and_continues_byte_identically() {
+    let _g = testlock::shared();
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let st = paged_store(dtype);
+        let AnyCache::Paged(mut back) = roundtrip(&Persisted::new(AnyCache::Paged(st.clone()))).cache else {
+            panic!("a paged entry decoded as another cache");
+        };
+        assert_eq!(back.to_parts().unwrap().0, st.to_parts().unwrap().0, "{dtype:?}: parts");
+        let [k, v] = st.to_parts().unwrap().1.unwrap();
+        let [k2, v2] = back.to_parts().unwrap().1.unwrap();
+        assert_same_bytes(&k, &k2, "K plane");
+        assert_same_bytes(&v, &v2, "V plane");
+        // Both continue alike: a decode of the row, a fork of it, a finish into the index.
+        let mut orig = st.clone();
+        for s in [&mut orig, &mut back] {
+            let (k, v, q) = kvq(&s.spec(), 9, 1, 1);
+            let out = s.rows_decode(&[9], &k, &v, &q, SCALE, &Masks::new()).unwrap().0;
+            let row0 = s.rows()[0];
+            let f = s.fork(row0).unwrap();
+            s.finish(f).unwrap();
+            s.audit().unwrap();
+            let _ = out;
+        }
+        let (k, v, q) = kvq(&orig.spec(), 10, 1, 1);
+        let a = orig.rows_decode(&[10], &k, &v, &q, SCALE, &Masks::new()).unwrap().0;
+        let b = back.rows_decode(&[10], &k, &v, &q, SCALE, &Masks::new()).unwrap().0;
+        assert_same_bytes(&a, &b, &format!("{dtype:?}: the restored store decodes as the original"));
+        assert_eq!(orig.to_parts().unwrap().0, back.to_parts().unwrap().0, "{dtype:?}: parts after continuing");
+        // Its kind routes to the paged codec only; mlx-lm has no class for it.
+        let kind = st.rows_storage_kind();
+        assert_eq!(Registry::default().codec(kind.as_str()).unwrap().storage_kind(), "kv:paged-rows:<block_size>");
+        assert!(matches!(mlxlm::from_kvsim(&AnyCache::Paged(st.clone())), Err(PersistError::Unsupported { .. })));
+        // The file describes itself.
+        let bytes =
+            inspect::save_as(inspect::Format::Kvsim, &BTreeMap::new(), &[Persisted::new(AnyCache::Paged(st))]).unwrap();
+        let info = inspect::inspect_bytes(&bytes).unwrap();
+        assert_eq!(info.layers[0].kind, kind.to_string());
+    }
+}
+
+#[test]
+fn paged_entries_that_lie_or_stores_mid_round_are_refused() {
+    let _g = testlock::shared();
+    let reg = Registry::default();
+    let st = paged_store(KvDtype::F32);
+    let good = reg.encode(&Persisted::new(AnyCache::Paged(st.clone()))).unwrap();
+    assert!(reg.decode(&good).is_ok());
+    let lie = |f: &dyn Fn(&mut Entry)| {
+        let mut e = good.clone();
+        f(&mut e);
+        reg.decode(&e).map(|_| ())
+    };
+    // A block table past the pool, a count off by one, a row that is no sequence: the store's own checks.
+    for (i, r) in [
+        lie(&|e| e.state["seqs"][0][1]["table"][0] = 99.into()),
+        lie(&|e| e.state["refs"][0] = 7.into()),
+        lie(&|e| e.state["rows"] = serde_json::json!([42])),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert!(matches!(r, Err(PersistError::Cache(kvsim_cache::CacheError::InvalidState { .. }))), "case {i}: {r:?}");
+    }
+    // Planes of the wrong shape or dtype, a plane missing, an unknown field, another block size in the kind.
+    assert!(matches!(
+        lie(&|e| e.state["refs"].as_array_mut().unwrap().push(0.into())),
+        Err(PersistError::Shape { .. })
+    ));
+    assert!(matches!(
+        lie(&|e| e.tensors[0].1.dtype = super::tensor::TensorDtype::BF16),
+        Err(PersistError::Dtype { .. })
+    ));
+    assert!(matches!(lie(&|e| e.tensors.truncate(1)), Err(PersistError::Missing { .. })));
+    assert!(matches!(lie(&|e| e.state["extra"] = 1.into()), Err(PersistError::Malformed { .. })));
+    assert!(matches!(lie(&|e| e.storage_kind = "kv:paged-rows:4".into()), Err(PersistError::Malformed { .. })));
+    assert!(matches!(lie(&|e| e.storage_kind = "kv:paged:3".into()), Err(PersistError::UnknownKind { .. })));
+    // A save while a speculative round is armed is refused, and the store is unchanged.
+    let mut armed = st.clone();
+    armed.round_begin().unwrap();
+    let before = format!("{armed:?}");
+    assert!(matches!(
+        reg.encode(&Persisted::new(AnyCache::Paged(armed.clone()))),
+        Err(PersistError::Unsupported { .. })
+    ));
+    assert_eq!(format!("{armed:?}"), before);
+}

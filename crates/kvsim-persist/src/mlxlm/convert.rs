@@ -442,7 +442,9 @@ fn cache_quant(cache: &AnyCache) -> Option<QuantSpec> {
     match cache {
         AnyCache::Serial(c) => c.storage().quant(),
         AnyCache::Rows(b) => b.storage().quant(),
-        AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) | AnyCache::Bf16First(_) => None,
+        AnyCache::Ssm(_) | AnyCache::Chunked(_) | AnyCache::List(_) | AnyCache::Bf16First(_) | AnyCache::Paged(_) => {
+            None
+        }
     }
 }
 
@@ -543,6 +545,7 @@ pub fn from_kvsim(cache: &AnyCache) -> Result<MlxLayer> {
         }
         AnyCache::List(children) => Ok(MlxLayer::CacheList(children.iter().map(from_kvsim).collect::<Result<_>>()?)),
         AnyCache::Bf16First(_) => Err(PersistError::unsupported("mlx-lm 0.32.2 has no bf16-first cache class")),
+        AnyCache::Paged(_) => Err(PersistError::unsupported("mlx-lm 0.32.2 has no paged cache class")),
         AnyCache::Serial(c) => {
             let s = c.state();
             let (k, v) = c.physical()?;
