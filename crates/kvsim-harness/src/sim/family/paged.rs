@@ -30,12 +30,12 @@ use serde::{Deserialize, Serialize};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::{Params, SimConfig};
 use crate::sim::family::attention::{mlx_fail, payload_block, Res};
-use crate::sim::family::{Cx, Family, Registration};
+use crate::sim::family::{persist_through_bytes, Cx, Family, Registration};
 use crate::sim::ops::{Op, OpKind, PagedAction};
 use crate::sim::rng::{stream, Stream};
 use crate::sim::roster::Change;
 use crate::sim::summary::Counters;
-use kvsim_cache::bytes::{ArrayBytes, Words};
+use kvsim_cache::bytes::ArrayBytes;
 use kvsim_cache::{CacheError, KvCache, KvSpec, Masks, PagedStore, PoolSpec, SeqId, SerialCache};
 use kvsim_reference::paged::{PoolLimits, PoolModel, PoolVerdict};
 use kvsim_reference::{Tensor, Tok, ValueSpace};
@@ -865,49 +865,24 @@ impl Paged {
         Ok(true)
     }
 
-    /// Save/restore of the whole store of every layer (and of the placement store) through host bytes: the parts
-    /// and the two planes' bytes, then `from_parts` on arrays rebuilt from those bytes alone; the restored store
-    /// must give back the same parts. A copy of the parts with an impossible block table must be refused
-    /// (`InvalidState`).
+    /// Save/restore of the whole store of every layer (and of the placement store) through one file of kvsim's
+    /// format (`kv:paged-rows:<bs>` entries, damaged copies refused): each restored store must give back the same
+    /// parts and the same plane bytes, and the run goes on with the restored stores. A copy of the parts with an
+    /// impossible block table must be refused (`InvalidState`) and change nothing.
     fn persist(&mut self, cx: &mut Cx<'_>, id: u32) -> Res<bool> {
+        use kvsim_persist::{AnyCache, Persisted};
         if !cx.roster.is_solo(id) {
             return Ok(false);
         }
-        let dtype = self.dtype();
-        for i in 0..=self.cfg.layers {
-            let st = if i < self.cfg.layers { &self.stores[i] } else { &self.placement };
+        let all: Vec<PagedStore> = self.stores.iter().chain(std::iter::once(&self.placement)).cloned().collect();
+        let mut saved = vec![];
+        for st in &all {
             let (parts, planes) = st.to_parts().map_err(|e| cache_fail("to_parts", e))?;
-            let rebuilt = match &planes {
-                None => None,
-                Some([k, v]) => {
-                    let bytes = ArrayBytes::read_many(&[k, v]).map_err(|e| mlx_fail("read planes", e))?;
-                    let arr = |b: &ArrayBytes| -> Array {
-                        match &b.words {
-                            Words::U16(w) => {
-                                let h: Vec<half::bf16> = w.iter().map(|&x| half::bf16::from_bits(x)).collect();
-                                Array::from_slice(&h, &b.shape)
-                            }
-                            other => {
-                                let f: Vec<f32> = other.to_u32().into_iter().map(f32::from_bits).collect();
-                                Array::from_slice(&f, &b.shape)
-                            }
-                        }
-                    };
-                    let (k2, v2) = (arr(&bytes[0]), arr(&bytes[1]));
-                    if k2.dtype() != dtype {
-                        return Err(mlx_fail("rebuild planes", format!("dtype {:?}", k2.dtype())));
-                    }
-                    cx.hasher.update(&bytes[0].digest());
-                    cx.hasher.update(&bytes[1].digest());
-                    Some([k2, v2])
-                }
-            };
             // An impossible table (a block past the pool) is refused and changes nothing.
-            if let Some((_, seq)) = parts.seqs.iter().find(|(_, s)| !s.table.is_empty()) {
+            if let Some(at) = parts.seqs.iter().position(|(_, s)| !s.table.is_empty()) {
                 let mut bad = parts.clone();
-                let at = bad.seqs.iter().position(|(_, s)| s.table == seq.table).expect("found");
                 bad.seqs[at].1.table[0] = parts.refs.len() as u32 + 3;
-                match PagedStore::from_parts(bad, rebuilt.clone()) {
+                match PagedStore::from_parts(bad, planes.clone()) {
                     Err(CacheError::InvalidState { .. }) => self.counters.record_rejected("paged_parts"),
                     other => {
                         return check::fail(Failure::new(
@@ -918,20 +893,39 @@ impl Paged {
                     }
                 }
             }
-            let restored = PagedStore::from_parts(parts.clone(), rebuilt).map_err(|e| cache_fail("from_parts", e))?;
-            let restored =
-                if i == self.cfg.layers { restored.with_free_order(self.cfg.payload_seed) } else { restored };
-            let again = restored.to_parts().map_err(|e| cache_fail("to_parts", e))?.0;
-            if again != parts {
-                return check::fail(Failure::new("persist", "the restored store's parts differ from the saved ones"))
+            saved.push((parts, planes));
+        }
+        let persisted = all.into_iter().map(|st| Persisted::new(AnyCache::Paged(st))).collect();
+        let restored = persist_through_bytes(persisted, kvsim_persist::inspect::Format::Kvsim, &mut self.counters)?;
+        let mut stores = vec![];
+        for (i, (c, (parts, planes))) in restored.into_iter().zip(&saved).enumerate() {
+            let AnyCache::Paged(st) = c else {
+                return check::fail(Failure::new("persist", "a paged store came back as another cache")).map(|_| true);
+            };
+            let (again, back) = st.to_parts().map_err(|e| cache_fail("to_parts", e))?;
+            if &again != parts {
+                return check::fail(Failure::new("persist", format!("store {i}: the restored parts differ")))
                     .map(|_| true);
             }
-            if i < self.cfg.layers {
-                self.stores[i] = restored;
-            } else {
-                self.placement = restored;
+            match (planes, &back) {
+                (None, None) => {}
+                (Some([k, v]), Some([k2, v2])) => {
+                    let bytes = ArrayBytes::read_many(&[k, v, k2, v2]).map_err(|e| mlx_fail("read planes", e))?;
+                    check::bytes_equal(&format!("store {i}: restored K plane"), &bytes[0], &bytes[2])?;
+                    check::bytes_equal(&format!("store {i}: restored V plane"), &bytes[1], &bytes[3])?;
+                    cx.hasher.update(&bytes[0].digest());
+                    cx.hasher.update(&bytes[1].digest());
+                }
+                _ => {
+                    return check::fail(Failure::new("persist", format!("store {i}: planes lost or gained")))
+                        .map(|_| true)
+                }
             }
+            stores.push(st);
         }
+        let placement = stores.pop().expect("the placement store").with_free_order(self.cfg.payload_seed);
+        self.placement = placement;
+        self.stores = stores;
         self.counters.persist_roundtrips += 1;
         Ok(true)
     }
