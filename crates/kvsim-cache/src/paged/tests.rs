@@ -168,6 +168,15 @@ fn an_exhausted_pool_is_a_typed_error_with_nothing_changed() {
     assert!(matches!(st.append(s, &[], &k, &v), Err(CacheError::BadLengths { .. })));
     assert!(matches!(st.append(SeqId(99), &[1], &k, &v), Err(CacheError::NoSuchSeq { seq: 99 })));
     st.audit().unwrap();
+    // A pool smaller than one row's need: refused before any pool memory exists.
+    let mut small = PagedStore::new(spec, pool(2, 2)).unwrap();
+    let s = small.open();
+    let (k, v, q) = kv_of(&spec, 1, 0, 5);
+    let err = small.window(s, &toks(1, 0, 5), &k, &v, &q, SCALE).unwrap_err();
+    assert!(matches!(err, CacheError::PoolExhausted { needed: 3, available: 2 }), "{err:?}");
+    assert_eq!(small.capacity(), 0);
+    assert!(small.pool_planes().is_none());
+    assert_eq!(small.seq(s).unwrap().offset, 0);
 }
 
 #[test]
