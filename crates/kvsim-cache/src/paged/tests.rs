@@ -18,9 +18,14 @@ fn toks(family: u32, from: usize, to: usize) -> Vec<u32> {
 fn kv_of(spec: &KvSpec, family: u32, from: usize, to: usize) -> (Array, Array, Array) {
     let parts: Vec<(Array, Array, Array)> =
         (from..to).map(|p| kvq(spec, u64::from(family) * 1_000_003 + p as u64, 1, 1)).collect();
+    join_along(&parts, 2)
+}
+
+/// K, V and Q of several pieces joined along `axis` (2: one sequence's positions, 0: the rows of a batch).
+fn join_along(parts: &[(Array, Array, Array)], axis: i32) -> (Array, Array, Array) {
     let cat = |i: usize| {
         let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
-        mlx_rs::ops::concatenate(&xs, 2).unwrap()
+        mlx_rs::ops::concatenate(&xs, axis).unwrap()
     };
     (cat(0), cat(1), cat(2))
 }
@@ -261,12 +266,9 @@ fn rows_read_like_their_solo_caches() {
     for step in 0..3 {
         let parts: Vec<(Array, Array, Array)> =
             seqs.iter().map(|&(_, f, len)| kv_of(&spec, f, len + step, len + step + 1)).collect();
-        let cat = |i: usize| {
-            let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
-            mlx_rs::ops::concatenate(&xs, 0).unwrap()
-        };
+        let (ck, cv, cq) = join_along(&parts, 0);
         let tokens: Vec<u32> = seqs.iter().map(|&(_, f, len)| toks(f, len + step, len + step + 1)[0]).collect();
-        let (out, _) = st.rows_decode(&tokens, &cat(0), &cat(1), &cat(2), SCALE, &masks).unwrap();
+        let (out, _) = st.rows_decode(&tokens, &ck, &cv, &cq, SCALE, &masks).unwrap();
         for (r, solo) in solos.iter_mut().enumerate() {
             let (k, v, q) = &parts[r];
             let (want, _) = solo.decode(k, v, q, SCALE, &Masks::new()).unwrap();
@@ -276,12 +278,9 @@ fn rows_read_like_their_solo_caches() {
     }
     // A window of 2 for every row, then a rollback keeping 1, 0 and 2 positions.
     let parts: Vec<(Array, Array, Array)> = seqs.iter().map(|&(_, f, len)| kv_of(&spec, f, len + 3, len + 5)).collect();
-    let cat = |i: usize| {
-        let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
-        mlx_rs::ops::concatenate(&xs, 0).unwrap()
-    };
+    let (ck, cv, cq) = join_along(&parts, 0);
     let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, f, len)| toks(f, len + 3, len + 5)).collect();
-    let (out, _) = st.rows_window(&tokens, &cat(0), &cat(1), &cat(2), SCALE, &masks).unwrap();
+    let (out, _) = st.rows_window(&tokens, &ck, &cv, &cq, SCALE, &masks).unwrap();
     for (r, solo) in solos.iter_mut().enumerate() {
         let (k, v, q) = &parts[r];
         let (want, _) = solo.window(k, v, q, SCALE, &Masks::new()).unwrap();
@@ -374,12 +373,9 @@ fn a_speculative_round_rolls_back_per_row_and_refuses_a_save_while_armed() {
     assert!(matches!(st.round_begin(), Err(CacheError::SpecRoundActive)));
     // The verify window: 4 positions per row.
     let parts: Vec<(Array, Array, Array)> = seqs.iter().map(|&(_, f, len)| kv_of(&spec, f, len, len + 4)).collect();
-    let cat = |i: usize| {
-        let xs: Vec<&Array> = parts.iter().map(|t| [&t.0, &t.1, &t.2][i]).collect();
-        mlx_rs::ops::concatenate(&xs, 0).unwrap()
-    };
+    let (ck, cv, cq) = join_along(&parts, 0);
     let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, f, len)| toks(f, len, len + 4)).collect();
-    st.rows_window(&tokens, &cat(0), &cat(1), &cat(2), SCALE, &Masks::new()).unwrap();
+    st.rows_window(&tokens, &ck, &cv, &cq, SCALE, &Masks::new()).unwrap();
     // While armed: no save, no change of the batch's shape, nothing changed by the refusals.
     let before = format!("{st:?}");
     assert!(matches!(st.to_parts(), Err(CacheError::SpecRoundActive)));
