@@ -55,6 +55,8 @@ fn a_hundred_seeds_pass_cover_every_op_kind_and_reach_every_class_in_two_runs() 
         ("warm_vs_cold", paged.warm_vs_cold),
         ("placement_compared", paged.placement_compared),
         ("pool_checks", paged.pool_checks),
+        ("prefill_chunks", paged.prefill_chunks),
+        ("affine_states", paged.affine_states),
     ];
     for (name, n) in counts {
         assert!(n > 0, "paged counter {name} is 0 over 100 seeds: {paged:?}");

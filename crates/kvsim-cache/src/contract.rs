@@ -77,9 +77,9 @@ impl Capabilities {
                 || recurrent
                 || training_only
                 || paged.is_some(),
-            row_batch: kind::is_row_batch(kind) || delayed.is_some() || recurrent || paged.is_some_and(|p| p.1),
+            row_batch: kind::is_row_batch(kind) || delayed.is_some() || recurrent || paged.is_some_and(|p| p.rows),
             rotating: kind::is_rotating(kind) || bf16_rotating,
-            quantized: kind::is_quantized(kind),
+            quantized: kind::is_quantized(kind) || paged.is_some_and(|p| p.quant.is_some()),
             transitioning,
             recurrent,
             training_only,
@@ -761,7 +761,7 @@ impl Cache for PagedStore {
     fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
         Err(unsupported(self.rows_storage_kind(), "prepare_decode_step"))
     }
-    /// The pool's K and V planes (none before the first write).
+    /// The pool's planes (none before the first write).
     fn state(&self) -> Result<Vec<Array>> {
         Ok(self.pool_planes().map(|p| p.to_vec()).unwrap_or_default())
     }

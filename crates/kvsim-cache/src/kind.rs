@@ -262,15 +262,45 @@ pub fn is_quantized(k: &StorageKind) -> bool {
     parse_quant(k.0.strip_suffix(ROW_BATCH_MARKER).unwrap_or(&k.0)).is_some()
 }
 
-/// A paged kind written exactly as `PagedStore` writes it: `Some((block_size, rows))`, `rows` for the running
-/// batch's `kv:paged-rows:<block_size>`; `None` for anything else (a block size of 0, a sign, a leading zero).
-pub fn parse_paged(k: &StorageKind) -> Option<(usize, bool)> {
-    let (n, rows) = match k.0.strip_prefix(PAGED_ROWS_PREFIX) {
+/// A paged kind's parameters (`crate::paged::PagedStore::storage_kind`, `rows_storage_kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedKind {
+    /// Positions per block.
+    pub block_size: usize,
+    /// The running batch's kind (`kv:paged-rows:`) rather than one sequence's (`kv:paged:`).
+    pub rows: bool,
+    /// Affine storage's parameters (the `:quant:<bits>:<group>` suffix), `None` for plain planes.
+    pub quant: Option<QuantSpec>,
+}
+
+/// The paged kind of these parameters: `kv:paged:<block_size>` or `kv:paged-rows:<block_size>`, with
+/// `:quant:<bits>:<group>` for affine storage.
+pub fn paged_kind(block_size: usize, rows: bool, quant: Option<QuantSpec>) -> StorageKind {
+    let prefix = if rows { PAGED_ROWS_PREFIX } else { PAGED_PREFIX };
+    StorageKind::new(match quant {
+        None => format!("{prefix}{block_size}"),
+        Some(q) => format!("{prefix}{block_size}:quant:{}:{}", q.bits, q.group),
+    })
+}
+
+/// A paged kind written exactly as [`paged_kind`] writes it; `None` for anything else (a block size of 0, a sign,
+/// a leading zero, bits or a group MLX's `quantize` does not accept).
+pub fn parse_paged(k: &StorageKind) -> Option<PagedKind> {
+    let (rest, rows) = match k.0.strip_prefix(PAGED_ROWS_PREFIX) {
         Some(n) => (n, true),
         None => (k.0.strip_prefix(PAGED_PREFIX)?, false),
     };
-    let bs: usize = n.parse().ok()?;
-    (bs > 0 && bs.to_string() == n).then_some((bs, rows))
+    let (n, quant) = match rest.split_once(':') {
+        None => (rest, None),
+        Some((n, q)) => {
+            let (b, g) = q.strip_prefix("quant:")?.split_once(':')?;
+            (n, Some(QuantSpec { bits: b.parse().ok()?, group: g.parse().ok()? }))
+        }
+    };
+    let block_size: usize = n.parse().ok()?;
+    let parsed = PagedKind { block_size, rows, quant };
+    let valid = quant.is_none_or(|q| QUANT_BITS.contains(&q.bits) && QUANT_GROUPS.contains(&q.group));
+    (block_size > 0 && valid && paged_kind(block_size, rows, quant) == *k).then_some(parsed)
 }
 
 /// True iff `k` is exactly a known serial kind plus the row-batch marker. Every router asks this first.

@@ -153,10 +153,10 @@ pub use error::CacheError;
 pub use exact::{read_mode, set_read_mode, ReadMode};
 pub use kind::{
     is_bf16_first, is_delayed, is_linear, is_plain_kv, is_quantized, is_rotating, is_row_batch, is_ssm, is_training,
-    parse_bf16_first, parse_delayed, parse_paged, DelayedKind, KindRoute, StorageKind, BF16_FIRST_QUANT_PREFIX,
-    BF16_FIRST_ROTATING_QUANT_PREFIX, CACHE_LIST, CHUNKED_PREFIX, DELAYED_QUANT_PREFIX, DELAYED_ROTATING_QUANT_PREFIX,
-    KV_PLAIN, PAGED_PREFIX, PAGED_ROWS_PREFIX, PREFIX_SHARED, QUANT_PREFIX, ROTATING_PLAIN, ROTATING_QUANT_PREFIX,
-    ROW_BATCH_MARKER, SSM, TRAINING, TRAINING_SSM,
+    paged_kind, parse_bf16_first, parse_delayed, parse_paged, DelayedKind, KindRoute, PagedKind, StorageKind,
+    BF16_FIRST_QUANT_PREFIX, BF16_FIRST_ROTATING_QUANT_PREFIX, CACHE_LIST, CHUNKED_PREFIX, DELAYED_QUANT_PREFIX,
+    DELAYED_ROTATING_QUANT_PREFIX, KV_PLAIN, PAGED_PREFIX, PAGED_ROWS_PREFIX, PREFIX_SHARED, QUANT_PREFIX,
+    ROTATING_PLAIN, ROTATING_QUANT_PREFIX, ROW_BATCH_MARKER, SSM, TRAINING, TRAINING_SSM,
 };
 pub use mask::{FamilyKey, MaskKey, MaskKind, MaskSpec, MaskUse, Masks};
 pub use paged::{IndexEntry, PagedParts, PagedSeq, PagedStore, PoolSpec, PrefixHit, SeqId};

@@ -7,20 +7,33 @@
 //! the pool: a block is referenced by every table that lists it and by the index when it holds it, and is free
 //! exactly when nothing references it.
 //!
-//! Layout. Each tensor's pool is one plane `[1, H_kv, capacity * block_size, D]` with the token axis at 2, like
-//! every other layout of this crate: physical block `b` is columns `[b * block_size, (b + 1) * block_size)`.
-//! (Upstream's `BlockPool` stores `[num_blocks, H, block_size, D]`, the same bytes up to a transpose.)
+//! Layout. The pool is one plane per stored tensor, `[1, H_kv, capacity * block_size, width]` with the token axis
+//! at 2, like every other layout of this crate: physical block `b` is columns `[b * block_size, (b + 1) *
+//! block_size)`. [`Storage::Plain`] holds two planes `[k, v]` in the spec's dtype; [`Storage::Affine`] holds MLX's
+//! six affine planes `[kq, ks, kb, vq, vs, vb]` (packed words, scales, biases), each position quantized on its own
+//! (groups run along head_dim), so a block of affine planes is a run of positions like any other. (Upstream's
+//! `BlockPool` stores `[num_blocks, H, block_size, D]` in bf16 or affine KV4/KV8, the same bytes up to a
+//! transpose.)
 //!
 //! Guarantees:
 //! - **Logical contents**: [`PagedStore::fetch`] of a sequence is `[1, H_kv, offset, D]` holding exactly the bytes
 //!   written for its positions, in logical order, whichever physical blocks hold them, whichever sequence wrote a
 //!   shared block, and whatever order the free list handed blocks out.
 //! - **Reads** gather the sequence's positions in logical order, then attend through the one read every layout uses
-//!   (MLX's fused SDPA): a decode with no mask, a window under `Causal`, like a linear [`crate::KvCache`] holding
-//!   the same positions; rows are gathered right-padded to the longest row and masked like a [`crate::RowBatch`]
-//!   (`c < len_r` for decodes, per-row causal for windows). So a paged read's output equals, byte for byte, that
-//!   of a plain cache holding the same bytes wherever the plain cache's own batch invariance holds (measured on CPU
-//!   by the simulator).
+//!   for its storage (MLX's fused SDPA for plain planes, mlx-lm's quantized read for affine ones): a decode with no
+//!   mask, a window under `Causal`, like a linear [`crate::KvCache`] (or [`crate::QuantizedKvCache`]) holding the
+//!   same positions. Plain rows are gathered right-padded to the longest row and masked like a
+//!   [`crate::RowBatch`] (`c < len_r` for decodes, per-row causal for windows), so a plain paged read equals, byte
+//!   for byte, that of a plain cache holding the same bytes wherever the plain cache's own batch invariance holds
+//!   (measured on CPU by the simulator). Affine rows are read **row by row**, each over exactly its own positions:
+//!   the quantized read of a padded batch is not byte-identical to the same row read alone (the quantized family
+//!   measures that distance), and row by row it is the serial quantized cache's own call on the same bytes.
+//! - **Stored bytes** of affine storage are MLX's CPU quantizer's of each position ([`Storage::encode`]), whichever
+//!   write (one sequence, a batch, a chunk) delivered it: a sequence's planes equal a serial quantized cache's fed
+//!   the same positions.
+//! - **Right-padded prefill** ([`PagedStore::rows_prepare`], [`PagedStore::rows_finalize`]): row `r` takes the
+//!   first `min(pending_r, L)` positions of each window chunk and nothing else; while it is pending, decodes,
+//!   rounds, trims, row changes and saves are [`CacheError::PendingPrefill`].
 //! - **Sharing is copy-on-write**: a write never changes a block another table or the index references; appending
 //!   into a shared, partly filled block first copies it into a block of its own.
 //! - **Accounting** ([`PagedStore::audit`]): every block's reference count is the number of tables listing it plus
@@ -41,8 +54,8 @@ use mlx_rs::Array;
 use crate::error::{invalid, shape};
 use crate::kind::StorageKind;
 use crate::mask::{MaskKey, MaskKind, MaskUse, Masks};
-use crate::read::attend;
-use crate::util::{check_kv, check_q, dim, eval, index_array, zeros};
+use crate::quant::{attend_planes, Storage};
+use crate::util::{check_kv, check_q, cols, dim, eval, index_array, zeros};
 use crate::{CacheError, KvSpec, Result};
 
 /// Upstream's default block size (mlx-bun `paged/cache.ts`, equal to `KVCache.step`).
@@ -239,8 +252,9 @@ pub struct PrefixHit {
 pub struct PagedStore {
     spec: KvSpec,
     pool: PoolSpec,
-    /// `[k, v]`, each `[1, H_kv, capacity * block_size, D]`; `None` before the first write.
-    planes: Option<[Array; 2]>,
+    storage: Storage,
+    /// The storage's planes, each `[1, H_kv, capacity * block_size, width]`; `None` before the first write.
+    planes: Option<Vec<Array>>,
     refs: Vec<u32>,
     /// LIFO: `pop` hands out the next block.
     free: Vec<u32>,
@@ -252,6 +266,8 @@ pub struct PagedStore {
     next_seq: u64,
     /// An armed speculative round: each row's offset when it was armed.
     round: Option<Vec<usize>>,
+    /// A prepared (right-padded) prefill: each row's real positions still to come.
+    pending: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for PagedStore {
@@ -259,10 +275,13 @@ impl std::fmt::Debug for PagedStore {
         f.debug_struct("PagedStore")
             .field("spec", &self.spec)
             .field("pool", &self.pool)
+            .field("storage", &self.storage)
             .field("refs", &self.refs)
             .field("free", &self.free)
             .field("seqs", &self.seqs)
             .field("rows", &self.rows)
+            .field("round", &self.round)
+            .field("pending", &self.pending)
             .finish_non_exhaustive()
     }
 }
@@ -280,13 +299,20 @@ impl WritePlan {
 }
 
 impl PagedStore {
-    /// An empty store (no pool memory until the first write).
+    /// An empty store of plain planes (no pool memory until the first write).
     pub fn new(spec: KvSpec, pool: PoolSpec) -> Result<PagedStore> {
+        PagedStore::with_storage(spec, pool, Storage::Plain)
+    }
+
+    /// An empty store of this storage; invalid affine parameters are [`CacheError::InvalidQuant`].
+    pub fn with_storage(spec: KvSpec, pool: PoolSpec, storage: Storage) -> Result<PagedStore> {
         spec.validate()?;
         pool.validate()?;
+        storage.validate(&spec)?;
         Ok(PagedStore {
             spec,
             pool,
+            storage,
             planes: None,
             refs: vec![],
             free: vec![],
@@ -296,6 +322,7 @@ impl PagedStore {
             index: PrefixIndex::default(),
             next_seq: 0,
             round: None,
+            pending: None,
         })
     }
 
@@ -306,9 +333,15 @@ impl PagedStore {
         self
     }
 
-    /// The pool's K and V planes, `[1, H_kv, capacity * block_size, D]` each (`None` before the first write).
-    pub fn pool_planes(&self) -> Option<&[Array; 2]> {
-        self.planes.as_ref()
+    /// The pool's planes (the storage's, K's first), `[1, H_kv, capacity * block_size, width]` each (`None` before
+    /// the first write).
+    pub fn pool_planes(&self) -> Option<&[Array]> {
+        self.planes.as_deref()
+    }
+
+    /// How the pool stores K and V.
+    pub fn storage(&self) -> Storage {
+        self.storage
     }
 
     /// The K/V geometry and dtype.
@@ -362,24 +395,24 @@ impl PagedStore {
         out
     }
 
-    /// `kv:paged:<block_size>`.
+    /// `kv:paged:<block_size>`, or `kv:paged:<block_size>:quant:<bits>:<group>` for affine storage.
     pub fn storage_kind(&self) -> StorageKind {
-        StorageKind::new(format!("{}{}", crate::kind::PAGED_PREFIX, self.pool.block_size))
+        crate::kind::paged_kind(self.pool.block_size, false, self.storage.quant())
     }
 
-    /// `kv:paged-rows:<block_size>`.
+    /// `kv:paged-rows:<block_size>`, or `kv:paged-rows:<block_size>:quant:<bits>:<group>` for affine storage.
     pub fn rows_storage_kind(&self) -> StorageKind {
-        StorageKind::new(format!("{}{}", crate::kind::PAGED_ROWS_PREFIX, self.pool.block_size))
+        crate::kind::paged_kind(self.pool.block_size, true, self.storage.quant())
     }
 
-    /// Bytes one position costs in a full block (K and V, R-C-4).
+    /// Bytes one position costs in a full block (every plane of K and V, R-C-4: [`Storage::bytes_per_token`]).
     pub fn bytes_per_token(&self) -> usize {
-        self.spec.bytes_per_token()
+        self.storage.bytes_per_token(&self.spec)
     }
 
     /// Bytes `n` positions of one sequence occupy: whole blocks (`ceil(n / block_size)` of them).
     pub fn bytes_for_tokens(&self, n: usize) -> usize {
-        n.div_ceil(self.pool.block_size) * self.pool.block_size * self.spec.bytes_per_token()
+        n.div_ceil(self.pool.block_size) * self.pool.block_size * self.bytes_per_token()
     }
 
     /// A new empty sequence (outside the batch).
@@ -561,11 +594,20 @@ impl PagedStore {
     fn grow(&mut self, blocks: usize) -> Result<()> {
         let bs = self.pool.block_size;
         let old = self.capacity();
-        let (h, d, dt) = (self.spec.heads_kv, self.spec.head_dim, self.spec.dtype.to_mlx());
-        let extra = zeros(&[1, h, blocks * bs, d], dt)?;
+        let h = self.spec.heads_kv;
+        let extra: Vec<Array> = self
+            .storage
+            .plane_layout(&self.spec)
+            .into_iter()
+            .map(|(w, dt)| zeros(&[1, h, blocks * bs, w], dt))
+            .collect::<Result<_>>()?;
         let planes = match self.planes.take() {
-            None => [extra.clone(), extra],
-            Some([k, v]) => [mlx_rs::ops::concatenate(&[&k, &extra], 2)?, mlx_rs::ops::concatenate(&[&v, &extra], 2)?],
+            None => extra,
+            Some(old) => old
+                .iter()
+                .zip(&extra)
+                .map(|(p, e)| Ok(mlx_rs::ops::concatenate(&[p, e], 2)?))
+                .collect::<Result<Vec<Array>>>()?,
         };
         self.planes = Some(planes);
         self.refs.extend(std::iter::repeat_n(0, blocks));
@@ -585,8 +627,10 @@ impl PagedStore {
     }
 
     /// Carries out a checked plan: copy-on-write and new blocks per sequence, then one scatter of every new
-    /// position. `k`, `v` are `[1, H_kv, n, D]` with the positions in plan order.
+    /// position into every plane. `k`, `v` are `[1, H_kv, n, D]` with the positions in plan order (encoded here
+    /// into the storage's planes).
     fn write(&mut self, plan: &WritePlan, tokens: &[&[u32]], k: &Array, v: &Array) -> Result<()> {
+        let block = if plan.items.iter().any(|i| i.1 > 0) { self.storage.encode(k, v)? } else { vec![] };
         let bs = self.pool.block_size;
         let mut copies: Vec<(usize, usize)> = vec![]; // (from column, to column)
         let mut slots: Vec<usize> = vec![];
@@ -608,27 +652,25 @@ impl PagedStore {
             let seq = &self.seqs[&s];
             slots.extend(self.slots(&seq.table, seq.offset, seq.offset + l));
         }
-        let [pk, pv] = self.planes.take().ok_or_else(|| invalid("paged write without a pool"))?;
-        let (pk, pv) = if copies.is_empty() {
-            (pk, pv)
-        } else {
+        let mut planes = self.planes.take().ok_or_else(|| invalid("paged write without a pool"))?;
+        if !copies.is_empty() {
             let from: Vec<usize> = copies.iter().map(|c| c.0).collect();
             let to: Vec<usize> = copies.iter().map(|c| c.1).collect();
             let (fi, ti) = (index_array(&from, &[from.len()])?, index_array(&to, &[1, 1, to.len(), 1])?);
-            let pk2 = pk.put_along_axis(&ti, &pk.take_axis(&fi, 2)?, 2)?;
-            let pv2 = pv.put_along_axis(&ti, &pv.take_axis(&fi, 2)?, 2)?;
-            (pk2, pv2)
-        };
-        let (pk, pv) = if slots.is_empty() {
-            (pk, pv)
-        } else {
-            let at = index_array(&slots, &[1, 1, slots.len(), 1])?;
-            (pk.put_along_axis(&at, k, 2)?, pv.put_along_axis(&at, v, 2)?)
-        };
-        if crate::ring::eval_after_write() {
-            eval(&[&pk, &pv])?;
+            for p in &mut planes {
+                *p = p.put_along_axis(&ti, &p.take_axis(&fi, 2)?, 2)?;
+            }
         }
-        self.planes = Some([pk, pv]);
+        if !slots.is_empty() {
+            let at = index_array(&slots, &[1, 1, slots.len(), 1])?;
+            for (p, b) in planes.iter_mut().zip(&block) {
+                *p = p.put_along_axis(&at, b, 2)?;
+            }
+        }
+        if crate::ring::eval_after_write() {
+            eval(&planes.iter().collect::<Vec<_>>())?;
+        }
+        self.planes = Some(planes);
         for (i, &(s, l, _, _)) in plan.items.iter().enumerate() {
             let seq = self.seqs.get_mut(&s).expect("planned");
             seq.offset += l;
@@ -638,49 +680,58 @@ impl PagedStore {
     }
 
     /// Gathers positions `[0, len_r)` of every sequence, right-padded with zeros to the longest (at least 1):
-    /// `[B, H_kv, width, D]` for K and V.
-    fn gather(&self, seqs: &[SeqId]) -> Result<(Array, Array, Vec<usize>)> {
+    /// every plane `[B, H_kv, width, w]`, and the lengths.
+    fn gather(&self, seqs: &[SeqId]) -> Result<(Vec<Array>, Vec<usize>)> {
         let lens: Vec<usize> = seqs.iter().map(|s| self.seqs[s].offset).collect();
         let width = lens.iter().copied().max().unwrap_or(0).max(1);
-        let (h, d, dt) = (self.spec.heads_kv, self.spec.head_dim, self.spec.dtype.to_mlx());
-        let mut ks = vec![];
-        let mut vs = vec![];
+        let layout = self.storage.plane_layout(&self.spec);
+        let h = self.spec.heads_kv;
+        let mut per: Vec<Vec<Array>> = vec![vec![]; layout.len()];
         for (s, &len) in seqs.iter().zip(&lens) {
             let seq = &self.seqs[s];
-            let (k, v) = match (&self.planes, len) {
-                (Some([pk, pv]), len) if len > 0 => {
-                    let at = index_array(&self.slots(&seq.table, 0, len), &[len])?;
-                    (pk.take_axis(&at, 2)?, pv.take_axis(&at, 2)?)
-                }
-                _ => (zeros(&[1, h, 0, d], dt)?, zeros(&[1, h, 0, d], dt)?),
+            let at = match (&self.planes, len) {
+                (Some(_), len) if len > 0 => Some(index_array(&self.slots(&seq.table, 0, len), &[len])?),
+                _ => None,
             };
-            if len < width {
-                let pad = zeros(&[1, h, width - len, d], dt)?;
-                ks.push(mlx_rs::ops::concatenate(&[&k, &pad], 2)?);
-                vs.push(mlx_rs::ops::concatenate(&[&v, &pad], 2)?);
-            } else {
-                ks.push(k);
-                vs.push(v);
+            for (i, &(w, dt)) in layout.iter().enumerate() {
+                let got = match (&self.planes, &at) {
+                    (Some(p), Some(at)) => p[i].take_axis(at, 2)?,
+                    _ => zeros(&[1, h, 0, w], dt)?,
+                };
+                per[i].push(if len < width {
+                    mlx_rs::ops::concatenate(&[&got, &zeros(&[1, h, width - len, w], dt)?], 2)?
+                } else {
+                    got
+                });
             }
         }
-        if ks.len() == 1 {
-            let (k, v) = (ks.pop().expect("one"), vs.pop().expect("one"));
-            return Ok((k, v, lens));
-        }
-        let kr: Vec<&Array> = ks.iter().collect();
-        let vr: Vec<&Array> = vs.iter().collect();
-        Ok((mlx_rs::ops::concatenate(&kr, 0)?, mlx_rs::ops::concatenate(&vr, 0)?, lens))
+        let planes = per
+            .into_iter()
+            .map(|mut rows| {
+                if rows.len() == 1 {
+                    Ok(rows.pop().expect("one"))
+                } else {
+                    Ok(mlx_rs::ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?)
+                }
+            })
+            .collect::<Result<Vec<Array>>>()?;
+        Ok((planes, lens))
     }
 
-    /// A sequence's K and V in logical order, `[1, H_kv, offset, D]`.
-    pub fn fetch(&self, s: SeqId) -> Result<(Array, Array)> {
+    /// A sequence's stored planes in logical order, `[1, H_kv, offset, width]` each (K's first).
+    pub fn fetch_planes(&self, s: SeqId) -> Result<Vec<Array>> {
         let len = self.seq(s)?.offset;
-        let (h, d, dt) = (self.spec.heads_kv, self.spec.head_dim, self.spec.dtype.to_mlx());
         if len == 0 {
-            return Ok((zeros(&[1, h, 0, d], dt)?, zeros(&[1, h, 0, d], dt)?));
+            let h = self.spec.heads_kv;
+            return self.storage.plane_layout(&self.spec).into_iter().map(|(w, dt)| zeros(&[1, h, 0, w], dt)).collect();
         }
-        let (k, v, _) = self.gather(&[s])?;
-        Ok((k, v))
+        Ok(self.gather(&[s])?.0)
+    }
+
+    /// A sequence's K and V in logical order, `[1, H_kv, offset, D]` (affine storage dequantized:
+    /// [`Storage::dense`]).
+    pub fn fetch(&self, s: SeqId) -> Result<(Array, Array)> {
+        self.storage.dense(&self.fetch_planes(s)?)
     }
 
     /// Appends `tokens.len()` positions to `s` (`k`, `v` `[1, H_kv, L, D]`) without attending.
@@ -699,8 +750,7 @@ impl PagedStore {
         let l = check_kv(&self.spec, k, v, 1, 1)?;
         check_q(&self.spec, q, 1, l)?;
         self.append(s, tokens, k, v)?;
-        let (fk, fv) = self.fetch(s)?;
-        attend(q, &fk, &fv, scale, None, true)
+        attend_planes(&self.storage, q, &self.fetch_planes(s)?, scale, None, true)
     }
 
     /// A decode step on `s`: one position, then attends every position with no mask.
@@ -713,14 +763,16 @@ impl PagedStore {
         let plan = self.plan(&[(s, 1)])?;
         self.write(&plan, &[&[token]], k, v)?;
         self.seqs.get_mut(&s).expect("written").last_window = None;
-        let (fk, fv) = self.fetch(s)?;
-        attend(q, &fk, &fv, scale, None, false)
+        attend_planes(&self.storage, q, &self.fetch_planes(s)?, scale, None, false)
     }
 
     /// Drops the last `n` positions of `s` (R-C-5): blocks past the new end lose this table's reference (a block
     /// nothing else references goes back to the pool). `bypass` is the speculative rollback: only right after a
     /// window of at least `n` positions. Returns `n`.
     pub fn trim(&mut self, s: SeqId, n: usize, bypass: bool) -> Result<usize> {
+        if self.rows.contains(&s) {
+            self.no_pending()?;
+        }
         let seq = self.seq(s)?;
         check_trim(seq, n, bypass)?;
         self.trim_unchecked(s, n, bypass);
@@ -746,6 +798,7 @@ impl PagedStore {
     /// Sequences outside the batch join it at its end, in this order (nothing moves: rows are block tables).
     pub fn join(&mut self, seqs: &[SeqId]) -> Result<()> {
         self.no_round()?;
+        self.no_pending()?;
         for (i, s) in seqs.iter().enumerate() {
             self.seq(*s)?;
             self.not_a_row(*s)?;
@@ -760,6 +813,7 @@ impl PagedStore {
     /// Reorders the running batch's rows: `order` lists every row index once.
     pub fn reorder(&mut self, order: &[usize]) -> Result<()> {
         self.no_round()?;
+        self.no_pending()?;
         check_rows(order, self.rows.len())?;
         if order.len() != self.rows.len() {
             return Err(CacheError::BadLengths { what: format!("{} rows, order of {}", self.rows.len(), order.len()) });
@@ -771,6 +825,7 @@ impl PagedStore {
     /// Row `row` leaves the batch and goes on as a sequence outside it.
     pub fn extract(&mut self, row: usize) -> Result<SeqId> {
         self.no_round()?;
+        self.no_pending()?;
         if row >= self.rows.len() {
             return Err(CacheError::NoSuchRow { row, rows: self.rows.len() });
         }
@@ -780,6 +835,7 @@ impl PagedStore {
     /// Keeps only these rows, in this order; returns the sequences of the others (still live, outside the batch).
     pub fn filter(&mut self, keep: &[usize]) -> Result<Vec<SeqId>> {
         self.no_round()?;
+        self.no_pending()?;
         check_rows(keep, self.rows.len())?;
         let out: Vec<SeqId> = (0..self.rows.len()).filter(|r| !keep.contains(r)).map(|r| self.rows[r]).collect();
         self.rows = keep.iter().map(|&r| self.rows[r]).collect();
@@ -787,7 +843,9 @@ impl PagedStore {
     }
 
     /// One decode step for every row (`k`, `v` `[B, H_kv, 1, D]`, `q` `[B, H_q, 1, D]`, one token per row), then
-    /// the rows are attended over `[0, max len_r)`: no mask when every row has the same length, else `c < len_r`.
+    /// the rows are attended: plain rows over `[0, max len_r)`, no mask when every row has the same length, else
+    /// `c < len_r`; affine rows one by one over their own positions. [`CacheError::PendingPrefill`] during a
+    /// prepared prefill.
     pub fn rows_decode(
         &mut self,
         tokens: &[u32],
@@ -797,6 +855,7 @@ impl PagedStore {
         scale: f32,
         masks: &Masks,
     ) -> Result<(Array, MaskUse)> {
+        self.no_pending()?;
         let b = self.rows.len();
         let l = check_kv(&self.spec, k, v, b, 1)?;
         if l != 1 {
@@ -815,19 +874,25 @@ impl PagedStore {
         for s in self.rows.clone() {
             self.seqs.get_mut(&s).expect("row").last_window = None;
         }
+        if self.storage != Storage::Plain {
+            return Ok((self.rows_one_by_one(q, &vec![1; b], false, scale)?, MaskUse::None));
+        }
         let rows = self.rows.clone();
-        let (gk, gv, lens) = self.gather(&rows)?;
+        let (planes, lens) = self.gather(&rows)?;
         if lens.iter().all(|&n| n == lens[0]) {
-            return Ok((attend(q, &gk, &gv, scale, None, false)?, MaskUse::None));
+            return Ok((attend_planes(&self.storage, q, &planes, scale, None, false)?, MaskUse::None));
         }
         let width = lens.iter().copied().max().unwrap_or(1);
         let key = crate::batch::decode_mask_key(lens, None, width);
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &gk, &gv, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+        Ok((attend_planes(&self.storage, q, &planes, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 
     /// A window read of `L` positions for every row (`tokens[r]` the row's `L` ids), then every row attended
-    /// causally: `Causal` when every row has the same length, else the per-row causal mask.
+    /// causally. Plain rows: `Causal` when every row has the same length and took all `L`, else the per-row causal
+    /// mask of a [`crate::RowBatch`]. Affine rows: one by one, each row's real queries over its own positions. During
+    /// a prepared prefill row `r` takes only its first `min(pending_r, L)` positions; outputs at the other query
+    /// positions are unspecified (zeros for affine rows).
     pub fn rows_window(
         &mut self,
         tokens: &[Vec<u32>],
@@ -840,20 +905,49 @@ impl PagedStore {
         let b = self.rows.len();
         let l = check_kv(&self.spec, k, v, b, 1)?;
         check_q(&self.spec, q, b, l)?;
-        self.rows_append(tokens, k, v)?;
+        let real = self.rows_append(tokens, k, v)?;
+        if self.storage != Storage::Plain {
+            return Ok((self.rows_one_by_one(q, &real, true, scale)?, MaskUse::Causal));
+        }
         let rows = self.rows.clone();
-        let (gk, gv, lens) = self.gather(&rows)?;
-        if lens.iter().all(|&n| n == lens[0]) {
-            return Ok((attend(q, &gk, &gv, scale, None, true)?, MaskUse::Causal));
+        let (planes, lens) = self.gather(&rows)?;
+        if real.iter().all(|&n| n == l) && lens.iter().all(|&n| n == lens[0]) {
+            return Ok((attend_planes(&self.storage, q, &planes, scale, None, true)?, MaskUse::Causal));
         }
         let width = lens.iter().copied().max().unwrap_or(1);
-        let key = MaskKey { kind: MaskKind::Window, lens, real: vec![l; b], queries: l, window: None, cols: width };
+        let key = MaskKey { kind: MaskKind::Window, lens, real, queries: l, window: None, cols: width };
         let (spec, arr) = masks.get(&key)?;
-        Ok((attend(q, &gk, &gv, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
+        Ok((attend_planes(&self.storage, q, &planes, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 
-    /// Appends `L` positions to every row without attending.
-    pub fn rows_append(&mut self, tokens: &[Vec<u32>], k: &Array, v: &Array) -> Result<()> {
+    /// Row by row: row `r`'s first `real[r]` queries (`q` `[B, H_q, L, D]`) over exactly its own positions (causal
+    /// for a window, no mask for a decode), the serial cache's own read; queries past `real[r]` give zeros.
+    fn rows_one_by_one(&self, q: &Array, real: &[usize], causal: bool, scale: f32) -> Result<Array> {
+        let qs: Vec<usize> = q.shape().iter().map(|&x| x.max(0) as usize).collect();
+        let (hq, l, d) = (qs[1], qs[2], qs[3]);
+        let mut outs = vec![];
+        for (r, (&s, &n)) in self.rows.iter().zip(real).enumerate() {
+            let qr = q.take_axis(&index_array(&[r], &[1])?, 0)?;
+            let mut out = if n == 0 {
+                zeros(&[1, hq, l, d], q.dtype())?
+            } else {
+                let qr = if n < l { cols(&qr, 0, n)? } else { qr };
+                attend_planes(&self.storage, &qr, &self.fetch_planes(s)?, scale, None, causal)?
+            };
+            if n > 0 && n < l {
+                out = mlx_rs::ops::concatenate(&[&out, &zeros(&[1, hq, l - n, d], q.dtype())?], 2)?;
+            }
+            outs.push(out);
+        }
+        if outs.len() == 1 {
+            return Ok(outs.pop().expect("one"));
+        }
+        Ok(mlx_rs::ops::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?)
+    }
+
+    /// Appends `L` positions to every row without attending (during a prepared prefill, row `r` takes its first
+    /// `min(pending_r, L)`; a row that takes none is untouched). Returns the positions each row took.
+    pub fn rows_append(&mut self, tokens: &[Vec<u32>], k: &Array, v: &Array) -> Result<Vec<usize>> {
         let b = self.rows.len();
         let l = check_kv(&self.spec, k, v, b, 1)?;
         check_tokens(tokens.len(), b)?;
@@ -863,21 +957,74 @@ impl PagedStore {
         if b == 0 {
             return Err(invalid("a write on a batch with no rows"));
         }
-        let writes: Vec<(SeqId, usize)> = self.rows.iter().map(|&s| (s, l)).collect();
+        let real: Vec<usize> = match &self.pending {
+            Some(p) => p.iter().map(|&n| n.min(l)).collect(),
+            None => vec![l; b],
+        };
+        let writes: Vec<(SeqId, usize)> = self.rows.iter().zip(&real).map(|(&s, &n)| (s, n)).collect();
         let plan = self.plan(&writes)?;
-        let per: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
-        let (fk, fv) = (flat_rows(k)?, flat_rows(v)?);
+        let per: Vec<&[u32]> = tokens.iter().zip(&real).map(|(t, &n)| &t[..n]).collect();
+        let (fk, fv) = if real.iter().all(|&n| n == l) {
+            (flat_rows(k)?, flat_rows(v)?)
+        } else {
+            // Each row's real positions only, in plan order.
+            let at: Vec<usize> = real.iter().enumerate().flat_map(|(r, &n)| (0..n).map(move |i| r * l + i)).collect();
+            let at = index_array(&at, &[at.len()])?;
+            (flat_rows(k)?.take_axis(&at, 2)?, flat_rows(v)?.take_axis(&at, 2)?)
+        };
         self.write(&plan, &per, &fk, &fv)?;
-        for s in self.rows.clone() {
-            self.seqs.get_mut(&s).expect("row").last_window = Some(l);
+        for (s, &n) in self.rows.clone().iter().zip(&real) {
+            if n > 0 {
+                self.seqs.get_mut(s).expect("row").last_window = Some(n);
+            }
         }
+        if let Some(p) = self.pending.as_mut() {
+            for (left, &n) in p.iter_mut().zip(&real) {
+                *left -= n;
+            }
+        }
+        Ok(real)
+    }
+
+    /// A right-padded prefill of the running batch: row `r` takes `lengths[r]` more real positions, delivered by
+    /// the next window chunks ([`PagedStore::rows_window`], [`PagedStore::rows_append`]). Errors, nothing changed:
+    /// [`CacheError::PendingPrefill`] (one is pending), [`CacheError::SpecRoundActive`], [`CacheError::BadLengths`]
+    /// (one length per row).
+    pub fn rows_prepare(&mut self, lengths: &[usize]) -> Result<()> {
+        self.no_pending()?;
+        self.no_round()?;
+        if lengths.len() != self.rows.len() {
+            return Err(CacheError::BadLengths {
+                what: format!("{} lengths for {} rows", lengths.len(), self.rows.len()),
+            });
+        }
+        self.pending = Some(lengths.to_vec());
         Ok(())
+    }
+
+    /// Ends a prepared prefill; positions not yet delivered are forgotten (no pool block was taken for them).
+    /// [`CacheError::NoPendingPrefill`] if none is pending.
+    pub fn rows_finalize(&mut self) -> Result<()> {
+        self.pending.take().map(|_| ()).ok_or(CacheError::NoPendingPrefill)
+    }
+
+    /// Whether a prepared prefill is pending.
+    pub fn is_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    fn no_pending(&self) -> Result<()> {
+        match self.pending {
+            Some(_) => Err(CacheError::PendingPrefill),
+            None => Ok(()),
+        }
     }
 
     /// Per-row trims (`n[r]` positions from row `r`; speculative rollback with per-row accepts when `bypass`):
     /// every row is checked first, nothing changes on an error.
     pub fn rows_trim(&mut self, n: &[usize], bypass: bool) -> Result<()> {
         self.no_round()?;
+        self.no_pending()?;
         if n.len() != self.rows.len() {
             return Err(CacheError::BadLengths { what: format!("{} trims for {} rows", n.len(), self.rows.len()) });
         }
@@ -903,6 +1050,7 @@ impl PagedStore {
     /// `round_begin`.
     pub fn round_begin(&mut self) -> Result<()> {
         self.no_round()?;
+        self.no_pending()?;
         self.round = Some(self.rows.iter().map(|s| self.seqs[s].offset).collect());
         Ok(())
     }
@@ -991,13 +1139,16 @@ impl PagedStore {
         Ok(())
     }
 
-    /// The store's whole state as plain data and its two pool planes (a save). Refused while a speculative round
-    /// is armed ([`CacheError::SpecRoundActive`]): what the round wrote is not committed, and a round is not a part.
-    pub fn to_parts(&self) -> Result<(PagedParts, Option<[Array; 2]>)> {
+    /// The store's whole state as plain data and its pool planes (a save). Refused while a speculative round is
+    /// armed ([`CacheError::SpecRoundActive`]) or a prefill pending ([`CacheError::PendingPrefill`]): what they
+    /// wrote is not committed, and neither is a part.
+    pub fn to_parts(&self) -> Result<(PagedParts, Option<Vec<Array>>)> {
         self.no_round()?;
+        self.no_pending()?;
         let parts = PagedParts {
             spec: self.spec,
             pool: self.pool,
+            storage: self.storage,
             refs: self.refs.clone(),
             free: self.free.clone(),
             seqs: self.seqs.iter().map(|(k, v)| (k.0, v.clone())).collect(),
@@ -1010,9 +1161,10 @@ impl PagedStore {
     }
 
     /// A store from saved parts: every table, count, free list, row and index entry is checked against the others
-    /// and the planes' shape ([`PagedStore::audit`] and more); an impossible one is `InvalidState`.
-    pub fn from_parts(parts: PagedParts, planes: Option<[Array; 2]>) -> Result<PagedStore> {
-        let mut st = PagedStore::new(parts.spec, parts.pool)?;
+    /// and the planes' count, shape and dtype ([`PagedStore::audit`] and more); an impossible one is
+    /// `InvalidState`, planes of another layout `ShapeMismatch`.
+    pub fn from_parts(parts: PagedParts, planes: Option<Vec<Array>>) -> Result<PagedStore> {
+        let mut st = PagedStore::with_storage(parts.spec, parts.pool, parts.storage)?;
         let bs = parts.pool.block_size;
         let cap = parts.refs.len();
         if cap > parts.pool.max_blocks {
@@ -1021,10 +1173,23 @@ impl PagedStore {
         match &planes {
             None if cap > 0 => return Err(invalid("a pool of blocks without planes")),
             Some(p) => {
-                let want = [1, parts.spec.heads_kv as i32, dim(cap * bs)?, parts.spec.head_dim as i32];
-                for a in p {
-                    if a.shape() != want || a.dtype() != parts.spec.dtype.to_mlx() {
-                        return Err(shape(format!("pool plane {:?} {:?}, expected {want:?}", a.shape(), a.dtype())));
+                let layout = parts.storage.plane_layout(&parts.spec);
+                if p.len() != layout.len() {
+                    return Err(shape(format!(
+                        "{} pool planes, {:?} storage has {}",
+                        p.len(),
+                        parts.storage,
+                        layout.len()
+                    )));
+                }
+                for (a, (w, dt)) in p.iter().zip(layout) {
+                    let want = [1, parts.spec.heads_kv as i32, dim(cap * bs)?, dim(w)?];
+                    if a.shape() != want || a.dtype() != dt {
+                        return Err(shape(format!(
+                            "pool plane {:?} {:?}, expected {want:?} {dt:?}",
+                            a.shape(),
+                            a.dtype()
+                        )));
                     }
                 }
             }
@@ -1075,7 +1240,7 @@ impl PagedStore {
     }
 }
 
-/// A [`PagedStore`]'s host state as plain data (what a save writes beside the two pool planes).
+/// A [`PagedStore`]'s host state as plain data (what a save writes beside the pool planes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
@@ -1084,6 +1249,9 @@ pub struct PagedParts {
     pub spec: KvSpec,
     /// The pool's geometry and limits.
     pub pool: PoolSpec,
+    /// How the pool stores K and V (plain when a saved state does not say).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub storage: Storage,
     /// Every block's reference count (the pool's capacity is its length).
     pub refs: Vec<u32>,
     /// The free list, bottom to top.

@@ -145,7 +145,7 @@ impl Storage {
     /// rounds some groups differently (measured on an H200: packed words and scales that differ from the CPU's), and
     /// a cache whose bytes depended on the device could not be checked against one reference model, nor persisted
     /// to the same file. On a GPU this costs a CPU hop per write of quantized storage.
-    pub(crate) fn encode(&self, k: &Array, v: &Array) -> Result<Vec<Array>> {
+    pub fn encode(&self, k: &Array, v: &Array) -> Result<Vec<Array>> {
         match self {
             Storage::Plain => Ok(vec![k.clone(), v.clone()]),
             Storage::Affine(q) => {

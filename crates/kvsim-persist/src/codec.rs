@@ -10,7 +10,7 @@
 //! | `kv-plain+row-batch`, `rotating-plain+row-batch` | `keys`, `values` `[B, H_kv, width, D]` with `width = max_r len_r`: every row's columns `[0, width)` | spec, window, per row `offset`, `len`, `idx`, `last_concat`, `base`, `pending` |
 //! | `kv:quant:<bits>:<group>`, `kv:rotating-quant:<bits>:<group>` (and their `+row-batch`) | the six stored planes instead of `keys`, `values`: `keys.packed` (U32, `D * bits / 32` words), `keys.scales`, `keys.biases` (`D / group`, the spec's dtype), and the same three for `values`; columns as for the plain kinds | as for the plain kinds, plus `quant` = `{bits, group}` |
 //! | `kv:bf16-first-quant:<bits>:<group>:<start>`, `kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>` (the bf16-first legos, and so the transitioning rows through their extracted serial rows) | the storage it holds now, as its own codec stores it (`keys`, `values` before the conversion, the six planes after) | `storage` (that storage's kind), `inner` (its codec's state), `converted_at`, `floor` (the lego's own floor: it survives a trim below `start`, so it may exceed the offset) |
-//! | `kv:paged-rows:<block_size>` (one layer's whole paged store) | `keys`, `values` `[1, H_kv, capacity * block_size, D]`: the pool planes, free blocks included (absent before the first write) | the store's `PagedParts`: spec, pool limits, reference counts, free list in stack order, every sequence's block table, offset, token ids and last window, the rows, the prefix index's entries and clock |
+//! | `kv:paged-rows:<block_size>[:quant:<bits>:<group>]` (one layer's whole paged store) | `keys`, `values` `[1, H_kv, capacity * block_size, D]` (affine: the six `keys.packed` ... `values.biases` planes): the pool planes, free blocks included (absent before the first write) | the store's `PagedParts`: spec, pool limits, storage, reference counts, free list in stack order, every sequence's block table, offset, token ids and last window, the rows, the prefix index's entries and clock |
 //!
 //! Quantized caches are stored as quantized: the planes' bytes are exactly what MLX's `quantize` wrote, never
 //! dequantized and quantized again, so a loaded cache continues byte for byte.
@@ -606,10 +606,11 @@ struct SsmState {
     offsets: Vec<usize>,
 }
 
-/// A whole paged store (`kv:paged-rows:<block_size>`): its state is [`PagedParts`] (spec, pool, reference counts,
-/// free list in stack order, every sequence's table, offset, token ids and last window, the rows, the prefix index's
-/// entries and clock); its tensors `keys`, `values` the two pool planes `[1, H_kv, capacity * block_size, D]`
-/// (absent before the first write). Free blocks are stored as they lie (nothing reads them). Loading checks the
+/// A whole paged store (`kv:paged-rows:<block_size>`, `kv:paged-rows:<block_size>:quant:<bits>:<group>`): its
+/// state is [`PagedParts`] (spec, pool, storage, reference counts, free list in stack order, every sequence's table,
+/// offset, token ids and last window, the rows, the prefix index's entries and clock); its tensors the pool planes
+/// `[1, H_kv, capacity * block_size, width]` (absent before the first write), named as every other entry of the
+/// storage names them (`keys`, `values`; or `keys.packed`, `keys.scales`, ... for affine storage). Free blocks are stored as they lie (nothing reads them). Loading checks the
 /// planes' shape and dtype on the host, then every count, table, row and index entry against the others
 /// ([`PagedStore::from_parts`]): an impossible store is a typed error. A store with an armed speculative round is
 /// not saved.
@@ -617,11 +618,11 @@ struct PagedCodec;
 
 impl Codec for PagedCodec {
     fn storage_kind(&self) -> &'static str {
-        "kv:paged-rows:<block_size>"
+        "kv:paged-rows:<block_size>[:quant:<bits>:<group>]"
     }
 
     fn handles(&self, kind: &str) -> bool {
-        parse_paged(&StorageKind::new(kind)).is_some_and(|(_, rows)| rows)
+        parse_paged(&StorageKind::new(kind)).is_some_and(|p| p.rows)
     }
 
     fn encode(&self, cache: &AnyCache) -> Result<Entry> {
@@ -634,9 +635,11 @@ impl Codec for PagedCodec {
         let (parts, planes) = st.to_parts()?;
         let tensors = match planes {
             None => vec![],
-            Some([k, v]) => {
-                vec![("keys".into(), HostTensor::from_array(&k)?), ("values".into(), HostTensor::from_array(&v)?)]
-            }
+            Some(p) => plane_names(&parts.storage)
+                .iter()
+                .zip(&p)
+                .map(|(n, a)| Ok(((*n).to_string(), HostTensor::from_array(a)?)))
+                .collect::<Result<Vec<_>>>()?,
         };
         Ok(Entry {
             storage_kind: st.rows_storage_kind().to_string(),
@@ -648,40 +651,41 @@ impl Codec for PagedCodec {
 
     fn decode(&self, e: &Entry) -> Result<AnyCache> {
         let parts: PagedParts = state_of(e)?;
-        let kind = format!("{}{}", kvsim_cache::PAGED_ROWS_PREFIX, parts.pool.block_size);
+        let kind = kvsim_cache::paged_kind(parts.pool.block_size, true, parts.storage.quant()).to_string();
         if kind != e.storage_kind {
             return Err(PersistError::malformed(format!("a {} entry holding a pool of {kind}", e.storage_kind)));
         }
         let cap = parts.refs.len();
+        let names = plane_names(&parts.storage);
         let planes = if cap == 0 && e.tensors.is_empty() {
             None
         } else {
             let cols = cap.checked_mul(parts.pool.block_size).ok_or_else(|| PersistError::malformed("pool size"))?;
-            let want = [1, parts.spec.heads_kv, cols, parts.spec.head_dim];
             let mut out = vec![];
-            for name in ["keys", "values"] {
+            for (name, (w, dt)) in names.iter().zip(parts.storage.plane_layout(&parts.spec)) {
                 let t = e.tensor(name)?;
-                if t.dtype != kv_dtype(parts.spec.dtype) {
+                let want_dtype = TensorDtype::from_mlx(dt)
+                    .ok_or_else(|| PersistError::malformed(format!("{name}: dtype {dt:?}")))?;
+                if t.dtype != want_dtype {
                     return Err(PersistError::Dtype {
-                        name: name.into(),
-                        expected: kv_dtype(parts.spec.dtype).to_string(),
+                        name: (*name).into(),
+                        expected: want_dtype.to_string(),
                         found: t.dtype.to_string(),
                     });
                 }
+                let want = [1, parts.spec.heads_kv, cols, w];
                 if t.dims4(name)? != want {
                     return Err(PersistError::Shape {
-                        name: name.into(),
+                        name: (*name).into(),
                         what: format!("{:?}, the pool of {cap} blocks needs {want:?}", t.shape),
                     });
                 }
                 out.push(t.to_array()?);
             }
-            if e.tensors.len() != 2 {
+            if e.tensors.len() != names.len() {
                 return Err(PersistError::malformed(format!("a paged entry with {} tensors", e.tensors.len())));
             }
-            let v = out.pop().expect("two planes");
-            let k = out.pop().expect("two planes");
-            Some([k, v])
+            Some(out)
         };
         Ok(AnyCache::Paged(PagedStore::from_parts(parts, planes)?))
     }

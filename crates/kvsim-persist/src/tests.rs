@@ -1244,11 +1244,15 @@ fn a_layer_holding_another_layers_bookkeeping_is_refused() {
     }
 }
 
-/// A paged store: two requests sharing a prefix through the index, one of them a row of the running batch.
-fn paged_store(dtype: KvDtype) -> kvsim_cache::PagedStore {
-    let spec = spec(dtype);
+/// A paged store: two requests sharing a prefix through the index, one of them a row of the running batch. Affine
+/// storage takes a head dim of 64 (the smallest group is 32).
+fn paged_store(dtype: KvDtype, storage: Storage) -> kvsim_cache::PagedStore {
+    let mut spec = spec(dtype);
+    if storage != Storage::Plain {
+        spec.head_dim = 64;
+    }
     let pool = kvsim_cache::PoolSpec { block_size: 3, initial_blocks: 2, max_blocks: 32, grow_by: 2, index_budget: 16 };
-    let mut st = kvsim_cache::PagedStore::new(spec, pool).unwrap();
+    let mut st = kvsim_cache::PagedStore::with_storage(spec, pool, storage).unwrap();
     let prompt: Vec<u32> = (100..108).collect();
     let a = st.open();
     let (k, v, q) = kvq(&spec, 5, 1, 8);
@@ -1268,16 +1272,24 @@ fn paged_store(dtype: KvDtype) -> kvsim_cache::PagedStore {
 #[test]
 fn a_paged_store_round_trips_whole_and_continues_byte_identically() {
     let _g = testlock::shared();
-    for dtype in [KvDtype::F32, KvDtype::Bf16] {
-        let st = paged_store(dtype);
+    let affine = Storage::Affine(QuantSpec { bits: 4, group: 32 });
+    for (dtype, storage) in [
+        (KvDtype::F32, Storage::Plain),
+        (KvDtype::Bf16, Storage::Plain),
+        (KvDtype::F32, affine),
+        (KvDtype::Bf16, affine),
+    ] {
+        let st = paged_store(dtype, storage);
         let AnyCache::Paged(mut back) = roundtrip(&Persisted::new(AnyCache::Paged(st.clone()))).cache else {
             panic!("a paged entry decoded as another cache");
         };
         assert_eq!(back.to_parts().unwrap().0, st.to_parts().unwrap().0, "{dtype:?}: parts");
-        let [k, v] = st.to_parts().unwrap().1.unwrap();
-        let [k2, v2] = back.to_parts().unwrap().1.unwrap();
-        assert_same_bytes(&k, &k2, "K plane");
-        assert_same_bytes(&v, &v2, "V plane");
+        let (planes, again) = (st.to_parts().unwrap().1.unwrap(), back.to_parts().unwrap().1.unwrap());
+        assert_eq!(planes.len(), storage.planes());
+        assert_eq!(back.storage(), storage);
+        for (i, (a, b)) in planes.iter().zip(&again).enumerate() {
+            assert_same_bytes(a, b, &format!("{storage:?}: plane {i}"));
+        }
         // Both continue alike: a decode of the row, a fork of it, a finish into the index.
         let mut orig = st.clone();
         for s in [&mut orig, &mut back] {
@@ -1296,7 +1308,10 @@ fn a_paged_store_round_trips_whole_and_continues_byte_identically() {
         assert_eq!(orig.to_parts().unwrap().0, back.to_parts().unwrap().0, "{dtype:?}: parts after continuing");
         // Its kind routes to the paged codec only; mlx-lm has no class for it.
         let kind = st.rows_storage_kind();
-        assert_eq!(Registry::default().codec(kind.as_str()).unwrap().storage_kind(), "kv:paged-rows:<block_size>");
+        assert_eq!(
+            Registry::default().codec(kind.as_str()).unwrap().storage_kind(),
+            "kv:paged-rows:<block_size>[:quant:<bits>:<group>]"
+        );
         assert!(matches!(mlxlm::from_kvsim(&AnyCache::Paged(st.clone())), Err(PersistError::Unsupported { .. })));
         // The file describes itself.
         let bytes =
@@ -1310,7 +1325,7 @@ fn a_paged_store_round_trips_whole_and_continues_byte_identically() {
 fn paged_entries_that_lie_or_stores_mid_round_are_refused() {
     let _g = testlock::shared();
     let reg = Registry::default();
-    let st = paged_store(KvDtype::F32);
+    let st = paged_store(KvDtype::F32, Storage::Plain);
     let good = reg.encode(&Persisted::new(AnyCache::Paged(st.clone()))).unwrap();
     assert!(reg.decode(&good).is_ok());
     let lie = |f: &dyn Fn(&mut Entry)| {
@@ -1342,6 +1357,16 @@ fn paged_entries_that_lie_or_stores_mid_round_are_refused() {
     assert!(matches!(lie(&|e| e.state["extra"] = 1.into()), Err(PersistError::Malformed { .. })));
     assert!(matches!(lie(&|e| e.storage_kind = "kv:paged-rows:4".into()), Err(PersistError::Malformed { .. })));
     assert!(matches!(lie(&|e| e.storage_kind = "kv:paged:3".into()), Err(PersistError::UnknownKind { .. })));
+    // Plain planes under an affine kind, and affine state with two plain planes: refused, typed.
+    assert!(matches!(
+        lie(&|e| e.storage_kind = "kv:paged-rows:3:quant:4:32".into()),
+        Err(PersistError::Malformed { .. })
+    ));
+    assert!(lie(&|e| {
+        e.state["storage"] = serde_json::json!({"Affine": {"bits": 4, "group": 32}});
+        e.storage_kind = "kv:paged-rows:3:quant:4:32".into();
+    })
+    .is_err());
     // A save while a speculative round is armed is refused, and the store is unchanged.
     let mut armed = st.clone();
     armed.round_begin().unwrap();

@@ -401,3 +401,207 @@ fn a_speculative_round_rolls_back_per_row_and_refuses_a_save_while_armed() {
     st.round_commit().unwrap();
     st.to_parts().unwrap();
 }
+
+/// Affine storage: the same prefix sharing and rows, checked against serial quantized caches (outputs and all six
+/// planes, bytes).
+#[test]
+fn affine_sequences_and_rows_match_serial_quantized_caches() {
+    let quant = crate::QuantSpec { bits: 4, group: 32 };
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = KvSpec { head_dim: 64, ..spec(dtype) };
+        let storage = Storage::Affine(quant);
+        let mut st = PagedStore::with_storage(spec, pool(3, 64), storage).unwrap();
+        assert_eq!(st.rows_storage_kind().as_str(), "kv:paged-rows:3:quant:4:32");
+        assert_eq!(st.bytes_per_token(), storage.bytes_per_token(&spec));
+        assert_eq!(st.bytes_for_tokens(4), 6 * storage.bytes_per_token(&spec));
+        let twin = || crate::QuantizedKvCache::new(spec, quant).unwrap();
+        let same_planes = |st: &PagedStore, s: SeqId, t: &SerialCache, what: &str| {
+            let (a, b) = (st.fetch_planes(s).unwrap(), t.temporal_view_planes().unwrap());
+            assert_eq!(a.len(), 6);
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert_same_bytes(x, y, &format!("{dtype:?} {what}: plane {i}"));
+            }
+        };
+        // A cold request fills the index; a warm one shares its full blocks, and its twin computes them itself.
+        let a = st.open();
+        let mut ta = twin();
+        let (k, v, q) = kv_of(&spec, 1, 0, 7);
+        let got = st.window(a, &toks(1, 0, 7), &k, &v, &q, SCALE).unwrap();
+        let (want, _) = ta.window(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+        assert_same_bytes(&got, &want, &format!("{dtype:?}: cold window"));
+        st.finish(a).unwrap();
+        let (b, hit) = st.open_with_prefix(&toks(1, 0, 9), 8);
+        assert_eq!(hit.positions, 6);
+        let mut tb = twin();
+        let (k, v, q) = kv_of(&spec, 1, 0, 6);
+        tb.window(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+        same_planes(&st, b, &tb, "warm prefix");
+        let c = st.open();
+        let mut tc = twin();
+        let (k, v, q) = kv_of(&spec, 2, 0, 2);
+        st.window(c, &toks(2, 0, 2), &k, &v, &q, SCALE).unwrap();
+        tc.window(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+        st.join(&[b, c]).unwrap();
+        // Rows of different lengths (6 and 2): decodes and a window, each row against its twin.
+        let masks = Masks::new();
+        let (mut nb, mut nc) = (6, 2);
+        for step in 0..3 {
+            let l = if step == 1 { 3 } else { 1 };
+            let parts = [kv_of(&spec, 1, nb, nb + l), kv_of(&spec, 2, nc, nc + l)];
+            let (ck, cv, cq) = join_along(&parts, 0);
+            let out = if l == 1 {
+                st.rows_decode(&[toks(1, nb, nb + 1)[0], toks(2, nc, nc + 1)[0]], &ck, &cv, &cq, SCALE, &masks)
+            } else {
+                st.rows_window(&[toks(1, nb, nb + l), toks(2, nc, nc + l)], &ck, &cv, &cq, SCALE, &masks)
+            }
+            .unwrap()
+            .0;
+            for (r, t) in [&mut tb, &mut tc].into_iter().enumerate() {
+                let (k, v, q) = &parts[r];
+                let want = if l == 1 { t.decode(k, v, q, SCALE, &masks) } else { t.window(k, v, q, SCALE, &masks) };
+                assert_same_bytes(&row(&out, r), &want.unwrap().0, &format!("{dtype:?} step {step} row {r}"));
+            }
+            nb += l;
+            nc += l;
+            same_planes(&st, b, &tb, &format!("step {step} row 0"));
+            same_planes(&st, c, &tc, &format!("step {step} row 1"));
+            st.audit().unwrap();
+        }
+        // The dense view is MLX's dequantize of the planes.
+        let (k, _) = st.fetch(b).unwrap();
+        let (tk, _) = tb.temporal_view().unwrap();
+        assert_same_bytes(&k, &tk, &format!("{dtype:?}: dequantized K"));
+        // Saved and restored with its storage.
+        let (parts, planes) = st.to_parts().unwrap();
+        assert_eq!(parts.storage, storage);
+        let back = PagedStore::from_parts(parts.clone(), planes.clone()).unwrap();
+        assert_eq!(back.to_parts().unwrap().0, parts);
+        let mut two = planes.clone().unwrap();
+        two.truncate(2);
+        assert!(matches!(PagedStore::from_parts(parts, Some(two)), Err(CacheError::ShapeMismatch { .. })));
+    }
+    // Parameters MLX refuses, and a head dim the group does not divide.
+    let bad = Storage::Affine(crate::QuantSpec { bits: 7, group: 32 });
+    assert!(matches!(
+        PagedStore::with_storage(KvSpec { head_dim: 64, ..spec(KvDtype::F32) }, pool(3, 8), bad),
+        Err(CacheError::InvalidQuant { .. })
+    ));
+    assert!(matches!(
+        PagedStore::with_storage(spec(KvDtype::F32), pool(3, 8), Storage::Affine(quant)),
+        Err(CacheError::InvalidQuant { .. })
+    ));
+}
+
+/// A right-padded prefill into rows that already hold positions: each row takes its own real positions of every
+/// chunk and nothing else (no block for padding); while it is pending, everything that would change the rows or
+/// read past the prefill is refused with nothing changed.
+#[test]
+fn a_right_padded_prefill_takes_only_each_rows_real_positions() {
+    let quant = crate::QuantSpec { bits: 8, group: 32 };
+    for storage in [Storage::Plain, Storage::Affine(quant)] {
+        let spec = KvSpec { head_dim: 32, ..spec(KvDtype::F32) };
+        let mut st = PagedStore::with_storage(spec, pool(2, 64), storage).unwrap();
+        let twin = || match storage {
+            Storage::Plain => KvCache::new(spec).unwrap(),
+            Storage::Affine(q) => crate::QuantizedKvCache::new(spec, q).unwrap(),
+        };
+        let mut seqs = vec![];
+        let mut twins = vec![];
+        for (family, len) in [(1u32, 3usize), (2, 1), (3, 2)] {
+            let s = st.open();
+            let mut t = twin();
+            let (k, v, q) = kv_of(&spec, family, 0, len);
+            st.window(s, &toks(family, 0, len), &k, &v, &q, SCALE).unwrap();
+            t.window(&k, &v, &q, SCALE, &Masks::new()).unwrap();
+            seqs.push((s, family, len));
+            twins.push(t);
+        }
+        st.join(&seqs.iter().map(|x| x.0).collect::<Vec<_>>()).unwrap();
+        assert!(matches!(st.rows_prepare(&[1, 2]), Err(CacheError::BadLengths { .. })));
+        st.rows_prepare(&[5, 0, 2]).unwrap();
+        assert!(st.is_pending());
+        // Refused while pending, nothing changed.
+        let before = format!("{st:?}");
+        let (k1, v1, q1) = join_along(&[kvq(&spec, 9, 1, 1), kvq(&spec, 10, 1, 1), kvq(&spec, 11, 1, 1)], 0);
+        let masks = Masks::new();
+        assert!(matches!(st.rows_decode(&[1, 2, 3], &k1, &v1, &q1, SCALE, &masks), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.rows_prepare(&[1, 1, 1]), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.filter(&[0]), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.extract(0), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.rows_trim(&[1, 0, 0], false), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.trim(seqs[0].0, 1, false), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.round_begin(), Err(CacheError::PendingPrefill)));
+        assert!(matches!(st.to_parts(), Err(CacheError::PendingPrefill)));
+        assert_eq!(format!("{st:?}"), before);
+        // Chunks of 2: rows take (2, 0, 2), then (2, 0, 0); then a finalize forgets the fifth position of row 0.
+        let mut offsets: Vec<usize> = seqs.iter().map(|x| x.2).collect();
+        let mut pending = [5usize, 0, 2];
+        for chunk in 0..2 {
+            let parts: Vec<(Array, Array, Array)> =
+                seqs.iter().zip(&offsets).map(|(&(_, f, _), &o)| kv_of(&spec, f, o, o + 2)).collect();
+            let (ck, cv, cq) = join_along(&parts, 0);
+            let tokens: Vec<Vec<u32>> = seqs.iter().zip(&offsets).map(|(&(_, f, _), &o)| toks(f, o, o + 2)).collect();
+            let (out, _) = st.rows_window(&tokens, &ck, &cv, &cq, SCALE, &masks).unwrap();
+            for r in 0..3 {
+                let n = pending[r].min(2);
+                pending[r] -= n;
+                if n == 0 {
+                    continue;
+                }
+                let (k, v, q) = &parts[r];
+                let cut = |a: &Array| crate::util::cols(a, 0, n).unwrap();
+                let (want, _) = twins[r].window(&cut(k), &cut(v), &cut(q), SCALE, &masks).unwrap();
+                let got = crate::util::cols(&row(&out, r), 0, n).unwrap();
+                assert_same_bytes(&got, &want, &format!("{storage:?} chunk {chunk} row {r}"));
+                offsets[r] += n;
+            }
+            for (r, t) in twins.iter().enumerate() {
+                assert_eq!(st.seq(seqs[r].0).unwrap().offset, offsets[r]);
+                let (a, b) = (st.fetch_planes(seqs[r].0).unwrap(), t.temporal_view_planes().unwrap());
+                for (x, y) in a.iter().zip(&b) {
+                    assert_same_bytes(x, y, &format!("{storage:?} chunk {chunk} row {r}: planes"));
+                }
+            }
+            st.audit().unwrap();
+        }
+        assert_eq!(offsets, [7, 1, 4]);
+        st.rows_finalize().unwrap();
+        assert!(matches!(st.rows_finalize(), Err(CacheError::NoPendingPrefill)));
+        // A block per two positions, none for padding or the forgotten position.
+        let held: usize = seqs.iter().map(|x| st.seq(x.0).unwrap().table.len()).sum();
+        assert_eq!(held, 4 + 1 + 2);
+        // The rows decode again, each as its twin.
+        let (out, _) = st.rows_decode(&[1, 2, 3], &k1, &v1, &q1, SCALE, &masks).unwrap();
+        for (r, t) in twins.iter_mut().enumerate() {
+            let (k, v, q) = kvq(&spec, 9 + r as u64, 1, 1);
+            let (want, _) = t.decode(&k, &v, &q, SCALE, &masks).unwrap();
+            assert_same_bytes(&row(&out, r), &want, &format!("{storage:?}: decode after finalize, row {r}"));
+        }
+    }
+}
+
+#[test]
+fn paged_kinds_parse_exactly_as_they_are_written() {
+    use crate::kind::{paged_kind, parse_paged};
+    let q = crate::QuantSpec { bits: 4, group: 64 };
+    for (bs, rows, quant) in [(1, false, None), (256, true, None), (3, false, Some(q)), (16, true, Some(q))] {
+        let k = paged_kind(bs, rows, quant);
+        assert_eq!(parse_paged(&k), Some(crate::kind::PagedKind { block_size: bs, rows, quant }), "{k}");
+        let caps = crate::Capabilities::of(&k);
+        assert!(caps.known && caps.row_batch == rows && caps.quantized == quant.is_some(), "{k}: {caps:?}");
+    }
+    for bad in [
+        "kv:paged:0",
+        "kv:paged:03",
+        "kv:paged:+3",
+        "kv:paged:3:",
+        "kv:paged:3:quant:4",
+        "kv:paged:3:quant:7:32",
+        "kv:paged:3:quant:4:48",
+        "kv:paged:3:quant:04:32",
+        "kv:paged:3:affine:4:32",
+        "kv:paged-rows:3:quant:4:32:1",
+    ] {
+        assert_eq!(parse_paged(&StorageKind::new(bad)), None, "{bad}");
+    }
+}

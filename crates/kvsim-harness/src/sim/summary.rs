@@ -92,6 +92,13 @@ pub struct PagedCounts {
     pub placement_compared: u64,
     /// Pool accountings (tables, counts, free list, index) compared with the model.
     pub pool_checks: u64,
+    /// Chunks of right-padded prefills delivered to the running batch (each row's real positions only).
+    #[serde(default)]
+    pub prefill_chunks: u64,
+    /// Live requests' stored planes checked in affine (quantized) pools, against the twin and the reference
+    /// quantizer's triples.
+    #[serde(default)]
+    pub affine_states: u64,
 }
 
 impl PagedCounts {
@@ -109,6 +116,8 @@ impl PagedCounts {
         self.warm_vs_cold += o.warm_vs_cold;
         self.placement_compared += o.placement_compared;
         self.pool_checks += o.pool_checks;
+        self.prefill_chunks += o.prefill_chunks;
+        self.affine_states += o.affine_states;
     }
 }
 

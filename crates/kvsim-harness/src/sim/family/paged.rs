@@ -1,13 +1,18 @@
 //! The paged family (`kv:paged`, docs/paged.md): one [`PagedStore`] per layer, whose pool every request, the
 //! running batch's rows and the prefix index share, checked after every op against three things:
-//! - a **cold twin** per request and layer: a plain linear [`KvCache`] fed the same K/V and queries, which never
-//!   shares anything (a request that took a prefix from the index has its twin compute that prefix itself): every
-//!   read's output and every live request's logical contents must be its twin's, bytes;
+//! - a **cold twin** per request and layer: a linear serial cache of the same storage ([`KvCache`], or
+//!   [`QuantizedKvCache`] for affine pools) fed the same K/V and queries, which never shares anything (a request
+//!   that took a prefix from the index has its twin compute that prefix itself): every read's output and every
+//!   live request's stored planes must be its twin's, bytes;
 //! - a **placement twin**: a second store of layer 0 whose free list hands blocks out in a permuted order, fed the
 //!   same ops: outputs and logical contents must be the same bytes (physical placement never matters);
 //! - the **reference model** ([`PoolModel`]): every table, reference count, the free list, the index's entries and
 //!   clock, and the verdict of every write (`PoolExhausted` with the same counts) and trim; plus every stored
-//!   column's bytes against the value space's values of the token it should hold.
+//!   column's bytes against the value space's values of the token it should hold (for affine pools, against the
+//!   reference quantizer's triple of those values, `kvsim_reference::quant`).
+//!
+//! Storage: plain planes in most runs; affine (bits and group drawn, KV4 and KV8 most often, as upstream's pools
+//! hold) in about a third, with the family's own head dim (the run's is below every group MLX accepts).
 //!
 //! Values are **content-defined**: a position's K/V/Q are the value space's for a token that identifies the whole
 //! prefix up to it (an interned hash chain of the token ids), so two requests with the same prompt prefix have the
@@ -18,7 +23,9 @@
 //! Lifecycle: before a request's first window, its prompt (its next `len + share_max` tokens) is looked up in the
 //! index (all but its last position at most, full blocks only), and the window computes its `len` positions after
 //! the prefix it got; `extract` with finish and `filter` end requests, whose full blocks enter the index. The layout is
-//! linear (no window): the attention family's window does not apply to it.
+//! linear (no window): the attention family's window does not apply to it. Prefills of the running batch are
+//! right-padded (`Op::Prepare` into rows that may hold positions, `Op::BatchPrefill` of fresh requests that join as
+//! rows): each row takes only its real positions of every chunk, and only those are compared with its twin.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -36,7 +43,9 @@ use crate::sim::rng::{stream, Stream};
 use crate::sim::roster::Change;
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
-use kvsim_cache::{CacheError, KvCache, KvSpec, Masks, PagedStore, PoolSpec, SeqId, SerialCache};
+use kvsim_cache::{
+    CacheError, KvCache, KvSpec, Masks, PagedStore, PoolSpec, QuantSpec, QuantizedKvCache, SeqId, SerialCache, Storage,
+};
 use kvsim_reference::paged::{PoolLimits, PoolModel, PoolVerdict};
 use kvsim_reference::{Tensor, Tok, ValueSpace};
 
@@ -62,6 +71,8 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::Filter
             | OpKind::Trim
             | OpKind::Persist
+            | OpKind::Prepare
+            | OpKind::BatchPrefill
             | OpKind::Paged
     )
 }
@@ -95,6 +106,17 @@ pub struct PagedChoice {
     pub share_max: u32,
     /// Weight of the family's own ops in this run.
     pub weight: u32,
+    /// Affine storage of the pool (`None`: plain planes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<PagedQuant>,
+}
+
+/// An affine pool's parameters and the family's head dim for it (a multiple of the group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PagedQuant {
+    pub bits: usize,
+    pub group: usize,
+    pub head_dim: usize,
 }
 
 impl PagedChoice {
@@ -111,7 +133,29 @@ impl PagedChoice {
         let groups = rng.random_range(1..=2);
         let share_max = rng.random_range(4..=32);
         let weight = rng.random_range(1..=4);
-        PagedChoice { block_size, initial_blocks, grow_by, cap_positions, index_budget, groups, share_max, weight }
+        // Drawn last, so the draws above are those of runs before affine pools existed.
+        let quant = rng.random_bool(0.35).then(|| {
+            let bits = [4usize, 4, 8, 8, 2, 3, 5, 6][rng.random_range(0..8)];
+            let group = kvsim_cache::QUANT_GROUPS[rng.random_range(0..kvsim_cache::QUANT_GROUPS.len())];
+            let dims: Vec<usize> = [32usize, 64, 128].into_iter().filter(|d| d % group == 0).collect();
+            PagedQuant { bits, group, head_dim: dims[rng.random_range(0..dims.len())] }
+        });
+        PagedChoice {
+            block_size,
+            initial_blocks,
+            grow_by,
+            cap_positions,
+            index_budget,
+            groups,
+            share_max,
+            weight,
+            quant,
+        }
+    }
+
+    /// How the pool stores K and V.
+    pub fn storage(&self) -> Storage {
+        self.quant.map_or(Storage::Plain, |q| Storage::Affine(QuantSpec { bits: q.bits, group: q.group }))
     }
 
     pub fn of(cfg: &SimConfig) -> Option<PagedChoice> {
@@ -181,9 +225,11 @@ struct Req {
 
 /// One run's paged layers.
 pub struct Paged {
+    /// The run's config, with the family's own head dim for an affine pool.
     cfg: SimConfig,
     vs: ValueSpace,
     spec: KvSpec,
+    storage: Storage,
     choice: PagedChoice,
     stores: Vec<PagedStore>,
     /// Layer 0 again, with a permuted free list.
@@ -215,12 +261,19 @@ impl Paged {
     pub fn new(cfg: &SimConfig) -> Res<Paged> {
         let choice = PagedChoice::of(cfg)
             .ok_or_else(|| Failure::new("setup", "the paged family needs the config's paged parameters"))?;
-        let (spec, vs) = (cfg.kv_spec(), cfg.value_space());
+        let mut cfg = cfg.clone();
+        if let Some(q) = choice.quant {
+            cfg.head_dim = q.head_dim;
+        }
+        let cfg = &cfg;
+        let (spec, vs, storage) = (cfg.kv_spec(), cfg.value_space(), choice.storage());
         let pool = choice.pool();
         let setup = |e: CacheError| Failure::new("setup", e.to_string());
-        let stores =
-            (0..cfg.layers).map(|_| PagedStore::new(spec, pool)).collect::<Result<Vec<_>, _>>().map_err(setup)?;
-        let placement = PagedStore::new(spec, pool).map_err(setup)?.with_free_order(cfg.payload_seed);
+        let stores = (0..cfg.layers)
+            .map(|_| PagedStore::with_storage(spec, pool, storage))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(setup)?;
+        let placement = PagedStore::with_storage(spec, pool, storage).map_err(setup)?.with_free_order(cfg.payload_seed);
         let limits = PoolLimits {
             block_size: pool.block_size,
             initial_blocks: pool.initial_blocks,
@@ -232,6 +285,7 @@ impl Paged {
             cfg: cfg.clone(),
             vs,
             spec,
+            storage,
             choice,
             stores,
             placement,
@@ -287,7 +341,11 @@ impl Paged {
     }
 
     fn new_twin(&self) -> Res<SerialCache> {
-        KvCache::new(self.spec).map_err(|e| Failure::new("setup", e.to_string()))
+        match self.storage {
+            Storage::Plain => KvCache::new(self.spec),
+            Storage::Affine(q) => QuantizedKvCache::new(self.spec, q),
+        }
+        .map_err(|e| Failure::new("setup", e.to_string()))
     }
 
     /// Compares outputs byte for byte: `outs[i]` against `twins[i]`; the placement store's against layer 0's.
@@ -357,7 +415,7 @@ impl Paged {
 
     // ----- lifecycle ---------------------------------------------------------------------------------------------
 
-    fn carry_out(&mut self, change: &Change) -> Res<bool> {
+    fn carry_out(&mut self, cx: &mut Cx<'_>, change: &Change) -> Res<bool> {
         match change {
             Change::Admit { req } => {
                 let m = self.model.open();
@@ -417,7 +475,28 @@ impl Paged {
                     self.end(*id)?;
                 }
             }
-            Change::Prefill { .. } => return Err(Failure::new("setup", "the paged family has no batch prefill")),
+            Change::Prefill { ids, lens, chunk, .. } => {
+                // Each fresh request's prompt is looked up in the index first (as before a solo window: the prefill
+                // then computes its positions after the prefix it got); the requests join as rows, then one
+                // right-padded prefill of the whole batch in which the running rows take no position.
+                for (id, &len) in ids.iter().zip(lens) {
+                    let mut r = self.reqs[id].clone();
+                    if !r.looked_up && r.tokens.is_empty() {
+                        r.looked_up = true;
+                        self.lookup(&mut r, len + self.choice.share_max as usize)?;
+                    }
+                    self.reqs.insert(*id, r);
+                }
+                let seqs: Vec<SeqId> = ids.iter().map(|id| self.reqs[id].seq).collect();
+                for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+                    st.join(&seqs).map_err(|e| cache_fail("join (fresh rows)", e))?;
+                }
+                self.model.rows.extend(seqs.iter().map(|s| s.0));
+                let rows: Vec<u32> = cx.roster.rows().to_vec();
+                let mut all = vec![0; rows.len() - ids.len()];
+                all.extend_from_slice(lens);
+                self.prefill(cx, &rows, &all, *chunk, usize::MAX)?;
+            }
         }
         Ok(true)
     }
@@ -784,6 +863,135 @@ impl Paged {
         Ok(true)
     }
 
+    /// A right-padded prefill of the running batch (rows `ids`, in row order): `rows_prepare(lens)` on every
+    /// store; while it is pending, a decode, a second prepare, a filter, a save and a round are
+    /// `PendingPrefill` with nothing changed; then at most `max_chunks` window chunks of `chunk` positions, in which
+    /// row `r` takes `min(left_r, L)` real positions (only those are compared with its twin, and only those take pool
+    /// blocks); then `rows_finalize` (the undelivered positions are forgotten), and a second finalize is
+    /// `NoPendingPrefill`. A chunk the pool cannot hold is `PoolExhausted` with nothing changed, and ends the
+    /// prefill there.
+    fn prefill(&mut self, cx: &mut Cx<'_>, ids: &[u32], lens: &[usize], chunk: usize, max_chunks: usize) -> Res<()> {
+        let (h, hq, d, dt) = (self.cfg.heads_kv, self.cfg.heads_q, self.cfg.head_dim, self.dtype());
+        let b = ids.len();
+        let zeros = |heads: usize| mlx_rs::ops::zeros_dtype(&[b as i32, heads as i32, 1, d as i32], dt);
+        let (zk, zq) = (zeros(h).map_err(|e| mlx_fail("zeros", e))?, zeros(hq).map_err(|e| mlx_fail("zeros", e))?);
+        for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+            st.rows_prepare(lens).map_err(|e| cache_fail("rows_prepare", e))?;
+            let before = format!("{st:?}");
+            let refused = [
+                st.rows_decode(&vec![0; b], &zk, &zk, &zq, 1.0, &Masks::new()).map(|_| ()),
+                st.rows_prepare(lens),
+                st.filter(&[]).map(|_| ()),
+                st.to_parts().map(|_| ()),
+                st.round_begin(),
+            ];
+            if refused.iter().any(|r| !matches!(r, Err(CacheError::PendingPrefill))) {
+                return check::fail(Failure::new(
+                    "errors",
+                    format!("a decode, prepare, filter, save and round while a prefill is pending: {refused:?}"),
+                ));
+            }
+            if format!("{st:?}") != before {
+                return check::fail(pool_fail("a refused call during a prefill changed the store".to_string()));
+            }
+            self.counters.record_rejected("paged_pending_prefill");
+        }
+        let scale = self.cfg.scale();
+        let masks = Masks::new();
+        let total = lens.iter().copied().max().unwrap_or(0);
+        let mut left = lens.to_vec();
+        let (mut done, mut chunks) = (0, 0);
+        while done < total && chunks < max_chunks {
+            chunks += 1;
+            let l = chunk.min(total - done);
+            let real: Vec<usize> = left.iter().map(|&n| n.min(l)).collect();
+            let next: Vec<(Vec<u32>, Vec<u64>, Vec<Tok>)> = ids
+                .iter()
+                .zip(&real)
+                .map(|(id, &n)| {
+                    let r = self.reqs[id].clone();
+                    self.next(&r, n)
+                })
+                .collect();
+            let written: Vec<usize> = (0..b).filter(|&r| real[r] > 0).collect();
+            let writes: Vec<(u64, usize)> = written.iter().map(|&r| (self.reqs[&ids[r]].seq.0, real[r])).collect();
+            let verdict = self.model.check_write(&writes);
+            let before = self.model.clone();
+            // Every row's chunk: its real positions, then padding (token id 0, the value space's pad values).
+            let tokens: Vec<Vec<u32>> =
+                next.iter().map(|x| x.0.iter().copied().chain(std::iter::repeat(0)).take(l).collect()).collect();
+            let padded: Vec<Vec<Option<Tok>>> = next
+                .iter()
+                .map(|x| x.2.iter().copied().map(Some).chain(std::iter::repeat(None)).take(l).collect())
+                .collect();
+            let mut twins: Vec<Vec<SerialCache>> = ids.iter().map(|id| self.reqs[id].twin.clone()).collect();
+            let mut pairs = vec![];
+            let mut warm = false;
+            for layer in 0..self.cfg.layers {
+                let (k, v, q) = (
+                    payload_block(&self.cfg, &self.vs, layer, Tensor::K, &padded)?,
+                    payload_block(&self.cfg, &self.vs, layer, Tensor::V, &padded)?,
+                    payload_block(&self.cfg, &self.vs, layer, Tensor::Q, &padded)?,
+                );
+                let got = self.stores[layer].rows_window(&tokens, &k, &v, &q, scale, &masks);
+                self.write_matches("prefill chunk", &verdict, &got.as_ref().map(|_| ()).map_err(Clone::clone))?;
+                if layer == 0 {
+                    let p = self.placement.rows_window(&tokens, &k, &v, &q, scale, &masks);
+                    self.write_matches("placement prefill", &verdict, &p.as_ref().map(|_| ()).map_err(Clone::clone))?;
+                    if let (Ok(a), Ok(b)) = (&got, p) {
+                        pairs.push((a.0.clone(), b.0));
+                        self.counters.paged.placement_compared += 1;
+                    }
+                }
+                let Ok((out, _)) = got else { continue };
+                for &r in &written {
+                    warm |= self.reqs[&ids[r]].warm;
+                    let (k, v, q) = self.kvq(layer, &[next[r].2.clone()])?;
+                    let (t, _) =
+                        twins[r][layer].window(&k, &v, &q, scale, &Masks::new()).map_err(|e| cache_fail("twin", e))?;
+                    let at = Array::from_slice(&[r as i32], &[1]);
+                    let row = out.take_axis(&at, 0).map_err(|e| mlx_fail("row", e))?;
+                    let cut: Vec<i32> = (0..real[r] as i32).collect();
+                    let row =
+                        row.take_axis(Array::from_slice(&cut, &[real[r] as i32]), 2).map_err(|e| mlx_fail("cut", e))?;
+                    pairs.push((row, t));
+                }
+            }
+            if verdict.is_err() {
+                self.counters.paged.pool_exhausted += 1;
+                self.counters.expected_errors += 1;
+                break;
+            }
+            let seqs: Vec<u64> = writes.iter().map(|w| w.0).collect();
+            let toks: Vec<Vec<u32>> = written.iter().map(|&r| next[r].0.clone()).collect();
+            self.model.write(&seqs, &toks, true);
+            self.count_write(&before, &writes);
+            let refs: Vec<(&Array, &Array)> = pairs.iter().map(|(a, b)| (a, b)).collect();
+            self.compare_outputs(cx, "prefill chunk against the twins", &refs, warm)?;
+            for (r, id) in ids.iter().enumerate() {
+                let (ts, hs, toks) = next[r].clone();
+                let e = self.reqs.get_mut(id).expect("live");
+                e.tokens.extend(ts);
+                e.chain.extend(hs);
+                e.toks.extend(toks);
+                e.twin = std::mem::take(&mut twins[r]);
+                left[r] -= real[r];
+            }
+            self.counters.paged.prefill_chunks += 1;
+            done += l;
+        }
+        for st in self.stores.iter_mut().chain(std::iter::once(&mut self.placement)) {
+            st.rows_finalize().map_err(|e| cache_fail("rows_finalize", e))?;
+            match st.rows_finalize() {
+                Err(CacheError::NoPendingPrefill) => self.counters.expected_errors += 1,
+                other => {
+                    return check::fail(Failure::new("errors", format!("a second finalize: {other:?}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
     // ----- the family's own ops and save/restore -----------------------------------------------------------------
 
     /// Parallel sampling from request `id` (see [`PagedAction::Fork`]).
@@ -909,12 +1117,14 @@ impl Paged {
             }
             match (planes, &back) {
                 (None, None) => {}
-                (Some([k, v]), Some([k2, v2])) => {
-                    let bytes = ArrayBytes::read_many(&[k, v, k2, v2]).map_err(|e| mlx_fail("read planes", e))?;
-                    check::bytes_equal(&format!("store {i}: restored K plane"), &bytes[0], &bytes[2])?;
-                    check::bytes_equal(&format!("store {i}: restored V plane"), &bytes[1], &bytes[3])?;
-                    cx.hasher.update(&bytes[0].digest());
-                    cx.hasher.update(&bytes[1].digest());
+                (Some(p), Some(p2)) if p.len() == p2.len() => {
+                    let all: Vec<&Array> = p.iter().chain(p2).collect();
+                    let bytes = ArrayBytes::read_many(&all).map_err(|e| mlx_fail("read planes", e))?;
+                    let (a, b) = bytes.split_at(p.len());
+                    for (j, (x, y)) in a.iter().zip(b).enumerate() {
+                        check::bytes_equal(&format!("store {i}: restored plane {j}"), x, y)?;
+                        cx.hasher.update(&x.digest());
+                    }
                 }
                 _ => {
                     return check::fail(Failure::new("persist", format!("store {i}: planes lost or gained")))
@@ -976,51 +1186,60 @@ impl Paged {
         Ok(())
     }
 
-    /// One request's logical contents in every layer: against its twin, the placement store (layer 0) and the
-    /// value space's values of the tokens it holds, bytes.
+    /// One request's logical contents in every layer: its stored planes against its twin's, the placement store's
+    /// (layer 0) and the value space's values of the tokens it holds (plain planes: the values themselves; affine
+    /// planes: the reference quantizer's triple of each), bytes.
     fn check_request(&mut self, cx: &mut Cx<'_>, r: &Req, what: &str) -> Res<()> {
+        let n = self.storage.planes();
+        let plain = self.storage == Storage::Plain;
         let mut arrays: Vec<Array> = vec![];
         for layer in 0..self.cfg.layers {
-            let (k, v) = self.stores[layer].fetch(r.seq).map_err(|e| cache_fail("fetch", e))?;
-            let (tk, tv) = r.twin[layer].temporal_view().map_err(|e| cache_fail("twin view", e))?;
-            arrays.extend([k, v, tk, tv]);
-            if !r.toks.is_empty() {
+            arrays.extend(self.stores[layer].fetch_planes(r.seq).map_err(|e| cache_fail("fetch", e))?);
+            arrays.extend(r.twin[layer].temporal_view_planes().map_err(|e| cache_fail("twin view", e))?);
+            if plain && !r.toks.is_empty() {
                 let t = vec![r.toks.iter().copied().map(Some).collect::<Vec<_>>()];
                 arrays.push(payload_block(&self.cfg, &self.vs, layer, Tensor::K, &t)?);
                 arrays.push(payload_block(&self.cfg, &self.vs, layer, Tensor::V, &t)?);
             }
             if layer == 0 {
-                let (pk, pv) = self.placement.fetch(r.seq).map_err(|e| cache_fail("placement fetch", e))?;
-                arrays.extend([pk, pv]);
+                arrays.extend(self.placement.fetch_planes(r.seq).map_err(|e| cache_fail("placement fetch", e))?);
             }
         }
         let refs: Vec<&Array> = arrays.iter().collect();
         let b = ArrayBytes::read_many(&refs).map_err(|e| mlx_fail("read contents", e))?;
         let mut i = 0;
         for layer in 0..self.cfg.layers {
-            let (k, v, tk, tv) = (&b[i], &b[i + 1], &b[i + 2], &b[i + 3]);
-            i += 4;
-            check::bytes_equal(&format!("{what} layer {layer}: K against the twin"), k, tk)?;
-            check::bytes_equal(&format!("{what} layer {layer}: V against the twin"), v, tv)?;
-            cx.hasher.update(&k.digest());
-            cx.hasher.update(&v.digest());
+            let (mine, twin) = (&b[i..i + n], &b[i + n..i + 2 * n]);
+            i += 2 * n;
+            for (j, (p, t)) in mine.iter().zip(twin).enumerate() {
+                check::bytes_equal(&format!("{what} layer {layer}: plane {j} against the twin"), p, t)?;
+                cx.hasher.update(&p.digest());
+            }
             if !r.toks.is_empty() {
-                let (mk, mv) = (&b[i], &b[i + 1]);
-                i += 2;
-                for (found, want, t) in [(k, mk, "K"), (v, mv, "V")] {
-                    if found.first_difference(want).is_some() {
-                        return check::fail(Failure::new(
-                            "layout",
-                            format!("{what} layer {layer}: {t} does not hold the values of the tokens it should"),
-                        ));
+                if plain {
+                    let (mk, mv) = (&b[i], &b[i + 1]);
+                    i += 2;
+                    for (found, want, t) in [(&mine[0], mk, "K"), (&mine[1], mv, "V")] {
+                        if found.first_difference(want).is_some() {
+                            return check::fail(Failure::new(
+                                "layout",
+                                format!("{what} layer {layer}: {t} does not hold the values of the tokens it should"),
+                            ));
+                        }
                     }
+                } else if let Some(q) = self.storage.quant() {
+                    let rq = kvsim_reference::quant::RefQuant { bits: q.bits, group: q.group };
+                    let w = format!("{what} layer {layer}");
+                    crate::sim::family::quant::planes_vs_model(&w, &self.vs, layer as u32, rq, mine, &r.toks)?;
+                    self.counters.paged.affine_states += 1;
                 }
                 self.counters.model_checks += 1;
             }
             if layer == 0 {
-                check::bytes_equal(&format!("{what}: K of the placement store"), k, &b[i])?;
-                check::bytes_equal(&format!("{what}: V of the placement store"), v, &b[i + 1])?;
-                i += 2;
+                for (j, p) in mine.iter().enumerate() {
+                    check::bytes_equal(&format!("{what}: plane {j} of the placement store"), p, &b[i + j])?;
+                }
+                i += n;
                 self.counters.paged.placement_compared += 1;
             }
             self.counters.record_state(self.dtype(), 1);
@@ -1051,7 +1270,7 @@ impl Family for Paged {
 
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
         if let Some(change) = cx.change {
-            return self.carry_out(change);
+            return self.carry_out(cx, change);
         }
         match op {
             Op::Admit { .. } | Op::Merge { .. } | Op::Join { .. } | Op::Filter { .. } | Op::BatchPrefill { .. } => {
@@ -1097,6 +1316,15 @@ impl Family for Paged {
                 Ok(true)
             }
             Op::Persist { req, .. } => self.persist(cx, *req),
+            Op::Prepare { lengths, chunk, chunks } => {
+                let rows: Vec<u32> = cx.roster.rows().to_vec();
+                if rows.is_empty() || lengths.len() != rows.len() || *chunk == 0 {
+                    return Ok(false);
+                }
+                let lens: Vec<usize> = lengths.iter().map(|&l| l as usize).collect();
+                self.prefill(cx, &rows, &lens, *chunk as usize, *chunks as usize)?;
+                Ok(true)
+            }
             Op::Paged { action: PagedAction::Fork { req, n, len, finish } } => {
                 self.fork(cx, *req, *n as usize, *len as usize, *finish)
             }
@@ -1127,6 +1355,9 @@ impl Family for Paged {
     }
 
     fn variant(&self) -> Option<String> {
-        Some(format!("block {}", self.choice.block_size))
+        Some(match self.storage.quant() {
+            None => format!("block {}", self.choice.block_size),
+            Some(q) => format!("block {} quant {}:{}", self.choice.block_size, q.bits, q.group),
+        })
     }
 }

@@ -523,7 +523,7 @@ fn bytes_per_token(
 
 /// Six planes `[1, H, n, ·]` (K's packed, scales, biases, then V's) against the reference's triple of each
 /// model token, column by column (bytes). A plane of another width or column count is a `layout` failure too.
-fn planes_vs_model(
+pub(crate) fn planes_vs_model(
     what: &str,
     vs: &kvsim_reference::ValueSpace,
     layer: u32,
