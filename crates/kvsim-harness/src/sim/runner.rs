@@ -113,10 +113,17 @@ impl World {
         let voters: Vec<bool> = if owners.contains(&true) { owners } else { vec![true; names.len()] };
         let mut quiet = crate::sim::observe::NoObserver;
         let mut applied = None;
+        let held: Vec<usize> = self.roster.rows().iter().map(|&id| self.position(id).0).collect();
         for (i, f) in self.families.iter_mut().enumerate() {
             let key = f.key();
             let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
-            let mut cx = Cx { hasher: &mut self.hasher, observer: obs, roster: &self.roster, change: change.as_ref() };
+            let mut cx = Cx {
+                hasher: &mut self.hasher,
+                observer: obs,
+                roster: &self.roster,
+                change: change.as_ref(),
+                held: &held,
+            };
             let a = f.apply(op, &mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             if voters[i] && *applied.get_or_insert(a) != a {
                 return Err(FamilyFailure {
@@ -144,14 +151,20 @@ impl World {
                 *self.ops_by_kind.entry(f.key()).or_default().entry(op.kind().name()).or_insert(0) += 1;
                 let key = f.key();
                 let obs: &mut dyn RunObserver = if watched[i] { &mut *observer } else { &mut quiet };
-                let mut cx = Cx { hasher: &mut self.hasher, observer: obs, roster: &self.roster, change: None };
+                let mut cx =
+                    Cx { hasher: &mut self.hasher, observer: obs, roster: &self.roster, change: None, held: &[] };
                 f.check_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
             }
             if observer.wants_calls() {
                 for (_, f) in self.families.iter_mut().enumerate().filter(|(i, _)| watched[*i]) {
                     let key = f.key();
-                    let mut cx =
-                        Cx { hasher: &mut self.hasher, observer: &mut *observer, roster: &self.roster, change: None };
+                    let mut cx = Cx {
+                        hasher: &mut self.hasher,
+                        observer: &mut *observer,
+                        roster: &self.roster,
+                        change: None,
+                        held: &[],
+                    };
                     f.observe_state(&mut cx).map_err(|failure| FamilyFailure { family: Some(key), failure })?;
                 }
             }

@@ -41,6 +41,9 @@ pub struct Cx<'a> {
     pub roster: &'a Roster,
     /// What the op being applied did to the roster (`None` for ops that leave it alone, and in the state checks).
     pub change: Option<&'a Change>,
+    /// The positions every batch row holds as the run's first family counts them (the counts the roster's own
+    /// decisions use), for a family whose skipping rule depends on them; empty in the state checks.
+    pub held: &'a [usize],
 }
 
 /// One layout family of one run.

@@ -157,7 +157,8 @@ impl Family for Quant {
 
     fn check_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let mut quiet = NoObserver;
-        let mut own = Cx { hasher: &mut *cx.hasher, observer: &mut quiet, roster: cx.roster, change: None };
+        let mut own =
+            Cx { hasher: &mut *cx.hasher, observer: &mut quiet, roster: cx.roster, change: None, held: cx.held };
         self.inner.check_all(&mut own)
     }
 
