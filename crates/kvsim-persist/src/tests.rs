@@ -241,7 +241,7 @@ fn registry_routes_by_exact_kind_and_fails_closed() {
             "kv-chunked:<chunk_size>",
             "kv:bf16-first-quant:<bits>:<group>:<start>",
             "kv:bf16-first-rotating-quant:<W>:<bits>:<group>:<start>",
-            "kv:paged-rows:<block_size>",
+            "kv:paged-rows:<block_size>[:quant:<bits>:<group>]",
             "cache-list"
         ]
     );
