@@ -186,9 +186,9 @@ impl PagedChoice {
     }
 }
 
-/// The generator's paged op: mostly a fork (parallel sampling), sometimes an eviction.
+/// The generator's paged op: a fork (parallel sampling) or an eviction, even odds.
 pub fn draw_paged(cfg: &SimConfig, w: &mut ChaCha8Rng) -> Op {
-    let action = if w.random_bool(0.7) {
+    let action = if w.random_bool(0.5) {
         PagedAction::Fork {
             req: 0,
             n: w.random_range(1..=3),
