@@ -2,9 +2,11 @@
 //! (`Op::shrink_candidates`), keeping only candidates that fail with the **same check**. Every candidate is a valid
 //! trace because ops whose references vanish are skipped deterministically (see `ops`).
 
+use crate::sim::family::Registry;
+use crate::sim::observe::NoObserver;
 use crate::sim::ops::Op;
 use crate::sim::trace::{Outcome, Trace};
-use crate::sim::{run, DeviceChoice, RunResult};
+use crate::sim::{run_in, DeviceChoice, RunResult};
 
 /// The result of shrinking.
 pub struct Shrunk {
@@ -12,8 +14,13 @@ pub struct Shrunk {
     pub runs: usize,
 }
 
-/// Shrinks `trace` (which must fail) within `budget` replays.
+/// Shrinks `trace` (which must fail) within `budget` replays, over kvsim's own families.
 pub fn shrink(trace: &Trace, device: DeviceChoice, budget: usize) -> Result<Shrunk, String> {
+    shrink_in(Registry::builtin(), trace, device, budget)
+}
+
+/// [`shrink`] over the families of `registry` (a cache brought from outside kvsim: `crate::byoc`).
+pub fn shrink_in(registry: &Registry, trace: &Trace, device: DeviceChoice, budget: usize) -> Result<Shrunk, String> {
     let target = match &trace.outcome {
         Outcome::Fail { check, .. } => check.clone(),
         Outcome::Pass => return Err("the trace passes: nothing to shrink".into()),
@@ -24,7 +31,15 @@ pub fn shrink(trace: &Trace, device: DeviceChoice, budget: usize) -> Result<Shru
             return None;
         }
         runs += 1;
-        let r = run(trace.seed, trace.config.clone(), Some(ops.to_vec()), device, trace.mutant);
+        let r = run_in(
+            registry,
+            trace.seed,
+            trace.config.clone(),
+            Some(ops.to_vec()),
+            device,
+            trace.mutant,
+            &mut NoObserver,
+        );
         match &r.trace.outcome {
             Outcome::Fail { check, .. } if *check == target => Some(r),
             _ => None,

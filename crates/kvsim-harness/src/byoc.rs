@@ -1,0 +1,277 @@
+//! Bring your own cache: the simulator drives a K/V cache kvsim did not write.
+//!
+//! A cache under test is two types, written against `mlx-rs` alone:
+//! - its **serial cache** ([`SerialUnderTest`]): one request's K and V of one layer, with window and decode reads;
+//! - its **rows** ([`RowsUnderTest`]): the running batch of continuous batching, made by `merge` (and `join`, where
+//!   it has one) of serial caches, read a step at a time for every row, shrunk by `extract` and `filter`.
+//!
+//! An [`Adapter`] names the two, says how to make an empty serial cache of a [`Geometry`], and says through
+//! [`Supports`] which optional calls it has (the simulator never draws an op that needs one it lacks). kvsim
+//! supplies the rest: the seeded swarm of schedules (admit, prefill chunks, decode, merge, join, extract, filter,
+//! trims), one **solo twin** per request and layer built from the adapter's own serial cache and fed only that
+//! request, and the checks after every op:
+//! - every batch read's row against its twin's read of the same request (bytes on the CPU and in the GPU's exact
+//!   mode; ULPs at output scale are measured otherwise), check `rows_vs_solo`;
+//! - every read against softmax attention in f64 over the positions the request holds (kvsim's self-identifying
+//!   values: each K/V/Q column is a pure function of the request, layer and position), check `output_vs_model`;
+//! - every live request's stored K and V, in the batch or outside it, against the exact bytes of the positions it
+//!   holds (`state_vs_model`), its offsets (`offsets`) and the batch's row count (`rows`);
+//! - an error from a call the model says must succeed (`adapter_error`), an `extract` of a row the batch does not
+//!   have that returns a cache (`missing_row_accepted`), a trim that drops another count than asked
+//!   (`trim_count`), a panic (`panic`).
+//!
+//! A failing seed is shrunk through the adapter ([`shrink`]) to a trace of a few ops that [`replay`] runs again;
+//! traces are kvsim's ordinary trace files (their config names the adapter's family).
+//!
+//! Scope: full-attention caches of plain K/V storage (no sliding window, no quantized planes): the runs this module
+//! draws hold the linear layout. A trim drops positions from the end of every row (`trim(n)` must return
+//! `min(n, offset)` on a serial cache, and is asked of the rows only with `n` at most every row's offset).
+
+mod family;
+#[cfg(test)]
+mod tests;
+
+use mlx_rs::{Array, Dtype};
+
+use crate::sim::config::{LayoutChoice, SimConfig};
+use crate::sim::family::{Registration, Registry};
+use crate::sim::observe::NoObserver;
+use crate::sim::ops::OpKind;
+use crate::sim::shrink::{shrink_in, Shrunk};
+use crate::sim::trace::{Outcome, Trace};
+use crate::sim::{run_in, DeviceChoice, RunResult};
+
+/// What a cache under test returns when a call fails: any error (its message is reported with the op).
+pub type AdapterError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A cache under test's result.
+pub type AdapterResult<T> = Result<T, AdapterError>;
+
+/// The shapes and dtype of one run: K and V are `[B, heads_kv, L, head_dim]`, queries and outputs
+/// `[B, heads_q, L, head_dim]` (`heads_q` a multiple of `heads_kv`), all of `dtype` (`float32` or `bfloat16`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub heads_kv: usize,
+    pub heads_q: usize,
+    pub head_dim: usize,
+    pub dtype: Dtype,
+}
+
+/// The optional calls a cache under test has. Every field `false` is a cache with windows and decodes outside the
+/// batch, merge, batch decodes, extract and filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Supports {
+    /// [`SerialUnderTest::trim`].
+    pub serial_trim: bool,
+    /// [`RowsUnderTest::window`]: `L` new positions for every row in one read.
+    pub rows_window: bool,
+    /// [`RowsUnderTest::trim`].
+    pub rows_trim: bool,
+    /// [`RowsUnderTest::join`] (without it, a join of the schedule is carried out by `merge`).
+    pub join: bool,
+}
+
+/// One request's cache of one layer, outside any batch.
+pub trait SerialUnderTest: Sized {
+    /// Positions held.
+    fn offset(&self) -> usize;
+    /// Appends `L` positions (`k`, `v`: `[1, heads_kv, L, D]`) and attends `q` (`[1, heads_q, L, D]`) over
+    /// everything held, causal within the block: query `i` sees the positions before the block and the block's
+    /// first `i + 1`. Returns `[1, heads_q, L, D]`.
+    fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array>;
+    /// One position (`L = 1`): the decode step. The default is [`SerialUnderTest::window`].
+    fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        self.window(k, v, q, scale)
+    }
+    /// Drops the last `n` positions; returns how many it dropped (`min(n, offset)`). Asked only where
+    /// [`Supports::serial_trim`] says the cache has it.
+    fn trim(&mut self, n: usize) -> AdapterResult<usize> {
+        let _ = n;
+        Err("trim is not supported".into())
+    }
+    /// The K and V it holds, `[1, heads_kv, offset, D]` each, oldest position first (any array with no element
+    /// when it holds none).
+    fn state(&self) -> AdapterResult<[Array; 2]>;
+}
+
+/// The running batch of one layer: row `r` is one request.
+pub trait RowsUnderTest: Sized {
+    /// What one row is outside the batch.
+    type Serial: SerialUnderTest;
+    /// A batch of these caches, in order (at least one; some may hold no position).
+    fn merge(rows: Vec<Self::Serial>) -> AdapterResult<Self>;
+    /// A batch of borrowed caches, in order. Asked only where [`Supports::join`] says the cache has it.
+    fn join(rows: &[&Self::Serial]) -> AdapterResult<Self> {
+        let _ = rows;
+        Err("join is not supported".into())
+    }
+    /// This batch's rows, then `other`'s. The default extracts every row of both and merges them.
+    fn extend(&mut self, other: Self) -> AdapterResult<()> {
+        let mut all = (0..self.rows()).map(|r| self.extract(r)).collect::<AdapterResult<Vec<_>>>()?;
+        for r in 0..other.rows() {
+            all.push(other.extract(r)?);
+        }
+        *self = Self::merge(all)?;
+        Ok(())
+    }
+    /// Rows held.
+    fn rows(&self) -> usize;
+    /// Positions held, per row.
+    fn offsets(&self) -> Vec<usize>;
+    /// One position for every row (`k`, `v`: `[B, heads_kv, 1, D]`, `q`: `[B, heads_q, 1, D]`), each row
+    /// attending its own positions. Returns `[B, heads_q, 1, D]`.
+    fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array>;
+    /// `L` positions for every row, causal within the block. Asked only where [`Supports::rows_window`] says so.
+    fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        let _ = (k, v, q, scale);
+        Err("a window of the rows is not supported".into())
+    }
+    /// Row `row` as a serial cache (the batch unchanged). A row the batch does not have is an error.
+    fn extract(&self, row: usize) -> AdapterResult<Self::Serial>;
+    /// Keeps these rows, in this order (each once, at least one).
+    fn filter(&mut self, keep: &[usize]) -> AdapterResult<()>;
+    /// Drops the last `n` positions of every row (`n` at most every row's offset); returns `n`. Asked only where
+    /// [`Supports::rows_trim`] says so.
+    fn trim(&mut self, n: usize) -> AdapterResult<usize> {
+        let _ = n;
+        Err("trim is not supported".into())
+    }
+    /// Row `row`'s K and V, `[1, heads_kv, offset, D]` each, oldest position first.
+    fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;
+}
+
+/// A cache under test: its two types, its name, what it supports, how to make an empty serial cache.
+pub trait Adapter: 'static {
+    /// The family name of its runs (in their traces and summaries).
+    const NAME: &'static str;
+    /// The optional calls it has.
+    const SUPPORTS: Supports;
+    type Serial: SerialUnderTest + 'static;
+    type Rows: RowsUnderTest<Serial = Self::Serial> + 'static;
+    /// An empty serial cache of `geometry`.
+    fn serial(geometry: &Geometry) -> AdapterResult<Self::Serial>;
+}
+
+/// The op kinds an adapter's runs draw: the lifecycle and the reads every cache has, and the ones it supports.
+pub fn supports<A: Adapter>(kind: OpKind) -> bool {
+    let s = A::SUPPORTS;
+    match kind {
+        OpKind::Admit
+        | OpKind::SoloWindow
+        | OpKind::SoloDecode
+        | OpKind::Merge
+        | OpKind::Join
+        | OpKind::Decode
+        | OpKind::Extract
+        | OpKind::Filter => true,
+        OpKind::SoloTrim => s.serial_trim,
+        OpKind::Window => s.rows_window,
+        OpKind::Trim => s.rows_trim,
+        _ => false,
+    }
+}
+
+/// The adapter's family, for a [`Registry`] (every run of that registry holds it).
+pub fn registration<A: Adapter>() -> Registration {
+    Registration::plain(A::NAME, supports::<A>, 1.0, |cfg| Ok(Box::new(family::Adapted::<A>::new(cfg)?)))
+}
+
+/// A registry holding the adapter's family alone.
+pub fn registry<A: Adapter>() -> Registry {
+    Registry::empty().with(registration::<A>()).expect("an empty registry takes any family")
+}
+
+/// The swarm configuration of `seed` for the adapter: kvsim's draws (shapes, dtype, op mix, limits), the linear
+/// layout, `ops` ops.
+pub fn config<A: Adapter>(seed: u64, ops: usize) -> SimConfig {
+    let mut cfg = SimConfig::from_seed_in(seed, &registry::<A>());
+    cfg.layout = LayoutChoice::Linear;
+    cfg.ops = ops;
+    cfg
+}
+
+/// One seed's run against the adapter.
+pub fn run_seed<A: Adapter>(seed: u64, ops: usize, device: DeviceChoice) -> RunResult {
+    run_in(&registry::<A>(), seed, config::<A>(seed, ops), None, device, None, &mut NoObserver)
+}
+
+/// A trace's ops again, against the adapter (its config and seed).
+pub fn replay<A: Adapter>(trace: &Trace, device: DeviceChoice) -> RunResult {
+    run_in(&registry::<A>(), trace.seed, trace.config.clone(), Some(trace.ops.clone()), device, None, &mut NoObserver)
+}
+
+/// A failing trace shrunk through the adapter within `budget` replays (the same check must fail).
+pub fn shrink<A: Adapter>(trace: &Trace, device: DeviceChoice, budget: usize) -> Result<Shrunk, String> {
+    shrink_in(&registry::<A>(), trace, device, budget)
+}
+
+/// How [`check`] runs.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckOptions {
+    /// Seeds `0..seeds`.
+    pub seeds: u64,
+    /// Ops per seed.
+    pub ops: usize,
+    pub device: DeviceChoice,
+    /// Replays a failing seed's shrink may take.
+    pub shrink_budget: usize,
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        CheckOptions { seeds: 200, ops: 120, device: DeviceChoice::Cpu, shrink_budget: 400 }
+    }
+}
+
+/// One failing seed: the check that failed first, its message, and its trace before and after shrinking.
+#[derive(Debug, Clone)]
+pub struct Found {
+    pub seed: u64,
+    pub check: String,
+    pub message: String,
+    /// The ops the seed ran up to and including the failing one.
+    pub ops_before: usize,
+    /// The shrunk trace (fails with the same check; its `ops` are the reproducer).
+    pub shrunk: Trace,
+}
+
+/// What [`check`] found.
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    pub seeds: u64,
+    /// Ops applied over every seed (skipped ones not counted).
+    pub applied: u64,
+    /// Applied ops by kind (`decode`, `merge`, ...), over every seed.
+    pub ops_by_kind: std::collections::BTreeMap<String, u64>,
+    /// Comparisons made.
+    pub checks: u64,
+    pub failures: Vec<Found>,
+}
+
+/// Runs seeds `0..seeds` against the adapter and shrinks every failing one.
+pub fn check<A: Adapter>(opts: CheckOptions) -> CheckReport {
+    let mut report =
+        CheckReport { seeds: opts.seeds, applied: 0, ops_by_kind: Default::default(), checks: 0, failures: vec![] };
+    for seed in 0..opts.seeds {
+        let r = run_seed::<A>(seed, opts.ops, opts.device);
+        report.applied += r.ops_by_kind.values().sum::<u64>();
+        for (k, n) in &r.ops_by_kind {
+            *report.ops_by_kind.entry(k.clone()).or_insert(0) += n;
+        }
+        report.checks += r.counters.checks;
+        if let Outcome::Fail { op_index, check, message } = &r.trace.outcome {
+            let shrunk = match shrink::<A>(&r.trace, opts.device, opts.shrink_budget) {
+                Ok(s) => s.trace,
+                Err(_) => r.trace.clone(),
+            };
+            report.failures.push(Found {
+                seed,
+                check: check.clone(),
+                message: message.clone(),
+                ops_before: op_index + 1,
+                shrunk,
+            });
+        }
+    }
+    report
+}

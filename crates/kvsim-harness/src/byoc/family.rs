@@ -1,0 +1,475 @@
+//! The family that drives an [`Adapter`]'s caches: production (the adapter's serial caches and rows), one solo twin
+//! per request and layer (the adapter's own serial cache, fed only that request), and the model (the positions each
+//! request holds; its values are the value space's, its reads softmax attention in f64).
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Array;
+
+use super::{Adapter, AdapterError, Geometry, RowsUnderTest, SerialUnderTest};
+use crate::sim::check::{self, Failure, OutClass};
+use crate::sim::config::SimConfig;
+use crate::sim::family::attention::payload_block;
+use crate::sim::family::{Cx, Family};
+use crate::sim::ops::Op;
+use crate::sim::roster::{Change, Home};
+use crate::sim::summary::Counters;
+use kvsim_cache::bytes::ArrayBytes;
+use kvsim_reference::{Tensor, Tok, ValueSpace};
+
+type Res<T> = Result<T, Failure>;
+
+/// One live request.
+struct Req<S> {
+    /// Its serial caches, one per layer, while it is outside the batch (empty while it is a row).
+    solo: Vec<S>,
+    /// Its solo twins, one per layer.
+    twin: Vec<S>,
+    /// Positions held.
+    offset: usize,
+    /// The width of its last window write, when that was its last mutation.
+    last_window: Option<usize>,
+}
+
+/// One run's layers of the adapter's cache.
+pub(super) struct Adapted<A: Adapter> {
+    cfg: SimConfig,
+    vs: ValueSpace,
+    geometry: Geometry,
+    reqs: BTreeMap<u32, Req<A::Serial>>,
+    /// The running batch, one per layer (`None`: no rows).
+    batch: Option<Vec<A::Rows>>,
+    counters: Counters,
+}
+
+fn refused(what: &str, e: AdapterError) -> Failure {
+    Failure::new("adapter_error", format!("{what}: the cache under test refused a call the model allows: {e}"))
+}
+
+fn read_fail(what: &str, e: impl std::fmt::Display) -> Failure {
+    Failure::new("mlx", format!("{what}: {e}"))
+}
+
+impl<A: Adapter> Adapted<A> {
+    pub(super) fn new(cfg: &SimConfig) -> Res<Adapted<A>> {
+        if cfg.layout.max_size().is_some() {
+            return Err(Failure::new("setup", "a cache brought from outside kvsim runs the linear layout only"));
+        }
+        let geometry = Geometry {
+            heads_kv: cfg.heads_kv,
+            heads_q: cfg.heads_q,
+            head_dim: cfg.head_dim,
+            dtype: cfg.kv_spec().dtype.to_mlx(),
+        };
+        Ok(Adapted {
+            cfg: cfg.clone(),
+            vs: cfg.value_space(),
+            geometry,
+            reqs: BTreeMap::new(),
+            batch: None,
+            counters: Counters::default(),
+        })
+    }
+
+    fn serial(&self) -> Res<A::Serial> {
+        A::serial(&self.geometry).map_err(|e| refused("a new serial cache", e))
+    }
+
+    fn toks(&self, req: u32, from: usize, n: usize) -> Vec<Option<Tok>> {
+        (from..from + n).map(|p| Some(Tok::new(req, p as u32))).collect()
+    }
+
+    fn block(&self, layer: usize, t: Tensor, toks: &[Vec<Option<Tok>>]) -> Res<Array> {
+        payload_block(&self.cfg, &self.vs, layer, t, toks)
+    }
+
+    fn kvq(&self, layer: usize, toks: &[Vec<Option<Tok>>]) -> Res<[Array; 3]> {
+        Ok([
+            self.block(layer, Tensor::K, toks)?,
+            self.block(layer, Tensor::V, toks)?,
+            self.block(layer, Tensor::Q, toks)?,
+        ])
+    }
+
+    // ----- lifecycle ---------------------------------------------------------------------------------------------
+
+    fn carry_out(&mut self, change: &Change, join: bool) -> Res<bool> {
+        match change {
+            Change::Admit { req } => {
+                let layers = self.cfg.layers;
+                let solo = (0..layers).map(|_| self.serial()).collect::<Res<Vec<_>>>()?;
+                let twin = (0..layers).map(|_| self.serial()).collect::<Res<Vec<_>>>()?;
+                self.reqs.insert(*req, Req { solo, twin, offset: 0, last_window: None });
+            }
+            Change::Enter { ids, perm } => {
+                let mut per_layer: Vec<Vec<A::Serial>> = (0..self.cfg.layers).map(|_| vec![]).collect();
+                for id in ids {
+                    let r = self.reqs.get_mut(id).expect("a live request");
+                    for (l, s) in std::mem::take(&mut r.solo).into_iter().enumerate() {
+                        per_layer[l].push(s);
+                    }
+                }
+                let mut entering = vec![];
+                for serials in per_layer {
+                    let rows = if join && A::SUPPORTS.join {
+                        let refs: Vec<&A::Serial> = serials.iter().collect();
+                        A::Rows::join(&refs).map_err(|e| refused("join", e))?
+                    } else {
+                        A::Rows::merge(serials).map_err(|e| refused("merge", e))?
+                    };
+                    entering.push(rows);
+                }
+                match &mut self.batch {
+                    None => self.batch = Some(entering),
+                    Some(batch) => {
+                        for (b, new) in batch.iter_mut().zip(entering) {
+                            b.filter(perm).map_err(|e| refused("filter (the running rows reordered)", e))?;
+                            b.extend(new).map_err(|e| refused("extend", e))?;
+                        }
+                    }
+                }
+            }
+            Change::Extract { row, req, finish, keep } => {
+                let batch = self.batch.as_mut().expect("a row implies a batch");
+                let mut out = vec![];
+                for b in batch.iter_mut() {
+                    out.push(b.extract(*row).map_err(|e| refused("extract", e))?);
+                    if !keep.is_empty() {
+                        b.filter(keep).map_err(|e| refused("filter (after extract)", e))?;
+                    }
+                }
+                if keep.is_empty() {
+                    self.batch = None;
+                }
+                if *finish {
+                    self.reqs.remove(req);
+                } else {
+                    self.reqs.get_mut(req).expect("a live request").solo = out;
+                }
+            }
+            Change::Filter { kept, dropped } => {
+                if kept.is_empty() {
+                    self.batch = None;
+                } else if let Some(batch) = &mut self.batch {
+                    for b in batch.iter_mut() {
+                        b.filter(kept).map_err(|e| refused("filter", e))?;
+                    }
+                }
+                for id in dropped {
+                    self.reqs.remove(id);
+                }
+            }
+            Change::Prefill { .. } => {
+                return Err(Failure::new("setup", "a batch prefill reached a family that does not support it"))
+            }
+        }
+        Ok(true)
+    }
+
+    /// An `extract` of a row the batch does not have must be an error, the batch unchanged (the state checks after
+    /// the op compare every byte).
+    fn extract_missing(&mut self, row: usize) -> Res<bool> {
+        let Some(batch) = &self.batch else { return Ok(false) };
+        for (l, b) in batch.iter().enumerate() {
+            if b.extract(row).is_ok() {
+                return check::fail(Failure::new(
+                    "missing_row_accepted",
+                    format!("layer {l}: extract of row {row} of a batch of {} rows returned a cache", b.rows()),
+                ))
+                .map(|_| true);
+            }
+            self.counters.expected_errors += 1;
+        }
+        Ok(true)
+    }
+
+    // ----- reads -------------------------------------------------------------------------------------------------
+
+    /// A window of `len` positions (`decode`: the one-position step) on request `id` outside the batch.
+    fn solo_read(&mut self, cx: &mut Cx<'_>, id: u32, len: usize, decode: bool) -> Res<bool> {
+        if !cx.roster.is_solo(id) || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let from = self.reqs[&id].offset;
+        let toks = vec![self.toks(id, from, len)];
+        for l in 0..self.cfg.layers {
+            let [k, v, q] = self.kvq(l, &toks)?;
+            let r = self.reqs.get_mut(&id).expect("live");
+            let (got, twin) = if decode {
+                (r.solo[l].decode(&k, &v, &q, scale), r.twin[l].decode(&k, &v, &q, scale))
+            } else {
+                (r.solo[l].window(&k, &v, &q, scale), r.twin[l].window(&k, &v, &q, scale))
+            };
+            let got = got.map_err(|e| refused("solo read", e))?;
+            let twin = twin.map_err(|e| refused("twin read", e))?;
+            self.compare(cx, l, &got, &[(id, from, twin)], len, "solo read")?;
+        }
+        let r = self.reqs.get_mut(&id).expect("live");
+        r.offset += len;
+        r.last_window = (!decode).then_some(len);
+        Ok(true)
+    }
+
+    /// A decode (`len = 1`, `window = false`) or window of `len` positions on every row of the batch.
+    fn rows_read(&mut self, cx: &mut Cx<'_>, len: usize, window: bool) -> Res<bool> {
+        let ids: Vec<u32> = cx.roster.rows().to_vec();
+        if ids.is_empty() || self.batch.is_none() || len == 0 {
+            return Ok(false);
+        }
+        let scale = self.cfg.scale();
+        let froms: Vec<usize> = ids.iter().map(|id| self.reqs[id].offset).collect();
+        let toks: Vec<Vec<Option<Tok>>> = ids.iter().zip(&froms).map(|(&id, &f)| self.toks(id, f, len)).collect();
+        for l in 0..self.cfg.layers {
+            let [k, v, q] = self.kvq(l, &toks)?;
+            let b = &mut self.batch.as_mut().expect("rows")[l];
+            let got = if window { b.window(&k, &v, &q, scale) } else { b.decode(&k, &v, &q, scale) };
+            let got = got.map_err(|e| refused(if window { "rows window" } else { "rows decode" }, e))?;
+            let mut twins = vec![];
+            for (r, &id) in ids.iter().enumerate() {
+                let [k, v, q] = self.kvq(l, std::slice::from_ref(&toks[r]))?;
+                let t = &mut self.reqs.get_mut(&id).expect("live").twin[l];
+                let out = if window { t.window(&k, &v, &q, scale) } else { t.decode(&k, &v, &q, scale) };
+                twins.push((id, froms[r], out.map_err(|e| refused("twin read", e))?));
+            }
+            self.compare(cx, l, &got, &twins, len, if window { "rows window" } else { "rows decode" })?;
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).expect("live");
+            r.offset += len;
+            r.last_window = window.then_some(len);
+        }
+        Ok(true)
+    }
+
+    /// Compares a read's output (`[B, heads_q, L, D]`, row `r` the request `twins[r].0` that held `twins[r].1`
+    /// positions before the read) with each row's twin output and with the f64 model.
+    fn compare(
+        &mut self,
+        cx: &mut Cx<'_>,
+        layer: usize,
+        got: &Array,
+        twins: &[(u32, usize, Array)],
+        len: usize,
+        what: &str,
+    ) -> Res<()> {
+        let mut arrays = vec![got];
+        arrays.extend(twins.iter().map(|t| &t.2));
+        let bytes = ArrayBytes::read_many(&arrays).map_err(|e| read_fail(what, e))?;
+        let want = [twins.len() as i32, self.geometry.heads_q as i32, len as i32, self.geometry.head_dim as i32];
+        if bytes[0].shape != want || bytes[0].dtype != self.geometry.dtype {
+            return check::fail(Failure::new(
+                "output_shape",
+                format!(
+                    "{what}, layer {layer}: output {:?} {:?}, expected {want:?} {:?}",
+                    bytes[0].shape, bytes[0].dtype, self.geometry.dtype
+                ),
+            ));
+        }
+        cx.hasher.update(&bytes[0].digest());
+        let exact = self.counters.guarantees.exact_unpadded_decode;
+        let cols: Vec<usize> = (0..len).collect();
+        for (r, (id, from, _)) in twins.iter().enumerate() {
+            let row = bytes[0].select_columns(r, &cols).map_err(|e| read_fail(what, e))?;
+            let twin = &bytes[r + 1];
+            let worst = if exact || row.shape != twin.shape {
+                check::bytes_equal(&format!("{what}, layer {layer}, row {r}"), &row, twin).map_err(|f| {
+                    Failure::new("rows_vs_solo", format!("{} (request {id}, holding {from} positions)", f.message))
+                })?;
+                0
+            } else {
+                check::max_ulp_at_scale(&row, twin)
+            };
+            self.counters.checks += 1;
+            let class = if len == 1 { OutClass::DecodeUnpadded } else { OutClass::Window };
+            self.counters.record_twin(class, &[A::NAME], self.geometry.dtype, worst);
+            for i in 0..len {
+                let keys: Vec<Tok> = (0..=from + i).map(|p| Tok::new(*id, p as u32)).collect();
+                let q = Tok::new(*id, (from + i) as u32);
+                check::output_vs_model(
+                    &self.vs,
+                    layer as u32,
+                    q,
+                    &keys,
+                    self.cfg.scale(),
+                    &bytes[0],
+                    r,
+                    i,
+                    &mut self.counters,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    // ----- trims -------------------------------------------------------------------------------------------------
+
+    fn solo_trim(&mut self, cx: &mut Cx<'_>, id: u32, n: usize) -> Res<bool> {
+        if !cx.roster.is_solo(id) {
+            return Ok(false);
+        }
+        let r = self.reqs.get_mut(&id).expect("live");
+        let want = n.min(r.offset);
+        for (l, (s, t)) in r.solo.iter_mut().zip(r.twin.iter_mut()).enumerate() {
+            let got = s.trim(n).map_err(|e| refused("trim", e))?;
+            let twin = t.trim(n).map_err(|e| refused("twin trim", e))?;
+            if got != want || twin != want {
+                return check::fail(Failure::new(
+                    "trim_count",
+                    format!(
+                        "layer {l}: trim({n}) of {} positions dropped {got} (twin {twin}), expected {want}",
+                        r.offset
+                    ),
+                ))
+                .map(|_| true);
+            }
+        }
+        r.offset -= want;
+        r.last_window = None;
+        self.counters.checks += 1;
+        Ok(true)
+    }
+
+    fn rows_trim(&mut self, cx: &mut Cx<'_>, n: usize) -> Res<bool> {
+        let ids: Vec<u32> = cx.roster.rows().to_vec();
+        let Some(batch) = &mut self.batch else { return Ok(false) };
+        if n == 0 || ids.iter().any(|id| self.reqs[id].offset < n) {
+            return Ok(false);
+        }
+        for (l, b) in batch.iter_mut().enumerate() {
+            let got = b.trim(n).map_err(|e| refused("rows trim", e))?;
+            if got != n {
+                return check::fail(Failure::new("trim_count", format!("layer {l}: rows trim({n}) dropped {got}")))
+                    .map(|_| true);
+            }
+        }
+        for id in &ids {
+            let r = self.reqs.get_mut(id).expect("live");
+            r.offset -= n;
+            r.last_window = None;
+            for t in &mut r.twin {
+                t.trim(n).map_err(|e| refused("twin trim", e))?;
+            }
+        }
+        self.counters.checks += 1;
+        Ok(true)
+    }
+
+    // ----- state -------------------------------------------------------------------------------------------------
+
+    /// Every live request's K and V (production and twin) against the exact bytes of the positions it holds.
+    fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let rows = cx.roster.rows();
+        if let Some(batch) = &self.batch {
+            for (l, b) in batch.iter().enumerate() {
+                if b.rows() != rows.len() {
+                    return check::fail(Failure::new(
+                        "rows",
+                        format!("layer {l}: the batch holds {} rows, the schedule {}", b.rows(), rows.len()),
+                    ));
+                }
+                let want: Vec<usize> = rows.iter().map(|id| self.reqs[id].offset).collect();
+                if b.offsets() != want {
+                    return check::fail(Failure::new(
+                        "offsets",
+                        format!("layer {l}: the batch's offsets {:?}, the model's {want:?}", b.offsets()),
+                    ));
+                }
+            }
+        } else if !rows.is_empty() {
+            return check::fail(Failure::new("rows", "the schedule has rows and the family no batch"));
+        }
+        let live: Vec<u32> = cx.roster.live().collect();
+        for id in live {
+            let r = &self.reqs[&id];
+            let toks = vec![self.toks(id, 0, r.offset)];
+            for l in 0..self.cfg.layers {
+                let (prod, where_) = match cx.roster.home(id) {
+                    Some(Home::Batch) => {
+                        let row = rows.iter().position(|x| *x == id).expect("a row");
+                        let b = &self.batch.as_ref().expect("rows")[l];
+                        (b.row_state(row).map_err(|e| refused("row_state", e))?, format!("row {row}"))
+                    }
+                    _ => {
+                        let s = &r.solo[l];
+                        if s.offset() != r.offset {
+                            return check::fail(Failure::new(
+                                "offsets",
+                                format!("request {id} layer {l}: offset {}, the model's {}", s.offset(), r.offset),
+                            ));
+                        }
+                        (s.state().map_err(|e| refused("state", e))?, "outside the batch".to_string())
+                    }
+                };
+                let twin = r.twin[l].state().map_err(|e| refused("twin state", e))?;
+                let want = [self.block(l, Tensor::K, &toks)?, self.block(l, Tensor::V, &toks)?];
+                let all: Vec<&Array> = prod.iter().chain(&twin).chain(&want).collect();
+                let b = ArrayBytes::read_many(&all).map_err(|e| read_fail("state", e))?;
+                for (i, name) in ["K", "V"].iter().enumerate() {
+                    for (got, who) in [(&b[i], where_.as_str()), (&b[2 + i], "its twin")] {
+                        let empty = r.offset == 0 && got.words.is_empty();
+                        if !empty && got.first_difference(&b[4 + i]).is_some() {
+                            return check::fail(Failure::new(
+                                "state_vs_model",
+                                format!(
+                                    "request {id} ({who}) layer {l}: {name} is {:?} {:?}, not the {} positions it holds \
+                                     (first difference at element {})",
+                                    got.shape,
+                                    got.dtype,
+                                    r.offset,
+                                    got.first_difference(&b[4 + i]).unwrap_or(0)
+                                ),
+                            ));
+                        }
+                    }
+                    cx.hasher.update(&b[i].digest());
+                }
+                self.counters.checks += 1;
+                self.counters.bit_exact_state += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<A: Adapter> Family for Adapted<A> {
+    fn key(&self) -> &'static str {
+        A::NAME
+    }
+
+    fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        if let Some(change) = cx.change {
+            return self.carry_out(change, matches!(op, Op::Join { .. }));
+        }
+        match op {
+            Op::Extract { row, .. } => self.extract_missing(*row as usize),
+            Op::SoloWindow { req, len } => self.solo_read(cx, *req, *len as usize, false),
+            Op::SoloDecode { req } => self.solo_read(cx, *req, 1, true),
+            Op::SoloTrim { req, n, .. } => self.solo_trim(cx, *req, *n as usize),
+            Op::Decode => self.rows_read(cx, 1, false),
+            Op::Window { len } => self.rows_read(cx, *len as usize, true),
+            Op::Trim { n, .. } => self.rows_trim(cx, *n as usize),
+            _ => Ok(false),
+        }
+    }
+
+    fn check_state(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        self.check_all(cx)
+    }
+
+    fn observe_state(&mut self, _cx: &mut Cx<'_>) -> Res<()> {
+        Ok(())
+    }
+
+    fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
+        self.reqs.get(&req).map(|r| (r.offset, r.last_window))
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn counters_mut(&mut self) -> &mut Counters {
+        &mut self.counters
+    }
+}
