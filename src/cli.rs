@@ -184,6 +184,35 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Run the simulator's swarm against a cache engine in another process, over the engine protocol
+    /// (oracles/PROTOCOL.md; mlx-lm's driver: `--driver "python3 oracles/mlx_lm/engine.py"`): failures classed by the
+    /// check that failed first, each class's shortest shrunk trace and a standalone reproducer written to --out.
+    CheckEngine {
+        /// The engine's command line (run through `sh -c`).
+        #[arg(long)]
+        driver: String,
+        /// Seeds 0..N.
+        #[arg(long, default_value_t = 500)]
+        seeds: u64,
+        /// Ops per seed.
+        #[arg(long, default_value_t = 100)]
+        ops: usize,
+        /// Seconds the engine may take to answer one request before it counts as hung.
+        #[arg(long, default_value_t = 60)]
+        timeout_s: u64,
+        /// Failing seeds shrunk per class (the shortest is kept).
+        #[arg(long, default_value_t = 3)]
+        shrinks: usize,
+        /// Replays one shrink may take.
+        #[arg(long, default_value_t = 300)]
+        shrink_budget: usize,
+        /// Where each class's trace (`<class>.trace.json`) and reproducer (`<class>.py`) are written.
+        #[arg(long, default_value = "target/kvsim-engine")]
+        out: PathBuf,
+        /// Print the JSON summary as the last line.
+        #[arg(long)]
+        json: bool,
+    },
     /// The differential oracle against mlx-lm (oracles/README.md): record, diff, check.
     Oracle {
         #[command(subcommand)]

@@ -666,3 +666,110 @@ pub(crate) fn fuzz_case_cmd(input: &Path, out: &Path) -> ExitCode {
     println!("{} ops, outcome {:?}: {}", t.ops.len(), t.outcome, p.display());
     ExitCode::SUCCESS
 }
+
+/// `kvsim check-engine`: the swarm against an engine process; each class's shortest trace and reproducer written
+/// to `out`. Exit 0 when no seed failed, 1 when some did, 2 when the engine broke (its failure printed, the run's
+/// trace saved, the process stopped).
+#[allow(clippy::too_many_arguments)]
+pub fn check_engine_cmd(
+    driver: &str,
+    seeds: u64,
+    ops: usize,
+    timeout_s: u64,
+    shrinks: usize,
+    shrink_budget: usize,
+    out: &Path,
+    json: bool,
+) -> ExitCode {
+    use kvsim::byoc::{engine, CheckOptions};
+    let opts = CheckOptions { seeds, ops, device: DeviceChoice::Cpu, shrink_budget };
+    let timeout = std::time::Duration::from_secs(timeout_s);
+    let report = match engine::check_engine(driver, timeout, opts, shrinks) {
+        Ok(r) => r,
+        Err(b) => {
+            eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);
+            if let Some(t) = &b.trace {
+                let path = out.join(format!("engine-{}-seed-{}.trace.json", b.failure.kind(), t.seed));
+                match std::fs::create_dir_all(out).and_then(|_| std::fs::write(&path, t.to_json())) {
+                    Ok(()) => eprintln!("the run's trace: {}", path.display()),
+                    Err(e) => eprintln!("cannot write {}: {e}", path.display()),
+                }
+            }
+            if json {
+                let v =
+                    serde_json::json!({"engine_failure": {"kind": b.failure.kind(), "message": b.failure.to_string()}});
+                println!("{v}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = std::fs::create_dir_all(out) {
+        eprintln!("kvsim check-engine: {}: {e}", out.display());
+        return ExitCode::from(2);
+    }
+    let mut classes = vec![];
+    println!(
+        "{} {} ({}): {} seeds, {} failed, {} ops applied, {} checks",
+        report.hello.engine, report.hello.version, driver, report.seeds, report.failures, report.applied, report.checks
+    );
+    for c in &report.classes {
+        let file = c.name.replace('/', "-");
+        let trace_path = out.join(format!("{file}.trace.json"));
+        let mut t = c.shortest.clone();
+        t.expect = Expect::Fail;
+        if let Err(e) = std::fs::write(&trace_path, t.to_json()) {
+            eprintln!("cannot write {}: {e}", trace_path.display());
+        }
+        let repro = match &c.reproducer {
+            Ok(script) => {
+                let p = out.join(format!("{file}.py"));
+                match std::fs::write(&p, script) {
+                    Ok(()) => Some(p.display().to_string()),
+                    Err(e) => {
+                        eprintln!("cannot write {}: {e}", p.display());
+                        None
+                    }
+                }
+            }
+            Err(why) => {
+                println!("  [{}] no reproducer: {why}", c.name);
+                None
+            }
+        };
+        println!(
+            "  [{}] {} seeds (first {:?}); shortest {} ops (seed {}); trace {}{}",
+            c.name,
+            c.failing_seeds.len(),
+            &c.failing_seeds[..c.failing_seeds.len().min(5)],
+            c.shortest.ops.len(),
+            c.shortest.seed,
+            trace_path.display(),
+            repro.as_ref().map(|r| format!("; reproducer {r}")).unwrap_or_default()
+        );
+        classes.push(serde_json::json!({
+            "name": c.name,
+            "failing_seeds": c.failing_seeds,
+            "shortest_ops": c.shortest.ops.len(),
+            "trace": trace_path.display().to_string(),
+            "repro": repro,
+        }));
+    }
+    if json {
+        let v = serde_json::json!({
+            "engine": report.hello.engine,
+            "version": report.hello.version,
+            "seeds": report.seeds,
+            "failures": report.failures,
+            "applied": report.applied,
+            "checks": report.checks,
+            "ops_by_kind": report.ops_by_kind,
+            "classes": classes,
+        });
+        println!("{v}");
+    }
+    if report.failures == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}

@@ -6,7 +6,7 @@
 //! - [`cache`] (`kvsim-cache`): the production layouts, and [`bytes`], the byte views every bit-exact claim uses.
 //! - [`reference`](mod@reference) (`kvsim-reference`): the pure-Rust model of every layout (no MLX).
 //! - [`persist`] (`kvsim-persist`): cache files by storage kind, kvsim's format and mlx-lm's.
-//! - [`sim`], [`campaign`], [`shard`], [`soak`], [`fuzzing`] (`kvsim-harness`): the simulator and its campaigns.
+//! - [`sim`], [`byoc`], [`campaign`], [`shard`], [`soak`], [`fuzzing`] (`kvsim-harness`): the simulator and its campaigns.
 //! - [`oracle`] (`kvsim-oracle`): the mlx-lm differential oracle.
 //! - [`show`] (`kvsim-show`): a trace replayed and drawn as an HTML page or terminal text (`kvsim show`).
 //! - [`bench`](mod@bench), [`doctor`], [`exact_check`]: the command line's own measurements.
@@ -14,7 +14,7 @@
 
 pub use kvsim_cache as cache;
 pub use kvsim_cache::bytes;
-pub use kvsim_harness::{campaign, fuzzing, shard, sim, soak};
+pub use kvsim_harness::{byoc, campaign, fuzzing, shard, sim, soak};
 pub use kvsim_oracle as oracle;
 pub use kvsim_persist as persist;
 pub use kvsim_reference as reference;

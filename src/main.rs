@@ -1,4 +1,4 @@
-//! The kvsim command line: `doctor`, `sim`, `replay`, `show`, `shrink`, `mutants`, `oracle`, `bench`, `cache`. It parses arguments,
+//! The kvsim command line: `doctor`, `sim`, `replay`, `show`, `shrink`, `mutants`, `check-engine`, `oracle`, `bench`, `cache`. It parses arguments,
 //! calls the library (`kvsim::campaign`, `kvsim::oracle`, `kvsim::bench`, ...) and prints; it is the only module
 //! that writes to stdout or chooses exit codes.
 // The command line is the one crate that prints.
@@ -64,6 +64,9 @@ fn main() -> ExitCode {
             let anchor =
                 found.and_then(|a| a.map_err(|e| eprintln!("kvsim bench: no anchor ({e}); kvsim numbers only")).ok());
             bench_cmd(device, &what, anchor, quick, &out, json, exact_read)
+        }
+        Cmd::CheckEngine { driver, seeds, ops, timeout_s, shrinks, shrink_budget, out, json } => {
+            check_engine_cmd(&driver, seeds, ops, timeout_s, shrinks, shrink_budget, &out, json)
         }
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run, family } => {

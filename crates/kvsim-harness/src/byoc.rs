@@ -6,7 +6,7 @@
 //!   it has one) of serial caches, read a step at a time for every row, shrunk by `extract` and `filter`.
 //!
 //! An [`Adapter`] names the two, says how to make an empty serial cache of a [`Geometry`], and says through
-//! [`Supports`] which optional calls it has (the simulator never draws an op that needs one it lacks). kvsim
+//! [`Adapter::supports`] which optional calls it has (the simulator never draws an op that needs one it lacks). kvsim
 //! supplies the rest: the seeded swarm of schedules (admit, prefill chunks, decode, merge, join, extract, filter,
 //! trims), one **solo twin** per request and layer built from the adapter's own serial cache and fed only that
 //! request, and the checks after every op:
@@ -23,10 +23,13 @@
 //! A failing seed is shrunk through the adapter ([`shrink`]) to a trace of a few ops that [`replay`] runs again;
 //! traces are kvsim's ordinary trace files (their config names the adapter's family).
 //!
-//! Scope: full-attention caches of plain K/V storage (no sliding window, no quantized planes): the runs this module
-//! draws hold the linear layout. A trim drops positions from the end of every row (`trim(n)` must return
-//! `min(n, offset)` on a serial cache, and is asked of the rows only with `n` at most every row's offset).
+//! Scope: plain K/V storage (no quantized planes), full attention or a sliding window ([`Supports::rotating`]),
+//! judged by kvsim's reference model of each request as if it ran alone (`kvsim_reference::RowModel`: which
+//! positions each query sees, which a state holds). A trim drops positions from the end (`trim(n)` returns what it
+//! dropped: `min(n, offset)`, 0 for a filled window) and is asked of the rows only with `n` at most every row's
+//! offset. No right-padded prefill, no per-row speculative rollback.
 
+pub mod engine;
 mod family;
 #[cfg(test)]
 mod tests;
@@ -55,6 +58,9 @@ pub struct Geometry {
     pub heads_q: usize,
     pub head_dim: usize,
     pub dtype: Dtype,
+    /// The sliding window `W` (`None`: full attention). Only adapters that say [`Supports::rotating`] get runs
+    /// with a window.
+    pub max_size: Option<usize>,
 }
 
 /// The optional calls a cache under test has. Every field `false` is a cache with windows and decodes outside the
@@ -69,28 +75,33 @@ pub struct Supports {
     pub rows_trim: bool,
     /// [`RowsUnderTest::join`] (without it, a join of the schedule is carried out by `merge`).
     pub join: bool,
+    /// Sliding-window caches ([`Geometry::max_size`]): a query at position `q` sees the positions `p` with
+    /// `q - W < p <= q`. Without it every run is full attention.
+    pub rotating: bool,
 }
 
 /// One request's cache of one layer, outside any batch.
 pub trait SerialUnderTest: Sized {
     /// Positions held.
     fn offset(&self) -> usize;
-    /// Appends `L` positions (`k`, `v`: `[1, heads_kv, L, D]`) and attends `q` (`[1, heads_q, L, D]`) over
-    /// everything held, causal within the block: query `i` sees the positions before the block and the block's
-    /// first `i + 1`. Returns `[1, heads_q, L, D]`.
+    /// Appends `L` positions (`k`, `v`: `[1, heads_kv, L, D]`) and attends `q` (`[1, heads_q, L, D]`), causal
+    /// within the block: query `i` (position `offset + i`) sees the positions before the block and the block's
+    /// first `i + 1`, the last `W` of them under a sliding window. Returns `[1, heads_q, L, D]`.
     fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array>;
     /// One position (`L = 1`): the decode step. The default is [`SerialUnderTest::window`].
     fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
         self.window(k, v, q, scale)
     }
-    /// Drops the last `n` positions; returns how many it dropped (`min(n, offset)`). Asked only where
+    /// Drops the last `n` positions; returns how many it dropped: `min(n, offset)`, or 0 for a sliding-window
+    /// cache that has filled its window (it cannot restore what it overwrote). Asked only where
     /// [`Supports::serial_trim`] says the cache has it.
     fn trim(&mut self, n: usize) -> AdapterResult<usize> {
         let _ = n;
         Err("trim is not supported".into())
     }
-    /// The K and V it holds, `[1, heads_kv, offset, D]` each, oldest position first (any array with no element
-    /// when it holds none).
+    /// The K and V the next read attends, `[1, heads_kv, n, D]` each, oldest position first: every position held
+    /// (`n = offset`), or under a sliding window the newest `n = min(offset, W)` (any array with no element when
+    /// it holds none).
     fn state(&self) -> AdapterResult<[Array; 2]>;
 }
 
@@ -130,13 +141,13 @@ pub trait RowsUnderTest: Sized {
     fn extract(&self, row: usize) -> AdapterResult<Self::Serial>;
     /// Keeps these rows, in this order (each once, at least one).
     fn filter(&mut self, keep: &[usize]) -> AdapterResult<()>;
-    /// Drops the last `n` positions of every row (`n` at most every row's offset); returns `n`. Asked only where
-    /// [`Supports::rows_trim`] says so.
+    /// Drops the last `n` positions of every row (`n` at most every row's offset); returns `n`, or 0 when some
+    /// row is a sliding window that filled. Asked only where [`Supports::rows_trim`] says so.
     fn trim(&mut self, n: usize) -> AdapterResult<usize> {
         let _ = n;
         Err("trim is not supported".into())
     }
-    /// Row `row`'s K and V, `[1, heads_kv, offset, D]` each, oldest position first.
+    /// Row `row`'s K and V as [`SerialUnderTest::state`] gives a serial cache's.
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;
 }
 
@@ -144,8 +155,15 @@ pub trait RowsUnderTest: Sized {
 pub trait Adapter: 'static {
     /// The family name of its runs (in their traces and summaries).
     const NAME: &'static str;
-    /// The optional calls it has.
-    const SUPPORTS: Supports;
+    /// The optional calls it has (default: none).
+    fn supports() -> Supports {
+        Supports::default()
+    }
+    /// Called as every run starts, before its first cache is made (an engine in another process forgets the last
+    /// run's caches here). Default: nothing.
+    fn begin_run() -> AdapterResult<()> {
+        Ok(())
+    }
     type Serial: SerialUnderTest + 'static;
     type Rows: RowsUnderTest<Serial = Self::Serial> + 'static;
     /// An empty serial cache of `geometry`.
@@ -154,7 +172,7 @@ pub trait Adapter: 'static {
 
 /// The op kinds an adapter's runs draw: the lifecycle and the reads every cache has, and the ones it supports.
 pub fn supports<A: Adapter>(kind: OpKind) -> bool {
-    let s = A::SUPPORTS;
+    let s = A::supports();
     match kind {
         OpKind::Admit
         | OpKind::SoloWindow
@@ -181,11 +199,13 @@ pub fn registry<A: Adapter>() -> Registry {
     Registry::empty().with(registration::<A>()).expect("an empty registry takes any family")
 }
 
-/// The swarm configuration of `seed` for the adapter: kvsim's draws (shapes, dtype, op mix, limits), the linear
-/// layout, `ops` ops.
+/// The swarm configuration of `seed` for the adapter: kvsim's draws (shapes, dtype, window, op mix, limits; the
+/// linear layout for an adapter without [`Supports::rotating`]), `ops` ops.
 pub fn config<A: Adapter>(seed: u64, ops: usize) -> SimConfig {
     let mut cfg = SimConfig::from_seed_in(seed, &registry::<A>());
-    cfg.layout = LayoutChoice::Linear;
+    if !A::supports().rotating {
+        cfg.layout = LayoutChoice::Linear;
+    }
     cfg.ops = ops;
     cfg
 }

@@ -69,7 +69,9 @@ struct Correct;
 
 impl Adapter for Correct {
     const NAME: &'static str = "byo-cache";
-    const SUPPORTS: Supports = Supports { serial_trim: true, rows_window: true, rows_trim: true, join: false };
+    fn supports() -> Supports {
+        Supports { serial_trim: true, rows_window: true, rows_trim: true, join: false, rotating: false }
+    }
     type Serial = Solo;
     type Rows = Rows;
     fn serial(g: &Geometry) -> AdapterResult<Solo> {
@@ -81,7 +83,9 @@ struct SharedColumn;
 
 impl Adapter for SharedColumn {
     const NAME: &'static str = "byo-cache-shared-column";
-    const SUPPORTS: Supports = Correct::SUPPORTS;
+    fn supports() -> Supports {
+        Correct::supports()
+    }
     type Serial = Solo;
     type Rows = Rows;
     fn serial(g: &Geometry) -> AdapterResult<Solo> {

@@ -1,6 +1,7 @@
 //! The family that drives an [`Adapter`]'s caches: production (the adapter's serial caches and rows), one solo twin
-//! per request and layer (the adapter's own serial cache, fed only that request), and the model (the positions each
-//! request holds; its values are the value space's, its reads softmax attention in f64).
+//! per request and layer (the adapter's own serial cache, fed only that request), and the model (a `RowModel` per
+//! request: the positions it holds and which each query sees, as if it ran alone; the values are the value
+//! space's, the reads softmax attention in f64).
 
 use std::collections::BTreeMap;
 
@@ -15,7 +16,7 @@ use crate::sim::ops::Op;
 use crate::sim::roster::{Change, Home};
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
-use kvsim_reference::{Tensor, Tok, ValueSpace};
+use kvsim_reference::{RowModel, Tensor, Tok, ValueSpace};
 
 type Res<T> = Result<T, Failure>;
 
@@ -25,10 +26,8 @@ struct Req<S> {
     solo: Vec<S>,
     /// Its solo twins, one per layer.
     twin: Vec<S>,
-    /// Positions held.
-    offset: usize,
-    /// The width of its last window write, when that was its last mutation.
-    last_window: Option<usize>,
+    /// What it holds, as if it ran alone (layers share it).
+    model: RowModel,
 }
 
 /// One run's layers of the adapter's cache.
@@ -43,6 +42,9 @@ pub(super) struct Adapted<A: Adapter> {
 }
 
 fn refused(what: &str, e: AdapterError) -> Failure {
+    if let Some(f) = e.downcast_ref::<super::engine::EngineFailure>() {
+        return Failure::new("engine", format!("{what}: {f}"));
+    }
     Failure::new("adapter_error", format!("{what}: the cache under test refused a call the model allows: {e}"))
 }
 
@@ -52,14 +54,16 @@ fn read_fail(what: &str, e: impl std::fmt::Display) -> Failure {
 
 impl<A: Adapter> Adapted<A> {
     pub(super) fn new(cfg: &SimConfig) -> Res<Adapted<A>> {
-        if cfg.layout.max_size().is_some() {
-            return Err(Failure::new("setup", "a cache brought from outside kvsim runs the linear layout only"));
+        if cfg.layout.max_size().is_some() && !A::supports().rotating {
+            return Err(Failure::new("setup", "a sliding window, for a cache that does not support one"));
         }
+        A::begin_run().map_err(|e| refused("begin_run", e))?;
         let geometry = Geometry {
             heads_kv: cfg.heads_kv,
             heads_q: cfg.heads_q,
             head_dim: cfg.head_dim,
             dtype: cfg.kv_spec().dtype.to_mlx(),
+            max_size: cfg.layout.max_size(),
         };
         Ok(Adapted {
             cfg: cfg.clone(),
@@ -99,7 +103,8 @@ impl<A: Adapter> Adapted<A> {
                 let layers = self.cfg.layers;
                 let solo = (0..layers).map(|_| self.serial()).collect::<Res<Vec<_>>>()?;
                 let twin = (0..layers).map(|_| self.serial()).collect::<Res<Vec<_>>>()?;
-                self.reqs.insert(*req, Req { solo, twin, offset: 0, last_window: None });
+                let model = RowModel::new(self.cfg.layout.max_size());
+                self.reqs.insert(*req, Req { solo, twin, model });
             }
             Change::Enter { ids, perm } => {
                 let mut per_layer: Vec<Vec<A::Serial>> = (0..self.cfg.layers).map(|_| vec![]).collect();
@@ -111,7 +116,7 @@ impl<A: Adapter> Adapted<A> {
                 }
                 let mut entering = vec![];
                 for serials in per_layer {
-                    let rows = if join && A::SUPPORTS.join {
+                    let rows = if join && A::supports().join {
                         let refs: Vec<&A::Serial> = serials.iter().collect();
                         A::Rows::join(&refs).map_err(|e| refused("join", e))?
                     } else {
@@ -191,8 +196,9 @@ impl<A: Adapter> Adapted<A> {
             return Ok(false);
         }
         let scale = self.cfg.scale();
-        let from = self.reqs[&id].offset;
+        let from = self.reqs[&id].model.offset;
         let toks = vec![self.toks(id, from, len)];
+        let seen = self.advance(id, &toks[0], decode);
         for l in 0..self.cfg.layers {
             let [k, v, q] = self.kvq(l, &toks)?;
             let r = self.reqs.get_mut(&id).expect("live");
@@ -203,11 +209,8 @@ impl<A: Adapter> Adapted<A> {
             };
             let got = got.map_err(|e| refused("solo read", e))?;
             let twin = twin.map_err(|e| refused("twin read", e))?;
-            self.compare(cx, l, &got, &[(id, from, twin)], len, "solo read")?;
+            self.compare(cx, l, &got, &[(id, twin)], &[seen.clone()], "solo read")?;
         }
-        let r = self.reqs.get_mut(&id).expect("live");
-        r.offset += len;
-        r.last_window = (!decode).then_some(len);
         Ok(true)
     }
 
@@ -218,8 +221,9 @@ impl<A: Adapter> Adapted<A> {
             return Ok(false);
         }
         let scale = self.cfg.scale();
-        let froms: Vec<usize> = ids.iter().map(|id| self.reqs[id].offset).collect();
+        let froms: Vec<usize> = ids.iter().map(|id| self.reqs[id].model.offset).collect();
         let toks: Vec<Vec<Option<Tok>>> = ids.iter().zip(&froms).map(|(&id, &f)| self.toks(id, f, len)).collect();
+        let seen: Vec<Vec<Vec<Tok>>> = ids.iter().zip(&toks).map(|(&id, t)| self.advance(id, t, !window)).collect();
         for l in 0..self.cfg.layers {
             let [k, v, q] = self.kvq(l, &toks)?;
             let b = &mut self.batch.as_mut().expect("rows")[l];
@@ -230,31 +234,40 @@ impl<A: Adapter> Adapted<A> {
                 let [k, v, q] = self.kvq(l, std::slice::from_ref(&toks[r]))?;
                 let t = &mut self.reqs.get_mut(&id).expect("live").twin[l];
                 let out = if window { t.window(&k, &v, &q, scale) } else { t.decode(&k, &v, &q, scale) };
-                twins.push((id, froms[r], out.map_err(|e| refused("twin read", e))?));
+                twins.push((id, out.map_err(|e| refused("twin read", e))?));
             }
-            self.compare(cx, l, &got, &twins, len, if window { "rows window" } else { "rows decode" })?;
-        }
-        for id in &ids {
-            let r = self.reqs.get_mut(id).expect("live");
-            r.offset += len;
-            r.last_window = window.then_some(len);
+            self.compare(cx, l, &got, &twins, &seen, if window { "rows window" } else { "rows decode" })?;
         }
         Ok(true)
     }
 
-    /// Compares a read's output (`[B, heads_q, L, D]`, row `r` the request `twins[r].0` that held `twins[r].1`
-    /// positions before the read) with each row's twin output and with the f64 model.
+    /// The model of request `id` takes `toks` (a decode when `decode`); returns the positions each of them sees.
+    fn advance(&mut self, id: u32, toks: &[Option<Tok>], decode: bool) -> Vec<Vec<Tok>> {
+        let m = &mut self.reqs.get_mut(&id).expect("live").model;
+        let toks: Vec<Tok> = toks.iter().flatten().copied().collect();
+        if decode {
+            m.decode_write(toks[0]);
+            vec![m.decode_visible().into_iter().map(|c| m.cols[c]).collect()]
+        } else {
+            m.window_write(&toks);
+            (0..toks.len()).map(|i| m.window_visible(toks.len(), i).into_iter().map(|c| m.cols[c]).collect()).collect()
+        }
+    }
+
+    /// Compares a read's output (`[B, heads_q, L, D]`, row `r` the request `twins[r].0`) with each row's twin
+    /// output and with the f64 model over the positions each query sees (`seen[r][i]`).
     fn compare(
         &mut self,
         cx: &mut Cx<'_>,
         layer: usize,
         got: &Array,
-        twins: &[(u32, usize, Array)],
-        len: usize,
+        twins: &[(u32, Array)],
+        seen: &[Vec<Vec<Tok>>],
         what: &str,
     ) -> Res<()> {
+        let len = seen.first().map_or(0, Vec::len);
         let mut arrays = vec![got];
-        arrays.extend(twins.iter().map(|t| &t.2));
+        arrays.extend(twins.iter().map(|t| &t.1));
         let bytes = ArrayBytes::read_many(&arrays).map_err(|e| read_fail(what, e))?;
         let want = [twins.len() as i32, self.geometry.heads_q as i32, len as i32, self.geometry.head_dim as i32];
         if bytes[0].shape != want || bytes[0].dtype != self.geometry.dtype {
@@ -269,13 +282,12 @@ impl<A: Adapter> Adapted<A> {
         cx.hasher.update(&bytes[0].digest());
         let exact = self.counters.guarantees.exact_unpadded_decode;
         let cols: Vec<usize> = (0..len).collect();
-        for (r, (id, from, _)) in twins.iter().enumerate() {
+        for (r, (id, _)) in twins.iter().enumerate() {
             let row = bytes[0].select_columns(r, &cols).map_err(|e| read_fail(what, e))?;
             let twin = &bytes[r + 1];
             let worst = if exact || row.shape != twin.shape {
-                check::bytes_equal(&format!("{what}, layer {layer}, row {r}"), &row, twin).map_err(|f| {
-                    Failure::new("rows_vs_solo", format!("{} (request {id}, holding {from} positions)", f.message))
-                })?;
+                check::bytes_equal(&format!("{what}, layer {layer}, row {r}"), &row, twin)
+                    .map_err(|f| Failure::new("rows_vs_solo", format!("{} (request {id})", f.message)))?;
                 0
             } else {
                 check::max_ulp_at_scale(&row, twin)
@@ -283,9 +295,8 @@ impl<A: Adapter> Adapted<A> {
             self.counters.checks += 1;
             let class = if len == 1 { OutClass::DecodeUnpadded } else { OutClass::Window };
             self.counters.record_twin(class, &[A::NAME], self.geometry.dtype, worst);
-            for i in 0..len {
-                let keys: Vec<Tok> = (0..=from + i).map(|p| Tok::new(*id, p as u32)).collect();
-                let q = Tok::new(*id, (from + i) as u32);
+            for (i, keys) in seen[r].iter().enumerate() {
+                let q = keys.iter().copied().max_by_key(|t| t.pos).unwrap_or(Tok::new(*id, 0));
                 check::output_vs_model(
                     &self.vs,
                     layer as u32,
@@ -304,12 +315,21 @@ impl<A: Adapter> Adapted<A> {
 
     // ----- trims -------------------------------------------------------------------------------------------------
 
+    /// What a trim of `n` must drop from `m`: `min(n, offset)` while the model is trimmable, else 0.
+    fn trim_want(m: &RowModel, n: usize) -> usize {
+        if m.is_trimmable() {
+            n.min(m.offset)
+        } else {
+            0
+        }
+    }
+
     fn solo_trim(&mut self, cx: &mut Cx<'_>, id: u32, n: usize) -> Res<bool> {
         if !cx.roster.is_solo(id) {
             return Ok(false);
         }
         let r = self.reqs.get_mut(&id).expect("live");
-        let want = n.min(r.offset);
+        let want = Self::trim_want(&r.model, n);
         for (l, (s, t)) in r.solo.iter_mut().zip(r.twin.iter_mut()).enumerate() {
             let got = s.trim(n).map_err(|e| refused("trim", e))?;
             let twin = t.trim(n).map_err(|e| refused("twin trim", e))?;
@@ -317,38 +337,59 @@ impl<A: Adapter> Adapted<A> {
                 return check::fail(Failure::new(
                     "trim_count",
                     format!(
-                        "layer {l}: trim({n}) of {} positions dropped {got} (twin {twin}), expected {want}",
-                        r.offset
+                        "layer {l}: trim({n}) of {} positions dropped {got} (twin {twin}), expected {want}{}",
+                        r.model.offset,
+                        if r.model.is_trimmable() { "" } else { " (the window has filled: nothing may go)" }
                     ),
                 ))
                 .map(|_| true);
             }
         }
-        r.offset -= want;
-        r.last_window = None;
+        if want > 0 {
+            r.model.trim(want, false).map_err(|e| Failure::new("model", format!("trim {want}: {e:?}")))?;
+        }
         self.counters.checks += 1;
         Ok(true)
     }
 
+    /// A trim of every row: each row's twin first (against the model), then the batch, which must drop what the
+    /// twins dropped (`rows_trim_vs_solo`).
     fn rows_trim(&mut self, cx: &mut Cx<'_>, n: usize) -> Res<bool> {
         let ids: Vec<u32> = cx.roster.rows().to_vec();
-        let Some(batch) = &mut self.batch else { return Ok(false) };
-        if n == 0 || ids.iter().any(|id| self.reqs[id].offset < n) {
+        if self.batch.is_none() || n == 0 || ids.iter().any(|id| self.reqs[id].model.offset < n) {
             return Ok(false);
         }
-        for (l, b) in batch.iter_mut().enumerate() {
-            let got = b.trim(n).map_err(|e| refused("rows trim", e))?;
-            if got != n {
-                return check::fail(Failure::new("trim_count", format!("layer {l}: rows trim({n}) dropped {got}")))
-                    .map(|_| true);
-            }
-        }
+        let mut solo = vec![];
         for id in &ids {
             let r = self.reqs.get_mut(id).expect("live");
-            r.offset -= n;
-            r.last_window = None;
-            for t in &mut r.twin {
-                t.trim(n).map_err(|e| refused("twin trim", e))?;
+            let want = Self::trim_want(&r.model, n);
+            for (l, t) in r.twin.iter_mut().enumerate() {
+                let got = t.trim(n).map_err(|e| refused("twin trim", e))?;
+                if got != want {
+                    return check::fail(Failure::new(
+                        "trim_count",
+                        format!("request {id} layer {l}: its twin's trim({n}) dropped {got}, expected {want}"),
+                    ))
+                    .map(|_| true);
+                }
+            }
+            solo.push(want);
+        }
+        let batch = self.batch.as_mut().expect("rows");
+        for (l, b) in batch.iter_mut().enumerate() {
+            let got = b.trim(n).map_err(|e| refused("rows trim", e))?;
+            if solo.iter().any(|&w| w != got) {
+                return check::fail(Failure::new(
+                    "rows_trim_vs_solo",
+                    format!("layer {l}: the rows' trim({n}) dropped {got}; each row alone drops {solo:?}"),
+                ))
+                .map(|_| true);
+            }
+        }
+        for (id, &want) in ids.iter().zip(&solo) {
+            if want > 0 {
+                let m = &mut self.reqs.get_mut(id).expect("live").model;
+                m.trim(want, false).map_err(|e| Failure::new("model", format!("trim {want}: {e:?}")))?;
             }
         }
         self.counters.checks += 1;
@@ -368,7 +409,7 @@ impl<A: Adapter> Adapted<A> {
                         format!("layer {l}: the batch holds {} rows, the schedule {}", b.rows(), rows.len()),
                     ));
                 }
-                let want: Vec<usize> = rows.iter().map(|id| self.reqs[id].offset).collect();
+                let want: Vec<usize> = rows.iter().map(|id| self.reqs[id].model.offset).collect();
                 if b.offsets() != want {
                     return check::fail(Failure::new(
                         "offsets",
@@ -382,7 +423,9 @@ impl<A: Adapter> Adapted<A> {
         let live: Vec<u32> = cx.roster.live().collect();
         for id in live {
             let r = &self.reqs[&id];
-            let toks = vec![self.toks(id, 0, r.offset)];
+            let view: Vec<Option<Tok>> = r.model.temporal_view().into_iter().map(Some).collect();
+            let offset = r.model.offset;
+            let toks = vec![view];
             for l in 0..self.cfg.layers {
                 let (prod, where_) = match cx.roster.home(id) {
                     Some(Home::Batch) => {
@@ -392,10 +435,10 @@ impl<A: Adapter> Adapted<A> {
                     }
                     _ => {
                         let s = &r.solo[l];
-                        if s.offset() != r.offset {
+                        if s.offset() != offset {
                             return check::fail(Failure::new(
                                 "offsets",
-                                format!("request {id} layer {l}: offset {}, the model's {}", s.offset(), r.offset),
+                                format!("request {id} layer {l}: offset {}, the model's {offset}", s.offset()),
                             ));
                         }
                         (s.state().map_err(|e| refused("state", e))?, "outside the batch".to_string())
@@ -407,16 +450,16 @@ impl<A: Adapter> Adapted<A> {
                 let b = ArrayBytes::read_many(&all).map_err(|e| read_fail("state", e))?;
                 for (i, name) in ["K", "V"].iter().enumerate() {
                     for (got, who) in [(&b[i], where_.as_str()), (&b[2 + i], "its twin")] {
-                        let empty = r.offset == 0 && got.words.is_empty();
+                        let empty = toks[0].is_empty() && got.words.is_empty();
                         if !empty && got.first_difference(&b[4 + i]).is_some() {
                             return check::fail(Failure::new(
                                 "state_vs_model",
                                 format!(
-                                    "request {id} ({who}) layer {l}: {name} is {:?} {:?}, not the {} positions it holds \
-                                     (first difference at element {})",
+                                    "request {id} ({who}) layer {l}: {name} is {:?} {:?}, not the {} positions the next \
+                                     read attends (first difference at element {})",
                                     got.shape,
                                     got.dtype,
-                                    r.offset,
+                                    toks[0].len(),
                                     got.first_difference(&b[4 + i]).unwrap_or(0)
                                 ),
                             ));
@@ -462,7 +505,7 @@ impl<A: Adapter> Family for Adapted<A> {
     }
 
     fn position(&self, req: u32) -> Option<(usize, Option<usize>)> {
-        self.reqs.get(&req).map(|r| (r.offset, r.last_window))
+        self.reqs.get(&req).map(|r| (r.model.offset, r.model.last_concat))
     }
 
     fn counters(&self) -> &Counters {

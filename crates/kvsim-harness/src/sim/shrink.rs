@@ -47,7 +47,8 @@ pub fn shrink_in(registry: &Registry, trace: &Trace, device: DeviceChoice, budge
     };
     let cut = |r: &RunResult| -> Vec<Op> {
         match &r.trace.outcome {
-            Outcome::Fail { op_index, .. } => r.trace.ops[..=*op_index].to_vec(),
+            // A run that failed before its first op (its setup) has no op to keep.
+            Outcome::Fail { op_index, .. } => r.trace.ops[..(*op_index + 1).min(r.trace.ops.len())].to_vec(),
             Outcome::Pass => r.trace.ops.clone(),
         }
     };

@@ -1,0 +1,746 @@
+//! An engine in another process, as a cache under test: kvsim's engine protocol (oracles/PROTOCOL.md, "The engine
+//! protocol"), JSON lines over the process's standard input and output, one request per cache call.
+//!
+//! [`Engine::start`] runs the driver command and asks `hello` (protocol version, what the engine supports);
+//! [`install`] makes it the engine of this thread's runs of [`EngineCache`], the [`Adapter`] whose serial caches
+//! and rows are handles (ids) of caches living in the engine. Every request of a run is kept ([`calls`]): a shrunk
+//! failing run's calls are what the engine's reproducer replays.
+//!
+//! Bad input from the engine is an [`EngineFailure`] naming the request and the reply: it exited, it sent no reply
+//! within the timeout, a reply that is not a JSON object (or not `ok` as a boolean), a line cut off at the end of its
+//! output, a reply whose fields (a count, a tensor's dtype, bytes or shape) are not what the request implies, another
+//! protocol version. From then on
+//! the engine is **broken**: every later call answers the same failure at once, and [`Engine::stop`] kills the
+//! process. A reply `{"ok": false, "error": ...}` is not a protocol failure: the engine's cache refused the call,
+//! which the simulator judges like any cache's refusal.
+
+use std::cell::RefCell;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine as _;
+use mlx_rs::{Array, Dtype};
+use serde_json::{json, Value};
+
+use super::{Adapter, AdapterError, AdapterResult, Geometry, RowsUnderTest, SerialUnderTest, Supports};
+
+/// The protocol version this module speaks.
+pub const PROTOCOL: u64 = 1;
+
+/// What went wrong with the engine process (not with its caches).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineFailure {
+    #[error("cannot start the engine {command:?}: {why}")]
+    Spawn { command: String, why: String },
+    #[error("{op}: the engine exited ({status}) before replying; its last output on stderr: {stderr:?}")]
+    Exited { op: String, status: String, stderr: String },
+    #[error("{op}: the engine sent no reply within {secs} s")]
+    Timeout { op: String, secs: u64 },
+    #[error("{op}: malformed reply {reply:?}: {why}")]
+    Malformed { op: String, reply: String, why: String },
+    #[error("{op}: the reply was cut off (no end of line before the engine's output ended): {reply:?}")]
+    Truncated { op: String, reply: String },
+    #[error("{op}: reply field {field:?} has shape {got:?}, the request implies {want}")]
+    WrongShape { op: String, field: String, got: Vec<i64>, want: String },
+    #[error("the engine speaks protocol {got}, kvsim speaks {want}")]
+    Version { got: String, want: u64 },
+    #[error("no engine is installed on this thread")]
+    NotInstalled,
+}
+
+impl EngineFailure {
+    /// The failure's kind, as a class name (`engine/timeout`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineFailure::Spawn { .. } => "spawn",
+            EngineFailure::Exited { .. } => "exited",
+            EngineFailure::Timeout { .. } => "timeout",
+            EngineFailure::Malformed { .. } => "malformed",
+            EngineFailure::Truncated { .. } => "truncated",
+            EngineFailure::WrongShape { .. } => "wrong_shape",
+            EngineFailure::Version { .. } => "version",
+            EngineFailure::NotInstalled => "not_installed",
+        }
+    }
+}
+
+/// The engine's cache refused a call (`{"ok": false, "error": ...}`).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the engine's cache raised: {0}")]
+pub struct EngineRefused(pub String);
+
+enum Line {
+    Full(String),
+    Cut(String),
+    End,
+}
+
+/// What `hello` said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub engine: String,
+    pub version: String,
+    pub supports: Supports,
+}
+
+/// A running engine process.
+pub struct Engine {
+    command: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<Line>,
+    stderr: Arc<Mutex<String>>,
+    timeout: Duration,
+    next_id: u64,
+    frees: Vec<u64>,
+    calls: Vec<Value>,
+    broken: Option<EngineFailure>,
+    hello: Hello,
+}
+
+impl Engine {
+    /// Runs `command` (through `sh -c`) and asks `hello`; `timeout` bounds every reply.
+    pub fn start(command: &str, timeout: Duration) -> Result<Engine, EngineFailure> {
+        let spawn = |why: String| EngineFailure::Spawn { command: command.to_string(), why };
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(command)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| spawn(e.to_string()))?;
+        let stdout = child.stdout.take().ok_or_else(|| spawn("no stdout".into()))?;
+        let mut err = child.stderr.take().ok_or_else(|| spawn("no stderr".into()))?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(stdout);
+            loop {
+                let mut s = String::new();
+                let line = match r.read_line(&mut s) {
+                    Ok(0) | Err(_) => Line::End,
+                    Ok(_) if s.ends_with('\n') => Line::Full(s),
+                    Ok(_) => Line::Cut(s),
+                };
+                let end = !matches!(line, Line::Full(_));
+                if tx.send(line).is_err() || end {
+                    return;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let sink = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                let mut s = sink.lock().unwrap_or_else(|p| p.into_inner());
+                s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if s.len() > 8192 {
+                    let cut = s.len() - 4096;
+                    let cut = (cut..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
+                    s.drain(..cut);
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        let mut e = Engine {
+            command: command.to_string(),
+            child,
+            stdin,
+            lines,
+            stderr,
+            timeout,
+            next_id: 0,
+            frees: vec![],
+            calls: vec![],
+            broken: None,
+            hello: Hello { engine: String::new(), version: String::new(), supports: Supports::default() },
+        };
+        let reply = e.request(json!({"op": "hello"}));
+        let reply = match reply {
+            Ok(r) => r,
+            Err(f) => {
+                e.stop();
+                return Err(f);
+            }
+        };
+        if reply["ok"] != Value::Bool(true) {
+            e.stop();
+            let why = format!("hello answered {}", shorten(&reply));
+            return Err(EngineFailure::Spawn { command: command.to_string(), why });
+        }
+        let protocol = reply.get("protocol").and_then(Value::as_u64);
+        if protocol != Some(PROTOCOL) {
+            e.stop();
+            let got = reply.get("protocol").map_or("none".to_string(), |v| v.to_string());
+            return Err(EngineFailure::Version { got, want: PROTOCOL });
+        }
+        let s = reply.get("supports").cloned().unwrap_or(Value::Null);
+        let flag = |k: &str| s.get(k).and_then(Value::as_bool).unwrap_or(false);
+        e.hello = Hello {
+            engine: reply.get("engine").and_then(Value::as_str).unwrap_or("?").to_string(),
+            version: reply.get("version").and_then(Value::as_str).unwrap_or("?").to_string(),
+            supports: Supports {
+                serial_trim: flag("serial_trim"),
+                rows_window: flag("rows_window"),
+                rows_trim: flag("rows_trim"),
+                join: flag("join"),
+                rotating: flag("rotating"),
+            },
+        };
+        e.calls.clear();
+        Ok(e)
+    }
+
+    /// What `hello` said.
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The command it runs.
+    pub fn command(&self) -> &str {
+        &self.command
+    }
+
+    /// The failure that broke it, if one did.
+    pub fn broken(&self) -> Option<&EngineFailure> {
+        self.broken.as_ref()
+    }
+
+    /// Stops the process (killed if it is still running) and waits for it.
+    pub fn stop(&mut self) {
+        self.stdin = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether the process has ended.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    fn fresh_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Sends one request and reads its reply. `Err(EngineFailure)`: the engine is broken from now on.
+    pub fn request(&mut self, mut req: Value) -> Result<Value, EngineFailure> {
+        if let Some(f) = &self.broken {
+            return Err(f.clone());
+        }
+        let op = req.get("op").and_then(Value::as_str).unwrap_or("?").to_string();
+        if !self.frees.is_empty() {
+            req["free"] = json!(std::mem::take(&mut self.frees));
+        }
+        let mut line = req.to_string();
+        self.calls.push(req);
+        line.push('\n');
+        let sent = match self.stdin.as_mut() {
+            Some(w) => w.write_all(line.as_bytes()).and_then(|_| w.flush()).is_ok(),
+            None => false,
+        };
+        let result = if !sent {
+            Err(self.exited_failure(&op))
+        } else {
+            match self.lines.recv_timeout(self.timeout) {
+                Ok(Line::Full(s)) => parse_reply(&op, &s),
+                Ok(Line::Cut(s)) => Err(EngineFailure::Truncated { op: op.clone(), reply: s }),
+                Ok(Line::End) | Err(RecvTimeoutError::Disconnected) => Err(self.exited_failure(&op)),
+                Err(RecvTimeoutError::Timeout) => {
+                    Err(EngineFailure::Timeout { op: op.clone(), secs: self.timeout.as_secs() })
+                }
+            }
+        };
+        if let Err(f) = &result {
+            self.broken = Some(f.clone());
+            self.stop();
+        }
+        result
+    }
+
+    fn exited_failure(&mut self, op: &str) -> EngineFailure {
+        let status = match self.child.wait() {
+            Ok(s) => s.to_string(),
+            Err(e) => e.to_string(),
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        let stderr = self.stderr.lock().map(|s| s.chars().rev().take(600).collect::<String>()).unwrap_or_default();
+        EngineFailure::Exited { op: op.to_string(), status, stderr: stderr.chars().rev().collect() }
+    }
+
+    /// A call whose refusal is the cache's: `Err(EngineRefused)` for `ok: false`, `Err(EngineFailure)` for a
+    /// protocol failure.
+    fn call(&mut self, req: Value) -> AdapterResult<Value> {
+        let reply = self.request(req)?;
+        if reply["ok"] == Value::Bool(true) {
+            Ok(reply)
+        } else {
+            Err(Box::new(EngineRefused(reply.get("error").map_or("no message".to_string(), |e| e.to_string()))))
+        }
+    }
+
+    /// Asks the engine for a standalone reproducer of `calls` whose divergence is `divergence` (a check name).
+    pub fn reproducer(&mut self, calls: &[Value], divergence: &str, title: &str) -> Result<String, String> {
+        let reply = self
+            .request(json!({"op": "reproducer", "calls": calls, "divergence": divergence, "title": title}))
+            .map_err(|e| e.to_string())?;
+        match (reply["ok"].as_bool(), reply["script"].as_str()) {
+            (Some(true), Some(s)) => Ok(s.to_string()),
+            _ => Err(format!("the engine wrote no reproducer: {}", reply.get("error").unwrap_or(&Value::Null))),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn parse_reply(op: &str, s: &str) -> Result<Value, EngineFailure> {
+    let malformed =
+        |why: &str| EngineFailure::Malformed { op: op.to_string(), reply: s.trim_end().to_string(), why: why.into() };
+    let v: Value = serde_json::from_str(s).map_err(|e| malformed(&format!("not JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(malformed("not a JSON object"));
+    }
+    if !v.get("ok").is_some_and(Value::is_boolean) {
+        return Err(malformed("no boolean \"ok\""));
+    }
+    Ok(v)
+}
+
+thread_local! {
+    static ENGINE: RefCell<Option<Engine>> = const { RefCell::new(None) };
+}
+
+/// Makes `engine` the engine of this thread's [`EngineCache`] runs; returns the one it replaces.
+pub fn install(engine: Engine) -> Option<Engine> {
+    ENGINE.with(|e| e.borrow_mut().replace(engine))
+}
+
+/// Takes this thread's engine back.
+pub fn uninstall() -> Option<Engine> {
+    ENGINE.with(|e| e.borrow_mut().take())
+}
+
+/// The requests of the current run (since its `reset`), in order.
+pub fn calls() -> Vec<Value> {
+    ENGINE.with(|e| e.borrow().as_ref().map(|e| e.calls.clone()).unwrap_or_default())
+}
+
+/// Runs `f` on this thread's engine.
+pub fn with_engine<T>(f: impl FnOnce(&mut Engine) -> T) -> Result<T, EngineFailure> {
+    ENGINE.with(|e| e.borrow_mut().as_mut().map(f).ok_or(EngineFailure::NotInstalled))
+}
+
+fn engine_call(req: Value) -> AdapterResult<Value> {
+    with_engine(|e| e.call(req))?
+}
+
+/// A reply that parsed but holds what the request cannot have produced: the engine is broken from now on (stopped).
+fn fault(f: EngineFailure) -> AdapterError {
+    let _ = with_engine(|e| {
+        e.broken = Some(f.clone());
+        e.stop();
+    });
+    Box::new(f)
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    if d == Dtype::Bfloat16 {
+        "bf16"
+    } else {
+        "f32"
+    }
+}
+
+fn tensor(a: &Array) -> AdapterResult<Value> {
+    let b = kvsim_cache::bytes::ArrayBytes::of(a)?;
+    Ok(json!({
+        "dtype": dtype_name(b.dtype),
+        "shape": b.shape,
+        "b64": base64::engine::general_purpose::STANDARD.encode(b.words.le_bytes()),
+    }))
+}
+
+/// The reply's tensor `field`, of `dtype`, whose shape must pass `fits` (`want` says what it should be).
+fn tensor_from(
+    op: &str,
+    reply: &Value,
+    field: &str,
+    dtype: Dtype,
+    want: &str,
+    fits: impl Fn(&[i64]) -> bool,
+) -> AdapterResult<Array> {
+    let malformed =
+        |why: String| -> AdapterError { fault(EngineFailure::Malformed { op: op.into(), reply: shorten(reply), why }) };
+    let t = reply.get(field).ok_or_else(|| malformed(format!("no field {field:?}")))?;
+    let shape: Vec<i64> = t
+        .get("shape")
+        .and_then(Value::as_array)
+        .and_then(|s| s.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| malformed(format!("{field}: no integer shape")))?;
+    if t.get("dtype").and_then(Value::as_str) != Some(dtype_name(dtype)) {
+        return Err(malformed(format!("{field}: dtype {:?}, expected {:?}", t.get("dtype"), dtype_name(dtype))));
+    }
+    let raw = t
+        .get("b64")
+        .and_then(Value::as_str)
+        .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
+        .ok_or_else(|| malformed(format!("{field}: no base64 \"b64\"")))?;
+    let n: i64 = shape.iter().product();
+    let size = if dtype == Dtype::Bfloat16 { 2 } else { 4 };
+    if shape.iter().any(|&d| d < 0) || raw.len() as i64 != n * size {
+        return Err(malformed(format!("{field}: {} bytes for shape {shape:?}", raw.len())));
+    }
+    if !fits(&shape) {
+        return Err(fault(EngineFailure::WrongShape {
+            op: op.into(),
+            field: field.into(),
+            got: shape,
+            want: want.into(),
+        }));
+    }
+    let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    Ok(if dtype == Dtype::Bfloat16 {
+        let v: Vec<half::bf16> =
+            raw.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+        Array::from_slice(&v, &dims)
+    } else {
+        let v: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Array::from_slice(&v, &dims)
+    })
+}
+
+fn shorten(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 400 {
+        format!("{}...", &s[..s.char_indices().take_while(|(i, _)| *i < 400).last().map_or(0, |(i, _)| i)])
+    } else {
+        s
+    }
+}
+
+fn usize_of(op: &str, reply: &Value, field: &str) -> AdapterResult<usize> {
+    reply.get(field).and_then(Value::as_u64).map(|n| n as usize).ok_or_else(|| {
+        fault(EngineFailure::Malformed { op: op.into(), reply: shorten(reply), why: format!("no count {field:?}") })
+    })
+}
+
+fn read(op: &str, id: u64, k: &Array, v: &Array, q: &Array, scale: f32, g: &Geometry) -> AdapterResult<Array> {
+    let reply = engine_call(json!({
+        "op": op, "id": id, "k": tensor(k)?, "v": tensor(v)?, "q": tensor(q)?, "scale": scale,
+    }))?;
+    let want: Vec<i64> = q.shape().iter().map(|&d| i64::from(d)).collect();
+    tensor_from(op, &reply, "out", g.dtype, &format!("{want:?} (the query's)"), |s| s == want.as_slice())
+}
+
+fn state(op: &str, req: Value, g: &Geometry) -> AdapterResult<[Array; 2]> {
+    let reply = engine_call(req)?;
+    let (h, d) = (g.heads_kv as i64, g.head_dim as i64);
+    let want = format!("[1, {h}, n, {d}]");
+    let fits = |s: &[i64]| s.len() == 4 && s[0] == 1 && s[1] == h && s[3] == d;
+    Ok([tensor_from(op, &reply, "k", g.dtype, &want, fits)?, tensor_from(op, &reply, "v", g.dtype, &want, fits)?])
+}
+
+fn release(id: u64) {
+    let _ = ENGINE.try_with(|e| {
+        if let Ok(mut e) = e.try_borrow_mut() {
+            if let Some(e) = e.as_mut() {
+                e.frees.push(id);
+            }
+        }
+    });
+}
+
+/// A serial cache living in the engine.
+pub struct EngineSerial {
+    id: u64,
+    geometry: Geometry,
+}
+
+impl Drop for EngineSerial {
+    fn drop(&mut self) {
+        release(self.id);
+    }
+}
+
+impl SerialUnderTest for EngineSerial {
+    fn offset(&self) -> usize {
+        engine_call(json!({"op": "offset", "id": self.id}))
+            .and_then(|r| usize_of("offset", &r, "offset"))
+            .unwrap_or(usize::MAX)
+    }
+    fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        read("window", self.id, k, v, q, scale, &self.geometry)
+    }
+    fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        read("decode", self.id, k, v, q, scale, &self.geometry)
+    }
+    fn trim(&mut self, n: usize) -> AdapterResult<usize> {
+        let r = engine_call(json!({"op": "trim", "id": self.id, "n": n}))?;
+        usize_of("trim", &r, "trimmed")
+    }
+    fn state(&self) -> AdapterResult<[Array; 2]> {
+        state("state", json!({"op": "state", "id": self.id}), &self.geometry)
+    }
+}
+
+/// A batch living in the engine.
+pub struct EngineRows {
+    id: u64,
+    geometry: Geometry,
+}
+
+impl Drop for EngineRows {
+    fn drop(&mut self) {
+        release(self.id);
+    }
+}
+
+impl EngineRows {
+    fn info(&self) -> AdapterResult<(usize, Vec<usize>)> {
+        let r = engine_call(json!({"op": "rows_info", "id": self.id}))?;
+        let rows = usize_of("rows_info", &r, "rows")?;
+        let offsets = r
+            .get("offsets")
+            .and_then(Value::as_array)
+            .and_then(|o| o.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| -> AdapterError {
+                Box::new(EngineFailure::Malformed {
+                    op: "rows_info".into(),
+                    reply: shorten(&r),
+                    why: "no offsets".into(),
+                })
+            })?;
+        Ok((rows, offsets))
+    }
+}
+
+impl RowsUnderTest for EngineRows {
+    type Serial = EngineSerial;
+    fn merge(rows: Vec<EngineSerial>) -> AdapterResult<Self> {
+        let geometry = rows.first().ok_or("merge of no rows")?.geometry;
+        let id = with_engine(|e| e.fresh_id())?;
+        let ids: Vec<u64> = rows.iter().map(|r| r.id).collect();
+        // The engine consumes the rows' caches: their handles must not free them again.
+        std::mem::forget(rows);
+        engine_call(json!({"op": "merge", "id": id, "rows": ids}))?;
+        Ok(EngineRows { id, geometry })
+    }
+    fn extend(&mut self, other: Self) -> AdapterResult<()> {
+        let oid = other.id;
+        std::mem::forget(other);
+        engine_call(json!({"op": "extend", "id": self.id, "other": oid}))?;
+        Ok(())
+    }
+    fn rows(&self) -> usize {
+        self.info().map(|i| i.0).unwrap_or(usize::MAX)
+    }
+    fn offsets(&self) -> Vec<usize> {
+        self.info().map(|i| i.1).unwrap_or_default()
+    }
+    fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        read("rows_decode", self.id, k, v, q, scale, &self.geometry)
+    }
+    fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        read("rows_window", self.id, k, v, q, scale, &self.geometry)
+    }
+    fn extract(&self, row: usize) -> AdapterResult<EngineSerial> {
+        let new = with_engine(|e| e.fresh_id())?;
+        engine_call(json!({"op": "extract", "id": self.id, "row": row, "new": new}))?;
+        Ok(EngineSerial { id: new, geometry: self.geometry })
+    }
+    fn filter(&mut self, keep: &[usize]) -> AdapterResult<()> {
+        engine_call(json!({"op": "filter", "id": self.id, "keep": keep}))?;
+        Ok(())
+    }
+    fn trim(&mut self, n: usize) -> AdapterResult<usize> {
+        let r = engine_call(json!({"op": "rows_trim", "id": self.id, "n": n}))?;
+        usize_of("rows_trim", &r, "trimmed")
+    }
+    fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]> {
+        state("rows_state", json!({"op": "rows_state", "id": self.id, "row": row}), &self.geometry)
+    }
+}
+
+/// The engine installed on this thread, as a cache under test.
+pub struct EngineCache;
+
+impl Adapter for EngineCache {
+    const NAME: &'static str = "engine";
+    fn supports() -> Supports {
+        with_engine(|e| e.hello.supports).unwrap_or_default()
+    }
+    fn begin_run() -> AdapterResult<()> {
+        with_engine(|e| {
+            e.frees.clear();
+            e.next_id = 0;
+            let r = e.call(json!({"op": "reset"}));
+            e.calls.clear();
+            r
+        })??;
+        Ok(())
+    }
+    type Serial = EngineSerial;
+    type Rows = EngineRows;
+    fn serial(g: &Geometry) -> AdapterResult<EngineSerial> {
+        let id = with_engine(|e| e.fresh_id())?;
+        engine_call(json!({"op": "new", "id": id, "geometry": {
+            "heads_kv": g.heads_kv, "heads_q": g.heads_q, "head_dim": g.head_dim, "dtype": dtype_name(g.dtype),
+            "max_size": g.max_size,
+        }}))?;
+        Ok(EngineSerial { id, geometry: *g })
+    }
+}
+
+/// The checks whose divergence an engine's reproducer re-establishes on its own calls: a batch row's output against
+/// the same request on its own serial cache (`rows_vs_solo`), the rows' trim against their own caches' trims
+/// (`rows_trim_vs_solo`), a call the engine's cache raised on (`adapter_error`).
+pub const REPRODUCIBLE: &[&str] = &["rows_vs_solo", "rows_trim_vs_solo", "adapter_error"];
+
+/// One class of failures: the check that failed first.
+#[derive(Debug, Clone)]
+pub struct Class {
+    pub name: String,
+    pub failing_seeds: Vec<u64>,
+    /// The shortest shrunk trace of the class.
+    pub shortest: crate::sim::trace::Trace,
+    /// The engine's standalone reproducer of it (`Err`: why there is none).
+    pub reproducer: Result<String, String>,
+}
+
+/// What [`check_engine`] found.
+#[derive(Debug, Clone)]
+pub struct EngineReport {
+    pub hello: Hello,
+    pub seeds: u64,
+    pub failures: u64,
+    pub applied: u64,
+    pub checks: u64,
+    /// Applied ops by kind, over every seed.
+    pub ops_by_kind: std::collections::BTreeMap<String, u64>,
+    pub classes: Vec<Class>,
+}
+
+/// The engine broke during a check: the failure, and the trace of the run it broke in.
+#[derive(Debug, Clone)]
+pub struct Broken {
+    pub failure: EngineFailure,
+    pub trace: Option<crate::sim::trace::Trace>,
+}
+
+/// Runs seeds `0..opts.seeds` against the engine `command` (each run with a fresh `reset`), classes the failing
+/// seeds by the check that failed first, shrinks up to `shrinks` seeds per class through the engine (keeping the
+/// shortest), and asks the engine for a reproducer of each class it can reproduce ([`REPRODUCIBLE`]). The engine
+/// process is stopped before this returns, whatever happens.
+pub fn check_engine(
+    command: &str,
+    timeout: Duration,
+    opts: super::CheckOptions,
+    shrinks: usize,
+) -> Result<EngineReport, Broken> {
+    let engine = Engine::start(command, timeout).map_err(|failure| Broken { failure, trace: None })?;
+    let hello = engine.hello().clone();
+    install(engine);
+    let result = check_installed(opts, shrinks, hello);
+    uninstall();
+    result
+}
+
+fn broken_now(trace: &crate::sim::trace::Trace) -> Result<(), Broken> {
+    match with_engine(|e| e.broken().cloned()) {
+        Ok(None) => Ok(()),
+        Ok(Some(failure)) => Err(Broken { failure, trace: Some(trace.clone()) }),
+        Err(failure) => Err(Broken { failure, trace: Some(trace.clone()) }),
+    }
+}
+
+fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> Result<EngineReport, Broken> {
+    use crate::sim::trace::Outcome;
+    let mut report = EngineReport {
+        hello,
+        seeds: opts.seeds,
+        failures: 0,
+        applied: 0,
+        checks: 0,
+        ops_by_kind: Default::default(),
+        classes: vec![],
+    };
+    let mut tried: std::collections::BTreeMap<String, usize> = Default::default();
+    for seed in 0..opts.seeds {
+        let r = super::run_seed::<EngineCache>(seed, opts.ops, opts.device);
+        broken_now(&r.trace)?;
+        report.applied += r.ops_by_kind.values().sum::<u64>();
+        report.checks += r.counters.checks;
+        for (k, n) in &r.ops_by_kind {
+            *report.ops_by_kind.entry(k.clone()).or_insert(0) += n;
+        }
+        let Outcome::Fail { check, message, .. } = &r.trace.outcome else { continue };
+        report.failures += 1;
+        // A refusal is classed by the call that raised (`adapter_error/row_state`): each is its own bug.
+        let check = &match check.as_str() {
+            "adapter_error" => format!("adapter_error/{}", message.split(':').next().unwrap_or("?").replace(' ', "_")),
+            _ => check.clone(),
+        };
+        let n = tried.entry(check.clone()).or_insert(0);
+        let idx = match report.classes.iter().position(|c| &c.name == check) {
+            Some(i) => i,
+            None => {
+                report.classes.push(Class {
+                    name: check.clone(),
+                    failing_seeds: vec![],
+                    shortest: r.trace.clone(),
+                    reproducer: Err("not written yet".into()),
+                });
+                report.classes.len() - 1
+            }
+        };
+        report.classes[idx].failing_seeds.push(seed);
+        if *n < shrinks {
+            *n += 1;
+            let shrunk = super::shrink::<EngineCache>(&r.trace, opts.device, opts.shrink_budget);
+            broken_now(&r.trace)?;
+            if let Ok(s) = shrunk {
+                if s.trace.ops.len() < report.classes[idx].shortest.ops.len() {
+                    report.classes[idx].shortest = s.trace;
+                }
+            }
+        }
+    }
+    for c in &mut report.classes {
+        let check = c.name.split('/').next().unwrap_or_default().to_string();
+        c.reproducer = if REPRODUCIBLE.contains(&check.as_str()) {
+            let again = super::replay::<EngineCache>(&c.shortest, opts.device);
+            broken_now(&c.shortest)?;
+            let calls = calls();
+            let title = format!(
+                "mlx-lm {}: [{}] after {} scheduler ops (kvsim seed {})",
+                report.hello.version,
+                c.name,
+                c.shortest.ops.len(),
+                c.shortest.seed
+            );
+            match &again.trace.outcome {
+                Outcome::Fail { check: got, .. } if *got == check => {
+                    with_engine(|e| e.reproducer(&calls, &check, &title)).unwrap_or_else(|e| Err(e.to_string()))
+                }
+                other => Err(format!("the shortest trace did not fail the same way on replay: {other:?}")),
+            }
+        } else {
+            Err(format!("[{}] is judged by kvsim's model, which a script of mlx-lm calls alone cannot restate", c.name))
+        };
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests;
