@@ -229,8 +229,8 @@ def main():
             solo = base64.b64decode(replies[i + 1 + r]["out"]["b64"])
             d = first_difference(raw[r * n : (r + 1) * n], solo, dtype)
             if d is not None:
-                print(f"call {i} ({CALLS[i]['op']}): row {r} differs from the same request run alone on its own "
-                      f"KVCache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+                print(f"call {i} ({CALLS[i]['op']}): row {r} differs from the same request run alone on its own serial "
+                      f"cache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
                 sys.exit(1)
     if DIVERGENCE == "rows_trim_vs_solo":
         # the batch trim kvsim checked last, right after each row's own serial cache was trimmed alike

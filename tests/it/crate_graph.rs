@@ -95,3 +95,12 @@ fn the_committed_docs_bindings_are_the_generated_ones() {
     let current = std::hint::black_box(mlx_sys::DOCS_BINDINGS_CURRENT);
     assert!(current, "mlx-sys/docs/bindings.rs differs from the generated bindings");
 }
+
+/// **Architecture invariant**: the bring-your-own-cache example's cache is written against mlx-rs alone: no kvsim
+/// crate is among its normal dependencies (kvsim's harness reaches it from its tests only).
+#[test]
+fn the_example_cache_uses_no_kvsim_crate() {
+    let mut banned = HARNESS_SIDE.to_vec();
+    banned.extend(["kvsim-cache", "kvsim-persist", "kvsim-ulp", "kvsim-show"]);
+    assert_absent("byo-cache", &banned);
+}

@@ -635,7 +635,7 @@ pub struct EngineReport {
 #[derive(Debug, Clone)]
 pub struct Broken {
     pub failure: EngineFailure,
-    pub trace: Option<crate::sim::trace::Trace>,
+    pub trace: Option<Box<crate::sim::trace::Trace>>,
 }
 
 /// Runs seeds `0..opts.seeds` against the engine `command` (each run with a fresh `reset`), classes the failing
@@ -659,8 +659,8 @@ pub fn check_engine(
 fn broken_now(trace: &crate::sim::trace::Trace) -> Result<(), Broken> {
     match with_engine(|e| e.broken().cloned()) {
         Ok(None) => Ok(()),
-        Ok(Some(failure)) => Err(Broken { failure, trace: Some(trace.clone()) }),
-        Err(failure) => Err(Broken { failure, trace: Some(trace.clone()) }),
+        Ok(Some(failure)) => Err(Broken { failure, trace: Some(Box::new(trace.clone())) }),
+        Err(failure) => Err(Broken { failure, trace: Some(Box::new(trace.clone())) }),
     }
 }
 

@@ -301,7 +301,7 @@ impl<A: Adapter> Adapted<A> {
                     &self.vs,
                     layer as u32,
                     q,
-                    &keys,
+                    keys,
                     self.cfg.scale(),
                     &bytes[0],
                     r,
@@ -352,17 +352,22 @@ impl<A: Adapter> Adapted<A> {
         Ok(true)
     }
 
-    /// A trim of every row: each row's twin first (against the model), then the batch, which must drop what the
-    /// twins dropped (`rows_trim_vs_solo`).
+    /// A trim of every row, where every row alone answers alike (all drop `n`, or all refuse; otherwise skipped):
+    /// each row's twin first (against the model), then the batch, which must drop what the twins dropped
+    /// (`rows_trim_vs_solo`).
     fn rows_trim(&mut self, cx: &mut Cx<'_>, n: usize) -> Res<bool> {
         let ids: Vec<u32> = cx.roster.rows().to_vec();
         if self.batch.is_none() || n == 0 || ids.iter().any(|id| self.reqs[id].model.offset < n) {
             return Ok(false);
         }
+        // A uniform trim has one answer only where every row alone gives the same (all drop `n`, or all refuse).
+        let wants: Vec<usize> = ids.iter().map(|id| Self::trim_want(&self.reqs[id].model, n)).collect();
+        if wants.iter().any(|&w| w != wants[0]) {
+            return Ok(false);
+        }
         let mut solo = vec![];
-        for id in &ids {
+        for (id, &want) in ids.iter().zip(&wants) {
             let r = self.reqs.get_mut(id).expect("live");
-            let want = Self::trim_want(&r.model, n);
             for (l, t) in r.twin.iter_mut().enumerate() {
                 let got = t.trim(n).map_err(|e| refused("twin trim", e))?;
                 if got != want {
