@@ -241,6 +241,10 @@ pub enum CacheCmd {
         output: PathBuf,
         #[arg(long)]
         to: kvsim::persist::inspect::Format,
+        /// mlx-lm files: the per-row offsets (comma-separated) of every `ArraysCache` whose offsets neither the
+        /// file's metadata nor its attention layers give.
+        #[arg(long, value_delimiter = ',')]
+        ssm_offsets: Option<Vec<usize>>,
     },
 }
 

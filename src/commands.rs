@@ -30,16 +30,18 @@ pub(crate) fn cache_cmd(cmd: CacheCmd) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        CacheCmd::Convert { input, output, to } => match inspect::convert(&input, &output, to) {
-            Ok(()) => {
-                println!("wrote {}", output.display());
-                ExitCode::SUCCESS
+        CacheCmd::Convert { input, output, to, ssm_offsets } => {
+            match inspect::convert_with(&input, &output, to, ssm_offsets.as_deref()) {
+                Ok(()) => {
+                    println!("wrote {}", output.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("kvsim cache convert: {}: {e}", input.display());
+                    ExitCode::FAILURE
+                }
             }
-            Err(e) => {
-                eprintln!("kvsim cache convert: {}: {e}", input.display());
-                ExitCode::FAILURE
-            }
-        },
+        }
     }
 }
 

@@ -291,6 +291,29 @@ def main(out_dir):
          extra={"kvsim_ssm_offsets": json.dumps({"0.0": [3]})},
          extra_continued={"kvsim_ssm_offsets": json.dumps({"0.0": [7]})})
 
+    # Three files mlx-lm writes that carry less than kvsim needs, with no kvsim metadata (keys 50001..):
+    # - a hybrid model's cache, [ArraysCache (a DeltaNet state), KVCache] twice: the ArraysCache layers carry no
+    #   offsets, the attention layers (which saw the same 5 tokens) do;
+    # - a list whose second layer is an empty KVCache (a layer before any token: a class name and no array);
+    # - a Mamba layer's ArraysCache (conv [1, 3, 32], ssm [1, 32, 16]): no kvsim layout maps it.
+    _key[0] = 50_000
+    layers = []
+    for _ in range(2):
+        a = ArraysCache(2)
+        a[0] = rnd((1, 3, 48))
+        a[1] = rnd((1, 2, 8, 8), mx.float32)
+        kv = KVCache()
+        kv.update_and_fetch(rnd((1, H, 5, 8)), rnd((1, H, 5, 8)))
+        layers += [a, kv]
+    save("hybrid_model", layers)
+    kv = KVCache()
+    feed(kv, 3)
+    save("empty_layer_list", [kv, KVCache()])
+    m = ArraysCache(2)
+    m[0] = rnd((1, 3, 32))
+    m[1] = rnd((1, 32, 16), mx.float32)
+    save("mamba_arrays_cache", [m])
+
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.write("\n")

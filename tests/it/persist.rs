@@ -76,7 +76,9 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
         let json = serde_json::to_value(&info).unwrap();
         assert!(json["layers"][0]["kind"].is_string());
         let continuable = e.get("steps").is_some();
-        assert_eq!(info.layers[0].kvsim_kind.is_some(), continuable, "{name}: kvsim layout");
+        // The files without a continuation that kvsim still loads (a hybrid model's, a list with an empty layer).
+        let loads = continuable || ["hybrid_model", "empty_layer_list"].contains(&name.as_str());
+        assert_eq!(info.layers[0].kvsim_kind.is_some(), loads, "{name}: kvsim layout");
         // File level: read, write, read gives the same classes, tensors, scalars and metadata.
         let f = mlxlm::read(&bytes).unwrap();
         let again = mlxlm::read(&mlxlm::write(&f).unwrap()).unwrap();
@@ -86,12 +88,57 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
         inspect::convert(&dir().join(format!("{name}.safetensors")), &tmp, Format::MlxLm).unwrap();
         assert_eq!(mlxlm::read(&std::fs::read(&tmp).unwrap()).unwrap(), f);
         let to_kvsim = inspect::convert(&dir().join(format!("{name}.safetensors")), &tmp, Format::Kvsim);
-        assert_eq!(to_kvsim.is_ok(), continuable, "{name}: convert --to kvsim");
-        if !continuable {
+        assert_eq!(to_kvsim.is_ok(), loads, "{name}: convert --to kvsim");
+        if !loads {
             assert!(matches!(to_kvsim, Err(PersistError::Unsupported { .. })));
         }
         let _ = std::fs::remove_file(&tmp);
     }
+}
+
+/// Files mlx-lm writes with less than kvsim needs and no kvsim metadata: a hybrid model's `ArraysCache` layers take
+/// their offsets from its attention layers, an empty `KVCache` of a list its spec from the others, and a Mamba
+/// layer's `ArraysCache` is described (its shapes, and why no kvsim layout maps it), never loaded.
+#[test]
+fn what_mlx_lm_files_leave_out_is_taken_from_the_file_and_said() {
+    cpu();
+    let info = inspect::inspect_bytes(&read("hybrid_model.safetensors")).unwrap();
+    for at in [0, 2] {
+        let l = &info.layers[at];
+        assert_eq!((l.kind.as_str(), l.kvsim_kind.as_deref()), ("ArraysCache", Some("ssm")));
+        assert_eq!(l.offset, serde_json::json!([5]));
+        assert!(l.note.as_deref().is_some_and(|n| n.contains(mlxlm::FROM_ATTENTION)), "{:?}", l.note);
+    }
+    let f = mlxlm::read(&read("hybrid_model.safetensors")).unwrap();
+    let caches = mlxlm::file_to_kvsim(&f).unwrap();
+    let AnyCache::Ssm(s) = &caches[0] else { panic!("layer 0 is not recurrent") };
+    assert_eq!(s.offsets(), &[5]);
+    assert_eq!(caches[1].offset(), 5);
+    // A caller's offsets come first, and are said to.
+    let given = mlxlm::Hints { ssm_offsets: [("0".to_string(), vec![7])].into(), ..Default::default() };
+    let (hints, sources) = mlxlm::file_hints(&f, &given).unwrap();
+    assert_eq!((hints.ssm_offsets["0"].as_slice(), sources["0"].as_str()), (&[7][..], mlxlm::FROM_CALLER));
+    assert_eq!(sources["2"], mlxlm::FROM_ATTENTION);
+
+    let info = inspect::inspect_bytes(&read("empty_layer_list.safetensors")).unwrap();
+    let l = &info.layers[1];
+    assert_eq!((l.offset.clone(), l.kvsim_kind.as_deref()), (serde_json::json!(0), Some("kv-plain")));
+    assert!(l.note.as_deref().is_some_and(|n| n.contains(mlxlm::FROM_ATTENTION_SPEC)), "{:?}", l.note);
+    let caches = mlxlm::file_to_kvsim(&mlxlm::read(&read("empty_layer_list.safetensors")).unwrap()).unwrap();
+    assert_eq!((caches[0].offset(), caches[1].offset()), (3, 0));
+    assert_eq!(caches[1].spec(), caches[0].spec());
+
+    let info = inspect::inspect_bytes(&read("mamba_arrays_cache.safetensors")).unwrap();
+    let l = &info.layers[0];
+    assert_eq!(l.kvsim_kind, None);
+    assert_eq!(l.tensors.iter().map(|t| t.shape.clone()).collect::<Vec<_>>(), vec![vec![1, 3, 32], vec![1, 32, 16]]);
+    assert!(
+        l.note.as_deref().is_some_and(|n| n.contains("no kvsim layout") && n.contains("[1, 32, 16]")),
+        "{:?}",
+        l.note
+    );
+    let f = mlxlm::read(&read("mamba_arrays_cache.safetensors")).unwrap();
+    assert!(matches!(mlxlm::file_to_kvsim(&f), Err(PersistError::Unsupported { .. })));
 }
 
 fn layer0(bytes: &[u8]) -> AnyCache {

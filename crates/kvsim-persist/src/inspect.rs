@@ -68,6 +68,10 @@ pub struct LayerInfo {
     /// Sub-caches of a `CacheList`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<LayerInfo>,
+    /// mlx-lm files: where what the file does not store came from (an `ArraysCache`'s offsets, an empty layer's
+    /// K/V spec), or why kvsim has no layout for the layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// A whole file.
@@ -97,7 +101,13 @@ fn tinfo(name: &str, t: &HostTensor) -> TensorInfo {
     TensorInfo { name: name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.clone() }
 }
 
-fn mlx_info(l: &MlxLayer) -> Result<LayerInfo> {
+/// What an mlx-lm layer at path `at` needs beyond its own fields ([`mlxlm::file_hints`]) and where it came from.
+struct FileHints {
+    hints: mlxlm::Hints,
+    sources: BTreeMap<String, String>,
+}
+
+fn mlx_info(l: &MlxLayer, at: &str, h: &FileHints) -> Result<LayerInfo> {
     use serde_json::json;
     let mut tensors = Vec::new();
     let mut push = |n: &str, t: &Option<HostTensor>| {
@@ -134,7 +144,8 @@ fn mlx_info(l: &MlxLayer) -> Result<LayerInfo> {
             push("lengths", lengths);
             let lp = left_padding.as_ref().map(|t| t.to_i64s("left_padding")).transpose()?;
             let ln = lengths.as_ref().map(|t| t.to_i64s("lengths")).transpose()?;
-            (serde_json::Value::Null, json!({"left_padding": lp, "lengths": ln}))
+            let offset = h.hints.ssm_offsets.get(at).map_or(serde_json::Value::Null, |o| json!(o));
+            (offset, json!({"left_padding": lp, "lengths": ln}))
         }
         MlxLayer::BatchKvCache { keys, values, offset, left_padding, idx } => {
             push("keys", keys);
@@ -159,25 +170,41 @@ fn mlx_info(l: &MlxLayer) -> Result<LayerInfo> {
             (json!(offset), json!({"chunk_size": chunk_size, "start_position": start_position}))
         }
         MlxLayer::CacheList(children) => {
-            let kids = children.iter().map(mlx_info).collect::<Result<Vec<_>>>()?;
+            let kids = children
+                .iter()
+                .enumerate()
+                .map(|(j, c)| mlx_info(c, &format!("{at}.{j}"), h))
+                .collect::<Result<Vec<_>>>()?;
             return Ok(LayerInfo {
                 kind: l.class_name().into(),
                 offset: serde_json::Value::Null,
                 floor: None,
                 tensors: vec![],
                 fields: json!({}),
-                kvsim_kind: kvsim_kind_of(l)?,
+                kvsim_kind: kvsim_kind_of(l, at, h)?.0,
                 children: kids,
+                note: None,
             });
         }
     };
-    let kvsim_kind = kvsim_kind_of(l)?;
-    Ok(LayerInfo { kind: l.class_name().into(), offset, floor: None, tensors, fields, kvsim_kind, children: vec![] })
+    let (kvsim_kind, note) = kvsim_kind_of(l, at, h)?;
+    Ok(LayerInfo {
+        kind: l.class_name().into(),
+        offset,
+        floor: None,
+        tensors,
+        fields,
+        kvsim_kind,
+        children: vec![],
+        note,
+    })
 }
 
-/// The kvsim kind an mlx-lm layer continues in (`None`: no kvsim layout). An `ArraysCache` maps to `ssm` by its
-/// shapes alone (its offsets are the file's user metadata, checked when it is loaded).
-fn kvsim_kind_of(l: &MlxLayer) -> Result<Option<String>> {
+/// The kvsim kind an mlx-lm layer at `at` continues in (`None`: no kvsim layout), and a note: where what the file
+/// does not store came from, or why there is no layout. An `ArraysCache` maps to `ssm` by its shapes alone (its
+/// offsets are checked when it is loaded).
+fn kvsim_kind_of(l: &MlxLayer, at: &str, h: &FileHints) -> Result<(Option<String>, Option<String>)> {
+    let from = |what: &str| h.sources.get(at).map(|s| format!("{what} from {s}"));
     let mapped = match l {
         MlxLayer::ArraysCache { cache, lengths, left_padding } => {
             let pending = lengths.is_some()
@@ -186,25 +213,35 @@ fn kvsim_kind_of(l: &MlxLayer) -> Result<Option<String>> {
                     .map(|t| t.to_i64s("left_padding"))
                     .transpose()?
                     .is_some_and(|v| v.iter().any(|&x| x > 0));
-            match mlxlm::ssm_spec_of(cache) {
-                Ok(_) if pending => return Ok(None),
-                Ok(_) => Ok(kvsim_cache::SSM.to_string()),
-                Err(e) => Err(e),
-            }
+            return Ok(match mlxlm::ssm_spec_of(cache) {
+                Ok(_) if pending => (None, Some("no kvsim layout: a right-padded prefill is pending".into())),
+                Ok(_) if h.hints.ssm_offsets.contains_key(at) => (Some(kvsim_cache::SSM.to_string()), from("offsets")),
+                Ok(_) => (
+                    Some(kvsim_cache::SSM.to_string()),
+                    Some(
+                        "no offsets: an ArraysCache stores none, the file's user metadata has none and no attention \
+                         layer decides them (`kvsim cache convert --ssm-offsets N,...`)"
+                            .into(),
+                    ),
+                ),
+                Err(PersistError::Unsupported { what }) => (None, Some(format!("no kvsim layout: {what}"))),
+                Err(e) => return Err(e),
+            });
         }
         MlxLayer::CacheList(children) => {
-            for c in children {
-                if kvsim_kind_of(c)?.is_none() {
-                    return Ok(None);
+            for (j, c) in children.iter().enumerate() {
+                if kvsim_kind_of(c, &format!("{at}.{j}"), h)?.0.is_none() {
+                    return Ok((None, None));
                 }
             }
             Ok(kvsim_cache::CACHE_LIST.to_string())
         }
-        _ => mlxlm::to_kvsim(l, None).map(|c| c.storage_kind().to_string()),
+        _ => mlxlm::to_kvsim(l, h.hints.spec_at(at)).map(|c| c.storage_kind().to_string()),
     };
+    let empty = h.hints.empty_specs.contains_key(at);
     match mapped {
-        Ok(k) => Ok(Some(k)),
-        Err(PersistError::Unsupported { .. }) => Ok(None),
+        Ok(k) => Ok((Some(k), if empty { from("an empty layer's K/V spec") } else { None })),
+        Err(PersistError::Unsupported { what }) => Ok((None, Some(format!("no kvsim layout: {what}")))),
         Err(e) => Err(e),
     }
 }
@@ -240,6 +277,7 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
                     fields: e.state.clone(),
                     kvsim_kind: Some(e.storage_kind.clone()),
                     children: vec![],
+                    note: None,
                 });
             }
             Ok(Inspection {
@@ -252,7 +290,14 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
         }
         Format::MlxLm => {
             let f = mlxlm::read(bytes)?;
-            let layers = f.layers.iter().map(mlx_info).collect::<Result<Vec<_>>>()?;
+            let (hints, sources) = mlxlm::file_hints(&f, &mlxlm::Hints::default())?;
+            let h = FileHints { hints, sources };
+            let layers = f
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| mlx_info(l, &i.to_string(), &h))
+                .collect::<Result<Vec<_>>>()?;
             Ok(Inspection { format: Format::MlxLm, version: None, bytes: bytes.len(), metadata: f.metadata, layers })
         }
     }
@@ -285,6 +330,9 @@ pub fn render(i: &Inspection) -> String {
             let _ = write!(s, " (kvsim {k})");
         }
         let _ = writeln!(s, " {}", l.fields);
+        if let Some(n) = &l.note {
+            let _ = writeln!(s, "    ({n})");
+        }
         for t in &l.tensors {
             let _ = writeln!(s, "    {:<14} {:<5} {:?}", t.name, t.dtype, t.shape);
         }
@@ -301,11 +349,16 @@ pub fn render(i: &Inspection) -> String {
 /// Reads caches of either format as kvsim layouts (mlx-lm classes without a kvsim layout are
 /// [`PersistError::Unsupported`]).
 pub fn load_any(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Vec<Persisted>)> {
+    load_any_with(bytes, &mlxlm::Hints::default())
+}
+
+/// [`load_any`], with a caller's hints for an mlx-lm file first ([`mlxlm::file_hints`]).
+pub fn load_any_with(bytes: &[u8], given: &mlxlm::Hints) -> Result<(BTreeMap<String, String>, Vec<Persisted>)> {
     match detect(bytes)? {
         Format::Kvsim => kvsim::decode(&Registry::default(), bytes),
         Format::MlxLm => {
             let f = mlxlm::read(bytes)?;
-            let caches = mlxlm::file_to_kvsim(&f)?.into_iter().map(Persisted::new).collect();
+            let caches = mlxlm::file_to_kvsim_with(&f, given)?.into_iter().map(Persisted::new).collect();
             let mut md = f.metadata;
             // The offsets key belongs to the mlx-lm form (a kvsim file stores the offsets in the codec state).
             md.remove(mlxlm::SSM_OFFSETS_KEY);
@@ -338,13 +391,43 @@ pub fn save_as(to: Format, metadata: &BTreeMap<String, String>, caches: &[Persis
 /// class, kvsim layout or not); every other conversion goes through kvsim layouts. The output is written
 /// atomically.
 pub fn convert(input: &Path, output: &Path, to: Format) -> Result<()> {
+    convert_with(input, output, to, None)
+}
+
+/// [`convert`]; `ssm_offsets`: the per-row offsets of every `ArraysCache` of an mlx-lm file whose offsets neither
+/// its metadata nor its attention layers give (a file of recurrent layers only).
+pub fn convert_with(input: &Path, output: &Path, to: Format, ssm_offsets: Option<&[usize]>) -> Result<()> {
     let bytes = std::fs::read(input).map_err(|e| PersistError::io(input, e))?;
+    let mut given = mlxlm::Hints::default();
+    if let (Some(o), Format::MlxLm) = (ssm_offsets, detect(&bytes)?) {
+        let f = mlxlm::read(&bytes)?;
+        let (found, _) = mlxlm::file_hints(&f, &given)?;
+        let mut paths = vec![];
+        for (i, l) in f.layers.iter().enumerate() {
+            arrays_paths(l, i.to_string(), &mut paths);
+        }
+        for at in paths.into_iter().filter(|p| !found.ssm_offsets.contains_key(p)) {
+            given.ssm_offsets.insert(at, o.to_vec());
+        }
+    }
     let out = match (detect(&bytes)?, to) {
         (Format::MlxLm, Format::MlxLm) => mlxlm::write(&mlxlm::read(&bytes)?)?,
         _ => {
-            let (md, caches) = load_any(&bytes)?;
+            let (md, caches) = load_any_with(&bytes, &given)?;
             save_as(to, &md, &caches)?
         }
     };
     kvsim::write_atomic(output, &out)
+}
+
+fn arrays_paths(l: &MlxLayer, at: String, out: &mut Vec<String>) {
+    match l {
+        MlxLayer::ArraysCache { .. } => out.push(at),
+        MlxLayer::CacheList(children) => {
+            for (j, c) in children.iter().enumerate() {
+                arrays_paths(c, format!("{at}.{j}"), out);
+            }
+        }
+        _ => {}
+    }
 }

@@ -57,7 +57,10 @@ mod hints;
 mod parse;
 
 pub use convert::{from_kvsim, ssm_spec_of, to_kvsim, to_kvsim_at};
-pub use files::{file_from_kvsim, file_to_kvsim};
+pub use files::{
+    file_from_kvsim, file_hints, file_to_kvsim, file_to_kvsim_with, FROM_ATTENTION, FROM_ATTENTION_SPEC, FROM_CALLER,
+    FROM_METADATA,
+};
 pub use hints::{Hints, EMPTY_SPECS_KEY, SSM_OFFSETS_KEY};
 pub use parse::{looks_like_safetensors, read, write};
 

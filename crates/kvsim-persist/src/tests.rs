@@ -193,9 +193,14 @@ fn empty_layers_round_trip_through_mlxlm_files() {
     // Saved again, the file is the same.
     assert_eq!(inspect::save_as(inspect::Format::MlxLm, &md, &back).unwrap(), bytes);
 
-    // A file without the entry: typed refusal, nothing guessed; with the caller's spec, the layer loads.
+    // A file without the entry: the empty plain layers take the spec of the file's one attention layer that holds
+    // tokens (said), the empty quantized layer takes none: typed refusal; with the caller's spec, the layer loads.
     let mut f = mlxlm::read(&bytes).unwrap();
     f.metadata.remove(mlxlm::EMPTY_SPECS_KEY);
+    let (found, sources) = mlxlm::file_hints(&f, &mlxlm::Hints::default()).unwrap();
+    assert_eq!(found.empty_specs.get("0").map(|s| s.dtype), Some(KvDtype::Bf16));
+    assert_eq!(sources.get("0").map(String::as_str), Some(mlxlm::FROM_ATTENTION_SPEC));
+    assert!(!found.empty_specs.contains_key("2"), "the empty quantized layer is given no spec");
     let e = mlxlm::file_to_kvsim(&f).unwrap_err();
     assert!(matches!(e, PersistError::Unsupported { .. }), "{e:?}");
     let hinted = mlxlm::Hints { spec: Some(sp), ..Default::default() };

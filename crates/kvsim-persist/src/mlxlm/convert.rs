@@ -102,6 +102,13 @@ pub fn ssm_spec_of(cache: &[Option<HostTensor>]) -> Result<(SsmSpec, usize)> {
         &[b, k, c] => [b, k, c],
         s => return Err(PersistError::shape("cache.0", format!("shape {s:?}, expected [B, K-1, conv_dim]"))),
     };
+    if rec.shape.len() != 4 {
+        return Err(PersistError::unsupported(format!(
+            "an ArraysCache whose recurrent state cache.1 is {:?}: kvsim's ssm layout holds a gated-DeltaNet state \
+             [B, H_v, D_v, D_k] (a Mamba layer's [B, D, N] state, say, has no kvsim layout)",
+            rec.shape
+        )));
+    }
     let [rb, hv, dv, dk] = rec.dims4("cache.1")?;
     let v_width = hv.checked_mul(dv).ok_or_else(|| PersistError::shape("cache.1", "Hv * Dv overflows"))?;
     let bad = || {

@@ -10,10 +10,136 @@ use super::convert::{from_kvsim, to_kvsim_at};
 use super::hints::{put_by_path, Hints, EMPTY_SPECS_KEY, SSM_OFFSETS_KEY};
 use super::{MlxFile, MlxLayer};
 
-/// Every layer of an mlx-lm file as a kvsim cache, with the hints of its user metadata ([`Hints::from_metadata`]).
+/// Every layer of an mlx-lm file as a kvsim cache, with the hints [`file_hints`] finds.
 pub fn file_to_kvsim(f: &MlxFile) -> Result<Vec<AnyCache>> {
-    let hints = Hints::from_metadata(&f.metadata)?;
+    file_to_kvsim_with(f, &Hints::default())
+}
+
+/// [`file_to_kvsim`], `given` first (a caller's explicit offsets and specs).
+pub fn file_to_kvsim_with(f: &MlxFile, given: &Hints) -> Result<Vec<AnyCache>> {
+    let (hints, _) = file_hints(f, given)?;
     f.layers.iter().enumerate().map(|(i, l)| to_kvsim_at(l, &i.to_string(), &hints)).collect()
+}
+
+/// Where a hint of [`file_hints`] came from.
+pub const FROM_CALLER: &str = "given by the caller";
+/// See [`FROM_CALLER`].
+pub const FROM_METADATA: &str = "the file's user metadata";
+/// See [`FROM_CALLER`].
+pub const FROM_ATTENTION: &str = "the file's attention layers (they saw the same tokens)";
+/// See [`FROM_CALLER`].
+pub const FROM_ATTENTION_SPEC: &str = "the file's other attention layers (they share one K/V spec)";
+
+/// What converting `f` needs beyond its own fields, and where each piece came from (by layer path): `given` first
+/// (a caller's `ssm_offsets` and specs), then the file's user metadata ([`Hints::from_metadata`]), then the file
+/// itself. An `ArraysCache` mlx-lm wrote for a hybrid model carries no offsets, but the model's attention layers
+/// saw the same tokens: when every attention layer of the file holds the same per-row offsets (and as many rows),
+/// those are its offsets. A plain `KVCache` or `RotatingKVCache` that holds no token yet (mlx-lm writes only its
+/// class name) takes the K/V spec every attention layer of the file that holds tokens shares (an empty quantized or
+/// chunked layer does not: its group or chunk must fit the spec). Where the file does not decide (no attention layer,
+/// layers that disagree), nothing is added and the conversion refuses as before.
+pub fn file_hints(f: &MlxFile, given: &Hints) -> Result<(Hints, BTreeMap<String, String>)> {
+    let meta = Hints::from_metadata(&f.metadata)?;
+    let mut hints =
+        Hints { spec: given.spec, empty_specs: given.empty_specs.clone(), ssm_offsets: given.ssm_offsets.clone() };
+    let mut sources: BTreeMap<String, String> = BTreeMap::new();
+    for k in given.ssm_offsets.keys().chain(given.empty_specs.keys()) {
+        sources.insert(k.clone(), FROM_CALLER.into());
+    }
+    for (k, v) in meta.ssm_offsets {
+        if let std::collections::btree_map::Entry::Vacant(e) = hints.ssm_offsets.entry(k.clone()) {
+            sources.insert(k, FROM_METADATA.into());
+            e.insert(v);
+        }
+    }
+    for (k, v) in meta.empty_specs {
+        if let std::collections::btree_map::Entry::Vacant(e) = hints.empty_specs.entry(k.clone()) {
+            sources.entry(k).or_insert_with(|| FROM_METADATA.into());
+            e.insert(v);
+        }
+    }
+    let mut attention = Vec::new();
+    let mut arrays = Vec::new();
+    let mut empty = Vec::new();
+    for (i, l) in f.layers.iter().enumerate() {
+        walk(l, i.to_string(), &mut attention, &mut arrays, &mut empty)?;
+    }
+    let offsets: Vec<&Vec<usize>> = attention.iter().map(|(o, _)| o).collect();
+    if let Some(first) = offsets.first().filter(|f| offsets.iter().all(|o| o == *f)) {
+        for (at, rows) in arrays {
+            if !hints.ssm_offsets.contains_key(&at) && rows == first.len() {
+                sources.insert(at.clone(), FROM_ATTENTION.into());
+                hints.ssm_offsets.insert(at, (*first).clone());
+            }
+        }
+    }
+    let specs: Vec<kvsim_cache::KvSpec> = attention.iter().filter_map(|(_, s)| *s).collect();
+    if let Some(first) = specs.first().filter(|f| specs.iter().all(|s| s == *f)) {
+        for at in empty {
+            if hints.spec.is_none() && !hints.empty_specs.contains_key(&at) {
+                sources.insert(at.clone(), FROM_ATTENTION_SPEC.into());
+                hints.empty_specs.insert(at, *first);
+            }
+        }
+    }
+    Ok((hints, sources))
+}
+
+/// The file's layers by path: each attention layer holding tokens (its per-row offsets and its spec), each
+/// `ArraysCache` (its rows), each attention layer holding none.
+fn walk(
+    l: &MlxLayer,
+    at: String,
+    attention: &mut Vec<(Vec<usize>, Option<kvsim_cache::KvSpec>)>,
+    arrays: &mut Vec<(String, usize)>,
+    empty: &mut Vec<String>,
+) -> Result<()> {
+    let spec_of = |k: &Option<crate::tensor::HostTensor>| -> Option<kvsim_cache::KvSpec> {
+        let k = k.as_ref()?;
+        let dtype = match k.dtype {
+            crate::tensor::TensorDtype::BF16 => kvsim_cache::KvDtype::Bf16,
+            crate::tensor::TensorDtype::F32 => kvsim_cache::KvDtype::F32,
+            _ => return None,
+        };
+        (k.shape.len() == 4).then(|| kvsim_cache::KvSpec { heads_kv: k.shape[1], head_dim: k.shape[3], dtype })
+    };
+    let pos = |v: i64| usize::try_from(v).unwrap_or(0);
+    match l {
+        MlxLayer::KvCache { keys, offset, .. } | MlxLayer::RotatingKvCache { keys, offset, .. } => {
+            if keys.is_none() {
+                empty.push(at);
+            } else {
+                attention.push((vec![pos(*offset)], spec_of(keys)));
+            }
+        }
+        // An empty chunked or quantized layer takes no spec from the others (its chunk or group size must fit it).
+        MlxLayer::ChunkedKvCache { keys, offset, .. } => {
+            if keys.is_some() {
+                attention.push((vec![pos(*offset)], spec_of(keys)));
+            }
+        }
+        MlxLayer::QuantizedKvCache { keys, offset, .. } => {
+            if keys.is_some() {
+                attention.push((vec![pos(*offset)], None));
+            }
+        }
+        MlxLayer::BatchKvCache { keys, offset, .. } | MlxLayer::BatchRotatingKvCache { keys, offset, .. } => {
+            if keys.is_some() {
+                let o = offset.to_i64s("offset")?.into_iter().map(pos).collect();
+                attention.push((o, spec_of(keys)));
+            }
+        }
+        MlxLayer::ArraysCache { cache, .. } => {
+            let rows = cache.iter().flatten().next().and_then(|t| t.shape.first().copied()).unwrap_or(1);
+            arrays.push((at, rows));
+        }
+        MlxLayer::CacheList(children) => {
+            for (j, c) in children.iter().enumerate() {
+                walk(c, format!("{at}.{j}"), attention, arrays, empty)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The mlx-lm file of these kvsim caches: [`from_kvsim`] per layer, and `metadata` plus [`SSM_OFFSETS_KEY`] when a
