@@ -341,7 +341,7 @@ fn compile_mlx_c(mlx: &Path, mlx_c: &Path) {
     if sources.is_empty() {
         fail(&format!("no mlx/c/*.cpp under {}", mlx_c.display()), "set MLX_C_DIR to an mlx-c 0.7.0 source tree");
     }
-    build.files(&sources).file(native.join("x86_shims.cpp"));
+    build.files(&sources).file(native.join("x86_shims.cpp")).file(native.join("inline_cpu.cpp"));
     build.compile("mlxc");
 }
 

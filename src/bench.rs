@@ -174,7 +174,7 @@ fn decode_step_inner(b: usize, w: usize, iters: usize) -> Result<Value, String> 
 /// With `exact`, the simulator runs in [`ReadMode::Exact`] and every step row also times the exact read: `runs`
 /// alternating runs of each mode (medians of their medians, and the spread of the run medians).
 pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: bool, exact: bool) -> Value {
-    let mut out = json!({"device": device.name(), "mlx_version": crate::sim::mlx_version(), "anchor": anchor.map(|a| a.script.clone()), "exact_read": exact});
+    let mut out = json!({"device": device.name(), "mlx_version": crate::sim::mlx_version(), "anchor": anchor.map(|a| a.script.clone()), "exact_read": exact, "inline_cpu": crate::sim::inline_cpu()});
     let before = read_mode();
     if exact {
         set_read_mode(ReadMode::Exact);

@@ -315,3 +315,20 @@ pub enum OracleCmd {
         json: bool,
     },
 }
+
+impl Cmd {
+    /// The device the command runs MLX on: `None` for `doctor` (every device) and for commands without a
+    /// `--device` (the CPU).
+    pub fn device(&self) -> Option<DeviceChoice> {
+        match self {
+            Cmd::Doctor => None,
+            Cmd::Sim { device, .. }
+            | Cmd::Soak { device, .. }
+            | Cmd::Replay { device, .. }
+            | Cmd::Show { device, .. }
+            | Cmd::Shrink { device, .. }
+            | Cmd::Bench { device, .. } => Some(*device),
+            _ => Some(DeviceChoice::Cpu),
+        }
+    }
+}

@@ -19,6 +19,7 @@ use commands::*;
 fn main() -> ExitCode {
     sim::raise_mlx_cuda_caches();
     let cli = Cli::parse();
+    inline_cpu_for(cli.cmd.device());
     match cli.cmd {
         Cmd::Doctor => doctor(),
         Cmd::Sim {
@@ -82,5 +83,25 @@ fn main() -> ExitCode {
             OracleCmd::Teeth { dir, mutants, json } => oracle_teeth_cmd(&dir, &mutants, json),
         },
         Cmd::Cache { cmd } => cache_cmd(cmd),
+    }
+}
+
+/// Turns MLX's inline CPU scheduling on for a command whose MLX work is on the CPU (every command but `doctor` and
+/// the `--device gpu` runs), unless `KVSIM_INLINE_CPU=off`; a refusal is said once on stderr and the run goes on
+/// with MLX's own scheduling (the same bytes, only slower).
+fn inline_cpu_for(device: Option<kvsim::sim::DeviceChoice>) {
+    if device != Some(kvsim::sim::DeviceChoice::Cpu) {
+        return;
+    }
+    match std::env::var("KVSIM_INLINE_CPU").as_deref() {
+        Ok("off") | Ok("0") => return,
+        Ok("on") | Ok("1") | Err(_) => {}
+        Ok(other) => {
+            eprintln!("kvsim: KVSIM_INLINE_CPU={other} is neither on nor off; leaving MLX's scheduling as it is");
+            return;
+        }
+    }
+    if let Err(e) = sim::set_inline_cpu(true) {
+        eprintln!("kvsim: {e}; MLX schedules as usual");
     }
 }

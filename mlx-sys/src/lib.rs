@@ -30,3 +30,13 @@ pub const MLX_LIB_DIR: &str = env!("KVSIM_MLX_LIB_DIR");
 pub const DOCS_BINDINGS_CURRENT: bool = matches!(env!("KVSIM_DOCS_BINDINGS_CURRENT").as_bytes(), b"true");
 /// The MLX version the headers declare (checked at build time).
 pub const MLX_BUILD_VERSION: &str = env!("KVSIM_MLX_VERSION");
+
+extern "C" {
+    /// Inline CPU scheduling (`native/inline_cpu.cpp`): `on != 0` runs MLX's CPU stream tasks on the enqueuing
+    /// thread, in their order; returns 1 when the requested state holds, 0 when turning it on was refused.
+    pub fn kvsim_mlx_inline_cpu(on: ::std::os::raw::c_int) -> ::std::os::raw::c_int;
+    /// 1 while inline CPU scheduling is on.
+    pub fn kvsim_mlx_inline_cpu_active() -> ::std::os::raw::c_int;
+    /// Why the last request to turn it on was refused, NUL-terminated (empty when it was not).
+    pub fn kvsim_mlx_inline_cpu_refusal() -> *const ::std::os::raw::c_char;
+}

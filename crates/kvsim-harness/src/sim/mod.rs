@@ -81,6 +81,29 @@ impl DeviceChoice {
     }
 }
 
+/// Inline CPU scheduling: MLX's CPU stream tasks run on the thread that enqueues them, in the order MLX enqueues
+/// them, instead of each being handed to the stream's worker thread (`mlx-sys/native/inline_cpu.cpp` says which MLX
+/// 0.32.2 sources this relies on). The same kernels run in the same order, so the bytes are the same; only the
+/// hand-off (a lock and a wake-up per task) goes. For a process whose MLX work is on one thread (a simulator run,
+/// a shard worker), never for a multi-threaded test process. `Err` says why it was refused: another MLX version,
+/// or an executable that does not take the place of libmlx.so's scheduler.
+pub fn set_inline_cpu(on: bool) -> Result<(), String> {
+    // SAFETY: plain C calls with no pointers in; the refusal is a NUL-terminated string owned by the library.
+    unsafe {
+        if mlx_sys::kvsim_mlx_inline_cpu(on as std::os::raw::c_int) == 1 {
+            return Ok(());
+        }
+        let why = std::ffi::CStr::from_ptr(mlx_sys::kvsim_mlx_inline_cpu_refusal());
+        Err(format!("inline CPU scheduling refused: {}", why.to_string_lossy()))
+    }
+}
+
+/// Whether inline CPU scheduling ([`set_inline_cpu`]) is on.
+pub fn inline_cpu() -> bool {
+    // SAFETY: a plain C call.
+    unsafe { mlx_sys::kvsim_mlx_inline_cpu_active() == 1 }
+}
+
 /// MLX's CUDA backend keeps LRU caches of captured graphs and SDPA kernels and raises an error ("Cache thrashing is
 /// happening") once a run cycles through more shapes than they hold (400 / 256 by default, MLX 0.32.2). A simulator
 /// exercises many shapes on purpose, so both are raised here unless the user set them (call it before any MLX op,
