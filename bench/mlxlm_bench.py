@@ -141,7 +141,20 @@ def run_sim(args):
     mx.random.seed(args.seed)
     prompt_max = args.prompt_max or (2 * W + 3)
     gen_max = args.gen_max or max(2, (2 * args.steps * args.max_batch) // args.requests)
-    specs = [(rng.randint(1, prompt_max), rng.randint(1, gen_max)) for _ in range(args.requests)]
+    chunks = None
+    if args.schedule:
+        # kvsim's equal-work schedule (src/bench.rs, `Schedule`): the same requests, lengths and prefill chunks
+        # kvsim runs, replacing this script's own draws.
+        with open(args.schedule) as f:
+            sched = json.load(f)
+        if sched["window"] != W:
+            raise SystemExit(f"schedule window {sched['window']} != --window {W}")
+        args.max_batch, args.steps = sched["max_batch"], sched["steps"]
+        specs = [(p, g) for p, g, _ in sched["requests"]]
+        chunks = [list(c) for _, _, c in sched["requests"]]
+        args.requests = len(specs)
+    else:
+        specs = [(rng.randint(1, prompt_max), rng.randint(1, gen_max)) for _ in range(args.requests)]
 
     ops = dict(
         solo_update_prefill=0, solo_update_decode=0, solo_make_mask=0, solo_sdpa=0,
@@ -187,7 +200,10 @@ def run_sim(args):
                 r = Req(rid, P, G, args.seed, Hq, Hkv, D, dt)
                 c = RotatingKVCache(max_size=W)
                 while r.pos < P:
-                    L = args.chunk if args.chunk > 0 else rng.randint(1, W)
+                    if chunks is not None:
+                        L = chunks[rid].pop(0)
+                    else:
+                        L = args.chunk if args.chunk > 0 else rng.randint(1, W)
                     L = min(L, P - r.pos)
                     sl = slice(r.pos, r.pos + L)
                     out = solo_attend(c, r.q[:, :, sl], r.k[:, :, sl], r.v[:, :, sl], "prefill")
@@ -457,6 +473,9 @@ def main():
     ps.add_argument("--diagnose", action="store_true",
                     help="for output mismatches, recompute variants to locate the cause")
     ps.add_argument("--admit-per-step", type=int, default=0, help="0: fill all free slots")
+    ps.add_argument("--schedule", default="",
+                    help="a kvsim schedule (JSON: window, max_batch, steps, requests [[prompt, gen, chunks]]) "
+                    "instead of this script's own draws")
 
     pt = sub.add_parser("step", help="decode-step microbenchmark")
     common(pt)

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 use crate::cache::{read_mode, set_read_mode, KvDtype, KvSpec, Masks, ReadMode, RingState, RowBatch, RowState};
 use crate::sim::config::{DtypeChoice, LayoutChoice, SimConfig};
-use crate::sim::ops::OpKind;
+use crate::sim::ops::{Op, OpKind};
 use crate::sim::{run, DeviceChoice};
 
 /// The anchor harness: a Python with mlx + mlx-lm 0.32.2 and the anchor script.
@@ -92,6 +92,135 @@ pub fn sim_throughput(dtype: DtypeChoice, device: DeviceChoice, min_row_steps: u
     let wall = start.elapsed().as_secs_f64();
     json!({"seeds": seeds, "ops": ops, "row_steps": row_steps, "checks": checks, "failures": failures, "wall_s": wall,
            "row_steps_per_s": row_steps as f64 / wall, "ops_per_s": ops as f64 / wall, "checks_per_s": checks as f64 / wall})
+}
+
+/// The anchor harness's workload (`mlxlm_bench.py sim`), as data both sides run: requests with a prompt and a
+/// generation length and the prefill chunks of each, admitted as batch rows free up (`max_batch` at most), every
+/// running row decoding once per step, finished rows leaving the batch.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Schedule {
+    pub window: usize,
+    pub max_batch: usize,
+    pub steps: usize,
+    /// `(prompt, generation, prefill chunks)` per request, in admission order; the chunks sum to the prompt.
+    pub requests: Vec<(usize, usize, Vec<usize>)>,
+}
+
+impl Schedule {
+    /// The harness's own draws (`mlxlm_bench.py`, `run_sim`): prompt uniform in `[1, 2W + 3]`, generation uniform in
+    /// `[1, max(2, 2 * steps * max_batch / requests)]`, each chunk uniform in `[1, W]` (cut at the prompt's end),
+    /// from a ChaCha8 stream of `seed` (the harness draws the same distributions from Python's `random`).
+    pub fn harness(seed: u64, window: usize, requests: usize, max_batch: usize, steps: usize) -> Schedule {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let prompt_max = 2 * window + 3;
+        let gen_max = (2 * steps * max_batch / requests).max(2);
+        let requests = (0..requests)
+            .map(|_| {
+                let (p, g) = (rng.random_range(1..=prompt_max), rng.random_range(1..=gen_max));
+                let mut chunks = vec![];
+                let mut left = p;
+                while left > 0 {
+                    let l = rng.random_range(1..=window).min(left);
+                    chunks.push(l);
+                    left -= l;
+                }
+                (p, g, chunks)
+            })
+            .collect();
+        Schedule { window, max_batch, steps, requests }
+    }
+
+    /// kvsim's ops for this schedule, step for step as the harness runs it: per step, the free rows' requests are
+    /// admitted (`admit`, their chunks as `solo_window` reads, then one `merge` into the running batch), every row
+    /// decodes (`decode`), and each finished row leaves (`extract` with `finish`, last row first). The harness
+    /// extracts its finished rows and filters once; kvsim filters once per finished row, a little more work.
+    pub fn ops(&self) -> Vec<Op> {
+        let mut ops = vec![];
+        let mut pending = 0..self.requests.len();
+        let mut rows: Vec<(usize, usize)> = vec![]; // (request, tokens generated)
+        for _ in 0..self.steps {
+            if rows.is_empty() && pending.is_empty() {
+                break;
+            }
+            let free = self.max_batch - rows.len();
+            let new: Vec<usize> = pending.by_ref().take(free).collect();
+            if !new.is_empty() {
+                for &r in &new {
+                    ops.push(Op::Admit { req: r as u32 });
+                    for &l in &self.requests[r].2 {
+                        ops.push(Op::SoloWindow { req: r as u32, len: l as u32 });
+                    }
+                    rows.push((r, 0));
+                }
+                ops.push(Op::Merge { reqs: new.iter().map(|&r| r as u32).collect() });
+            }
+            ops.push(Op::Decode);
+            for row in rows.iter_mut() {
+                row.1 += 1;
+            }
+            for i in (0..rows.len()).rev() {
+                if rows[i].1 >= self.requests[rows[i].0].1 {
+                    ops.push(Op::Extract { row: i as u32, finish: true });
+                    rows.remove(i);
+                }
+            }
+        }
+        ops
+    }
+
+    /// Row-steps the schedule decodes (each running row's decode, checked against its solo twin on both sides).
+    pub fn row_steps(&self) -> u64 {
+        self.ops()
+            .iter()
+            .scan(0u64, |rows, op| {
+                Some(match op {
+                    Op::Merge { reqs } => {
+                        *rows += reqs.len() as u64;
+                        0
+                    }
+                    Op::Extract { .. } => {
+                        *rows -= 1;
+                        0
+                    }
+                    Op::Decode => *rows,
+                    _ => 0,
+                })
+            })
+            .sum()
+    }
+}
+
+/// The swarm config that runs a [`Schedule`]: the anchor's shapes (H_q 4, H_kv 2, D 16, one layer), its window,
+/// `dtype`, the attention family alone, every kvsim check on.
+fn schedule_config(dtype: DtypeChoice, s: &Schedule) -> SimConfig {
+    let mut c = sim_config(dtype, 0);
+    c.layout = LayoutChoice::Rotating { window: s.window };
+    c.max_batch = s.max_batch;
+    c.max_requests = s.requests.len();
+    c.max_prompt = s.requests.iter().map(|r| r.0).max().unwrap_or(1);
+    c.ops = 0;
+    c
+}
+
+/// kvsim's side of the equal-work comparison: the schedule's ops, every check on, on `device`.
+pub fn schedule_throughput(dtype: DtypeChoice, device: DeviceChoice, s: &Schedule) -> Value {
+    let ops = s.ops();
+    let n_ops = ops.len();
+    let start = Instant::now();
+    let r = run(0, schedule_config(dtype, s), Some(ops), device, None);
+    let wall = start.elapsed().as_secs_f64();
+    let c = &r.counters;
+    let row_steps = c.decode_unpadded.compared + c.decode_padded.compared;
+    let failure = match &r.trace.outcome {
+        crate::sim::trace::Outcome::Pass => Value::Null,
+        crate::sim::trace::Outcome::Fail { op_index, check, message } => {
+            json!({"op_index": op_index, "check": check, "message": message})
+        }
+    };
+    json!({"ops": n_ops, "skipped": r.skipped, "row_steps": row_steps, "row_steps_scheduled": s.row_steps(),
+           "checks": c.checks, "failure": failure, "wall_s": wall, "row_steps_per_s": row_steps as f64 / wall,
+           "checks_per_s": c.checks as f64 / wall, "ops_by_kind": r.ops_by_kind})
 }
 
 fn pseudo_block(shape: &[i32], salt: u64, dtype: Dtype) -> Result<Array, String> {
@@ -184,49 +313,7 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
         out["exact"] = crate::exact_check::check(if quick { 1 } else { 3 });
     }
     if what == "sim" || what == "all" {
-        let mut rows = vec![];
-        for (dtype, name) in [(DtypeChoice::F32, "f32"), (DtypeChoice::Bf16, "bf16")] {
-            let ours = sim_throughput(dtype, device, if quick { 300 } else { 3000 });
-            let theirs = anchor.map(|a| {
-                a.run(&[
-                    "sim".into(),
-                    "--heads-q".into(),
-                    "4".into(),
-                    "--heads-kv".into(),
-                    "2".into(),
-                    "--head-dim".into(),
-                    "16".into(),
-                    "--window".into(),
-                    "8".into(),
-                    "--requests".into(),
-                    "64".into(),
-                    "--max-batch".into(),
-                    "8".into(),
-                    "--steps".into(),
-                    if quick { "150".into() } else { "1000".into() },
-                    "--dtype".into(),
-                    name.into(),
-                    "--device".into(),
-                    device.name().into(),
-                ])
-            });
-            let mut row = json!({"dtype": name, "kvsim": ours});
-            if let Some(t) = theirs {
-                match t {
-                    Ok(t) => {
-                        let their_rate =
-                            t["row_steps_compared"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN);
-                        row["mlx_lm_harness"] = json!({"row_steps": t["row_steps_compared"], "wall_s": t["wall_s"], "cache_ops": t["cache_ops"],
-                            "row_steps_per_s": their_rate, "cache_ops_per_s": t["cache_ops"].as_f64().unwrap_or(0.0) / t["wall_s"].as_f64().unwrap_or(f64::NAN)});
-                        row["ratio_row_steps_per_s"] =
-                            json!(row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(0.0) / their_rate);
-                    }
-                    Err(e) => row["mlx_lm_harness"] = json!({"error": e}),
-                }
-            }
-            rows.push(row);
-        }
-        out["sim"] = json!(rows);
+        out["sim"] = json!(sim_rows(device, anchor, quick));
     }
     if what == "step" || what == "all" {
         let mut rows = vec![];
@@ -294,6 +381,102 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
     out
 }
 
+/// Median and spread (min, max) of `xs` (NaN-free; `null` when empty).
+fn median_spread(mut xs: Vec<f64>) -> Value {
+    xs.retain(|x| x.is_finite());
+    if xs.is_empty() {
+        return Value::Null;
+    }
+    xs.sort_by(|a, b| a.total_cmp(b));
+    json!({"median": xs[xs.len() / 2], "min": xs[0], "max": xs[xs.len() - 1], "runs": xs})
+}
+
+/// The anchor's arguments for its `sim` run at the bench's shapes on `device` (`--schedule FILE` replaces its
+/// own draws with a [`Schedule`]).
+fn anchor_sim_args(dtype: &str, device: DeviceChoice, steps: usize, schedule: Option<&std::path::Path>) -> Vec<String> {
+    let mut a: Vec<String> = ["sim", "--heads-q", "4", "--heads-kv", "2", "--head-dim", "16", "--window", "8"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(["--requests".into(), "64".into(), "--max-batch".into(), "8".into(), "--steps".into(), steps.to_string()]);
+    a.extend(["--dtype".into(), dtype.into(), "--device".into(), device.name().into()]);
+    if let Some(p) = schedule {
+        a.extend(["--schedule".into(), p.display().to_string()]);
+    }
+    a
+}
+
+/// The harness's figures of one run (`row_steps_per_s` of its checked row-steps), or its error.
+fn anchor_figures(t: Result<Value, String>) -> Value {
+    match t {
+        Ok(t) => {
+            let wall = t["wall_s"].as_f64().unwrap_or(f64::NAN);
+            json!({"row_steps": t["row_steps_compared"], "wall_s": wall, "cache_ops": t["cache_ops"],
+                   "out_bitwise_equal": t["out_bitwise_equal"], "state_bitwise_equal": t["state_bitwise_equal"],
+                   "row_steps_per_s": t["row_steps_compared"].as_f64().unwrap_or(0.0) / wall,
+                   "cache_ops_per_s": t["cache_ops"].as_f64().unwrap_or(0.0) / wall})
+        }
+        Err(e) => json!({"error": e}),
+    }
+}
+
+/// The simulator's rows: per dtype, `runs` alternating runs of (a) **equal work**: kvsim and the harness on one
+/// [`Schedule`] (the same requests, lengths, chunks and batch size), and (b) **whole swarm**: kvsim's own decode-heavy
+/// swarm beside the harness on its own draws. Medians and spreads of the run figures and of the per-run ratios.
+fn sim_rows(device: DeviceChoice, anchor: Option<&Anchor>, quick: bool) -> Vec<Value> {
+    let runs = if quick { 1 } else { 3 };
+    let steps = if quick { 150 } else { 1000 };
+    let schedule = Schedule::harness(0, 8, 64, 8, steps);
+    let path = std::env::temp_dir().join(format!("kvsim-bench-schedule-{}.json", std::process::id()));
+    let wrote = std::fs::write(&path, serde_json::to_string(&schedule).unwrap_or_default());
+    let mut rows = vec![];
+    for (dtype, name) in [(DtypeChoice::F32, "f32"), (DtypeChoice::Bf16, "bf16")] {
+        let (mut eq_ours, mut eq_theirs, mut eq_ratio) = (vec![], vec![], vec![]);
+        let (mut sw_ours, mut sw_theirs, mut sw_ratio) = (vec![], vec![], vec![]);
+        let (mut last_eq, mut last_eq_anchor, mut last_sw, mut last_sw_anchor) =
+            (Value::Null, Value::Null, Value::Null, Value::Null);
+        for _ in 0..runs {
+            let ours = schedule_throughput(dtype, device, &schedule);
+            let theirs = anchor.map(|a| match &wrote {
+                Ok(()) => anchor_figures(a.run(&anchor_sim_args(name, device, steps, Some(&path)))),
+                Err(e) => json!({"error": format!("cannot write the schedule: {e}")}),
+            });
+            let o = ours["row_steps_per_s"].as_f64().unwrap_or(f64::NAN);
+            eq_ours.push(o);
+            if let Some(t) = &theirs {
+                let t = t["row_steps_per_s"].as_f64().unwrap_or(f64::NAN);
+                eq_theirs.push(t);
+                eq_ratio.push(o / t);
+            }
+            last_eq = ours;
+            last_eq_anchor = theirs.unwrap_or(Value::Null);
+
+            let ours = sim_throughput(dtype, device, if quick { 300 } else { 3000 });
+            let theirs = anchor.map(|a| anchor_figures(a.run(&anchor_sim_args(name, device, steps, None))));
+            let o = ours["row_steps_per_s"].as_f64().unwrap_or(f64::NAN);
+            sw_ours.push(o);
+            if let Some(t) = &theirs {
+                let t = t["row_steps_per_s"].as_f64().unwrap_or(f64::NAN);
+                sw_theirs.push(t);
+                sw_ratio.push(o / t);
+            }
+            last_sw = ours;
+            last_sw_anchor = theirs.unwrap_or(Value::Null);
+        }
+        rows.push(json!({
+            "dtype": name,
+            "equal_work": {"kvsim": last_eq, "mlx_lm_harness": last_eq_anchor,
+                           "kvsim_row_steps_per_s": median_spread(eq_ours), "harness_row_steps_per_s": median_spread(eq_theirs),
+                           "ratio": median_spread(eq_ratio)},
+            "whole_swarm": {"kvsim": last_sw, "mlx_lm_harness": last_sw_anchor,
+                            "kvsim_row_steps_per_s": median_spread(sw_ours), "harness_row_steps_per_s": median_spread(sw_theirs),
+                            "ratio": median_spread(sw_ratio)},
+        }));
+    }
+    let _ = std::fs::remove_file(&path);
+    rows
+}
+
 /// The anchor to measure against: `script` (default `$KVSIM_ANCHOR`, else `bench/mlxlm_bench.py`) run by `python`
 /// (default `$KVSIM_ANCHOR_PYTHON`, else the oracle driver's venv, set up on demand).
 pub fn find_anchor(python: Option<String>, anchor: Option<String>) -> Result<Anchor, String> {
@@ -333,17 +516,28 @@ pub fn machine_info() -> serde_json::Value {
 pub fn summary_lines(r: &serde_json::Value) -> Vec<String> {
     let mut lines = vec![];
     if let Some(rows) = r["sim"].as_array() {
-        lines.push(
-            "simulator throughput (H 4/2, D 16, W 8; batched decode row-steps checked against solo twins):".into(),
-        );
+        lines.push("simulator throughput (H 4/2, D 16, W 8; checked row-steps per second, median [min, max] of the runs):".into());
+        let f = |v: &Value| -> String {
+            format!(
+                "{:>8.0} [{:.0}, {:.0}]",
+                v["median"].as_f64().unwrap_or(f64::NAN),
+                v["min"].as_f64().unwrap_or(f64::NAN),
+                v["max"].as_f64().unwrap_or(f64::NAN)
+            )
+        };
         for row in rows {
-            lines.push(format!(
-                "  {:<5} kvsim {:>9.0} row-steps/s   mlx-lm harness {:>9.0} row-steps/s   ratio {:.2}x",
-                row["dtype"].as_str().unwrap_or(""),
-                row["kvsim"]["row_steps_per_s"].as_f64().unwrap_or(f64::NAN),
-                row["mlx_lm_harness"]["row_steps_per_s"].as_f64().unwrap_or(f64::NAN),
-                row["ratio_row_steps_per_s"].as_f64().unwrap_or(f64::NAN)
-            ));
+            for (key, what) in [("equal_work", "equal work "), ("whole_swarm", "whole swarm")] {
+                let x = &row[key];
+                lines.push(format!(
+                    "  {:<5} {what}  kvsim {}   mlx-lm harness {}   ratio {:.2}x [{:.2}, {:.2}]",
+                    row["dtype"].as_str().unwrap_or(""),
+                    f(&x["kvsim_row_steps_per_s"]),
+                    f(&x["harness_row_steps_per_s"]),
+                    x["ratio"]["median"].as_f64().unwrap_or(f64::NAN),
+                    x["ratio"]["min"].as_f64().unwrap_or(f64::NAN),
+                    x["ratio"]["max"].as_f64().unwrap_or(f64::NAN)
+                ));
+            }
         }
     }
     if let Some(rows) = r["step"].as_array() {
