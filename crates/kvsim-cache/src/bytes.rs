@@ -190,7 +190,26 @@ impl ArrayBytes {
         for d in &self.shape {
             h.update(&d.to_le_bytes());
         }
-        h.update(&self.words.le_bytes());
+        // The bytes of [`Words::le_bytes`], fed through a stack buffer instead of one allocation.
+        let mut buf = [0u8; 4096];
+        macro_rules! feed {
+            ($w:expr, $n:expr) => {{
+                for chunk in $w.chunks(4096 / $n) {
+                    for (i, x) in chunk.iter().enumerate() {
+                        buf[i * $n..(i + 1) * $n].copy_from_slice(&x.to_le_bytes());
+                    }
+                    h.update(&buf[..chunk.len() * $n]);
+                }
+            }};
+        }
+        match &self.words {
+            Words::U8(w) => {
+                h.update(w);
+            }
+            Words::U16(w) => feed!(w, 2),
+            Words::U32(w) => feed!(w, 4),
+            Words::U64(w) => feed!(w, 8),
+        }
         *h.finalize().as_bytes()
     }
 
@@ -198,6 +217,9 @@ impl ArrayBytes {
     pub fn first_difference(&self, other: &ArrayBytes) -> Option<usize> {
         if self.dtype != other.dtype || self.shape != other.shape || self.words.len() != other.words.len() {
             return Some(0);
+        }
+        if self.words == other.words {
+            return None;
         }
         (0..self.words.len()).find(|&i| self.words.get(i) != other.words.get(i))
     }

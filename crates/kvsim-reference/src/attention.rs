@@ -22,15 +22,15 @@ pub fn attention_f64(vs: &ValueSpace, layer: u32, q_tok: Tok, keys: &[Tok], scal
     if keys.is_empty() || vs.validate().is_err() {
         return vec![f64::NAN; out_len];
     }
-    let q = vs.column_f32(layer, Tensor::Q, q_tok);
-    let ks: Vec<Vec<f32>> = keys.iter().map(|&t| vs.column_f32(layer, Tensor::K, t)).collect();
-    let vs_: Vec<Vec<f32>> = keys.iter().map(|&t| vs.column_f32(layer, Tensor::V, t)).collect();
+    let q = vs.column(layer, Tensor::Q, q_tok);
+    let ks: Vec<_> = keys.iter().map(|&t| vs.column(layer, Tensor::K, t)).collect();
+    let vs_: Vec<_> = keys.iter().map(|&t| vs.column(layer, Tensor::V, t)).collect();
     attention_over(vs, &q, &ks, &vs_, scale)
 }
 
 /// f64 softmax attention of one query column `q` (`[heads_q * D]`) over explicit key and value columns
 /// (`[heads_kv * D]` each), GQA head mapping as [`attention_f64`]. `keys` must be non-empty.
-pub(crate) fn attention_over(vs: &ValueSpace, q: &[f32], ks: &[Vec<f32>], vs_: &[Vec<f32>], scale: f64) -> Vec<f64> {
+pub(crate) fn attention_over<C: AsRef<[f32]>>(vs: &ValueSpace, q: &[f32], ks: &[C], vs_: &[C], scale: f64) -> Vec<f64> {
     let d = vs.head_dim;
     let group = vs.heads_q / vs.heads_kv;
     let mut out = vec![0.0f64; vs.heads_q * d];
@@ -40,7 +40,7 @@ pub(crate) fn attention_over(vs: &ValueSpace, q: &[f32], ks: &[Vec<f32>], vs_: &
         let scores: Vec<f64> = ks
             .iter()
             .map(|k| {
-                let kh = &k[kv * d..(kv + 1) * d];
+                let kh = &k.as_ref()[kv * d..(kv + 1) * d];
                 qh.iter().zip(kh).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale
             })
             .collect();
@@ -48,7 +48,7 @@ pub(crate) fn attention_over(vs: &ValueSpace, q: &[f32], ks: &[Vec<f32>], vs_: &
         let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let z: f64 = w.iter().sum();
         for (wj, v) in w.iter().zip(vs_) {
-            let vh = &v[kv * d..(kv + 1) * d];
+            let vh = &v.as_ref()[kv * d..(kv + 1) * d];
             for (o, &x) in out[h * d..(h + 1) * d].iter_mut().zip(vh) {
                 *o += wj / z * x as f64;
             }

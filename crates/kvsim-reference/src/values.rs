@@ -14,7 +14,9 @@
 //! values, so a padded slot that leaks into attention moves the output visibly and a padded column found where a
 //! token was expected is recognisable at a glance.
 
+use std::cell::{Cell, RefCell};
 use std::fmt;
+use std::rc::Rc;
 
 use crate::error::ModelError;
 
@@ -98,6 +100,23 @@ pub struct ValueSpace {
     pub heads_q: usize,
     pub head_dim: usize,
     pub dtype: RefDtype,
+}
+
+/// Columns one thread's memo holds before it starts over ([`ValueSpace::column`]).
+pub const COLUMN_MEMO_LIMIT: usize = 1 << 16;
+
+/// What a memoized column is a pure function of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ColumnKey {
+    space: (u64, u32, u32, u32, RefDtype),
+    layer: u32,
+    tensor: Tensor,
+    tok: Tok,
+}
+
+thread_local! {
+    static COLUMNS: RefCell<rustc_hash::FxHashMap<ColumnKey, Rc<[f32]>>> = RefCell::default();
+    static MEMO_HITS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// splitmix64's finalizer: a bijection of `u64` with full avalanche.
@@ -193,8 +212,43 @@ impl ValueSpace {
         rounded(self.dtype, x)
     }
 
-    /// One column of `t` for `tok`: `[heads(t), head_dim]` row-major.
+    /// One column of `t` for `tok`: `[heads(t), head_dim]` row-major (a copy of [`ValueSpace::column`]).
     pub fn column_f32(&self, layer: u32, t: Tensor, tok: Tok) -> Vec<f32> {
+        self.column(layer, t, tok).to_vec()
+    }
+
+    /// One column of `t` for `tok`, `[heads(t), head_dim]` row-major, shared: memoized per thread, since a run asks
+    /// for the same columns again and again (the batch's payload and the twin's, every model read over its visible
+    /// keys, every state check). Guarantees: the same values as computing them afresh ([`ValueSpace::value`] per
+    /// element); debug builds recompute every 16th answer from the memo and assert it. The memo holds at most
+    /// [`COLUMN_MEMO_LIMIT`] columns per thread (then it starts over).
+    pub fn column(&self, layer: u32, t: Tensor, tok: Tok) -> Rc<[f32]> {
+        let key = ColumnKey {
+            space: (self.seed, self.heads_kv as u32, self.heads_q as u32, self.head_dim as u32, self.dtype),
+            layer,
+            tensor: t,
+            tok,
+        };
+        let hit = COLUMNS.with(|m| m.borrow().get(&key).cloned());
+        if let Some(col) = hit {
+            if cfg!(debug_assertions) && MEMO_HITS.with(|h| h.replace(h.get().wrapping_add(1))).is_multiple_of(16) {
+                assert_eq!(&*col, &self.fresh_column(layer, t, tok)[..], "memoized column of {t} {tok} on layer {layer}");
+            }
+            return col;
+        }
+        let col: Rc<[f32]> = self.fresh_column(layer, t, tok).into();
+        COLUMNS.with(|m| {
+            let mut m = m.borrow_mut();
+            if m.len() >= COLUMN_MEMO_LIMIT {
+                m.clear();
+            }
+            m.insert(key, col.clone());
+        });
+        col
+    }
+
+    /// [`ValueSpace::column`] computed afresh, element by element.
+    fn fresh_column(&self, layer: u32, t: Tensor, tok: Tok) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.column_len(t));
         for head in 0..self.heads(t) {
             for dim in 0..self.head_dim {
@@ -204,9 +258,14 @@ impl ValueSpace {
         out
     }
 
+    /// The storage bits of a value of this space (f32 bits, or bf16 bits in the low 16 bits).
+    pub fn bits(&self, x: f32) -> u32 {
+        storage_bits(self.dtype, x)
+    }
+
     /// One column as storage bits: f32 bits, or bf16 bits in the low 16 bits of each `u32`.
     pub fn column_bits(&self, layer: u32, t: Tensor, tok: Tok) -> Vec<u32> {
-        self.column_f32(layer, t, tok).into_iter().map(|x| storage_bits(self.dtype, x)).collect()
+        self.column(layer, t, tok).iter().map(|&x| storage_bits(self.dtype, x)).collect()
     }
 
     /// One padded column (`[heads(t), head_dim]` row-major) as f32 values.
@@ -230,9 +289,9 @@ impl ValueSpace {
         let mut data = vec![0f32; b * heads * l * d];
         for (r, row) in toks.iter().enumerate() {
             for (i, tok) in row.iter().enumerate() {
-                let col = match tok {
-                    Some(tok) => self.column_f32(layer, t, *tok),
-                    None => self.pad_column_f32(layer, t, r as u32, i as u32),
+                let col: Rc<[f32]> = match tok {
+                    Some(tok) => self.column(layer, t, *tok),
+                    None => self.pad_column_f32(layer, t, r as u32, i as u32).into(),
                 };
                 for h in 0..heads {
                     data[((r * heads + h) * l + i) * d..][..d].copy_from_slice(&col[h * d..(h + 1) * d]);

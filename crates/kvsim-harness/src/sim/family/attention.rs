@@ -98,8 +98,8 @@ pub(crate) fn payload_block(
     let mut data = vec![0f32; b * heads * l * d];
     for (r, row) in toks.iter().enumerate() {
         for (i, t) in row.iter().enumerate() {
-            let col: Vec<f32> = match t {
-                Some(t) => vs.column_f32(layer as u32, tensor, *t),
+            let col: std::rc::Rc<[f32]> = match t {
+                Some(t) => vs.column(layer as u32, tensor, *t),
                 None => (0..heads * d)
                     .map(|x| vs.pad_value(layer as u32, tensor, r as u32, i as u32, x / d, x % d))
                     .collect(),
