@@ -516,7 +516,10 @@ pub fn machine_info() -> serde_json::Value {
 pub fn summary_lines(r: &serde_json::Value) -> Vec<String> {
     let mut lines = vec![];
     if let Some(rows) = r["sim"].as_array() {
-        lines.push("simulator throughput (H 4/2, D 16, W 8; checked row-steps per second, median [min, max] of the runs):".into());
+        lines.push(
+            "simulator throughput (H 4/2, D 16, W 8; checked row-steps per second, median [min, max] of the runs):"
+                .into(),
+        );
         let f = |v: &Value| -> String {
             format!(
                 "{:>8.0} [{:.0}, {:.0}]",

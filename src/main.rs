@@ -93,13 +93,13 @@ fn inline_cpu_for(device: Option<kvsim::sim::DeviceChoice>) {
     if device != Some(kvsim::sim::DeviceChoice::Cpu) {
         return;
     }
-    match std::env::var("KVSIM_INLINE_CPU").as_deref() {
-        Ok("off") | Ok("0") => return,
-        Ok("on") | Ok("1") | Err(_) => {}
-        Ok(other) => {
-            eprintln!("kvsim: KVSIM_INLINE_CPU={other} is neither on nor off; leaving MLX's scheduling as it is");
-            return;
+    if let Ok(v) = std::env::var("KVSIM_INLINE_CPU") {
+        if !matches!(v.as_str(), "on" | "1" | "off" | "0") {
+            eprintln!("kvsim: KVSIM_INLINE_CPU={v} is neither on nor off; leaving MLX's scheduling as it is");
         }
+    }
+    if !sim::inline_cpu_wanted() {
+        return;
     }
     if let Err(e) = sim::set_inline_cpu(true) {
         eprintln!("kvsim: {e}; MLX schedules as usual");

@@ -26,7 +26,6 @@
 
 #include <dlfcn.h>
 
-#include <atomic>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -75,13 +74,16 @@ CheckFn real_check_error() {
   return f;
 }
 
-std::atomic<bool> inline_on{false};
+// Per thread: MLX 0.32.2 gives each thread its own default CPU stream (`mlx/stream.cpp`, `default_stream_storage`)
+// and its own command encoders (`mlx/backend/cpu/encoder.cpp`), so a thread that turns the switch on runs its own
+// stream's tasks inline and every other thread keeps MLX's worker.
+thread_local bool inline_on = false;
 // The first exception an inline task threw, rethrown at the next enqueue or check (as MLX's worker keeps it).
 thread_local std::exception_ptr pending_error;
 std::string refusal;
 
 bool inline_for(const Stream& s) {
-  return inline_on.load(std::memory_order_relaxed) && s.device == mlx::core::Device::cpu;
+  return inline_on && s.device == mlx::core::Device::cpu;
 }
 
 void rethrow_pending() {
@@ -160,12 +162,12 @@ void Scheduler::check_error(Stream s) {
 
 extern "C" {
 
-// Turns inline CPU scheduling on (`on != 0`) or off. Returns 1 when the requested state holds, 0 when turning it
+// Turns inline CPU scheduling on (`on != 0`) or off for the calling thread. Returns 1 when the requested state holds, 0 when turning it
 // on was refused (the reason is `kvsim_mlx_inline_cpu_refusal()`). Call it between evaluations, with no CPU work
 // in flight (after an `eval` returned): the tasks already queued on the worker finish there first.
 int kvsim_mlx_inline_cpu(int on) {
   if (!on) {
-    inline_on.store(false);
+    inline_on = false;
     return 1;
   }
   refusal.clear();
@@ -188,13 +190,13 @@ int kvsim_mlx_inline_cpu(int on) {
   }
   // Drain what the worker still holds, so nothing queued there runs after an inline task.
   mlx::core::synchronize(mlx::core::default_stream(mlx::core::Device::cpu));
-  inline_on.store(true);
+  inline_on = true;
   return 1;
 }
 
-// 1 while inline CPU scheduling is on.
+// 1 while inline CPU scheduling is on for the calling thread.
 int kvsim_mlx_inline_cpu_active() {
-  return inline_on.load() ? 1 : 0;
+  return inline_on ? 1 : 0;
 }
 
 // Why the last request to turn the switch on was refused ("" when it was not).

@@ -232,7 +232,11 @@ impl ValueSpace {
         let hit = COLUMNS.with(|m| m.borrow().get(&key).cloned());
         if let Some(col) = hit {
             if cfg!(debug_assertions) && MEMO_HITS.with(|h| h.replace(h.get().wrapping_add(1))).is_multiple_of(16) {
-                assert_eq!(&*col, &self.fresh_column(layer, t, tok)[..], "memoized column of {t} {tok} on layer {layer}");
+                assert_eq!(
+                    &*col,
+                    &self.fresh_column(layer, t, tok)[..],
+                    "memoized column of {t} {tok} on layer {layer}"
+                );
             }
             return col;
         }

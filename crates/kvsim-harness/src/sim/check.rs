@@ -473,7 +473,9 @@ pub fn columns_vs_model(
     for (c, tok) in toks.iter().enumerate() {
         // Compared in place against the memoized column; the vectors are built only to name a difference.
         let col = vs.column(layer, tensor, *tok);
-        if col.len() == h * d && (0..h * d).all(|x| got.words.get(((x / d) * n + c) * d + x % d) as u32 == vs.bits(col[x])) {
+        if col.len() == h * d
+            && (0..h * d).all(|x| got.words.get(((x / d) * n + c) * d + x % d) as u32 == vs.bits(col[x]))
+        {
             continue;
         }
         let want = vs.column_bits(layer, tensor, *tok);

@@ -81,12 +81,19 @@ impl DeviceChoice {
     }
 }
 
-/// Inline CPU scheduling: MLX's CPU stream tasks run on the thread that enqueues them, in the order MLX enqueues
+/// Whether inline CPU scheduling is wanted: yes unless `KVSIM_INLINE_CPU` is `off` or `0` (any other value but `on`
+/// or `1` is also no, and said on stderr once by the command line).
+pub fn inline_cpu_wanted() -> bool {
+    matches!(std::env::var("KVSIM_INLINE_CPU").as_deref(), Err(_) | Ok("on") | Ok("1"))
+}
+
+/// Inline CPU scheduling for the calling thread: MLX's CPU stream tasks run on the thread that enqueues them, in the order MLX enqueues
 /// them, instead of each being handed to the stream's worker thread (`mlx-sys/native/inline_cpu.cpp` says which MLX
 /// 0.32.2 sources this relies on). The same kernels run in the same order, so the bytes are the same; only the
-/// hand-off (a lock and a wake-up per task) goes. For a process whose MLX work is on one thread (a simulator run,
-/// a shard worker), never for a multi-threaded test process. `Err` says why it was refused: another MLX version,
-/// or an executable that does not take the place of libmlx.so's scheduler.
+/// hand-off (a lock and a wake-up per task) goes. Per thread: MLX 0.32.2 gives every thread its own default CPU
+/// stream, so other threads keep MLX's worker. Every CPU simulator run ([`run_in`]) turns it on for its thread unless
+/// [`inline_cpu_wanted`] says no. `Err` says why it was refused: another MLX version, or an executable that does not
+/// take the place of libmlx.so's scheduler.
 pub fn set_inline_cpu(on: bool) -> Result<(), String> {
     // SAFETY: plain C calls with no pointers in; the refusal is a NUL-terminated string owned by the library.
     unsafe {
@@ -98,7 +105,7 @@ pub fn set_inline_cpu(on: bool) -> Result<(), String> {
     }
 }
 
-/// Whether inline CPU scheduling ([`set_inline_cpu`]) is on.
+/// Whether inline CPU scheduling ([`set_inline_cpu`]) is on for the calling thread.
 pub fn inline_cpu() -> bool {
     // SAFETY: a plain C call.
     unsafe { mlx_sys::kvsim_mlx_inline_cpu_active() == 1 }
@@ -190,7 +197,12 @@ pub fn run_in(
     faults::arm(mutant);
     // The runner reads every buffer and output after every op (one evaluation), so per-write evaluation is redundant.
     kvsim_cache::set_eval_after_write(false);
+    // A CPU run schedules MLX inline on its own thread (the same bytes, without the hand-off), unless switched off.
+    let inline = device == DeviceChoice::Cpu && inline_cpu_wanted() && !inline_cpu() && set_inline_cpu(true).is_ok();
     let result = run_inner(registry, seed, config, ops, device, mutant, observer);
+    if inline {
+        let _ = set_inline_cpu(false);
+    }
     kvsim_cache::set_eval_after_write(true);
     faults::arm(None);
     result
@@ -348,5 +360,35 @@ pub fn replay_report(trace: &Trace, device: DeviceChoice) -> (Vec<String>, bool)
             lines.push(format!("replay does NOT match the trace's expectation: {e}"));
             (lines, false)
         }
+    }
+}
+
+#[cfg(test)]
+mod inline_tests {
+    use super::*;
+
+    /// The switch is reachable in this test binary (it takes the place of libmlx.so's scheduler), it is per thread,
+    /// and runs give the same result hashes with it and without it.
+    #[test]
+    fn inline_cpu_scheduling_changes_no_byte() {
+        let registry = Registry::builtin();
+        let hashes = |on: bool| -> Vec<String> {
+            set_inline_cpu(on).expect("the switch turns on in a kvsim binary");
+            assert_eq!(inline_cpu(), on);
+            assert!(!std::thread::spawn(inline_cpu).join().unwrap(), "another thread keeps MLX's worker");
+            // `run_in` without its own switching, so that `on == false` runs on MLX's worker.
+            DeviceChoice::Cpu.activate();
+            kvsim_cache::set_eval_after_write(false);
+            let h = (0..4u64)
+                .map(|seed| {
+                    let c = SimConfig::from_seed_in(seed, registry);
+                    run_inner(registry, seed, c, None, DeviceChoice::Cpu, None, &mut NoObserver).trace.result_hash
+                })
+                .collect();
+            kvsim_cache::set_eval_after_write(true);
+            set_inline_cpu(false).unwrap();
+            h
+        };
+        assert_eq!(hashes(true), hashes(false));
     }
 }

@@ -377,7 +377,8 @@ impl Attention {
             if ours[2 + i] != theirs[2 + i] {
                 check::bytes_equal(&format!("{what} {tensor:?} temporal_view vs twin"), &ours[2 + i], &theirs[2 + i])?;
             }
-            if check::columns_vs_model("", &self.vs, layer as u32, tensor, &ours[2 + i], &model.temporal_view()).is_err()
+            if check::columns_vs_model("", &self.vs, layer as u32, tensor, &ours[2 + i], &model.temporal_view())
+                .is_err()
             {
                 check::columns_vs_model(
                     &format!("{what} temporal_view"),
