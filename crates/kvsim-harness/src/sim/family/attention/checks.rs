@@ -377,18 +377,14 @@ impl Attention {
             if ours[2 + i] != theirs[2 + i] {
                 check::bytes_equal(&format!("{what} {tensor:?} temporal_view vs twin"), &ours[2 + i], &theirs[2 + i])?;
             }
-            if check::columns_vs_model("", &self.vs, layer as u32, tensor, &ours[2 + i], &model.temporal_view())
-                .is_err()
-            {
-                check::columns_vs_model(
-                    &format!("{what} temporal_view"),
-                    &self.vs,
-                    layer as u32,
-                    tensor,
-                    &ours[2 + i],
-                    &model.temporal_view(),
-                )?;
-            }
+            check::columns_vs_model(
+                &format!("{what} temporal_view"),
+                &self.vs,
+                layer as u32,
+                tensor,
+                &ours[2 + i],
+                &model.temporal_view(),
+            )?;
             self.counters.bit_exact_state += 3;
             self.counters.record_state(ours[i].dtype, 3);
             self.counters.checks += 4;
