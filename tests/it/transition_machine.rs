@@ -549,7 +549,7 @@ impl TSut {
             for (c, &tok) in want.iter().enumerate() {
                 let e = if affine {
                     let qc = quantized_column(&self.pay.vs, 0, if p < 3 { Tensor::K } else { Tensor::V }, tok, q);
-                    vec![qc.packed, qc.scales, qc.biases].swap_remove(p % 3)
+                    [&qc.packed, &qc.scales, &qc.biases][p % 3].clone()
                 } else {
                     self.pay.vs.column_bits(0, if p == 0 { Tensor::K } else { Tensor::V }, tok)
                 };

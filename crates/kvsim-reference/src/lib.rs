@@ -28,6 +28,7 @@
 pub mod attention;
 pub mod compare;
 pub mod error;
+mod memo;
 pub mod model;
 pub mod paged;
 pub mod quant;

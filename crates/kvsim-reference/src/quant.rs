@@ -24,7 +24,10 @@
 
 use super::attention::attention_over;
 use super::error::ModelError;
-use super::values::{bits_to_f32, round_to, RefDtype, Tensor, Tok, ValueSpace};
+use std::rc::Rc;
+
+use super::memo::Memo;
+use super::values::{bits_to_f32, round_to, ColumnKey, RefDtype, Tensor, Tok, ValueSpace};
 
 /// The affine bit widths the upstream library accepts.
 pub const REF_QUANT_BITS: [usize; 6] = [2, 3, 4, 5, 6, 8];
@@ -171,19 +174,40 @@ pub fn dequantize(x: &Quantized, n: usize, dtype: RefDtype, q: RefQuant) -> Resu
         .collect())
 }
 
-/// The expected stored triple of one column (`tensor` of `tok` on `layer`): each of the `heads` rows of `head_dim`
-/// values quantized; packed words `[heads * D * bits / 32]`, scales and biases `[heads * D / group]`.
-pub fn quantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok, q: RefQuant) -> Quantized {
-    let vals = vs.column_f32(layer, tensor, tok);
-    // Rows of head_dim are quantized independently: one call over the whole column gives the same bytes.
-    quantize(&vals, vs.head_dim, vs.dtype, q).unwrap_or(Quantized { packed: vec![], scales: vec![], biases: vec![] })
+thread_local! {
+    static QUANTIZED: Memo<(ColumnKey, RefQuant), Rc<Quantized>> = Memo::default();
+    static DEQUANTIZED: Memo<(ColumnKey, RefQuant), Rc<[f32]>> = Memo::default();
 }
 
-/// The dequantized values of one column (what a quantized cache's read sees), `[heads * D]`.
-pub fn dequantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok, q: RefQuant) -> Vec<f32> {
-    let x = quantized_column(vs, layer, tensor, tok, q);
+/// The expected stored triple of one column (`tensor` of `tok` on `layer`): each of the `heads` rows of `head_dim`
+/// values quantized; packed words `[heads * D * bits / 32]`, scales and biases `[heads * D / group]`. Memoized per
+/// thread like [`ValueSpace::column`] (the same answer as computing it afresh).
+pub fn quantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok, q: RefQuant) -> Rc<Quantized> {
+    QUANTIZED.with(|m| {
+        m.get_or((vs.column_key(layer, tensor, tok), q), || {
+            let vals = vs.column(layer, tensor, tok);
+            // Rows of head_dim are quantized independently: one call over the whole column gives the same bytes.
+            Rc::new(quantize(&vals, vs.head_dim, vs.dtype, q).unwrap_or(Quantized {
+                packed: vec![],
+                scales: vec![],
+                biases: vec![],
+            }))
+        })
+    })
+}
+
+/// The dequantized values of one column (what a quantized cache's read sees), `[heads * D]`, memoized per thread.
+pub fn dequantized_column(vs: &ValueSpace, layer: u32, tensor: Tensor, tok: Tok, q: RefQuant) -> Rc<[f32]> {
     let n = vs.column_len(tensor);
-    dequantize(&x, n, vs.dtype, q).unwrap_or_else(|_| vec![f32::NAN; n])
+    if q.validate(vs.head_dim).is_err() {
+        return vec![f32::NAN; n].into();
+    }
+    DEQUANTIZED.with(|m| {
+        m.get_or((vs.column_key(layer, tensor, tok), q), || {
+            let x = quantized_column(vs, layer, tensor, tok, q);
+            dequantize(&x, n, vs.dtype, q).unwrap_or_else(|_| vec![f32::NAN; n]).into()
+        })
+    })
 }
 
 /// [`attention_f64`](super::attention_f64) over the **dequantized** keys and values: the model's answer for a read
@@ -213,16 +237,16 @@ pub fn attention_f64_partly_quantized(
     if keys.is_empty() || vs.validate().is_err() || q.validate(vs.head_dim).is_err() {
         return vec![f64::NAN; vs.heads_q * vs.head_dim];
     }
-    let query = vs.column_f32(layer, Tensor::Q, q_tok);
+    let query = vs.column(layer, Tensor::Q, q_tok);
     let column = |i: usize, t: Tok, tensor: Tensor| {
         if i < stored {
             dequantized_column(vs, layer, tensor, t, q)
         } else {
-            vs.column_f32(layer, tensor, t)
+            vs.column(layer, tensor, t)
         }
     };
-    let ks: Vec<Vec<f32>> = keys.iter().enumerate().map(|(i, &t)| column(i, t, Tensor::K)).collect();
-    let vals: Vec<Vec<f32>> = keys.iter().enumerate().map(|(i, &t)| column(i, t, Tensor::V)).collect();
+    let ks: Vec<Rc<[f32]>> = keys.iter().enumerate().map(|(i, &t)| column(i, t, Tensor::K)).collect();
+    let vals: Vec<Rc<[f32]>> = keys.iter().enumerate().map(|(i, &t)| column(i, t, Tensor::V)).collect();
     attention_over(vs, &query, &ks, &vals, scale)
 }
 

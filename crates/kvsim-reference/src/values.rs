@@ -14,11 +14,11 @@
 //! values, so a padded slot that leaks into attention moves the output visibly and a padded column found where a
 //! token was expected is recognisable at a glance.
 
-use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::rc::Rc;
 
 use crate::error::ModelError;
+use crate::memo::Memo;
 
 /// One stored position: request `req` at sequence (RoPE) position `pos`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -103,11 +103,11 @@ pub struct ValueSpace {
 }
 
 /// Columns one thread's memo holds before it starts over ([`ValueSpace::column`]).
-pub const COLUMN_MEMO_LIMIT: usize = 1 << 16;
+pub const COLUMN_MEMO_LIMIT: usize = crate::memo::MEMO_LIMIT;
 
 /// What a memoized column is a pure function of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct ColumnKey {
+pub(crate) struct ColumnKey {
     space: (u64, u32, u32, u32, RefDtype),
     layer: u32,
     tensor: Tensor,
@@ -115,8 +115,7 @@ struct ColumnKey {
 }
 
 thread_local! {
-    static COLUMNS: RefCell<rustc_hash::FxHashMap<ColumnKey, Rc<[f32]>>> = RefCell::default();
-    static MEMO_HITS: Cell<u64> = const { Cell::new(0) };
+    static COLUMNS: Memo<ColumnKey, Rc<[f32]>> = Memo::default();
 }
 
 /// splitmix64's finalizer: a bijection of `u64` with full avalanche.
@@ -223,32 +222,17 @@ impl ValueSpace {
     /// element); debug builds recompute every 16th answer from the memo and assert it. The memo holds at most
     /// [`COLUMN_MEMO_LIMIT`] columns per thread (then it starts over).
     pub fn column(&self, layer: u32, t: Tensor, tok: Tok) -> Rc<[f32]> {
-        let key = ColumnKey {
+        COLUMNS.with(|m| m.get_or(self.column_key(layer, t, tok), || self.fresh_column(layer, t, tok).into()))
+    }
+
+    /// Everything [`ValueSpace::column`] of `(layer, t, tok)` depends on.
+    pub(crate) fn column_key(&self, layer: u32, t: Tensor, tok: Tok) -> ColumnKey {
+        ColumnKey {
             space: (self.seed, self.heads_kv as u32, self.heads_q as u32, self.head_dim as u32, self.dtype),
             layer,
             tensor: t,
             tok,
-        };
-        let hit = COLUMNS.with(|m| m.borrow().get(&key).cloned());
-        if let Some(col) = hit {
-            if cfg!(debug_assertions) && MEMO_HITS.with(|h| h.replace(h.get().wrapping_add(1))).is_multiple_of(16) {
-                assert_eq!(
-                    &*col,
-                    &self.fresh_column(layer, t, tok)[..],
-                    "memoized column of {t} {tok} on layer {layer}"
-                );
-            }
-            return col;
         }
-        let col: Rc<[f32]> = self.fresh_column(layer, t, tok).into();
-        COLUMNS.with(|m| {
-            let mut m = m.borrow_mut();
-            if m.len() >= COLUMN_MEMO_LIMIT {
-                m.clear();
-            }
-            m.insert(key, col.clone());
-        });
-        col
     }
 
     /// [`ValueSpace::column`] computed afresh, element by element.

@@ -302,7 +302,7 @@ fn layout(message: &str, who: &str, watcher: Option<&Watcher>, out: &mut Vec<Det
             if tensor == Tensor::K { raw.rings.get(layer).map(|r| &r.0) } else { raw.rings.get(layer).map(|r| &r.1) };
         let view = if message.contains("temporal_view") { planes.get(plane) } else { physical };
         let Some(ab) = view else { return };
-        let exp = kvsim_reference::quant::quantized_column(&w.vs, layer as u32, tensor, tok, q).packed;
+        let exp = kvsim_reference::quant::quantized_column(&w.vs, layer as u32, tensor, tok, q).packed.clone();
         let act = column(ab, col);
         let words = exp.len() / heads_dim.0.max(1);
         out.push(Detail::Values(compare(

@@ -272,7 +272,8 @@ fn run_inner(
             }
         };
         observer.on_op_end(i, &op, result.as_ref().copied().map_err(|f| f.failure.check.as_str()));
-        world.hasher.update(serde_json::to_string(&op).unwrap().as_bytes());
+        // The op's JSON, streamed into the hasher (the same bytes as `serde_json::to_string`).
+        serde_json::to_writer(&mut world.hasher, &op).expect("an op always serializes");
         trace.digests.push(world.hasher.clone().finalize().to_hex()[..16].to_string());
         let reached = world.take_reached();
         if !matches!(result, Ok(false)) {

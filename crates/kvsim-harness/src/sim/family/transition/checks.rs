@@ -184,7 +184,7 @@ impl TransitionFamily {
             if affine {
                 let t = if p < 3 { Tensor::K } else { Tensor::V };
                 let x = quantized_column(&vs, l, t, tok, q);
-                [x.packed, x.scales, x.biases].into_iter().nth(p % 3).unwrap_or_default()
+                [&x.packed, &x.scales, &x.biases][p % 3].clone()
             } else {
                 vs.column_bits(l, if p == 0 { Tensor::K } else { Tensor::V }, tok)
             }
