@@ -88,7 +88,7 @@ pub enum Cmd {
         first: u64,
         #[arg(long, default_value_t = DeviceChoice::Cpu)]
         device: DeviceChoice,
-        /// Return the heap's free memory to the system (glibc `malloc_trim`) before every sample.
+        /// Return the heap's free memory to the system (mimalloc's `mi_collect`) before every sample.
         #[arg(long)]
         trim: bool,
         /// Also write the report (JSON) here.

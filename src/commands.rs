@@ -431,17 +431,20 @@ pub(crate) fn soak_cmd(
         },
     );
     bar.finish_and_clear();
+    let counted = report.heap_counted;
     let line = |what: &str, s: &kvsim::soak::MemorySample| {
+        let heap = if counted {
+            format!("  heap live {:>8.2} MiB  free {:>8.2} MiB", mib(s.heap_in_use), mib(s.heap_free))
+        } else {
+            String::new()
+        };
         println!(
-            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB  \
-             heap live {:>8.2} MiB  free {:>8.2} MiB",
+            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB{heap}",
             s.ops,
             mib(s.mlx_active),
             mib(s.mlx_cache),
             mib(s.mlx_peak),
             mib(s.rss),
-            mib(s.heap_in_use),
-            mib(s.heap_free)
         )
     };
     println!(
@@ -460,10 +463,19 @@ pub(crate) fn soak_cmd(
     }
     line("end", &report.at_end);
     let v = &report.verdict;
+    let heap = if counted {
+        format!(
+            ", live heap outside the cache {:.3}x, heap free {:.2} -> {:.2} MiB",
+            v.heap_outside_cache.ratio,
+            mib(v.heap_free.post_warmup),
+            mib(v.heap_free.final_level)
+        )
+    } else {
+        format!(", heap not counted ({} serves malloc)", report.allocator)
+    };
     println!(
         "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS outside MLX's cache {:.3}x ({:.2} -> \
-         {:.2} MiB) [raw RSS {:.3}x, MLX cache {:.2} -> {:.2} MiB, live heap outside the cache {:.3}x, heap free \
-         {:.2} -> {:.2} MiB, reported only]; allowed {}x: {}",
+         {:.2} MiB) [raw RSS {:.3}x, MLX cache {:.2} -> {:.2} MiB{heap}, reported only]; allowed {}x: {}",
         v.mlx_active.ratio,
         mib(v.mlx_active.post_warmup),
         mib(v.mlx_active.final_level),
@@ -473,9 +485,6 @@ pub(crate) fn soak_cmd(
         v.rss.ratio,
         mib(v.mlx_cache.post_warmup),
         mib(v.mlx_cache.final_level),
-        v.heap_outside_cache.ratio,
-        mib(v.heap_free.post_warmup),
-        mib(v.heap_free.final_level),
         report.config.tolerance,
         if v.pass { "pass" } else { v.reason.as_deref().unwrap_or("fail") }
     );

@@ -23,6 +23,14 @@ use commands::*;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // The soak counts and trims the heap of the allocator that serves `malloc`: this one, which counts no live
+    // bytes it could report and trims with `mi_collect`.
+    kvsim::soak::use_allocator(kvsim::soak::HeapAllocator {
+        name: "mimalloc",
+        counters: || None,
+        // SAFETY: mi_collect only returns mimalloc's free pages to the system; it touches no live allocation.
+        trim: || unsafe { libmimalloc_sys::mi_collect(true) },
+    });
     sim::raise_mlx_cuda_caches();
     let cli = Cli::parse();
     inline_cpu_for(cli.cmd.device());

@@ -82,6 +82,13 @@ fn a_short_soak_reports_memory_and_a_verdict() {
     assert_eq!(o.status.success(), report["verdict"]["pass"].as_bool().unwrap() && report["failures"] == 0);
     let saved: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(saved["ops"], report["ops"]);
+    // mimalloc serves malloc in the binary: the report names it and counts no heap it cannot see (glibc's counters
+    // would read as an empty, flat heap).
+    assert_eq!(report["allocator"], "mimalloc", "{report}");
+    assert_eq!(report["heap_counted"], false);
+    assert_eq!(report["at_end"]["heap_in_use"], 0);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("heap not counted (mimalloc serves malloc)"), "{text}");
 }
 
 /// Ctrl-C on a `--jobs` campaign: the parent stops handing out seeds, the workers end after the seeds they hold,

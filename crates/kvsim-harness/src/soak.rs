@@ -45,12 +45,14 @@ pub struct MemorySample {
     pub mlx_peak: u64,
     /// Resident set size of the process in bytes (0 when unknown).
     pub rss: u64,
-    /// Bytes in live heap allocations (glibc `mallinfo2`: `uordblks + hblkhd`; 0 off glibc). MLX's CPU buffers,
+    /// Bytes in live heap allocations (glibc `mallinfo2`: `uordblks + hblkhd`; 0 where the heap is not counted,
+    /// [`SoakReport::heap_counted`]). MLX's CPU buffers,
     /// its allocator cache included, are heap allocations, so `heap_in_use - mlx_cache` is what the process holds
     /// live outside that cache: a leak raises it, fragmentation does not.
     #[serde(default)]
     pub heap_in_use: u64,
-    /// Bytes that glibc's malloc holds free inside its arenas (`mallinfo2().fordblks`; 0 off glibc): freed memory
+    /// Bytes that glibc's malloc holds free inside its arenas (`mallinfo2().fordblks`; 0 where the heap is not
+    /// counted): freed memory
     /// not yet returned to the system, which RSS counts and a leak does not explain.
     #[serde(default)]
     pub heap_free: u64,
@@ -63,22 +65,80 @@ pub fn rss_bytes() -> Option<u64> {
     Some(pages * page_size())
 }
 
-/// glibc's heap counters `(in use, free in arenas)`; `(0, 0)` elsewhere.
-pub fn heap_bytes() -> (u64, u64) {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
+/// The `malloc` whose heap a soak counts and trims: glibc's unless the program says otherwise with
+/// [`use_allocator`] (the `kvsim` binary puts mimalloc in `malloc`'s place). Counters of an allocator that does not
+/// serve `malloc` would read as a flat, empty heap, so none are reported then.
+#[derive(Debug, Clone, Copy)]
+pub struct HeapAllocator {
+    /// Named in the soak's report.
+    pub name: &'static str,
+    /// `(bytes in live allocations, free bytes the allocator keeps)`, or `None` where they are not counted.
+    pub counters: fn() -> Option<(u64, u64)>,
+    /// Returns the allocator's free memory to the system (`kvsim soak --trim`).
+    pub trim: fn(),
+}
+
+/// glibc's malloc: `mallinfo2` counts the heap, `malloc_trim(0)` trims it. Its counters are `None` off glibc and
+/// where another allocator serves `malloc` in this process (probed once: a 4 MiB `malloc` that glibc's counters do
+/// not see).
+pub const GLIBC_MALLOC: HeapAllocator =
+    HeapAllocator { name: "glibc malloc", counters: glibc_counters, trim: glibc_trim };
+
+static ALLOCATOR: std::sync::OnceLock<HeapAllocator> = std::sync::OnceLock::new();
+
+/// Names the allocator that serves `malloc` in this process, once, before the first soak; `false` (and nothing
+/// changed) when one was already named or a soak already asked.
+pub fn use_allocator(allocator: HeapAllocator) -> bool {
+    ALLOCATOR.set(allocator).is_ok()
+}
+
+/// The allocator a soak counts and trims.
+pub fn allocator() -> HeapAllocator {
+    *ALLOCATOR.get_or_init(|| GLIBC_MALLOC)
+}
+
+/// The heap's counters `(in use, free)` from [`allocator`]; `None` where it does not count them.
+pub fn heap_bytes() -> Option<(u64, u64)> {
+    (allocator().counters)()
+}
+
+/// Returns the heap's free memory to the system ([`allocator`]'s `trim`).
+pub fn trim_heap() {
+    (allocator().trim)()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn glibc_counters() -> Option<(u64, u64)> {
+    static SERVES_MALLOC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let counts = || {
         // SAFETY: mallinfo2 only reads the allocator's statistics (glibc >= 2.33).
         let m = unsafe { libc::mallinfo2() };
         ((m.uordblks + m.hblkhd) as u64, m.fordblks as u64)
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        (0, 0)
-    }
+    };
+    let serves = *SERVES_MALLOC.get_or_init(|| {
+        const PROBE: usize = 4 << 20;
+        let (before, _) = counts();
+        // SAFETY: a plain allocation, freed below and never read or written.
+        // `black_box`: an allocation nothing uses is one the compiler may take out, with its `free`.
+        let p = std::hint::black_box(unsafe { libc::malloc(PROBE) });
+        if p.is_null() {
+            return false;
+        }
+        let (during, _) = counts();
+        // SAFETY: `p` came from `malloc` above and is freed once.
+        unsafe { libc::free(p) };
+        // Other threads allocate and free beside the probe: half of it is far above what they move meanwhile.
+        during >= before + (PROBE as u64) / 2
+    });
+    serves.then(counts)
 }
 
-/// Returns the heap's free memory to the system where glibc can (`malloc_trim(0)`); a no-op elsewhere.
-pub fn trim_heap() {
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn glibc_counters() -> Option<(u64, u64)> {
+    None
+}
+
+fn glibc_trim() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim releases free pages of the arenas; it touches no live allocation.
     unsafe {
@@ -94,7 +154,7 @@ fn page_size() -> u64 {
 /// A sample of memory now.
 pub fn sample(ops: u64, seeds: u64, seconds: f64) -> MemorySample {
     let get = |r: mlx_rs::error::Result<usize>| r.map(|x| x as u64).unwrap_or(0);
-    let (heap_in_use, heap_free) = heap_bytes();
+    let (heap_in_use, heap_free) = heap_bytes().unwrap_or((0, 0));
     MemorySample {
         ops,
         seeds,
@@ -351,6 +411,21 @@ pub struct SoakReport {
     pub verdict: Verdict,
     /// At most 400 of the judged samples ([`SampleLog`]), evenly thinned.
     pub samples: Vec<MemorySample>,
+    /// The allocator serving `malloc` ([`allocator`]).
+    #[serde(default = "glibc_name")]
+    pub allocator: String,
+    /// Whether the heap fields count anything: `false` where the allocator does not count its heap (the heap
+    /// fields and their growths are then 0 and say nothing; RSS and MLX memory are judged all the same).
+    #[serde(default = "counted")]
+    pub heap_counted: bool,
+}
+
+fn glibc_name() -> String {
+    GLIBC_MALLOC.name.to_string()
+}
+
+fn counted() -> bool {
+    true
 }
 
 /// Runs seeds `cfg.first, cfg.first + 1, ...` through `run_seed` until the budget is spent or `stop` is set, sampling
@@ -414,6 +489,8 @@ pub fn soak(
         at_end,
         verdict,
         samples: thin(&samples, 400),
+        allocator: allocator().name.to_string(),
+        heap_counted: heap_bytes().is_some(),
     }
 }
 
@@ -608,21 +685,23 @@ mod tests {
 
     #[test]
     fn heap_counters_see_a_live_allocation_and_trim_keeps_it() {
+        // This test binary leaves `malloc` to the C library and names no other allocator.
+        assert_eq!(allocator().name, GLIBC_MALLOC.name);
         if !cfg!(all(target_os = "linux", target_env = "gnu")) {
-            assert_eq!(heap_bytes(), (0, 0));
+            assert_eq!(heap_bytes(), None);
             return;
         }
         // The counters are the whole process's, and other tests allocate and free beside this one: hold 128 MiB
         // and ask for half of it, far above what the other tests' churn moves.
-        let (before, _) = heap_bytes();
+        let (before, _) = heap_bytes().expect("glibc serves malloc here");
         let held: Vec<Vec<u8>> = (0..2048).map(|i| vec![i as u8; 64 << 10]).collect();
-        let (during, _) = heap_bytes();
+        let (during, _) = heap_bytes().unwrap();
         assert!(during >= before + (64 << 20), "{before} -> {during}");
         trim_heap();
-        assert!(heap_bytes().0 >= before + (64 << 20), "trim must not release live allocations");
+        assert!(heap_bytes().unwrap().0 >= before + (64 << 20), "trim must not release live allocations");
         assert_eq!(held.iter().map(|v| v[1] as usize).sum::<usize>(), (0..2048).map(|i| i % 256).sum::<usize>());
         drop(held);
-        // A trimmed soak samples after every seed and reports the heap beside RSS.
+        // A trimmed soak samples after every seed and reports the heap beside RSS, and which heap it counted.
         let stop = AtomicBool::new(false);
         let r = soak(
             SoakConfig { trim: true, ..SoakConfig::new(Budget::Ops(20), 0) },
@@ -631,5 +710,14 @@ mod tests {
             |_, _| {},
         );
         assert!(r.at_end.heap_in_use > 0 && r.config.trim);
+        assert!(r.heap_counted);
+        assert_eq!(r.allocator, "glibc malloc");
+        // A report written before the allocator was named reads as glibc's, counted.
+        let mut v = serde_json::to_value(&r).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.remove("allocator");
+        o.remove("heap_counted");
+        let old: SoakReport = serde_json::from_value(v).unwrap();
+        assert_eq!((old.allocator.as_str(), old.heap_counted), ("glibc malloc", true));
     }
 }
