@@ -46,14 +46,13 @@ pub struct MemorySample {
     /// Resident set size of the process in bytes (0 when unknown).
     pub rss: u64,
     /// Bytes in live heap allocations (glibc `mallinfo2`: `uordblks + hblkhd`; 0 where the heap is not counted,
-    /// [`SoakReport::heap_counted`]). MLX's CPU buffers,
-    /// its allocator cache included, are heap allocations, so `heap_in_use - mlx_cache` is what the process holds
-    /// live outside that cache: a leak raises it, fragmentation does not.
+    /// [`SoakReport::heap_counted`]). MLX's CPU buffers, its allocator cache included, are heap allocations, so
+    /// `heap_in_use - mlx_cache` is what the process holds live outside that cache: a leak raises it, fragmentation
+    /// does not.
     #[serde(default)]
     pub heap_in_use: u64,
     /// Bytes that glibc's malloc holds free inside its arenas (`mallinfo2().fordblks`; 0 where the heap is not
-    /// counted): freed memory
-    /// not yet returned to the system, which RSS counts and a leak does not explain.
+    /// counted): freed memory not yet returned to the system, which RSS counts and a leak does not explain.
     #[serde(default)]
     pub heap_free: u64,
 }
@@ -118,8 +117,8 @@ fn glibc_counters() -> Option<(u64, u64)> {
     let serves = *SERVES_MALLOC.get_or_init(|| {
         const PROBE: usize = 4 << 20;
         let (before, _) = counts();
-        // SAFETY: a plain allocation, freed below and never read or written.
         // `black_box`: an allocation nothing uses is one the compiler may take out, with its `free`.
+        // SAFETY: a plain allocation, freed below and never read or written.
         let p = std::hint::black_box(unsafe { libc::malloc(PROBE) });
         if p.is_null() {
             return false;
@@ -412,19 +411,19 @@ pub struct SoakReport {
     /// At most 400 of the judged samples ([`SampleLog`]), evenly thinned.
     pub samples: Vec<MemorySample>,
     /// The allocator serving `malloc` ([`allocator`]).
-    #[serde(default = "glibc_name")]
+    #[serde(default = "allocator_before_it_was_said")]
     pub allocator: String,
     /// Whether the heap fields count anything: `false` where the allocator does not count its heap (the heap
     /// fields and their growths are then 0 and say nothing; RSS and MLX memory are judged all the same).
-    #[serde(default = "counted")]
+    #[serde(default = "heap_counted_before_it_was_said")]
     pub heap_counted: bool,
 }
 
-fn glibc_name() -> String {
+fn allocator_before_it_was_said() -> String {
     GLIBC_MALLOC.name.to_string()
 }
 
-fn counted() -> bool {
+fn heap_counted_before_it_was_said() -> bool {
     true
 }
 
