@@ -700,7 +700,7 @@ pub fn check_engine_cmd(
         Err(b) => {
             eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);
             if let Some(t) = &b.trace {
-                let path = out.join(format!("engine-{}-seed-{}.trace.json", b.failure.kind(), t.seed));
+                let path = out.join(format!("engine-{}-seed-{}.trace.json", b.failure.kind(), t.seed()));
                 match std::fs::create_dir_all(out).and_then(|_| std::fs::write(&path, t.to_json())) {
                     Ok(()) => eprintln!("the run's trace: {}", path.display()),
                     Err(e) => eprintln!("cannot write {}: {e}", path.display()),
@@ -726,9 +726,7 @@ pub fn check_engine_cmd(
     for c in &report.classes {
         let file = c.name.replace('/', "-");
         let trace_path = out.join(format!("{file}.trace.json"));
-        let mut t = c.shortest.clone();
-        t.expect = Expect::Fail;
-        if let Err(e) = std::fs::write(&trace_path, t.to_json()) {
+        if let Err(e) = std::fs::write(&trace_path, c.shortest.to_json()) {
             eprintln!("cannot write {}: {e}", trace_path.display());
         }
         let repro = match &c.reproducer {
@@ -752,15 +750,16 @@ pub fn check_engine_cmd(
             c.name,
             c.failing_seeds.len(),
             &c.failing_seeds[..c.failing_seeds.len().min(5)],
-            c.shortest.ops.len(),
-            c.shortest.seed,
+            c.shortest.ops(),
+            c.shortest.seed(),
             trace_path.display(),
             repro.as_ref().map(|r| format!("; reproducer {r}")).unwrap_or_default()
         );
         classes.push(serde_json::json!({
             "name": c.name,
             "failing_seeds": c.failing_seeds,
-            "shortest_ops": c.shortest.ops.len(),
+            "message": c.message,
+            "shortest_ops": c.shortest.ops(),
             "trace": trace_path.display().to_string(),
             "repro": repro,
         }));
@@ -769,6 +768,7 @@ pub fn check_engine_cmd(
         let v = serde_json::json!({
             "engine": report.hello.engine,
             "version": report.hello.version,
+            "protocol": report.hello.protocol,
             "seeds": report.seeds,
             "failures": report.failures,
             "applied": report.applied,

@@ -31,6 +31,7 @@
 
 pub mod engine;
 mod family;
+pub mod pool;
 #[cfg(test)]
 mod tests;
 

@@ -27,8 +27,12 @@ use serde_json::{json, Value};
 
 use super::{Adapter, AdapterError, AdapterResult, Geometry, RowsUnderTest, SerialUnderTest, Supports};
 
-/// The protocol version this module speaks.
-pub const PROTOCOL: u64 = 1;
+/// The newest protocol version this module speaks.
+pub const PROTOCOL: u64 = 2;
+
+/// Every protocol version this module speaks: 2 is 1 plus the requests an engine opts into through `supports`
+/// (oracles/PROTOCOL.md, "Protocol 2"), so a protocol-1 engine runs unchanged.
+pub const PROTOCOLS: &[u64] = &[1, 2];
 
 /// What went wrong with the engine process (not with its caches).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -81,9 +85,44 @@ enum Line {
 /// What `hello` said.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
+    pub protocol: u64,
     pub engine: String,
     pub version: String,
+    /// The K/V calls it has (protocol 1's requests).
     pub supports: Supports,
+    /// Whether it serves protocol 1's K/V requests at all (`supports.kv`; absent: true).
+    pub kv: bool,
+    /// Whether it serves the block-pool requests (`supports.pool`).
+    pub pool: bool,
+}
+
+/// Decodes a `hello` reply: what the engine speaks and supports, or a typed failure.
+pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure> {
+    if reply["ok"] != Value::Bool(true) {
+        let why = format!("hello answered {}", shorten(reply));
+        return Err(EngineFailure::Spawn { command: command.to_string(), why });
+    }
+    let protocol = reply.get("protocol").and_then(Value::as_u64);
+    let Some(protocol) = protocol.filter(|p| PROTOCOLS.contains(p)) else {
+        let got = reply.get("protocol").map_or("none".to_string(), |v| v.to_string());
+        return Err(EngineFailure::Version { got, want: PROTOCOL });
+    };
+    let s = reply.get("supports").cloned().unwrap_or(Value::Null);
+    let flag = |k: &str, absent: bool| s.get(k).and_then(Value::as_bool).unwrap_or(absent);
+    Ok(Hello {
+        protocol,
+        engine: reply.get("engine").and_then(Value::as_str).unwrap_or("?").to_string(),
+        version: reply.get("version").and_then(Value::as_str).unwrap_or("?").to_string(),
+        supports: Supports {
+            serial_trim: flag("serial_trim", false),
+            rows_window: flag("rows_window", false),
+            rows_trim: flag("rows_trim", false),
+            join: flag("join", false),
+            rotating: flag("rotating", false),
+        },
+        kv: flag("kv", true) || protocol == 1,
+        pool: protocol >= 2 && flag("pool", false),
+    })
 }
 
 /// A running engine process.
@@ -160,7 +199,14 @@ impl Engine {
             frees: vec![],
             calls: vec![],
             broken: None,
-            hello: Hello { engine: String::new(), version: String::new(), supports: Supports::default() },
+            hello: Hello {
+                protocol: 0,
+                engine: String::new(),
+                version: String::new(),
+                supports: Supports::default(),
+                kv: false,
+                pool: false,
+            },
         };
         let reply = e.request(json!({"op": "hello"}));
         let reply = match reply {
@@ -170,32 +216,24 @@ impl Engine {
                 return Err(f);
             }
         };
-        if reply["ok"] != Value::Bool(true) {
-            e.stop();
-            let why = format!("hello answered {}", shorten(&reply));
-            return Err(EngineFailure::Spawn { command: command.to_string(), why });
+        match parse_hello(command, &reply) {
+            Ok(h) => e.hello = h,
+            Err(f) => {
+                e.stop();
+                return Err(f);
+            }
         }
-        let protocol = reply.get("protocol").and_then(Value::as_u64);
-        if protocol != Some(PROTOCOL) {
-            e.stop();
-            let got = reply.get("protocol").map_or("none".to_string(), |v| v.to_string());
-            return Err(EngineFailure::Version { got, want: PROTOCOL });
-        }
-        let s = reply.get("supports").cloned().unwrap_or(Value::Null);
-        let flag = |k: &str| s.get(k).and_then(Value::as_bool).unwrap_or(false);
-        e.hello = Hello {
-            engine: reply.get("engine").and_then(Value::as_str).unwrap_or("?").to_string(),
-            version: reply.get("version").and_then(Value::as_str).unwrap_or("?").to_string(),
-            supports: Supports {
-                serial_trim: flag("serial_trim"),
-                rows_window: flag("rows_window"),
-                rows_trim: flag("rows_trim"),
-                join: flag("join"),
-                rotating: flag("rotating"),
-            },
-        };
         e.calls.clear();
         Ok(e)
+    }
+
+    /// Opens a run: the engine forgets every cache (`reset`), the run's log starts empty.
+    pub fn begin(&mut self) -> AdapterResult<()> {
+        self.frees.clear();
+        self.next_id = 0;
+        let r = self.call(json!({"op": "reset"}));
+        self.calls.clear();
+        r.map(|_| ())
     }
 
     /// What `hello` said.
@@ -347,11 +385,16 @@ fn engine_call(req: Value) -> AdapterResult<Value> {
 
 /// A reply that parsed but holds what the request cannot have produced: the engine is broken from now on (stopped).
 fn fault(f: EngineFailure) -> AdapterError {
+    break_engine(&f);
+    Box::new(f)
+}
+
+/// Marks this thread's engine broken by `f` and stops it (nothing when none is installed).
+pub(crate) fn break_engine(f: &EngineFailure) {
     let _ = with_engine(|e| {
         e.broken = Some(f.clone());
         e.stop();
     });
-    Box::new(f)
 }
 
 fn dtype_name(d: Dtype) -> &'static str {
@@ -396,9 +439,13 @@ fn tensor_from(
         .and_then(Value::as_str)
         .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
         .ok_or_else(|| malformed(format!("{field}: no base64 \"b64\"")))?;
-    let n: i64 = shape.iter().product();
     let size = if dtype == Dtype::Bfloat16 { 2 } else { 4 };
-    if shape.iter().any(|&d| d < 0) || raw.len() as i64 != n * size {
+    let bytes =
+        shape.iter().try_fold(
+            size,
+            |acc: i64, &d| if (0..=i64::from(i32::MAX)).contains(&d) { acc.checked_mul(d) } else { None },
+        );
+    if bytes != Some(raw.len() as i64) {
         return Err(malformed(format!("{field}: {} bytes for shape {shape:?}", raw.len())));
     }
     if !fits(&shape) {
@@ -420,7 +467,7 @@ fn tensor_from(
     })
 }
 
-fn shorten(v: &Value) -> String {
+pub(crate) fn shorten(v: &Value) -> String {
     let s = v.to_string();
     if s.len() > 400 {
         format!("{}...", &s[..s.char_indices().take_while(|(i, _)| *i < 400).last().map_or(0, |(i, _)| i)])
@@ -581,14 +628,7 @@ impl Adapter for EngineCache {
         with_engine(|e| e.hello.supports).unwrap_or_default()
     }
     fn begin_run() -> AdapterResult<()> {
-        with_engine(|e| {
-            e.frees.clear();
-            e.next_id = 0;
-            let r = e.call(json!({"op": "reset"}));
-            e.calls.clear();
-            r
-        })??;
-        Ok(())
+        with_engine(|e| e.begin())?
     }
     type Serial = EngineSerial;
     type Rows = EngineRows;
@@ -604,16 +644,75 @@ impl Adapter for EngineCache {
 
 /// The checks whose divergence an engine's reproducer re-establishes on its own calls: a batch row's output against
 /// the same request on its own serial cache (`rows_vs_solo`), the rows' trim against their own caches' trims
-/// (`rows_trim_vs_solo`), a call the engine's cache raised on (`adapter_error`).
-pub const REPRODUCIBLE: &[&str] = &["rows_vs_solo", "rows_trim_vs_solo", "adapter_error"];
+/// (`rows_trim_vs_solo`), a call the engine's cache raised on (`adapter_error`), and every block-pool check (the
+/// pool's invariants restated over the calls and replies alone).
+pub const REPRODUCIBLE: &[&str] = &[
+    "rows_vs_solo",
+    "rows_trim_vs_solo",
+    "adapter_error",
+    "pool_refs",
+    "pool_tables",
+    "pool_cow",
+    "pool_lookup",
+    "pool_refusal",
+    "pool_count",
+];
+
+/// The shortest failing run of a class: a K/V run (kvsim's ordinary trace) or a block-pool run.
+#[derive(Debug, Clone)]
+pub enum Shortest {
+    Kv(Box<crate::sim::trace::Trace>),
+    Pool(Box<super::pool::PoolTrace>),
+}
+
+impl Shortest {
+    /// Its ops.
+    pub fn ops(&self) -> usize {
+        match self {
+            Shortest::Kv(t) => t.ops.len(),
+            Shortest::Pool(t) => t.ops.len(),
+        }
+    }
+    pub fn seed(&self) -> u64 {
+        match self {
+            Shortest::Kv(t) => t.seed,
+            Shortest::Pool(t) => t.seed,
+        }
+    }
+    /// The trace file (a K/V trace expects the failure it records, so a corpus replay keeps it failing).
+    pub fn to_json(&self) -> String {
+        match self {
+            Shortest::Kv(t) => {
+                let mut t = t.as_ref().clone();
+                t.expect = crate::sim::trace::Expect::Fail;
+                t.to_json()
+            }
+            Shortest::Pool(t) => t.to_json(),
+        }
+    }
+    pub fn kv(&self) -> Option<&crate::sim::trace::Trace> {
+        match self {
+            Shortest::Kv(t) => Some(t),
+            Shortest::Pool(_) => None,
+        }
+    }
+    pub fn pool(&self) -> Option<&super::pool::PoolTrace> {
+        match self {
+            Shortest::Pool(t) => Some(t),
+            Shortest::Kv(_) => None,
+        }
+    }
+}
 
 /// One class of failures: the check that failed first.
 #[derive(Debug, Clone)]
 pub struct Class {
     pub name: String,
+    /// The first failing seed's message.
+    pub message: String,
     pub failing_seeds: Vec<u64>,
     /// The shortest shrunk trace of the class.
-    pub shortest: crate::sim::trace::Trace,
+    pub shortest: Shortest,
     /// The engine's standalone reproducer of it (`Err`: why there is none).
     pub reproducer: Result<String, String>,
 }
@@ -623,6 +722,7 @@ pub struct Class {
 pub struct EngineReport {
     pub hello: Hello,
     pub seeds: u64,
+    /// Failing runs (a seed runs once per layer the engine serves: K/V, block pool).
     pub failures: u64,
     pub applied: u64,
     pub checks: u64,
@@ -635,13 +735,14 @@ pub struct EngineReport {
 #[derive(Debug, Clone)]
 pub struct Broken {
     pub failure: EngineFailure,
-    pub trace: Option<Box<crate::sim::trace::Trace>>,
+    pub trace: Option<Box<Shortest>>,
 }
 
-/// Runs seeds `0..opts.seeds` against the engine `command` (each run with a fresh `reset`), classes the failing
-/// seeds by the check that failed first, shrinks up to `shrinks` seeds per class through the engine (keeping the
-/// shortest), and asks the engine for a reproducer of each class it can reproduce ([`REPRODUCIBLE`]). The engine
-/// process is stopped before this returns, whatever happens.
+/// Runs seeds `0..opts.seeds` against the engine `command` (each run with a fresh `reset`): the K/V swarm where the
+/// engine serves K/V caches, a block-pool run where it serves a pool ([`super::pool`]). Classes the failing runs by
+/// the check that failed first, shrinks up to `shrinks` runs per class through the engine (keeping the shortest),
+/// and asks the engine for a reproducer of each class it can reproduce ([`REPRODUCIBLE`]). The engine process is
+/// stopped before this returns, whatever happens.
 pub fn check_engine(
     command: &str,
     timeout: Duration,
@@ -656,15 +757,64 @@ pub fn check_engine(
     result
 }
 
-fn broken_now(trace: &crate::sim::trace::Trace) -> Result<(), Broken> {
-    match with_engine(|e| e.broken().cloned()) {
-        Ok(None) => Ok(()),
-        Ok(Some(failure)) => Err(Broken { failure, trace: Some(Box::new(trace.clone())) }),
-        Err(failure) => Err(Broken { failure, trace: Some(Box::new(trace.clone())) }),
-    }
+fn broken_now(trace: impl FnOnce() -> Shortest) -> Result<(), Broken> {
+    let failure = match with_engine(|e| e.broken().cloned()) {
+        Ok(None) => return Ok(()),
+        Ok(Some(f)) | Err(f) => f,
+    };
+    Err(Broken { failure, trace: Some(Box::new(trace())) })
+}
+
+fn broke(failure: EngineFailure, seed: u64, cfg: super::pool::PoolConfig) -> Broken {
+    let t = super::pool::PoolTrace {
+        format: super::pool::FORMAT.into(),
+        version: 1,
+        seed,
+        config: cfg,
+        ops: super::pool::generate(seed, &cfg),
+        outcome: crate::sim::trace::Outcome::Pass,
+    };
+    Broken { failure, trace: Some(Box::new(Shortest::Pool(Box::new(t)))) }
+}
+
+/// Adds a failing run to its class (made on first sight); returns the class's index and whether to shrink it.
+fn classify(
+    report: &mut EngineReport,
+    tried: &mut std::collections::BTreeMap<String, usize>,
+    shrinks: usize,
+    check: &str,
+    message: &str,
+    seed: u64,
+    run: Shortest,
+) -> (usize, bool) {
+    report.failures += 1;
+    // A refusal is classed by the call that raised (`adapter_error/row_state`): each is its own bug.
+    let name = match check {
+        "adapter_error" => format!("adapter_error/{}", message.split(':').next().unwrap_or("?").replace(' ', "_")),
+        _ => check.to_string(),
+    };
+    let idx = match report.classes.iter().position(|c| c.name == name) {
+        Some(i) => i,
+        None => {
+            report.classes.push(Class {
+                name: name.clone(),
+                message: message.to_string(),
+                failing_seeds: vec![],
+                shortest: run,
+                reproducer: Err("not written yet".into()),
+            });
+            report.classes.len() - 1
+        }
+    };
+    report.classes[idx].failing_seeds.push(seed);
+    let n = tried.entry(name).or_insert(0);
+    let shrink = *n < shrinks;
+    *n += shrink as usize;
+    (idx, shrink)
 }
 
 fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> Result<EngineReport, Broken> {
+    use super::pool;
     use crate::sim::trace::Outcome;
     let mut report = EngineReport {
         hello,
@@ -677,66 +827,85 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
     };
     let mut tried: std::collections::BTreeMap<String, usize> = Default::default();
     for seed in 0..opts.seeds {
-        let r = super::run_seed::<EngineCache>(seed, opts.ops, opts.device);
-        broken_now(&r.trace)?;
-        report.applied += r.ops_by_kind.values().sum::<u64>();
-        report.checks += r.counters.checks;
-        for (k, n) in &r.ops_by_kind {
-            *report.ops_by_kind.entry(k.clone()).or_insert(0) += n;
-        }
-        let Outcome::Fail { check, message, .. } = &r.trace.outcome else { continue };
-        report.failures += 1;
-        // A refusal is classed by the call that raised (`adapter_error/row_state`): each is its own bug.
-        let check = &match check.as_str() {
-            "adapter_error" => format!("adapter_error/{}", message.split(':').next().unwrap_or("?").replace(' ', "_")),
-            _ => check.clone(),
-        };
-        let n = tried.entry(check.clone()).or_insert(0);
-        let idx = match report.classes.iter().position(|c| &c.name == check) {
-            Some(i) => i,
-            None => {
-                report.classes.push(Class {
-                    name: check.clone(),
-                    failing_seeds: vec![],
-                    shortest: r.trace.clone(),
-                    reproducer: Err("not written yet".into()),
-                });
-                report.classes.len() - 1
+        if report.hello.kv {
+            let r = super::run_seed::<EngineCache>(seed, opts.ops, opts.device);
+            broken_now(|| Shortest::Kv(Box::new(r.trace.clone())))?;
+            report.applied += r.ops_by_kind.values().sum::<u64>();
+            report.checks += r.counters.checks;
+            for (k, n) in &r.ops_by_kind {
+                *report.ops_by_kind.entry(k.clone()).or_insert(0) += n;
             }
-        };
-        report.classes[idx].failing_seeds.push(seed);
-        if *n < shrinks {
-            *n += 1;
-            let shrunk = super::shrink::<EngineCache>(&r.trace, opts.device, opts.shrink_budget);
-            broken_now(&r.trace)?;
-            if let Ok(s) = shrunk {
-                if s.trace.ops.len() < report.classes[idx].shortest.ops.len() {
-                    report.classes[idx].shortest = s.trace;
+            if let Outcome::Fail { check, message, .. } = &r.trace.outcome {
+                let run = Shortest::Kv(Box::new(r.trace.clone()));
+                let (idx, shrink) = classify(&mut report, &mut tried, shrinks, check, message, seed, run);
+                if shrink {
+                    let shrunk = super::shrink::<EngineCache>(&r.trace, opts.device, opts.shrink_budget);
+                    broken_now(|| Shortest::Kv(Box::new(r.trace.clone())))?;
+                    if let Ok(s) = shrunk {
+                        if s.trace.ops.len() < report.classes[idx].shortest.ops() {
+                            report.classes[idx].shortest = Shortest::Kv(Box::new(s.trace));
+                        }
+                    }
+                }
+            }
+        }
+        if report.hello.pool {
+            let cfg = pool::PoolConfig::from_seed(seed, opts.ops);
+            let r = pool::run(seed, cfg, None).map_err(|f| broke(f, seed, cfg))?;
+            report.applied += r.applied;
+            report.checks += r.checks;
+            for (k, n) in &r.ops_by_kind {
+                *report.ops_by_kind.entry(format!("pool_{k}")).or_insert(0) += n;
+            }
+            if let Outcome::Fail { check, message, .. } = &r.trace.outcome {
+                let run = Shortest::Pool(Box::new(r.trace.clone()));
+                let (idx, shrink) = classify(&mut report, &mut tried, shrinks, check, message, seed, run);
+                if shrink {
+                    let s = pool::shrink(&r.trace, opts.shrink_budget).map_err(|f| broke(f, seed, cfg))?;
+                    if s.ops.len() < report.classes[idx].shortest.ops() {
+                        report.classes[idx].shortest = Shortest::Pool(Box::new(s));
+                    }
                 }
             }
         }
     }
     for c in &mut report.classes {
         let check = c.name.split('/').next().unwrap_or_default().to_string();
-        c.reproducer = if REPRODUCIBLE.contains(&check.as_str()) {
-            let again = super::replay::<EngineCache>(&c.shortest, opts.device);
-            broken_now(&c.shortest)?;
-            let calls = calls();
-            let title = format!(
-                "mlx-lm {}: [{}] after {} scheduler ops (kvsim seed {})",
-                report.hello.version,
-                c.name,
-                c.shortest.ops.len(),
-                c.shortest.seed
-            );
-            match &again.trace.outcome {
-                Outcome::Fail { check: got, .. } if *got == check => {
-                    with_engine(|e| e.reproducer(&calls, &check, &title)).unwrap_or_else(|e| Err(e.to_string()))
-                }
-                other => Err(format!("the shortest trace did not fail the same way on replay: {other:?}")),
+        if !REPRODUCIBLE.contains(&check.as_str()) {
+            c.reproducer = Err(format!(
+                "[{}] is judged by kvsim's model, which a script of the engine's calls alone cannot restate",
+                c.name
+            ));
+            continue;
+        }
+        // Replay the shortest run so the engine's log holds exactly its calls.
+        let again = match &c.shortest {
+            Shortest::Kv(t) => {
+                let again = super::replay::<EngineCache>(t, opts.device);
+                broken_now(|| c.shortest.clone())?;
+                again.trace.outcome
             }
-        } else {
-            Err(format!("[{}] is judged by kvsim's model, which a script of mlx-lm calls alone cannot restate", c.name))
+            Shortest::Pool(t) => {
+                pool::replay(t)
+                    .map_err(|failure| Broken { failure, trace: Some(Box::new(c.shortest.clone())) })?
+                    .trace
+                    .outcome
+            }
+        };
+        let calls = calls();
+        let title = format!(
+            "{} {}: [{}] after {} scheduler ops (kvsim seed {})",
+            report.hello.engine,
+            report.hello.version,
+            c.name,
+            c.shortest.ops(),
+            c.shortest.seed()
+        );
+        c.reproducer = match &again {
+            Outcome::Fail { check: got, .. } if *got == check => {
+                with_engine(|e| e.reproducer(&calls, &check, &title)).unwrap_or_else(|e| Err(e.to_string()))
+            }
+            other => Err(format!("the shortest trace did not fail the same way on replay: {other:?}")),
         };
     }
     Ok(report)

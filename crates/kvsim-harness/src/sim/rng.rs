@@ -45,6 +45,8 @@ pub enum Stream {
     FollowUp = 15,
     /// The paged family's parameters (block size, pool limits, prompt sharing) and the weight of its own ops.
     Paged = 16,
+    /// A block-pool run's geometry (`byoc::pool`: block size, blocks, vocabulary).
+    Pool = 17,
 }
 
 /// A generator for one subsystem of one seed.
