@@ -334,7 +334,8 @@ def repro_main(driver, calls, divergence):
 
 def module_source(module):
     """A module's source for a reproducer: its own imports of kvsim and its main guard left out."""
-    src = open(module.__file__).read()
+    with open(module.__file__) as f:
+        src = f.read()
     cut = src.find('\nif __name__ == "__main__":')
     if cut >= 0:
         src = src[:cut] + "\n"
