@@ -71,6 +71,9 @@ class PoolChecker:
     def after(self, i, req, rep):
         """The first violation the request `req` (call `i`) and its reply `rep` show, or None."""
         op, pid = req["op"], req.get("id")
+        for gone in req.get("free", []):  # pools kvsim dropped: the engine may have forgotten them
+            self.pools.pop(gone, None)
+            self.info.pop(gone, None)
         where = f"call {i} ({op}"
         for k in ("seq", "new", "n"):
             if k in req:
