@@ -1,0 +1,139 @@
+"""kvsim's block-pool requests (protocol 2, `supports.pool`) served by vllm-mlx 0.6.0's `PagedCacheManager`.
+
+    PYTHONPATH=python oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx [--lookup chain]
+        [--plant cow-keeps-shared]
+
+Each pool is a `vllm_mlx.paged_cache.PagedCacheManager`; kvsim's sequence `seq` is its request id `str(seq)`. The
+driver only calls the manager (and, for `pool_hit`, makes the calls vllm-mlx's `BlockAwarePrefixCache.fetch_cache`
+makes); it re-implements none of it and works around none of its bugs. The mapping (oracles/vllm_mlx/README.md,
+"Decisions taken by the vllm-mlx driver"):
+
+- `pool_new`: `PagedCacheManager(block_size=bs, max_blocks=blocks, enable_caching=True)`; `usable` = blocks - 1
+  (block 0 is the manager's null block, never handed out).
+- `pool_alloc`: `create_block_table(seq)`, `get_new_blocks(ceil(len / bs))` (its ValueError is the refusal; the table
+  just made is then removed again, so a refusal changes nothing), `add_block_to_table(table, block, count)` per
+  block, and per block a fresh `cache_data` list of `count` entries, a stand-in for the per-layer K/V list
+  vllm-mlx stores there (`storage` reports its identity).
+- `pool_free`: `delete_block_table(seq)`. `pool_fork`: `fork_block_table(table, new)`.
+- `pool_cow`: `get_blocks_for_generation(table)`; `copied` = how many table entries it changed; `table` the
+  manager's table after it.
+- `pool_cache`: `cache_full_blocks(blocks of the table, tokens, 0, len(tokens) // bs)`.
+- `pool_lookup` / `pool_hit`, by default (`--lookup block`) the lookup `BlockAwarePrefixCache.fetch_cache` makes:
+  `find_shared_prefix(tokens)` (per-block hash of the block's own tokens); `pool_hit` then `create_block_table(seq)`
+  and, per returned block, `increment_ref` and the block appended to the table, as `fetch_cache` does (a hit of
+  nothing still makes the empty table: kvsim's sequence exists either way). `--lookup chain`:
+  `get_computed_blocks(tokens)` (chain hash of the parent's hash and the block's tokens); `pool_hit` then
+  `touch(blocks)` and `add_block_to_table` per block. `matched` = the tokens the blocks cover.
+- `pool_evict`: `evict_lru_blocks(n)`, its return as `evicted`.
+- `pool_info`: `free` = `free_blocks` (the free queue's count), `refs` = each block of `allocated_blocks` but the
+  null block with its `ref_count`, `tables` = `request_tables`' block ids, `storage` = `id(block.cache_data)` of each
+  of those blocks whose `cache_data` is not None.
+- `--plant cow-keeps-shared` (a negative control, never the stock engine: hello's `version` says `+plant:...`):
+  `pool_cow` answers the table unchanged and `copied` 0 without calling `get_blocks_for_generation`.
+"""
+from kvsim import kit
+
+import vllm_mlx.paged_cache as PAGED  # standard library only: imports without stubs
+
+
+class VllmMlx(kit.Driver):
+    """vllm-mlx's block pools by the ids kvsim gives them."""
+
+    name = "vllm-mlx"
+    supports = {"kv": False, "pool": True}
+    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared")}
+
+    def version(self):
+        v = kit.package_version("vllm-mlx")
+        return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
+
+    def hello_extra(self):
+        return {"lookup": self.opts["lookup"]}
+
+    def op_pool_new(self, r):
+        self.handles[r["id"]] = PAGED.PagedCacheManager(block_size=r["block_size"], max_blocks=r["blocks"],
+                                                        enable_caching=True)
+        return {"usable": r["blocks"] - 1}
+
+    def op_pool_alloc(self, r):
+        pool, seq, tokens = self.handles[r["id"]], str(r["seq"]), r["tokens"]
+        bs = pool.block_size
+        table = pool.create_block_table(seq)
+        try:
+            blocks = pool.get_new_blocks(-(-len(tokens) // bs))
+        except ValueError:
+            pool.delete_block_table(seq)  # the table is empty: nothing else to undo
+            raise
+        for i, block in enumerate(blocks):
+            count = len(tokens[i * bs : (i + 1) * bs])
+            pool.add_block_to_table(table, block, count)
+            block.cache_data = [None] * count
+        return {"table": list(table.block_ids)}
+
+    def op_pool_free(self, r):
+        self.handles[r["id"]].delete_block_table(str(r["seq"]))
+        return {}
+
+    def op_pool_fork(self, r):
+        pool = self.handles[r["id"]]
+        return {"table": list(pool.fork_block_table(pool.request_tables[str(r["seq"])], str(r["new"])).block_ids)}
+
+    def op_pool_cow(self, r):
+        pool = self.handles[r["id"]]
+        table = pool.request_tables[str(r["seq"])]
+        before = list(table.block_ids)
+        if self.opts["plant"] != "cow-keeps-shared":
+            pool.get_blocks_for_generation(table)
+        after = list(table.block_ids)
+        return {"table": after, "copied": sum(1 for a, b in zip(before, after) if a != b)}
+
+    def op_pool_cache(self, r):
+        pool, tokens = self.handles[r["id"]], r["tokens"]
+        blocks = [pool.blocks[b] for b in pool.request_tables[str(r["seq"])].block_ids]
+        pool.cache_full_blocks(blocks, tokens, 0, len(tokens) // pool.block_size)
+        return {}
+
+    def lookup(self, pool, tokens):
+        """The blocks of the cached prefix of `tokens` and the tokens they cover."""
+        if self.opts["lookup"] == "chain":
+            blocks, matched = pool.get_computed_blocks(tokens)
+            return blocks, matched
+        ids, remaining = pool.find_shared_prefix(list(tokens))
+        return [pool.blocks[b] for b in ids], len(tokens) - len(remaining)
+
+    def op_pool_lookup(self, r):
+        blocks, matched = self.lookup(self.handles[r["id"]], r["tokens"])
+        return {"blocks": [b.block_id for b in blocks], "matched": matched}
+
+    def op_pool_hit(self, r):
+        pool = self.handles[r["id"]]
+        blocks, matched = self.lookup(pool, r["tokens"])
+        table = pool.create_block_table(str(r["seq"]))
+        if self.opts["lookup"] == "chain":
+            pool.touch(blocks)
+            for b in blocks:
+                pool.add_block_to_table(table, b, b.token_count)
+        else:  # as BlockAwarePrefixCache.fetch_cache does
+            for b in blocks:
+                pool.increment_ref(b.block_id)
+                if b.block_id in pool.allocated_blocks:
+                    table.block_ids.append(b.block_id)
+                    table.num_tokens += b.token_count
+        return {"table": list(table.block_ids), "matched": matched}
+
+    def op_pool_evict(self, r):
+        return {"evicted": self.handles[r["id"]].evict_lru_blocks(r["n"])}
+
+    def op_pool_info(self, r):
+        pool = self.handles[r["id"]]
+        held = {i: b for i, b in pool.allocated_blocks.items() if not b.is_null}
+        return {
+            "free": pool.free_blocks,
+            "refs": {str(i): b.ref_count for i, b in sorted(held.items())},
+            "tables": {s: list(t.block_ids) for s, t in pool.request_tables.items()},
+            "storage": {str(i): id(b.cache_data) for i, b in sorted(held.items()) if b.cache_data is not None},
+        }
+
+
+if __name__ == "__main__":
+    kit.serve(VllmMlx)

@@ -1,0 +1,376 @@
+"""The driver kit: everything of an engine driver that is not the engine's cache calls.
+
+A driver serves kvsim's engine protocol (oracles/PROTOCOL.md, "The engine protocol") over JSON lines. The kit owns
+the framing, the array codec, the handle table, refusals, the `hello` handshake, loading an engine's modules without
+its package `__init__`, and the `reproducer` request. A driver is a small module: a subclass of `Driver` with one
+`op_<request>` method per request it serves, and a main guard that hands the class to `serve`:
+
+    from kvsim import kit
+
+    class Engine(kit.Driver):
+        name = "my-engine"                       # hello's `engine`
+        supports = {"kv": False, "pool": True}   # hello's `supports`
+        options = {"plant": (None, "bug")}       # command-line options: --plant bug
+
+        def version(self):                       # hello's `version`
+            return kit.package_version("my-engine")
+
+        def op_pool_new(self, r):                # a request -> its reply fields ({} for none)
+            self.handles[r["id"]] = make_pool(r["block_size"], r["blocks"])
+            return {"usable": r["blocks"]}
+
+    if __name__ == "__main__":
+        kit.serve(Engine)
+
+Run it as `python -m kvsim.drivers.<engine> [--option value ...]` with `PYTHONPATH=<repo>/python` and the engine's
+venv python. An exception a handler raises is the refusal `{"ok": false, "error": "<Type>: <message>"}`; the engine's
+objects are left as the exception left them.
+
+This module and `kvsim.poolcheck` are the kit's core: they import only the standard library (mlx lazily, in the
+array codec), so a reproducer carries both verbatim beside the driver's module source (`reproducer`).
+"""
+import base64
+import importlib
+import importlib.util
+import json
+import os
+import struct
+import sys
+import types
+
+# ---- framing, refusals and the handshake ----
+
+PROTOCOL_1_SUPPORTS = ("serial_trim", "rows_window", "rows_trim", "join", "rotating", "kv")
+
+
+def refusal(e):
+    """The reply for an exception: `{"ok": false, "error": "<Type>: <message>"}`."""
+    return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def package_version(dist):
+    """The installed version of distribution `dist` (e.g. "mlx-lm")."""
+    from importlib import metadata
+
+    return metadata.version(dist)
+
+
+class Handles(dict):
+    """Engine objects by the ids kvsim gives them (`free` drops some, `reset` all)."""
+
+    def free(self, ids):
+        for i in ids:
+            self.pop(i, None)
+
+
+class Driver:
+    """Base of a driver: subclass it, set `name` and `supports`, define `version()` and `op_<request>` methods.
+
+    `options` names the driver's command-line options and their allowed values (the first is the default); the
+    chosen values arrive as keyword arguments and are kept in `self.opts`. `hello_extra()` adds reply fields to
+    `hello`. `on_reset()` runs after the kit has emptied `self.handles` on `reset`.
+    """
+
+    name = "engine"
+    supports = {}
+    options = {}
+    protocol = None  # None: 2 when the driver serves requests beyond protocol 1 (`pool`, or `kv` false), else 1
+
+    def __init__(self, **opts):
+        self.opts = {k: v[0] for k, v in self.options.items()}
+        for k, v in opts.items():
+            if k not in self.options:
+                raise ValueError(f"{self.name} has no option {k!r} (options: {sorted(self.options)})")
+            if v not in self.options[k]:
+                raise ValueError(f"--{k} {v!r}: allowed {[x for x in self.options[k] if x is not None]}")
+            self.opts[k] = v
+        self.handles = Handles()
+
+    def version(self):
+        return "unknown"
+
+    def hello_extra(self):
+        return {}
+
+    def on_reset(self):
+        pass
+
+    def protocol_version(self):
+        if self.protocol is not None:
+            return self.protocol
+        beyond = any(v for k, v in self.supports.items() if k not in PROTOCOL_1_SUPPORTS)
+        return 2 if beyond or self.supports.get("kv") is False else 1
+
+
+class Server:
+    """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
+
+    def __init__(self, driver):
+        self.driver = driver
+
+    def handle(self, req):
+        if not isinstance(req, dict):
+            return {"ok": False, "error": f"TypeError: a request is a JSON object, not {type(req).__name__}"}
+        d = self.driver
+        try:
+            d.handles.free(req.get("free", []))
+            op = req.get("op")
+            if op == "hello":
+                out = dict(d.hello_extra())
+                out.update(protocol=d.protocol_version(), engine=d.name, version=d.version(),
+                           supports=dict(d.supports))
+            elif op == "reset":
+                d.handles.clear()
+                d.on_reset()
+                out = {}
+            elif op == "reproducer":
+                out = {"script": reproducer(d, req)}
+            else:
+                f = getattr(d, "op_" + str(op), None)
+                if f is None:
+                    raise ValueError(f"unknown op {op!r}")
+                out = f(req)
+        except Exception as e:  # the engine raised: reported, never hidden
+            return refusal(e)
+        out["ok"] = True
+        return out
+
+
+def parse_options(cls, argv):
+    """`--name value` pairs -> keyword arguments for `cls`."""
+    opts, i = {}, 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--") or i + 1 >= len(argv):
+            raise SystemExit(f"usage: --option value ... (options of {cls.name}: {sorted(cls.options)})")
+        opts[a[2:].replace("-", "_")] = argv[i + 1]
+        i += 2
+    return opts
+
+
+def serve(cls, argv=None, stdin=None, stdout=None):
+    """Serve `cls(**options)` on JSON lines: one reply per request, blank lines skipped."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    try:
+        server = Server(cls(**parse_options(cls, sys.argv[1:] if argv is None else argv)))
+    except Exception as e:  # a bad option: kvsim sees a refused hello, the reason on stderr
+        print(json.dumps(refusal(e)), file=stdout, flush=True)
+        print(f"{cls.name}: {e}", file=sys.stderr)
+        raise SystemExit(3)
+    for line in stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+        except ValueError as e:
+            reply = refusal(e)
+        else:
+            reply = server.handle(req)
+        print(json.dumps(reply, separators=(",", ":")), file=stdout, flush=True)
+
+
+# ---- loading an engine's modules ----
+
+
+def load_modules(package, submodules):
+    """Import `package.<sub>` for each of `submodules` without running the `__init__` of `package` or of any
+    package between it and the submodule (they may pull in transformers or huggingface_hub): each such package is
+    registered as an empty stub whose `__path__` is its directory. Returns the modules, in order."""
+    spec = importlib.util.find_spec(package) if package not in sys.modules else None
+    if package not in sys.modules and (spec is None or not spec.submodule_search_locations):
+        raise ImportError(f"{package} is not installed")
+    root = next(iter(spec.submodule_search_locations)) if spec else list(sys.modules[package].__path__)[0]
+    out = []
+    for sub in submodules:
+        parts = sub.split(".")
+        name, path = package, root
+        for part in [None] + parts[:-1]:
+            if part is not None:
+                name, path = f"{name}.{part}", os.path.join(path, part)
+            if name not in sys.modules:
+                stub = types.ModuleType(name)
+                stub.__path__ = [path]
+                stub.__package__ = name
+                sys.modules[name] = stub
+        out.append(importlib.import_module(f"{package}.{sub}"))
+    return out
+
+
+# ---- arrays: {"dtype": "f32" | "bf16", "shape", "b64"}, little-endian row-major element bits ----
+
+_CODEC = {}
+
+
+def _codec():
+    """mlx and its dtype tables, imported on first use (a pool driver never needs mlx)."""
+    if not _CODEC:
+        import mlx.core as mx
+
+        _CODEC.update(
+            mx=mx,
+            dtypes={"f32": (mx.float32, mx.uint32, "I", 4), "bf16": (mx.bfloat16, mx.uint16, "H", 2)},
+            names={mx.float32: "f32", mx.bfloat16: "bf16"},
+        )
+    return _CODEC
+
+
+def mx_dtype(name):
+    """The mlx dtype of a protocol dtype name."""
+    return _codec()["dtypes"][name][0]
+
+
+def arr_in(a):
+    """`{"dtype", "shape", "b64"}` -> an mx.array with exactly those element bits."""
+    c = _codec()
+    mx = c["mx"]
+    dt, _, fmt, size = c["dtypes"][a["dtype"]]
+    shape = [int(s) for s in a["shape"]]
+    raw = base64.b64decode(a["b64"], validate=True)
+    n = 1
+    for s in shape:
+        n *= s
+    if len(raw) != n * size:
+        raise ValueError(f"array of shape {shape} {a['dtype']} needs {n * size} bytes, b64 holds {len(raw)}")
+    if n == 0:
+        return mx.zeros(shape, dtype=dt)
+    return mx.array(memoryview(raw).cast(fmt)).reshape(shape).view(dt)
+
+
+def raw_of(x):
+    """Row-major little-endian element bytes of an mx.array."""
+    if x.size == 0:
+        return b""
+    c = _codec()
+    udt = c["dtypes"][c["names"][x.dtype]][1]
+    return memoryview(c["mx"].contiguous(x.view(udt))).tobytes()
+
+
+def arr_out(x):
+    return {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": base64.b64encode(raw_of(x)).decode()}
+
+
+# ---- the protocol-1 divergence checks a reproducer re-runs ----
+
+ELEMENT = {"f32": ("I", 4), "bf16": ("H", 2)}
+
+
+def first_difference(a, b, dtype):
+    """(element index, value in a, value in b) of the first element whose bits differ, else None."""
+    fmt, size = ELEMENT[dtype]
+    for i in range(0, min(len(a), len(b)), size):
+        if a[i : i + size] != b[i : i + size]:
+            x, y = struct.unpack("<" + fmt, a[i : i + size])[0], struct.unpack("<" + fmt, b[i : i + size])[0]
+            if dtype == "bf16":
+                x, y = x << 16, y << 16
+            fx, fy = struct.unpack("<f", struct.pack("<I", x))[0], struct.unpack("<f", struct.pack("<I", y))[0]
+            return i // size, fx, fy
+    return None
+
+
+def check_rows_vs_solo(calls, replies):
+    """The last rows read against each row's twin read right after it (row r: call i + 1 + r)."""
+    i = max(j for j, r in enumerate(calls) if r["op"] in ("rows_decode", "rows_window"))
+    out = replies[i]["out"]
+    rows, dtype = out["shape"][0], out["dtype"]
+    raw = base64.b64decode(out["b64"])
+    n = len(raw) // rows
+    for r in range(rows):
+        solo = base64.b64decode(replies[i + 1 + r]["out"]["b64"])
+        d = first_difference(raw[r * n : (r + 1) * n], solo, dtype)
+        if d is not None:
+            return (f"call {i} ({calls[i]['op']}): row {r} differs from the same request run alone on its own serial "
+                    f"cache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+    return None
+
+
+def check_rows_trim_vs_solo(calls, replies):
+    """The last call, a `rows_trim`, against the twin `trim` calls right before it."""
+    i = len(calls) - 1
+    j = i
+    while j > 0 and calls[j - 1]["op"] == "trim":
+        j -= 1
+    alone = [replies[x]["trimmed"] for x in range(j, i)]
+    if calls[i]["op"] == "rows_trim" and any(a != replies[i]["trimmed"] for a in alone):
+        return (f"call {i} (rows_trim n={calls[i]['n']}): the batch trimmed {replies[i]['trimmed']}, "
+                f"its rows' own caches trimmed {alone} (calls {j}..{i - 1})")
+    return None
+
+
+KV_CHECKS = {"rows_vs_solo": check_rows_vs_solo, "rows_trim_vs_solo": check_rows_trim_vs_solo,
+             "adapter_error": lambda calls, replies: None}
+
+
+# ---- reproducers ----
+
+
+def replay(driver, calls, divergence):
+    """Replay `calls` through the driver's handlers; the first divergence named by `divergence` (a message), or
+    None. A refused K/V call is the divergence itself (kvsim's `adapter_error`); pool requests are judged by the
+    pool checker (`kvsim.poolcheck`), which also sees refusals."""
+    server, replies = Server(driver), []
+    pools = poolcheck.PoolChecker(server, divergence) if divergence.startswith("pool") else None
+    for i, req in enumerate(calls):
+        rep = server.handle(req)
+        replies.append(rep)
+        if pools is not None and str(req.get("op", "")).startswith("pool_"):
+            problem = pools.after(i, req, rep)
+            if problem:
+                return problem
+        elif not rep["ok"] and req.get("op") != "reproducer":
+            return f"{driver.name} raised at call {i} ({req['op']}): {rep['error']}"
+    check = KV_CHECKS.get(divergence)
+    return check(calls, replies) if check else None
+
+
+def repro_main(driver, calls, divergence):
+    """The body of a reproducer: exit 1 printing the divergence while it is there, 0 once it is gone."""
+    problem = replay(driver, calls, divergence)
+    if problem:
+        print(problem)
+        sys.exit(1)
+    print(f"no divergence: {driver.name} behaves as kvsim expected on these calls")
+    sys.exit(0)
+
+
+def module_source(module):
+    """A module's source for a reproducer: its own imports of kvsim and its main guard left out."""
+    with open(module.__file__) as f:
+        src = f.read()
+    cut = src.find('\nif __name__ == "__main__":')
+    if cut >= 0:
+        src = src[:cut] + "\n"
+    lines = [ln for ln in src.splitlines() if not ln.startswith(("from kvsim", "import kvsim"))]
+    return "\n".join(lines) + "\n"
+
+
+def reproducer(driver, r):
+    """A standalone script: the kit's core, the driver's module, the calls, and the check of `divergence`. It
+    imports only the standard library and what the driver imports (the engine, mlx where it needs it)."""
+    drv_module = sys.modules[type(driver).__module__]
+    core = [sys.modules[__name__], poolcheck]
+    head = (
+        "#!/usr/bin/env python3\n"
+        f'"""{r.get("title", "kvsim reproducer")}\n\n'
+        f"Written by kvsim check-engine from a shrunk trace: {driver.name} {driver.version()}, the calls kvsim made,\n"
+        f"and the divergence it found ({r['divergence']}). Exits 1 and prints the divergence while it is there;\n"
+        "0 once it is gone. The kit's core and the driver's handlers are inline: it needs no kvsim.\n"
+        '"""\n'
+    )
+    parts = [head]
+    for m in core:
+        parts.append(f"# ---- {m.__name__} (kvsim's driver kit) ----\n" + module_source(m))
+    parts.append("kit = poolcheck = sys.modules[__name__]\n")
+    parts.append(f"# ---- {drv_module.__name__} (the driver: the engine's calls) ----\n" + module_source(drv_module))
+    calls = json.dumps(r["calls"], separators=(",", ":"))
+    opts = {k: v for k, v in driver.opts.items() if v != driver.options[k][0]}
+    parts.append(
+        "# ---- the run ----\n"
+        f"CALLS = json.loads({calls!r})\n"
+        f"DIVERGENCE = {r['divergence']!r}\n"
+        f"OPTIONS = {opts!r}\n"
+        f"repro_main({type(driver).__name__}(**OPTIONS), CALLS, DIVERGENCE)\n"
+    )
+    return "\n".join(parts)
+
+
+from kvsim import poolcheck  # noqa: E402  (inline in a reproducer: the line is left out there)
