@@ -6,11 +6,11 @@ blocks and tokens, what each block was cached under: the `pool_alloc` / `pool_co
 `pool_cache` calls), reads the engine's `pool_info` after the request (a read the checker adds; it changes nothing a
 later request sees), and answers the first violation of the invariant it was asked for (a message), or None.
 
-Check names are kvsim's: `pool_refs`, `pool_tables`, `pool_cow`, `pool_lookup`, `pool_refusal`, `pool_count`;
+Check names are kvsim's: `pool_refs`, `pool_tables`, `pool_cow`, `pool_storage`, `pool_lookup`, `pool_refusal`, `pool_count`;
 `pool` re-checks all of them.
 """
 
-CHECKS = ("pool_refs", "pool_tables", "pool_cow", "pool_lookup", "pool_refusal", "pool_count")
+CHECKS = ("pool_refs", "pool_tables", "pool_cow", "pool_storage", "pool_lookup", "pool_refusal", "pool_count")
 
 
 class PoolModel:
@@ -128,7 +128,7 @@ class PoolChecker:
         seen = {}
         for b, ident in sorted((int(b), v) for b, v in info.get("storage", {}).items()):
             if b in held and ident in seen:
-                bad("pool_cow", f"blocks {seen[ident]} and {b} share storage {ident}")
+                bad("pool_storage", f"blocks {seen[ident]} and {b} share storage {ident}")
             seen.setdefault(ident, b)
 
     # -- per request: the model's change and the reply's checks --

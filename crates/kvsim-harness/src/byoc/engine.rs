@@ -653,6 +653,7 @@ pub const REPRODUCIBLE: &[&str] = &[
     "pool_refs",
     "pool_tables",
     "pool_cow",
+    "pool_storage",
     "pool_lookup",
     "pool_refusal",
     "pool_count",

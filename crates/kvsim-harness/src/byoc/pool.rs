@@ -11,8 +11,8 @@
 //!   less the held ones, no block the engine calls free is in a table;
 //! - `pool_tables`: every live sequence's table is the one its replies gave it, of the size its tokens need, and no
 //!   fresh block (of an alloc or a copy) was held by someone else;
-//! - `pool_cow`: after a copy-on-write the sequence holds each of its blocks alone, and no two held blocks share
-//!   storage;
+//! - `pool_cow`: after a copy-on-write the sequence holds each of its blocks alone (or the engine refused);
+//! - `pool_storage`: no two held blocks share a storage object (a copy that shares its source's storage is no copy);
 //! - `pool_lookup`: every block a lookup or a hit returns was cached holding exactly that block of the query after
 //!   exactly the query's tokens before it (soundness), and blocks cached by a sequence that still holds them are
 //!   found (completeness);

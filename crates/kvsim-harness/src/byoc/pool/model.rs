@@ -247,14 +247,16 @@ impl Model {
                         ),
                     )
                 }
-                None => return Verdict::Fail(
-                    "pool_lookup",
-                    format!(
+                None => {
+                    return Verdict::Fail(
+                        "pool_lookup",
+                        format!(
                         "a lookup of {tokens:?} returned block {b} for positions {}..{}, which holds nothing cached",
                         i * bs,
                         (i + 1) * bs
                     ),
-                ),
+                    )
+                }
             }
         }
         let k = self.held_prefix_blocks(tokens);
@@ -355,7 +357,7 @@ impl Model {
             }
             if let Some(other) = owner.insert(*id, *b) {
                 return Verdict::Fail(
-                    "pool_cow",
+                    "pool_storage",
                     format!("after {}, blocks {other} and {b} share one storage object ({id})", op.kind()),
                 );
             }

@@ -147,7 +147,7 @@ fn every_planted_pool_bug_is_caught_and_shrunk() {
     for (mode, check) in [
         ("lookup_ignores_prefix", "pool_lookup"),
         ("cow_keeps_shared", "pool_cow"),
-        ("cow_shares_storage", "pool_cow"),
+        ("cow_shares_storage", "pool_storage"),
         ("free_keeps_refs", "pool_refs"),
     ] {
         let (cmd, dir) = command(mode);
