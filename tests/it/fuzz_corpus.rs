@@ -45,3 +45,18 @@ fn cache_file_corpus_loads_valid_files_and_refuses_bad_ones() {
         }
     }
 }
+
+/// The `engine_reply` seed corpus: `valid-*` replies decode, `bad-*` ones (shapes that overflow, lines that are not
+/// objects, fields of the wrong type) give typed failures; none may panic.
+#[test]
+fn engine_reply_corpus_never_panics() {
+    let fs = files("fuzz/seeds/engine_reply");
+    assert!(fs.len() >= 5, "seed corpus too small: {}", fs.len());
+    for p in fs {
+        let decoded = kvsim::fuzzing::engine_reply(&std::fs::read(&p).unwrap());
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("valid-") {
+            assert!(decoded >= 2, "{name}: {decoded} decodes");
+        }
+    }
+}

@@ -6,6 +6,7 @@ mod common;
 mod corpus;
 mod crate_graph;
 mod determinism;
+mod engine_pools;
 mod engine_repros;
 mod fuzz_corpus;
 mod module_cycles;

@@ -642,6 +642,26 @@ impl Adapter for EngineCache {
     }
 }
 
+/// Decodes one line from an engine as the reply to every request kvsim sends (the `hello`, each K/V reply's tensors
+/// of geometry `g` and counts, each block-pool reply's fields), the way a run decodes it; returns how many decodes
+/// succeeded. Any bytes give typed failures, never a panic: the `engine_reply` fuzz target's entry point.
+pub fn decode_any(line: &str, g: &Geometry) -> usize {
+    let Ok(v) = parse_reply("fuzz", line) else { return 0 };
+    let mut ok = usize::from(parse_hello("fuzz", &v).is_ok());
+    let (h, hq, d) = (g.heads_kv as i64, g.heads_q as i64, g.head_dim as i64);
+    let any = |_: &[i64]| true;
+    let kv = |s: &[i64]| s.len() == 4 && s[0] == 1 && s[1] == h && s[3] == d;
+    let out = |s: &[i64]| s.len() == 4 && s[1] == hq && s[3] == d;
+    for (field, fits) in [("out", &out as &dyn Fn(&[i64]) -> bool), ("k", &kv), ("v", &kv), ("q", &any)] {
+        ok += usize::from(tensor_from("fuzz", &v, field, g.dtype, "any", fits).is_ok());
+    }
+    for field in ["trimmed", "offset", "rows"] {
+        ok += usize::from(usize_of("fuzz", &v, field).is_ok());
+    }
+    ok += usize::from(super::pool::decode_reply(&v));
+    ok
+}
+
 /// The checks whose divergence an engine's reproducer re-establishes on its own calls: a batch row's output against
 /// the same request on its own serial cache (`rows_vs_solo`), the rows' trim against their own caches' trims
 /// (`rows_trim_vs_solo`), a call the engine's cache raised on (`adapter_error`), and every block-pool check (the

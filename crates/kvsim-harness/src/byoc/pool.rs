@@ -300,6 +300,15 @@ pub fn parse_info(reply: &Value) -> Result<PoolInfo, EngineFailure> {
     })
 }
 
+/// Whether `reply` decodes as every block-pool reply (tables, counts, `pool_info`): typed failures for anything
+/// else, never a panic (the `engine_reply` fuzz target reaches it through `engine::decode_any`).
+pub fn decode_reply(reply: &Value) -> bool {
+    let op = "fuzz";
+    let lists = ["table", "blocks"].map(|f| ints(op, reply, f).is_ok());
+    let counts = ["usable", "copied", "matched", "evicted"].map(|f| count(op, reply, f).is_ok());
+    parse_info(reply).is_ok() || lists.iter().chain(&counts).any(|&b| b)
+}
+
 /// Runs one pool seed (or `ops` again) against the engine installed on this thread. `Err`: the engine broke.
 pub fn run(seed: u64, cfg: PoolConfig, ops: Option<Vec<PoolOp>>) -> Result<PoolRun, EngineFailure> {
     use crate::sim::trace::Outcome;
