@@ -13,9 +13,12 @@
 # 3. Runs it again with a failure planted in shard 1 (KVSIM is a wrapper that arms catalog mutant $MUTANT through
 #    KVSIM_MUTANT for array task 1 only) and checks that the shard ends FAILED with exit code 1, that the merge job
 #    still runs (afterany) and reports the failure (exit 1), and that the failing trace lies under the results folder
-#    and replays (`kvsim replay`: the trace records the mutant).
-# 4. Validates deploy/k8s-*.yaml against the Kubernetes schema offline (`kubernetes-validate` from PyPI in a venv,
-#    strict: unknown fields are errors), after checking that the validator refuses a broken copy.
+#    and replays (`kvsim replay`: the trace records the mutant and the failure; it exits 1 at the same op).
+#    Then once more with the last shard cancelled while pending: the merge still runs and fails (exit 2) naming the
+#    missing part, instead of merging a smaller campaign.
+# 4. Validates deploy/k8s-*.yaml against the Kubernetes schemas offline (`kubernetes-validate` 1.37.0 from PyPI in a
+#    venv, strict: unknown fields are errors; $K8S_VERSIONS, default 1.25.0 and 1.37.0), after checking that the
+#    validator refuses a broken copy.
 # Everything it prints is also written to OUT/test-slurm.log.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,7 +29,7 @@ SEEDS=${SEEDS:-200}
 FIRST=${FIRST:-7000}
 MUTANT=${MUTANT:-temporal-head}
 PORT=${SLURM_TEST_PORT:-16817} # slurmctld on PORT, slurmd on PORT+1
-K8S_VERSION=${K8S_VERSION:-1.29.0}
+K8S_VERSIONS=${K8S_VERSIONS:-1.25.0 1.37.0} # the oldest and the newest schema kubernetes-validate 1.37.0 ships
 rm -rf "$OUT"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/test-slurm.log") 2>&1
@@ -143,14 +146,18 @@ job_states() {
 job_state() {
   scontrol show job "$1" | tr ' ' '\n' | grep -E '^(JobState|ExitCode)=' | paste -sd' '
 }
-# Submits a campaign the way a user would (from DIR, results into DIR) and waits for it; sets ARRAY and MERGE.
-campaign() {
+# Submits a campaign the way a user would (from DIR, results into DIR); sets ARRAY and MERGE.
+submit() {
   local dir=$1 kvsim=$2 line
   mkdir -p "$dir"
   line=$(cd "$dir" && KVSIM=$kvsim KVSIM_RESULTS=$dir "$ROOT/deploy/slurm-array.sh" "$SHARDS" "$SEEDS" "$FIRST")
   echo "$line" | tee "$dir/submit.txt"
   ARRAY=$(sed -E 's/^shards: job ([0-9]+) .*/\1/' <<<"$line")
   MERGE=$(sed -E 's/.*merge: job ([0-9]+) .*/\1/' <<<"$line")
+}
+# submit, then wait for both jobs.
+campaign() {
+  submit "$@"
   wait_jobs "$ARRAY,$MERGE"
 }
 
@@ -206,35 +213,66 @@ done
 say "merge.log (first lines):"
 head -n 6 "$OUT/planted/merge.log"
 say "shard-1.log (first lines):"
-head -n 8 "$OUT/planted/shard-1.log"
-python3 - "$OUT/planted/merged.json" <<'EOF'
+head -n 3 "$OUT/planted/shard-1.log"
+python3 - "$OUT/planted/merged.json" "$OUT/planted/first-failure.txt" <<'EOF'
 import json, sys
 m = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
-print(f"  merged.json: {m['seeds']} seeds, {m['failures']} failures")
-for f in m.get("failed", [])[:3]:
+print(f"  merged.json: {m['seeds']} seeds, {m['failures']} failures, result_hash {m['result_hash']}")
+for f in m["failed_seeds"][:3]:
     print(f"  failed: seed {f['seed']} op {f['op_index']} [{f['check']}] trace {f['trace']}")
 assert m["failures"] > 0, "merged.json reports no failure"
+f = m["failed_seeds"][0]
+open(sys.argv[2], "w").write(f"{f['op_index']}\t{f['trace']}\n")
 EOF
-traces=$(find "$OUT/planted/failures-1" -name 'seed-*.json' | sort -V)
-[ -n "$traces" ] || die "no failing trace under $OUT/planted/failures-1"
+traces=$(find "$OUT/planted/failures-1" -name 'seed-*.json' | wc -l)
+[ "$traces" -gt 0 ] || die "no failing trace under $OUT/planted/failures-1"
 [ -z "$(find "$OUT/planted" -path '*/failures-[!1]*' -name 'seed-*.json')" ] || die "a clean shard wrote a failing trace"
-first=$(head -n 1 <<<"$traces")
-say "$(wc -l <<<"$traces") failing traces under $OUT/planted/failures-1; kvsim replay $first:"
-"$KVSIM" replay "$first" || die "the failing trace does not replay"
+IFS=$'\t' read -r op trace <"$OUT/planted/first-failure.txt"
+[[ $trace == "$OUT/planted/failures-1/"* && -f $trace ]] || die "the failing trace $trace is not under the results folder"
+say "$traces failing traces under $OUT/planted/failures-1; kvsim replay $trace:"
+# The trace records the mutant and the failure; replay re-arms the one and reproduces the other (exit 1: the trace
+# expects a pass, the regression it would be).
+set +e
+"$KVSIM" replay "$trace" | tee "$OUT/planted/replay.txt"
+rc=${PIPESTATUS[0]}
+set -e
+[ "$rc" = 1 ] && grep -q "^replay: first divergence at op $op " "$OUT/planted/replay.txt" ||
+  die "kvsim replay (exit $rc) does not reproduce the failure at op $op"
+
+# --- 3b. a shard cancelled before it ran: the merge still runs, and refuses to merge a smaller campaign ---------
+last=$((SHARDS - 1))
+say "campaign with shard $last cancelled while pending (scancel)"
+submit "$OUT/cancelled" "$KVSIM"
+scancel "${ARRAY}_$last"
+wait_jobs "$ARRAY,$MERGE"
+say "squeue -t all after both jobs ended (state, exit code):"
+job_states "$ARRAY,$MERGE" | tee "$OUT/cancelled/states.txt"
+# A pending array task cancelled before it was split off the array leaves no record of its own (no scontrol state,
+# no jobcomp line): only its absence, and the controller's log of the kill request, say it never ran.
+[ "$(job_states "$ARRAY" | wc -l)" = "$last" ] || die "expected $last shard records, the cancelled one gone"
+grep "_slurm_rpc_kill_job: REQUEST_KILL_JOB JobId=${ARRAY}_$last " "$T/slurmctld.log" || die "no kill request logged"
+[ "$(job_state "$MERGE")" = "JobState=FAILED ExitCode=2:0" ] || die "merge: $(job_state "$MERGE"), expected exit 2"
+say "merge.log:"
+cat "$OUT/cancelled/merge.log"
+grep -q "part-$last.json" "$OUT/cancelled/merge.log" || die "the merge does not name the missing part"
 
 # --- 4. Kubernetes manifests, offline -----------------------------------------------------------------------------
 VENV=${K8S_VENV:-$ROOT/target/k8s-validate-venv}
 if ! "$VENV/bin/kubernetes-validate" --version >/dev/null 2>&1; then
   say "installing kubernetes-validate (PyPI) into $VENV"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q kubernetes-validate
+  "$VENV/bin/pip" install -q kubernetes-validate==1.37.0
 fi
-say "kubernetes-validate $("$VENV/bin/kubernetes-validate" --version) --strict -k $K8S_VERSION deploy/k8s-*.yaml"
 sed 's/completionMode: Indexed/completionMode: Indexed\n  completionz: 16/' "$ROOT/deploy/k8s-indexed-job.yaml" \
   >"$OUT/broken-k8s.yaml"
-if "$VENV/bin/kubernetes-validate" --quiet --strict -k "$K8S_VERSION" "$OUT/broken-k8s.yaml" >/dev/null 2>&1; then
-  die "the validator accepted a manifest with an unknown field"
-fi
-(cd "$ROOT" && "$VENV/bin/kubernetes-validate" --strict -k "$K8S_VERSION" deploy/k8s-*.yaml) | tee "$OUT/k8s-validate.txt"
+: >"$OUT/k8s-validate.txt"
+for v in $K8S_VERSIONS; do
+  if "$VENV/bin/kubernetes-validate" --quiet --strict -k "$v" "$OUT/broken-k8s.yaml" >/dev/null 2>&1; then
+    die "the validator accepted a manifest with an unknown field (Kubernetes $v)"
+  fi
+  say "kubernetes-validate $("$VENV/bin/kubernetes-validate" --version) --strict -k $v deploy/k8s-*.yaml" |
+    tee -a "$OUT/k8s-validate.txt"
+  (cd "$ROOT" && "$VENV/bin/kubernetes-validate" --strict -k "$v" deploy/k8s-*.yaml) | tee -a "$OUT/k8s-validate.txt"
+done
 rm -f "$OUT/broken-k8s.yaml"
-say "PASS: Slurm campaign merged = direct run, planted failure reported and replayed, k8s manifests valid"
+say "PASS: Slurm campaign merged = direct run, planted failure reported and replayed, cancelled shard refused, k8s manifests valid"
