@@ -236,8 +236,9 @@ set +e
 "$KVSIM" replay "$trace" | tee "$OUT/planted/replay.txt"
 rc=${PIPESTATUS[0]}
 set -e
-[ "$rc" = 1 ] && grep -q "^replay: first divergence at op $op " "$OUT/planted/replay.txt" ||
+if [ "$rc" != 1 ] || ! grep -q "^replay: first divergence at op $op " "$OUT/planted/replay.txt"; then
   die "kvsim replay (exit $rc) does not reproduce the failure at op $op"
+fi
 
 # --- 3b. a shard cancelled before it ran: the merge still runs, and refuses to merge a smaller campaign ---------
 last=$((SHARDS - 1))

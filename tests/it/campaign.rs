@@ -131,8 +131,8 @@ fn gpus_is_refused_on_the_cpu_and_bad_specs_are_typed_errors() {
 }
 
 /// `KVSIM_MUTANT` plants a failure in every run of `kvsim sim` (and its `--jobs` workers): the campaign fails
-/// (exit 1), the failing trace records the mutant and `kvsim replay` reproduces the failure; an unknown name is a
-/// typed error (exit 2).
+/// (exit 1), the failing trace records the mutant and `kvsim replay` reproduces the failure at the same op; an
+/// unknown name is a typed error (exit 2).
 #[test]
 fn a_mutant_armed_through_the_environment_plants_failures_that_replay() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("planted-mutant");
@@ -153,8 +153,12 @@ fn a_mutant_armed_through_the_environment_plants_failures_that_replay() {
     let trace = trace.expect("a failing trace");
     let saved: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert_eq!(saved["mutant"], serde_json::to_value(kvsim::cache::faults::Mutant::from_name(PLANTED)).unwrap());
+    // Replay re-arms the recorded mutant and fails where the run failed (exit 1: the trace expects a pass).
     let replay = kvsim(&["replay", &trace.display().to_string()]);
-    assert!(replay.status.success(), "{}", String::from_utf8_lossy(&replay.stdout));
+    let text = String::from_utf8_lossy(&replay.stdout);
+    assert_eq!(replay.status.code(), Some(1), "{text}");
+    let op = &saved["outcome"]["op_index"];
+    assert!(text.starts_with(&format!("replay: first divergence at op {op} ")), "{text}");
     let bad = planted(&["sim", "--seeds", "1"], "no-such-mutant");
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("KVSIM_MUTANT"));
