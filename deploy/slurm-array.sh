@@ -34,7 +34,7 @@ array=$(sbatch --parsable --job-name=kvsim-shards --array=0-$((SHARDS - 1)) --cp
 array=${array%%;*} # `--parsable` prints `id;cluster` on a multi-cluster setup
 parts=$(for ((i = 0; i < SHARDS; i++)); do printf '%q ' "$RESULTS/part-$i.json"; done)
 merge=$(sbatch --parsable --job-name=kvsim-merge --dependency=afterany:"$array" --cpus-per-task=1 --mem=1G \
-  --output="$RESULTS/merge.log" --wrap="out=\$($kvsim merge $parts--json); rc=\$?; printf '%s\n' \"\$out\"
-printf '%s\n' \"\$out\" | tail -n 1 > $results/merged.json; exit \$rc")
+  --output="$RESULTS/merge.log" --wrap="out=\$($kvsim merge $parts--json); rc=\$?; [ -z \"\$out\" ] || printf '%s\n' \"\$out\"
+{ [ -z \"\$out\" ] || printf '%s\n' \"\$out\" | tail -n 1; } > $results/merged.json; exit \$rc")
 merge=${merge%%;*}
 echo "shards: job $array ($SHARDS tasks); merge: job $merge -> $RESULTS/merged.json"

@@ -18,7 +18,8 @@
 #    missing part, instead of merging a smaller campaign.
 # 4. Validates deploy/k8s-*.yaml against the Kubernetes schemas offline (`kubernetes-validate` 1.37.0 from PyPI in a
 #    venv, strict: unknown fields are errors; $K8S_VERSIONS, default 1.25.0 and 1.37.0), after checking that the
-#    validator refuses a broken copy.
+#    validator refuses a broken copy; then runs the merge job's shell command under /bin/sh on the three campaigns'
+#    parts (exit 0, 1, 2 as kvsim merge said; merged.json as the Slurm merge's).
 # Everything it prints is also written to OUT/test-slurm.log.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -276,4 +277,23 @@ for v in $K8S_VERSIONS; do
   (cd "$ROOT" && "$VENV/bin/kubernetes-validate" --strict -k "$v" deploy/k8s-*.yaml) | tee -a "$OUT/k8s-validate.txt"
 done
 rm -f "$OUT/broken-k8s.yaml"
+# The merge job's shell command itself, run by this host's /bin/sh (dash, as in the image) on the parts of the three
+# campaigns above, with /results a copy: exit 0, 1 (a shard failed) and 2 (a part missing), as `kvsim merge` said.
+merge_cmd=$("$VENV/bin/python" -c 'import sys, yaml
+job = yaml.safe_load(open(sys.argv[1]))
+print(job["spec"]["template"]["spec"]["containers"][0]["args"][0])' "$ROOT/deploy/k8s-merge-job.yaml")
+for run in clean:0 planted:1 cancelled:2; do
+  r="$OUT/k8s-merge-${run%:*}"
+  mkdir -p "$r"
+  cp "$OUT/${run%:*}"/part-*.json "$r/"
+  set +e
+  PATH="$(dirname "$KVSIM"):$PATH" SHARDS=$SHARDS sh -c "${merge_cmd//\/results/$r}" >/dev/null 2>&1
+  rc=$?
+  set -e
+  say "k8s merge job's command on the ${run%:*} campaign's parts: exit $rc, merged.json $(wc -c <"$r/merged.json") bytes" |
+    tee -a "$OUT/k8s-validate.txt"
+  [ "$rc" = "${run#*:}" ] || die "the k8s merge job's command exited $rc, kvsim merge ${run#*:}"
+done
+# The same parts merge into the same bytes (`seconds` too: the slowest part's).
+cmp "$OUT/clean/merged.json" "$OUT/k8s-merge-clean/merged.json" || die "k8s and Slurm merges differ"
 say "PASS: Slurm campaign merged = direct run, planted failure reported and replayed, cancelled shard refused, k8s manifests valid"
