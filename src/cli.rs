@@ -53,6 +53,10 @@ pub enum Cmd {
         /// one, and merge their summaries: the same summary and result hash as a serial run.
         #[arg(long, default_value_t = 1)]
         jobs: u64,
+        /// With --device gpu: spread the --jobs workers over GPUs, worker i on GPU i mod N (its own
+        /// CUDA_VISIBLE_DEVICES); `all` = every visible GPU (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`, else 1).
+        #[arg(long, conflicts_with = "seed_feed")]
+        gpus: Option<kvsim::shard::Gpus>,
         /// Worker mode: one progress line per seed on stderr instead of the progress bar.
         #[arg(long, hide = true)]
         progress_lines: bool,

@@ -153,6 +153,13 @@ pub(crate) fn write_trace(dir: &Path, name: &str, t: &Trace) -> PathBuf {
 
 pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
     stop_on_ctrl_c();
+    if a.gpus.is_some() && a.device != DeviceChoice::Gpu {
+        return fail("sim", "--gpus places --jobs workers on GPUs: it needs --device gpu", 2);
+    }
+    let mutant = match planted_mutant() {
+        Ok(m) => m,
+        Err(e) => return fail("sim", e, 2),
+    };
     if a.jobs > 1 {
         return sim_jobs_cmd(a);
     }
@@ -168,7 +175,7 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
     let bar = seed_bar(n, a.progress_lines);
     // Few seeds: each seed's swarm config is printed with its result (every trace stores it; failures repeat it).
     let (show_configs, mut failures) = (n <= 10 && !a.progress_lines, 0);
-    let s = campaign::run_seeds_until(seeds, a.device, a.time, &STOP, |r| {
+    let s = campaign::run_seeds_until(seeds, a.device, a.time, &STOP, mutant, |r| {
         let config = serde_json::to_string(&r.config).unwrap();
         if show_configs {
             bar.suspend(|| println!("config of seed {}: {config}", r.seed));
@@ -200,6 +207,23 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
     }
     print_summary(&s, a);
     exit(s.failures == 0)
+}
+
+/// The catalog mutant `KVSIM_MUTANT` arms in every run of `kvsim sim` (unset or empty: none): a planted failure, to
+/// check a campaign's plumbing end to end (`deploy/test-slurm.sh` plants one in one shard). Announced on stderr;
+/// every failing trace records it, so `kvsim replay` reproduces the failure. `--jobs` workers inherit it.
+pub(crate) fn planted_mutant() -> Result<Option<Mutant>, String> {
+    let name = std::env::var("KVSIM_MUTANT").unwrap_or_default();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    match Mutant::from_name(&name).filter(|m| m.in_simulator()) {
+        Some(m) => {
+            eprintln!("kvsim sim: mutant {name} armed (KVSIM_MUTANT): its failures are planted");
+            Ok(Some(m))
+        }
+        None => Err(format!("KVSIM_MUTANT={name:?} names no mutant of the simulator (`kvsim mutants` lists them)")),
+    }
 }
 
 /// Set by Ctrl-C: campaigns stop before their next seed and still print the summary of what ran.
@@ -264,6 +288,8 @@ pub(crate) struct SimArgs {
     pub(crate) json: bool,
     pub(crate) out: PathBuf,
     pub(crate) jobs: u64,
+    /// `--gpus`: the GPUs the `--jobs` workers are spread over.
+    pub(crate) gpus: Option<shard::Gpus>,
     pub(crate) progress_lines: bool,
     /// Worker mode of `--jobs`: seeds come from stdin, and the summary is always a [`campaign::Part`].
     pub(crate) seed_feed: bool,
@@ -302,10 +328,20 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
     if let Some(shard) = a.shard {
         args.extend(["--shard".into(), shard.to_string()]);
     }
+    let gpus = match a.gpus.map(|spec| {
+        let smi = || std::process::Command::new("nvidia-smi").arg("-L").output().ok().filter(|o| o.status.success());
+        let env = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let smi = env.is_none().then(smi).flatten().map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+        shard::worker_gpus(spec, &shard::visible_gpus(env.as_deref(), smi.as_deref()))
+    }) {
+        None => vec![],
+        Some(Ok(g)) => g,
+        Some(Err(e)) => return fail("sim --jobs", e, 2),
+    };
     let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
     let bar = seed_bar(seeds.len(), a.progress_lines);
     let mut failures = 0;
-    let outs = shard::run_workers(&exe, &args, a.jobs as usize, &seeds, &STOP, |event| match event {
+    let outs = shard::run_workers(&exe, &args, a.jobs as usize, &gpus, &seeds, &STOP, |event| match event {
         shard::WorkerEvent::Progress(p) => {
             failures += p.failed as u64;
             bar.set_message(format!("{failures} failures"));

@@ -114,3 +114,69 @@ fn ctrl_c_on_a_jobs_campaign_prints_the_summary_of_what_ran() {
     assert!(s["seeds"].as_u64().unwrap() < 100_000);
     assert_eq!(o.status.success(), s["failures"] == 0);
 }
+
+/// `--gpus` places `--jobs` workers on GPUs; on the CPU it is refused with a typed error (exit 2), and a bad spec
+/// is refused by the parser. Which worker gets which GPU is tested in `kvsim::shard` (`worker_i_runs_on_gpu_i_mod_n`,
+/// `each_worker_sees_its_own_gpu_and_every_seed_runs_once`).
+#[test]
+fn gpus_is_refused_on_the_cpu_and_bad_specs_are_typed_errors() {
+    let cpu = kvsim(&["sim", "--seeds", "2", "--jobs", "2", "--gpus", "2", "--device", "cpu"]);
+    assert_eq!(cpu.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&cpu.stderr).contains("--gpus places --jobs workers on GPUs"));
+    for bad in ["0", "two"] {
+        let o = kvsim(&["sim", "--seeds", "2", "--jobs", "2", "--gpus", bad, "--device", "gpu"]);
+        assert_eq!(o.status.code(), Some(2), "--gpus {bad}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("--gpus"), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+/// `KVSIM_MUTANT` plants a failure in every run of `kvsim sim` (and its `--jobs` workers): the campaign fails
+/// (exit 1), the failing trace records the mutant and `kvsim replay` reproduces the failure at the same op; an
+/// unknown name is a typed error (exit 2).
+#[test]
+fn a_mutant_armed_through_the_environment_plants_failures_that_replay() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("planted-mutant");
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = dir.display().to_string();
+    let planted = |args: &[&str], mutant: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvsim")).args(args).env("KVSIM_MUTANT", mutant).output().unwrap()
+    };
+    let o = planted(&["sim", "--seeds", "4", "--jobs", "2", "--json", "--out", &out], PLANTED);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains(&format!("mutant {PLANTED} armed")));
+    let s = last_json(&o);
+    assert!(s["failures"].as_u64().unwrap() > 0, "{s}");
+    let trace = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "json"));
+    let trace = trace.expect("a failing trace");
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert_eq!(saved["mutant"], serde_json::to_value(kvsim::cache::faults::Mutant::from_name(PLANTED)).unwrap());
+    // Replay re-arms the recorded mutant and fails where the run failed (exit 1: the trace expects a pass).
+    let replay = kvsim(&["replay", &trace.display().to_string()]);
+    let text = String::from_utf8_lossy(&replay.stdout);
+    assert_eq!(replay.status.code(), Some(1), "{text}");
+    let op = &saved["outcome"]["op_index"];
+    assert!(text.starts_with(&format!("replay: first divergence at op {op} ")), "{text}");
+    let bad = planted(&["sim", "--seeds", "1"], "no-such-mutant");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("KVSIM_MUTANT"));
+}
+
+/// The mutant `deploy/test-slurm.sh` and the test above plant: caught by most seeds.
+const PLANTED: &str = "temporal-head";
+
+/// `deploy/slurm-array.sh` end to end on a one-node Slurm cluster the script starts (root on Debian; it installs
+/// slurm-wlm and munge when missing), and the Kubernetes manifests validated offline: `deploy/test-slurm.sh` with
+/// the release binary (`cargo build --release` first). Run: `cargo test --test it slurm -- --ignored`.
+#[test]
+#[ignore = "needs root, Debian's slurm-wlm and munge (installed when missing), PyPI, and target/release/kvsim"]
+fn slurm_array_campaign_on_a_real_cluster() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let o = Command::new(format!("{root}/deploy/test-slurm.sh"))
+        .arg(format!("{}/slurm-test", env!("CARGO_TARGET_TMPDIR")))
+        .status()
+        .expect("deploy/test-slurm.sh runs");
+    assert!(o.success(), "deploy/test-slurm.sh failed; its log is under target/tmp/slurm-test/");
+}

@@ -55,8 +55,13 @@ impl SeedResult {
 
 /// Runs one seed of a campaign.
 pub fn run_seed(seed: u64, device: DeviceChoice) -> SeedResult {
+    run_seed_armed(seed, device, None)
+}
+
+/// [`run_seed`] with catalog mutant `mutant` armed (a planted failure; its trace records the mutant and replays it).
+pub fn run_seed_armed(seed: u64, device: DeviceChoice, mutant: Option<Mutant>) -> SeedResult {
     let config = SimConfig::from_seed(seed);
-    let run = sim::run(seed, config.clone(), None, device, None);
+    let run = sim::run(seed, config.clone(), None, device, mutant);
     SeedResult { seed, config, run }
 }
 
@@ -516,16 +521,17 @@ pub fn run_seeds(
     time: Option<f64>,
     on_seed: impl FnMut(&SeedResult) -> Option<String>,
 ) -> Summary {
-    run_seeds_until(seeds.iter().copied(), device, time, &AtomicBool::new(false), on_seed)
+    run_seeds_until(seeds.iter().copied(), device, time, &AtomicBool::new(false), None, on_seed)
 }
 
 /// [`run_seeds`], also stopping before the next seed once `stop` is set (Ctrl-C); the summary then covers the seeds
-/// that ran and says `interrupted`.
+/// that ran and says `interrupted`. `mutant`, when given, is armed in every run (`KVSIM_MUTANT`: a planted failure).
 pub fn run_seeds_until(
     seeds: impl IntoIterator<Item = u64>,
     device: DeviceChoice,
     time: Option<f64>,
     stop: &AtomicBool,
+    mutant: Option<Mutant>,
     mut on_seed: impl FnMut(&SeedResult) -> Option<String>,
 ) -> Summary {
     let start = Instant::now();
@@ -538,7 +544,7 @@ pub fn run_seeds_until(
             summary.interrupted = true;
             break;
         }
-        let r = run_seed(seed, device);
+        let r = run_seed_armed(seed, device, mutant);
         let written = on_seed(&r);
         let failed = r.failure().map(|mut f| {
             f.trace = written.unwrap_or_default();
