@@ -29,9 +29,11 @@
 //! dropped: `min(n, offset)`, 0 for a filled window) and is asked of the rows only with `n` at most every row's
 //! offset. No right-padded prefill, no per-row speculative rollback.
 
+mod ddmin;
 pub mod engine;
 mod family;
 pub mod pool;
+pub mod prefix;
 #[cfg(test)]
 mod tests;
 

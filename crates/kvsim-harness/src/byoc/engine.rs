@@ -94,6 +94,8 @@ pub struct Hello {
     pub kv: bool,
     /// Whether it serves the block-pool requests (`supports.pool`).
     pub pool: bool,
+    /// Whether it serves the prefix-cache requests (`supports.prefix`).
+    pub prefix: bool,
 }
 
 /// Decodes a `hello` reply: what the engine speaks and supports, or a typed failure.
@@ -122,6 +124,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
         },
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
+        prefix: protocol >= 2 && flag("prefix", false),
     })
 }
 
@@ -206,6 +209,7 @@ impl Engine {
                 supports: Supports::default(),
                 kv: false,
                 pool: false,
+                prefix: false,
             },
         };
         let reply = e.request(json!({"op": "hello"}));
@@ -659,6 +663,16 @@ pub fn decode_any(line: &str, g: &Geometry) -> usize {
         ok += usize::from(usize_of("fuzz", &v, field).is_ok());
     }
     ok += usize::from(super::pool::decode_reply(&v));
+    let cfg = super::prefix::PrefixConfig {
+        layers: vec![None, Some(3)],
+        heads_kv: g.heads_kv,
+        head_dim: g.head_dim,
+        dtype: dtype_name(g.dtype).into(),
+        block_size: 2,
+        vocab: 2,
+        ops: 0,
+    };
+    ok += usize::from(super::prefix::decode_reply(&v, &cfg));
     ok
 }
 
@@ -677,6 +691,10 @@ pub const REPRODUCIBLE: &[&str] = &[
     "pool_lookup",
     "pool_refusal",
     "pool_count",
+    "prefix_count",
+    "prefix_offset",
+    "prefix_warm_cold",
+    "prefix_model",
 ];
 
 /// The shortest failing run of a class: a K/V run (kvsim's ordinary trace) or a block-pool run.
@@ -684,6 +702,7 @@ pub const REPRODUCIBLE: &[&str] = &[
 pub enum Shortest {
     Kv(Box<crate::sim::trace::Trace>),
     Pool(Box<super::pool::PoolTrace>),
+    Prefix(Box<super::prefix::PrefixTrace>),
 }
 
 impl Shortest {
@@ -692,12 +711,14 @@ impl Shortest {
         match self {
             Shortest::Kv(t) => t.ops.len(),
             Shortest::Pool(t) => t.ops.len(),
+            Shortest::Prefix(t) => t.ops.len(),
         }
     }
     pub fn seed(&self) -> u64 {
         match self {
             Shortest::Kv(t) => t.seed,
             Shortest::Pool(t) => t.seed,
+            Shortest::Prefix(t) => t.seed,
         }
     }
     /// The trace file (a K/V trace expects the failure it records, so a corpus replay keeps it failing).
@@ -709,18 +730,25 @@ impl Shortest {
                 t.to_json()
             }
             Shortest::Pool(t) => t.to_json(),
+            Shortest::Prefix(t) => t.to_json(),
         }
     }
     pub fn kv(&self) -> Option<&crate::sim::trace::Trace> {
         match self {
             Shortest::Kv(t) => Some(t),
-            Shortest::Pool(_) => None,
+            _ => None,
         }
     }
     pub fn pool(&self) -> Option<&super::pool::PoolTrace> {
         match self {
             Shortest::Pool(t) => Some(t),
-            Shortest::Kv(_) => None,
+            _ => None,
+        }
+    }
+    pub fn prefix(&self) -> Option<&super::prefix::PrefixTrace> {
+        match self {
+            Shortest::Prefix(t) => Some(t),
+            _ => None,
         }
     }
 }
@@ -889,9 +917,51 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
                 }
             }
         }
+        if report.hello.prefix {
+            let cfg = super::prefix::PrefixConfig::from_seed(seed, opts.ops);
+            let broke_at = |failure| {
+                let ops = super::prefix::generate(seed, &cfg);
+                let t = super::prefix::PrefixTrace {
+                    format: super::prefix::FORMAT.into(),
+                    version: 1,
+                    seed,
+                    config: cfg.clone(),
+                    ops,
+                    outcome: Outcome::Pass,
+                };
+                Broken { failure, trace: Some(Box::new(Shortest::Prefix(Box::new(t)))) }
+            };
+            let r = super::prefix::run(seed, cfg.clone(), None).map_err(broke_at)?;
+            report.applied += r.applied;
+            report.checks += r.checks;
+            *report.ops_by_kind.entry("prefix_hit".into()).or_insert(0) += r.hits;
+            for (k, n) in &r.ops_by_kind {
+                *report.ops_by_kind.entry(format!("prefix_{k}")).or_insert(0) += n;
+            }
+            if let Outcome::Fail { check, message, .. } = &r.trace.outcome {
+                let run = Shortest::Prefix(Box::new(r.trace.clone()));
+                let (idx, shrink) =
+                    classify(&mut report, &mut tried, shrinks, check.as_str(), message.as_str(), seed, run);
+                if shrink {
+                    let s = super::prefix::shrink(&r.trace, opts.shrink_budget).map_err(broke_at)?;
+                    if s.ops.len() < report.classes[idx].shortest.ops() {
+                        report.classes[idx].shortest = Shortest::Prefix(Box::new(s));
+                    }
+                }
+            }
+        }
     }
     for c in &mut report.classes {
         let check = c.name.split('/').next().unwrap_or_default().to_string();
+        if matches!(c.shortest, Shortest::Prefix(_)) && check == "prefix_model" {
+            // The engine's own cold run shares this difference: a script of its calls alone cannot restate it.
+            c.reproducer = Err(format!(
+                "[{}] is a difference from kvsim's values that the engine's own cold run shares: judged by kvsim's \
+                 model, not restated by a script of the engine's calls",
+                c.name
+            ));
+            continue;
+        }
         if !REPRODUCIBLE.contains(&check.as_str()) {
             c.reproducer = Err(format!(
                 "[{}] is judged by kvsim's model, which a script of the engine's calls alone cannot restate",
@@ -908,6 +978,12 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
             }
             Shortest::Pool(t) => {
                 pool::replay(t)
+                    .map_err(|failure| Broken { failure, trace: Some(Box::new(c.shortest.clone())) })?
+                    .trace
+                    .outcome
+            }
+            Shortest::Prefix(t) => {
+                super::prefix::replay(t)
                     .map_err(|failure| Broken { failure, trace: Some(Box::new(c.shortest.clone())) })?
                     .trace
                     .outcome

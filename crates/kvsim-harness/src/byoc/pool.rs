@@ -420,42 +420,22 @@ pub fn replay(t: &PoolTrace) -> Result<PoolRun, EngineFailure> {
     run(t.seed, t.config, Some(t.ops.clone()))
 }
 
-/// Delta debugging of a failing pool trace through the engine (the same check must fail) within `budget` replays.
+/// A failing pool trace shrunk through the engine (the same check must fail) within `budget` replays.
 pub fn shrink(t: &PoolTrace, budget: usize) -> Result<PoolTrace, EngineFailure> {
     use crate::sim::trace::Outcome;
     let Outcome::Fail { check, .. } = &t.outcome else { return Ok(t.clone()) };
-    let mut best = t.clone();
-    let mut tries = 0;
-    let mut chunk = best.ops.len().div_ceil(2).max(1);
-    while chunk >= 1 && tries < budget {
-        let mut i = 0;
-        let mut removed_any = false;
-        while i < best.ops.len() && tries < budget {
-            // The failing op is always the last one: never remove it on its own.
-            let end = (i + chunk).min(best.ops.len() - 1);
-            if i >= end {
-                break;
+    let mut last = t.clone();
+    super::ddmin::shrink(&t.ops, budget, |ops| {
+        let r = run(t.seed, t.config, Some(ops))?;
+        Ok(match &r.trace.outcome {
+            Outcome::Fail { check: c, .. } if c == check => {
+                last = r.trace;
+                Some(last.ops.clone())
             }
-            let mut ops = best.ops.clone();
-            ops.drain(i..end);
-            tries += 1;
-            let r = run(t.seed, t.config, Some(ops))?;
-            match &r.trace.outcome {
-                Outcome::Fail { check: c, .. } if c == check => {
-                    best = r.trace;
-                    removed_any = true;
-                }
-                _ => i += chunk,
-            }
-        }
-        if !removed_any {
-            if chunk == 1 {
-                break;
-            }
-            chunk /= 2;
-        }
-    }
-    Ok(best)
+            _ => None,
+        })
+    })?;
+    Ok(last)
 }
 
 #[cfg(test)]

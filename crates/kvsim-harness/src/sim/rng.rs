@@ -47,6 +47,8 @@ pub enum Stream {
     Paged = 16,
     /// A block-pool run's geometry (`byoc::pool`: block size, blocks, vocabulary).
     Pool = 17,
+    /// A prefix-cache run's layers and shapes (`byoc::prefix`).
+    Prefix = 18,
 }
 
 /// A generator for one subsystem of one seed.
