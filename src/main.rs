@@ -49,6 +49,7 @@ fn main() -> ExitCode {
             jobs,
             progress_lines,
             seed_feed,
+            op_journal,
             verbose,
             ops,
         } => {
@@ -59,8 +60,20 @@ fn main() -> ExitCode {
                 return sim_ops_cmd(seed, ops, device, &out);
             }
             let (first, requested) = seed.map_or((first, seeds), |s| (s, 1));
-            let a =
-                SimArgs { first, requested, shard, device, time, json, out, jobs, progress_lines, seed_feed, verbose };
+            let a = SimArgs {
+                first,
+                requested,
+                shard,
+                device,
+                time,
+                json,
+                out,
+                jobs,
+                progress_lines,
+                seed_feed,
+                op_journal,
+                verbose,
+            };
             sim_cmd(&a)
         }
         Cmd::Merge { parts, json } => merge_cmd(&parts, json),

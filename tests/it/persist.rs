@@ -141,6 +141,85 @@ fn what_mlx_lm_files_leave_out_is_taken_from_the_file_and_said() {
     assert!(matches!(mlxlm::file_to_kvsim(&f), Err(PersistError::Unsupported { .. })));
 }
 
+/// A Mamba2-shaped `ArraysCache` mlx-lm wrote (conv tail `[1, 3, 40]` beside an SSM state `[1, 4, 8, 16]`, whose
+/// conv width no gated-DeltaNet geometry gives): `inspect` describes every array, what it most likely is and why no
+/// kvsim layout maps it; `convert --to kvsim` is a typed `Unsupported`; `convert --to mlx-lm` keeps it whole.
+#[test]
+fn a_mamba2_shaped_arrays_cache_is_described_and_refused_with_a_typed_error() {
+    cpu();
+    let bytes = read("mamba2_arrays_cache.safetensors");
+    let info = inspect::inspect_bytes(&bytes).unwrap();
+    let l = &info.layers[0];
+    assert_eq!((l.kind.as_str(), l.kvsim_kind.as_deref()), ("ArraysCache", None));
+    let t: Vec<_> = l.tensors.iter().map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.clone())).collect();
+    assert_eq!(t, vec![("cache.0", "BF16", vec![1, 3, 40]), ("cache.1", "F32", vec![1, 4, 8, 16])]);
+    let roles: Vec<&str> = l.tensors.iter().map(|t| t.role.as_deref().unwrap()).collect();
+    assert!(roles[0].contains("causal-conv tail") && roles[0].contains("K = 4"), "{roles:?}");
+    assert!(roles[1].contains("Mamba2 SSM state"), "{roles:?}");
+    let note = l.note.as_deref().unwrap();
+    assert!(note.starts_with("no kvsim layout") && note.contains("conv_dim 40"), "{note}");
+    let text = inspect::render(&info);
+    assert!(text.contains("causal-conv tail") && text.contains("no kvsim layout"), "{text}");
+    let f = mlxlm::read(&bytes).unwrap();
+    assert!(matches!(mlxlm::file_to_kvsim(&f), Err(PersistError::Unsupported { .. })));
+    let tmp = std::env::temp_dir().join(format!("kvsim-it-mamba2-{}.kvsim", std::process::id()));
+    let err = inspect::convert(&dir().join("mamba2_arrays_cache.safetensors"), &tmp, Format::Kvsim).unwrap_err();
+    assert!(matches!(err, PersistError::Unsupported { .. }), "{err}");
+    assert!(!tmp.exists(), "a refused conversion writes nothing");
+}
+
+/// Any `ArraysCache` state, of any number of arrays, ranks, shapes and dtypes, with or without row bookkeeping, is a
+/// well-formed mlx-lm file: `inspect` describes it (every array with a likely role), and a layer kvsim has no layout
+/// for is refused by the conversion with a typed `Unsupported`, never a panic.
+#[test]
+fn every_arrays_cache_state_is_described() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    cpu();
+    let dtypes = [TensorDtype::BF16, TensorDtype::F32, TensorDtype::F16, TensorDtype::I32, TensorDtype::U8];
+    let array =
+        (0usize..dtypes.len(), prop::collection::vec(0usize..5, 0..6)).prop_map(move |(d, shape)| (dtypes[d], shape));
+    let state =
+        (prop::collection::vec(prop::option::weighted(0.85, array), 0..5), prop::option::of(0i32..3), any::<bool>());
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256);
+    let mut runner = TestRunner::new(Config { cases, ..Config::default() });
+    runner
+        .run(&state, |(arrays, pad, lengths)| {
+            let tensor = |(d, shape): &(TensorDtype, Vec<usize>)| {
+                let n: usize = shape.iter().product();
+                HostTensor::new("cache", *d, shape.clone(), vec![0u8; n * d.itemsize()]).unwrap()
+            };
+            let cache: Vec<Option<HostTensor>> = arrays.iter().map(|a| a.as_ref().map(tensor)).collect();
+            let rows = cache.iter().flatten().find_map(|t| t.shape.first().copied()).unwrap_or(1);
+            let layer = mlxlm::MlxLayer::ArraysCache {
+                cache,
+                left_padding: pad.map(|p| HostTensor::vec_i32(&vec![p; rows])),
+                lengths: lengths.then(|| HostTensor::vec_i32(&vec![1; rows])),
+            };
+            let file = mlxlm::MlxFile { metadata: BTreeMap::new(), layers: vec![layer] };
+            let bytes = mlxlm::write(&file).unwrap();
+            let info = inspect::inspect_bytes(&bytes).map_err(|e| TestCaseError::fail(format!("{arrays:?}: {e}")))?;
+            let l = &info.layers[0];
+            let described: Vec<_> = l.tensors.iter().filter(|t| t.name.starts_with("cache.")).collect();
+            prop_assert_eq!(described.len(), arrays.len());
+            for (t, a) in described.iter().zip(&arrays) {
+                prop_assert!(t.role.as_deref().is_some_and(|r| !r.is_empty()));
+                if let Some((_, shape)) = a {
+                    prop_assert_eq!(&t.shape, shape);
+                }
+            }
+            prop_assert!(!inspect::render(&info).is_empty());
+            let _ = serde_json::to_string(&info).unwrap();
+            let loaded = mlxlm::file_to_kvsim(&mlxlm::read(&bytes).unwrap());
+            if l.kvsim_kind.is_none() {
+                prop_assert!(l.note.as_deref().is_some_and(|n| n.starts_with("no kvsim layout")), "{:?}", l.note);
+                prop_assert!(matches!(loaded, Err(PersistError::Unsupported { .. })), "{:?}", loaded.err());
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 fn layer0(bytes: &[u8]) -> AnyCache {
     let f = mlxlm::read(bytes).unwrap();
     mlxlm::file_to_kvsim(&f).unwrap().remove(0)
