@@ -325,6 +325,14 @@ def main(out_dir):
     m2[1] = rnd((1, 4, 8, 16), mx.float32)
     save("mamba2_arrays_cache", [m2])
 
+    # ConcatenateKVCache (mlx-lm's simplest cache: state (keys, values), exactly the positions written) after 3 + 1
+    # positions. Keys 70001..
+    _key[0] = 70_000
+    cc = _CACHE.ConcatenateKVCache()
+    feed(cc, 3)
+    feed(cc, 1)
+    save("concatenate_kv_cache", [cc])
+
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.write("\n")

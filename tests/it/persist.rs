@@ -57,6 +57,7 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
     let classes: Vec<&str> = m.values().map(|e| e["class"].as_str().unwrap()).collect();
     for c in [
         "KVCache",
+        "ConcatenateKVCache",
         "RotatingKVCache",
         "QuantizedKVCache",
         "ArraysCache",
@@ -76,8 +77,10 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
         let json = serde_json::to_value(&info).unwrap();
         assert!(json["layers"][0]["kind"].is_string());
         let continuable = e.get("steps").is_some();
-        // The files without a continuation that kvsim still loads (a hybrid model's, a list with an empty layer).
-        let loads = continuable || ["hybrid_model", "empty_layer_list"].contains(&name.as_str());
+        // The files without a continuation that kvsim still loads (a hybrid model's, a list with an empty layer, a
+        // ConcatenateKVCache: a plain cache holding exactly its positions).
+        let loads =
+            continuable || ["hybrid_model", "empty_layer_list", "concatenate_kv_cache"].contains(&name.as_str());
         assert_eq!(info.layers[0].kvsim_kind.is_some(), loads, "{name}: kvsim layout");
         // File level: read, write, read gives the same classes, tensors, scalars and metadata.
         let f = mlxlm::read(&bytes).unwrap();
@@ -168,6 +171,26 @@ fn a_mamba2_shaped_arrays_cache_is_described_and_refused_with_a_typed_error() {
     assert!(!tmp.exists(), "a refused conversion writes nothing");
 }
 
+/// mlx-lm's `ConcatenateKVCache` (state: keys and values, exactly the positions written), as mlx-lm wrote it: described
+/// with its offset (the column count) and loaded as a plain cache holding those positions.
+#[test]
+fn a_concatenate_kv_cache_is_a_plain_cache_of_its_positions() {
+    cpu();
+    let bytes = read("concatenate_kv_cache.safetensors");
+    let info = inspect::inspect_bytes(&bytes).unwrap();
+    let l = &info.layers[0];
+    assert_eq!(
+        (l.kind.as_str(), l.offset.clone(), l.kvsim_kind.as_deref()),
+        ("ConcatenateKVCache", serde_json::json!(4), Some("kv-plain"))
+    );
+    let f = mlxlm::read(&bytes).unwrap();
+    let mlxlm::MlxLayer::ConcatenateKvCache { keys: Some(k), .. } = &f.layers[0] else { panic!("{:?}", f.layers[0]) };
+    let c = layer0(&bytes);
+    assert_eq!(c.offset(), 4);
+    let AnyCache::Serial(s) = &c else { panic!("not a serial cache") };
+    assert_eq!(bytes_of(&s.temporal_view_planes().unwrap()[0]), bytes_of(&k.to_array().unwrap()));
+}
+
 /// Any `ArraysCache` state, of any number of arrays, ranks, shapes and dtypes, with or without row bookkeeping, is a
 /// well-formed mlx-lm file: `inspect` describes it (every array with a likely role), and a layer kvsim has no layout
 /// for is refused by the conversion with a typed `Unsupported`, never a panic.
@@ -180,7 +203,9 @@ fn every_arrays_cache_state_is_described() {
     let array =
         (0usize..dtypes.len(), prop::collection::vec(0usize..5, 0..6)).prop_map(move |(d, shape)| (dtypes[d], shape));
     let state =
-        (prop::collection::vec(prop::option::weighted(0.85, array), 0..5), prop::option::of(0i32..3), any::<bool>());
+        // At least one slot: an empty list leaves no key in the file (mlx's `tree_flatten` drops it), and mlx-lm's
+        // layers make `ArraysCache(size)` with size >= 1.
+        (prop::collection::vec(prop::option::weighted(0.85, array), 1..5), prop::option::of(0i32..3), any::<bool>());
     let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256);
     let mut runner = TestRunner::new(Config { cases, ..Config::default() });
     runner

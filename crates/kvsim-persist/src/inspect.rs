@@ -176,6 +176,11 @@ fn mlx_info(l: &MlxLayer, at: &str, h: &FileHints) -> Result<LayerInfo> {
             push("values", values);
             (json!(offset), json!({}))
         }
+        MlxLayer::ConcatenateKvCache { keys, values } => {
+            push("keys", keys);
+            push("values", values);
+            (json!(keys.as_ref().and_then(|k| k.shape.get(2))), json!({}))
+        }
         MlxLayer::RotatingKvCache { keys, values, offset, keep, max_size, idx } => {
             push("keys", keys);
             push("values", values);

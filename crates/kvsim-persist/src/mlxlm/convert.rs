@@ -152,6 +152,12 @@ pub fn to_kvsim_at(layer: &MlxLayer, at: &str, hints: &Hints) -> Result<AnyCache
     let class = layer.class_name();
     let spec_hint = hints.spec_at(at);
     match layer {
+        // Its columns are exactly its positions: a KVCache whose offset is their count.
+        MlxLayer::ConcatenateKvCache { keys, values } => {
+            let offset = keys.as_ref().map_or(0, |k| k.shape.get(2).copied().unwrap_or(0));
+            let offset = i64::try_from(offset).map_err(|_| PersistError::shape("keys", "too many columns"))?;
+            to_kvsim_at(&MlxLayer::KvCache { keys: keys.clone(), values: values.clone(), offset }, at, hints)
+        }
         MlxLayer::KvCache { keys, values, offset } => {
             let offset = usize_of(*offset, "offset")?;
             match kv_pair(keys, values, class)? {
