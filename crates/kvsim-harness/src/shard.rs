@@ -522,4 +522,28 @@ mod tests {
         assert_eq!(last_json_line(out).unwrap()["seeds"], 3);
         assert!(last_json_line("no json here\n[1, 2]\n").is_none());
     }
+
+    /// An op journal reads back as the seed and the ops written to it; a line cut short (a process killed inside
+    /// the write) is dropped, and a missing or foreign file is no journal.
+    #[test]
+    fn op_journals_read_back_and_drop_a_torn_line() {
+        use crate::sim::observe::RunObserver;
+        use std::io::Write;
+        let ops = crate::sim::run_seed(0, crate::sim::DeviceChoice::Cpu, None).trace.ops;
+        let path = std::env::temp_dir().join(format!("kvsim-journal-test-{}.ops", std::process::id()));
+        let mut j = OpJournal::start(&path, 7);
+        for (i, op) in ops.iter().take(3).enumerate() {
+            j.on_op_start(i, op);
+        }
+        assert_eq!(read_journal(&path), Some((7, ops[..3].to_vec())));
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"adm").unwrap();
+        assert_eq!(read_journal(&path), Some((7, ops[..3].to_vec())));
+        // A new seed starts a new journal.
+        OpJournal::start(&path, 8);
+        assert_eq!(read_journal(&path), Some((8, vec![])));
+        std::fs::write(&path, "not a journal\n").unwrap();
+        assert_eq!(read_journal(&path), None);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(read_journal(&path), None);
+    }
 }
