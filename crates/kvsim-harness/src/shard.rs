@@ -350,19 +350,19 @@ pub fn run_workers(
     for worker in 0..jobs.max(1) {
         workers.push(Some(spawn(worker)?));
     }
-    // A write to a worker that already ended (its `--time` ran out) fails with a broken pipe: that worker simply
-    // takes no more seeds, and the seed is not run, as a timed campaign leaves seeds unrun.
-    let feed = |w: &mut Worker, queue: &mut VecDeque<u64>| match queue.pop_front() {
-        Some(seed) => {
-            if let Some(stdin) = w.stdin.as_mut() {
-                if writeln!(stdin, "{seed}").and_then(|_| stdin.flush()).is_err() {
-                    w.stdin = None;
-                } else {
-                    w.held.push_back(seed);
-                }
+    // A write to a worker that already ended (its `--time` ran out, or it died) fails with a broken pipe: that worker
+    // takes no more seeds, and the seed goes back to the front of the queue, for another worker.
+    let feed = |w: &mut Worker, queue: &mut VecDeque<u64>| match (w.stdin.as_mut(), queue.pop_front()) {
+        (Some(stdin), Some(seed)) => {
+            if writeln!(stdin, "{seed}").and_then(|_| stdin.flush()).is_err() {
+                w.stdin = None;
+                queue.push_front(seed);
+            } else {
+                w.held.push_back(seed);
             }
         }
-        None => w.stdin = None,
+        (None, Some(seed)) => queue.push_front(seed),
+        (_, None) => w.stdin = None,
     };
     for _ in 0..=PREFETCH {
         for w in workers.iter_mut().flatten() {
