@@ -403,13 +403,16 @@ pub fn run_workers(
                         queue.push_front(s);
                     }
                     if !stop.load(std::sync::atomic::Ordering::SeqCst) && !queue.is_empty() {
-                        let id = workers.len();
-                        workers.push(Some(spawn(id)?));
-                        live += 1;
-                        if let Some(n) = workers[id].as_mut() {
-                            for _ in 0..=PREFETCH {
-                                feed(n, &mut queue);
+                        // A worker that cannot start is said, not fatal: the other workers still take the queue.
+                        match spawn(workers.len()) {
+                            Ok(mut n) => {
+                                for _ in 0..=PREFETCH {
+                                    feed(&mut n, &mut queue);
+                                }
+                                workers.push(Some(n));
+                                live += 1;
                             }
+                            Err(e) => on_event(WorkerEvent::Line(format!("in place of worker {worker}: {e}"))),
                         }
                     }
                 }
