@@ -68,6 +68,10 @@ pub enum Cmd {
         /// instead of the campaign's, and print the summary as a part for `kvsim merge`.
         #[arg(long, hide = true)]
         seed_feed: bool,
+        /// Worker mode of `--jobs`: keep the running seed's ops in this file as they start (what the parent saves
+        /// as the seed's trace if this process dies).
+        #[arg(long, hide = true, requires = "seed_feed")]
+        op_journal: Option<PathBuf>,
     },
     /// Merge the JSON summaries of `kvsim sim --shard I/N --json` runs (their outputs) into the summary of the
     /// unsharded campaign (same fields, same result hash).

@@ -175,7 +175,8 @@ pub(crate) fn sim_cmd(a: &SimArgs) -> ExitCode {
     let bar = seed_bar(n, a.progress_lines);
     // Few seeds: each seed's swarm config is printed with its result (every trace stores it; failures repeat it).
     let (show_configs, mut failures) = (n <= 10 && !a.progress_lines, 0);
-    let s = campaign::run_seeds_until(seeds, a.device, a.time, &STOP, mutant, |r| {
+    let journal = a.op_journal.as_deref();
+    let s = campaign::run_seeds_journaled(seeds, a.device, a.time, &STOP, mutant, journal, |r| {
         let config = serde_json::to_string(&r.config).unwrap();
         if show_configs {
             bar.suspend(|| println!("config of seed {}: {config}", r.seed));
@@ -293,6 +294,8 @@ pub(crate) struct SimArgs {
     pub(crate) progress_lines: bool,
     /// Worker mode of `--jobs`: seeds come from stdin, and the summary is always a [`campaign::Part`].
     pub(crate) seed_feed: bool,
+    /// Worker mode of `--jobs`: the op journal ([`shard::OpJournal`]).
+    pub(crate) op_journal: Option<PathBuf>,
     /// The full table instead of the verdict.
     pub(crate) verbose: bool,
 }
@@ -358,7 +361,40 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
         Err(e) => return fail("sim --jobs", e, 2),
     };
     let mut parts = vec![];
+    let mut crashes = vec![];
     for o in outs {
+        if let Some(c) = o.crash {
+            // A worker that died: the seed it was running fails with the ops it had started as its trace; the
+            // seeds it finished or held ran again in the worker that took its place.
+            match c.seed {
+                Some(seed) => {
+                    let ops = c.ops.len();
+                    let t = campaign::crash_trace(seed, c.ops, a.device, &c.how);
+                    let p = write_trace(&a.out, &format!("seed-{seed}.json"), &t);
+                    let op = ops.saturating_sub(1);
+                    bar.suspend(|| {
+                        eprintln!(
+                            "FAIL seed {seed} op {op} [{}] worker {} was {} ({ops} ops started)\n     trace: {}\n     \
+                             replay it in another process: kvsim replay {}",
+                            campaign::CRASH_CHECK,
+                            o.worker,
+                            c.how,
+                            p.display(),
+                            p.display()
+                        )
+                    });
+                    crashes.push(campaign::FailedSeed {
+                        seed,
+                        op_index: op,
+                        check: campaign::CRASH_CHECK.into(),
+                        message: format!("worker {} was {} in op {op}", o.worker, c.how),
+                        trace: p.display().to_string(),
+                    });
+                }
+                None => eprintln!("kvsim sim --jobs: worker {} was {} holding no seed", o.worker, c.how),
+            }
+            continue;
+        }
         let part = o.summary.ok_or_else(|| format!("printed no summary (exit status {:?})", o.status)).and_then(|v| {
             serde_json::from_value::<campaign::Part>(v).map_err(|e| format!("printed an unreadable summary: {e}"))
         });
@@ -367,8 +403,17 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
             Err(e) => return fail("sim --jobs", format!("worker {}: {e}", o.worker), 2),
         }
     }
-    match campaign::merge(&parts) {
+    // Every worker died and none took the place of the last one (every seed crashed): an empty campaign.
+    let merged = if parts.is_empty() && !crashes.is_empty() {
+        Ok(campaign::Summary::new(a.device))
+    } else {
+        campaign::merge(&parts)
+    };
+    match merged {
         Ok(mut s) => {
+            for c in crashes {
+                s.add_crash(c);
+            }
             // Ctrl-C reached only this process (the workers then ran out of seeds, not interrupted): the summary
             // still says the campaign was cut short.
             s.interrupted |= STOP.load(Ordering::SeqCst) && (s.seeds as usize) < seeds.len();

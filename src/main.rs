@@ -50,6 +50,7 @@ fn main() -> ExitCode {
             gpus,
             progress_lines,
             seed_feed,
+            op_journal,
             verbose,
             ops,
         } => {
@@ -72,6 +73,7 @@ fn main() -> ExitCode {
                 gpus,
                 progress_lines,
                 seed_feed,
+                op_journal,
                 verbose,
             };
             sim_cmd(&a)

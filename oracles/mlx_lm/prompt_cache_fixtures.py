@@ -295,7 +295,8 @@ def main(out_dir):
     # - a hybrid model's cache, [ArraysCache (a DeltaNet state), KVCache] twice: the ArraysCache layers carry no
     #   offsets, the attention layers (which saw the same 5 tokens) do;
     # - a list whose second layer is an empty KVCache (a layer before any token: a class name and no array);
-    # - a Mamba layer's ArraysCache (conv [1, 3, 32], ssm [1, 32, 16]): no kvsim layout maps it.
+    # - a Mamba layer's ArraysCache (conv [1, 3, 32], ssm [1, 32, 16]): no kvsim layout maps it (a Mamba2-shaped one
+    #   follows below).
     _key[0] = 50_000
     layers = []
     for _ in range(2):
@@ -313,6 +314,24 @@ def main(out_dir):
     m[0] = rnd((1, 3, 32))
     m[1] = rnd((1, 32, 16), mx.float32)
     save("mamba_arrays_cache", [m])
+
+    # A Mamba2-shaped ArraysCache (mlx-lm 0.32.2 `mamba2.py`: `cache[0]` the conv tail [B, K-1, conv_dim], `cache[1]`
+    # the SSM state [B, H, Dh, N], f32) whose conv width, 40, is not 2 Hk Dk + Hv Dv for the state's H 4, Dh 8, N 16
+    # read as a gated-DeltaNet state (32 + 32 Hk): four dimensions beside a conv tail, yet no kvsim layout maps it.
+    # `inspect` describes it; converting it to kvsim is refused with a typed error. Keys 60001..
+    _key[0] = 60_000
+    m2 = ArraysCache(2)
+    m2[0] = rnd((1, 3, 40))
+    m2[1] = rnd((1, 4, 8, 16), mx.float32)
+    save("mamba2_arrays_cache", [m2])
+
+    # ConcatenateKVCache (mlx-lm's simplest cache: state (keys, values), exactly the positions written) after 3 + 1
+    # positions. Keys 70001..
+    _key[0] = 70_000
+    cc = _CACHE.ConcatenateKVCache()
+    feed(cc, 3)
+    feed(cc, 1)
+    save("concatenate_kv_cache", [cc])
 
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)

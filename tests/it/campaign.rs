@@ -180,3 +180,63 @@ fn slurm_array_campaign_on_a_real_cluster() {
         .expect("deploy/test-slurm.sh runs");
     assert!(o.success(), "deploy/test-slurm.sh failed; its log is under target/tmp/slurm-test/");
 }
+
+/// A seed that kills its worker process (the abort drill, `KVSIM_FAULT_ABORT=SEED:OP`: SIGABRT as op OP of seed SEED
+/// starts, as a segfault inside MLX would end it) inside `--jobs 2`: that seed is a failing seed, named, with the
+/// ops up to the crash saved as a trace that replays in another process (and dies there too while the drill is
+/// armed); a new worker runs every other seed; the JSON summary line is printed with its `crashed` count; exit 1.
+#[test]
+fn a_seed_that_kills_its_worker_fails_alone_and_every_other_seed_runs() {
+    use std::os::unix::process::ExitStatusExt;
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("campaign-crash");
+    let _ = std::fs::remove_dir_all(&out);
+    let run = |args: &[&str], drill: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvsim"));
+        c.args(args).env_remove(kvsim::sim::ABORT_ENV);
+        if let Some(d) = drill {
+            c.env(kvsim::sim::ABORT_ENV, d);
+        }
+        c.output().expect("kvsim runs")
+    };
+    let dir = out.display().to_string();
+    let args = ["sim", "--first", "3", "--seeds", "7", "--jobs", "2", "--json", "--out", &dir];
+    let o = run(&args, Some("6:1"));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    let s = last_json(&o);
+    assert_eq!(
+        (s["crashed"].as_u64(), s["failures"].as_u64(), s["seeds"].as_u64()),
+        (Some(1), Some(1), Some(6)),
+        "{s}"
+    );
+    let failed = &s["failed_seeds"][0];
+    assert_eq!((failed["seed"].as_u64(), failed["check"].as_str()), (Some(6), Some("crash")), "{s}");
+    assert_eq!(failed["op_index"], 1);
+    assert!(failed["message"].as_str().unwrap().contains("SIGABRT"), "{s}");
+    assert!(stderr.contains("FAIL seed 6 op 1 [crash]"), "{stderr}");
+    // Every other seed ran once, with the results of a campaign without the crash: the same per-seed hashes.
+    let parts: Vec<Value> = [("3", "3"), ("7", "3")]
+        .iter()
+        .map(|(first, n)| {
+            last_json(&run(&["sim", "--first", first, "--seeds", n, "--shard", "0/1", "--json", "--out", &dir], None))
+        })
+        .collect();
+    let hashes: Vec<String> = parts
+        .iter()
+        .flat_map(|p| p["seed_hashes"].as_array().unwrap().iter().map(|h| h["hash"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(hashes.len(), 6);
+    assert_eq!(s["result_hash"].as_str().unwrap(), kvsim::shard::ordered_hash(hashes.iter().map(String::as_str)));
+    let ops: u64 = parts.iter().map(|v| v["ops"].as_u64().unwrap()).sum();
+    assert_eq!(s["ops"].as_u64(), Some(ops), "the seeds that ran did the ops of an undisturbed run");
+    // The trace: the two ops seed 6 had started, replayable in another process.
+    let trace = PathBuf::from(failed["trace"].as_str().unwrap());
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert_eq!((t["seed"].as_u64(), t["ops"].as_array().unwrap().len()), (Some(6), 2), "{t}");
+    assert_eq!(t["expect"], "fail");
+    let again = run(&["replay", &trace.display().to_string()], Some("6:1"));
+    assert_eq!(again.status.signal(), Some(6), "the replay dies in the same op: {again:?}");
+    // Without the drill the ops run through: the crash does not reproduce, and replay says so (exit 1).
+    let calm = run(&["replay", &trace.display().to_string()], None);
+    assert_eq!(calm.status.code(), Some(1), "{}", String::from_utf8_lossy(&calm.stdout));
+}

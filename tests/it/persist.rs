@@ -57,6 +57,7 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
     let classes: Vec<&str> = m.values().map(|e| e["class"].as_str().unwrap()).collect();
     for c in [
         "KVCache",
+        "ConcatenateKVCache",
         "RotatingKVCache",
         "QuantizedKVCache",
         "ArraysCache",
@@ -76,8 +77,10 @@ fn every_class_reads_inspects_and_round_trips_at_the_file_level() {
         let json = serde_json::to_value(&info).unwrap();
         assert!(json["layers"][0]["kind"].is_string());
         let continuable = e.get("steps").is_some();
-        // The files without a continuation that kvsim still loads (a hybrid model's, a list with an empty layer).
-        let loads = continuable || ["hybrid_model", "empty_layer_list"].contains(&name.as_str());
+        // The files without a continuation that kvsim still loads (a hybrid model's, a list with an empty layer, a
+        // ConcatenateKVCache: a plain cache holding exactly its positions).
+        let loads =
+            continuable || ["hybrid_model", "empty_layer_list", "concatenate_kv_cache"].contains(&name.as_str());
         assert_eq!(info.layers[0].kvsim_kind.is_some(), loads, "{name}: kvsim layout");
         // File level: read, write, read gives the same classes, tensors, scalars and metadata.
         let f = mlxlm::read(&bytes).unwrap();
@@ -139,6 +142,107 @@ fn what_mlx_lm_files_leave_out_is_taken_from_the_file_and_said() {
     );
     let f = mlxlm::read(&read("mamba_arrays_cache.safetensors")).unwrap();
     assert!(matches!(mlxlm::file_to_kvsim(&f), Err(PersistError::Unsupported { .. })));
+}
+
+/// A Mamba2-shaped `ArraysCache` mlx-lm wrote (conv tail `[1, 3, 40]` beside an SSM state `[1, 4, 8, 16]`, whose
+/// conv width no gated-DeltaNet geometry gives): `inspect` describes every array, what it most likely is and why no
+/// kvsim layout maps it; `convert --to kvsim` is a typed `Unsupported`; `convert --to mlx-lm` keeps it whole.
+#[test]
+fn a_mamba2_shaped_arrays_cache_is_described_and_refused_with_a_typed_error() {
+    cpu();
+    let bytes = read("mamba2_arrays_cache.safetensors");
+    let info = inspect::inspect_bytes(&bytes).unwrap();
+    let l = &info.layers[0];
+    assert_eq!((l.kind.as_str(), l.kvsim_kind.as_deref()), ("ArraysCache", None));
+    let t: Vec<_> = l.tensors.iter().map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.clone())).collect();
+    assert_eq!(t, vec![("cache.0", "BF16", vec![1, 3, 40]), ("cache.1", "F32", vec![1, 4, 8, 16])]);
+    let roles: Vec<&str> = l.tensors.iter().map(|t| t.role.as_deref().unwrap()).collect();
+    assert!(roles[0].contains("causal-conv tail") && roles[0].contains("K = 4"), "{roles:?}");
+    assert!(roles[1].contains("Mamba2 SSM state"), "{roles:?}");
+    let note = l.note.as_deref().unwrap();
+    assert!(note.starts_with("no kvsim layout") && note.contains("conv_dim 40"), "{note}");
+    let text = inspect::render(&info);
+    assert!(text.contains("causal-conv tail") && text.contains("no kvsim layout"), "{text}");
+    let f = mlxlm::read(&bytes).unwrap();
+    assert!(matches!(mlxlm::file_to_kvsim(&f), Err(PersistError::Unsupported { .. })));
+    let tmp = std::env::temp_dir().join(format!("kvsim-it-mamba2-{}.kvsim", std::process::id()));
+    let err = inspect::convert(&dir().join("mamba2_arrays_cache.safetensors"), &tmp, Format::Kvsim).unwrap_err();
+    assert!(matches!(err, PersistError::Unsupported { .. }), "{err}");
+    assert!(!tmp.exists(), "a refused conversion writes nothing");
+}
+
+/// mlx-lm's `ConcatenateKVCache` (state: keys and values, exactly the positions written), as mlx-lm wrote it: described
+/// with its offset (the column count) and loaded as a plain cache holding those positions.
+#[test]
+fn a_concatenate_kv_cache_is_a_plain_cache_of_its_positions() {
+    cpu();
+    let bytes = read("concatenate_kv_cache.safetensors");
+    let info = inspect::inspect_bytes(&bytes).unwrap();
+    let l = &info.layers[0];
+    assert_eq!(
+        (l.kind.as_str(), l.offset.clone(), l.kvsim_kind.as_deref()),
+        ("ConcatenateKVCache", serde_json::json!(4), Some("kv-plain"))
+    );
+    let f = mlxlm::read(&bytes).unwrap();
+    let mlxlm::MlxLayer::ConcatenateKvCache { keys: Some(k), .. } = &f.layers[0] else { panic!("{:?}", f.layers[0]) };
+    let c = layer0(&bytes);
+    assert_eq!(c.offset(), 4);
+    let AnyCache::Serial(s) = &c else { panic!("not a serial cache") };
+    assert_eq!(bytes_of(&s.temporal_view_planes().unwrap()[0]), bytes_of(&k.to_array().unwrap()));
+}
+
+/// Any `ArraysCache` state, of any number of arrays, ranks, shapes and dtypes, with or without row bookkeeping, is a
+/// well-formed mlx-lm file: `inspect` describes it (every array with a likely role), and a layer kvsim has no layout
+/// for is refused by the conversion with a typed `Unsupported`, never a panic.
+#[test]
+fn every_arrays_cache_state_is_described() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    cpu();
+    let dtypes = [TensorDtype::BF16, TensorDtype::F32, TensorDtype::F16, TensorDtype::I32, TensorDtype::U8];
+    let array =
+        (0usize..dtypes.len(), prop::collection::vec(0usize..5, 0..6)).prop_map(move |(d, shape)| (dtypes[d], shape));
+    let state =
+        // At least one slot: an empty list leaves no key in the file (mlx's `tree_flatten` drops it), and mlx-lm's
+        // layers make `ArraysCache(size)` with size >= 1.
+        (prop::collection::vec(prop::option::weighted(0.85, array), 1..5), prop::option::of(0i32..3), any::<bool>());
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256);
+    let mut runner = TestRunner::new(Config { cases, ..Config::default() });
+    runner
+        .run(&state, |(arrays, pad, lengths)| {
+            let tensor = |(d, shape): &(TensorDtype, Vec<usize>)| {
+                let n: usize = shape.iter().product();
+                HostTensor::new("cache", *d, shape.clone(), vec![0u8; n * d.itemsize()]).unwrap()
+            };
+            let cache: Vec<Option<HostTensor>> = arrays.iter().map(|a| a.as_ref().map(tensor)).collect();
+            let rows = cache.iter().flatten().find_map(|t| t.shape.first().copied()).unwrap_or(1);
+            let layer = mlxlm::MlxLayer::ArraysCache {
+                cache,
+                left_padding: pad.map(|p| HostTensor::vec_i32(&vec![p; rows])),
+                lengths: lengths.then(|| HostTensor::vec_i32(&vec![1; rows])),
+            };
+            let file = mlxlm::MlxFile { metadata: BTreeMap::new(), layers: vec![layer] };
+            let bytes = mlxlm::write(&file).unwrap();
+            let info = inspect::inspect_bytes(&bytes).map_err(|e| TestCaseError::fail(format!("{arrays:?}: {e}")))?;
+            let l = &info.layers[0];
+            let described: Vec<_> = l.tensors.iter().filter(|t| t.name.starts_with("cache.")).collect();
+            prop_assert_eq!(described.len(), arrays.len());
+            for (t, a) in described.iter().zip(&arrays) {
+                prop_assert!(t.role.as_deref().is_some_and(|r| !r.is_empty()));
+                if let Some((_, shape)) = a {
+                    prop_assert_eq!(&t.shape, shape);
+                }
+            }
+            prop_assert!(!inspect::render(&info).is_empty());
+            let _ = serde_json::to_string(&info).unwrap();
+            let loaded = mlxlm::file_to_kvsim(&mlxlm::read(&bytes).unwrap());
+            if l.kvsim_kind.is_none() {
+                prop_assert!(l.note.as_deref().is_some_and(|n| n.starts_with("no kvsim layout")), "{:?}", l.note);
+                prop_assert!(matches!(loaded, Err(PersistError::Unsupported { .. })), "{:?}", loaded.err());
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 fn layer0(bytes: &[u8]) -> AnyCache {

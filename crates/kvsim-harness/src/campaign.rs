@@ -145,7 +145,14 @@ pub struct Summary {
     pub seeds_run: Vec<u64>,
     /// Stopped early (Ctrl-C): the summary covers the seeds that ran.
     pub interrupted: bool,
+    /// Seeds whose worker process died running them (`kvsim sim --jobs`: a signal, an abort, an out-of-memory kill).
+    /// Each is a failure (in `failures` and `failed_seeds`, check [`CRASH_CHECK`]) and not in `seeds`: it left no
+    /// result, so no result hash.
+    pub crashed: u64,
 }
+
+/// The check of a [`FailedSeed`] whose worker process died running it.
+pub const CRASH_CHECK: &str = "crash";
 
 impl From<Summary> for SummaryJson {
     fn from(s: Summary) -> SummaryJson {
@@ -206,6 +213,7 @@ impl From<Summary> for SummaryJson {
             guarantees: t.table.clone(),
             layouts: s.layouts,
             interrupted: s.interrupted,
+            crashed: s.crashed,
         }
     }
 }
@@ -267,6 +275,7 @@ impl From<SummaryJson> for Summary {
             seed_hashes: vec![],
             seeds_run: vec![],
             interrupted: j.interrupted,
+            crashed: j.crashed,
         }
     }
 }
@@ -354,6 +363,9 @@ pub struct SummaryJson {
     /// Stopped early (Ctrl-C): the summary covers the seeds that ran. Absent from the JSON when false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub interrupted: bool,
+    /// Seeds whose worker process died running them (always present; 0 in a campaign without one).
+    #[serde(default)]
+    pub crashed: u64,
 }
 
 impl Summary {
@@ -391,6 +403,15 @@ impl Summary {
         self.refresh();
     }
 
+    /// Folds in a seed whose worker process died running it (`f.check` is [`CRASH_CHECK`]): a failure without a
+    /// result.
+    pub fn add_crash(&mut self, f: FailedSeed) {
+        self.failures += 1;
+        self.crashed += 1;
+        self.failed_seeds.push(f);
+        self.failed_seeds.sort_by_key(|f| f.seed);
+    }
+
     /// The verdict a user reads first, at most 15 lines: the totals, the reads against the solo twin and the f64
     /// model, one line per layout family (a family's rotating layout beside its linear one), the weakest guarantee
     /// class (the largest ULP distance to the twin; then the smallest bit-exact share), and the failing seeds.
@@ -398,8 +419,9 @@ impl Summary {
     pub fn verdict(&self) -> Vec<String> {
         let (s, t) = (self, &self.counters);
         let verdict = if s.failures == 0 { "PASS" } else { "FAIL" };
+        let crashed = if s.crashed > 0 { format!(" ({} crashed)", s.crashed) } else { String::new() };
         let mut lines = vec![format!(
-            "kvsim sim: {verdict}: {} seeds, {} ops, {} checks, {} failures, {:.1}s on {}{}",
+            "kvsim sim: {verdict}: {} seeds, {} ops, {} checks, {} failures{crashed}, {:.1}s on {}{}",
             s.seeds,
             s.ops,
             t.checks,
@@ -532,6 +554,20 @@ pub fn run_seeds_until(
     time: Option<f64>,
     stop: &AtomicBool,
     mutant: Option<Mutant>,
+    on_seed: impl FnMut(&SeedResult) -> Option<String>,
+) -> Summary {
+    run_seeds_journaled(seeds, device, time, stop, mutant, None, on_seed)
+}
+
+/// [`run_seeds_until`], keeping each seed's ops in the op journal at `journal` as they start
+/// ([`crate::shard::OpJournal`]: what a `--jobs` worker leaves behind when it dies). The journal changes no result.
+pub fn run_seeds_journaled(
+    seeds: impl IntoIterator<Item = u64>,
+    device: DeviceChoice,
+    time: Option<f64>,
+    stop: &AtomicBool,
+    mutant: Option<Mutant>,
+    journal: Option<&std::path::Path>,
     mut on_seed: impl FnMut(&SeedResult) -> Option<String>,
 ) -> Summary {
     let start = Instant::now();
@@ -544,7 +580,15 @@ pub fn run_seeds_until(
             summary.interrupted = true;
             break;
         }
-        let r = run_seed_armed(seed, device, mutant);
+        let r = match journal {
+            Some(path) => {
+                let config = SimConfig::from_seed(seed);
+                let mut j = crate::shard::OpJournal::start(path, seed);
+                let run = sim::run_observed(seed, config.clone(), None, device, mutant, &mut j);
+                SeedResult { seed, config, run }
+            }
+            None => run_seed_armed(seed, device, mutant),
+        };
         let written = on_seed(&r);
         let failed = r.failure().map(|mut f| {
             f.trace = written.unwrap_or_default();
@@ -554,6 +598,32 @@ pub fn run_seeds_until(
     }
     summary.seconds = start.elapsed().as_secs_f64();
     summary
+}
+
+/// The trace of a seed whose worker process died in op `ops.len() - 1` (the ops it had started, from its op journal):
+/// it expects that failure, check [`CRASH_CHECK`], so `kvsim replay` of it in another process runs the same ops up
+/// to the one that killed the worker (and, when that still kills the process, dies there too).
+pub fn crash_trace(seed: u64, ops: Vec<crate::sim::ops::Op>, device: DeviceChoice, how: &str) -> sim::trace::Trace {
+    let op_index = ops.len().saturating_sub(1);
+    sim::trace::Trace {
+        format: sim::trace::FORMAT.to_string(),
+        version: sim::trace::VERSION,
+        seed,
+        config: SimConfig::from_seed(seed),
+        mlx_version: sim::mlx_version(),
+        device: device.name().to_string(),
+        mutant: None,
+        ops,
+        digests: vec![],
+        result_hash: String::new(),
+        outcome: Outcome::Fail {
+            op_index,
+            check: CRASH_CHECK.into(),
+            message: format!("the worker process running this seed was {how} in op {op_index}"),
+        },
+        expect: sim::trace::Expect::Fail,
+        note: format!("a `kvsim sim --jobs` worker was {how} running seed {seed}: the ops it had started"),
+    }
 }
 
 /// What merging needs beyond the summary: the campaign's seed range, the shard, every seed's result hash and the
@@ -640,6 +710,7 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
         out.failures += s.failures;
         out.model_failures += s.model_failures;
         out.interrupted |= s.interrupted;
+        out.crashed += s.crashed;
         out.seconds = out.seconds.max(s.seconds);
         for (k, v) in &s.ops_by_kind {
             *out.ops_by_kind.entry(k.clone()).or_insert(0) += v;

@@ -11,6 +11,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::sim::ops::Op;
+
 /// Shard `index` of `count` (`0 <= index < count`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Shard {
@@ -133,12 +135,105 @@ impl Progress {
     }
 }
 
-/// What one worker process left: its exit status and the last JSON line of its stdout.
+/// What one worker process left: its exit status and the last JSON line of its stdout, or how it died.
 #[derive(Debug, Clone)]
 pub struct WorkerOutput {
     pub worker: usize,
     pub status: Option<i32>,
     pub summary: Option<serde_json::Value>,
+    /// The worker died (a signal, an abort, an out-of-memory kill, an exit without its summary): the seed it was
+    /// running and the ops it had started. Its summary is then not used: the seeds it finished ran again in another
+    /// worker (every result is a function of its seed), and those it held ran there too.
+    pub crash: Option<WorkerCrash>,
+}
+
+/// A worker process that died.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerCrash {
+    /// The seed it was running (`None`: it died holding no seed, e.g. while printing its summary).
+    pub seed: Option<u64>,
+    /// How it ended, in words: `killed by signal 6 (SIGABRT)`, `exit status 101 without a summary`.
+    pub how: String,
+    /// The ops of `seed` it had started, in order, from its op journal ([`OpJournal`]); the last one is the op the
+    /// process died in. Empty when the journal is missing (it died before the seed's first op).
+    pub ops: Vec<Op>,
+}
+
+/// A worker's op journal (`kvsim sim --seed-feed --op-journal FILE`): when a seed starts the file is rewritten with
+/// the seed (`{"seed":S}`), and each op is appended as one JSON line as it starts, written through to the file
+/// before the op runs. A process that dies mid-op leaves in it exactly the ops up to the one it died in; the parent
+/// reads it back with [`read_journal`] and saves them as a replayable trace. Write errors are ignored (the journal is
+/// a witness, never a reason to fail a seed).
+#[derive(Debug)]
+pub struct OpJournal {
+    file: Option<std::fs::File>,
+}
+
+impl OpJournal {
+    /// Starts the journal of `seed` at `path` (truncating the previous seed's).
+    pub fn start(path: &std::path::Path, seed: u64) -> OpJournal {
+        use std::io::Write;
+        let file = std::fs::File::create(path).ok().and_then(|mut f| {
+            f.write_all(format!("{{\"seed\":{seed}}}\n").as_bytes()).ok()?;
+            Some(f)
+        });
+        OpJournal { file }
+    }
+}
+
+impl crate::sim::observe::RunObserver for OpJournal {
+    fn on_op_start(&mut self, _index: usize, op: &Op) {
+        use std::io::Write;
+        if let (Some(f), Ok(mut line)) = (self.file.as_mut(), serde_json::to_vec(op)) {
+            line.push(b'\n');
+            // One write of the whole line: a process killed between ops never leaves half an op behind.
+            if f.write_all(&line).is_err() {
+                self.file = None;
+            }
+        }
+    }
+}
+
+/// The seed and the ops an [`OpJournal`] holds (`None`: no journal, or not one). A last line cut short (a
+/// process killed inside the write) is dropped.
+pub fn read_journal(path: &std::path::Path) -> Option<(u64, Vec<Op>)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut lines = text.lines();
+    let head: serde_json::Value = serde_json::from_str(lines.next()?).ok()?;
+    let seed = head.get("seed")?.as_u64()?;
+    let ops = lines.map_while(|l| serde_json::from_str::<Op>(l).ok()).collect();
+    Some((seed, ops))
+}
+
+/// How a worker process ended, in words, and whether that is a crash: a normal end is exit status 0 or 1 with a
+/// summary line printed.
+fn ended(status: &std::io::Result<std::process::ExitStatus>, summary: bool) -> Option<String> {
+    let status = match status {
+        Ok(s) => s,
+        Err(e) => return Some(format!("its exit status could not be read: {e}")),
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            let name = match sig {
+                4 => " (SIGILL)",
+                6 => " (SIGABRT)",
+                7 => " (SIGBUS)",
+                8 => " (SIGFPE)",
+                9 => " (SIGKILL: out of memory, or killed)",
+                11 => " (SIGSEGV)",
+                15 => " (SIGTERM)",
+                _ => "",
+            };
+            return Some(format!("killed by signal {sig}{name}"));
+        }
+    }
+    match (status.code(), summary) {
+        (Some(0 | 1), true) => None,
+        (Some(c), _) => Some(format!("exit status {c} without a summary")),
+        (None, _) => Some("ended without an exit status".into()),
+    }
 }
 
 /// Seeds a worker holds beyond the one it runs, so that it never waits for the next one.
@@ -165,6 +260,12 @@ pub enum WorkerEvent {
 ///
 /// With `gpus` (the `CUDA_VISIBLE_DEVICES` names of N GPUs) worker `i` sees only GPU `i mod N` ([`worker_gpu`]), so
 /// `--device gpu` puts it there; empty, every worker inherits this process's environment.
+/// A worker that dies (a signal: a segfault inside MLX, an abort, an out-of-memory kill; or an exit without its
+/// summary) is a crash of the seed it was running: its output carries a [`WorkerCrash`] with that seed and the ops
+/// it had started (each worker keeps an [`OpJournal`], `--op-journal`). Unless `stop` is set, a new worker takes its
+/// place and runs, first, the seeds the dead one held and those it had finished (its summary died with it; each
+/// result is a function of its seed, so running them again gives the same results), then the rest of the queue. Their
+/// second progress lines are not handed to `on_event`: each seed is reported once.
 ///
 /// Stdout is collected (the summary is its last JSON line); stderr is handed over line by line as
 /// [`WorkerEvent`]s to `on_event` (called on this thread, in arrival order): progress lines parsed, any other line
@@ -179,19 +280,40 @@ pub fn run_workers(
     stop: &std::sync::atomic::AtomicBool,
     mut on_event: impl FnMut(WorkerEvent),
 ) -> Result<Vec<WorkerOutput>, ShardError> {
+    use std::collections::{BTreeSet, VecDeque};
     use std::io::{BufRead, BufReader, Read, Write};
     use std::process::{Command, Stdio};
     use std::sync::mpsc;
 
-    let (tx, rx) = mpsc::channel::<(usize, WorkerEvent)>();
-    let mut queue = seeds.iter().copied();
-    let mut children = vec![];
-    let mut stdins = vec![];
-    for worker in 0..jobs.max(1) {
+    /// What a worker's stderr thread sends: a line, or the end of the stream (the worker is ending).
+    enum Msg {
+        Event(WorkerEvent),
+        Ended,
+    }
+    /// One worker process and what the parent knows of it.
+    struct Worker {
+        child: std::process::Child,
+        stdin: Option<std::process::ChildStdin>,
+        forward: std::thread::JoinHandle<()>,
+        collect: std::thread::JoinHandle<String>,
+        journal: std::path::PathBuf,
+        /// Seeds handed to it and not yet finished, in the order it runs them.
+        held: VecDeque<u64>,
+        /// Seeds it finished (run again elsewhere if it dies).
+        done: Vec<u64>,
+    }
+
+    let (tx, rx) = mpsc::channel::<(usize, Msg)>();
+    let journals = std::env::temp_dir().join(format!("kvsim-journals-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&journals);
+    let spawn = |worker: usize| -> Result<Worker, ShardError> {
+        let journal = journals.join(format!("worker-{worker}.ops"));
         let mut child = Command::new(exe)
             .args(args)
             .arg("--seed-feed")
             .envs(worker_gpu(worker, gpus).map(|gpu| ("CUDA_VISIBLE_DEVICES", gpu)))
+            .arg("--op-journal")
+            .arg(&journal)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -209,9 +331,10 @@ pub fn run_workers(
                         Some(p) => WorkerEvent::Progress(p),
                         None => WorkerEvent::Line(line),
                     };
-                    let _ = tx.send((worker, event));
+                    let _ = tx.send((worker, Msg::Event(event)));
                 }
             }
+            let _ = tx.send((worker, Msg::Ended));
         });
         let mut stdout = child.stdout.take();
         let collect = std::thread::spawn(move || {
@@ -221,47 +344,106 @@ pub fn run_workers(
             }
             text
         });
-        stdins.push(child.stdin.take());
-        children.push((worker, child, forward, collect));
+        let stdin = child.stdin.take();
+        Ok(Worker { child, stdin, forward, collect, journal, held: VecDeque::new(), done: vec![] })
+    };
+    let mut queue: VecDeque<u64> = seeds.iter().copied().collect();
+    // Seeds already reported to `on_event` (a seed run again after a crash is reported once).
+    let mut reported: BTreeSet<u64> = BTreeSet::new();
+    let mut workers: Vec<Option<Worker>> = vec![];
+    for worker in 0..jobs.max(1) {
+        workers.push(Some(spawn(worker)?));
     }
-    drop(tx);
-    // A write to a worker that already ended (its `--time` ran out) fails with a broken pipe: that worker simply
-    // takes no more seeds, and the seed is not run, as a timed campaign leaves seeds unrun.
-    let mut feed = |stdin: &mut Option<std::process::ChildStdin>| match queue.next() {
-        Some(seed) => {
-            if let Some(w) = stdin.as_mut() {
-                if writeln!(w, "{seed}").and_then(|_| w.flush()).is_err() {
-                    *stdin = None;
-                }
+    // A write to a worker that already ended (its `--time` ran out, or it died) fails with a broken pipe: that worker
+    // takes no more seeds, and the seed goes back to the front of the queue, for another worker.
+    let feed = |w: &mut Worker, queue: &mut VecDeque<u64>| match (w.stdin.as_mut(), queue.pop_front()) {
+        (Some(stdin), Some(seed)) => {
+            if writeln!(stdin, "{seed}").and_then(|_| stdin.flush()).is_err() {
+                w.stdin = None;
+                queue.push_front(seed);
+            } else {
+                w.held.push_back(seed);
             }
         }
-        None => *stdin = None,
+        (None, Some(seed)) => queue.push_front(seed),
+        (_, None) => w.stdin = None,
     };
     for _ in 0..=PREFETCH {
-        for stdin in stdins.iter_mut() {
-            feed(stdin);
+        for w in workers.iter_mut().flatten() {
+            feed(w, &mut queue);
         }
     }
-    for (worker, event) in rx {
-        let progress = matches!(event, WorkerEvent::Progress(_));
-        on_event(event);
-        if !progress {
-            continue;
-        }
-        if stop.load(std::sync::atomic::Ordering::SeqCst) {
-            stdins.iter_mut().for_each(|s| *s = None);
-        } else {
-            feed(&mut stdins[worker]);
-        }
-    }
-    drop(stdins);
     let mut outs = vec![];
-    for (worker, mut child, forward, collect) in children {
-        let status = child.wait().ok().and_then(|s| s.code());
-        let _ = forward.join();
-        let text = collect.join().unwrap_or_default();
-        outs.push(WorkerOutput { worker, status, summary: last_json_line(&text) });
+    let mut live = workers.len();
+    while live > 0 {
+        let Ok((worker, msg)) = rx.recv() else { break };
+        let event = match msg {
+            Msg::Event(e) => e,
+            Msg::Ended => {
+                live -= 1;
+                let Some(mut w) = workers[worker].take() else { continue };
+                w.stdin = None;
+                let status = w.child.wait();
+                let _ = w.forward.join();
+                let text = w.collect.join().unwrap_or_default();
+                let summary = last_json_line(&text);
+                let code = status.as_ref().ok().and_then(|s| s.code());
+                let crash = ended(&status, summary.is_some()).map(|how| {
+                    let journal = read_journal(&w.journal);
+                    let seed = match &journal {
+                        Some((s, _)) if w.held.contains(s) => Some(*s),
+                        _ => w.held.front().copied(),
+                    };
+                    let ops = journal.filter(|(s, _)| Some(*s) == seed).map(|(_, ops)| ops).unwrap_or_default();
+                    WorkerCrash { seed, how, ops }
+                });
+                let _ = std::fs::remove_file(&w.journal);
+                if let Some(c) = &crash {
+                    // Run again, first: what it held but did not crash in, and what it finished (in seed order).
+                    let mut again: Vec<u64> =
+                        w.held.iter().chain(&w.done).copied().filter(|&s| Some(s) != c.seed).collect();
+                    again.sort_unstable();
+                    for s in again.into_iter().rev() {
+                        queue.push_front(s);
+                    }
+                    if !stop.load(std::sync::atomic::Ordering::SeqCst) && !queue.is_empty() {
+                        // A worker that cannot start is said, not fatal: the other workers still take the queue.
+                        match spawn(workers.len()) {
+                            Ok(mut n) => {
+                                for _ in 0..=PREFETCH {
+                                    feed(&mut n, &mut queue);
+                                }
+                                workers.push(Some(n));
+                                live += 1;
+                            }
+                            Err(e) => on_event(WorkerEvent::Line(format!("in place of worker {worker}: {e}"))),
+                        }
+                    }
+                }
+                outs.push(WorkerOutput { worker, status: code, summary: summary.filter(|_| crash.is_none()), crash });
+                continue;
+            }
+        };
+        let WorkerEvent::Progress(p) = event else {
+            on_event(event);
+            continue;
+        };
+        if reported.insert(p.seed) {
+            on_event(WorkerEvent::Progress(p));
+        }
+        let Some(w) = workers[worker].as_mut() else { continue };
+        if let Some(i) = w.held.iter().position(|&s| s == p.seed) {
+            w.held.remove(i);
+        }
+        w.done.push(p.seed);
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            workers.iter_mut().flatten().for_each(|w| w.stdin = None);
+        } else {
+            feed(w, &mut queue);
+        }
     }
+    let _ = std::fs::remove_dir(&journals);
+    outs.sort_by_key(|o| o.worker);
     Ok(outs)
 }
 
@@ -485,5 +667,29 @@ mod tests {
         let inherited = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into());
         let outs = run_workers("/bin/sh".as_ref(), &args, 2, &[], &seeds, &stop, |_| {}).unwrap();
         assert!(outs.iter().all(|o| o.summary.as_ref().unwrap()["gpu"] == inherited.as_str()));
+    }
+
+    /// An op journal reads back as the seed and the ops written to it; a line cut short (a process killed inside
+    /// the write) is dropped, and a missing or foreign file is no journal.
+    #[test]
+    fn op_journals_read_back_and_drop_a_torn_line() {
+        use crate::sim::observe::RunObserver;
+        use std::io::Write;
+        let ops = crate::sim::run_seed(0, crate::sim::DeviceChoice::Cpu, None).trace.ops;
+        let path = std::env::temp_dir().join(format!("kvsim-journal-test-{}.ops", std::process::id()));
+        let mut j = OpJournal::start(&path, 7);
+        for (i, op) in ops.iter().take(3).enumerate() {
+            j.on_op_start(i, op);
+        }
+        assert_eq!(read_journal(&path), Some((7, ops[..3].to_vec())));
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"adm").unwrap();
+        assert_eq!(read_journal(&path), Some((7, ops[..3].to_vec())));
+        // A new seed starts a new journal.
+        OpJournal::start(&path, 8);
+        assert_eq!(read_journal(&path), Some((8, vec![])));
+        std::fs::write(&path, "not a journal\n").unwrap();
+        assert_eq!(read_journal(&path), None);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(read_journal(&path), None);
     }
 }

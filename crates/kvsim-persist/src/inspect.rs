@@ -49,6 +49,10 @@ pub struct TensorInfo {
     pub name: String,
     pub dtype: String,
     pub shape: Vec<usize>,
+    /// What the array most likely is, where its name does not say (an `ArraysCache` stores bare arrays):
+    /// [`arrays_roles`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
 }
 
 /// One layer (cache object) of a file.
@@ -98,7 +102,56 @@ pub fn detect(bytes: &[u8]) -> Result<Format> {
 }
 
 fn tinfo(name: &str, t: &HostTensor) -> TensorInfo {
-    TensorInfo { name: name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.clone() }
+    TensorInfo { name: name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.clone(), role: None }
+}
+
+/// What each array of an mlx-lm `ArraysCache` most likely is, from its rank and shape alone: the class stores bare
+/// arrays (`cache.0`, `cache.1`, ...) and no layer name, so this is a reading of the shapes, worded as one. The
+/// layouts mlx-lm 0.32.2's layers keep there: a causal-conv tail `[B, K-1, C]` (Mamba, Mamba2, gated DeltaNet,
+/// LFM2's short conv, ...), a Mamba layer's selective-scan state `[B, D, N]`, a per-head matrix state `[B, H, a, b]`
+/// (a gated-DeltaNet state `[B, Hv, Dv, Dk]`, a Mamba2 SSM state `[B, H, Dh, N]`, a linear-attention state), a
+/// per-row vector `[B, D]` (an RG-LRU state). `deltanet`: the pair maps onto kvsim's `ssm` layout
+/// ([`mlxlm::ssm_spec_of`]). One entry per array, `None` where unset.
+pub fn arrays_roles(cache: &[Option<HostTensor>], deltanet: bool) -> Vec<String> {
+    cache
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let Some(t) = t else { return "unset (None: the layer has not written it yet)".to_string() };
+            let s = &t.shape;
+            match s.len() {
+                _ if deltanet && i == 0 => {
+                    format!("the gated-DeltaNet conv tail [B, K-1, conv_dim]: kernel K = {}", s[1].saturating_add(1))
+                }
+                _ if deltanet && i == 1 => {
+                    "the gated-DeltaNet recurrent state [B, Hv, Dv, Dk] (read from the shapes: a \
+                                             Mamba2 layer whose conv width is H Dh + 2 G N has the same ones)"
+                        .to_string()
+                }
+                0 => "a scalar (no row axis: not a per-row state)".to_string(),
+                1 => format!("a vector of {} (no row axis: a per-layer value, or per-row lengths)", s[0]),
+                2 => format!(
+                    "a per-row vector [B, D] (B = {}, D = {}): a recurrence's hidden state, e.g. RG-LRU",
+                    s[0], s[1]
+                ),
+                3 if s[1] <= 8 && s[1] < s[2] => format!(
+                    "a causal-conv tail [B, K-1, C] (kernel K = {}, C = {} channels)",
+                    s[1].saturating_add(1),
+                    s[2]
+                ),
+                3 => format!(
+                    "a per-row matrix state [B, D, N] (D = {}, N = {}): a Mamba layer's selective-scan state",
+                    s[1], s[2]
+                ),
+                4 => format!(
+                    "a per-head matrix state [B, H, {}, {}] (H = {}): a Mamba2 SSM state [B, H, Dh, N] or a \
+                     linear-attention / DeltaNet state [B, Hv, Dv, Dk]",
+                    s[2], s[3], s[1]
+                ),
+                r => format!("an array of rank {r} (no mlx-lm 0.32.2 layer keeps one of this rank)"),
+            }
+        })
+        .collect()
 }
 
 /// What an mlx-lm layer at path `at` needs beyond its own fields ([`mlxlm::file_hints`]) and where it came from.
@@ -109,6 +162,8 @@ struct FileHints {
 
 fn mlx_info(l: &MlxLayer, at: &str, h: &FileHints) -> Result<LayerInfo> {
     use serde_json::json;
+    // An ArraysCache's arrays, first (each with its likely role), then the tensors every class names.
+    let mut arrays = Vec::new();
     let mut tensors = Vec::new();
     let mut push = |n: &str, t: &Option<HostTensor>| {
         if let Some(t) = t {
@@ -120,6 +175,11 @@ fn mlx_info(l: &MlxLayer, at: &str, h: &FileHints) -> Result<LayerInfo> {
             push("keys", keys);
             push("values", values);
             (json!(offset), json!({}))
+        }
+        MlxLayer::ConcatenateKvCache { keys, values } => {
+            push("keys", keys);
+            push("values", values);
+            (json!(keys.as_ref().and_then(|k| k.shape.get(2))), json!({}))
         }
         MlxLayer::RotatingKvCache { keys, values, offset, keep, max_size, idx } => {
             push("keys", keys);
@@ -137,8 +197,17 @@ fn mlx_info(l: &MlxLayer, at: &str, h: &FileHints) -> Result<LayerInfo> {
             (json!(offset), json!({"group_size": group_size, "bits": bits}))
         }
         MlxLayer::ArraysCache { cache, left_padding, lengths } => {
-            for (i, t) in cache.iter().enumerate() {
-                push(&format!("cache.{i}"), t);
+            let roles = arrays_roles(cache, mlxlm::ssm_spec_of(cache).is_ok());
+            for (i, (t, role)) in cache.iter().zip(roles).enumerate() {
+                match t {
+                    Some(t) => arrays.push(TensorInfo { role: Some(role), ..tinfo(&format!("cache.{i}"), t) }),
+                    None => arrays.push(TensorInfo {
+                        name: format!("cache.{i}"),
+                        dtype: "None".into(),
+                        shape: vec![],
+                        role: Some(role),
+                    }),
+                }
             }
             push("left_padding", left_padding);
             push("lengths", lengths);
@@ -188,11 +257,12 @@ fn mlx_info(l: &MlxLayer, at: &str, h: &FileHints) -> Result<LayerInfo> {
         }
     };
     let (kvsim_kind, note) = kvsim_kind_of(l, at, h)?;
+    arrays.extend(tensors);
     Ok(LayerInfo {
         kind: l.class_name().into(),
         offset,
         floor: None,
-        tensors,
+        tensors: arrays,
         fields,
         kvsim_kind,
         children: vec![],
@@ -224,8 +294,9 @@ fn kvsim_kind_of(l: &MlxLayer, at: &str, h: &FileHints) -> Result<(Option<String
                             .into(),
                     ),
                 ),
+                // Whatever else the arrays are, the file is well-formed: described, never refused.
                 Err(PersistError::Unsupported { what }) => (None, Some(format!("no kvsim layout: {what}"))),
-                Err(e) => return Err(e),
+                Err(e) => (None, Some(format!("no kvsim layout: {e}"))),
             });
         }
         MlxLayer::CacheList(children) => {
@@ -334,7 +405,15 @@ pub fn render(i: &Inspection) -> String {
             let _ = writeln!(s, "    ({n})");
         }
         for t in &l.tensors {
-            let _ = writeln!(s, "    {:<14} {:<5} {:?}", t.name, t.dtype, t.shape);
+            let shape = format!("{:?}", t.shape);
+            match &t.role {
+                Some(r) => {
+                    let _ = writeln!(s, "    {:<14} {:<5} {shape:<16} {r}", t.name, t.dtype);
+                }
+                None => {
+                    let _ = writeln!(s, "    {:<14} {:<5} {shape}", t.name, t.dtype);
+                }
+            }
         }
         for (j, c) in l.children.iter().enumerate() {
             layer(s, c, &format!("{at}.{j}"));

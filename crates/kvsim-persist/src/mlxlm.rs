@@ -15,6 +15,7 @@
 //! | class | state |
 //! |---|---|
 //! | `KVCache` | keys, values (the **full allocated buffer**, 256-column steps, zeros past `offset`), offset |
+//! | `ConcatenateKVCache` | keys, values (exactly the positions written: its offset is their column count) |
 //! | `RotatingKVCache` | keys, values (the ring as laid out), offset, keep, max_size, _idx |
 //! | `QuantizedKVCache` | keys = (packed U32, scales, biases), values = (same), offset, group_size, bits |
 //! | `ArraysCache` | cache = [arrays or None], left_padding, lengths |
@@ -25,7 +26,8 @@
 //!
 //! [`MlxFile`] is the file-level structure of every class above: typed tensors and scalars, read and written
 //! faithfully (a file read and written again holds the same tensors, scalars and metadata). Continuing a cache in
-//! kvsim needs a kvsim layout: [`to_kvsim`] maps every class onto [`AnyCache`] (`KVCache`, `RotatingKVCache` with
+//! kvsim needs a kvsim layout: [`to_kvsim`] maps every class onto [`AnyCache`] (`KVCache`, `ConcatenateKVCache`,
+//! `RotatingKVCache` with
 //! keep = 0, `QuantizedKVCache`, `BatchKVCache`, `BatchRotatingKVCache` onto the attention layouts, `ArraysCache`
 //! onto `ssm`, `ChunkedKVCache` onto `kv-chunked:<n>`, `CacheList` onto a list); [`from_kvsim`] maps back. What has
 //! no kvsim layout (keep > 0, an `ArraysCache` that is not a DeltaNet state or is mid-prefill) is readable,
@@ -89,6 +91,11 @@ pub enum MlxLayer {
         keys: Option<HostTensor>,
         values: Option<HostTensor>,
         offset: i64,
+    },
+    /// mlx-lm's simplest cache: exactly the positions written (`offset` is the keys' column count).
+    ConcatenateKvCache {
+        keys: Option<HostTensor>,
+        values: Option<HostTensor>,
     },
     RotatingKvCache {
         keys: Option<HostTensor>,

@@ -261,6 +261,7 @@ fn run_inner(
         let op = if replay { list[i].clone() } else { gen.next(&config, &world.view()) };
         trace.ops.push(op.clone());
         observer.on_op_start(i, &op);
+        abort_drill(seed, i);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.apply(&op, &mut *observer)));
         let result = match result {
             Ok(r) => r,
@@ -311,6 +312,26 @@ fn run_inner(
         layouts.entry(f.key().to_string()).or_insert_with(LayoutStats::default).add(&stats);
     }
     RunResult { trace, counters: world.counters(), ops_by_kind, api_coverage, skipped, layouts, failure }
+}
+
+/// The environment variable of the abort drill: `KVSIM_FAULT_ABORT=SEED:OP` (or `SEED`, op 0).
+pub const ABORT_ENV: &str = "KVSIM_FAULT_ABORT";
+
+/// The abort drill: with [`ABORT_ENV`] set to `SEED:OP`, the run of seed SEED (generated or replayed) aborts the
+/// whole process (`std::process::abort`, SIGABRT) as op OP starts, as a segfault inside MLX or an out-of-memory kill
+/// would end it: how a campaign's survival of a dying worker is tested (`kvsim sim --jobs`, docs/campaigns.md). It is
+/// not a catalog mutant (an in-process mutant hunt could not survive it). Read once per process; unset, or set to
+/// anything else, it does nothing.
+fn abort_drill(seed: u64, op: usize) {
+    static ARMED: std::sync::OnceLock<Option<(u64, usize)>> = std::sync::OnceLock::new();
+    let armed = ARMED.get_or_init(|| {
+        let v = std::env::var(ABORT_ENV).ok()?;
+        let (s, o) = v.split_once(':').unwrap_or((v.as_str(), "0"));
+        Some((s.trim().parse().ok()?, o.trim().parse().ok()?))
+    });
+    if *armed == Some((seed, op)) {
+        std::process::abort();
+    }
 }
 
 /// Runs a seed with its generated op stream.

@@ -77,53 +77,65 @@ pub fn to_kvsim(layer: &MlxLayer, spec_hint: Option<KvSpec>) -> Result<AnyCache>
 /// The geometry of an mlx-lm `ArraysCache` holding a gated-DeltaNet layer's `[conv, recurrent]` state (mlx-lm
 /// 0.32.2 `qwen3_5.py` / `qwen3_next.py`: `cache[0]` the conv tail `[B, K-1, conv_dim]` in the input dtype,
 /// `cache[1]` the recurrent state `[B, Hv, Dv, Dk]`, f32), and its row count. `Hk` follows from
-/// `conv_dim = 2 Hk Dk + Hv Dv`. Any other content is [`PersistError::Unsupported`] (kvsim has no layout for it) or a
-/// shape error.
+/// `conv_dim = 2 Hk Dk + Hv Dv`.
+///
+/// An `ArraysCache` may hold any arrays (mlx-lm's layers keep what they like in it: a Mamba layer's `[B, D, N]`
+/// state, a Mamba2 layer's `[B, H, Dh, N]` beside a conv tail of its own width, a per-row vector): every other
+/// content is a well-formed file kvsim has no layout for, so it is [`PersistError::Unsupported`], never a shape or
+/// dtype error, and the message says which array and why.
 pub fn ssm_spec_of(cache: &[Option<HostTensor>]) -> Result<(SsmSpec, usize)> {
+    let no = |why: String| {
+        Err(PersistError::unsupported(format!(
+            "{why}: kvsim's ssm layout holds a gated-DeltaNet layer's [conv tail [B, K-1, 2 Hk Dk + Hv Dv], recurrent \
+             state [B, Hv, Dv, Dk] (F32)]"
+        )))
+    };
     let (conv, rec) = match cache {
         [Some(c), Some(r)] => (c, r),
         [None, None] => return Err(PersistError::unsupported("an ArraysCache without state carries no spec")),
         _ => {
-            return Err(PersistError::unsupported(format!(
-                "an ArraysCache of {} arrays (kvsim's ssm layout holds exactly [conv, recurrent], both set)",
-                cache.len()
-            )))
+            let set = cache.iter().filter(|t| t.is_some()).count();
+            return no(format!("an ArraysCache of {} arrays, {set} of them set", cache.len()));
         }
     };
-    let dtype = kv_dtype_of(conv, "cache.0")?;
-    if rec.dtype != TensorDtype::F32 {
-        return Err(PersistError::Dtype {
-            name: "cache.1".into(),
-            expected: "F32".into(),
-            found: rec.dtype.to_string(),
-        });
+    if !matches!(conv.dtype, TensorDtype::F32 | TensorDtype::BF16) {
+        return no(format!("cache.0 is {} (kvsim layouts hold F32 or BF16)", conv.dtype));
     }
+    let dtype = kv_dtype_of(conv, "cache.0")?;
     let [b, km1, c] = match conv.shape.as_slice() {
         &[b, k, c] => [b, k, c],
-        s => return Err(PersistError::shape("cache.0", format!("shape {s:?}, expected [B, K-1, conv_dim]"))),
+        s => return no(format!("cache.0 is {s:?}, not a conv tail [B, K-1, conv_dim]")),
     };
-    if rec.shape.len() != 4 {
-        return Err(PersistError::unsupported(format!(
-            "an ArraysCache whose recurrent state cache.1 is {:?}: kvsim's ssm layout holds a gated-DeltaNet state \
-             [B, H_v, D_v, D_k] (a Mamba layer's [B, D, N] state, say, has no kvsim layout)",
-            rec.shape
-        )));
+    let [rb, hv, dv, dk] = match rec.shape.as_slice() {
+        &[rb, hv, dv, dk] => [rb, hv, dv, dk],
+        s => {
+            return no(format!(
+                "an ArraysCache whose recurrent state cache.1 is {s:?} (a Mamba layer's [B, D, N] state, say), not \
+                 [B, Hv, Dv, Dk]"
+            ))
+        }
+    };
+    if rec.dtype != TensorDtype::F32 {
+        return no(format!("the recurrent state cache.1 is {}, not F32", rec.dtype));
     }
-    let [rb, hv, dv, dk] = rec.dims4("cache.1")?;
-    let v_width = hv.checked_mul(dv).ok_or_else(|| PersistError::shape("cache.1", "Hv * Dv overflows"))?;
-    let bad = || {
-        PersistError::shape(
-            "cache.0",
-            format!("conv_dim {c} is not 2 Hk Dk + Hv Dv for the recurrent state's Hv {hv}, Dv {dv}, Dk {dk}"),
-        )
-    };
     if rb != b {
-        return Err(PersistError::shape("cache.1", format!("{rb} rows, the conv state has {b}")));
+        return no(format!("cache.1 holds {rb} rows, cache.0 {b}"));
     }
-    if dk == 0 || c <= v_width || (c - v_width) % (2 * dk) != 0 {
-        return Err(bad());
+    let Some(v_width) = hv.checked_mul(dv) else {
+        return no(format!("cache.1 {:?}: Hv * Dv overflows", rec.shape));
+    };
+    let two_dk = dk.checked_mul(2).unwrap_or(0);
+    if two_dk == 0 || c <= v_width || (c - v_width) % two_dk != 0 {
+        return no(format!(
+            "cache.0's conv_dim {c} is not 2 Hk Dk + Hv Dv for any Hk >= 1 with the recurrent state {:?}'s Hv {hv}, \
+             Dv {dv}, Dk {dk}, so the two are not one gated-DeltaNet layer's",
+            rec.shape
+        ));
     }
-    let spec = SsmSpec { kernel: km1 + 1, heads_k: (c - v_width) / (2 * dk), heads_v: hv, dk, dv, dtype };
+    let Some(kernel) = km1.checked_add(1) else {
+        return no(format!("cache.0 {:?}: K overflows", conv.shape));
+    };
+    let spec = SsmSpec { kernel, heads_k: (c - v_width) / two_dk, heads_v: hv, dk, dv, dtype };
     Ok((spec, b))
 }
 
@@ -140,6 +152,12 @@ pub fn to_kvsim_at(layer: &MlxLayer, at: &str, hints: &Hints) -> Result<AnyCache
     let class = layer.class_name();
     let spec_hint = hints.spec_at(at);
     match layer {
+        // Its columns are exactly its positions: a KVCache whose offset is their count.
+        MlxLayer::ConcatenateKvCache { keys, values } => {
+            let offset = keys.as_ref().map_or(0, |k| k.shape.get(2).copied().unwrap_or(0));
+            let offset = i64::try_from(offset).map_err(|_| PersistError::shape("keys", "too many columns"))?;
+            to_kvsim_at(&MlxLayer::KvCache { keys: keys.clone(), values: values.clone(), offset }, at, hints)
+        }
         MlxLayer::KvCache { keys, values, offset } => {
             let offset = usize_of(*offset, "offset")?;
             match kv_pair(keys, values, class)? {

@@ -105,6 +105,12 @@ fn walk(
     };
     let pos = |v: i64| usize::try_from(v).unwrap_or(0);
     match l {
+        MlxLayer::ConcatenateKvCache { keys, .. } => {
+            // Its offset is its column count; one without keys is not a cache mlx-lm can load.
+            if let Some(k) = keys.as_ref().filter(|k| k.shape.len() == 4) {
+                attention.push((vec![k.shape[2]], spec_of(keys)));
+            }
+        }
         MlxLayer::KvCache { keys, offset, .. } | MlxLayer::RotatingKvCache { keys, offset, .. } => {
             if keys.is_none() {
                 empty.push(at);
@@ -165,6 +171,7 @@ pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache])
 fn collect_empty_specs(c: &AnyCache, l: &MlxLayer, at: String, out: &mut BTreeMap<String, kvsim_cache::KvSpec>) {
     let empty = match l {
         MlxLayer::KvCache { keys, .. }
+        | MlxLayer::ConcatenateKvCache { keys, .. }
         | MlxLayer::RotatingKvCache { keys, .. }
         | MlxLayer::BatchKvCache { keys, .. }
         | MlxLayer::BatchRotatingKvCache { keys, .. }

@@ -16,6 +16,7 @@ impl MlxLayer {
     pub fn class_name(&self) -> &'static str {
         match self {
             MlxLayer::KvCache { .. } => "KVCache",
+            MlxLayer::ConcatenateKvCache { .. } => "ConcatenateKVCache",
             MlxLayer::RotatingKvCache { .. } => "RotatingKVCache",
             MlxLayer::QuantizedKvCache { .. } => "QuantizedKVCache",
             MlxLayer::ArraysCache { .. } => "ArraysCache",
@@ -37,6 +38,7 @@ impl MlxLayer {
         };
         match self {
             MlxLayer::KvCache { keys, values, offset } => Node::List(vec![ot(keys), ot(values), i(*offset)]),
+            MlxLayer::ConcatenateKvCache { keys, values } => Node::List(vec![ot(keys), ot(values)]),
             MlxLayer::RotatingKvCache { keys, values, offset, keep, max_size, idx } => {
                 Node::List(vec![ot(keys), ot(values), i(*offset), i(*keep), i(*max_size), i(*idx)])
             }
@@ -99,6 +101,10 @@ impl MlxLayer {
                     values: opt_tensor(f[1], &p(1))?,
                     offset: int(f[2], &p(2))?,
                 }
+            }
+            "ConcatenateKVCache" => {
+                want(2)?;
+                MlxLayer::ConcatenateKvCache { keys: opt_tensor(f[0], &p(0))?, values: opt_tensor(f[1], &p(1))? }
             }
             "RotatingKVCache" => {
                 want(6)?;
