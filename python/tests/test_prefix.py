@@ -4,6 +4,7 @@ and the engines' prefix caches through their drivers where their venvs are insta
     PYTHONPATH=python python3 -m unittest discover -s python/tests                                 # the checker
     PYTHONPATH=python oracles/mlx_lm/.venv/bin/python -m unittest discover -s python/tests         # + LRUPromptCache
     PYTHONPATH=python oracles/vllm_mlx/.venv/bin/python -m unittest discover -s python/tests       # + vllm-mlx's
+    PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m unittest discover -s python/tests        # + mlx-vlm's APC
 
 K/V are made the way kvsim makes them for prefix caches: position p's K and V a pure function of tokens[:p+1], the
 layer and the element, so the same prefix has the same bytes in every call.
@@ -253,6 +254,37 @@ class VllmMlxPrefix(unittest.TestCase):
         rc, out = run_script(script)
         self.assertEqual(rc, 1, out)
         self.assertIn("[prefix_warm_cold] layer 0 K", out)
+
+
+@unittest.skipUnless(importlib.util.find_spec("mlx_vlm") is not None, "mlx-vlm is not installed")
+class MlxVlmPrefix(unittest.TestCase):
+    def replay(self, calls, divergence="prefix", **opts):
+        from kvsim.drivers.mlx_vlm import MlxVlm
+
+        return kit.replay(MlxVlm(**opts), calls, divergence)
+
+    def matched(self, calls):
+        from kvsim.drivers.mlx_vlm import MlxVlm
+
+        s = kit.Server(MlxVlm())
+        return [s.handle(c).get("matched") for c in calls]
+
+    def test_dense_checkpoints_trim_to_blocks_and_window_stacks_match_whole_entries(self):
+        dense = [new([None, None]), insert([None, None], [1, 2, 3, 4, 5]), lookup([1, 2, 3, 4, 5]), lookup([1, 2, 7]),
+                 EVICT, lookup([1, 2, 3, 4, 5, 6]), insert([None, None], [1, 2, 3, 4, 5]), lookup([1, 2, 3, 4, 5, 6])]
+        self.assertIsNone(self.replay(dense))
+        self.assertEqual(self.matched(dense), [None, None, 4, 2, None, 0, None, 5])
+        w = [None, 4]
+        window = [new(w), insert(w, [1, 2, 3, 4, 5, 6]), lookup([1, 2, 3]), lookup([1, 2, 3, 4, 5, 6]),
+                  lookup([1, 2, 3, 4, 5, 6, 7])]
+        self.assertIsNone(self.replay(window))
+        self.assertEqual(self.matched(window), [None, None, 0, 0, 6])
+
+    def test_planted_short_restore_is_caught(self):
+        w = [None, 4]
+        calls = [new(w), insert(w, [1, 2, 3]), lookup([1, 2, 3, 4])]
+        self.assertIn("[prefix_offset] layer 0 was restored at offset 2, matched says 3",
+                      self.replay(calls, plant="prefix-short"))
 
 
 if __name__ == "__main__":
