@@ -26,8 +26,9 @@ Run it as `python -m kvsim.drivers.<engine> [--option value ...]` with `PYTHONPA
 venv python. An exception a handler raises is the refusal `{"ok": false, "error": "<Type>: <message>"}`; the engine's
 objects are left as the exception left them.
 
-This module and `kvsim.poolcheck` are the kit's core: they import only the standard library (mlx lazily, in the
-array codec), so a reproducer carries both verbatim beside the driver's module source (`reproducer`).
+This module, `kvsim.poolcheck` and `kvsim.prefixcheck` are the kit's core: they import only the standard library (mlx
+lazily, in the array codec and the cache view), so a reproducer carries them verbatim beside the driver's module
+source (`reproducer`).
 """
 import base64
 import importlib
@@ -249,6 +250,42 @@ def arr_out(x):
     return {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": base64.b64encode(raw_of(x)).decode()}
 
 
+def kv_view(c, window):
+    """(k, v): the K/V the next read of an mlx-style cache `c` attends, oldest first, or None for a cache holding
+    no arrays yet: the first `offset` positions of a full-attention cache (`window` None); under a window, the newest
+    min(offset, window) positions of the cache's temporal order (its own `_temporal_order`)."""
+    if c.keys is None:
+        return None
+    if not window:
+        return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+    n = max(0, min(c.offset, window, k.shape[2]))
+    return k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
+
+
+def empty_kv(heads_kv, head_dim, dtype):
+    """A `[1, heads_kv, 0, head_dim]` array of the protocol dtype `dtype` (the view of an empty cache)."""
+    return _codec()["mx"].zeros([1, heads_kv, 0, head_dim], dtype=mx_dtype(dtype))
+
+
+def layer_states(caches, geometry, short=False):
+    """A prefix reply's `states`: per cache `{"offset", "k", "v"}`, the view of `kv_view` under the cache's own
+    window (its `max_size`; none for a cache without one), `geometry` (`heads_kv`, `head_dim`, `dtype`) giving the
+    empty view's shape. `short` (a planted bug, never an engine's answer): each layer one position short, its newest
+    dropped and its offset one less."""
+    out = []
+    for c in caches:
+        view = kv_view(c, getattr(c, "max_size", None))
+        if view is None:
+            view = (empty_kv(geometry["heads_kv"], geometry["head_dim"], geometry["dtype"]),) * 2
+        k, v = view
+        offset = int(c.offset)
+        if short:
+            k, v, offset = k[..., : max(0, k.shape[2] - 1), :], v[..., : max(0, v.shape[2] - 1), :], offset - 1
+        out.append({"offset": offset, "k": arr_out(k), "v": arr_out(v)})
+    return out
+
+
 # ---- the protocol-1 divergence checks a reproducer re-runs ----
 
 ELEMENT = {"f32": ("I", 4), "bf16": ("H", 2)}
@@ -306,14 +343,20 @@ KV_CHECKS = {"rows_vs_solo": check_rows_vs_solo, "rows_trim_vs_solo": check_rows
 def replay(driver, calls, divergence):
     """Replay `calls` through the driver's handlers; the first divergence named by `divergence` (a message), or
     None. A refused K/V call is the divergence itself (kvsim's `adapter_error`); pool requests are judged by the
-    pool checker (`kvsim.poolcheck`), which also sees refusals."""
+    pool checker (`kvsim.poolcheck`), which also sees refusals; prefix requests by the prefix checker
+    (`kvsim.prefixcheck`), for which a refusal is the divergence too."""
     server, replies = Server(driver), []
     pools = poolcheck.PoolChecker(server, divergence) if divergence.startswith("pool") else None
+    prefixes = prefixcheck.PrefixChecker(server, divergence) if divergence.startswith("prefix") else None
     for i, req in enumerate(calls):
         rep = server.handle(req)
         replies.append(rep)
         if pools is not None and str(req.get("op", "")).startswith("pool_"):
             problem = pools.after(i, req, rep)
+            if problem:
+                return problem
+        elif prefixes is not None and str(req.get("op", "")).startswith("prefix_"):
+            problem = prefixes.after(i, req, rep)
             if problem:
                 return problem
         elif not rep["ok"] and req.get("op") != "reproducer":
@@ -347,7 +390,7 @@ def reproducer(driver, r):
     """A standalone script: the kit's core, the driver's module, the calls, and the check of `divergence`. It
     imports only the standard library and what the driver imports (the engine, mlx where it needs it)."""
     drv_module = sys.modules[type(driver).__module__]
-    core = [sys.modules[__name__], poolcheck]
+    core = [sys.modules[__name__], poolcheck, prefixcheck]
     head = (
         "#!/usr/bin/env python3\n"
         f'"""{r.get("title", "kvsim reproducer")}\n\n'
@@ -359,7 +402,7 @@ def reproducer(driver, r):
     parts = [head]
     for m in core:
         parts.append(f"# ---- {m.__name__} (kvsim's driver kit) ----\n" + module_source(m))
-    parts.append("kit = poolcheck = sys.modules[__name__]\n")
+    parts.append("kit = poolcheck = prefixcheck = sys.modules[__name__]\n")
     parts.append(f"# ---- {drv_module.__name__} (the driver: the engine's calls) ----\n" + module_source(drv_module))
     calls = json.dumps(r["calls"], separators=(",", ":"))
     opts = {k: v for k, v in driver.opts.items() if v != driver.options[k][0]}
@@ -373,4 +416,4 @@ def reproducer(driver, r):
     return "\n".join(parts)
 
 
-from kvsim import poolcheck  # noqa: E402  (inline in a reproducer: the line is left out there)
+from kvsim import poolcheck, prefixcheck  # noqa: E402  (inline in a reproducer: the line is left out there)

@@ -1,15 +1,22 @@
 """kvsim's K/V requests served by mlx-lm's own caches (oracles/PROTOCOL.md, "Decisions taken by the mlx-lm engine").
 
-    PYTHONPATH=python oracles/mlx_lm/.venv/bin/python -m kvsim.drivers.mlx_lm
+    PYTHONPATH=python oracles/mlx_lm/.venv/bin/python -m kvsim.drivers.mlx_lm [--plant prefix-short]
 
 Every serial cache is mlx-lm's `KVCache` (`RotatingKVCache(max_size=W, keep=0)` under a sliding window), every batch
 its `BatchKVCache` (`BatchRotatingKVCache`; made by the serial class's `merge`, grown by `extend`, shrunk by `extract`
 and `filter`); reads take their mask from the cache before the write (`base.create_attention_mask`, as a model's
 forward does) and attend through `mlx_lm.models.base.scaled_dot_product_attention`; trims go through
 `trim_prompt_cache`. The driver only calls mlx-lm: it re-implements none of it and works around none of its bugs.
-"""
-import mlx.core as mx
 
+Prefix caches (protocol 2, `supports.prefix`; oracles/mlx_lm/README.md, "Prefix caches"): each is mlx-lm's
+`LRUPromptCache()` (`models/cache.py`, the server's, with the server's default of 10 entries), keyed by one model
+key. `prefix_insert`: a `KVCache` / `RotatingKVCache(max_size=W, keep=0)` per layer filled by one `update_and_fetch`
+of all positions, then `insert_cache(model, tokens, caches)`; `prefix_lookup`: `fetch_nearest_cache(model, tokens)`,
+`matched` = len(tokens) - len(rest) as the server counts it, the states of the caches it hands back (deep copies,
+trimmed by `trim_prompt_cache` for a longer entry); `prefix_cold`: the same caches without the prefix cache;
+`prefix_evict`: `trim_to(n_sequences=len - 1)`, one LRU step. `--plant prefix-short` (a negative control, hello's
+`version` says `+plant:...`): every restored layer answered one position short, `matched` kept.
+"""
 from kvsim import kit
 
 BASE, CACHE = kit.load_modules("mlx_lm", ["models.base", "models.cache"])
@@ -20,10 +27,13 @@ class MlxLm(kit.Driver):
 
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
-                "rotating": True}
+                "rotating": True, "prefix": True}
+    options = {"plant": (None, "prefix-short")}
+    model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
     def version(self):
-        return kit.package_version("mlx-lm")
+        v = kit.package_version("mlx-lm")
+        return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
         return {"mlx": kit.package_version("mlx")}
@@ -54,15 +64,11 @@ class MlxLm(kit.Driver):
         """The K/V the next read attends, oldest first: the first `offset` columns of a KVCache; the newest
         min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`)."""
         g = self.geometry
-        if c.keys is None:
-            empty = mx.zeros([1, g["heads_kv"], 0, g["head_dim"]], dtype=kit.mx_dtype(g["dtype"]))
+        view = kit.kv_view(c, g.get("max_size"))
+        if view is None:
+            empty = kit.empty_kv(g["heads_kv"], g["head_dim"], g["dtype"])
             return {"k": kit.arr_out(empty), "v": kit.arr_out(empty)}
-        w = g.get("max_size")
-        if not w:
-            return {"k": kit.arr_out(c.keys[..., : c.offset, :]), "v": kit.arr_out(c.values[..., : c.offset, :])}
-        k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-        n = max(0, min(c.offset, w, k.shape[2]))
-        return {"k": kit.arr_out(k[..., k.shape[2] - n :, :]), "v": kit.arr_out(v[..., v.shape[2] - n :, :])}
+        return {"k": kit.arr_out(view[0]), "v": kit.arr_out(view[1])}
 
     def op_state(self, r):
         return self.state_of(self.handles[r["id"]])
@@ -93,6 +99,45 @@ class MlxLm(kit.Driver):
 
     def op_rows_state(self, r):
         return self.state_of(self.handles[r["id"]].extract(r["row"]))
+
+    # ---- prefix caches ----
+
+    def prefill(self, p, k, v):
+        """Each layer's cache as a prefill of those positions makes it: one `update_and_fetch` of all of them."""
+        caches = []
+        for w, kl, vl in zip(p["windows"], k, v):
+            c = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+            c.update_and_fetch(kit.arr_in(kl), kit.arr_in(vl))
+            caches.append(c)
+        return caches
+
+    def op_prefix_new(self, r):
+        self.handles[r["id"]] = {"lru": CACHE.LRUPromptCache(), "windows": [l.get("max_size") for l in r["layers"]],
+                                 "geometry": {k: r[k] for k in ("heads_kv", "head_dim", "dtype")}}
+        return {}
+
+    def op_prefix_insert(self, r):
+        p = self.handles[r["id"]]
+        p["lru"].insert_cache(self.model, list(r["tokens"]), self.prefill(p, r["k"], r["v"]))
+        return {}
+
+    def op_prefix_lookup(self, r):
+        p, tokens = self.handles[r["id"]], list(r["tokens"])
+        caches, rest = p["lru"].fetch_nearest_cache(self.model, tokens)
+        if caches is None:
+            return {"matched": 0, "states": None}
+        short = self.opts["plant"] == "prefix-short"
+        return {"matched": len(tokens) - len(rest), "states": kit.layer_states(caches, p["geometry"], short)}
+
+    def op_prefix_cold(self, r):
+        p = self.handles[r["id"]]
+        return {"states": kit.layer_states(self.prefill(p, r["k"], r["v"]), p["geometry"])}
+
+    def op_prefix_evict(self, r):
+        lru = self.handles[r["id"]]["lru"]
+        before = len(lru)
+        lru.trim_to(n_sequences=before - 1)
+        return {"evicted": before - len(lru)}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""kvsim's block-pool requests (protocol 2, `supports.pool`) served by vllm-mlx 0.6.0's `PagedCacheManager`.
+"""kvsim's block-pool requests (protocol 2, `supports.pool`) served by vllm-mlx 0.6.0's `PagedCacheManager`, and
+its prefix-cache requests (`supports.prefix`) by its `MemoryAwarePrefixCache` or `BlockAwarePrefixCache`.
 
     PYTHONPATH=python oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx [--lookup chain]
-        [--plant cow-keeps-shared]
+        [--prefix block] [--blocks N] [--plant cow-keeps-shared | prefix-short]
 
 Each pool is a `vllm_mlx.paged_cache.PagedCacheManager`; kvsim's sequence `seq` is its request id `str(seq)`. The
 driver only calls the manager (and, for `pool_hit`, makes the calls vllm-mlx's `BlockAwarePrefixCache.fetch_cache`
@@ -30,25 +31,57 @@ makes); it re-implements none of it and works around none of its bugs. The mappi
   of those blocks whose `cache_data` is not None.
 - `--plant cow-keeps-shared` (a negative control, never the stock engine: hello's `version` says `+plant:...`):
   `pool_cow` answers the table unchanged and `copied` 0 without calling `get_blocks_for_generation`.
+
+Prefix caches (oracles/vllm_mlx/README.md, "Prefix caches"; mlx-lm 0.31.3's `KVCache` per full-attention layer and
+`RotatingKVCache(max_size=W, keep=0)` per window layer, each filled by one `update_and_fetch` of all positions):
+
+- `--prefix memory` (default): `MemoryAwarePrefixCache(model, MemoryCacheConfig(max_memory_mb=1024,
+  min_prefix_tokens=1))`; `prefix_insert`: `store(tokens, caches)`; `prefix_lookup`: `fetch(tokens)`, `matched` =
+  len(tokens) - len(remaining) as the scheduler counts it; `prefix_evict`: `_evict_lru()`, one LRU step.
+- `--prefix block`: `BlockAwarePrefixCache(model, PagedCacheManager(block_size, max_blocks=--blocks (64),
+  enable_caching=True))`; `prefix_insert`: `store_cache(rid, tokens, states)` with `states` the scheduler's
+  `_extract_cache_states` form (`state`, `meta_state`, `class_name`, `class_ref` per layer), the stored request's
+  blocks kept held as the scheduler keeps them; `prefix_lookup`: `fetch_cache(rid, tokens)`, then
+  `reconstruct_cache(table)` as the scheduler does (a failed reconstruction is a miss), `matched` = the table's
+  `num_tokens` (the scheduler's `cached_tokens`), then the lookup's table deleted (its request dropped);
+  `prefix_evict`: `release_cache` of the least recently stored request still held.
+- `prefix_cold`: the same caches without the prefix cache. `--plant prefix-short` (a negative control): every
+  restored layer answered one position short, `matched` kept.
 """
+import types
+
 from kvsim import kit
 
 import vllm_mlx.paged_cache as PAGED  # standard library only: imports without stubs
+
+_PREFIX = {}
+
+
+def prefix_modules():
+    """mlx-lm 0.31.3's cache module and vllm-mlx's prefix caches, loaded on the first prefix request (a pool run
+    needs neither mlx nor them)."""
+    if not _PREFIX:
+        (cache,) = kit.load_modules("mlx_lm", ["models.cache"])  # first: vllm-mlx imports it by name
+        mem, prefix = kit.load_modules("vllm_mlx", ["memory_cache", "prefix_cache"])
+        _PREFIX.update(cache=cache, mem=mem, prefix=prefix)
+    return _PREFIX
 
 
 class VllmMlx(kit.Driver):
     """vllm-mlx's block pools by the ids kvsim gives them."""
 
     name = "vllm-mlx"
-    supports = {"kv": False, "pool": True}
-    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared")}
+    supports = {"kv": False, "pool": True, "prefix": True}
+    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared", "prefix-short"),
+               "prefix": ("memory", "block"), "blocks": ("64", "8", "16", "32", "256", "1024")}
+    model = types.SimpleNamespace()  # the prefix caches' model: only its identity is used
 
     def version(self):
         v = kit.package_version("vllm-mlx")
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
-        return {"lookup": self.opts["lookup"]}
+        return {"lookup": self.opts["lookup"], "prefix_cache": self.opts["prefix"]}
 
     def op_pool_new(self, r):
         self.handles[r["id"]] = PAGED.PagedCacheManager(block_size=r["block_size"], max_blocks=r["blocks"],
@@ -133,6 +166,85 @@ class VllmMlx(kit.Driver):
             "tables": {s: list(t.block_ids) for s, t in pool.request_tables.items()},
             "storage": {str(i): id(b.cache_data) for i, b in sorted(held.items()) if b.cache_data is not None},
         }
+
+    # ---- prefix caches ----
+
+    def prefill(self, p, k, v):
+        """Each layer's cache as a prefill of those positions makes it: one `update_and_fetch` of all of them."""
+        cache = prefix_modules()["cache"]
+        caches = []
+        for w, kl, vl in zip(p["windows"], k, v):
+            c = cache.RotatingKVCache(max_size=w, keep=0) if w else cache.KVCache()
+            c.update_and_fetch(kit.arr_in(kl), kit.arr_in(vl))
+            caches.append(c)
+        return caches
+
+    def op_prefix_new(self, r):
+        m = prefix_modules()
+        p = {"windows": [l.get("max_size") for l in r["layers"]], "stored": [], "n": 0,
+             "geometry": {k: r[k] for k in ("heads_kv", "head_dim", "dtype")}}
+        if self.opts["prefix"] == "memory":
+            config = m["mem"].MemoryCacheConfig(max_memory_mb=1024, min_prefix_tokens=1)
+            p["engine"] = m["mem"].MemoryAwarePrefixCache(self.model, config)
+        else:
+            pool = PAGED.PagedCacheManager(block_size=r["block_size"], max_blocks=int(self.opts["blocks"]),
+                                           enable_caching=True)
+            p["engine"] = m["prefix"].BlockAwarePrefixCache(self.model, pool)
+        self.handles[r["id"]] = p
+        return {}
+
+    def request_id(self, p, what):
+        p["n"] += 1
+        return f"{what}-{p['n']}"
+
+    def op_prefix_insert(self, r):
+        p, tokens = self.handles[r["id"]], list(r["tokens"])
+        caches = self.prefill(p, r["k"], r["v"])
+        if self.opts["prefix"] == "memory":
+            return {"stored": bool(p["engine"].store(tokens, caches))}
+        # as Scheduler._extract_cache_states packs a finished request's caches (scheduler.py:1993)
+        states = [{"state": c.state, "meta_state": c.meta_state, "class_name": type(c).__name__,
+                   "class_ref": type(c)} for c in caches]
+        rid = self.request_id(p, "insert")
+        table = p["engine"].store_cache(rid, tokens, states)
+        p["stored"].append(rid)
+        return {"stored": table is not None, "blocks": list(table.block_ids) if table is not None else []}
+
+    def op_prefix_lookup(self, r):
+        p, tokens = self.handles[r["id"]], list(r["tokens"])
+        short = self.opts["plant"] == "prefix-short"
+        if self.opts["prefix"] == "memory":
+            caches, remaining = p["engine"].fetch(tokens)
+            if not caches:
+                return {"matched": 0, "states": None}
+            return {"matched": len(tokens) - len(remaining), "states": kit.layer_states(caches, p["geometry"], short)}
+        rid = self.request_id(p, "lookup")
+        table, remaining = p["engine"].fetch_cache(rid, tokens)
+        try:
+            if not table or table.num_tokens <= 0:
+                return {"matched": 0, "states": None}
+            caches = p["engine"].reconstruct_cache(table)
+            if not caches:  # the scheduler treats a failed reconstruction as a miss
+                return {"matched": 0, "states": None, "reconstructed": False}
+            return {"matched": table.num_tokens, "states": kit.layer_states(caches, p["geometry"], short),
+                    "blocks": list(table.block_ids), "remaining": len(remaining)}
+        finally:
+            p["engine"].paged_cache.delete_block_table(rid)
+
+    def op_prefix_cold(self, r):
+        p = self.handles[r["id"]]
+        return {"states": kit.layer_states(self.prefill(p, r["k"], r["v"]), p["geometry"])}
+
+    def op_prefix_evict(self, r):
+        p = self.handles[r["id"]]
+        if self.opts["prefix"] == "memory":
+            before = len(p["engine"])
+            p["engine"]._evict_lru()
+            return {"evicted": before - len(p["engine"])}
+        if not p["stored"]:
+            return {"evicted": 0}
+        p["engine"].release_cache(p["stored"].pop(0))
+        return {"evicted": 1}
 
 
 if __name__ == "__main__":
