@@ -1,12 +1,13 @@
-//! vllm-mlx 0.6.0's block pool (`PagedCacheManager`) under `kvsim check-engine` over protocol 2: the classes of the
-//! stock release, each with its shortest trace and a reproducer under `oracles/vllm_mlx/repros/` that exits 1, and
-//! the driver's planted bug caught. The engine's runs need the venv `oracles/vllm_mlx/setup.sh` creates; without it
+//! vllm-mlx 0.6.0's block pool (`PagedCacheManager`) and paged prefix cache (`BlockAwarePrefixCache`) under
+//! `kvsim check-engine` over protocol 2: the classes of the stock release, each with its shortest trace and a
+//! reproducer under `oracles/vllm_mlx/repros/` that exits 1, and the driver's planted bug caught. The engine's runs need the venv `oracles/vllm_mlx/setup.sh` creates; without it
 //! they are skipped with the reason printed (the traces are checked either way).
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvsim::byoc::engine::check_engine;
 use kvsim::byoc::pool::PoolTrace;
+use kvsim::byoc::prefix::PrefixTrace;
 use kvsim::byoc::CheckOptions;
 use kvsim::sim::trace::Outcome;
 
@@ -46,14 +47,20 @@ fn driver(python: &Path, options: &str) -> String {
 #[test]
 fn every_pool_class_has_a_short_failing_trace_beside_its_reproducer() {
     let scripts = repros();
-    assert!(scripts.len() >= 3, "{scripts:?}");
+    assert!(scripts.len() >= 6, "{scripts:?}");
     for s in &scripts {
         let trace = s.with_extension("trace.json");
         let text = std::fs::read_to_string(&trace).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
-        let t = PoolTrace::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
-        let Outcome::Fail { check, .. } = &t.outcome else { panic!("{}: passes", trace.display()) };
+        let (outcome, ops) = match PoolTrace::parse(&text) {
+            Ok(t) => (t.outcome, t.ops.len()),
+            Err(_) => {
+                let t = PrefixTrace::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
+                (t.outcome, t.ops.len())
+            }
+        };
+        let Outcome::Fail { check, .. } = &outcome else { panic!("{}: passes", trace.display()) };
         assert_eq!(s.file_stem().unwrap().to_string_lossy(), check.as_str());
-        assert!(t.ops.len() <= 4, "{}: {} ops", trace.display(), t.ops.len());
+        assert!(ops <= 4, "{}: {ops} ops", trace.display());
     }
 }
 
@@ -91,4 +98,41 @@ fn vllm_mlx_classes_are_found_and_its_planted_bug_is_caught() {
     assert!(cow.failing_seeds.iter().any(|s| !stock_cow.contains(s)), "{:?} vs {stock_cow:?}", cow.failing_seeds);
     assert!(cow.shortest.ops() <= 4, "{} ops", cow.shortest.ops());
     assert!(cow.reproducer.is_ok(), "{:?}", cow.reproducer);
+}
+
+/// Every prefix-cache driver (mlx-lm's `LRUPromptCache`, vllm-mlx's `MemoryAwarePrefixCache`, mlx-vlm's
+/// `APCManager`): the stock engine passes every prefix check over 20 seeds with hits checked, and the driver's planted
+/// hit that restores one position fewer than it says is caught by `prefix_offset` and shrunk to 2 ops.
+#[test]
+fn every_prefix_driver_passes_stock_and_catches_its_planted_short_hit() {
+    let opts = CheckOptions { seeds: 20, ops: 100, shrink_budget: 60, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    for (engine, module) in [("mlx_lm", "mlx_lm"), ("vllm_mlx", "vllm_mlx"), ("mlx_vlm", "mlx_vlm")] {
+        let python = root().join(format!("oracles/{engine}/.venv/bin/python"));
+        if !python.exists() {
+            eprintln!("skipped {engine}: no {} (run oracles/{engine}/setup.sh)", python.display());
+            continue;
+        }
+        let cmd = |opt: &str| {
+            format!(
+                "cd {} && PYTHONPATH=python exec {} -m kvsim.drivers.{module} {opt}",
+                root().display(),
+                python.display()
+            )
+        };
+        // vllm-mlx's pool fails its own checks whatever the prefix cache does; the chain lookup keeps those runs long.
+        let stock_opts = if engine == "vllm_mlx" { "--lookup chain" } else { "" };
+        let stock =
+            check_engine(&cmd(stock_opts), timeout, opts, 0).unwrap_or_else(|b| panic!("{engine}: {}", b.failure));
+        assert!(stock.hello.prefix, "{engine} serves prefix caches");
+        assert!(stock.ops_by_kind.get("prefix_hit").copied().unwrap_or(0) > 50, "{engine}: {:?}", stock.ops_by_kind);
+        let prefix_classes: Vec<&str> =
+            stock.classes.iter().map(|c| c.name.as_str()).filter(|n| n.starts_with("prefix_")).collect();
+        assert!(prefix_classes.is_empty(), "{engine}: {prefix_classes:?}");
+        let planted = check_engine(&cmd("--plant prefix-short"), timeout, opts, 1)
+            .unwrap_or_else(|b| panic!("{engine} planted: {}", b.failure));
+        let c = planted.classes.iter().find(|c| c.name == "prefix_offset").expect("the short hit is caught");
+        assert!(c.shortest.ops() <= 2, "{engine}: {} ops", c.shortest.ops());
+        assert!(c.reproducer.is_ok(), "{engine}: {:?}", c.reproducer);
+    }
 }

@@ -35,8 +35,9 @@ Run it as `python -m kvsim.drivers.<engine> [--option value ...]` with `PYTHONPA
 venv python. An exception a handler raises is the refusal `{"ok": false, "error": "<Type>: <message>"}`; the engine's
 objects are left as the exception left them.
 
-This module and `kvsim.poolcheck` are the kit's core: they import only the standard library (mlx lazily, in the
-array codec), so a reproducer carries both verbatim beside the driver's module source (`reproducer`).
+This module, `kvsim.poolcheck` and `kvsim.prefixcheck` are the kit's core: they import only the standard library (mlx
+lazily, in the array codec and the cache view), so a reproducer carries them verbatim beside the driver's module
+source (`reproducer`).
 """
 import base64
 import importlib
@@ -258,6 +259,42 @@ def arr_out(x):
     return {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": base64.b64encode(raw_of(x)).decode()}
 
 
+def kv_view(c, window):
+    """(k, v): the K/V the next read of an mlx-style cache `c` attends, oldest first, or None for a cache holding
+    no arrays yet: the first `offset` positions of a full-attention cache (`window` None); under a window, the newest
+    min(offset, window) positions of the cache's temporal order (its own `_temporal_order`)."""
+    if c.keys is None:
+        return None
+    if not window:
+        return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+    n = max(0, min(c.offset, window, k.shape[2]))
+    return k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
+
+
+def empty_kv(heads_kv, head_dim, dtype):
+    """A `[1, heads_kv, 0, head_dim]` array of the protocol dtype `dtype` (the view of an empty cache)."""
+    return _codec()["mx"].zeros([1, heads_kv, 0, head_dim], dtype=mx_dtype(dtype))
+
+
+def layer_states(caches, geometry, short=False):
+    """A prefix reply's `states`: per cache `{"offset", "k", "v"}`, the view of `kv_view` under the cache's own
+    window (its `max_size`; none for a cache without one), `geometry` (`heads_kv`, `head_dim`, `dtype`) giving the
+    empty view's shape. `short` (a planted bug, never an engine's answer): each layer one position short, its newest
+    dropped and its offset one less."""
+    out = []
+    for c in caches:
+        view = kv_view(c, getattr(c, "max_size", None))
+        if view is None:
+            view = (empty_kv(geometry["heads_kv"], geometry["head_dim"], geometry["dtype"]),) * 2
+        k, v = view
+        offset = int(c.offset)
+        if short:
+            k, v, offset = k[..., : max(0, k.shape[2] - 1), :], v[..., : max(0, v.shape[2] - 1), :], offset - 1
+        out.append({"offset": offset, "k": arr_out(k), "v": arr_out(v)})
+    return out
+
+
 # ---- the protocol-1 divergence checks a reproducer re-runs ----
 
 ELEMENT = {"f32": ("I", 4), "bf16": ("H", 2)}
@@ -315,14 +352,20 @@ KV_CHECKS = {"rows_vs_solo": check_rows_vs_solo, "rows_trim_vs_solo": check_rows
 def replay(driver, calls, divergence):
     """Replay `calls` through the driver's handlers; the first divergence named by `divergence` (a message), or
     None. A refused K/V call is the divergence itself (kvsim's `adapter_error`); pool requests are judged by the
-    pool checker (`kvsim.poolcheck`), which also sees refusals."""
+    pool checker (`kvsim.poolcheck`), which also sees refusals; prefix requests by the prefix checker
+    (`kvsim.prefixcheck`), for which a refusal is the divergence too."""
     server, replies = Server(driver), []
     pools = poolcheck.PoolChecker(server, divergence) if divergence.startswith("pool") else None
+    prefixes = prefixcheck.PrefixChecker(server, divergence) if divergence.startswith("prefix") else None
     for i, req in enumerate(calls):
         rep = server.handle(req)
         replies.append(rep)
         if pools is not None and str(req.get("op", "")).startswith("pool_"):
             problem = pools.after(i, req, rep)
+            if problem:
+                return problem
+        elif prefixes is not None and str(req.get("op", "")).startswith("prefix_"):
+            problem = prefixes.after(i, req, rep)
             if problem:
                 return problem
         elif not rep["ok"] and req.get("op") != "reproducer":
@@ -356,7 +399,7 @@ def reproducer(driver, r):
     """A standalone script: the kit's core, the driver's module, the calls, and the check of `divergence`. It
     imports only the standard library and what the driver imports (the engine, mlx where it needs it)."""
     drv_module = sys.modules[type(driver).__module__]
-    core = [sys.modules[__name__], poolcheck]
+    core = [sys.modules[__name__], poolcheck, prefixcheck]
     head = (
         "#!/usr/bin/env python3\n"
         f'"""{r.get("title", "kvsim reproducer")}\n\n'
@@ -368,7 +411,7 @@ def reproducer(driver, r):
     parts = [head]
     for m in core:
         parts.append(f"# ---- {m.__name__} (kvsim's driver kit) ----\n" + module_source(m))
-    parts.append("kit = poolcheck = sys.modules[__name__]\n")
+    parts.append("kit = poolcheck = prefixcheck = sys.modules[__name__]\n")
     parts.append(f"# ---- {drv_module.__name__} (the driver: the engine's calls) ----\n" + module_source(drv_module))
     calls = json.dumps(r["calls"], separators=(",", ":"))
     opts = {k: v for k, v in driver.opts.items() if v != driver.options[k][0]}
@@ -628,13 +671,124 @@ class PoolChecker:
         if not 0 <= rep["evicted"] <= most:
             bad("pool_count", f"evicted {rep['evicted']}, but at most {most} cached blocks were free (n={req['n']})")
 
-kit = poolcheck = sys.modules[__name__]
+# ---- kvsim.prefixcheck (kvsim's driver kit) ----
+"""Re-checks a prefix-cache engine's replies (protocol 2, `supports.prefix`) from the calls and replies alone.
+
+Part of the kit's core: standard library only, copied verbatim into every reproducer. `PrefixChecker.after` is
+called with each prefix request and its reply as they are replayed. It keeps what kvsim knows: each prefix cache's
+layers (`prefix_new`) and every sequence inserted into it with the K/V sent for it (`prefix_insert`: the model, since
+kvsim derives position `p`'s K and V from `tokens[..=p]` alone, the same prefix has the same bytes in any insert).
+After a `prefix_lookup` with `matched > 0` it checks the invariant it was asked for, and answers the first
+violation (a message) or None; for `prefix_warm_cold` it sends the engine a `prefix_cold` of `tokens[:matched]` with
+the inserted K/V of those positions (a read that changes nothing a later request sees).
+
+Check names are kvsim's: `prefix_count`, `prefix_offset`, `prefix_warm_cold`, `prefix_model`; `prefix` re-checks
+all of them. A refused prefix request is a divergence under every name.
+"""
+import base64
+
+CHECKS = ("prefix_count", "prefix_offset", "prefix_warm_cold", "prefix_model")
+ELEMENT_SIZE = {"f32": 4, "bf16": 2}
+
+
+def first_positions(a, m):
+    """The array `a` (`[1, H, L, D]`, the protocol's encoding) cut to its first `m` positions (axis 2)."""
+    _, h, n, d = a["shape"]
+    raw = base64.b64decode(a["b64"])
+    row = d * ELEMENT_SIZE[a["dtype"]]
+    out = b"".join(raw[(i * n) * row : (i * n + m) * row] for i in range(h))
+    return {"dtype": a["dtype"], "shape": [1, h, m, d], "b64": base64.b64encode(out).decode()}
+
+
+def differ(got, want):
+    """Why two arrays of the protocol's encoding differ (shape, dtype or first element), or None."""
+    if got["dtype"] != want["dtype"] or list(got["shape"]) != list(want["shape"]):
+        return f"{got['dtype']} {list(got['shape'])} where {want['dtype']} {list(want['shape'])} was expected"
+    a, b = base64.b64decode(got["b64"]), base64.b64decode(want["b64"])
+    if a == b:
+        return None
+    size = ELEMENT_SIZE[got["dtype"]]
+    i = next(j for j in range(0, len(a), size) if a[j : j + size] != b[j : j + size]) // size
+    _, h, n, d = got["shape"]
+    return f"element {i} (head {i // (n * d)}, position {i // d % n}, dim {i % d}) differs"
+
+
+class PrefixChecker:
+    def __init__(self, server, divergence="prefix"):
+        self.server = server
+        self.want = set(CHECKS) if divergence == "prefix" else {divergence}
+        self.caches = {}  # prefix id -> {"layers": [...], "seqs": [(tokens, k, v)]}
+
+    def after(self, i, req, rep):
+        """The first violation the request `req` (call `i`) and its reply `rep` show, or None."""
+        for gone in req.get("free", []):
+            self.caches.pop(gone, None)
+        op, pid = req["op"], req.get("id")
+        if not rep["ok"]:
+            return f"call {i} ({op}): the engine refused: {rep['error']}"
+        if op == "prefix_new":
+            self.caches[pid] = {"layers": [l.get("max_size") for l in req["layers"]], "seqs": []}
+        elif op == "prefix_insert" and pid in self.caches:
+            self.caches[pid]["seqs"].append((list(req["tokens"]), req["k"], req["v"]))
+        elif op == "prefix_lookup" and pid in self.caches and rep["matched"] > 0:
+            problems = self.lookup(pid, list(req["tokens"]), rep)
+            if problems:
+                return f"call {i} (prefix_lookup of {len(req['tokens'])} tokens, matched {rep['matched']}): " + problems[0]
+        return None
+
+    def lookup(self, pid, tokens, rep):
+        c, m, states = self.caches[pid], rep["matched"], rep["states"] or []
+        problems = []
+
+        def bad(check, msg):
+            if check in self.want:
+                problems.append(f"[{check}] {msg}")
+
+        source = next((s for s in c["seqs"] if s[0][:m] == tokens[:m] and len(s[0]) >= m), None)
+        if m > len(tokens) or source is None:
+            bad("prefix_count", f"matched {m} of {len(tokens)} tokens, but no inserted sequence begins with "
+                                f"tokens[:{m}] = {tokens[:m]}")
+        if len(states) != len(c["layers"]):
+            bad("prefix_offset", f"{len(states)} restored layers for a cache of {len(c['layers'])}")
+        for j, s in enumerate(states):
+            if s["offset"] != m:
+                bad("prefix_offset", f"layer {j} was restored at offset {s['offset']}, matched says {m}")
+        if source is None or m > len(tokens):
+            return problems
+        if "prefix_model" in self.want:
+            for j, (w, s) in enumerate(zip(c["layers"], states)):
+                if w:
+                    continue
+                for name, sent in (("k", source[1][j]), ("v", source[2][j])):
+                    d = differ(s[name], first_positions(sent, m))
+                    if d:
+                        bad("prefix_model", f"layer {j} {name.upper()}: {d} from the K/V inserted for "
+                                            f"tokens[:{m}] (inserted with {source[0]})")
+                        break
+        if "prefix_warm_cold" in self.want:
+            cold = self.server.handle({"op": "prefix_cold", "id": pid, "tokens": tokens[:m],
+                                       "k": [first_positions(a, m) for a in source[1]],
+                                       "v": [first_positions(a, m) for a in source[2]]})
+            if not cold.get("ok"):
+                bad("prefix_warm_cold", f"prefix_cold refused: {cold.get('error')}")
+                return problems
+            for j, (s, t) in enumerate(zip(states, cold["states"])):
+                for name in ("k", "v"):
+                    d = differ(s[name], t[name])
+                    if d:
+                        bad("prefix_warm_cold", f"layer {j} {name.upper()} (max_size {c['layers'][j]}): {d} "
+                                                f"from the cold run of tokens[:{m}]")
+                        break
+        return problems
+
+kit = poolcheck = prefixcheck = sys.modules[__name__]
 
 # ---- __main__ (the driver: the engine's calls) ----
-"""kvsim's block-pool requests (protocol 2, `supports.pool`) served by vllm-mlx 0.6.0's `PagedCacheManager`.
+"""kvsim's block-pool requests (protocol 2, `supports.pool`) served by vllm-mlx 0.6.0's `PagedCacheManager`, and
+its prefix-cache requests (`supports.prefix`) by its `MemoryAwarePrefixCache` or `BlockAwarePrefixCache`.
 
     PYTHONPATH=python oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx [--lookup chain]
-        [--plant cow-keeps-shared]
+        [--prefix block] [--blocks N] [--plant cow-keeps-shared | prefix-short]
 
 Each pool is a `vllm_mlx.paged_cache.PagedCacheManager`; kvsim's sequence `seq` is its request id `str(seq)`. The
 driver only calls the manager (and, for `pool_hit`, makes the calls vllm-mlx's `BlockAwarePrefixCache.fetch_cache`
@@ -663,24 +817,56 @@ makes); it re-implements none of it and works around none of its bugs. The mappi
   of those blocks whose `cache_data` is not None.
 - `--plant cow-keeps-shared` (a negative control, never the stock engine: hello's `version` says `+plant:...`):
   `pool_cow` answers the table unchanged and `copied` 0 without calling `get_blocks_for_generation`.
+
+Prefix caches (oracles/vllm_mlx/README.md, "Prefix caches"; mlx-lm 0.31.3's `KVCache` per full-attention layer and
+`RotatingKVCache(max_size=W, keep=0)` per window layer, each filled by one `update_and_fetch` of all positions):
+
+- `--prefix memory` (default): `MemoryAwarePrefixCache(model, MemoryCacheConfig(max_memory_mb=1024,
+  min_prefix_tokens=1))`; `prefix_insert`: `store(tokens, caches)`; `prefix_lookup`: `fetch(tokens)`, `matched` =
+  len(tokens) - len(remaining) as the scheduler counts it; `prefix_evict`: `_evict_lru()`, one LRU step.
+- `--prefix block`: `BlockAwarePrefixCache(model, PagedCacheManager(block_size, max_blocks=--blocks (64),
+  enable_caching=True))`; `prefix_insert`: `store_cache(rid, tokens, states)` with `states` the scheduler's
+  `_extract_cache_states` form (`state`, `meta_state`, `class_name`, `class_ref` per layer), the stored request's
+  blocks kept held as the scheduler keeps them; `prefix_lookup`: `fetch_cache(rid, tokens)`, then
+  `reconstruct_cache(table)` as the scheduler does (a failed reconstruction is a miss), `matched` = the table's
+  `num_tokens` (the scheduler's `cached_tokens`), then the lookup's table deleted (its request dropped);
+  `prefix_evict`: `release_cache` of the least recently stored request still held.
+- `prefix_cold`: the same caches without the prefix cache. `--plant prefix-short` (a negative control): every
+  restored layer answered one position short, `matched` kept.
 """
+import types
+
 
 import vllm_mlx.paged_cache as PAGED  # standard library only: imports without stubs
+
+_PREFIX = {}
+
+
+def prefix_modules():
+    """mlx-lm 0.31.3's cache module and vllm-mlx's prefix caches, loaded on the first prefix request (a pool run
+    needs neither mlx nor them)."""
+    if not _PREFIX:
+        (cache,) = kit.load_modules("mlx_lm", ["models.cache"])  # first: vllm-mlx imports it by name
+        mem, prefix = kit.load_modules("vllm_mlx", ["memory_cache", "prefix_cache"])
+        _PREFIX.update(cache=cache, mem=mem, prefix=prefix)
+    return _PREFIX
 
 
 class VllmMlx(kit.Driver):
     """vllm-mlx's block pools by the ids kvsim gives them."""
 
     name = "vllm-mlx"
-    supports = {"kv": False, "pool": True}
-    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared")}
+    supports = {"kv": False, "pool": True, "prefix": True}
+    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared", "prefix-short"),
+               "prefix": ("memory", "block"), "blocks": ("64", "8", "16", "32", "256", "1024")}
+    model = types.SimpleNamespace()  # the prefix caches' model: only its identity is used
 
     def version(self):
         v = kit.package_version("vllm-mlx")
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
-        return {"lookup": self.opts["lookup"]}
+        return {"lookup": self.opts["lookup"], "prefix_cache": self.opts["prefix"]}
 
     def op_pool_new(self, r):
         self.handles[r["id"]] = PAGED.PagedCacheManager(block_size=r["block_size"], max_blocks=r["blocks"],
@@ -765,6 +951,85 @@ class VllmMlx(kit.Driver):
             "tables": {s: list(t.block_ids) for s, t in pool.request_tables.items()},
             "storage": {str(i): id(b.cache_data) for i, b in sorted(held.items()) if b.cache_data is not None},
         }
+
+    # ---- prefix caches ----
+
+    def prefill(self, p, k, v):
+        """Each layer's cache as a prefill of those positions makes it: one `update_and_fetch` of all of them."""
+        cache = prefix_modules()["cache"]
+        caches = []
+        for w, kl, vl in zip(p["windows"], k, v):
+            c = cache.RotatingKVCache(max_size=w, keep=0) if w else cache.KVCache()
+            c.update_and_fetch(kit.arr_in(kl), kit.arr_in(vl))
+            caches.append(c)
+        return caches
+
+    def op_prefix_new(self, r):
+        m = prefix_modules()
+        p = {"windows": [l.get("max_size") for l in r["layers"]], "stored": [], "n": 0,
+             "geometry": {k: r[k] for k in ("heads_kv", "head_dim", "dtype")}}
+        if self.opts["prefix"] == "memory":
+            config = m["mem"].MemoryCacheConfig(max_memory_mb=1024, min_prefix_tokens=1)
+            p["engine"] = m["mem"].MemoryAwarePrefixCache(self.model, config)
+        else:
+            pool = PAGED.PagedCacheManager(block_size=r["block_size"], max_blocks=int(self.opts["blocks"]),
+                                           enable_caching=True)
+            p["engine"] = m["prefix"].BlockAwarePrefixCache(self.model, pool)
+        self.handles[r["id"]] = p
+        return {}
+
+    def request_id(self, p, what):
+        p["n"] += 1
+        return f"{what}-{p['n']}"
+
+    def op_prefix_insert(self, r):
+        p, tokens = self.handles[r["id"]], list(r["tokens"])
+        caches = self.prefill(p, r["k"], r["v"])
+        if self.opts["prefix"] == "memory":
+            return {"stored": bool(p["engine"].store(tokens, caches))}
+        # as Scheduler._extract_cache_states packs a finished request's caches (scheduler.py:1993)
+        states = [{"state": c.state, "meta_state": c.meta_state, "class_name": type(c).__name__,
+                   "class_ref": type(c)} for c in caches]
+        rid = self.request_id(p, "insert")
+        table = p["engine"].store_cache(rid, tokens, states)
+        p["stored"].append(rid)
+        return {"stored": table is not None, "blocks": list(table.block_ids) if table is not None else []}
+
+    def op_prefix_lookup(self, r):
+        p, tokens = self.handles[r["id"]], list(r["tokens"])
+        short = self.opts["plant"] == "prefix-short"
+        if self.opts["prefix"] == "memory":
+            caches, remaining = p["engine"].fetch(tokens)
+            if not caches:
+                return {"matched": 0, "states": None}
+            return {"matched": len(tokens) - len(remaining), "states": kit.layer_states(caches, p["geometry"], short)}
+        rid = self.request_id(p, "lookup")
+        table, remaining = p["engine"].fetch_cache(rid, tokens)
+        try:
+            if not table or table.num_tokens <= 0:
+                return {"matched": 0, "states": None}
+            caches = p["engine"].reconstruct_cache(table)
+            if not caches:  # the scheduler treats a failed reconstruction as a miss
+                return {"matched": 0, "states": None, "reconstructed": False}
+            return {"matched": table.num_tokens, "states": kit.layer_states(caches, p["geometry"], short),
+                    "blocks": list(table.block_ids), "remaining": len(remaining)}
+        finally:
+            p["engine"].paged_cache.delete_block_table(rid)
+
+    def op_prefix_cold(self, r):
+        p = self.handles[r["id"]]
+        return {"states": kit.layer_states(self.prefill(p, r["k"], r["v"]), p["geometry"])}
+
+    def op_prefix_evict(self, r):
+        p = self.handles[r["id"]]
+        if self.opts["prefix"] == "memory":
+            before = len(p["engine"])
+            p["engine"]._evict_lru()
+            return {"evicted": before - len(p["engine"])}
+        if not p["stored"]:
+            return {"evicted": 0}
+        p["engine"].release_cache(p["stored"].pop(0))
+        return {"evicted": 1}
 
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every engine driver under `kvsim check-engine`, stock and with each planted bug, into bench/results/check-engine-*/.
+#
+#   bench/check-engines.sh [SEEDS]        # default 500; sets up each engine's venv on first use
+#
+# Per run: <dir>/<config>.log (the command's whole output, its JSON summary last) and <dir>/<config>/ (each class's
+# shortest trace and reproducer). Exit 0 when every run ended as a check run does (0: no failure, 1: failures);
+# 2 when an engine broke or a run could not start.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SEEDS=${1:-500}
+cargo build --release --quiet --bin kvsim || exit 2
+KVSIM=target/release/kvsim
+status=0
+run() { # DIR CONFIG DRIVER...
+  local dir=bench/results/$1 config=$2; shift 2
+  mkdir -p "$dir"; rm -rf "${dir:?}/$config"
+  local start=$SECONDS
+  "$KVSIM" check-engine --driver "$*" --seeds "$SEEDS" --json --out "$dir/$config" >"$dir/$config.log" 2>&1
+  local rc=$?
+  echo "${dir##*/} $config: exit $rc in $((SECONDS - start)) s"
+  grep '^  \[' "$dir/$config.log" | sed 's/; trace.*//'
+  [ "$rc" -le 1 ] || status=2
+}
+for e in mlx_lm vllm_mlx mlx_vlm; do bash "oracles/$e/setup.sh" >/dev/null || exit 2; done
+PY="PYTHONPATH=python"
+run check-engine-mlx-lm v2 python3 oracles/mlx_lm/engine.py
+run check-engine-mlx-lm plant-prefix-short python3 oracles/mlx_lm/engine.py --plant prefix-short
+V="$PY oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx"
+run check-engine-vllm-mlx stock "$V"
+run check-engine-vllm-mlx chain "$V" --lookup chain
+run check-engine-vllm-mlx block "$V" --prefix block
+run check-engine-vllm-mlx plant "$V" --plant cow-keeps-shared
+run check-engine-vllm-mlx plant-prefix-short "$V" --lookup chain --plant prefix-short
+G="$PY oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm"
+run check-engine-mlx-vlm stock "$G"
+run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short
+exit $status
