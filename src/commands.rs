@@ -772,11 +772,13 @@ pub fn check_engine_cmd(
     shrink_budget: usize,
     out: &Path,
     json: bool,
+    only: &[&str],
 ) -> ExitCode {
     use kvsim::byoc::{engine, CheckOptions};
     let opts = CheckOptions { seeds, ops, device: DeviceChoice::Cpu, shrink_budget };
     let timeout = std::time::Duration::from_secs(timeout_s);
-    let report = match engine::check_engine(driver, timeout, opts, shrinks) {
+    let started = std::time::Instant::now();
+    let report = match engine::check_engine_only(driver, timeout, opts, shrinks, only) {
         Ok(r) => r,
         Err(b) => {
             eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);
@@ -854,6 +856,7 @@ pub fn check_engine_cmd(
             "failures": report.failures,
             "applied": report.applied,
             "checks": report.checks,
+            "seconds": started.elapsed().as_secs_f64(),
             "ops_by_kind": report.ops_by_kind,
             "classes": classes,
         });

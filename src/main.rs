@@ -95,8 +95,9 @@ fn main() -> ExitCode {
                 found.and_then(|a| a.map_err(|e| eprintln!("kvsim bench: no anchor ({e}); kvsim numbers only")).ok());
             bench_cmd(device, &what, anchor, quick, &out, json, exact_read)
         }
-        Cmd::CheckEngine { driver, seeds, ops, timeout_s, shrinks, shrink_budget, out, json } => {
-            check_engine_cmd(&driver, seeds, ops, timeout_s, shrinks, shrink_budget, &out, json)
+        Cmd::CheckEngine { driver, seeds, ops, timeout_s, shrinks, shrink_budget, out, json, only } => {
+            let only: Vec<&str> = only.iter().map(String::as_str).collect();
+            check_engine_cmd(&driver, seeds, ops, timeout_s, shrinks, shrink_budget, &out, json, &only)
         }
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run, family } => {

@@ -110,6 +110,29 @@ class Server:
         self.driver = driver
 
     def handle(self, req):
+        """The reply to `req`, its arrays' bytes written (`materialize`). An array that fails to evaluate makes its
+        request's reply a refusal, as if its handler had raised (a `batch`'s other replies stand)."""
+        _PENDING.clear()
+        reply = self.handle_lazily(req)
+        if isinstance(req, dict) and req.get("op") == "batch" and reply.get("ok"):
+            subs = reply["replies"]
+            try:
+                materialize(reply)
+            except Exception:  # evaluate request by request: only the ones that fail are refusals
+                for i, sub in enumerate(subs):
+                    try:
+                        materialize(sub, owner=i)
+                    except Exception as e:
+                        subs[i] = refusal(e)
+                _PENDING.clear()
+            return reply
+        try:
+            return materialize(reply)
+        except Exception as e:
+            _PENDING.clear()
+            return refusal(e)
+
+    def handle_lazily(self, req):
         if not isinstance(req, dict):
             return {"ok": False, "error": f"TypeError: a request is a JSON object, not {type(req).__name__}"}
         d = self.driver
@@ -118,8 +141,16 @@ class Server:
             op = req.get("op")
             if op == "hello":
                 out = dict(d.hello_extra())
-                out.update(protocol=d.protocol_version(), engine=d.name, version=d.version(),
-                           supports=dict(d.supports))
+                protocol = d.protocol_version()
+                # protocol 2: the kit answers `batch` for every driver (several requests in one round trip)
+                supports = dict(d.supports, batch=True) if protocol >= 2 else dict(d.supports)
+                out.update(protocol=protocol, engine=d.name, version=d.version(), supports=supports)
+            elif op == "batch":
+                out = {"replies": []}
+                for i, sub in enumerate(req["requests"]):
+                    _OWNER[0] = i
+                    out["replies"].append(self.handle_lazily(sub))
+                _OWNER[0] = None
             elif op == "reset":
                 d.handles.clear()
                 d.on_reset()
@@ -167,7 +198,8 @@ def serve(cls, argv=None, stdin=None, stdout=None):
             reply = refusal(e)
         else:
             reply = server.handle(req)
-        print(json.dumps(reply, separators=(",", ":")), file=stdout, flush=True)
+        stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
+        stdout.flush()
 
 
 # ---- loading an engine's modules ----
@@ -238,16 +270,40 @@ def arr_in(a):
 
 
 def raw_of(x):
-    """Row-major little-endian element bytes of an mx.array."""
+    """Row-major little-endian element bytes of an mx.array (evaluated here if it is not yet: one graph evaluation;
+    the buffer's own strides are followed, so a sliced view needs no copy op)."""
     if x.size == 0:
         return b""
-    c = _codec()
-    udt = c["dtypes"][c["names"][x.dtype]][1]
-    return memoryview(c["mx"].contiguous(x.view(udt))).tobytes()
+    _codec()["mx"].eval(x)  # nothing left to do when `materialize` evaluated it
+    return memoryview(x).tobytes()
+
+
+_PENDING = []  # (owner, reply dict, array) of every array encoded since the last `materialize`
+_OWNER = [None]  # the index of the `batch` request being handled (None outside a batch)
 
 
 def arr_out(x):
-    return {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": base64.b64encode(raw_of(x)).decode()}
+    """The protocol's array of `x`; its bytes are written when the reply is complete (`materialize`), so that
+    every array of a reply (a `batch`'s included) is evaluated in one graph evaluation."""
+    a = {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": None}
+    _PENDING.append((_OWNER[0], a, x))
+    return a
+
+
+def arrs_out(*xs):
+    return [arr_out(x) for x in xs]
+
+
+def materialize(reply, owner="all"):
+    """Evaluates the arrays encoded since the last call (those of one batch request, `owner`, or all) at once and
+    writes their base64 bytes; returns `reply`. Raises what the evaluation raises, the arrays left pending."""
+    mine = [p for p in _PENDING if owner == "all" or p[0] == owner]
+    if mine:
+        _codec()["mx"].eval(*[x for _, _, x in mine if x.size])
+        for _, a, x in mine:
+            a["b64"] = base64.b64encode(raw_of(x)).decode()
+        _PENDING[:] = [p for p in _PENDING if not (owner == "all" or p[0] == owner)]
+    return reply
 
 
 def kv_view(c, window):
@@ -282,7 +338,8 @@ def layer_states(caches, geometry, short=False):
         offset = int(c.offset)
         if short:
             k, v, offset = k[..., : max(0, k.shape[2] - 1), :], v[..., : max(0, v.shape[2] - 1), :], offset - 1
-        out.append({"offset": offset, "k": arr_out(k), "v": arr_out(v)})
+        k, v = arrs_out(k, v)
+        out.append({"offset": offset, "k": k, "v": v})
     return out
 
 
@@ -340,6 +397,21 @@ KV_CHECKS = {"rows_vs_solo": check_rows_vs_solo, "rows_trim_vs_solo": check_rows
 # ---- reproducers ----
 
 
+def unbatched(calls):
+    """`calls` with every `batch` request replaced by its requests, in order (the batch's `free` on the first): the
+    calls as if sent one by one, which is what the divergence checks read."""
+    out = []
+    for req in calls:
+        if isinstance(req, dict) and req.get("op") == "batch":
+            subs = [dict(sub) for sub in req.get("requests", [])]
+            if subs and req.get("free"):
+                subs[0]["free"] = list(req["free"]) + list(subs[0].get("free", []))
+            out.extend(subs)
+        else:
+            out.append(req)
+    return out
+
+
 def replay(driver, calls, divergence):
     """Replay `calls` through the driver's handlers; the first divergence named by `divergence` (a message), or
     None. A refused K/V call is the divergence itself (kvsim's `adapter_error`); pool requests are judged by the
@@ -348,6 +420,7 @@ def replay(driver, calls, divergence):
     server, replies = Server(driver), []
     pools = poolcheck.PoolChecker(server, divergence) if divergence.startswith("pool") else None
     prefixes = prefixcheck.PrefixChecker(server, divergence) if divergence.startswith("prefix") else None
+    calls = unbatched(calls)
     for i, req in enumerate(calls):
         rep = server.handle(req)
         replies.append(rep)

@@ -154,6 +154,39 @@ pub trait RowsUnderTest: Sized {
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;
 }
 
+/// One read the checks make after every op (of a serial cache, a batch or one of its rows), for
+/// [`Adapter::read_all`].
+pub enum Read<'a, S, R> {
+    /// [`SerialUnderTest::offset`].
+    Offset(&'a S),
+    /// [`SerialUnderTest::state`].
+    State(&'a S),
+    /// [`RowsUnderTest::rows`] and [`RowsUnderTest::offsets`].
+    Info(&'a R),
+    /// [`RowsUnderTest::row_state`] of a row.
+    RowState(&'a R, usize),
+}
+
+/// What a [`Read`] gave.
+pub enum ReadOut {
+    Offset(usize),
+    State([Array; 2]),
+    Info(usize, Vec<usize>),
+}
+
+/// Every read of `reads`, in order, one call at a time: [`Adapter::read_all`]'s default.
+pub fn read_each<S: SerialUnderTest, R: RowsUnderTest>(reads: &[Read<'_, S, R>]) -> Vec<AdapterResult<ReadOut>> {
+    reads
+        .iter()
+        .map(|r| match r {
+            Read::Offset(s) => Ok(ReadOut::Offset(s.offset())),
+            Read::State(s) => s.state().map(ReadOut::State),
+            Read::Info(b) => Ok(ReadOut::Info(b.rows(), b.offsets())),
+            Read::RowState(b, row) => b.row_state(*row).map(ReadOut::State),
+        })
+        .collect()
+}
+
 /// A cache under test: its two types, its name, what it supports, how to make an empty serial cache.
 pub trait Adapter: 'static {
     /// The family name of its runs (in their traces and summaries).
@@ -171,6 +204,13 @@ pub trait Adapter: 'static {
     type Rows: RowsUnderTest<Serial = Self::Serial> + 'static;
     /// An empty serial cache of `geometry`.
     fn serial(geometry: &Geometry) -> AdapterResult<Self::Serial>;
+    /// The reads the checks make after an op, all at once, answered in order (the checks judge them in that order,
+    /// so the results must be those of making them one after the other). Default: [`read_each`]; an engine in
+    /// another process answers them in one round trip.
+    #[allow(clippy::type_complexity)]
+    fn read_all(reads: &[Read<'_, Self::Serial, Self::Rows>]) -> Vec<AdapterResult<ReadOut>> {
+        read_each(reads)
+    }
 }
 
 /// The op kinds an adapter's runs draw: the lifecycle and the reads every cache has, and the ones it supports.

@@ -68,7 +68,8 @@ class MlxLm(kit.Driver):
         if view is None:
             empty = kit.empty_kv(g["heads_kv"], g["head_dim"], g["dtype"])
             return {"k": kit.arr_out(empty), "v": kit.arr_out(empty)}
-        return {"k": kit.arr_out(view[0]), "v": kit.arr_out(view[1])}
+        k, v = kit.arrs_out(view[0], view[1])
+        return {"k": k, "v": v}
 
     def op_state(self, r):
         return self.state_of(self.handles[r["id"]])

@@ -15,7 +15,7 @@
 //! which the simulator judges like any cache's refusal.
 
 use std::cell::RefCell;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read as _, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -25,7 +25,9 @@ use base64::Engine as _;
 use mlx_rs::{Array, Dtype};
 use serde_json::{json, Value};
 
-use super::{Adapter, AdapterError, AdapterResult, Geometry, RowsUnderTest, SerialUnderTest, Supports};
+use super::{
+    read_each, Adapter, AdapterError, AdapterResult, Geometry, Read, ReadOut, RowsUnderTest, SerialUnderTest, Supports,
+};
 
 /// The newest protocol version this module speaks.
 pub const PROTOCOL: u64 = 2;
@@ -96,6 +98,8 @@ pub struct Hello {
     pub pool: bool,
     /// Whether it serves the prefix-cache requests (`supports.prefix`).
     pub prefix: bool,
+    /// Whether it answers `batch` (several requests in one round trip; `supports.batch`).
+    pub batch: bool,
 }
 
 /// Decodes a `hello` reply: what the engine speaks and supports, or a typed failure.
@@ -125,6 +129,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
         prefix: protocol >= 2 && flag("prefix", false),
+        batch: protocol >= 2 && flag("batch", false),
     })
 }
 
@@ -210,6 +215,7 @@ impl Engine {
                 kv: false,
                 pool: false,
                 prefix: false,
+                batch: false,
             },
         };
         let reply = e.request(json!({"op": "hello"}));
@@ -305,6 +311,36 @@ impl Engine {
             self.stop();
         }
         result
+    }
+
+    /// Sends `requests` as one `batch` request (the engine must say `supports.batch`) and answers each one's reply,
+    /// in order: `{"ok": true, ...}` or a refusal. A batch refused as a whole, or replies that are not one object with
+    /// a boolean `ok` per request, break the engine.
+    pub fn request_batch(&mut self, requests: Vec<Value>) -> Result<Vec<Value>, EngineFailure> {
+        let n = requests.len();
+        let reply = self.request(json!({"op": "batch", "requests": requests}))?;
+        let malformed = |why: String| EngineFailure::Malformed { op: "batch".into(), reply: shorten(&reply), why };
+        let fault = if reply["ok"] != Value::Bool(true) {
+            Some(malformed("an engine that says supports.batch must answer batch".into()))
+        } else {
+            match reply.get("replies").and_then(Value::as_array) {
+                Some(r) if r.len() == n && r.iter().all(|x| x.get("ok").is_some_and(Value::is_boolean)) => None,
+                Some(r) => Some(malformed(format!("{} replies for {n} requests, or one without a boolean ok", r.len()))),
+                None => Some(malformed("no list \"replies\"".into())),
+            }
+        };
+        if let Some(f) = fault {
+            self.broken = Some(f.clone());
+            self.stop();
+            return Err(f);
+        }
+        Ok(match reply {
+            Value::Object(mut m) => match m.remove("replies") {
+                Some(Value::Array(r)) => r,
+                _ => vec![],
+            },
+            _ => vec![],
+        })
     }
 
     fn exited_failure(&mut self, op: &str) -> EngineFailure {
@@ -495,7 +531,11 @@ fn read(op: &str, id: u64, k: &Array, v: &Array, q: &Array, scale: f32, g: &Geom
 }
 
 fn state(op: &str, req: Value, g: &Geometry) -> AdapterResult<[Array; 2]> {
-    let reply = engine_call(req)?;
+    decode_state(op, &engine_call(req)?, g)
+}
+
+/// A reply's `k` and `v` of geometry `g`: `[1, H_kv, n, D]` each.
+fn decode_state(op: &str, reply: &Value, g: &Geometry) -> AdapterResult<[Array; 2]> {
     let (h, d) = (g.heads_kv as i64, g.head_dim as i64);
     let want = format!("[1, {h}, n, {d}]");
     let fits = |s: &[i64]| s.len() == 4 && s[0] == 1 && s[1] == h && s[3] == d;
@@ -559,21 +599,21 @@ impl Drop for EngineRows {
 
 impl EngineRows {
     fn info(&self) -> AdapterResult<(usize, Vec<usize>)> {
-        let r = engine_call(json!({"op": "rows_info", "id": self.id}))?;
-        let rows = usize_of("rows_info", &r, "rows")?;
-        let offsets = r
-            .get("offsets")
-            .and_then(Value::as_array)
-            .and_then(|o| o.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| -> AdapterError {
-                Box::new(EngineFailure::Malformed {
-                    op: "rows_info".into(),
-                    reply: shorten(&r),
-                    why: "no offsets".into(),
-                })
-            })?;
-        Ok((rows, offsets))
+        decode_info(&engine_call(json!({"op": "rows_info", "id": self.id}))?)
     }
+}
+
+/// A `rows_info` reply's row count and offsets.
+fn decode_info(r: &Value) -> AdapterResult<(usize, Vec<usize>)> {
+    let rows = usize_of("rows_info", r, "rows")?;
+    let offsets = r
+        .get("offsets")
+        .and_then(Value::as_array)
+        .and_then(|o| o.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| {
+            fault(EngineFailure::Malformed { op: "rows_info".into(), reply: shorten(r), why: "no offsets".into() })
+        })?;
+    Ok((rows, offsets))
 }
 
 impl RowsUnderTest for EngineRows {
@@ -636,6 +676,51 @@ impl Adapter for EngineCache {
     }
     type Serial = EngineSerial;
     type Rows = EngineRows;
+    /// With `supports.batch`, every read in one `batch` request; else one request each.
+    fn read_all(reads: &[Read<'_, EngineSerial, EngineRows>]) -> Vec<AdapterResult<ReadOut>> {
+        if !with_engine(|e| e.hello.batch).unwrap_or(false) || reads.is_empty() {
+            return read_each(reads);
+        }
+        let requests: Vec<Value> = reads
+            .iter()
+            .map(|r| match r {
+                Read::Offset(s) => json!({"op": "offset", "id": s.id}),
+                Read::State(s) => json!({"op": "state", "id": s.id}),
+                Read::Info(b) => json!({"op": "rows_info", "id": b.id}),
+                Read::RowState(b, row) => json!({"op": "rows_state", "id": b.id, "row": row}),
+            })
+            .collect();
+        let replies = match with_engine(|e| e.request_batch(requests)) {
+            Ok(Ok(r)) => r,
+            Ok(Err(f)) | Err(f) => return reads.iter().map(|_| Err(Box::new(f.clone()) as AdapterError)).collect(),
+        };
+        let refused = |reply: &Value| -> AdapterError {
+            Box::new(EngineRefused(reply.get("error").map_or("no message".to_string(), |e| e.to_string())))
+        };
+        reads
+            .iter()
+            .zip(&replies)
+            .map(|(r, reply)| {
+                let ok = reply["ok"] == Value::Bool(true);
+                match r {
+                    // The traits give offsets no error path: a refusal reads as an impossible count, as one by one.
+                    Read::Offset(_) => Ok(ReadOut::Offset(if ok {
+                        usize_of("offset", reply, "offset").unwrap_or(usize::MAX)
+                    } else {
+                        usize::MAX
+                    })),
+                    Read::Info(_) => Ok(if ok {
+                        decode_info(reply).map(|(n, o)| ReadOut::Info(n, o)).unwrap_or(ReadOut::Info(usize::MAX, vec![]))
+                    } else {
+                        ReadOut::Info(usize::MAX, vec![])
+                    }),
+                    Read::State(s) if ok => decode_state("state", reply, &s.geometry).map(ReadOut::State),
+                    Read::RowState(b, _) if ok => decode_state("rows_state", reply, &b.geometry).map(ReadOut::State),
+                    Read::State(_) | Read::RowState(..) => Err(refused(reply)),
+                }
+            })
+            .collect()
+    }
     fn serial(g: &Geometry) -> AdapterResult<EngineSerial> {
         let id = with_engine(|e| e.fresh_id())?;
         engine_call(json!({"op": "new", "id": id, "geometry": {
@@ -798,8 +883,28 @@ pub fn check_engine(
     opts: super::CheckOptions,
     shrinks: usize,
 ) -> Result<EngineReport, Broken> {
+    check_engine_only(command, timeout, opts, shrinks, &[])
+}
+
+/// The layers of an engine a check can run: its K/V caches, its block pool, its prefix cache.
+pub const LAYERS: &[&str] = &["kv", "pool", "prefix"];
+
+/// [`check_engine`] on the named layers only ([`LAYERS`]; empty: every layer the engine serves). A layer the engine
+/// does not serve is not run.
+pub fn check_engine_only(
+    command: &str,
+    timeout: Duration,
+    opts: super::CheckOptions,
+    shrinks: usize,
+    only: &[&str],
+) -> Result<EngineReport, Broken> {
     let engine = Engine::start(command, timeout).map_err(|failure| Broken { failure, trace: None })?;
-    let hello = engine.hello().clone();
+    let mut hello = engine.hello().clone();
+    if !only.is_empty() {
+        hello.kv &= only.contains(&"kv");
+        hello.pool &= only.contains(&"pool");
+        hello.prefix &= only.contains(&"prefix");
+    }
     install(engine);
     let result = check_installed(opts, shrinks, hello);
     uninstall();

@@ -403,29 +403,63 @@ impl<A: Adapter> Adapted<A> {
 
     // ----- state -------------------------------------------------------------------------------------------------
 
-    /// Every live request's K and V (production and twin) against the exact bytes of the positions it holds.
+    /// Every live request's K and V (production and twin) against the exact bytes of the positions it holds. The
+    /// reads are made at once ([`Adapter::read_all`]: the batch's rows and offsets per layer; per live request and
+    /// layer its offset outside the batch, its state and its twin's) and judged in that order.
     fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        use super::{Read, ReadOut};
         let rows = cx.roster.rows();
-        if let Some(batch) = &self.batch {
-            for (l, b) in batch.iter().enumerate() {
-                if b.rows() != rows.len() {
-                    return check::fail(Failure::new(
-                        "rows",
-                        format!("layer {l}: the batch holds {} rows, the schedule {}", b.rows(), rows.len()),
-                    ));
-                }
-                let want: Vec<usize> = rows.iter().map(|id| self.reqs[id].model.offset).collect();
-                if b.offsets() != want {
-                    return check::fail(Failure::new(
-                        "offsets",
-                        format!("layer {l}: the batch's offsets {:?}, the model's {want:?}", b.offsets()),
-                    ));
-                }
-            }
-        } else if !rows.is_empty() {
+        if self.batch.is_none() && !rows.is_empty() {
             return check::fail(Failure::new("rows", "the schedule has rows and the family no batch"));
         }
         let live: Vec<u32> = cx.roster.live().collect();
+        let mut reads: Vec<Read<'_, A::Serial, A::Rows>> = vec![];
+        if let Some(batch) = &self.batch {
+            reads.extend(batch.iter().map(Read::Info));
+        }
+        for &id in &live {
+            let r = &self.reqs[&id];
+            for l in 0..self.cfg.layers {
+                match cx.roster.home(id) {
+                    Some(Home::Batch) => {
+                        let row = rows.iter().position(|x| *x == id).expect("a row");
+                        reads.push(Read::RowState(&self.batch.as_ref().expect("rows")[l], row));
+                    }
+                    _ => reads.extend([Read::Offset(&r.solo[l]), Read::State(&r.solo[l])]),
+                }
+                reads.push(Read::State(&r.twin[l]));
+            }
+        }
+        let mut out = A::read_all(&reads).into_iter();
+        drop(reads);
+        let mut next = || out.next().unwrap_or_else(|| Err("the adapter answered fewer reads than asked".into()));
+        let state = |r: super::AdapterResult<ReadOut>, what: &str| -> Res<[Array; 2]> {
+            match r.map_err(|e| refused(what, e))? {
+                ReadOut::State(kv) => Ok(kv),
+                _ => Err(Failure::new("adapter_error", format!("{what}: the adapter answered another read"))),
+            }
+        };
+        if let Some(batch) = &self.batch {
+            for l in 0..batch.len() {
+                let (n, offsets) = match next() {
+                    Ok(ReadOut::Info(n, o)) => (n, o),
+                    _ => (usize::MAX, vec![]),
+                };
+                if n != rows.len() {
+                    return check::fail(Failure::new(
+                        "rows",
+                        format!("layer {l}: the batch holds {n} rows, the schedule {}", rows.len()),
+                    ));
+                }
+                let want: Vec<usize> = rows.iter().map(|id| self.reqs[id].model.offset).collect();
+                if offsets != want {
+                    return check::fail(Failure::new(
+                        "offsets",
+                        format!("layer {l}: the batch's offsets {offsets:?}, the model's {want:?}"),
+                    ));
+                }
+            }
+        }
         for id in live {
             let r = &self.reqs[&id];
             let view: Vec<Option<Tok>> = r.model.temporal_view().into_iter().map(Some).collect();
@@ -435,21 +469,23 @@ impl<A: Adapter> Adapted<A> {
                 let (prod, where_) = match cx.roster.home(id) {
                     Some(Home::Batch) => {
                         let row = rows.iter().position(|x| *x == id).expect("a row");
-                        let b = &self.batch.as_ref().expect("rows")[l];
-                        (b.row_state(row).map_err(|e| refused("row_state", e))?, format!("row {row}"))
+                        (state(next(), "row_state")?, format!("row {row}"))
                     }
                     _ => {
-                        let s = &r.solo[l];
-                        if s.offset() != offset {
+                        let got = match next() {
+                            Ok(ReadOut::Offset(o)) => o,
+                            _ => usize::MAX,
+                        };
+                        if got != offset {
                             return check::fail(Failure::new(
                                 "offsets",
-                                format!("request {id} layer {l}: offset {}, the model's {offset}", s.offset()),
+                                format!("request {id} layer {l}: offset {got}, the model's {offset}"),
                             ));
                         }
-                        (s.state().map_err(|e| refused("state", e))?, "outside the batch".to_string())
+                        (state(next(), "state")?, "outside the batch".to_string())
                     }
                 };
-                let twin = r.twin[l].state().map_err(|e| refused("twin state", e))?;
+                let twin = state(next(), "twin state")?;
                 let want = [self.block(l, Tensor::K, &toks)?, self.block(l, Tensor::V, &toks)?];
                 let all: Vec<&Array> = prod.iter().chain(&twin).chain(&want).collect();
                 let b = ArrayBytes::read_many(&all).map_err(|e| read_fail("state", e))?;
