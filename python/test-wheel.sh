@@ -47,15 +47,24 @@ ls "$HOME"/.cache 2> /dev/null && echo "(a cache exists)" || echo "caches: none 
 size=$(stat -c %s "$WHEEL")
 echo "wheel: $(basename "$WHEEL") $size bytes ($(awk "BEGIN{printf \"%.1f\", $size/1048576}") MiB)"
 
-V=$HOME/somewhere/else/venv
-python3 -m venv "$V"
+# Three fresh venvs, each installed with no pip cache (every dependency downloaded); the first is used below.
+times=""
+for i in 1 2 3; do
+  v=$HOME/somewhere/else/venv$i
+  t0=$(date +%s.%N); python3 -m venv "$v"; t1=$(date +%s.%N)
+  echo "== venv $i: python3 -m venv $v ($(awk "BEGIN{printf \"%.1f\", $t1-$t0}") s); pip install $(basename "$WHEEL") (binary wheels only, no pip cache)"
+  t0=$(date +%s.%N)
+  "$v/bin/python" -m pip install --disable-pip-version-check --no-cache-dir --only-binary=:all: "$WHEEL" 2>&1 | grep -v '^ *[━-]'
+  t1=$(date +%s.%N)
+  s_=$(awk "BEGIN{printf \"%.1f\", $t1-$t0}"); times+="${times:+ }$s_"
+  echo "install $i: $s_ s"
+done
+install_s=${times%% *}
+echo "install times (s): $times"
+V=$HOME/somewhere/else/venv1
 . "$V/bin/activate"
-echo "== pip install $(basename "$WHEEL") into $V (binary wheels only, empty pip cache)"
-t0=$(date +%s.%N)
-python -m pip install --disable-pip-version-check --only-binary=:all: "$WHEEL" 2>&1 | tail -n 2
-t1=$(date +%s.%N)
-install_s=$(awk "BEGIN{printf \"%.1f\", $t1-$t0}")
-echo "install: ${install_s} s"
+echo "installed: $(du -sh "$V" | cut -f1) venv; kvsim binary $(du -h "$V/bin/kvsim" | cut -f1), mlx $(du -sh "$V"/lib/python3*/site-packages/mlx | cut -f1)"
+cd "$TMPDIR"  # away from the checkout: nothing below may import from it
 python -m pip list --disable-pip-version-check 2> /dev/null | grep -iE '^(kvsim|mlx)'
 echo "kvsim on PATH: $(command -v kvsim)"
 
@@ -69,6 +78,10 @@ kvsim sim --seeds 20 --out "$TMPDIR/failures" 2>&1 | grep -v '^\s*$' | tail -n 1
 sim_rc=${PIPESTATUS[0]}
 echo "sim: exit $sim_rc in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N)-$t0}") s"
 check "sim passes" '[ "$sim_rc" = 0 ]'
+echo "== the README's run command, from the wheel: kvsim sim (100 seeds)"
+t0=$(date +%s.%N)
+kvsim sim --out "$TMPDIR/failures" 2>&1 | grep '^kvsim sim:'
+echo "kvsim sim (100 seeds): $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N)-$t0}") s"
 echo "== python -m kvsim doctor (the LD_LIBRARY_PATH shim) ends the same"
 check "python -m kvsim doctor" '[ "$(python -m kvsim doctor 2>&1 | tail -n 1)" = "mlx 0.32.2 cpu ok" ]'
 
@@ -93,15 +106,19 @@ python -m pip install --disable-pip-version-check --only-binary=:all: -q pytest
 python -m pip install --disable-pip-version-check --only-binary=:all: -q --no-deps vllm-mlx==0.6.0
 proj=$TMPDIR/engine-repo && mkdir -p "$proj" && cp "$REPO"/python/tests/pytest-fixture/test_*.py "$proj/"
 cd "$proj"
-echo "-- pytest test_pass.py (expected: passes)"
-python -m pytest -p no:cacheprovider -rA test_pass.py 2>&1 | tail -n 8
+echo "-- python -m pytest test_pass.py --kvsim-seeds 100 --kvsim-out kvsim-out (expected: passes)"
+python -m pytest -p no:cacheprovider -rA test_pass.py --kvsim-seeds 100 --kvsim-out kvsim-out 2>&1 | tail -n 8
 pass_rc=${PIPESTATUS[0]}
+echo "kept: $(cd kvsim-out && find . -type f | sort | tr '\n' ' ')"
 echo "-- pytest test_fail.py (expected: both tests fail)"
 python -m pytest -p no:cacheprovider test_fail.py 2>&1 | sed -n '/= FAILURES =/,$p'
 fail_rc=${PIPESTATUS[0]}
 check "test_pass.py passes" '[ "$pass_rc" = 0 ]'
+check "--kvsim-out kept the known classes' reproducers" 'ls kvsim-out/*/*.py > /dev/null'
 check "test_fail.py fails" '[ "$fail_rc" = 1 ]'
-python -m pytest -p no:cacheprovider -q test_fail.py 2>&1 | tail -n 3 | grep -q "2 failed" && echo "ok: both tests of test_fail.py failed" || { echo "FAILED: not both tests failed"; fail=1; }
+quiet=$(python -m pytest -p no:cacheprovider -q test_fail.py 2>&1 | tail -n 1)
+check "both tests of test_fail.py fail ($quiet)" '[[ "$quiet" == "2 failed"* ]]'
 
-echo "== summary: wheel $size bytes, install ${install_s} s, $( [ $fail = 0 ] && echo 'all checks passed' || echo 'SOME CHECKS FAILED')"
+
+echo "== summary: wheel $size bytes, installs ${times} s, $( [ $fail = 0 ] && echo 'all checks passed' || echo 'SOME CHECKS FAILED')"
 exit $fail

@@ -12,7 +12,8 @@ Arguments (all but `driver` optional):
 - `driver`: the engine's command line, run through `sh -c`; this interpreter's folder is put first on PATH, so
   `python` is the interpreter pytest runs under (the one with the engine installed).
 - `seeds` (default 100), `ops` (ops per seed; kvsim's default 100), `shrinks` (failing seeds shrunk per class).
-- `out`: where traces and reproducers go (default: the test's `tmp_path` / "kvsim").
+- `out`: where traces and reproducers go (default: `--kvsim-out DIR`'s `DIR/<test name>`, else the test's
+  `tmp_path` / "kvsim").
 - `timeout`: seconds the engine may take to answer one request (kvsim's `--timeout-s`, default 60);
   `time_limit`: seconds the whole check may take (default none).
 - `known`: classes allowed to fail (an engine's pinned upstream bugs), e.g. `{"rows_vs_solo"}`; an entry matches a
@@ -22,7 +23,8 @@ Returns check-engine's JSON summary (`classes`, `seeds`, `failures`, `engine`, `
 (the classes that failed the test: none when it returns) and `"known_seen"` added.
 
 Command-line options: `--kvsim-seeds N` overrides every call's `seeds` (a quick local run, a long nightly one);
-`--kvsim-bin PATH` runs another kvsim binary (also `$KVSIM_BIN`).
+`--kvsim-bin PATH` runs another kvsim binary (also `$KVSIM_BIN`); `--kvsim-out DIR` keeps every test's traces and
+reproducers under `DIR/<test name>` (a CI job uploads DIR).
 """
 import json
 import os
@@ -38,6 +40,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("kvsim", "kvsim engine checks (the kvsim_check fixture)")
     group.addoption("--kvsim-seeds", type=int, default=None, help="seeds for every kvsim_check call (overrides the test's)")
     group.addoption("--kvsim-bin", default=None, help="the kvsim binary (default: the one installed with this package)")
+    group.addoption("--kvsim-out", default=None,
+                    help="keep traces and reproducers under DIR/<test name> (default: each test's tmp_path)")
 
 
 def _is_known(name, known):
@@ -105,10 +109,12 @@ def kvsim_check(request, tmp_path):
     kvsim's swarm against the engine `driver` serves; the test fails on a divergence not in `known`."""
     config = request.config
     binary = config.getoption("kvsim_bin") or None
+    keep = config.getoption("kvsim_out")
 
     def check(driver, seeds=100, ops=None, out=None, timeout=None, time_limit=None, known=(), shrinks=None):
         seeds = config.getoption("kvsim_seeds") or seeds
-        out = out if out is not None else tmp_path / "kvsim"
+        if out is None:
+            out = os.path.join(os.path.abspath(keep), request.node.name) if keep else tmp_path / "kvsim"
         os.makedirs(out, exist_ok=True)
         return run_check(driver, seeds=seeds, ops=ops, out=out, timeout=timeout, time_limit=time_limit,
                          known=known, shrinks=shrinks, binary=binary)
