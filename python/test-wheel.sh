@@ -100,6 +100,9 @@ echo "classes (repo):  $(classes "$LOG/repo-check-engine.json")"
 check "same classes and failing seeds as the repository's run" \
   '[ "$(classes "$LOG/wheel-check-engine.json")" = "$(classes "$LOG/repo-check-engine.json")" ]'
 check "the reproducers were written" 'ls "$TMPDIR"/ce/*.py > /dev/null'
+echo "-- python $TMPDIR/ce/rows_vs_solo.py (the reproducer written from the installed driver, standalone)"
+python "$TMPDIR/ce/rows_vs_solo.py"; repro_rc=$?
+check "the reproducer exits 1 while the divergence is there" '[ "$repro_rc" = 1 ]'
 
 echo "== pytest and vllm-mlx 0.6.0 --no-deps; the kvsim_check fixture"
 python -m pip install --disable-pip-version-check --only-binary=:all: -q pytest
