@@ -24,17 +24,21 @@ def mlx_lib_dir():
 
 
 def binary():
-    """The kvsim binary: `$KVSIM_BIN`, else the one this interpreter's pip installed, else `kvsim` on PATH."""
+    """The kvsim binary: `$KVSIM_BIN`, else the one installed with this package (`<target>/bin` of a
+    `pip install --target`, the interpreter's scripts folder, the user scheme's), else `kvsim` on PATH."""
     if os.environ.get("KVSIM_BIN"):
         return os.environ["KVSIM_BIN"]
+    site = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding the kvsim package
+    candidates = [os.path.join(site, "bin", "kvsim")]  # pip install --target: the binary installed with this package
     schemes = [sysconfig.get_default_scheme()] if hasattr(sysconfig, "get_default_scheme") else []
     schemes.append(f"{os.name}_user")
     for scheme in schemes:
         try:
-            path = os.path.join(sysconfig.get_path("scripts", scheme), "kvsim")
+            candidates.append(os.path.join(sysconfig.get_path("scripts", scheme), "kvsim"))
         except KeyError:
             continue
-        if os.access(path, os.X_OK):
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     found = shutil.which("kvsim")
     if found:
