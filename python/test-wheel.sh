@@ -88,6 +88,7 @@ check "python -m kvsim doctor" '[ "$(python -m kvsim doctor 2>&1 | tail -n 1)" =
 echo "== pip install --target (a layout the run path does not cover): python -m kvsim still runs the binary"
 python -m pip install --disable-pip-version-check --only-binary=:all: -q --no-deps --target "$TMPDIR/tgt" "$WHEEL"
 "$TMPDIR/tgt/bin/kvsim" doctor 2>&1 | tail -n 1
+PYTHONPATH=$TMPDIR/tgt python -c "from kvsim import _bin; print('python -m kvsim runs', _bin.binary())"
 PYTHONPATH=$TMPDIR/tgt python -m kvsim doctor 2>&1 | sed -n '2p;$p'
 check "--target: python -m kvsim doctor" '[ "$(PYTHONPATH=$TMPDIR/tgt python -m kvsim doctor 2>&1 | tail -n 1)" = "mlx 0.32.2 cpu ok" ]'
 echo "== mlx-lm 0.32.2 --no-deps; kvsim check-engine --driver \"python -m kvsim.drivers.mlx_lm\" --seeds $SEEDS"
