@@ -7,7 +7,7 @@
 #      --seeds 50` must give the same classes as the repository's run (`python3 oracles/mlx_lm/engine.py`, run
 #      first, outside the pristine environment, by REPO_KVSIM: default `cargo run --release --`);
 #   4. pytest + vllm-mlx 0.6.0 `--no-deps`; the kvsim_check fixture (python/tests/pytest-fixture/) must pass
-#      test_pass.py and fail both tests of test_fail.py.
+#      test_pass.py, fail both tests of test_fail.py (findings) and of test_broke.py (an engine that breaks).
 #
 #   python/test-wheel.sh [WHEEL] [LOG_DIR]     # defaults: target/wheels/kvsim-*.whl, bench/results/wheel
 set -uo pipefail
@@ -128,6 +128,11 @@ check "test_fail.py fails" '[ "$fail_rc" = 1 ]'
 quiet=$(python -m pytest -p no:cacheprovider -q test_fail.py 2>&1 | tail -n 1)
 check "both tests of test_fail.py fail ($quiet)" '[[ "$quiet" == "2 failed"* ]]'
 
+echo "-- pytest test_broke.py (expected: both tests fail, each saying why)"
+python -m pytest -p no:cacheprovider test_broke.py 2>&1 | sed -n '/= FAILURES =/,$p' | tee "$TMPDIR/broke.log"
+check "test_broke.py: the engine broke" 'grep -q "the engine broke \[exited\]" "$TMPDIR/broke.log"'
+check "test_broke.py: past time_limit" 'grep -q "ran past time_limit=1s" "$TMPDIR/broke.log"'
+check "test_broke.py: 2 failed" 'tail -n 1 "$TMPDIR/broke.log" | grep -q "2 failed"'
 
 echo "== summary: wheel $size bytes, installs ${times} s, $( [ $fail = 0 ] && echo 'all checks passed' || echo 'SOME CHECKS FAILED')"
 exit $fail

@@ -76,6 +76,8 @@ def run_check(driver, *, seeds=100, ops=None, out, timeout=None, time_limit=None
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=_bin.env(), timeout=time_limit)
     except subprocess.TimeoutExpired:
+        p = None  # failed below, outside the handler (no chained traceback in the report)
+    if p is None:
         pytest.fail(f"kvsim check-engine ran past time_limit={time_limit}s: {shown}", pytrace=False)
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     try:
