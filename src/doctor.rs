@@ -107,7 +107,8 @@ pub fn report() -> (Vec<String>, bool) {
         })
         .unwrap_or_else(|| "unknown".into());
     lines.push(format!("library loaded  {loaded}"));
-    lines.push(format!("build run path  {}", mlx_sys::MLX_LIB_DIR));
+    // The run path linked into this binary: the MLX folder of the build, or (a wheel, KVSIM_RPATH) `$ORIGIN`-relative.
+    lines.push(format!("build run path  {}", env!("KVSIM_RUN_PATH")));
     let default = mlx_rs::Device::try_default().map(|d| format!("{d:?}")).unwrap_or_else(|e| format!("error: {e}"));
     lines.push(format!("default device  {default}"));
     let gpu = gpu_available();
