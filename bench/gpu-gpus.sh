@@ -23,11 +23,11 @@ run)
   for mode in plain gpus; do
     flag=""; [ $mode = gpus ] && flag="--gpus all"
     echo "== $mode ($(date +%T))"
-    start=$(date +%s.%N)
+    start=$(date +%s)
     # shellcheck disable=SC2086
     timeout -k 10 "${SIM_TIMEOUT:-270}" .device/run/kvsim sim --device gpu --exact-read $flag --jobs 16 --seeds 200 \
       --json --out /tmp/failures-$mode > "$OUT/sim-$mode.log" 2>&1
-    echo "exit $? in $(echo "$(date +%s.%N) - $start" | bc) s"
+    echo "exit $? in $(( $(date +%s) - start )) s"
     grep -v '^{' "$OUT/sim-$mode.log" | tail -n 6; grep '^{' "$OUT/sim-$mode.log" | tail -n 1 > "$OUT/sim-$mode.json"
   done
   python3 - "$OUT" <<'PY'
