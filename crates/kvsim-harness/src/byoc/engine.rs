@@ -325,7 +325,9 @@ impl Engine {
         } else {
             match reply.get("replies").and_then(Value::as_array) {
                 Some(r) if r.len() == n && r.iter().all(|x| x.get("ok").is_some_and(Value::is_boolean)) => None,
-                Some(r) => Some(malformed(format!("{} replies for {n} requests, or one without a boolean ok", r.len()))),
+                Some(r) => {
+                    Some(malformed(format!("{} replies for {n} requests, or one without a boolean ok", r.len())))
+                }
                 None => Some(malformed("no list \"replies\"".into())),
             }
         };
@@ -539,7 +541,7 @@ fn decode_state(op: &str, reply: &Value, g: &Geometry) -> AdapterResult<[Array; 
     let (h, d) = (g.heads_kv as i64, g.head_dim as i64);
     let want = format!("[1, {h}, n, {d}]");
     let fits = |s: &[i64]| s.len() == 4 && s[0] == 1 && s[1] == h && s[3] == d;
-    Ok([tensor_from(op, &reply, "k", g.dtype, &want, fits)?, tensor_from(op, &reply, "v", g.dtype, &want, fits)?])
+    Ok([tensor_from(op, reply, "k", g.dtype, &want, fits)?, tensor_from(op, reply, "v", g.dtype, &want, fits)?])
 }
 
 fn release(id: u64) {
@@ -710,7 +712,9 @@ impl Adapter for EngineCache {
                         usize::MAX
                     })),
                     Read::Info(_) => Ok(if ok {
-                        decode_info(reply).map(|(n, o)| ReadOut::Info(n, o)).unwrap_or(ReadOut::Info(usize::MAX, vec![]))
+                        decode_info(reply)
+                            .map(|(n, o)| ReadOut::Info(n, o))
+                            .unwrap_or(ReadOut::Info(usize::MAX, vec![]))
                     } else {
                         ReadOut::Info(usize::MAX, vec![])
                     }),
