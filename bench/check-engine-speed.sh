@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Engine checks per second: an old kvsim with its mlx-lm engine against this tree's, on equal work (the K/V swarm
+# against mlx-lm 0.32.2, `--only kv` on the new side), alternating runs, medians and spread.
+#
+#   bench/check-engine-speed.sh OLD_KVSIM OLD_COMMIT [SEEDS] [RUNS]     # defaults: 200 seeds, 3 runs each
+#
+# OLD_KVSIM is a release binary built from OLD_COMMIT; the old engine is OLD_COMMIT's oracles/mlx_lm/engine.py,
+# run in this tree's oracles/mlx_lm/.venv. Each run's log goes to bench/results/check-engine-speed/; the table and
+# whether both sides found the same classes on the same seeds are printed at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OLD=${1:?old kvsim binary}; COMMIT=${2:?old commit}; SEEDS=${3:-200}; RUNS=${4:-3}
+OUT=bench/results/check-engine-speed; mkdir -p "$OUT"
+cargo build --release --quiet --bin kvsim || exit 2
+bash oracles/mlx_lm/setup.sh >/dev/null || exit 2
+old_dir=$(mktemp -d); trap 'rm -rf "$old_dir"' EXIT
+git show "$COMMIT:oracles/mlx_lm/engine.py" > "$old_dir/engine.py" || exit 2
+ln -s "$PWD/oracles/mlx_lm/.venv" "$old_dir/.venv"
+for i in $(seq 1 "$RUNS"); do
+  for side in old new; do
+    if [ $side = old ]; then
+      cmd=("$OLD" check-engine --driver "python3 $old_dir/engine.py")
+    else
+      cmd=(target/release/kvsim check-engine --driver "python3 oracles/mlx_lm/engine.py" --only kv)
+    fi
+    start=$(date +%s%N)
+    "${cmd[@]}" --seeds "$SEEDS" --json --out "$OUT/$side-$i" > "$OUT/$side-$i.log" 2>&1
+    echo "$side $i $(( ($(date +%s%N) - start) / 1000000 ))" >> "$OUT/times.txt"
+  done
+done
+python3 - "$OUT" "$RUNS" <<'PY'
+import json, statistics, sys
+out, runs = sys.argv[1], int(sys.argv[2])
+times = {}
+for line in open(f"{out}/times.txt").read().split("\n")[-2 * runs - 1:]:
+    if line.strip():
+        side, i, ms = line.split()
+        times.setdefault(side, []).append(int(ms) / 1000)
+def summary(side, i):
+    lines = [l for l in open(f"{out}/{side}-{i}.log") if l.startswith("{")]
+    return json.loads(lines[-1])
+s = {side: summary(side, 1) for side in ("old", "new")}
+ops = s["old"]["applied"]
+same = all(summary(side, i)["applied"] == ops for side in ("old", "new") for i in range(1, runs + 1))
+classes = {side: sorted((c["name"], tuple(c["failing_seeds"])) for c in s[side]["classes"]) for side in s}
+rate = {side: [ops / t for t in times[side]] for side in times}
+ratios = sorted(n / o for n, o in zip(rate["new"], rate["old"]))
+for side in ("old", "new"):
+    r = rate[side]
+    print(f"{side}: {ops} ops per run, {statistics.median(times[side]):.2f} s median [{min(times[side]):.2f}, "
+          f"{max(times[side]):.2f}], {statistics.median(r):.0f} ops/s")
+print(f"new / old: {statistics.median(ratios):.2f}x median [{ratios[0]:.2f}, {ratios[-1]:.2f}] (run by run)")
+print("same ops on every run:", same, "; same classes and failing seeds:", classes["old"] == classes["new"])
+PY
