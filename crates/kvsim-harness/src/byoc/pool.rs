@@ -4,9 +4,9 @@
 //! A block pool is the metadata of a paged KV cache (vLLM's block manager and its MLX ports): fixed-size blocks
 //! shared by sequences through reference counts, copied before a sequence writes into one it shares, and indexed by
 //! the tokens they hold so that a new sequence starts from the cached blocks of its prefix. kvsim names the
-//! sequences, the engine names the blocks; the [`model`] keeps which tokens each sequence holds, which table the
-//! engine gave it, and under which whole prefix each block was cached, and [`run`] checks every reply and the pool's
-//! whole picture (`pool_info`) after every op:
+//! sequences, the engine names the blocks; the model (`pool/model.rs`) keeps which tokens each sequence holds, which
+//! table the engine gave it, and under which whole prefix each block was cached, and [`run`] checks every reply and
+//! the pool's whole picture (`pool_info`) after every op:
 //! - `pool_refs`: each held block's count is the number of tables that list it, the free count is the usable blocks
 //!   less the held ones, no block the engine calls free is in a table;
 //! - `pool_tables`: every live sequence's table is the one its replies gave it, of the size its tokens need, and no
