@@ -774,11 +774,11 @@ pub fn check_engine_cmd(
     json: bool,
     only: &[&str],
 ) -> ExitCode {
-    use kvsim::byoc::{engine, CheckOptions};
+    use kvsim::byoc::{engine_check, CheckOptions};
     let opts = CheckOptions { seeds, ops, device: DeviceChoice::Cpu, shrink_budget };
     let timeout = std::time::Duration::from_secs(timeout_s);
     let started = std::time::Instant::now();
-    let report = match engine::check_engine_only(driver, timeout, opts, shrinks, only) {
+    let report = match engine_check::check_engine_only(driver, timeout, opts, shrinks, only) {
         Ok(r) => r,
         Err(b) => {
             eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvsim::byoc::engine::check_engine;
+use kvsim::byoc::engine_check::check_engine;
 use kvsim::byoc::pool::PoolTrace;
 use kvsim::byoc::prefix::PrefixTrace;
 use kvsim::byoc::CheckOptions;

@@ -31,6 +31,7 @@
 
 mod ddmin;
 pub mod engine;
+pub mod engine_check;
 mod family;
 pub mod pool;
 pub mod prefix;

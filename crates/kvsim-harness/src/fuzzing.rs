@@ -67,7 +67,7 @@ pub fn cache_file(data: &[u8]) -> Result<usize, String> {
 }
 
 /// Arbitrary bytes as an engine's output: the first byte picks the run's geometry (dtype, heads, head dim), each
-/// following line is decoded as the reply to every request kvsim sends ([`crate::byoc::engine::decode_any`]): typed
+/// following line is decoded as the reply to every request kvsim sends ([`crate::byoc::engine_check::decode_any`]): typed
 /// `EngineFailure`s or values, never a panic. Returns the decodes that succeeded.
 pub fn engine_reply(data: &[u8]) -> usize {
     let Some((&pick, rest)) = data.split_first() else { return 0 };
@@ -79,5 +79,5 @@ pub fn engine_reply(data: &[u8]) -> usize {
         max_size: None,
     };
     let text = String::from_utf8_lossy(rest);
-    text.split_inclusive('\n').map(|line| crate::byoc::engine::decode_any(line, &g)).sum()
+    text.split_inclusive('\n').map(|line| crate::byoc::engine_check::decode_any(line, &g)).sum()
 }

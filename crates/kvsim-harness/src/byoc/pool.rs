@@ -301,7 +301,7 @@ pub fn parse_info(reply: &Value) -> Result<PoolInfo, EngineFailure> {
 }
 
 /// Whether `reply` decodes as every block-pool reply (tables, counts, `pool_info`): typed failures for anything
-/// else, never a panic (the `engine_reply` fuzz target reaches it through `engine::decode_any`).
+/// else, never a panic (the `engine_reply` fuzz target reaches it through `engine_check::decode_any`).
 pub fn decode_reply(reply: &Value) -> bool {
     let op = "fuzz";
     let lists = ["table", "blocks"].map(|f| ints(op, reply, f).is_ok());

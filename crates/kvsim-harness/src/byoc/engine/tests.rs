@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use super::*;
+use crate::byoc::engine_check::*;
 use crate::byoc::CheckOptions;
 
 const FAKE: &str = r#"

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use super::*;
-use crate::byoc::engine::{check_engine, Engine};
+use crate::byoc::engine::Engine;
+use crate::byoc::engine_check::check_engine;
 use crate::byoc::CheckOptions;
 
 const FAKE_POOL: &str = r#"
