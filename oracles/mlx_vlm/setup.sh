@@ -9,25 +9,9 @@ cd "$(dirname "$0")"
 MLX=0.32.2
 MLX_VLM=0.7.10
 NUMPY=2.4.6
-PY=${PYTHON:-python3}
 VENV=.venv
 
-have() {
-  [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$MLX" "$MLX_VLM" "$NUMPY" <<'PYEOF' 2>/dev/null
-import sys
-from importlib.metadata import version
-want = {"mlx": sys.argv[1], "mlx-cpu": sys.argv[1], "mlx-vlm": sys.argv[2], "numpy": sys.argv[3]}
-sys.exit(0 if all(version(p) == v for p, v in want.items()) else 1)
-PYEOF
-}
-
-if ! have; then
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "mlx==$MLX" "mlx-cpu==$MLX" \
-    "numpy==$NUMPY"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "mlx-vlm==$MLX_VLM"
-  have || { echo "setup.sh: pinned versions not installed" >&2; exit 1; }
-fi
+../pinned-venv.sh "$VENV" "mlx==$MLX mlx-cpu==$MLX numpy==$NUMPY" "mlx-vlm==$MLX_VLM"
 
 PYTHONPATH=../../python "$VENV/bin/python" - <<'PYEOF'
 import platform

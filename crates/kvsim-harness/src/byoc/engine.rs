@@ -431,6 +431,34 @@ fn fault(f: EngineFailure) -> AdapterError {
     Box::new(f)
 }
 
+/// One request to this thread's engine: `Ok(Ok(reply))` answered, `Ok(Err(message))` refused (the cache raised),
+/// `Err` the engine broke.
+pub(crate) fn ask(req: Value) -> Result<Result<Value, String>, EngineFailure> {
+    match with_engine(|e| e.request(req)) {
+        Err(f) | Ok(Err(f)) => Err(f),
+        Ok(Ok(reply)) if reply["ok"] == Value::Bool(true) => Ok(Ok(reply)),
+        Ok(Ok(reply)) => {
+            Ok(Err(EngineRefused(reply.get("error").map_or("no message".into(), |e| e.to_string())).to_string()))
+        }
+    }
+}
+
+/// Opens a run on this thread's engine (`reset`, the run's log emptied); an engine that refuses `reset` is broken.
+pub(crate) fn open_run() -> Result<(), EngineFailure> {
+    with_engine(|e| e.begin())?.map_err(|err| match err.downcast::<EngineFailure>() {
+        Ok(f) => *f,
+        Err(refused) => {
+            let f = EngineFailure::Malformed {
+                op: "reset".into(),
+                reply: refused.to_string(),
+                why: "an engine must accept reset".into(),
+            };
+            break_engine(&f);
+            f
+        }
+    })
+}
+
 /// Marks this thread's engine broken by `f` and stops it (nothing when none is installed).
 pub(crate) fn break_engine(f: &EngineFailure) {
     let _ = with_engine(|e| {

@@ -31,7 +31,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::engine::{self, EngineFailure, EngineRefused};
+use super::engine::{self, ask, EngineFailure};
 use crate::sim::rng::{stream, Stream};
 use model::{Model, Verdict};
 
@@ -224,19 +224,6 @@ fn fail(check: &'static str, message: String) -> Failed {
 }
 
 /// A request's reply: `Ok(Some)` answered, `Ok(None)` refused (the refusal's message kept), `Err` the engine broke.
-fn ask(req: Value) -> Result<Result<Value, String>, EngineFailure> {
-    match engine::with_engine(|e| e.request(req)) {
-        Err(f) | Ok(Err(f)) => Err(f),
-        Ok(Ok(reply)) => {
-            if reply["ok"] == Value::Bool(true) {
-                Ok(Ok(reply))
-            } else {
-                let refused = EngineRefused(reply.get("error").map_or("no message".into(), |e| e.to_string()));
-                Ok(Err(refused.to_string()))
-            }
-        }
-    }
-}
 
 fn broken(op: &str, reply: &Value, why: String) -> EngineFailure {
     let f = EngineFailure::Malformed { op: op.into(), reply: engine::shorten(reply), why };
@@ -313,14 +300,7 @@ pub fn decode_reply(reply: &Value) -> bool {
 pub fn run(seed: u64, cfg: PoolConfig, ops: Option<Vec<PoolOp>>) -> Result<PoolRun, EngineFailure> {
     use crate::sim::trace::Outcome;
     let ops = ops.unwrap_or_else(|| generate(seed, &cfg));
-    engine::with_engine(|e| e.begin())?.map_err(|err| match err.downcast::<EngineFailure>() {
-        Ok(f) => *f,
-        Err(refused) => EngineFailure::Malformed {
-            op: "reset".into(),
-            reply: refused.to_string(),
-            why: "an engine must accept reset".into(),
-        },
-    })?;
+    engine::open_run()?;
     let mut out = PoolRun {
         trace: PoolTrace {
             format: FORMAT.into(),

@@ -26,7 +26,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::engine::{self, EngineFailure, EngineRefused};
+use super::engine::{self, ask, EngineFailure};
 use crate::sim::rng::{stream, Stream};
 use crate::sim::trace::Outcome;
 
@@ -325,16 +325,6 @@ pub fn parse_states(op: &str, reply: &Value, cfg: &PrefixConfig) -> Result<Vec<L
     Ok(out)
 }
 
-fn ask(req: Value) -> Result<Result<Value, String>, EngineFailure> {
-    match engine::with_engine(|e| e.request(req)) {
-        Err(f) | Ok(Err(f)) => Err(f),
-        Ok(Ok(reply)) if reply["ok"] == Value::Bool(true) => Ok(Ok(reply)),
-        Ok(Ok(reply)) => {
-            Ok(Err(EngineRefused(reply.get("error").map_or("no message".into(), |e| e.to_string())).to_string()))
-        }
-    }
-}
-
 fn broke(f: EngineFailure) -> EngineFailure {
     engine::break_engine(&f);
     f
@@ -351,14 +341,7 @@ fn first_diff(a: &[u8], b: &[u8], elem: usize) -> Option<usize> {
 /// Runs one prefix seed (or `ops` again) against the engine installed on this thread. `Err`: the engine broke.
 pub fn run(seed: u64, cfg: PrefixConfig, ops: Option<Vec<PrefixOp>>) -> Result<PrefixRun, EngineFailure> {
     let ops = ops.unwrap_or_else(|| generate(seed, &cfg));
-    engine::with_engine(|e| e.begin())?.map_err(|err| match err.downcast::<EngineFailure>() {
-        Ok(f) => *f,
-        Err(refused) => EngineFailure::Malformed {
-            op: "reset".into(),
-            reply: refused.to_string(),
-            why: "an engine must accept reset".into(),
-        },
-    })?;
+    engine::open_run()?;
     let mut out = PrefixRun {
         trace: PrefixTrace {
             format: FORMAT.into(),
