@@ -223,8 +223,6 @@ fn fail(check: &'static str, message: String) -> Failed {
     Failed { check, message }
 }
 
-/// A request's reply: `Ok(Some)` answered, `Ok(None)` refused (the refusal's message kept), `Err` the engine broke.
-
 fn broken(op: &str, reply: &Value, why: String) -> EngineFailure {
     let f = EngineFailure::Malformed { op: op.into(), reply: engine::shorten(reply), why };
     engine::break_engine(&f);
