@@ -4,7 +4,8 @@
 #   bench/check-engines.sh [SEEDS]        # default 500; sets up each engine's venv on first use
 #
 # Per run: <dir>/<config>.log (the command's whole output, its JSON summary last) and <dir>/<config>/ (each class's
-# shortest trace and reproducer). Exit 0 when every run ended as a check run does (0: no failure, 1: failures);
+# shortest trace and reproducer; the reproducers are not kept in git: the committed ones, re-run by cargo test, are
+# under oracles/<engine>/repros/). Exit 0 when every run ended as a check run does (0: no failure, 1: failures);
 # 2 when an engine broke or a run could not start.
 set -uo pipefail
 cd "$(dirname "$0")/.."

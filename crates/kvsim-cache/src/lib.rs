@@ -79,6 +79,29 @@
 //! assert_eq!(cache.storage_kind().as_str(), "kv:quant:4:64");
 //! ```
 //!
+//! # Files
+//! - `ring.rs`: the serial ring/linear core, `SerialCache` (`KvCache`, `RotatingKvCache`), `RingState`, its special reads
+//!   `bidir_prefill`, `encoder_read`, `read_block`, `commit_span`; `set_eval_after_write`.
+//! - `batch.rs`: `RowBatch` (`BatchKvCache`, `BatchRotatingKvCache`): rows that keep their solo ring's columns and phase;
+//!   merge, join, extract, filter, adopt, prepare/finalize, per-row trims, `rope_offsets`.
+//! - `quant.rs`: `Storage` (plain or affine planes), the quantized read, the quantized caches (quantized-kv).
+//! - `transition.rs`: the bf16-first legos (`Bf16FirstCache`) and `TransitioningKvRows` (transitioning-rows).
+//! - `ssm.rs`: `SsmCache`, gated-DeltaNet conv tail and recurrent state with speculative rounds (ssm).
+//! - `paged.rs`: `PagedStore`, one layer's block pool (plain or affine planes) shared by sequences, the running batch's
+//!   rows and a radix prefix index (reference counts, copy-on-write, LRU eviction, typed `PoolExhausted`, speculative
+//!   rounds, right-padded prefill, `audit`, `PagedParts`) (paged).
+//! - `training.rs`: `TrainingCache`, `PrefixSharedCache`, `TrainingSsmCache`: stateless, no K/V or state field.
+//! - `compiled.rs`: compiled decode (`DecodePlan`, `CompiledDecode`, `decode_step`; rows: `rows_decode_step`).
+//! - `contract.rs`: the spec's common contract as traits (`Cache`, `AttentionCache`, `RowLayout`, `SpecRounds`);
+//!   `Capabilities` from the kind string alone. `chunked.rs`: `ChunkedKvCache`. `mask.rs`: `Masks` (one per forward).
+//!   `kind.rs`: `StorageKind` strings and capability predicates. `error.rs`: `CacheError`.
+//! - `exact.rs`: `ReadMode`, the batch-invariant read on CUDA (kernels JIT-compiled through mlx-c's custom kernel API),
+//!   its host emulation `emulate`, `visible_ranges` (docs/exact-read.md). `util.rs`: host arrays,
+//!   `step_index_array` (decode write heads derived on the GPU from the last step's, checked on the host).
+//! - `bytes.rs`: `ArrayBytes`, arrays as same-width unsigned integers: every bit-exact claim goes through it.
+//! - `faults.rs` (feature `faults`): the mutation catalog's fault hooks, one deliberate bug per `Mutant`, armed per
+//!   thread, inert unless armed. Feature `serde` derives serde on the plain enums (`KvDtype`, `KvSpec`, ...).
+//!
 //! # Fault hooks
 //! The mutation catalog's fault hooks exist only with the cargo feature `faults`, which the harness turns on to
 //! prove its checks have teeth. A build with default features has neither the hooks nor the `faults` module: this
