@@ -229,7 +229,7 @@ def load_modules(package, submodules):
     return out
 
 
-# ---- arrays: {"dtype": "f32" | "bf16", "shape", "b64"}, little-endian row-major element bits ----
+# ---- arrays: {"dtype": "f32" | "bf16" | "u32", "shape", "b64"}, little-endian row-major element bits ----
 
 _CODEC = {}
 
@@ -241,8 +241,9 @@ def _codec():
 
         _CODEC.update(
             mx=mx,
-            dtypes={"f32": (mx.float32, mx.uint32, "I", 4), "bf16": (mx.bfloat16, mx.uint16, "H", 2)},
-            names={mx.float32: "f32", mx.bfloat16: "bf16"},
+            dtypes={"f32": (mx.float32, mx.uint32, "I", 4), "bf16": (mx.bfloat16, mx.uint16, "H", 2),
+                    "u32": (mx.uint32, mx.uint32, "I", 4)},
+            names={mx.float32: "f32", mx.bfloat16: "bf16", mx.uint32: "u32"},
         )
     return _CODEC
 
@@ -306,17 +307,46 @@ def materialize(reply, owner="all"):
     return reply
 
 
+def _each(x, f):
+    """`f` of an array, or of each plane of a quantized triple (a tuple back)."""
+    return tuple(f(p) for p in x) if isinstance(x, (tuple, list)) else f(x)
+
+
 def kv_view(c, window):
     """(k, v): the K/V the next read of an mlx-style cache `c` attends, oldest first, or None for a cache holding
     no arrays yet: the first `offset` positions of a full-attention cache (`window` None); under a window, the newest
-    min(offset, window) positions of the cache's temporal order (its own `_temporal_order`)."""
-    if c.keys is None:
+    min(offset, window) positions of the cache's temporal order (its own `_temporal_order`). A quantized cache's
+    K and V are each a triple `(packed, scales, biases)`, every plane sliced alike."""
+    if c.keys is None or (isinstance(c.keys, (tuple, list)) and not c.keys):
         return None
     if not window:
-        return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        return tuple(_each(x, lambda p: p[..., : c.offset, :]) for x in (c.keys, c.values))
     k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-    n = max(0, min(c.offset, window, k.shape[2]))
-    return k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
+    width = (k[0] if isinstance(k, (tuple, list)) else k).shape[2]
+    n = max(0, min(c.offset, window, width))
+    return tuple(_each(x, lambda p: p[..., width - n :, :]) for x in (k, v))
+
+
+def empty_planes(geometry):
+    """The three planes of no position, `(packed, scales, biases)`, of a quantized `geometry`."""
+    mx, q, d = _codec()["mx"], geometry["quant"], geometry["head_dim"]
+    h, dt = geometry["heads_kv"], mx_dtype(geometry["dtype"])
+    return (mx.zeros([1, h, 0, d * q["bits"] // 32], dtype=mx.uint32),
+            mx.zeros([1, h, 0, d // q["group_size"]], dtype=dt), mx.zeros([1, h, 0, d // q["group_size"]], dtype=dt))
+
+
+def state_reply(c, geometry):
+    """A `state` / `rows_state` reply of cache `c` (its `kv_view` under the geometry's window): `k` and `v` arrays,
+    or for a quantized geometry (`geometry["quant"]`) each an object of the planes `packed`, `scales`, `biases`."""
+    view = kv_view(c, geometry.get("max_size"))
+    if geometry.get("quant"):
+        k, v = view if view is not None else (empty_planes(geometry),) * 2
+        return {side: dict(zip(("packed", "scales", "biases"), arrs_out(*planes)))
+                for side, planes in (("k", k), ("v", v))}
+    if view is None:
+        view = (empty_kv(geometry["heads_kv"], geometry["head_dim"], geometry["dtype"]),) * 2
+    k, v = arrs_out(*view)
+    return {"k": k, "v": v}
 
 
 def empty_kv(heads_kv, head_dim, dtype):

@@ -41,6 +41,7 @@ mod tests;
 use mlx_rs::{Array, Dtype};
 
 use crate::sim::config::{LayoutChoice, SimConfig};
+use crate::sim::family::quant::QuantChoice;
 use crate::sim::family::{Registration, Registry};
 use crate::sim::observe::NoObserver;
 use crate::sim::ops::OpKind;
@@ -65,6 +66,20 @@ pub struct Geometry {
     /// The sliding window `W` (`None`: full attention). Only adapters that say [`Supports::rotating`] get runs
     /// with a window.
     pub max_size: Option<usize>,
+    /// Affine-quantized K/V (`None`: plain). Only adapters that say [`Supports::quant`] get quantized runs; their
+    /// `head_dim` is then a multiple of the group (32 to 128).
+    pub quant: Option<QuantGeometry>,
+}
+
+/// The affine quantization of a run's K/V, as `mx.quantize` takes it: every position's `head_dim` values of one
+/// head in groups of `group_size`, each group stored as `bits`-bit codes packed into `u32` words with its scale and
+/// bias (of the run's dtype).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantGeometry {
+    /// 2, 3, 4, 5, 6 or 8.
+    pub bits: usize,
+    /// 32, 64 or 128.
+    pub group_size: usize,
 }
 
 /// The optional calls a cache under test has. Every field `false` is a cache with windows and decodes outside the
@@ -82,6 +97,14 @@ pub struct Supports {
     /// Sliding-window caches ([`Geometry::max_size`]): a query at position `q` sees the positions `p` with
     /// `q - W < p <= q`. Without it every run is full attention.
     pub rotating: bool,
+    /// Affine-quantized K/V ([`Geometry::quant`]): about half the runs are quantized from their first write, their
+    /// states read as planes ([`SerialUnderTest::planes`], [`RowsUnderTest::row_planes`]).
+    pub quant: bool,
+    /// Every run quantized (an adapter whose caches are quantized only). Implies [`Supports::quant`].
+    pub quant_only: bool,
+    /// Quantized caches also form batches (`merge`, `join`); without it a quantized run draws no batch op and its
+    /// requests stay serial.
+    pub quant_rows: bool,
 }
 
 /// One request's cache of one layer, outside any batch.
@@ -107,6 +130,13 @@ pub trait SerialUnderTest: Sized {
     /// (`n = offset`), or under a sliding window the newest `n = min(offset, W)` (any array with no element when
     /// it holds none).
     fn state(&self) -> AdapterResult<[Array; 2]>;
+    /// A quantized cache's state: the six planes of the positions [`SerialUnderTest::state`] would give, in the
+    /// same temporal order, K's packed words (`uint32 [1, heads_kv, n, head_dim * bits / 32]`), scales and biases
+    /// (`[1, heads_kv, n, head_dim / group_size]`, the run's dtype), then V's, exactly as `mx.quantize` of those
+    /// positions gives them. Asked only in quantized runs.
+    fn planes(&self) -> AdapterResult<[Array; 6]> {
+        Err("quantized planes are not supported".into())
+    }
 }
 
 /// The running batch of one layer: row `r` is one request.
@@ -153,6 +183,11 @@ pub trait RowsUnderTest: Sized {
     }
     /// Row `row`'s K and V as [`SerialUnderTest::state`] gives a serial cache's.
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;
+    /// Row `row`'s planes as [`SerialUnderTest::planes`] gives a serial cache's. Asked only in quantized runs.
+    fn row_planes(&self, row: usize) -> AdapterResult<[Array; 6]> {
+        let _ = row;
+        Err("quantized planes are not supported".into())
+    }
 }
 
 /// One read the checks make after every op (of a serial cache, a batch or one of its rows), for
@@ -166,6 +201,10 @@ pub enum Read<'a, S, R> {
     Info(&'a R),
     /// [`RowsUnderTest::row_state`] of a row.
     RowState(&'a R, usize),
+    /// [`SerialUnderTest::planes`].
+    Planes(&'a S),
+    /// [`RowsUnderTest::row_planes`] of a row.
+    RowPlanes(&'a R, usize),
 }
 
 /// What a [`Read`] gave.
@@ -173,6 +212,7 @@ pub enum ReadOut {
     Offset(usize),
     State([Array; 2]),
     Info(usize, Vec<usize>),
+    Planes([Array; 6]),
 }
 
 /// Every read of `reads`, in order, one call at a time: [`Adapter::read_all`]'s default.
@@ -184,6 +224,8 @@ pub fn read_each<S: SerialUnderTest, R: RowsUnderTest>(reads: &[Read<'_, S, R>])
             Read::State(s) => s.state().map(ReadOut::State),
             Read::Info(b) => Ok(ReadOut::Info(b.rows(), b.offsets())),
             Read::RowState(b, row) => b.row_state(*row).map(ReadOut::State),
+            Read::Planes(s) => s.planes().map(ReadOut::Planes),
+            Read::RowPlanes(b, row) => b.row_planes(*row).map(ReadOut::Planes),
         })
         .collect()
 }
@@ -247,11 +289,35 @@ pub fn registry<A: Adapter>() -> Registry {
 /// linear layout for an adapter without [`Supports::rotating`]), `ops` ops.
 pub fn config<A: Adapter>(seed: u64, ops: usize) -> SimConfig {
     let mut cfg = SimConfig::from_seed_in(seed, &registry::<A>());
-    if !A::supports().rotating {
+    let s = A::supports();
+    if !s.rotating {
         cfg.layout = LayoutChoice::Linear;
+    }
+    if s.quant || s.quant_only {
+        // The quantized family's draw (its own stream: no other draw moves): bits, group, a head dim that is a
+        // multiple of the group; its `native` half of the seeds are the quantized runs.
+        let choice = QuantChoice::draw(seed);
+        if s.quant_only || choice.native {
+            cfg.params.insert(QUANT_PARAMS.to_string(), choice.to_params());
+            if !s.quant_rows {
+                for (kind, w) in cfg.weights.iter_mut() {
+                    if matches!(kind, OpKind::Merge | OpKind::Join) {
+                        *w = 0;
+                    }
+                }
+            }
+        }
     }
     cfg.ops = ops;
     cfg
+}
+
+/// The key of a quantized run's parameters in its config ([`QuantChoice`]: bits, group, head dim).
+pub const QUANT_PARAMS: &str = "byoc_quant";
+
+/// A run's quantization, from its config (`None`: plain K/V).
+pub fn quant_of(cfg: &SimConfig) -> Option<QuantChoice> {
+    cfg.params_of(QUANT_PARAMS).and_then(QuantChoice::from_params)
 }
 
 /// One seed's run against the adapter.

@@ -66,17 +66,20 @@ pub fn cache_file(data: &[u8]) -> Result<usize, String> {
     Ok(info.layers.len())
 }
 
-/// Arbitrary bytes as an engine's output: the first byte picks the run's geometry (dtype, heads, head dim), each
+/// Arbitrary bytes as an engine's output: the first byte picks the run's geometry (dtype, heads, head dim, plain or
+/// 4-bit quantized in groups of 32 over a head dim of 32), each
 /// following line is decoded as the reply to every request kvsim sends ([`crate::byoc::engine_check::decode_any`]): typed
 /// `EngineFailure`s or values, never a panic. Returns the decodes that succeeded.
 pub fn engine_reply(data: &[u8]) -> usize {
     let Some((&pick, rest)) = data.split_first() else { return 0 };
+    let quant = (pick & 16 != 0).then_some(crate::byoc::QuantGeometry { bits: 4, group_size: 32 });
     let g = crate::byoc::Geometry {
         heads_kv: 1 + usize::from(pick & 1),
         heads_q: 2 + 2 * usize::from(pick & 1),
-        head_dim: [1, 2, 4, 8][usize::from(pick >> 1 & 3)],
+        head_dim: if quant.is_some() { 32 } else { [1, 2, 4, 8][usize::from(pick >> 1 & 3)] },
         dtype: if pick & 8 == 0 { mlx_rs::Dtype::Float32 } else { mlx_rs::Dtype::Bfloat16 },
         max_size: None,
+        quant,
     };
     let text = String::from_utf8_lossy(rest);
     text.split_inclusive('\n').map(|line| crate::byoc::engine_check::decode_any(line, &g)).sum()

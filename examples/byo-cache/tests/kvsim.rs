@@ -70,7 +70,7 @@ struct Correct;
 impl Adapter for Correct {
     const NAME: &'static str = "byo-cache";
     fn supports() -> Supports {
-        Supports { serial_trim: true, rows_window: true, rows_trim: true, join: false, rotating: false }
+        Supports { serial_trim: true, rows_window: true, rows_trim: true, ..Supports::default() }
     }
     type Serial = Solo;
     type Rows = Rows;

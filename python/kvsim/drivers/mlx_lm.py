@@ -28,20 +28,31 @@ class MlxLm(kit.Driver):
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
                 "rotating": True, "prefix": True}
-    options = {"plant": (None, "prefix-short")}
+    options = {"plant": (None, "prefix-short"), "kv": ("plain", "quant")}
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
     def version(self):
         v = kit.package_version("mlx-lm")
+        v += "+quant" if self.opts["kv"] == "quant" else ""
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
         return {"mlx": kit.package_version("mlx")}
 
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        if self.opts["kv"] == "quant":
+            # mlx-lm 0.32.2 quantizes only full-attention caches and batches none of them (QuantizedKVCache has no
+            # `merge`; RotatingKVCache.to_quantized raises NotImplementedError): quantized serial caches only.
+            self.supports = {"kv": True, "quant_only": True, "serial_trim": True, "prefix": False}
+
     def op_new(self, r):
-        self.geometry = r["geometry"]
-        w = self.geometry.get("max_size")
-        self.handles[r["id"]] = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+        self.geometry = g = r["geometry"]
+        w, q = g.get("max_size"), g.get("quant")
+        if q:
+            self.handles[r["id"]] = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+        else:
+            self.handles[r["id"]] = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
         return {}
 
     def op_window(self, r):
@@ -61,15 +72,9 @@ class MlxLm(kit.Driver):
     op_rows_trim = op_trim
 
     def state_of(self, c):
-        """The K/V the next read attends, oldest first: the first `offset` columns of a KVCache; the newest
-        min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`)."""
-        g = self.geometry
-        view = kit.kv_view(c, g.get("max_size"))
-        if view is None:
-            empty = kit.empty_kv(g["heads_kv"], g["head_dim"], g["dtype"])
-            return {"k": kit.arr_out(empty), "v": kit.arr_out(empty)}
-        k, v = kit.arrs_out(view[0], view[1])
-        return {"k": k, "v": v}
+        """The K/V the next read attends, oldest first: the first `offset` columns of a KVCache (the planes of a
+        QuantizedKVCache); the newest min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`)."""
+        return kit.state_reply(c, self.geometry)
 
     def op_state(self, r):
         return self.state_of(self.handles[r["id"]])

@@ -125,6 +125,9 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
             rows_trim: flag("rows_trim", false),
             join: flag("join", false),
             rotating: flag("rotating", false),
+            quant: protocol >= 2 && (flag("quant", false) || flag("quant_only", false)),
+            quant_only: protocol >= 2 && flag("quant_only", false),
+            quant_rows: protocol >= 2 && flag("quant_rows", false),
         },
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
@@ -468,10 +471,10 @@ pub(crate) fn break_engine(f: &EngineFailure) {
 }
 
 pub(crate) fn dtype_name(d: Dtype) -> &'static str {
-    if d == Dtype::Bfloat16 {
-        "bf16"
-    } else {
-        "f32"
+    match d {
+        Dtype::Bfloat16 => "bf16",
+        Dtype::Uint32 => "u32",
+        _ => "f32",
     }
 }
 
@@ -509,7 +512,7 @@ pub(crate) fn tensor_from(
         .and_then(Value::as_str)
         .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
         .ok_or_else(|| malformed(format!("{field}: no base64 \"b64\"")))?;
-    let size = if dtype == Dtype::Bfloat16 { 2 } else { 4 };
+    let size = if dtype == Dtype::Bfloat16 { 2 } else { 4 }; // f32 and u32: 4
     let bytes =
         shape.iter().try_fold(
             size,
@@ -530,6 +533,9 @@ pub(crate) fn tensor_from(
     Ok(if dtype == Dtype::Bfloat16 {
         let v: Vec<half::bf16> =
             raw.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+        Array::from_slice(&v, &dims)
+    } else if dtype == Dtype::Uint32 {
+        let v: Vec<u32> = raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         Array::from_slice(&v, &dims)
     } else {
         let v: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
@@ -572,6 +578,44 @@ fn decode_state(op: &str, reply: &Value, g: &Geometry) -> AdapterResult<[Array; 
     Ok([tensor_from(op, reply, "k", g.dtype, &want, fits)?, tensor_from(op, reply, "v", g.dtype, &want, fits)?])
 }
 
+fn planes(op: &str, req: Value, g: &Geometry) -> AdapterResult<[Array; 6]> {
+    decode_planes(op, &engine_call(req)?, g)
+}
+
+/// A quantized cache's `state` reply of geometry `g`: `k` and `v` each an object of three arrays, `packed`
+/// (`u32 [1, H_kv, n, D * bits / 32]`), `scales` and `biases` (`[1, H_kv, n, D / group_size]`, the run's dtype), one
+/// `n` for all six.
+pub(crate) fn decode_planes(op: &str, reply: &Value, g: &Geometry) -> AdapterResult<[Array; 6]> {
+    let Some(q) = g.quant else { return Err("planes of a plain run".into()) };
+    let (h, d) = (g.heads_kv as i64, g.head_dim as i64);
+    let packed = d * q.bits as i64 / 32;
+    let groups = d / q.group_size as i64;
+    let mut n: Option<i64> = None;
+    let mut out = vec![];
+    for side in ["k", "v"] {
+        let Some(obj) = reply.get(side) else {
+            return Err(fault(EngineFailure::Malformed {
+                op: op.into(),
+                reply: shorten(reply),
+                why: format!("no planes {side:?}"),
+            }));
+        };
+        for (name, dtype, width) in
+            [("packed", Dtype::Uint32, packed), ("scales", g.dtype, groups), ("biases", g.dtype, groups)]
+        {
+            let want = format!("[1, {h}, n, {width}] (one n for all six planes)");
+            let field = format!("{side}.{name}");
+            let fits =
+                |s: &[i64]| s.len() == 4 && s[0] == 1 && s[1] == h && s[3] == width && n.is_none_or(|n| n == s[2]);
+            let wrapped = json!({ field.as_str(): obj.get(name).cloned().unwrap_or(Value::Null) });
+            let a = tensor_from(op, &wrapped, &field, dtype, &want, fits)?;
+            n = Some(i64::from(a.shape()[2]));
+            out.push(a);
+        }
+    }
+    out.try_into().map_err(|_| "six planes".into())
+}
+
 fn release(id: u64) {
     let _ = ENGINE.try_with(|e| {
         if let Ok(mut e) = e.try_borrow_mut() {
@@ -612,6 +656,9 @@ impl SerialUnderTest for EngineSerial {
     }
     fn state(&self) -> AdapterResult<[Array; 2]> {
         state("state", json!({"op": "state", "id": self.id}), &self.geometry)
+    }
+    fn planes(&self) -> AdapterResult<[Array; 6]> {
+        planes("state", json!({"op": "state", "id": self.id}), &self.geometry)
     }
 }
 
@@ -691,6 +738,9 @@ impl RowsUnderTest for EngineRows {
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]> {
         state("rows_state", json!({"op": "rows_state", "id": self.id, "row": row}), &self.geometry)
     }
+    fn row_planes(&self, row: usize) -> AdapterResult<[Array; 6]> {
+        planes("rows_state", json!({"op": "rows_state", "id": self.id, "row": row}), &self.geometry)
+    }
 }
 
 /// The engine installed on this thread, as a cache under test.
@@ -715,9 +765,11 @@ impl Adapter for EngineCache {
             .iter()
             .map(|r| match r {
                 Read::Offset(s) => json!({"op": "offset", "id": s.id}),
-                Read::State(s) => json!({"op": "state", "id": s.id}),
+                Read::State(s) | Read::Planes(s) => json!({"op": "state", "id": s.id}),
                 Read::Info(b) => json!({"op": "rows_info", "id": b.id}),
-                Read::RowState(b, row) => json!({"op": "rows_state", "id": b.id, "row": row}),
+                Read::RowState(b, row) | Read::RowPlanes(b, row) => {
+                    json!({"op": "rows_state", "id": b.id, "row": row})
+                }
             })
             .collect();
         let replies = match with_engine(|e| e.request_batch(requests)) {
@@ -748,17 +800,23 @@ impl Adapter for EngineCache {
                     }),
                     Read::State(s) if ok => decode_state("state", reply, &s.geometry).map(ReadOut::State),
                     Read::RowState(b, _) if ok => decode_state("rows_state", reply, &b.geometry).map(ReadOut::State),
-                    Read::State(_) | Read::RowState(..) => Err(refused(reply)),
+                    Read::Planes(s) if ok => decode_planes("state", reply, &s.geometry).map(ReadOut::Planes),
+                    Read::RowPlanes(b, _) if ok => decode_planes("rows_state", reply, &b.geometry).map(ReadOut::Planes),
+                    Read::State(_) | Read::RowState(..) | Read::Planes(_) | Read::RowPlanes(..) => Err(refused(reply)),
                 }
             })
             .collect()
     }
     fn serial(g: &Geometry) -> AdapterResult<EngineSerial> {
         let id = with_engine(|e| e.fresh_id())?;
-        engine_call(json!({"op": "new", "id": id, "geometry": {
+        let mut geometry = json!({
             "heads_kv": g.heads_kv, "heads_q": g.heads_q, "head_dim": g.head_dim, "dtype": dtype_name(g.dtype),
             "max_size": g.max_size,
-        }}))?;
+        });
+        if let Some(q) = g.quant {
+            geometry["quant"] = json!({"bits": q.bits, "group_size": q.group_size, "mode": "affine"});
+        }
+        engine_call(json!({"op": "new", "id": id, "geometry": geometry}))?;
         Ok(EngineSerial { id, geometry: *g })
     }
 }

@@ -27,6 +27,9 @@ pub fn decode_any(line: &str, g: &Geometry) -> usize {
     for field in ["trimmed", "offset", "rows"] {
         ok += usize::from(usize_of("fuzz", &v, field).is_ok());
     }
+    if g.quant.is_some() {
+        ok += usize::from(super::engine::decode_planes("fuzz", &v, g).is_ok());
+    }
     ok += usize::from(super::pool::decode_reply(&v));
     let cfg = super::prefix::PrefixConfig {
         layers: vec![None, Some(3)],

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use mlx_rs::Array;
 
-use super::{Adapter, AdapterError, Geometry, RowsUnderTest, SerialUnderTest};
+use super::{quant_of, Adapter, AdapterError, Geometry, QuantGeometry, RowsUnderTest, SerialUnderTest};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::SimConfig;
 use crate::sim::family::attention::payload_block;
@@ -16,6 +16,7 @@ use crate::sim::ops::Op;
 use crate::sim::roster::{Change, Home};
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
+use kvsim_reference::quant::RefQuant;
 use kvsim_reference::{RowModel, Tensor, Tok, ValueSpace};
 
 type Res<T> = Result<T, Failure>;
@@ -57,13 +58,24 @@ impl<A: Adapter> Adapted<A> {
         if cfg.layout.max_size().is_some() && !A::supports().rotating {
             return Err(Failure::new("setup", "a sliding window, for a cache that does not support one"));
         }
+        let quant = quant_of(cfg);
+        if quant.is_some() && !A::supports().quant {
+            return Err(Failure::new("setup", "a quantized run, for a cache that does not support one"));
+        }
         A::begin_run().map_err(|e| refused("begin_run", e))?;
+        // A quantized run's head dim is its own (a multiple of the group); the rest of the geometry is shared.
+        let mut cfg = cfg.clone();
+        if let Some(q) = quant {
+            cfg.head_dim = q.head_dim;
+        }
+        let cfg = &cfg;
         let geometry = Geometry {
             heads_kv: cfg.heads_kv,
             heads_q: cfg.heads_q,
             head_dim: cfg.head_dim,
             dtype: cfg.kv_spec().dtype.to_mlx(),
             max_size: cfg.layout.max_size(),
+            quant: quant.map(|q| QuantGeometry { bits: q.bits, group_size: q.group }),
         };
         Ok(Adapted {
             cfg: cfg.clone(),
@@ -77,6 +89,11 @@ impl<A: Adapter> Adapted<A> {
 
     fn serial(&self) -> Res<A::Serial> {
         A::serial(&self.geometry).map_err(|e| refused("a new serial cache", e))
+    }
+
+    /// The run's quantization as kvsim's reference takes it.
+    fn ref_quant(&self) -> Option<RefQuant> {
+        self.geometry.quant.map(|q| RefQuant { bits: q.bits, group: q.group_size })
     }
 
     fn toks(&self, req: u32, from: usize, n: usize) -> Vec<Option<Tok>> {
@@ -297,17 +314,24 @@ impl<A: Adapter> Adapted<A> {
             self.counters.record_twin(class, &[A::NAME], self.geometry.dtype, worst);
             for (i, keys) in seen[r].iter().enumerate() {
                 let q = keys.iter().copied().max_by_key(|t| t.pos).unwrap_or(Tok::new(*id, 0));
-                check::output_vs_model(
-                    &self.vs,
-                    layer as u32,
-                    q,
-                    keys,
-                    self.cfg.scale(),
-                    &bytes[0],
-                    r,
-                    i,
-                    &mut self.counters,
-                )?;
+                let (vs, l, scale, out) = (&self.vs, layer as u32, self.cfg.scale(), &bytes[0]);
+                match self.ref_quant() {
+                    // Every key the read attends is stored (quantized) before the read.
+                    Some(rq) => check::output_vs_model_quantized(
+                        vs,
+                        rq,
+                        l,
+                        q,
+                        keys,
+                        keys.len(),
+                        scale,
+                        out,
+                        r,
+                        i,
+                        &mut self.counters,
+                    )?,
+                    None => check::output_vs_model(vs, l, q, keys, scale, out, r, i, &mut self.counters)?,
+                }
             }
         }
         Ok(())
@@ -413,6 +437,7 @@ impl<A: Adapter> Adapted<A> {
             return check::fail(Failure::new("rows", "the schedule has rows and the family no batch"));
         }
         let live: Vec<u32> = cx.roster.live().collect();
+        let quant = self.geometry.quant.is_some();
         let mut reads: Vec<Read<'_, A::Serial, A::Rows>> = vec![];
         if let Some(batch) = &self.batch {
             reads.extend(batch.iter().map(Read::Info));
@@ -423,19 +448,25 @@ impl<A: Adapter> Adapted<A> {
                 match cx.roster.home(id) {
                     Some(Home::Batch) => {
                         let row = rows.iter().position(|x| *x == id).expect("a row");
-                        reads.push(Read::RowState(&self.batch.as_ref().expect("rows")[l], row));
+                        let b = &self.batch.as_ref().expect("rows")[l];
+                        reads.push(if quant { Read::RowPlanes(b, row) } else { Read::RowState(b, row) });
                     }
-                    _ => reads.extend([Read::Offset(&r.solo[l]), Read::State(&r.solo[l])]),
+                    _ => reads.extend([
+                        Read::Offset(&r.solo[l]),
+                        if quant { Read::Planes(&r.solo[l]) } else { Read::State(&r.solo[l]) },
+                    ]),
                 }
-                reads.push(Read::State(&r.twin[l]));
+                reads.push(if quant { Read::Planes(&r.twin[l]) } else { Read::State(&r.twin[l]) });
             }
         }
         let mut out = A::read_all(&reads).into_iter();
         drop(reads);
         let mut next = || out.next().unwrap_or_else(|| Err("the adapter answered fewer reads than asked".into()));
-        let state = |r: super::AdapterResult<ReadOut>, what: &str| -> Res<[Array; 2]> {
+        // A state read's arrays: K and V, or a quantized run's six planes.
+        let state = |r: super::AdapterResult<ReadOut>, what: &str| -> Res<Vec<Array>> {
             match r.map_err(|e| refused(what, e))? {
-                ReadOut::State(kv) => Ok(kv),
+                ReadOut::State(kv) if !quant => Ok(kv.into()),
+                ReadOut::Planes(p) if quant => Ok(p.into()),
                 _ => Err(Failure::new("adapter_error", format!("{what}: the adapter answered another read"))),
             }
         };
@@ -486,6 +517,12 @@ impl<A: Adapter> Adapted<A> {
                     }
                 };
                 let twin = state(next(), "twin state")?;
+                if let Some(rq) = self.ref_quant() {
+                    let who = format!("request {id} ({where_}) layer {l}");
+                    let view = r.model.temporal_view();
+                    planes_vs_model(cx, &self.vs, &mut self.counters, l, &who, [&prod, &twin], rq, &view)?;
+                    continue;
+                }
                 let want = [self.block(l, Tensor::K, &toks)?, self.block(l, Tensor::V, &toks)?];
                 let all: Vec<&Array> = prod.iter().chain(&twin).chain(&want).collect();
                 let b = ArrayBytes::read_many(&all).map_err(|e| read_fail("state", e))?;
@@ -514,6 +551,33 @@ impl<A: Adapter> Adapted<A> {
         }
         Ok(())
     }
+}
+
+/// A quantized state (production's six planes, then the twin's) against `mx.quantize` of the positions the next read
+/// attends (kvsim's reference triple of each token, bytes; `state_vs_model`).
+#[allow(clippy::too_many_arguments)]
+fn planes_vs_model(
+    cx: &mut Cx<'_>,
+    vs: &ValueSpace,
+    counters: &mut Counters,
+    layer: usize,
+    what: &str,
+    [prod, twin]: [&[Array]; 2],
+    rq: RefQuant,
+    view: &[Tok],
+) -> Res<()> {
+    let all: Vec<&Array> = prod.iter().chain(twin).collect();
+    let b = ArrayBytes::read_many(&all).map_err(|e| read_fail("state", e))?;
+    for (planes, who) in [(&b[..6], what.to_string()), (&b[6..], format!("{what}, its twin"))] {
+        crate::sim::family::quant::planes_vs_model(&who, vs, layer as u32, rq, planes, view)
+            .map_err(|f| Failure::new("state_vs_model", f.message))?;
+    }
+    for p in &b[..6] {
+        cx.hasher.update(&p.digest());
+    }
+    counters.checks += 1;
+    counters.bit_exact_state += 6;
+    Ok(())
 }
 
 impl<A: Adapter> Family for Adapted<A> {

@@ -91,7 +91,7 @@ impl Adapter for Kvsim {
         // Linear only: kvsim's rings re-linearize at merge and extract (docs/layouts.md), so after a wrap their
         // reads are byte-identical to a solo run that went through the same layout events, which the attention
         // family's twins do, not to one that never did, which is what these twins are.
-        Supports { serial_trim: true, rows_window: true, rows_trim: true, join: true, rotating: false }
+        Supports { serial_trim: true, rows_window: true, rows_trim: true, join: true, ..Supports::default() }
     }
     type Serial = Serial;
     type Rows = Rows;
@@ -135,7 +135,7 @@ struct Bugged;
 impl Adapter for Bugged {
     const NAME: &'static str = "kvsim-unordered-filter";
     fn supports() -> Supports {
-        Supports { serial_trim: true, rows_window: false, rows_trim: false, join: false, rotating: false }
+        Supports { serial_trim: true, ..Supports::default() }
     }
     type Serial = Serial;
     type Rows = Unordered;

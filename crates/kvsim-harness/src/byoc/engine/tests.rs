@@ -127,3 +127,53 @@ fn a_command_that_cannot_start_is_a_typed_failure() {
     let b = r.expect_err("no engine");
     assert!(matches!(b.failure.kind(), "exited" | "spawn"), "{}", b.failure);
 }
+
+/// A quantized `state` reply of `n` positions for geometry `g` (planes of zeros), as JSON.
+fn planes_reply(g: &Geometry, n: i64, packed_width: i64, dtype: &str) -> Value {
+    let q = g.quant.expect("quantized");
+    let (h, d) = (g.heads_kv as i64, g.head_dim as i64);
+    let t = |dt: &str, w: i64| {
+        let size = if dt == "bf16" { 2 } else { 4 };
+        json!({"dtype": dt, "shape": [1, h, n, w],
+               "b64": base64::engine::general_purpose::STANDARD.encode(vec![0u8; (h * n * w * size) as usize])})
+    };
+    let g_w = d / q.group_size as i64;
+    let side = json!({"packed": t("u32", packed_width), "scales": t(dtype, g_w), "biases": t(dtype, g_w)});
+    json!({"ok": true, "k": side.clone(), "v": side})
+}
+
+#[test]
+fn quantized_state_replies_that_lie_are_typed() {
+    let g = Geometry {
+        heads_kv: 2,
+        heads_q: 4,
+        head_dim: 64,
+        dtype: Dtype::Bfloat16,
+        max_size: None,
+        quant: Some(crate::byoc::QuantGeometry { bits: 5, group_size: 32 }),
+    };
+    // 5-bit codes are packed densely, across words: 64 * 5 / 32 = 10 words per position
+    let ok = planes_reply(&g, 3, 10, "bf16");
+    let planes = decode_planes("state", &ok, &g).expect("well-formed planes");
+    assert_eq!(planes[0].shape(), &[1, 2, 3, 10]);
+    assert_eq!(planes[0].dtype(), Dtype::Uint32);
+    assert_eq!(planes[5].shape(), &[1, 2, 3, 2]);
+    let kind = |reply: &Value| {
+        let e = decode_planes("state", reply, &g).expect_err("a lie");
+        e.downcast_ref::<EngineFailure>().map(|f| f.kind()).unwrap_or("untyped").to_string()
+    };
+    assert_eq!(kind(&planes_reply(&g, 3, 11, "bf16")), "wrong_shape", "a packed width of another bit count");
+    assert_eq!(kind(&planes_reply(&g, 3, 10, "f32")), "malformed", "scales of another dtype");
+    let mut other_n = ok.clone();
+    other_n["v"] = planes_reply(&g, 4, 10, "bf16")["v"].clone();
+    assert_eq!(kind(&other_n), "wrong_shape", "V of another position count than K");
+    let mut no_v = ok.clone();
+    no_v.as_object_mut().expect("object").remove("v");
+    assert_eq!(kind(&no_v), "malformed");
+    let mut plain = ok.clone();
+    plain["k"] = json!({"dtype": "bf16", "shape": [1, 2, 3, 64], "b64": ""});
+    assert_eq!(kind(&plain), "malformed", "a plain array where planes are due");
+    let mut short = ok;
+    short["k"]["scales"]["b64"] = json!("AAAA");
+    assert_eq!(kind(&short), "malformed", "fewer bytes than the shape");
+}
