@@ -2,6 +2,7 @@
 # Every engine driver under `kvsim check-engine`, stock and with each planted bug, into bench/results/check-engine-*/.
 #
 #   bench/check-engines.sh [SEEDS]        # default 500; sets up each engine's venv on first use
+#   ONLY='optiq|quant' bench/check-engines.sh 500   # only the runs whose "<dir> <config>" matches the regex
 #
 # Per run: <dir>/<config>.log (the command's whole output, its JSON summary last) and <dir>/<config>/ (each class's
 # shortest trace and reproducer; the reproducers are not kept in git: the committed ones, re-run by cargo test, are
@@ -13,7 +14,9 @@ SEEDS=${1:-500}
 cargo build --release --quiet --bin kvsim || exit 2
 KVSIM=target/release/kvsim
 status=0
+ONLY=${ONLY:-}
 run() { # DIR CONFIG DRIVER...
+  if [ -n "$ONLY" ] && ! [[ "$1 $2" =~ $ONLY ]]; then return; fi
   local dir=bench/results/$1 config=$2; shift 2
   mkdir -p "$dir"; rm -rf "${dir:?}/$config"
   local start=$SECONDS
@@ -23,10 +26,15 @@ run() { # DIR CONFIG DRIVER...
   grep '^  \[' "$dir/$config.log" | sed 's/; trace.*//'
   [ "$rc" -le 1 ] || status=2
 }
-for e in mlx_lm vllm_mlx mlx_vlm; do bash "oracles/$e/setup.sh" >/dev/null || exit 2; done
+for e in mlx_lm vllm_mlx mlx_vlm mlx_optiq; do bash "oracles/$e/setup.sh" >/dev/null || exit 2; done
 PY="PYTHONPATH=python"
 run check-engine-mlx-lm v2 python3 oracles/mlx_lm/engine.py
 run check-engine-mlx-lm plant-prefix-short python3 oracles/mlx_lm/engine.py --plant prefix-short
+run check-engine-mlx-lm quant python3 oracles/mlx_lm/engine.py --kv quant
+O="$PY oracles/mlx_optiq/.venv/bin/python -m kvsim.drivers.mlx_optiq"
+run check-engine-mlx-optiq batch "$O"
+run check-engine-mlx-optiq rotating "$O" --cache rotating
+run check-engine-mlx-optiq plant-quant-row-copy "$O" --plant quant-row-copy
 V="$PY oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx"
 run check-engine-vllm-mlx stock "$V"
 run check-engine-vllm-mlx chain "$V" --lookup chain

@@ -7,6 +7,7 @@ mod corpus;
 mod crate_graph;
 mod determinism;
 mod engine_pools;
+mod engine_quant;
 mod engine_repros;
 mod fuzz_corpus;
 mod module_cycles;

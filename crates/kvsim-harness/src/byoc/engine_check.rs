@@ -46,12 +46,15 @@ pub fn decode_any(line: &str, g: &Geometry) -> usize {
 
 /// The checks whose divergence an engine's reproducer re-establishes on its own calls: a batch row's output against
 /// the same request on its own serial cache (`rows_vs_solo`), the rows' trim against their own caches' trims
-/// (`rows_trim_vs_solo`), a call the engine's cache raised on (`adapter_error`), and every block-pool check (the
+/// (`rows_trim_vs_solo`), a call the engine's cache raised on (`adapter_error`), an `extract` of a row the batch does
+/// not have that returned a cache (`missing_row_accepted`; the rows each batch holds follow from the calls), and
+/// every block-pool check (the
 /// pool's invariants restated over the calls and replies alone).
 pub const REPRODUCIBLE: &[&str] = &[
     "rows_vs_solo",
     "rows_trim_vs_solo",
     "adapter_error",
+    "missing_row_accepted",
     "pool_refs",
     "pool_tables",
     "pool_cow",

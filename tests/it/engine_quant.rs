@@ -1,0 +1,109 @@
+//! Quantized K/V over protocol 2 (`supports.quant`): mlx-optiq 0.7.7's quantized caches and mlx-lm 0.32.2's
+//! `QuantizedKVCache` under `kvsim check-engine`. The classes of the stock releases are found, each with its shortest
+//! trace and a reproducer under `oracles/mlx_optiq/repros/` that exits 1, and optiq's planted bug (a quantized row
+//! written at another row's column) is caught by the plane check and shrunk. The engines' runs need the venvs
+//! `oracles/mlx_optiq/setup.sh` and `oracles/mlx_lm/setup.sh` create; without them they are skipped with the reason
+//! printed (the committed traces are checked either way).
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvsim::byoc::engine_check::check_engine;
+use kvsim::byoc::CheckOptions;
+use kvsim::sim::trace::{Outcome, Trace};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn repros() -> Vec<PathBuf> {
+    let dir = root().join("oracles/mlx_optiq/repros");
+    let mut out: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "py"))
+        .collect();
+    out.sort();
+    out
+}
+
+fn venv(engine: &str) -> Option<PathBuf> {
+    let python = root().join(format!("oracles/{engine}/.venv/bin/python"));
+    if python.exists() {
+        Some(python)
+    } else {
+        eprintln!("skipped: no {} (run oracles/{engine}/setup.sh to create it)", python.display());
+        None
+    }
+}
+
+fn driver(python: &Path, module: &str, options: &str) -> String {
+    format!(
+        "cd {} && PYTHONPATH=python exec {} -m kvsim.drivers.{module} {options}",
+        root().display(),
+        python.display()
+    )
+}
+
+#[test]
+fn every_optiq_class_has_a_short_quantized_trace_beside_its_reproducer() {
+    let scripts = repros();
+    assert!(scripts.len() >= 3, "{scripts:?}");
+    for s in &scripts {
+        let trace = s.with_extension("trace.json");
+        let t = Trace::load(&trace).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
+        assert!(kvsim::byoc::quant_of(&t.config).is_some(), "{}: not a quantized run", trace.display());
+        let Outcome::Fail { check, .. } = &t.outcome else { panic!("{}: passes", trace.display()) };
+        let stem = s.file_stem().unwrap().to_string_lossy().to_string();
+        assert!(stem.starts_with(check.as_str()), "{stem} is not a {check} class");
+        assert!(t.ops.len() <= 4, "{}: {} ops", trace.display(), t.ops.len());
+    }
+}
+
+#[test]
+fn every_optiq_reproducer_exits_1_under_mlx_optiq() {
+    let Some(python) = venv("mlx_optiq") else { return };
+    for s in repros() {
+        let out = std::process::Command::new(&python).arg(&s).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(said.contains("mlx-optiq raised") || said.contains("instead of raising"), "{}: {said}", s.display());
+    }
+}
+
+/// The stock batch path's classes are found again, and the planted row copy is caught by `state_vs_model` (the
+/// planes of the row against `mx.quantize` of its own positions) and shrunk.
+#[test]
+fn optiq_classes_are_found_and_its_planted_row_copy_is_caught() {
+    let Some(python) = venv("mlx_optiq") else { return };
+    let opts = CheckOptions { seeds: 60, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    let stock = check_engine(&driver(&python, "mlx_optiq", ""), timeout, opts, 1).expect("the stock driver");
+    assert!(stock.hello.supports.quant_only && stock.hello.supports.quant_rows, "{:?}", stock.hello.supports);
+    let names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
+    for want in ["adapter_error/row_state", "adapter_error/solo_read", "missing_row_accepted"] {
+        assert!(names.contains(&want), "stock: {names:?}");
+    }
+    assert!(stock.classes.iter().all(|c| c.name != "state_vs_model"), "stock: {names:?}");
+    let planted =
+        check_engine(&driver(&python, "mlx_optiq", "--plant quant-row-copy"), timeout, opts, 1).expect("planted");
+    assert!(planted.hello.version.ends_with("+plant:quant-row-copy"), "{}", planted.hello.version);
+    let c = planted.classes.iter().find(|c| c.name == "state_vs_model").expect("the planted row copy is caught");
+    assert!(c.shortest.ops() <= 6, "{} ops", c.shortest.ops());
+}
+
+/// mlx-lm's `QuantizedKVCache` (serial only: mlx-lm 0.32.2 batches no quantized cache) over 30 seeds: the runs with
+/// 5- or 6-bit codes fail at their first write, every other run passes every plane and read check.
+#[test]
+fn mlx_lm_quantized_cache_fails_only_at_five_and_six_bits() {
+    let Some(python) = venv("mlx_lm") else { return };
+    let opts = CheckOptions { seeds: 30, ops: 100, shrink_budget: 40, ..CheckOptions::default() };
+    let r = check_engine(&driver(&python, "mlx_lm", "--kv quant"), Duration::from_secs(60), opts, 1).expect("driver");
+    assert!(r.checks > 10_000, "{} checks", r.checks);
+    let names: Vec<&str> = r.classes.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["adapter_error/solo_read"], "{names:?}");
+    for seed in &r.classes[0].failing_seeds {
+        // an engine run's quantization is the quantized family's draw of its seed
+        let q = kvsim::sim::family::quant::QuantChoice::draw(*seed);
+        assert!(q.bits == 5 || q.bits == 6, "seed {seed}: {} bits", q.bits);
+    }
+}
