@@ -392,18 +392,29 @@ def first_difference(a, b, dtype):
 
 
 def check_rows_vs_solo(calls, replies):
-    """The last rows read against each row's twin read right after it (row r: call i + 1 + r)."""
+    """The last rows read against each row's twin read right after it, in row order. In a right-padded prefill's
+    window the request's `real` gives each row's real queries (its first ones): a row with none has no twin read, the
+    others are compared on those columns only."""
     i = max(j for j, r in enumerate(calls) if r["op"] in ("rows_decode", "rows_window"))
     out = replies[i]["out"]
-    rows, dtype = out["shape"][0], out["dtype"]
+    (rows, heads, length, dim), dtype = out["shape"], out["dtype"]
+    real = calls[i].get("real") or [length] * rows
     raw = base64.b64decode(out["b64"])
+    size = ELEMENT[dtype][1]
     n = len(raw) // rows
+    twin = i + 1
     for r in range(rows):
-        solo = base64.b64decode(replies[i + 1 + r]["out"]["b64"])
-        d = first_difference(raw[r * n : (r + 1) * n], solo, dtype)
+        if real[r] == 0:
+            continue
+        row = raw[r * n : (r + 1) * n]
+        step, keep = length * dim * size, real[r] * dim * size
+        row = b"".join(row[h * step : h * step + keep] for h in range(heads))
+        solo = base64.b64decode(replies[twin]["out"]["b64"])
+        d = first_difference(row, solo, dtype)
         if d is not None:
             return (f"call {i} ({calls[i]['op']}): row {r} differs from the same request run alone on its own serial "
-                    f"cache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+                    f"cache (call {twin}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+        twin += 1
     return None
 
 

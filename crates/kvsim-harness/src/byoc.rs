@@ -27,7 +27,8 @@
 //! judged by kvsim's reference model of each request as if it ran alone (`kvsim_reference::RowModel`: which
 //! positions each query sees, which a state holds). A trim drops positions from the end (`trim(n)` returns what it
 //! dropped: `min(n, offset)`, 0 for a filled window) and is asked of the rows only with `n` at most every row's
-//! offset. No right-padded prefill, no per-row speculative rollback.
+//! offset. A right-padded batch prefill where the cache has one ([`Supports::prefill`]); no per-row speculative
+//! rollback.
 
 mod ddmin;
 pub mod engine;
@@ -102,9 +103,12 @@ pub struct Supports {
     pub quant: bool,
     /// Every run quantized (an adapter whose caches are quantized only). Implies [`Supports::quant`].
     pub quant_only: bool,
-    /// Quantized caches also form batches (`merge`, `join`); without it a quantized run draws no batch op and its
-    /// requests stay serial.
+    /// Quantized caches also form batches (`merge`, `join`, a batch prefill); without it a quantized run draws no
+    /// batch op and its requests stay serial.
     pub quant_rows: bool,
+    /// A right-padded batch prefill ([`RowsUnderTest::prepare`], [`RowsUnderTest::window`] over the padded chunks,
+    /// [`RowsUnderTest::finalize`]): fresh requests' prompts of different lengths enter the batch together.
+    pub prefill: bool,
 }
 
 /// One request's cache of one layer, outside any batch.
@@ -183,6 +187,19 @@ pub trait RowsUnderTest: Sized {
     }
     /// Row `row`'s K and V as [`SerialUnderTest::state`] gives a serial cache's.
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;
+    /// Readies a batch merged from empty caches for a right-padded prefill of prompts of `lengths` positions (one per
+    /// row): the windows that follow carry `max(lengths)` positions per row in chunks, row `r`'s last
+    /// `max(lengths) - lengths[r]` of them padding (values that are no position of its request; a query sees no
+    /// padding of its own row, which comes after every real position). Asked only where [`Supports::prefill`] says
+    /// so, and followed by [`RowsUnderTest::finalize`].
+    fn prepare(&mut self, lengths: &[usize]) -> AdapterResult<()> {
+        let _ = lengths;
+        Err("a right-padded prefill is not supported".into())
+    }
+    /// Ends a right-padded prefill: row `r` holds exactly its `lengths[r]` positions, as if it had taken them alone.
+    fn finalize(&mut self) -> AdapterResult<()> {
+        Err("a right-padded prefill is not supported".into())
+    }
     /// Row `row`'s planes as [`SerialUnderTest::planes`] gives a serial cache's. Asked only in quantized runs.
     fn row_planes(&self, row: usize) -> AdapterResult<[Array; 6]> {
         let _ = row;
@@ -269,6 +286,7 @@ pub fn supports<A: Adapter>(kind: OpKind) -> bool {
         | OpKind::Extract
         | OpKind::Filter => true,
         OpKind::SoloTrim => s.serial_trim,
+        OpKind::BatchPrefill => s.prefill,
         OpKind::Window => s.rows_window,
         OpKind::Trim => s.rows_trim,
         _ => false,
@@ -301,7 +319,7 @@ pub fn config<A: Adapter>(seed: u64, ops: usize) -> SimConfig {
             cfg.params.insert(QUANT_PARAMS.to_string(), choice.to_params());
             if !s.quant_rows {
                 for (kind, w) in cfg.weights.iter_mut() {
-                    if matches!(kind, OpKind::Merge | OpKind::Join) {
+                    if matches!(kind, OpKind::Merge | OpKind::Join | OpKind::BatchPrefill) {
                         *w = 0;
                     }
                 }

@@ -27,7 +27,7 @@ class MlxLm(kit.Driver):
 
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
-                "rotating": True, "prefix": True}
+                "rotating": True, "prefill": True, "prefix": True}
     options = {"plant": (None, "prefix-short"), "kv": ("plain", "quant")}
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
@@ -101,6 +101,16 @@ class MlxLm(kit.Driver):
 
     def op_filter(self, r):
         self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        # as mlx-lm's BatchGenerator.prompt does (generate.py:1218-1221): only when some row is padded
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rows_state(self, r):

@@ -6,7 +6,8 @@
 Every run is quantized (`supports.quant_only`): `new` carries `quant` (`bits`, `group_size`). A full-attention
 serial cache is optiq's `MergeableQuantizedKVCache(group_size, bits)` (`optiq/runtime/kv/batch.py`), whose `merge` is
 `BatchQuantizedKVCache.merge`; a batch is that `BatchQuantizedKVCache` (grown by `extend`, shrunk by `extract`,
-`filter`, trimmed by `trim_prompt_cache`). `--cache rotating` adds sliding windows: a serial cache is then optiq's
+`filter`, trimmed by `trim_prompt_cache`, readied for a right-padded prefill by `prepare` and ended by its own
+`finalize`). `--cache rotating` adds sliding windows: a serial cache is then optiq's
 `RotatingQuantizedKVCache(max_size=W, keep=0, group_size, bits)` (`optiq/runtime/kv/rotating.py`), and runs stay
 serial (`supports.quant_rows` false): optiq quantizes the batch path's full-attention layers only and leaves
 sliding-window layers at full precision (`install_batch_kv_quant`, `batch.py:420-437`). The driver first installs what
@@ -34,7 +35,7 @@ class MlxOptiq(kit.Driver):
 
     name = "mlx-optiq"
     supports = {"kv": True, "quant_only": True, "quant_rows": True, "serial_trim": True, "rows_window": True,
-                "rows_trim": True, "join": False, "rotating": False}
+                "rows_trim": True, "join": False, "rotating": False, "prefill": True}
     options = {"plant": (None, "quant-row-copy"), "cache": ("batch", "rotating")}
 
     def __init__(self, **opts):
@@ -107,6 +108,16 @@ class MlxOptiq(kit.Driver):
 
     def op_filter(self, r):
         self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        # as mlx-lm's BatchGenerator.prompt does: only when some row is padded (BatchKVCache.prepare, inherited)
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()  # BatchQuantizedKVCache.finalize: the three planes rolled alike
         return {}
 
     def op_rows_state(self, r):

@@ -128,6 +128,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
             quant: protocol >= 2 && (flag("quant", false) || flag("quant_only", false)),
             quant_only: protocol >= 2 && flag("quant_only", false),
             quant_rows: protocol >= 2 && flag("quant_rows", false),
+            prefill: protocol >= 2 && flag("prefill", false),
         },
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
@@ -559,9 +560,29 @@ pub(crate) fn usize_of(op: &str, reply: &Value, field: &str) -> AdapterResult<us
 }
 
 fn read(op: &str, id: u64, k: &Array, v: &Array, q: &Array, scale: f32, g: &Geometry) -> AdapterResult<Array> {
-    let reply = engine_call(json!({
+    read_real(op, id, k, v, q, scale, g, None)
+}
+
+/// A read request; `real` (a right-padded prefill's window: each row's real positions in it, the rest padding) is
+/// sent as the request's `real`, for reproducers (an engine may ignore it).
+#[allow(clippy::too_many_arguments)]
+fn read_real(
+    op: &str,
+    id: u64,
+    k: &Array,
+    v: &Array,
+    q: &Array,
+    scale: f32,
+    g: &Geometry,
+    real: Option<Vec<usize>>,
+) -> AdapterResult<Array> {
+    let mut req = json!({
         "op": op, "id": id, "k": tensor(k)?, "v": tensor(v)?, "q": tensor(q)?, "scale": scale,
-    }))?;
+    });
+    if let Some(real) = real {
+        req["real"] = json!(real);
+    }
+    let reply = engine_call(req)?;
     let want: Vec<i64> = q.shape().iter().map(|&d| i64::from(d)).collect();
     tensor_from(op, &reply, "out", g.dtype, &format!("{want:?} (the query's)"), |s| s == want.as_slice())
 }
@@ -666,6 +687,8 @@ impl SerialUnderTest for EngineSerial {
 pub struct EngineRows {
     id: u64,
     geometry: Geometry,
+    /// During a right-padded prefill: the rows' prompt lengths and the positions fed so far.
+    prefill: Option<(Vec<usize>, usize)>,
 }
 
 impl Drop for EngineRows {
@@ -702,7 +725,7 @@ impl RowsUnderTest for EngineRows {
         // The engine consumes the rows' caches: their handles must not free them again.
         std::mem::forget(rows);
         engine_call(json!({"op": "merge", "id": id, "rows": ids}))?;
-        Ok(EngineRows { id, geometry })
+        Ok(EngineRows { id, geometry, prefill: None })
     }
     fn extend(&mut self, other: Self) -> AdapterResult<()> {
         let oid = other.id;
@@ -720,7 +743,25 @@ impl RowsUnderTest for EngineRows {
         read("rows_decode", self.id, k, v, q, scale, &self.geometry)
     }
     fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
-        read("rows_window", self.id, k, v, q, scale, &self.geometry)
+        let real = self.prefill.as_mut().map(|(lens, from)| {
+            let l = q.shape().get(2).map_or(0, |&l| l as usize);
+            let real = lens.iter().map(|&n| n.saturating_sub(*from).min(l)).collect();
+            *from += l;
+            real
+        });
+        read_real("rows_window", self.id, k, v, q, scale, &self.geometry, real)
+    }
+    fn prepare(&mut self, lengths: &[usize]) -> AdapterResult<()> {
+        let width = lengths.iter().copied().max().unwrap_or(0);
+        let right: Vec<usize> = lengths.iter().map(|&n| width - n).collect();
+        engine_call(json!({"op": "rows_prepare", "id": self.id, "lengths": lengths, "right_padding": right}))?;
+        self.prefill = Some((lengths.to_vec(), 0));
+        Ok(())
+    }
+    fn finalize(&mut self) -> AdapterResult<()> {
+        self.prefill = None;
+        engine_call(json!({"op": "rows_finalize", "id": self.id}))?;
+        Ok(())
     }
     fn extract(&self, row: usize) -> AdapterResult<EngineSerial> {
         let new = with_engine(|e| e.fresh_id())?;

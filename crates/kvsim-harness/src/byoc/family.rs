@@ -226,7 +226,7 @@ impl<A: Adapter> Adapted<A> {
             };
             let got = got.map_err(|e| refused("solo read", e))?;
             let twin = twin.map_err(|e| refused("twin read", e))?;
-            self.compare(cx, l, &got, &[(id, twin)], &[seen.clone()], "solo read")?;
+            self.compare(cx, l, &got, &[(0, id, twin)], &[seen.clone()], (1, len), "solo read")?;
         }
         Ok(true)
     }
@@ -251,9 +251,79 @@ impl<A: Adapter> Adapted<A> {
                 let [k, v, q] = self.kvq(l, std::slice::from_ref(&toks[r]))?;
                 let t = &mut self.reqs.get_mut(&id).expect("live").twin[l];
                 let out = if window { t.window(&k, &v, &q, scale) } else { t.decode(&k, &v, &q, scale) };
-                twins.push((id, out.map_err(|e| refused("twin read", e))?));
+                twins.push((r, id, out.map_err(|e| refused("twin read", e))?));
             }
-            self.compare(cx, l, &got, &twins, &seen, if window { "rows window" } else { "rows decode" })?;
+            let what = if window { "rows window" } else { "rows decode" };
+            self.compare(cx, l, &got, &twins, &seen, (ids.len(), len), what)?;
+        }
+        Ok(true)
+    }
+
+    /// A right-padded batch prefill: the fresh requests `ids` (empty, outside the batch) merged into new rows, readied
+    /// for prompts of `lens` positions ([`RowsUnderTest::prepare`]), fed `max(lens)` positions per row in windows of
+    /// `chunk` (row `r` padded after its `lens[r]`), finalized, and appended after the running rows. Each window's
+    /// real queries are compared with the request's twin, which reads the same positions in the same chunks alone.
+    fn prefill(&mut self, cx: &mut Cx<'_>, ids: &[u32], lens: &[usize], chunk: usize) -> Res<bool> {
+        if !A::supports().prefill {
+            return Err(Failure::new("setup", "a batch prefill reached a cache that does not support one"));
+        }
+        let width = lens.iter().copied().max().unwrap_or(0);
+        let scale = self.cfg.scale();
+        let mut per_layer: Vec<Vec<A::Serial>> = (0..self.cfg.layers).map(|_| vec![]).collect();
+        for id in ids {
+            let r = self.reqs.get_mut(id).expect("a live request");
+            for (l, s) in std::mem::take(&mut r.solo).into_iter().enumerate() {
+                per_layer[l].push(s);
+            }
+        }
+        let mut rows = vec![];
+        for serials in per_layer {
+            let mut b = A::Rows::merge(serials).map_err(|e| refused("merge (a prefill's rows)", e))?;
+            b.prepare(lens).map_err(|e| refused("rows_prepare", e))?;
+            rows.push(b);
+        }
+        let mut from = 0;
+        while from < width {
+            let len = chunk.max(1).min(width - from);
+            let toks: Vec<Vec<Option<Tok>>> = ids
+                .iter()
+                .zip(lens)
+                .map(|(&id, &n)| (from..from + len).map(|p| (p < n).then(|| Tok::new(id, p as u32))).collect())
+                .collect();
+            let real: Vec<Vec<Option<Tok>>> =
+                toks.iter().map(|t| t.iter().flatten().map(|t| Some(*t)).collect()).collect();
+            let mut seen = vec![];
+            for (&id, t) in ids.iter().zip(&real) {
+                if !t.is_empty() {
+                    seen.push(self.advance(id, t, false));
+                }
+            }
+            for (l, b) in rows.iter_mut().enumerate() {
+                let [k, v, q] = self.kvq(l, &toks)?;
+                let got = b.window(&k, &v, &q, scale).map_err(|e| refused("rows window (prefill)", e))?;
+                let mut twins = vec![];
+                for (r, &id) in ids.iter().enumerate() {
+                    if real[r].is_empty() {
+                        continue;
+                    }
+                    let [k, v, q] = self.kvq(l, std::slice::from_ref(&real[r]))?;
+                    let t = &mut self.reqs.get_mut(&id).expect("live").twin[l];
+                    twins.push((r, id, t.window(&k, &v, &q, scale).map_err(|e| refused("twin read", e))?));
+                }
+                self.compare(cx, l, &got, &twins, &seen, (ids.len(), len), "prefill window")?;
+            }
+            from += len;
+        }
+        for b in rows.iter_mut() {
+            b.finalize().map_err(|e| refused("rows_finalize", e))?;
+        }
+        match &mut self.batch {
+            None => self.batch = Some(rows),
+            Some(batch) => {
+                for (b, new) in batch.iter_mut().zip(rows) {
+                    b.extend(new).map_err(|e| refused("extend (after a prefill)", e))?;
+                }
+            }
         }
         Ok(true)
     }
@@ -271,22 +341,25 @@ impl<A: Adapter> Adapted<A> {
         }
     }
 
-    /// Compares a read's output (`[B, heads_q, L, D]`, row `r` the request `twins[r].0`) with each row's twin
-    /// output and with the f64 model over the positions each query sees (`seen[r][i]`).
+    /// Compares a read's output (`[B, heads_q, L, D]`, `(B, L) = (rows, len)`) with the twin outputs `twins` (`(row, request,
+    /// output)`: the request of batch row `row`, whose twin read its real queries, the row's first ones) and with
+    /// the f64 model over the positions each real query sees (`seen[j][i]` for `twins[j]`). Every row of the batch
+    /// is in `twins` except, in a right-padded prefill, the rows with no real position in the window.
+    #[allow(clippy::too_many_arguments)]
     fn compare(
         &mut self,
         cx: &mut Cx<'_>,
         layer: usize,
         got: &Array,
-        twins: &[(u32, Array)],
+        twins: &[(usize, u32, Array)],
         seen: &[Vec<Vec<Tok>>],
+        (rows, len): (usize, usize),
         what: &str,
     ) -> Res<()> {
-        let len = seen.first().map_or(0, Vec::len);
         let mut arrays = vec![got];
-        arrays.extend(twins.iter().map(|t| &t.1));
+        arrays.extend(twins.iter().map(|t| &t.2));
         let bytes = ArrayBytes::read_many(&arrays).map_err(|e| read_fail(what, e))?;
-        let want = [twins.len() as i32, self.geometry.heads_q as i32, len as i32, self.geometry.head_dim as i32];
+        let want = [rows as i32, self.geometry.heads_q as i32, len as i32, self.geometry.head_dim as i32];
         if bytes[0].shape != want || bytes[0].dtype != self.geometry.dtype {
             return check::fail(Failure::new(
                 "output_shape",
@@ -298,10 +371,11 @@ impl<A: Adapter> Adapted<A> {
         }
         cx.hasher.update(&bytes[0].digest());
         let exact = self.counters.guarantees.exact_unpadded_decode;
-        let cols: Vec<usize> = (0..len).collect();
-        for (r, (id, _)) in twins.iter().enumerate() {
+        for (j, (r, id, _)) in twins.iter().enumerate() {
+            let r = *r;
+            let cols: Vec<usize> = (0..seen[j].len()).collect();
             let row = bytes[0].select_columns(r, &cols).map_err(|e| read_fail(what, e))?;
-            let twin = &bytes[r + 1];
+            let twin = &bytes[j + 1];
             let worst = if exact || row.shape != twin.shape {
                 check::bytes_equal(&format!("{what}, layer {layer}, row {r}"), &row, twin)
                     .map_err(|f| Failure::new("rows_vs_solo", format!("{} (request {id})", f.message)))?;
@@ -312,7 +386,7 @@ impl<A: Adapter> Adapted<A> {
             self.counters.checks += 1;
             let class = if len == 1 { OutClass::DecodeUnpadded } else { OutClass::Window };
             self.counters.record_twin(class, &[A::NAME], self.geometry.dtype, worst);
-            for (i, keys) in seen[r].iter().enumerate() {
+            for (i, keys) in seen[j].iter().enumerate() {
                 let q = keys.iter().copied().max_by_key(|t| t.pos).unwrap_or(Tok::new(*id, 0));
                 let (vs, l, scale, out) = (&self.vs, layer as u32, self.cfg.scale(), &bytes[0]);
                 match self.ref_quant() {
@@ -586,6 +660,10 @@ impl<A: Adapter> Family for Adapted<A> {
     }
 
     fn apply(&mut self, op: &Op, cx: &mut Cx<'_>) -> Res<bool> {
+        if let Some(Change::Prefill { ids, lens, chunk, .. }) = cx.change {
+            let (ids, lens, chunk) = (ids.clone(), lens.clone(), *chunk);
+            return self.prefill(cx, &ids, &lens, chunk);
+        }
         if let Some(change) = cx.change {
             return self.carry_out(change, matches!(op, Op::Join { .. }));
         }
