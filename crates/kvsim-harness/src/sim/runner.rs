@@ -88,11 +88,18 @@ impl World {
         }
     }
 
-    /// Applies one op to every family. `Ok(false)`: skipped (out of limits, a kind some family does not support,
-    /// or references that do not exist). `Err`: a check failed. The families that own the op's kind (where the run
-    /// holds one) must agree on whether it was skipped; where none owns it, every family must (check `families`).
+    /// Applies one op to every family. `Ok(false)`: skipped (out of limits, a kind some family does not support, a
+    /// kind owned by a family the run does not hold, or references that do not exist). `Err`: a check failed. The
+    /// families that own the op's kind (where the run holds one) must agree on whether it was skipped; where no
+    /// registered family owns it, every family must (check `families`).
     pub fn apply(&mut self, op: &Op, observer: &mut dyn RunObserver) -> Result<bool, FamilyFailure> {
-        if !op_within_limits(op) || !self.registry.all_support(&self.family_names(), op.kind()) {
+        let names = self.family_names();
+        // The generator never draws an op whose owner the run lacks (`Registry::owners_present`); a trace written by
+        // hand or by a fuzzer may hold one, and no family of the run can judge it.
+        if !op_within_limits(op)
+            || !self.registry.all_support(&names, op.kind())
+            || !self.registry.owners_present(&names, op.kind())
+        {
             return Ok(false);
         }
         let change = match self.roster.resolve(op, |id| self.position(id).0) {
