@@ -143,6 +143,55 @@ class Codec(unittest.TestCase):
             kit.arr_in({"dtype": "f32", "shape": [2], "b64": "AAAA"})
 
 
+    def test_u32_and_quantized_planes(self):
+        import base64
+        import struct
+
+        import mlx.core as mx
+
+        words = [0xFFFFFFFF, 0, 0x80000001]
+        u = {"dtype": "u32", "shape": [3], "b64": base64.b64encode(struct.pack("<3I", *words)).decode()}
+        self.assertEqual(kit.materialize(kit.arr_out(kit.arr_in(u))), u)
+
+        class Cache:  # an mlx-style quantized cache: planes in a bigger buffer, `offset` positions held
+            offset = 3
+        c = Cache()
+        x = mx.arange(2 * 8 * 64, dtype=mx.float32).reshape(1, 2, 8, 64) / 16
+        c.keys = c.values = mx.quantize(x, group_size=32, bits=5)
+        g = {"heads_kv": 2, "head_dim": 64, "dtype": "f32", "max_size": None, "quant": {"bits": 5, "group_size": 32}}
+        r = kit.materialize(kit.state_reply(c, g))
+        self.assertEqual(r["k"]["packed"]["shape"], [1, 2, 3, 10])  # 64 * 5 / 32 words per position
+        self.assertEqual(r["v"]["scales"]["shape"], [1, 2, 3, 2])
+        c.keys = None
+        r = kit.materialize(kit.state_reply(c, g))
+        self.assertEqual(r["k"]["biases"]["shape"], [1, 2, 0, 2])
+
+
+class Checks(unittest.TestCase):
+    def test_missing_row_accepted_follows_the_rows_from_the_calls(self):
+        calls = [{"op": "merge", "id": 3, "rows": [1, 2]}, {"op": "filter", "id": 3, "keep": [1]},
+                 {"op": "extract", "id": 3, "row": 1, "new": 4}]
+        self.assertIn("a batch of 1 rows", kit.check_missing_row_accepted(calls, [{"ok": True}] * 3))
+        self.assertIsNone(kit.check_missing_row_accepted(calls, [{"ok": True}] * 2 + [{"ok": False}]))
+        calls[1] = {"op": "extend", "id": 3, "other": 5}
+        calls.insert(0, {"op": "merge", "id": 5, "rows": [6]})
+        self.assertIsNone(kit.check_missing_row_accepted(calls, [{"ok": True}] * 4))
+
+    def test_rows_vs_solo_compares_only_the_real_queries_of_a_padded_window(self):
+        import base64
+        import struct
+
+        def arr(shape, values):
+            return {"dtype": "f32", "shape": shape, "b64": base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()}
+
+        # 2 rows, 1 head, 2 queries, dim 1: row 0 has one real query (value 1.0, then padding 9.0), row 1 none
+        calls = [{"op": "rows_window", "id": 3, "real": [1, 0]}, {"op": "window", "id": 1}]
+        batch = {"ok": True, "out": arr([2, 1, 2, 1], [1.0, 9.0, 5.0, 5.0])}
+        self.assertIsNone(kit.check_rows_vs_solo(calls, [batch, {"ok": True, "out": arr([1, 1, 1, 1], [1.0])}]))
+        said = kit.check_rows_vs_solo(calls, [batch, {"ok": True, "out": arr([1, 1, 1, 1], [2.0])}])
+        self.assertIn("row 0 differs", said)
+
+
 @unittest.skipUnless(HAVE_VLLM_MLX, "vllm-mlx is not installed")
 class VllmMlxPool(unittest.TestCase):
     def replay(self, calls, **opts):
