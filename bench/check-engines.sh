@@ -35,6 +35,7 @@ O="$PY oracles/mlx_optiq/.venv/bin/python -m kvsim.drivers.mlx_optiq"
 run check-engine-mlx-optiq batch "$O"
 run check-engine-mlx-optiq rotating "$O" --cache rotating
 run check-engine-mlx-optiq plant-quant-row-copy "$O" --plant quant-row-copy
+run check-engine-mlx-optiq plant-convert-phase "$O" --cache rotating --plant convert-phase
 V="$PY oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx"
 run check-engine-vllm-mlx stock "$V"
 run check-engine-vllm-mlx chain "$V" --lookup chain

@@ -92,6 +92,24 @@ fn optiq_classes_are_found_and_its_planted_row_copy_is_caught() {
     assert!(c.shortest.ops() <= 6, "{} ops", c.shortest.ops());
 }
 
+/// `--cache rotating`: half the runs start plain and are converted by optiq's `quantize_cache_layer`; the planted
+/// conversion that drops a wrapped ring's write position is caught by `state_vs_model` (planes in temporal order).
+#[test]
+fn optiq_conversion_of_a_wrapped_ring_keeps_its_phase_and_the_planted_loss_is_caught() {
+    let Some(python) = venv("mlx_optiq") else { return };
+    let opts = CheckOptions { seeds: 60, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    let stock = check_engine(&driver(&python, "mlx_optiq", "--cache rotating"), timeout, opts, 0).expect("stock");
+    assert!(stock.hello.supports.convert, "{:?}", stock.hello.supports);
+    assert!(stock.ops_by_kind.get("quantize").copied().unwrap_or(0) > 10, "{:?}", stock.ops_by_kind);
+    assert!(stock.classes.iter().all(|c| c.name != "state_vs_model"), "stock converts rings with their phase");
+    let planted =
+        check_engine(&driver(&python, "mlx_optiq", "--cache rotating --plant convert-phase"), timeout, opts, 1)
+            .expect("planted");
+    let c = planted.classes.iter().find(|c| c.name == "state_vs_model").expect("the lost phase is caught");
+    assert!(c.shortest.ops() <= 6, "{} ops", c.shortest.ops());
+}
+
 /// mlx-lm's `QuantizedKVCache` (serial only: mlx-lm 0.32.2 batches no quantized cache) over 30 seeds: the runs with
 /// 5- or 6-bit codes fail at their first write, every other run passes every plane and read check.
 #[test]

@@ -106,6 +106,10 @@ pub struct Supports {
     /// Quantized caches also form batches (`merge`, `join`, a batch prefill); without it a quantized run draws no
     /// batch op and its requests stay serial.
     pub quant_rows: bool,
+    /// Converting a plain cache to a quantized one ([`SerialUnderTest::convert`], [`RowsUnderTest::convert`]; with
+    /// [`Supports::quant`]): the other half of the runs start plain, and the conversion op converts every cache of the
+    /// run at once.
+    pub convert: bool,
     /// A right-padded batch prefill ([`RowsUnderTest::prepare`], [`RowsUnderTest::window`] over the padded chunks,
     /// [`RowsUnderTest::finalize`]): fresh requests' prompts of different lengths enter the batch together.
     pub prefill: bool,
@@ -134,6 +138,14 @@ pub trait SerialUnderTest: Sized {
     /// (`n = offset`), or under a sliding window the newest `n = min(offset, W)` (any array with no element when
     /// it holds none).
     fn state(&self) -> AdapterResult<[Array; 2]>;
+    /// Converts this plain cache to an affine-quantized one of `quant` in place (mlx-lm's `to_quantized`): the same
+    /// positions, offset and (for a ring) phase, stored as `mx.quantize` stores them. Parameters MLX does not accept
+    /// (bits outside 2-6 and 8, a group outside 32, 64, 128 or not dividing the head dim) must be refused, the cache
+    /// unchanged. Asked only where [`Supports::convert`] says so.
+    fn convert(&mut self, quant: QuantGeometry) -> AdapterResult<()> {
+        let _ = quant;
+        Err("conversion is not supported".into())
+    }
     /// A quantized cache's state: the six planes of the positions [`SerialUnderTest::state`] would give, in the
     /// same temporal order, K's packed words (`uint32 [1, heads_kv, n, head_dim * bits / 32]`), scales and biases
     /// (`[1, heads_kv, n, head_dim / group_size]`, the run's dtype), then V's, exactly as `mx.quantize` of those
@@ -187,6 +199,11 @@ pub trait RowsUnderTest: Sized {
     }
     /// Row `row`'s K and V as [`SerialUnderTest::state`] gives a serial cache's.
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;
+    /// [`SerialUnderTest::convert`] of every row at once.
+    fn convert(&mut self, quant: QuantGeometry) -> AdapterResult<()> {
+        let _ = quant;
+        Err("conversion is not supported".into())
+    }
     /// Readies a batch merged from empty caches for a right-padded prefill of prompts of `lengths` positions (one per
     /// row): the windows that follow carry `max(lengths)` positions per row in chunks, row `r`'s last
     /// `max(lengths) - lengths[r]` of them padding (values that are no position of its request; a query sees no
@@ -287,6 +304,7 @@ pub fn supports<A: Adapter>(kind: OpKind) -> bool {
         | OpKind::Filter => true,
         OpKind::SoloTrim => s.serial_trim,
         OpKind::BatchPrefill => s.prefill,
+        OpKind::Quantize => s.convert && s.quant,
         OpKind::Window => s.rows_window,
         OpKind::Trim => s.rows_trim,
         _ => false,
@@ -295,7 +313,19 @@ pub fn supports<A: Adapter>(kind: OpKind) -> bool {
 
 /// The adapter's family, for a [`Registry`] (every run of that registry holds it).
 pub fn registration<A: Adapter>() -> Registration {
-    Registration::plain(A::NAME, supports::<A>, 1.0, |cfg| Ok(Box::new(family::Adapted::<A>::new(cfg)?)))
+    let plain = Registration::plain(A::NAME, supports::<A>, 1.0, |cfg| Ok(Box::new(family::Adapted::<A>::new(cfg)?)));
+    let s = A::supports();
+    if s.convert && s.quant {
+        Registration { draws_op: Some((OpKind::Quantize, draw_convert)), ..plain }
+    } else {
+        plain
+    }
+}
+
+/// The conversion op of a run that starts plain: the quantized family's draw (mostly the run's own parameters,
+/// sometimes bits or a group MLX refuses).
+fn draw_convert(cfg: &SimConfig, w: &mut rand_chacha::ChaCha8Rng) -> crate::sim::ops::Op {
+    crate::sim::family::quant::draw_quantize_for(quant_of(cfg), w)
 }
 
 /// A registry holding the adapter's family alone.
@@ -315,8 +345,16 @@ pub fn config<A: Adapter>(seed: u64, ops: usize) -> SimConfig {
         // The quantized family's draw (its own stream: no other draw moves): bits, group, a head dim that is a
         // multiple of the group; its `native` half of the seeds are the quantized runs.
         let choice = QuantChoice::draw(seed);
-        if s.quant_only || choice.native {
+        let converts = s.convert && !s.quant_only && !choice.native;
+        if s.quant_only || choice.native || converts {
             cfg.params.insert(QUANT_PARAMS.to_string(), choice.to_params());
+            if converts {
+                // Plain until the conversion op: its weight is the quantized family's draw.
+                match cfg.weights.iter_mut().find(|(k, _)| *k == OpKind::Quantize) {
+                    Some(w) => w.1 = choice.convert_weight,
+                    None => cfg.weights.push((OpKind::Quantize, choice.convert_weight)),
+                }
+            }
             if !s.quant_rows {
                 for (kind, w) in cfg.weights.iter_mut() {
                     if matches!(kind, OpKind::Merge | OpKind::Join | OpKind::BatchPrefill) {

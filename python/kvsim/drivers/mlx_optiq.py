@@ -9,7 +9,9 @@ serial cache is optiq's `MergeableQuantizedKVCache(group_size, bits)` (`optiq/ru
 `filter`, trimmed by `trim_prompt_cache`, readied for a right-padded prefill by `prepare` and ended by its own
 `finalize`). `--cache rotating` adds sliding windows: a serial cache is then optiq's
 `RotatingQuantizedKVCache(max_size=W, keep=0, group_size, bits)` (`optiq/runtime/kv/rotating.py`), and runs stay
-serial (`supports.quant_rows` false): optiq quantizes the batch path's full-attention layers only and leaves
+serial (`supports.quant_rows` false), and half of them start plain (mlx-lm's `KVCache` / `RotatingKVCache`) until
+kvsim's conversion op, served by optiq's `quantize_cache_layer(c, bits, group_size)` (`rotating.py:658`: a ring
+becomes a `RotatingQuantizedKVCache` keeping its `_idx`); optiq quantizes the batch path's full-attention layers only and leaves
 sliding-window layers at full precision (`install_batch_kv_quant`, `batch.py:420-437`). The driver first installs what
 `optiq serve` installs (`patch_rotating_to_quantized()`: optiq's SDPA dispatch and its GQA mask fix;
 `batch_rotating_merge.install()`). Reads take their mask
@@ -19,7 +21,7 @@ the next read attends, in temporal order (`kit.state_reply`).
 
 `--plant quant-row-copy` (a negative control, hello's `version` says `+plant:...`): after every decode of a batch of
 two rows or more, row 1's newest K column takes row 0's packed words (a quantized row written at another row's
-column).
+column). `--plant convert-phase` (with `--cache rotating`): a wrapped ring converted without its write position.
 """
 from kvsim import kit
 
@@ -36,12 +38,15 @@ class MlxOptiq(kit.Driver):
     name = "mlx-optiq"
     supports = {"kv": True, "quant_only": True, "quant_rows": True, "serial_trim": True, "rows_window": True,
                 "rows_trim": True, "join": False, "rotating": False, "prefill": True}
-    options = {"plant": (None, "quant-row-copy"), "cache": ("batch", "rotating")}
+    options = {"plant": (None, "quant-row-copy", "convert-phase"), "cache": ("batch", "rotating")}
 
     def __init__(self, **opts):
         super().__init__(**opts)
         if self.opts["cache"] == "rotating":
-            self.supports = dict(self.supports, rotating=True, quant_rows=False)
+            # half the runs quantized from the first write, the other half plain (mlx-lm's KVCache /
+            # RotatingKVCache) until kvsim's conversion op, served by optiq's `quantize_cache_layer`
+            self.supports = dict(self.supports, rotating=True, quant_rows=False, quant_only=False, quant=True,
+                                 convert=True, prefill=False)
 
     def version(self):
         v = kit.package_version("mlx-optiq") + (" rotating" if self.opts["cache"] == "rotating" else "")
@@ -52,8 +57,10 @@ class MlxOptiq(kit.Driver):
 
     def op_new(self, r):
         self.geometry = g = r["geometry"]
-        q, w = g["quant"], g.get("max_size")
-        if w:
+        q, w = g.get("quant"), g.get("max_size")
+        if not q:
+            c = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+        elif w:
             c = ROT.RotatingQuantizedKVCache(max_size=w, keep=0, group_size=q["group_size"], bits=q["bits"])
         else:
             c = BATCH.MergeableQuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
@@ -77,6 +84,14 @@ class MlxOptiq(kit.Driver):
             col = int(c._idx) - 1
             c.keys[0][1, :, col, :] = c.keys[0][0, :, col, :]
         return out
+
+    def op_convert(self, r):
+        q = r["quant"]
+        c = self.handles[r["id"]] = ROT.quantize_cache_layer(self.handles[r["id"]], q["bits"], q["group_size"])
+        if self.opts["plant"] == "convert-phase" and hasattr(c, "_idx") and c.offset > c.max_size:
+            c._idx = 0  # the planted bug: a wrapped ring converted without its write position
+        self.geometry = dict(self.geometry, quant=q)  # kvsim converts every cache of the run at once
+        return {}
 
     def op_trim(self, r):
         return {"trimmed": CACHE.trim_prompt_cache([self.handles[r["id"]]], r["n"])}

@@ -26,7 +26,8 @@ use mlx_rs::{Array, Dtype};
 use serde_json::{json, Value};
 
 use super::{
-    read_each, Adapter, AdapterError, AdapterResult, Geometry, Read, ReadOut, RowsUnderTest, SerialUnderTest, Supports,
+    read_each, Adapter, AdapterError, AdapterResult, Geometry, QuantGeometry, Read, ReadOut, RowsUnderTest,
+    SerialUnderTest, Supports,
 };
 
 /// The newest protocol version this module speaks.
@@ -129,6 +130,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
             quant_only: protocol >= 2 && flag("quant_only", false),
             quant_rows: protocol >= 2 && flag("quant_rows", false),
             prefill: protocol >= 2 && flag("prefill", false),
+            convert: protocol >= 2 && flag("convert", false),
         },
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
@@ -599,6 +601,11 @@ fn decode_state(op: &str, reply: &Value, g: &Geometry) -> AdapterResult<[Array; 
     Ok([tensor_from(op, reply, "k", g.dtype, &want, fits)?, tensor_from(op, reply, "v", g.dtype, &want, fits)?])
 }
 
+/// A quantization as the protocol writes it (`new`'s `geometry.quant`, `convert`'s `quant`).
+fn quant_json(q: QuantGeometry) -> Value {
+    json!({"bits": q.bits, "group_size": q.group_size, "mode": "affine"})
+}
+
 fn planes(op: &str, req: Value, g: &Geometry) -> AdapterResult<[Array; 6]> {
     decode_planes(op, &engine_call(req)?, g)
 }
@@ -681,6 +688,11 @@ impl SerialUnderTest for EngineSerial {
     fn planes(&self) -> AdapterResult<[Array; 6]> {
         planes("state", json!({"op": "state", "id": self.id}), &self.geometry)
     }
+    fn convert(&mut self, quant: QuantGeometry) -> AdapterResult<()> {
+        engine_call(json!({"op": "convert", "id": self.id, "quant": quant_json(quant)}))?;
+        self.geometry.quant = Some(quant);
+        Ok(())
+    }
 }
 
 /// A batch living in the engine.
@@ -750,6 +762,11 @@ impl RowsUnderTest for EngineRows {
             real
         });
         read_real("rows_window", self.id, k, v, q, scale, &self.geometry, real)
+    }
+    fn convert(&mut self, quant: QuantGeometry) -> AdapterResult<()> {
+        engine_call(json!({"op": "rows_convert", "id": self.id, "quant": quant_json(quant)}))?;
+        self.geometry.quant = Some(quant);
+        Ok(())
     }
     fn prepare(&mut self, lengths: &[usize]) -> AdapterResult<()> {
         let width = lengths.iter().copied().max().unwrap_or(0);
@@ -855,7 +872,7 @@ impl Adapter for EngineCache {
             "max_size": g.max_size,
         });
         if let Some(q) = g.quant {
-            geometry["quant"] = json!({"bits": q.bits, "group_size": q.group_size, "mode": "affine"});
+            geometry["quant"] = quant_json(q);
         }
         engine_call(json!({"op": "new", "id": id, "geometry": geometry}))?;
         Ok(EngineSerial { id, geometry: *g })

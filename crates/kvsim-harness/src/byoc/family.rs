@@ -75,7 +75,11 @@ impl<A: Adapter> Adapted<A> {
             head_dim: cfg.head_dim,
             dtype: cfg.kv_spec().dtype.to_mlx(),
             max_size: cfg.layout.max_size(),
-            quant: quant.map(|q| QuantGeometry { bits: q.bits, group_size: q.group }),
+            // Quantized from the first write (`native`, or an adapter that quantizes only); else plain until the
+            // conversion op.
+            quant: quant
+                .filter(|q| q.native || A::supports().quant_only)
+                .map(|q| QuantGeometry { bits: q.bits, group_size: q.group }),
         };
         Ok(Adapted {
             cfg: cfg.clone(),
@@ -411,6 +415,57 @@ impl<A: Adapter> Adapted<A> {
         Ok(())
     }
 
+    // ----- conversion --------------------------------------------------------------------------------------------
+
+    /// The conversion op: every cache of a plain run (each live request's serial caches and twins, the batch) converted
+    /// to `bits` in groups of `group` at once. Parameters MLX takes must be taken by every cache (then the run is
+    /// quantized: its states are checked as planes from here on); others must be refused by every cache
+    /// (`convert_refusal`). A run already quantized skips the op.
+    fn convert(&mut self, cx: &mut Cx<'_>, bits: usize, group: usize) -> Res<bool> {
+        if self.geometry.quant.is_some() || !A::supports().convert {
+            return Ok(false);
+        }
+        let valid = matches!(bits, 2..=6 | 8) && matches!(group, 32 | 64 | 128) && self.geometry.head_dim % group == 0;
+        let q = QuantGeometry { bits, group_size: group };
+        let mut results: Vec<(String, super::AdapterResult<()>)> = vec![];
+        for id in cx.roster.live().collect::<Vec<_>>() {
+            let r = self.reqs.get_mut(&id).expect("live");
+            for (l, s) in r.solo.iter_mut().enumerate() {
+                results.push((format!("request {id} layer {l}"), s.convert(q)));
+            }
+            for (l, t) in r.twin.iter_mut().enumerate() {
+                results.push((format!("the twin of request {id} layer {l}"), t.convert(q)));
+            }
+        }
+        if let Some(batch) = &mut self.batch {
+            for (l, b) in batch.iter_mut().enumerate() {
+                results.push((format!("the batch's layer {l}"), b.convert(q)));
+            }
+        }
+        for (what, r) in results {
+            match (valid, r) {
+                (true, Err(e)) => {
+                    let f = refused("convert", e);
+                    return Err(Failure::new(&f.check, format!("{} ({what}; {bits} bits, group {group})", f.message)));
+                }
+                (false, Ok(())) => {
+                    return check::fail(Failure::new(
+                        "convert_refusal",
+                        format!("{what}: converted to {bits} bits in groups of {group}, which MLX does not quantize"),
+                    ))
+                    .map(|_| true)
+                }
+                (false, Err(_)) => self.counters.expected_errors += 1,
+                (true, Ok(())) => {}
+            }
+        }
+        self.counters.checks += 1;
+        if valid {
+            self.geometry.quant = Some(q);
+        }
+        Ok(true)
+    }
+
     // ----- trims -------------------------------------------------------------------------------------------------
 
     /// What a trim of `n` must drop from `m`: `min(n, offset)` while the model is trimmable, else 0.
@@ -675,6 +730,7 @@ impl<A: Adapter> Family for Adapted<A> {
             Op::Decode => self.rows_read(cx, 1, false),
             Op::Window { len } => self.rows_read(cx, *len as usize, true),
             Op::Trim { n, .. } => self.rows_trim(cx, *n as usize),
+            Op::Quantize { bits, group, .. } => self.convert(cx, *bits as usize, *group as usize),
             _ => Ok(false),
         }
     }

@@ -109,7 +109,12 @@ impl QuantChoice {
 /// The generator's conversion op: mostly the run's own parameters; sometimes invalid bits, an invalid group, or
 /// another valid pair (a typed error once the family holds its own), each with `mid_round` now and then.
 pub fn draw_quantize(cfg: &SimConfig, w: &mut ChaCha8Rng) -> Op {
-    let (bits, group) = QuantChoice::of(cfg).map_or((4, 64), |q| (q.bits, q.group));
+    draw_quantize_for(QuantChoice::of(cfg), w)
+}
+
+/// [`draw_quantize`] for a run whose parameters are `choice` (wherever its config keeps them).
+pub fn draw_quantize_for(choice: Option<QuantChoice>, w: &mut ChaCha8Rng) -> Op {
+    let (bits, group) = choice.map_or((4, 64), |q| (q.bits, q.group));
     let (bits, group) = match w.random_range(0..20) {
         0 => ([1usize, 7, 16][w.random_range(0..3)], group),
         1 => (bits, [16usize, 48, 256][w.random_range(0..3)]),
