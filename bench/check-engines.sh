@@ -15,12 +15,14 @@ cargo build --release --quiet --bin kvsim || exit 2
 KVSIM=target/release/kvsim
 status=0
 ONLY=${ONLY:-}
-run() { # DIR CONFIG DRIVER...
+run() { # DIR CONFIG DRIVER... [--only-layer LAYER: kvsim's --only, the last two words]
   if [ -n "$ONLY" ] && ! [[ "$1 $2" =~ $ONLY ]]; then return; fi
   local dir=bench/results/$1 config=$2; shift 2
+  local only=()
+  if [ "$#" -ge 2 ] && [ "${*: -2:1}" = "--only-layer" ]; then only=(--only "${*: -1}"); set -- "${@:1:$#-2}"; fi
   mkdir -p "$dir"; rm -rf "${dir:?}/$config"
   local start=$SECONDS
-  "$KVSIM" check-engine --driver "$*" --seeds "$SEEDS" --json --out "$dir/$config" >"$dir/$config.log" 2>&1
+  "$KVSIM" check-engine --driver "$*" "${only[@]}" --seeds "$SEEDS" --json --out "$dir/$config" >"$dir/$config.log" 2>&1
   local rc=$?
   echo "${dir##*/} $config: exit $rc in $((SECONDS - start)) s"
   grep '^  \[' "$dir/$config.log" | sed 's/; trace.*//'
@@ -31,6 +33,9 @@ PY="PYTHONPATH=python"
 run check-engine-mlx-lm v2 python3 oracles/mlx_lm/engine.py
 run check-engine-mlx-lm plant-prefix-short python3 oracles/mlx_lm/engine.py --plant prefix-short
 run check-engine-mlx-lm quant python3 oracles/mlx_lm/engine.py --kv quant
+L="$PY oracles/mlx_lm/.venv/bin/python -m kvsim.drivers.mlx_lm"
+run check-engine-mlx-lm recurrent "$L" --only-layer recurrent
+run check-engine-mlx-lm recurrent-plant-rec-neighbour "$L" --plant rec-neighbour --only-layer recurrent
 O="$PY oracles/mlx_optiq/.venv/bin/python -m kvsim.drivers.mlx_optiq"
 run check-engine-mlx-optiq batch "$O"
 run check-engine-mlx-optiq rotating "$O" --cache rotating
@@ -42,7 +47,12 @@ run check-engine-vllm-mlx chain "$V" --lookup chain
 run check-engine-vllm-mlx block "$V" --prefix block
 run check-engine-vllm-mlx plant "$V" --plant cow-keeps-shared
 run check-engine-vllm-mlx plant-prefix-short "$V" --lookup chain --plant prefix-short
+run check-engine-vllm-mlx recurrent "$V" --only-layer recurrent
+run check-engine-vllm-mlx recurrent-arrays "$V" --rec arrays --only-layer recurrent
+run check-engine-vllm-mlx recurrent-plant-rec-neighbour "$V" --plant rec-neighbour --only-layer recurrent
 G="$PY oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm"
 run check-engine-mlx-vlm stock "$G"
 run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short
+run check-engine-mlx-vlm recurrent "$G" --only-layer recurrent
+run check-engine-mlx-vlm recurrent-plant-rec-neighbour "$G" --plant rec-neighbour --only-layer recurrent
 exit $status

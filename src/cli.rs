@@ -217,8 +217,9 @@ pub enum Cmd {
         /// Where each class's trace (`<class>.trace.json`) and reproducer (`<class>.py`) are written.
         #[arg(long, default_value = "target/kvsim-engine")]
         out: PathBuf,
-        /// Run only these layers of the engine (comma-separated: kv, pool, prefix); default: every layer it serves.
-        #[arg(long, value_delimiter = ',', value_parser = ["kv", "pool", "prefix"])]
+        /// Run only these layers of the engine (comma-separated: kv, pool, prefix, recurrent); default: every layer
+        /// it serves.
+        #[arg(long, value_delimiter = ',', value_parser = ["kv", "pool", "prefix", "recurrent"])]
         only: Vec<String>,
         /// Print the JSON summary as the last line.
         #[arg(long)]

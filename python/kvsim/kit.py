@@ -26,7 +26,7 @@ Run it as `python -m kvsim.drivers.<engine> [--option value ...]` with `PYTHONPA
 venv python. An exception a handler raises is the refusal `{"ok": false, "error": "<Type>: <message>"}`; the engine's
 objects are left as the exception left them.
 
-This module, `kvsim.poolcheck` and `kvsim.prefixcheck` are the kit's core: they import only the standard library (mlx
+This module, `kvsim.poolcheck`, `kvsim.prefixcheck` and `kvsim.reccheck` are the kit's core: they import only the standard library (mlx
 lazily, in the array codec and the cache view), so a reproducer carries them verbatim beside the driver's module
 source (`reproducer`).
 """
@@ -373,6 +373,16 @@ def layer_states(caches, geometry, short=False):
     return out
 
 
+def rec_arrays(arrays, row=None):
+    """A `rec_state` / `rec_rows_state` reply of a recurrent cache's state arrays (mlx-lm style: `cache.cache`): each
+    array, or its row `row` (`[1, ...]`; a row the arrays do not have raises), null where the cache holds none."""
+    if row is not None:
+        rows = next((x.shape[0] for x in arrays if x is not None), None)
+        if rows is not None and not 0 <= row < rows:
+            raise IndexError(f"row {row} of a batch of {rows}")
+    return {"arrays": [None if x is None else arr_out(x if row is None else x[row:row + 1]) for x in arrays]}
+
+
 # ---- the protocol-1 divergence checks a reproducer re-runs ----
 
 ELEMENT = {"f32": ("I", 4), "bf16": ("H", 2)}
@@ -475,10 +485,12 @@ def replay(driver, calls, divergence):
     """Replay `calls` through the driver's handlers; the first divergence named by `divergence` (a message), or
     None. A refused K/V call is the divergence itself (kvsim's `adapter_error`); pool requests are judged by the
     pool checker (`kvsim.poolcheck`), which also sees refusals; prefix requests by the prefix checker
-    (`kvsim.prefixcheck`), for which a refusal is the divergence too."""
+    (`kvsim.prefixcheck`), for which a refusal is the divergence too; recurrent requests by the recurrent checker
+    (`kvsim.reccheck`), for which a refusal is the divergence too, but that of an extract of a missing row."""
     server, replies = Server(driver), []
     pools = poolcheck.PoolChecker(server, divergence) if divergence.startswith("pool") else None
     prefixes = prefixcheck.PrefixChecker(server, divergence) if divergence.startswith("prefix") else None
+    recs = reccheck.RecChecker(server, divergence) if divergence.startswith("rec") else None
     calls = unbatched(calls)
     for i, req in enumerate(calls):
         rep = server.handle(req)
@@ -489,6 +501,10 @@ def replay(driver, calls, divergence):
                 return problem
         elif prefixes is not None and str(req.get("op", "")).startswith("prefix_"):
             problem = prefixes.after(i, req, rep)
+            if problem:
+                return problem
+        elif recs is not None and str(req.get("op", "")).startswith("rec_"):
+            problem = recs.after(i, req, rep)
             if problem:
                 return problem
         elif divergence == "missing_row_accepted" and req.get("op") == "extract":
@@ -524,7 +540,7 @@ def reproducer(driver, r):
     """A standalone script: the kit's core, the driver's module, the calls, and the check of `divergence`. It
     imports only the standard library and what the driver imports (the engine, mlx where it needs it)."""
     drv_module = sys.modules[type(driver).__module__]
-    core = [sys.modules[__name__], poolcheck, prefixcheck]
+    core = [sys.modules[__name__], poolcheck, prefixcheck, reccheck]
     head = (
         "#!/usr/bin/env python3\n"
         f'"""{r.get("title", "kvsim reproducer")}\n\n'
@@ -536,7 +552,7 @@ def reproducer(driver, r):
     parts = [head]
     for m in core:
         parts.append(f"# ---- {m.__name__} (kvsim's driver kit) ----\n" + module_source(m))
-    parts.append("kit = poolcheck = prefixcheck = sys.modules[__name__]\n")
+    parts.append("kit = poolcheck = prefixcheck = reccheck = sys.modules[__name__]\n")
     parts.append(f"# ---- {drv_module.__name__} (the driver: the engine's calls) ----\n" + module_source(drv_module))
     calls = json.dumps(r["calls"], separators=(",", ":"))
     opts = {k: v for k, v in driver.opts.items() if v != driver.options[k][0]}
@@ -550,4 +566,4 @@ def reproducer(driver, r):
     return "\n".join(parts)
 
 
-from kvsim import poolcheck, prefixcheck  # noqa: E402  (inline in a reproducer: the line is left out there)
+from kvsim import poolcheck, prefixcheck, reccheck  # noqa: E402  (inline in a reproducer: the line is left out there)

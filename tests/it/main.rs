@@ -8,6 +8,7 @@ mod crate_graph;
 mod determinism;
 mod engine_pools;
 mod engine_quant;
+mod engine_recurrent;
 mod engine_repros;
 mod fuzz_corpus;
 mod module_cycles;

@@ -36,6 +36,7 @@ pub mod engine_check;
 mod family;
 pub mod pool;
 pub mod prefix;
+pub mod recurrent;
 #[cfg(test)]
 mod tests;
 

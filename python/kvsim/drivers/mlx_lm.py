@@ -27,8 +27,8 @@ class MlxLm(kit.Driver):
 
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
-                "rotating": True, "prefill": True, "prefix": True}
-    options = {"plant": (None, "prefix-short"), "kv": ("plain", "quant")}
+                "rotating": True, "prefill": True, "prefix": True, "recurrent": True}
+    options = {"plant": (None, "prefix-short", "rec-neighbour"), "kv": ("plain", "quant")}
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
     def version(self):
@@ -154,6 +154,48 @@ class MlxLm(kit.Driver):
         before = len(lru)
         lru.trim_to(n_sequences=before - 1)
         return {"evicted": before - len(lru)}
+
+    # ---- recurrent state (ArraysCache) ----
+
+    def op_rec_new(self, r):
+        self.handles[r["id"]] = CACHE.ArraysCache(len(r["arrays"]))
+        return {}
+
+    def op_rec_write(self, r):
+        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`."""
+        c = self.handles[r["id"]]
+        for i, s in enumerate(r["states"]):
+            c[i] = kit.arr_in(s)[:, -1]
+        return {}
+
+    def op_rec_merge(self, r):
+        rows = [self.handles.pop(i) for i in r["rows"]]
+        self.handles[r["id"]] = rows[0].merge(rows)
+        return {}
+
+    def op_rec_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rec_filter(self, r):
+        c, keep = self.handles[r["id"]], list(r["keep"])
+        if self.opts["plant"] == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
+            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
+        c.filter(keep)
+        return {}
+
+    def op_rec_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_rec_state(self, r):
+        return kit.rec_arrays(self.handles[r["id"]].cache)
+
+    def op_rec_rows_state(self, r):
+        return kit.rec_arrays(self.handles[r["id"]].cache, r["row"])
+
+    def op_rec_rows_info(self, r):
+        return {"rows": int(self.handles[r["id"]].batch_size)}
 
 
 if __name__ == "__main__":

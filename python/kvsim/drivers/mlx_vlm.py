@@ -27,8 +27,8 @@ class MlxVlm(kit.Driver):
     """mlx-vlm's exact-checkpoint prefix caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
-    supports = {"kv": False, "prefix": True}
-    options = {"plant": (None, "prefix-short")}
+    supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
+    options = {"plant": (None, "prefix-short", "rec-neighbour")}
 
     def version(self):
         v = kit.package_version("mlx-vlm")
@@ -76,6 +76,74 @@ class MlxVlm(kit.Driver):
                 return {"evicted": 0}
             apc._exact_cache.popitem(last=False)
         return {"evicted": 1}
+
+    # ---- recurrent state (ArraysCache and its speculation API) ----
+
+    def op_rec_new(self, r):
+        self.handles[r["id"]] = CACHE.ArraysCache(len(r["arrays"]))
+        self.rec_kinds = [a["kind"] for a in r["arrays"]]
+        return {}
+
+    def op_rec_write(self, r):
+        """Each array through the cache's own transition entry points, as mlx-vlm's layers call them (e.g.
+        `models/qwen3_5/language.py`): a conv window by `update_window(i, concatenate([window, columns]), width)`,
+        the window the cache holds (zeros before the first write) followed by the new columns kvsim sent (the last
+        column of each step's window); an SSM state by `update_recurrent(i, n, update)`, whose `update` returns kvsim's
+        states (the last as the final state, the others as the history a speculative block records)."""
+        import mlx.core as mx
+
+        c = self.handles[r["id"]]
+        for i, (s, kind) in enumerate(zip(r["states"], self.rec_kinds)):
+            x = kit.arr_in(s)
+            if kind == "conv":
+                width = x.shape[2]
+                window = c[i] if c[i] is not None else mx.zeros((x.shape[0], width, x.shape[3]), dtype=x.dtype)
+                c.update_window(i, mx.concatenate([window, x[:, :, -1, :]], axis=1), width)
+            else:
+                c.update_recurrent(i, x.shape[1], lambda state, steps, x=x: (None, x[:, -1], None if steps is None
+                                                                              else x[:, :-1]))
+        return {}
+
+    def op_rec_merge(self, r):
+        rows = [self.handles.pop(i) for i in r["rows"]]
+        self.handles[r["id"]] = rows[0].merge(rows)
+        return {}
+
+    def op_rec_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rec_filter(self, r):
+        c, keep = self.handles[r["id"]], list(r["keep"])
+        if self.opts["plant"] == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
+            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
+        c.filter(keep)
+        return {}
+
+    def op_rec_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_rec_state(self, r):
+        return kit.rec_arrays(self.handles[r["id"]].cache)
+
+    def op_rec_rows_state(self, r):
+        return kit.rec_arrays(self.handles[r["id"]].cache, r["row"])
+
+    def op_rec_rows_info(self, r):
+        return {"rows": int(self.handles[r["id"]].batch_size)}
+
+    def op_rec_spec_start(self, r):
+        self.handles[r["id"]].start_speculation(r["n"])
+        return {}
+
+    def op_rec_spec_commit(self, r):
+        self.handles[r["id"]].commit_speculation(list(r["accept"]))
+        return {}
+
+    def op_rec_spec_abort(self, r):
+        self.handles[r["id"]].abort_speculation()
+        return {}
 
 
 if __name__ == "__main__":

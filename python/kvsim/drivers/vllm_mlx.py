@@ -67,13 +67,22 @@ def prefix_modules():
     return _PREFIX
 
 
+def mamba_module():
+    """vllm-mlx's `utils.mamba_cache` (over mlx-lm 0.31.3's cache module), loaded on the first recurrent request."""
+    if "mamba" not in _PREFIX:
+        kit.load_modules("mlx_lm", ["models.cache"])  # first: mamba_cache imports it by name
+        (_PREFIX["mamba"],) = kit.load_modules("vllm_mlx", ["utils.mamba_cache"])
+    return _PREFIX["mamba"]
+
+
 class VllmMlx(kit.Driver):
     """vllm-mlx's block pools by the ids kvsim gives them."""
 
     name = "vllm-mlx"
-    supports = {"kv": False, "pool": True, "prefix": True}
-    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared", "prefix-short"),
-               "prefix": ("memory", "block"), "blocks": ("64", "8", "16", "32", "256", "1024")}
+    supports = {"kv": False, "pool": True, "prefix": True, "recurrent": True}
+    options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared", "prefix-short", "rec-neighbour"),
+               "prefix": ("memory", "block"), "blocks": ("64", "8", "16", "32", "256", "1024"),
+               "rec": ("mamba", "arrays")}
     model = types.SimpleNamespace()  # the prefix caches' model: only its identity is used
 
     def version(self):
@@ -81,7 +90,7 @@ class VllmMlx(kit.Driver):
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
-        return {"lookup": self.opts["lookup"], "prefix_cache": self.opts["prefix"]}
+        return {"lookup": self.opts["lookup"], "prefix_cache": self.opts["prefix"], "recurrent": self.opts["rec"]}
 
     def op_pool_new(self, r):
         self.handles[r["id"]] = PAGED.PagedCacheManager(block_size=r["block_size"], max_blocks=r["blocks"],
@@ -245,6 +254,49 @@ class VllmMlx(kit.Driver):
             return {"evicted": 0}
         p["engine"].release_cache(p["stored"].pop(0))
         return {"evicted": 1}
+
+    # ---- recurrent state (BatchMambaCache; --rec arrays: mlx-lm 0.31.3's ArraysCache alone) ----
+
+    def op_rec_new(self, r):
+        self.handles[r["id"]] = mamba_module().MambaCache(size=len(r["arrays"]))
+        return {}
+
+    def op_rec_write(self, r):
+        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`."""
+        c = self.handles[r["id"]]
+        for i, s in enumerate(r["states"]):
+            c[i] = kit.arr_in(s)[:, -1]
+        return {}
+
+    def op_rec_merge(self, r):
+        rows = [self.handles.pop(i) for i in r["rows"]]
+        m = mamba_module()
+        self.handles[r["id"]] = (m.BatchMambaCache if self.opts["rec"] == "mamba" else m.MambaCache).merge(rows)
+        return {}
+
+    def op_rec_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rec_filter(self, r):
+        c, keep = self.handles[r["id"]], list(r["keep"])
+        if self.opts["plant"] == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
+            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
+        c.filter(keep)
+        return {}
+
+    def op_rec_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_rec_state(self, r):
+        return kit.rec_arrays(self.handles[r["id"]].cache)
+
+    def op_rec_rows_state(self, r):
+        return kit.rec_arrays(self.handles[r["id"]].cache, r["row"])
+
+    def op_rec_rows_info(self, r):
+        return {"rows": int(self.handles[r["id"]].batch_size)}
 
 
 if __name__ == "__main__":

@@ -99,6 +99,10 @@ pub struct Hello {
     pub pool: bool,
     /// Whether it serves the prefix-cache requests (`supports.prefix`).
     pub prefix: bool,
+    /// Whether it serves the recurrent-state requests (`supports.recurrent`), and their speculative blocks
+    /// (`supports.rec_spec`).
+    pub recurrent: bool,
+    pub rec_spec: bool,
     /// Whether it answers `batch` (several requests in one round trip; `supports.batch`).
     pub batch: bool,
 }
@@ -135,6 +139,8 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
         prefix: protocol >= 2 && flag("prefix", false),
+        recurrent: protocol >= 2 && flag("recurrent", false),
+        rec_spec: protocol >= 2 && flag("recurrent", false) && flag("rec_spec", false),
         batch: protocol >= 2 && flag("batch", false),
     })
 }
@@ -221,6 +227,8 @@ impl Engine {
                 kv: false,
                 pool: false,
                 prefix: false,
+                recurrent: false,
+                rec_spec: false,
                 batch: false,
             },
         };

@@ -1,5 +1,6 @@
 //! `kvsim check-engine`: seeds run against an engine process on every layer it serves (its K/V caches through the
-//! simulator's swarm, its block pool through [`super::pool`], its prefix cache through [`super::prefix`]), failures
+//! simulator's swarm, its block pool through [`super::pool`], its prefix cache through [`super::prefix`], its
+//! recurrent state through [`super::recurrent`]), failures
 //! classed by the check that failed first, each class shrunk through the engine and handed over with the engine's
 //! standalone reproducer. The process and the protocol are [`super::engine`]'s.
 
@@ -41,6 +42,7 @@ pub fn decode_any(line: &str, g: &Geometry) -> usize {
         ops: 0,
     };
     ok += usize::from(super::prefix::decode_reply(&v, &cfg));
+    ok += usize::from(super::recurrent::decode_reply(&v, dtype_name(g.dtype)));
     ok
 }
 
@@ -66,6 +68,10 @@ pub const REPRODUCIBLE: &[&str] = &[
     "prefix_offset",
     "prefix_warm_cold",
     "prefix_model",
+    "rec_state",
+    "rec_rows",
+    "rec_rollback",
+    "rec_missing_row",
 ];
 
 /// The shortest failing run of a class: a K/V run (kvsim's ordinary trace) or a block-pool run.
@@ -74,6 +80,7 @@ pub enum Shortest {
     Kv(Box<crate::sim::trace::Trace>),
     Pool(Box<super::pool::PoolTrace>),
     Prefix(Box<super::prefix::PrefixTrace>),
+    Recurrent(Box<super::recurrent::RecTrace>),
 }
 
 impl Shortest {
@@ -83,6 +90,7 @@ impl Shortest {
             Shortest::Kv(t) => t.ops.len(),
             Shortest::Pool(t) => t.ops.len(),
             Shortest::Prefix(t) => t.ops.len(),
+            Shortest::Recurrent(t) => t.ops.len(),
         }
     }
     pub fn seed(&self) -> u64 {
@@ -90,6 +98,7 @@ impl Shortest {
             Shortest::Kv(t) => t.seed,
             Shortest::Pool(t) => t.seed,
             Shortest::Prefix(t) => t.seed,
+            Shortest::Recurrent(t) => t.seed,
         }
     }
     /// The trace file (a K/V trace expects the failure it records, so a corpus replay keeps it failing).
@@ -102,6 +111,7 @@ impl Shortest {
             }
             Shortest::Pool(t) => t.to_json(),
             Shortest::Prefix(t) => t.to_json(),
+            Shortest::Recurrent(t) => t.to_json(),
         }
     }
     pub fn kv(&self) -> Option<&crate::sim::trace::Trace> {
@@ -119,6 +129,12 @@ impl Shortest {
     pub fn prefix(&self) -> Option<&super::prefix::PrefixTrace> {
         match self {
             Shortest::Prefix(t) => Some(t),
+            _ => None,
+        }
+    }
+    pub fn recurrent(&self) -> Option<&super::recurrent::RecTrace> {
+        match self {
+            Shortest::Recurrent(t) => Some(t),
             _ => None,
         }
     }
@@ -173,7 +189,7 @@ pub fn check_engine(
 }
 
 /// The layers of an engine a check can run: its K/V caches, its block pool, its prefix cache.
-pub const LAYERS: &[&str] = &["kv", "pool", "prefix"];
+pub const LAYERS: &[&str] = &["kv", "pool", "prefix", "recurrent"];
 
 /// [`check_engine`] on the named layers only ([`LAYERS`]; empty: every layer the engine serves). A layer the engine
 /// does not serve is not run.
@@ -190,6 +206,7 @@ pub fn check_engine_only(
         hello.kv &= only.contains(&"kv");
         hello.pool &= only.contains(&"pool");
         hello.prefix &= only.contains(&"prefix");
+        hello.recurrent &= only.contains(&"recurrent");
     }
     install(engine);
     let result = check_installed(opts, shrinks, hello);
@@ -251,6 +268,47 @@ fn classify(
     let shrink = *n < shrinks;
     *n += shrink as usize;
     (idx, shrink)
+}
+
+/// One seed's recurrent-state run ([`super::recurrent`]), classed and shrunk like the other layers'.
+fn recurrent_seed(
+    report: &mut EngineReport,
+    tried: &mut std::collections::BTreeMap<String, usize>,
+    seed: u64,
+    opts: super::CheckOptions,
+    shrinks: usize,
+) -> Result<(), Broken> {
+    use super::recurrent as rec;
+    use crate::sim::trace::Outcome;
+    let cfg = rec::RecConfig::from_seed(seed, opts.ops, report.hello.rec_spec);
+    let broke_at = |failure| {
+        let t = rec::RecTrace {
+            format: rec::FORMAT.into(),
+            version: 1,
+            seed,
+            config: cfg.clone(),
+            ops: rec::generate(seed, &cfg),
+            outcome: Outcome::Pass,
+        };
+        Broken { failure, trace: Some(Box::new(Shortest::Recurrent(Box::new(t)))) }
+    };
+    let r = rec::run(seed, cfg.clone(), None).map_err(broke_at)?;
+    report.applied += r.applied;
+    report.checks += r.checks;
+    for (k, n) in &r.ops_by_kind {
+        *report.ops_by_kind.entry(format!("rec_{k}")).or_insert(0) += n;
+    }
+    if let Outcome::Fail { check, message, .. } = &r.trace.outcome {
+        let run = Shortest::Recurrent(Box::new(r.trace.clone()));
+        let (idx, shrink) = classify(report, tried, shrinks, check, message, seed, run);
+        if shrink {
+            let s = rec::shrink(&r.trace, opts.shrink_budget).map_err(broke_at)?;
+            if s.ops.len() < report.classes[idx].shortest.ops() {
+                report.classes[idx].shortest = Shortest::Recurrent(Box::new(s));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> Result<EngineReport, Broken> {
@@ -341,6 +399,9 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
                 }
             }
         }
+        if report.hello.recurrent {
+            recurrent_seed(&mut report, &mut tried, seed, opts, shrinks)?;
+        }
     }
     for c in &mut report.classes {
         let check = c.name.split('/').next().unwrap_or_default().to_string();
@@ -375,6 +436,12 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
             }
             Shortest::Prefix(t) => {
                 super::prefix::replay(t)
+                    .map_err(|failure| Broken { failure, trace: Some(Box::new(c.shortest.clone())) })?
+                    .trace
+                    .outcome
+            }
+            Shortest::Recurrent(t) => {
+                super::recurrent::replay(t)
                     .map_err(|failure| Broken { failure, trace: Some(Box::new(c.shortest.clone())) })?
                     .trace
                     .outcome

@@ -49,6 +49,8 @@ pub enum Stream {
     Pool = 17,
     /// A prefix-cache run's layers and shapes (`byoc::prefix`).
     Prefix = 18,
+    /// A recurrent-state run's arrays and dtype (`byoc::recurrent`).
+    RecurrentState = 19,
 }
 
 /// A generator for one subsystem of one seed.
