@@ -8,9 +8,13 @@
 //! columns followed by its real block positions. Padding is never stored: columns `[len_r, cap)` of a row are
 //! never visible.
 //!
+//! Capacity: the buffer's `cap` follows the live rows, never the longest row the batch once held (see
+//! [`RowBatch`], "Capacity"). The decode step cuts it to the bound as it drops an oversize; `filter`, the trims and
+//! `adopt` cut it when they leave it wider.
+//!
 //! Files: this one holds the type, its constructors (merge, join, adopt), the row operations (filter, extract,
 //! prepare/finalize, trims), the window writes and reads and the views; `batch/decode.rs` the decode step (its
-//! host bookkeeping, write and read, committed spans).
+//! host bookkeeping, write and read, committed spans); `batch/capacity.rs` the capacity bound and `held_bytes`.
 
 use mlx_rs::Array;
 
@@ -115,13 +119,27 @@ impl RopeOffsets {
 ///   boolean mask `c < len_r`; a window read attends with `Causal` when every row has the same `len <= W` and a full
 ///   block, else with the per-row causal sliding-window mask ([`MaskKind::Window`]). Byte-identity of outputs to the
 ///   serial twin is a property of MLX's SDPA (measured on CPU by the tests), not of this type.
+///
+/// Capacity (the physical columns `cap` of `[B, H_kv, cap, D]`, [`RowBatch::cap`]): after every operation
+/// `cap <= `[`RowBatch::capacity_bound`], which depends on the live rows only:
+/// - a ring row needs `W` columns, plus, while a multi-token write's window is in flight (after a window write,
+///   append or encoder read of `L` positions, until the row's next decode step drops the oversize), up to `W - 1 + L`:
+///   its `len_r`. So a batch of rings keeps `max(W, max_r len_r)` columns;
+/// - a linear row needs its `len_r` columns plus the growth step ahead: `max_r len_r + GROW_STEP - 1`;
+/// - a batch needs its longest **live** row, not the longest row it ever held: a decode step that drops an oversize
+///   cuts the buffer to the bound in the same gather (a ring that joined with a 128-position prompt at `W = 70` holds
+///   70 columns after its first decode, as its solo ring does), and `filter`, `trim`, `trim_rows` and `adopt` cut it
+///   when they leave it wider.
+///
+/// The bytes the arrays hold ([`RowBatch::held_bytes`]) are `rows() * cap() * bytes_per_token()`. Cutting moves no
+/// live column: every row's physical columns, phase and reads are unchanged by it.
 #[derive(Clone)]
 pub struct RowBatch {
     spec: KvSpec,
     max_size: Option<usize>,
     storage: Storage,
     rows: Vec<RowState>,
-    /// Present iff there are rows and `cap > 0`; `cap >= max len_r`.
+    /// Present iff there are rows and `cap > 0`; `max len_r <= cap <= capacity_bound()`.
     buf: Option<Buf>,
 }
 
@@ -373,7 +391,8 @@ impl RowBatch {
         Ok(Self::build(spec, max_size, storage, states, buf))
     }
 
-    /// R-BROT-8 (static): take owned buffers `[B, H_kv, cap, D]` plus per-row state without moving any column.
+    /// R-BROT-8 (static): take owned buffers `[B, H_kv, cap, D]` plus per-row state without moving any column
+    /// (columns past the rows' capacity bound, which no row holds, are cut: [`RowBatch::capacity_bound`]).
     /// A state no writes could produce, `len_r > cap` or `base > offset` is [`CacheError::InvalidState`].
     pub fn adopt(spec: KvSpec, max_size: Option<usize>, k: Array, v: Array, rows: Vec<RowState>) -> Result<Self> {
         spec.validate()?;
@@ -410,7 +429,11 @@ impl RowBatch {
         if let Some(b) = &buf {
             b.eval()?;
         }
-        Ok(Self::build(spec, max_size, storage, rows, buf))
+        let mut out = Self::build(spec, max_size, storage, rows, buf);
+        if let Some(cut) = out.compacted(out.rows.iter().map(|r| r.ring.len))? {
+            out.buf = Some(cut);
+        }
+        Ok(out)
     }
 
     /// The K/V geometry (`H_kv`, `D`, dtype) every row shares; writes and reads are checked against it.
@@ -531,7 +554,8 @@ impl RowBatch {
     }
 
     /// R-BROT-6: keep these rows, in this order. Out-of-range rows are [`CacheError::NoSuchRow`], repeated rows
-    /// [`CacheError::DuplicateRow`]. Kept rows' columns and state are unchanged.
+    /// [`CacheError::DuplicateRow`]. Kept rows' columns and state are unchanged; the buffer keeps the kept rows'
+    /// capacity bound ([`RowBatch::capacity_bound`]).
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
         let mut seen = vec![false; self.rows.len()];
         for (i, &r) in keep.iter().enumerate() {
@@ -549,8 +573,11 @@ impl RowBatch {
         }
         let buf = match (&self.buf, keep.is_empty()) {
             (Some(b), false) => {
+                // The kept rows' capacity bound: the columns only the dropped rows needed go with them.
+                let width =
+                    b.cap().min(capacity::capacity_bound(keep.iter().map(|&r| self.rows[r].ring.len), self.max_size));
                 let at = index_array(keep, &[keep.len()])?;
-                let nb = b.map(|p| Ok(p.take_axis(&at, 0)?))?;
+                let nb = b.map(|p| Ok(cols(p, 0, width)?.take_axis(&at, 0)?))?;
                 nb.eval()?;
                 Some(nb)
             }
@@ -761,7 +788,8 @@ impl RowBatch {
         Ok(real)
     }
 
-    /// R-C-5 on every row: all rows are checked first (an error changes nothing), then trimmed. Returns `n`.
+    /// R-C-5 on every row: all rows are checked first (an error changes nothing), then trimmed; the buffer is cut
+    /// to the trimmed rows' capacity bound when it is wider (a rollback of an in-flight window). Returns `n`.
     pub fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
         let mut plans = Vec::with_capacity(self.rows.len());
         for r in &self.rows {
@@ -770,15 +798,19 @@ impl RowBatch {
                 Some(s) => plans.push(s),
             }
         }
+        let cut = self.compacted(plans.iter().map(|s| s.len))?;
         for (r, s) in self.rows.iter_mut().zip(plans) {
             r.ring = s;
+        }
+        if cut.is_some() {
+            self.buf = cut;
         }
         self.sync();
         Ok(n)
     }
 
     /// R-C-5 per row (speculative rollback with per-row accepts): row `r` drops `n[r]` positions; all rows are
-    /// checked first. One count per row, else [`CacheError::BadLengths`].
+    /// checked first; the buffer is cut as by [`RowBatch::trim`]. One count per row, else [`CacheError::BadLengths`].
     pub fn trim_rows(&mut self, n: &[usize], bypass: bool) -> Result<()> {
         if n.len() != self.rows.len() {
             return Err(CacheError::BadLengths {
@@ -791,10 +823,14 @@ impl RowBatch {
             .zip(n)
             .map(|(r, &k)| plan_trim(&r.ring, self.max_size, k, bypass))
             .collect::<Result<Vec<_>>>()?;
+        let cut = self.compacted(self.rows.iter().zip(&plans).map(|(r, s)| s.as_ref().unwrap_or(&r.ring).len))?;
         for (r, s) in self.rows.iter_mut().zip(plans) {
             if let Some(s) = s {
                 r.ring = s;
             }
+        }
+        if cut.is_some() {
+            self.buf = cut;
         }
         self.sync();
         Ok(())
@@ -948,6 +984,7 @@ const _: () = {
     assert_send::<SerialCache>();
 };
 
+mod capacity;
 mod decode;
 
 pub(crate) use decode::decode_mask_key;

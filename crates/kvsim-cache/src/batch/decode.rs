@@ -1,9 +1,10 @@
-//! The decode step of a [`RowBatch`]: the host bookkeeping (R-C-9: oversize drop, head rotation, growth), the
-//! one-scatter write, the read, committed spans (all rows, or known spans of unequal per-row lengths), and the hooks
-//! of the compiled step (`compiled.rs`).
+//! The decode step of a [`RowBatch`]: the host bookkeeping (R-C-9: oversize drop, compaction to the capacity bound,
+//! head rotation, growth), the one-scatter write, the read, committed spans (all rows, or known spans of unequal
+//! per-row lengths), and the hooks of the compiled step (`compiled.rs`).
 
 use mlx_rs::Array;
 
+use super::capacity::capacity_bound;
 use super::RowBatch;
 use crate::error::{invalid, shape, CacheError};
 use crate::mask::{MaskKey, MaskKind, MaskUse, Masks};
@@ -24,8 +25,9 @@ impl RowBatch {
         Ok(())
     }
 
-    /// The host bookkeeping of a decode step for every row (R-C-9): each row's oversize dropped (one gather),
-    /// heads rotated, buffer grown. Returns each row's target column. Idempotent; changes no live byte.
+    /// The host bookkeeping of a decode step for every row (R-C-9): each row's oversize dropped and the buffer cut
+    /// to its capacity bound ([`RowBatch::capacity_bound`]; one gather for both), heads rotated, buffer grown.
+    /// Returns each row's target column. Idempotent; changes no live byte.
     /// [`CacheError::PendingPrefill`] during a prepared prefill.
     pub fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
         self.prepare_some(None)
@@ -43,31 +45,32 @@ impl RowBatch {
             .enumerate()
             .map(|(i, r)| if on(i) { r.ring.prepared_for_decode(self.max_size) } else { (0, r.ring.clone()) })
             .collect();
-        if plans.iter().any(|(d, _)| *d > 0) {
-            if let Some(b) = &self.buf {
-                let (nrows, cap) = (self.rows.len(), b.cap());
-                let mut idx = Vec::with_capacity(nrows * cap);
-                for (r, (drop, _)) in plans.iter().enumerate() {
-                    let old_len = self.rows[r].ring.len;
-                    for c in 0..cap {
-                        idx.push(if *drop == 0 {
-                            c
-                        } else if c + drop < old_len {
-                            c + drop
-                        } else {
-                            cap
-                        });
-                    }
-                }
-                let nb = self.gather_rows(b, None, &idx, cap)?;
-                self.buf = Some(nb);
+        // The oversize drop and the compaction, in one gather: each row's kept columns move to `[0, W)` and the
+        // buffer keeps the capacity bound of the rows as they will be (`max(W, longest len)` for rings), not the
+        // width the dropped columns needed.
+        let cap = self.cap();
+        let bound = capacity_bound(plans.iter().map(|(_, s)| s.len), self.max_size);
+        let width = cap.min(bound);
+        let dropped = plans.iter().any(|(d, _)| *d > 0);
+        if let Some(b) = self.buf.as_ref().filter(|_| width > 0 && (dropped || width < cap)) {
+            let mut idx = Vec::with_capacity(self.rows.len() * width);
+            for (r, (drop, _)) in plans.iter().enumerate() {
+                let old_len = self.rows[r].ring.len;
+                idx.extend((0..width).map(|c| match *drop {
+                    0 => c,
+                    d if c + d < old_len => c + d,
+                    _ => cap,
+                }));
             }
+            let nb = self.gather_rows(b, None, &idx, width)?;
+            self.buf = Some(nb);
         }
         for (r, (_, s)) in self.rows.iter_mut().zip(plans) {
             r.ring = s;
         }
-        let needed = self.rows.iter().map(|r| r.ring.idx + 1).max().unwrap_or(0);
-        self.ensure_capacity(needed)?;
+        // Only the rows that write need a column (an idle row's head may sit past the bound, at an oversize).
+        let needed = self.rows.iter().enumerate().filter(|&(i, _)| on(i)).map(|(_, r)| r.ring.idx + 1).max();
+        self.ensure_capacity(needed.unwrap_or(0))?;
         Ok(self.rows.iter().map(|r| r.ring.idx).collect())
     }
 
