@@ -47,10 +47,10 @@ impl RowBatch {
             .collect();
         // The oversize drop and the compaction, in one gather: each row's kept columns move to `[0, W)` and the
         // buffer keeps the capacity bound of the rows as they will be (`max(W, longest len)` for rings), not the
-        // width the dropped columns needed.
+        // width the dropped columns needed. Mutation hook `Mutant::BatchRingKeepsOversize`: the old width is kept.
         let cap = self.cap();
         let bound = capacity_bound(plans.iter().map(|(_, s)| s.len), self.max_size);
-        let width = cap.min(bound);
+        let width = if fault!(BatchRingKeepsOversize) { cap } else { cap.min(bound) };
         let dropped = plans.iter().any(|(d, _)| *d > 0);
         if let Some(b) = self.buf.as_ref().filter(|_| width > 0 && (dropped || width < cap)) {
             let mut idx = Vec::with_capacity(self.rows.len() * width);

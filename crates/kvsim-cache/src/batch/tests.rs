@@ -645,6 +645,14 @@ fn batch_mutants_have_teeth() {
         assert_ne!(e.state().idx, e.state().len, "extract kept the old head of a rotated row");
     }
     {
+        let _m = testlock::arm(Mutant::BatchRingKeepsOversize);
+        let solo = vec![ring_after(spec, 70, 1, 128, 0)];
+        let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+        let mut t = Twin::new(RowBatch::join(spec, Some(70), &sources).unwrap(), solo);
+        t.decode(2);
+        assert_eq!((t.batch.cap(), t.batch.capacity_bound()), (128, 70), "the old width past the bound");
+    }
+    {
         let _m = testlock::arm(Mutant::TrimNoopAfterWrap);
         let mut t = joined_twin(spec, Some(4));
         let (k, v, q) = kvq(&spec, 1, 5, 2);
