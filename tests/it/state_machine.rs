@@ -8,7 +8,8 @@
 //!   `SerialCache`s with their own twins.
 //!
 //! After every transition: row counts, every row's `RingState` (and `base`, `pending`, left padding, trimmability,
-//! RoPE offsets, `row_decode_phase`) against the model, `adopt` of the batch's own buffers and states; every row's physical and temporal K/V bytes against its twin's *and* against the
+//! RoPE offsets, `row_decode_phase`) against the model, the batch's capacity against its live rows' bound and its
+//! bytes held against `rows * cap * bytes_per_token`, `adopt` of the batch's own buffers and states; every row's physical and temporal K/V bytes against its twin's *and* against the
 //! model's tokens (`kvsim::bytes::ArrayBytes`); during the transition, every read's outputs (decode, window, padded
 //! prefill window, commit span) byte-identical to the twin's (CPU), and every illegal request's error kind equal to
 //! the model's prediction.
@@ -825,6 +826,16 @@ impl StateMachineTest for CacheMachine {
             let temporal = b.row_temporal_view(i).unwrap();
             sut.check_storage(&what, &req.m, phys, temporal, &sut.twins[i]);
         }
+        // Capacity (R-BROT-9): the buffers hold at most the live rows' bound, and the arrays the bytes accounted.
+        let longest = r.rows.iter().map(|req| req.m.cols.len()).max();
+        let bound = match (longest, r.setup.window) {
+            (None, _) => 0,
+            (Some(l), Some(w)) => w.max(l),
+            (Some(l), None) => l + kvsim::cache::ring::GROW_STEP - 1,
+        };
+        assert!(b.cap() <= bound, "capacity: {} columns held, the live rows need {bound}\n{}", b.cap(), b.picture());
+        assert_eq!(b.capacity_bound(), bound, "capacity_bound");
+        assert_eq!(b.held_bytes(), b.rows() * b.cap() * b.bytes_per_token(), "held bytes");
         // `adopt` of the batch's own buffers and row states is the same batch (R-BROT-8).
         if let Some((k, v)) = b.buffers() {
             let adopted = RowBatch::adopt(b.spec(), b.max_size(), k, v, b.row_states().to_vec()).unwrap();

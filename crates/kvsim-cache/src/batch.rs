@@ -7,6 +7,14 @@
 //! (`take_along_axis` over `[buffer ++ block ++ zero column]`), so row `r`'s new columns are its kept temporal
 //! columns followed by its real block positions. Padding is never stored: columns `[len_r, cap)` of a row are
 //! never visible.
+//!
+//! Capacity: the buffer's `cap` follows the live rows, never the longest row the batch once held (see
+//! [`RowBatch`], "Capacity"). The decode step cuts it to the bound as it drops an oversize; `filter`, the trims and
+//! `adopt` cut it when they leave it wider.
+//!
+//! Files: this one holds the type, its constructors (merge, join, adopt), the row operations (filter, extract,
+//! prepare/finalize, trims), the window writes and reads and the views; `batch/decode.rs` the decode step (its
+//! host bookkeeping, write and read, committed spans); `batch/capacity.rs` the capacity bound and `held_bytes`.
 
 use mlx_rs::Array;
 
@@ -17,11 +25,11 @@ use super::kind::{KindRoute, StorageKind};
 use super::mask::{FamilyKey, MaskKey, MaskKind, MaskUse, Masks};
 use super::quant::{attend_planes, check_planes_shape, QuantSpec, Storage};
 use super::ring::{
-    check_encoder_window, grown_capacity, plan_trim, render_cells, temporal_view_columns, validate_max_size,
-    window_keep, Buf, DecodePhase, RingState, SerialCache,
+    check_encoder_window, plan_trim, render_cells, temporal_view_columns, validate_max_size, window_keep, Buf,
+    DecodePhase, RingState, SerialCache,
 };
 use super::training::TrainingCache;
-use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice, step_index_array};
+use super::util::{check_kv, check_q, cols, index_array, ncols, rows as row_slice};
 use super::{KvSpec, Result};
 
 /// One row of a [`RowBatch`].
@@ -111,13 +119,27 @@ impl RopeOffsets {
 ///   boolean mask `c < len_r`; a window read attends with `Causal` when every row has the same `len <= W` and a full
 ///   block, else with the per-row causal sliding-window mask ([`MaskKind::Window`]). Byte-identity of outputs to the
 ///   serial twin is a property of MLX's SDPA (measured on CPU by the tests), not of this type.
+///
+/// Capacity (the physical columns `cap` of `[B, H_kv, cap, D]`, [`RowBatch::cap`]): after every operation
+/// `cap <= `[`RowBatch::capacity_bound`], which depends on the live rows only:
+/// - a ring row needs `W` columns, plus, while a multi-token write's window is in flight (after a window write,
+///   append or encoder read of `L` positions, until the row's next decode step drops the oversize), up to `W - 1 + L`:
+///   its `len_r`. So a batch of rings keeps `max(W, max_r len_r)` columns;
+/// - a linear row needs its `len_r` columns plus the growth step ahead: `max_r len_r + GROW_STEP - 1`;
+/// - a batch needs its longest **live** row, not the longest row it ever held: a decode step that drops an oversize
+///   cuts the buffer to the bound in the same gather (a ring that joined with a 128-position prompt at `W = 70` holds
+///   70 columns after its first decode, as its solo ring does), and `filter`, `trim`, `trim_rows` and `adopt` cut it
+///   when they leave it wider.
+///
+/// The bytes the arrays hold ([`RowBatch::held_bytes`]) are `rows() * cap() * bytes_per_token()`. Cutting moves no
+/// live column: every row's physical columns, phase and reads are unchanged by it.
 #[derive(Clone)]
 pub struct RowBatch {
     spec: KvSpec,
     max_size: Option<usize>,
     storage: Storage,
     rows: Vec<RowState>,
-    /// Present iff there are rows and `cap > 0`; `cap >= max len_r`.
+    /// Present iff there are rows and `cap > 0`; `max len_r <= cap <= capacity_bound()`.
     buf: Option<Buf>,
 }
 
@@ -369,7 +391,8 @@ impl RowBatch {
         Ok(Self::build(spec, max_size, storage, states, buf))
     }
 
-    /// R-BROT-8 (static): take owned buffers `[B, H_kv, cap, D]` plus per-row state without moving any column.
+    /// R-BROT-8 (static): take owned buffers `[B, H_kv, cap, D]` plus per-row state without moving any column
+    /// (columns past the rows' capacity bound, which no row holds, are cut: [`RowBatch::capacity_bound`]).
     /// A state no writes could produce, `len_r > cap` or `base > offset` is [`CacheError::InvalidState`].
     pub fn adopt(spec: KvSpec, max_size: Option<usize>, k: Array, v: Array, rows: Vec<RowState>) -> Result<Self> {
         spec.validate()?;
@@ -406,7 +429,11 @@ impl RowBatch {
         if let Some(b) = &buf {
             b.eval()?;
         }
-        Ok(Self::build(spec, max_size, storage, rows, buf))
+        let mut out = Self::build(spec, max_size, storage, rows, buf);
+        if let Some(cut) = out.compacted(out.rows.iter().map(|r| r.ring.len))? {
+            out.buf = Some(cut);
+        }
+        Ok(out)
     }
 
     /// The K/V geometry (`H_kv`, `D`, dtype) every row shares; writes and reads are checked against it.
@@ -527,7 +554,8 @@ impl RowBatch {
     }
 
     /// R-BROT-6: keep these rows, in this order. Out-of-range rows are [`CacheError::NoSuchRow`], repeated rows
-    /// [`CacheError::DuplicateRow`]. Kept rows' columns and state are unchanged.
+    /// [`CacheError::DuplicateRow`]. Kept rows' columns and state are unchanged; the buffer keeps the kept rows'
+    /// capacity bound ([`RowBatch::capacity_bound`]).
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
         let mut seen = vec![false; self.rows.len()];
         for (i, &r) in keep.iter().enumerate() {
@@ -545,8 +573,11 @@ impl RowBatch {
         }
         let buf = match (&self.buf, keep.is_empty()) {
             (Some(b), false) => {
+                // The kept rows' capacity bound: the columns only the dropped rows needed go with them.
+                let width =
+                    b.cap().min(capacity::capacity_bound(keep.iter().map(|&r| self.rows[r].ring.len), self.max_size));
                 let at = index_array(keep, &[keep.len()])?;
-                let nb = b.map(|p| Ok(p.take_axis(&at, 0)?))?;
+                let nb = b.map(|p| Ok(cols(p, 0, width)?.take_axis(&at, 0)?))?;
                 nb.eval()?;
                 Some(nb)
             }
@@ -589,62 +620,6 @@ impl RowBatch {
         Ok(())
     }
 
-    fn ensure_capacity(&mut self, needed: usize) -> Result<()> {
-        let cap = self.cap();
-        let new_cap = grown_capacity(cap, needed, self.max_size);
-        if new_cap > cap {
-            self.buf = Buf::grow(self.buf.take(), &self.spec, &self.storage, self.rows.len(), new_cap - cap)?;
-        }
-        Ok(())
-    }
-
-    /// The host bookkeeping of a decode step for every row (R-C-9): each row's oversize dropped (one gather),
-    /// heads rotated, buffer grown. Returns each row's target column. Idempotent; changes no live byte.
-    /// [`CacheError::PendingPrefill`] during a prepared prefill.
-    pub fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
-        self.prepare_some(None)
-    }
-
-    /// [`RowBatch::prepare_decode_step`] of the rows `active` marks (all with `None`); the others keep their state.
-    fn prepare_some(&mut self, active: Option<&[bool]>) -> Result<Vec<usize>> {
-        if self.is_pending() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let on = |r: usize| active.is_none_or(|a| a[r]);
-        let plans: Vec<(usize, RingState)> = self
-            .rows
-            .iter()
-            .enumerate()
-            .map(|(i, r)| if on(i) { r.ring.prepared_for_decode(self.max_size) } else { (0, r.ring.clone()) })
-            .collect();
-        if plans.iter().any(|(d, _)| *d > 0) {
-            if let Some(b) = &self.buf {
-                let (nrows, cap) = (self.rows.len(), b.cap());
-                let mut idx = Vec::with_capacity(nrows * cap);
-                for (r, (drop, _)) in plans.iter().enumerate() {
-                    let old_len = self.rows[r].ring.len;
-                    for c in 0..cap {
-                        idx.push(if *drop == 0 {
-                            c
-                        } else if c + drop < old_len {
-                            c + drop
-                        } else {
-                            cap
-                        });
-                    }
-                }
-                let nb = self.gather_rows(b, None, &idx, cap)?;
-                self.buf = Some(nb);
-            }
-        }
-        for (r, (_, s)) in self.rows.iter_mut().zip(plans) {
-            r.ring = s;
-        }
-        let needed = self.rows.iter().map(|r| r.ring.idx + 1).max().unwrap_or(0);
-        self.ensure_capacity(needed)?;
-        Ok(self.rows.iter().map(|r| r.ring.idx).collect())
-    }
-
     /// New buffer `[B, H, width, D]` whose row `r`, column `j` is `source[r, :, idx[r * width + j], :]`, with
     /// `source = buffer ++ block ++ one zero column` along axis 2.
     fn gather_rows(&self, b: &Buf, block: Option<&[Array]>, idx: &[usize], width: usize) -> Result<Buf> {
@@ -675,81 +650,6 @@ impl RowBatch {
 
     fn empty_output(&self, q: &Array) -> Result<Array> {
         Ok(mlx_rs::ops::zeros_dtype(q.shape(), q.dtype())?)
-    }
-
-    /// One decode step (R-BROT-2): one position per row (`k`, `v` `[B, H_kv, 1, D]`, `q` `[B, H_q, 1, D]`), written
-    /// at each row's own ring head in one scatter, then attended over `[0, max len_r)`: no mask when rows' `len`
-    /// are equal, else the mask `c < len_r`. Requires no pending prefill ([`CacheError::PendingPrefill`]).
-    pub fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
-        if self.is_pending() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let l = self.check_step(k, v, Some(q))?;
-        if l != 1 {
-            return Err(shape(format!("decode writes one position per row, {l} given")));
-        }
-        if self.rows.is_empty() {
-            return Ok((self.empty_output(q)?, MaskUse::None));
-        }
-        self.write_decode(k, v)?;
-        self.read_decode(q, scale, masks)
-    }
-
-    fn write_decode(&mut self, k: &Array, v: &Array) -> Result<()> {
-        let block = self.storage.encode(k, v)?;
-        let mut targets = self.prepare_decode_step()?;
-        if fault!(SharedWritePointer) {
-            let shared = targets[0];
-            targets.iter_mut().for_each(|t| *t = shared);
-        }
-        let at = step_index_array(&targets, &[self.rows.len(), 1, 1, 1], self.max_size)?;
-        // Take the buffer out of `self` before evaluating: the scatter's input is then referenced by the graph only,
-        // so MLX donates it and writes the B new columns in place instead of copying the whole cache.
-        let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare_decode_step"))?;
-        let nb = match b.zip_map(&block, |p, x| Ok(p.put_along_axis(&at, x, 2)?)) {
-            Ok(nb) => nb,
-            Err(e) => {
-                self.buf = Some(b);
-                return Err(e);
-            }
-        };
-        drop(b);
-        nb.eval()?;
-        self.buf = Some(nb);
-        for r in &mut self.rows {
-            r.ring.after_decode_write();
-        }
-        self.sync();
-        Ok(())
-    }
-
-    fn read_decode(&self, q: &Array, scale: f32, masks: &Masks) -> Result<(Array, MaskUse)> {
-        let lens: Vec<usize> = self.rows.iter().map(|r| r.ring.len).collect();
-        let width = lens.iter().copied().max().unwrap_or(0).max(1);
-        let b = self.buf.as_ref().ok_or_else(|| invalid("decode read without a buffer"))?;
-        let mut live = b.map(|p| cols(p, 0, width))?.planes;
-        // Mutation hook `Mutant::QuantMaskFromArrayOffset` (mlx-vlm#1206): a quantized batch's mask built from
-        // the per-row array offset plus left padding (`offset_r - base_r + left_padding_r`, which is the batch width
-        // for every row) instead of the buffered-token count `len_r`.
-        let lens: Vec<usize> = if self.storage != Storage::Plain && fault!(QuantMaskFromArrayOffset) {
-            let lp = self.left_padding();
-            self.rows.iter().zip(lp).map(|(r, p)| ((r.ring.offset - r.base) as i64 + p).max(0) as usize).collect()
-        } else {
-            lens
-        };
-        let uniform = lens.iter().all(|&l| l == lens[0]);
-        let scale = if fault!(DecodeScaleUlp) { f32::from_bits(scale.to_bits() + 1) } else { scale };
-        if uniform && fault!(DecodeKeyOrder) {
-            // Every plane (K, V and, when quantized, their scales and biases) is permuted alike.
-            let at = index_array(&(0..width).rev().collect::<Vec<_>>(), &[width])?;
-            live = live.iter().map(|p| Ok(p.take_axis(&at, 2)?)).collect::<Result<_>>()?;
-        }
-        if uniform || fault!(MaskIgnoresPadding) {
-            return Ok((attend_planes(&self.storage, q, &live, scale, None, false)?, MaskUse::None));
-        }
-        let key = decode_mask_key(lens, self.max_size, width);
-        let (spec, arr) = masks.get(&key)?;
-        Ok((attend_planes(&self.storage, q, &live, scale, Some((&spec, &arr)), false)?, MaskUse::Array(spec)))
     }
 
     /// A window read (R-BROT-2, R-C-2): `L >= 1` positions per row (`[B, H_kv, L, D]`, queries `[B, H_q, L, D]`).
@@ -888,21 +788,8 @@ impl RowBatch {
         Ok(real)
     }
 
-    /// A committed span (R-ROT-7) for every row: `L` decodes, one per position; outputs concatenated.
-    pub fn commit_span(&mut self, k: &Array, v: &Array, q: &Array, scale: f32, masks: &Masks) -> Result<Array> {
-        if self.is_pending() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let l = self.check_step(k, v, Some(q))?;
-        let mut outs = Vec::with_capacity(l);
-        for i in 0..l {
-            let (o, _) = self.decode(&cols(k, i, i + 1)?, &cols(v, i, i + 1)?, &cols(q, i, i + 1)?, scale, masks)?;
-            outs.push(o);
-        }
-        Ok(mlx_rs::ops::concatenate(&outs, 2)?)
-    }
-
-    /// R-C-5 on every row: all rows are checked first (an error changes nothing), then trimmed. Returns `n`.
+    /// R-C-5 on every row: all rows are checked first (an error changes nothing), then trimmed; the buffer is cut
+    /// to the trimmed rows' capacity bound when it is wider (a rollback of an in-flight window). Returns `n`.
     pub fn trim(&mut self, n: usize, bypass: bool) -> Result<usize> {
         let mut plans = Vec::with_capacity(self.rows.len());
         for r in &self.rows {
@@ -911,15 +798,19 @@ impl RowBatch {
                 Some(s) => plans.push(s),
             }
         }
+        let cut = self.compacted(plans.iter().map(|s| s.len))?;
         for (r, s) in self.rows.iter_mut().zip(plans) {
             r.ring = s;
+        }
+        if cut.is_some() {
+            self.buf = cut;
         }
         self.sync();
         Ok(n)
     }
 
     /// R-C-5 per row (speculative rollback with per-row accepts): row `r` drops `n[r]` positions; all rows are
-    /// checked first. One count per row, else [`CacheError::BadLengths`].
+    /// checked first; the buffer is cut as by [`RowBatch::trim`]. One count per row, else [`CacheError::BadLengths`].
     pub fn trim_rows(&mut self, n: &[usize], bypass: bool) -> Result<()> {
         if n.len() != self.rows.len() {
             return Err(CacheError::BadLengths {
@@ -932,10 +823,14 @@ impl RowBatch {
             .zip(n)
             .map(|(r, &k)| plan_trim(&r.ring, self.max_size, k, bypass))
             .collect::<Result<Vec<_>>>()?;
+        let cut = self.compacted(self.rows.iter().zip(&plans).map(|(r, s)| s.as_ref().unwrap_or(&r.ring).len))?;
         for (r, s) in self.rows.iter_mut().zip(plans) {
             if let Some(s) = s {
                 r.ring = s;
             }
+        }
+        if cut.is_some() {
+            self.buf = cut;
         }
         self.sync();
         Ok(())
@@ -1082,131 +977,17 @@ impl RowBatch {
     }
 }
 
-/// The mask of a batched decode read whose rows hold `lens` live columns after the write, over `width` columns.
-pub(crate) fn decode_mask_key(lens: Vec<usize>, window: Option<usize>, width: usize) -> MaskKey {
-    MaskKey { kind: MaskKind::Decode, real: vec![1; lens.len()], lens, queries: 1, window, cols: width }
-}
-
-impl RowBatch {
-    /// The buffers (for the compiled step, `compiled.rs`).
-    pub(crate) fn buf_ref(&self) -> Option<&Buf> {
-        self.buf.as_ref()
-    }
-
-    /// Installs the buffers a compiled step wrote, then advances every row as the ordinary decode write does.
-    pub(crate) fn commit_step(&mut self, b: Buf) {
-        self.buf = Some(b);
-        for r in &mut self.rows {
-            r.ring.after_decode_write();
-        }
-        self.sync();
-    }
-}
-
-impl RowBatch {
-    /// R-TKV-7 on rows: a committed read under known spans of unequal per-row lengths. Row `r` commits its first
-    /// `lens[r]` positions of the block (`k`, `v` `[B, H_kv, L, D]`, `q` `[B, H_q, L, D]`, `L >= max lens`), one
-    /// decode per position (R-ROT-7): at position `i` exactly the rows with `lens[r] > i` are written (each at its
-    /// own ring head) and read; the other rows' state and bytes do not change. Each row's output at its real
-    /// positions is the one its solo cache's [`SerialCache::commit_span`] of those positions gives (same keys, same
-    /// physical order, the decode mask `c < len_r` when rows differ); outputs at padded positions (`i >= lens[r]`)
-    /// are unspecified. A wrong count or a length past `L` is [`CacheError::BadLengths`], a pending prefill
-    /// [`CacheError::PendingPrefill`], nothing changed.
-    pub fn commit_known_spans(
-        &mut self,
-        k: &Array,
-        v: &Array,
-        q: &Array,
-        scale: f32,
-        masks: &Masks,
-        lens: &[usize],
-    ) -> Result<Array> {
-        if self.is_pending() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let l = self.check_step(k, v, Some(q))?;
-        if lens.len() != self.rows.len() || lens.iter().any(|&n| n > l) {
-            return Err(CacheError::BadLengths {
-                what: format!("span lengths {lens:?} for {} rows of a {l}-position block", self.rows.len()),
-            });
-        }
-        let mut next = self.clone();
-        let mut outs = Vec::with_capacity(l);
-        for i in 0..l {
-            let active: Vec<bool> = lens.iter().map(|&n| n > i).collect();
-            let (ki, vi, qi) = (cols(k, i, i + 1)?, cols(v, i, i + 1)?, cols(q, i, i + 1)?);
-            let out = if active.iter().all(|&a| a) {
-                next.decode(&ki, &vi, &qi, scale, masks)?.0
-            } else if active.iter().any(|&a| a) {
-                next.decode_some(&ki, &vi, &qi, scale, masks, &active)?
-            } else {
-                next.empty_output(&qi)?
-            };
-            outs.push(out);
-        }
-        *self = next;
-        Ok(mlx_rs::ops::concatenate(&outs, 2)?)
-    }
-
-    /// One decode of the rows `active` marks (some but not all): their columns written at their ring heads, the
-    /// others rewritten with the bytes they hold (column 0), then the batched decode read. Rows outside `active` keep
-    /// their state; their outputs are unspecified.
-    pub(crate) fn decode_some(
-        &mut self,
-        k: &Array,
-        v: &Array,
-        q: &Array,
-        scale: f32,
-        masks: &Masks,
-        active: &[bool],
-    ) -> Result<Array> {
-        let block = self.storage.encode(k, v)?;
-        let mut targets = self.prepare_some(Some(active))?;
-        self.ensure_capacity(1)?;
-        for (t, &a) in targets.iter_mut().zip(active) {
-            if !a {
-                *t = 0;
-            }
-        }
-        let b = self.buf.take().ok_or_else(|| invalid("no buffer after prepare"))?;
-        let written = (|| -> Result<Buf> {
-            let on: Vec<u8> = active.iter().map(|&a| u8::from(a)).collect();
-            let on = Array::from_slice(&on, &[active.len() as i32, 1, 1, 1]).as_dtype(mlx_rs::Dtype::Bool)?;
-            let at = index_array(&targets, &[self.rows.len(), 1, 1, 1])?;
-            let kept = b.map(|p| Ok(p.take_along_axis(&at, 2)?))?;
-            let column: Vec<Array> = block
-                .iter()
-                .zip(&kept.planes)
-                .map(|(new, old)| Ok(mlx_rs::ops::select(&on, new, old)?))
-                .collect::<Result<_>>()?;
-            let nb = b.zip_map(&column, |p, x| Ok(p.put_along_axis(&at, x, 2)?))?;
-            nb.eval()?;
-            Ok(nb)
-        })();
-        let nb = match written {
-            Ok(nb) => nb,
-            Err(e) => {
-                self.buf = Some(b);
-                return Err(e);
-            }
-        };
-        self.buf = Some(nb);
-        for (r, &a) in self.rows.iter_mut().zip(active) {
-            if a {
-                r.ring.after_decode_write();
-            }
-        }
-        self.sync();
-        Ok(self.read_decode(q, scale, masks)?.0)
-    }
-}
-
 // The row layouts move between threads (a campaign may run seeds on several).
 const _: () = {
     const fn assert_send<T: Send>() {}
     assert_send::<RowBatch>();
     assert_send::<SerialCache>();
 };
+
+mod capacity;
+mod decode;
+
+pub(crate) use decode::decode_mask_key;
 
 #[cfg(test)]
 mod tests;

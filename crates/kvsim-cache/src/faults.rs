@@ -117,6 +117,11 @@ pub enum Mutant {
     /// would first do (R-ROT-5). Hook: `RowBatch::row_decode_phase`. Reached only by generated decode-phase probes
     ///.
     RowPhaseIgnoresOversize,
+    /// The decode step's oversize drop keeps the batch buffer's old width (and no decode step cuts it to the rows'
+    /// capacity bound): a ring that joined with a 128-position prompt at `W = 70` keeps 128 columns per row for the
+    /// batch's whole life, while its rows hold 70 (reads unchanged; memory held past the documented bound,
+    /// `RowBatch`'s "Capacity"). Hook: `RowBatch::prepare_decode_step` (the drop's gather).
+    BatchRingKeepsOversize,
     /// Transitioning rows settle (convert if due) after every append even inside an armed speculative round, so a
     /// conversion looks at an uncommitted suffix. Hook: `TransitioningKvRows::settle_all`.
     TkvConvertUncommitted,
@@ -205,6 +210,7 @@ impl Mutant {
         Mutant::FilterPartialOnError,
         Mutant::PendingZeroTakesAll,
         Mutant::RowPhaseIgnoresOversize,
+        Mutant::BatchRingKeepsOversize,
         Mutant::TkvConvertUncommitted,
         Mutant::TkvSplitMovesBoundary,
         Mutant::TkvReuseBelowFloor,
@@ -257,6 +263,7 @@ impl Mutant {
             Mutant::FilterPartialOnError => "filter-partial-on-error",
             Mutant::PendingZeroTakesAll => "pending-zero-takes-all",
             Mutant::RowPhaseIgnoresOversize => "row-phase-ignores-oversize",
+            Mutant::BatchRingKeepsOversize => "batch-ring-keeps-oversize",
             Mutant::TkvConvertUncommitted => "tkv-convert-uncommitted",
             Mutant::TkvSplitMovesBoundary => "tkv-split-moves-boundary",
             Mutant::TkvReuseBelowFloor => "tkv-reuse-below-floor",
@@ -347,6 +354,9 @@ impl Mutant {
             Mutant::FilterPartialOnError => "a refused filter keeps the rows it validated before the bad id",
             Mutant::PendingZeroTakesAll => "a prepared length of 0 stores every position of the next chunks",
             Mutant::RowPhaseIgnoresOversize => "row_decode_phase answers before the oversize drop and rotation",
+            Mutant::BatchRingKeepsOversize => {
+                "a batch of rings keeps its buffer's old width through the oversize drop (past its capacity bound)"
+            }
             Mutant::TkvConvertUncommitted => "transitioning rows convert inside an armed round (an uncommitted suffix)",
             Mutant::TkvSplitMovesBoundary => "transitioning rows convert at a sibling's split forward inside a prefill",
             Mutant::TkvReuseBelowFloor => "prefix reuse trims below minimum_reusable_offset",

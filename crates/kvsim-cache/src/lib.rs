@@ -83,7 +83,9 @@
 //! - `ring.rs`: the serial ring/linear core, `SerialCache` (`KvCache`, `RotatingKvCache`), `RingState`, its special reads
 //!   `bidir_prefill`, `encoder_read`, `read_block`, `commit_span`; `set_eval_after_write`.
 //! - `batch.rs`: `RowBatch` (`BatchKvCache`, `BatchRotatingKvCache`): rows that keep their solo ring's columns and phase;
-//!   merge, join, extract, filter, adopt, prepare/finalize, per-row trims, `rope_offsets`.
+//!   merge, join, extract, filter, adopt, prepare/finalize, per-row trims, `rope_offsets`; `batch/decode.rs` its
+//!   decode step (oversize drop and compaction, write, read, committed spans), `batch/capacity.rs` its capacity bound
+//!   and `held_bytes`.
 //! - `quant.rs`: `Storage` (plain or affine planes), the quantized read, the quantized caches (quantized-kv).
 //! - `transition.rs`: the bf16-first legos (`Bf16FirstCache`) and `TransitioningKvRows` (transitioning-rows).
 //! - `ssm.rs`: `SsmCache`, gated-DeltaNet conv tail and recurrent state with speculative rounds (ssm).

@@ -333,6 +333,14 @@ pub fn set_eval_after_write(on: bool) {
 /// them under MLX's `Causal` mask while `len <= W`, else an explicit boolean mask with the sliding window (affine
 /// storage: mlx-lm's quantized attention with the same visibility). The output is whatever MLX computes for those
 /// inputs (deterministic for a given device and build).
+///
+/// Capacity (the physical columns `cap` of `[1, H_kv, cap, D]`, [`SerialCache::cap`]): a ring grows to at most `W`
+/// columns; a window write of `L` positions may leave `W - 1 + L` (the plateau: its `len`, the in-flight window),
+/// which the next decode step's oversize drop cuts back to exactly `W`. A bypass trim keeps the columns of the window
+/// it rolls back: when it leaves `len <= W`, no drop follows, and the buffer stays up to `L - 1` columns wider than
+/// `W` until a later window write or oversize drop rewrites it. A linear cache grows in steps of [`GROW_STEP`]
+/// columns and keeps them through trims. The bytes its arrays hold ([`SerialCache::held_bytes`]) are
+/// `cap() * bytes_per_token()`. (A [`super::RowBatch`] bounds its capacity by its live rows after every operation.)
 #[derive(Clone)]
 pub struct SerialCache {
     spec: KvSpec,
@@ -505,6 +513,12 @@ impl SerialCache {
     /// Physical capacity of the buffers (columns).
     pub fn cap(&self) -> usize {
         self.buf.as_ref().map_or(0, Buf::cap)
+    }
+
+    /// The bytes the cache's arrays hold: the sum of every plane's `nbytes` (`cap() * bytes_per_token()`; 0 before
+    /// the first write).
+    pub fn held_bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.planes.iter().map(|p| p.nbytes()).sum())
     }
 
     /// The raw planes `[1, H_kv, cap, ·]` (every column, live or not). `None` while nothing was written.

@@ -760,6 +760,11 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
                 && cfg.layout.max_size().is_some()
                 && cfg.weight(crate::sim::ops::OpKind::Merge) > 0
         }
+        // Only rings drop an oversize, and only the attention and quantized families check a batch's capacity after
+        // every op (the bf16-first rows' packed batch reaches the hook with no `capacity` check to see it).
+        Mutant::BatchRingKeepsOversize => {
+            (holds(attention::NAME) || holds(quant::NAME)) && cfg.layout.max_size().is_some()
+        }
         // The bf16-first hooks live in `TransitioningKv` and its rows, which only these two families run.
         Mutant::TkvConvertUncommitted
         | Mutant::TkvPackBeforeAllConverted

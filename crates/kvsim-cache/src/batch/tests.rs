@@ -1,6 +1,7 @@
 use super::*;
 #[cfg(feature = "faults")]
 use crate::kind::{is_plain_kv, is_rotating, is_row_batch};
+use crate::ring::GROW_STEP;
 use crate::testutil::testlock;
 use crate::testutil::*;
 use crate::{KvCache, KvDtype, RotatingKvCache};
@@ -480,6 +481,127 @@ fn bytes_per_token_is_per_row_and_capped_at_the_window() {
     assert_eq!(BatchKvCache::empty(spec).unwrap().bytes_for_tokens(100), 100 * 64);
 }
 
+/// A ring's solo history: a window of `prompt` positions (none for 0), then `decodes` decodes.
+fn ring_after(spec: KvSpec, w: usize, seed: u64, prompt: usize, decodes: usize) -> SerialCache {
+    let masks = Masks::new();
+    let mut c = RotatingKvCache::new(spec, w).unwrap();
+    if prompt > 0 {
+        let (k, v, q) = kvq(&spec, seed, 1, prompt);
+        c.window(&k, &v, &q, 0.35, &masks).unwrap();
+    }
+    for s in 0..decodes as u64 {
+        let (k, v, q) = kvq(&spec, seed * 1000 + s, 1, 1);
+        c.decode(&k, &v, &q, 0.35, &masks).unwrap();
+    }
+    c
+}
+
+/// Capacity is a guarantee: a ring of `W = 70` that took a 128-position prompt (a 128-column plateau) and joined a
+/// batch holds 70 columns from its first decode on, as its solo ring does, alone and beside rows of other lengths
+/// (empty, short, wrapped, another plateau); the arrays hold `rows x 70 x bytes_per_token` bytes, each row's share
+/// the bytes of its solo ring; every row's bytes and every decode read stay byte-identical to its solo ring's
+/// through 150 decodes (two wraps).
+#[test]
+fn a_joined_oversize_ring_holds_its_window_from_the_first_decode() {
+    let _g = testlock::shared();
+    let w = 70;
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let spec = spec(dtype);
+        let per = spec.heads_kv * spec.head_dim * 2 * dtype.itemsize();
+        let one: &[(usize, usize)] = &[(128, 0)];
+        let several: &[(usize, usize)] = &[(128, 0), (5, 0), (40, 45), (0, 0), (90, 3)];
+        for prompts in [one, several] {
+            let solo: Vec<SerialCache> =
+                prompts.iter().enumerate().map(|(i, &(p, d))| ring_after(spec, w, 100 + i as u64, p, d)).collect();
+            assert_eq!((solo[0].state().len, solo[0].cap()), (128, 128), "the plateau of a 128-position prompt");
+            let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+            let batch = RowBatch::join(spec, Some(w), &sources).unwrap();
+            assert_eq!(batch.cap(), 128, "joined: the plateau is live");
+            assert_eq!(batch.capacity_bound(), 128);
+            let mut t = Twin::new(batch, solo);
+            for s in 0..150 {
+                t.decode(9000 + s);
+                let b = &t.batch;
+                assert_eq!(b.cap(), w, "{dtype:?} {} rows, decode {s}: the buffer holds the window", b.rows());
+                assert_eq!(b.capacity_bound(), w);
+                assert_eq!(b.held_bytes(), b.rows() * w * per);
+                assert_eq!(b.held_bytes(), b.rows() * b.cap() * b.bytes_per_token());
+                for (r, solo) in t.solo.iter().enumerate() {
+                    assert_eq!(solo.cap(), w, "solo {r}");
+                    assert_eq!(b.held_bytes() / b.rows(), solo.held_bytes(), "row {r}'s bytes are its solo ring's");
+                }
+            }
+            let st = &t.stats;
+            assert_eq!(st.decode_rows, 150 * prompts.len());
+            assert_eq!(
+                st.decode_same, st.decode_rows,
+                "{dtype:?}: every decode read byte-identical to the solo ring's"
+            );
+            if prompts.len() > 1 {
+                assert!(st.decode_masked_rows > 0, "rows of unequal length were read under the mask");
+            }
+        }
+    }
+}
+
+/// The bound follows the live rows through every operation that can leave the buffer wider: a window's plateau is
+/// live (the in-flight window), a bypass trim of it cuts to the rows left, a decode to the window, a filter to the
+/// rows kept, `adopt` of a wider buffer to its rows; linear rows keep at most one growth step ahead. Rows stay
+/// byte-identical to their solo twins throughout.
+#[test]
+fn capacity_follows_the_live_rows() {
+    let _g = testlock::shared();
+    let spec = spec(KvDtype::F32);
+    let w = 8;
+    let solo: Vec<SerialCache> = [(3, 0), (20, 0), (6, 9)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(p, d))| ring_after(spec, w, 10 + i as u64, p, d))
+        .collect();
+    let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+    let mut t = Twin::new(RowBatch::join(spec, Some(w), &sources).unwrap(), solo);
+    assert_eq!(t.batch.cap(), 20);
+    t.decode(1);
+    assert_eq!(t.batch.cap(), w, "the oversize drop cuts to W");
+    t.window(2, 6);
+    assert_eq!((t.batch.cap(), t.batch.capacity_bound()), (w - 1 + 6, w - 1 + 6), "the in-flight window is live");
+    t.trim_rows(&[5, 5, 5], true);
+    assert_eq!(t.batch.cap(), w, "a rollback of the window cuts to the rows left");
+    t.window(3, 12);
+    t.decode(4);
+    assert_eq!(t.batch.cap(), w);
+    // A filter keeps the kept rows' bound: a plateau row leaves with its columns.
+    t.window(5, 12);
+    assert_eq!(t.batch.cap(), w - 1 + 12);
+    t.trim_rows(&[0, 12, 0], true);
+    assert_eq!(t.batch.cap(), w - 1 + 12, "rows 0 and 2 still hold the plateau");
+    t.batch.filter(&[1]).unwrap();
+    t.solo = vec![t.solo[1].clone()];
+    t.check_state("filter");
+    assert_eq!(t.batch.cap(), w, "the kept row needs the window");
+    t.decode(6);
+    // `adopt` of a wider buffer keeps its rows' bound.
+    let (k, v) = t.batch.buffers().unwrap();
+    let pad = |a: &Array| mlx_rs::ops::concatenate(&[a, &mlx_rs::ops::zeros_like(a).unwrap()], 2).unwrap();
+    let adopted = RowBatch::adopt(spec, Some(w), pad(&k), pad(&v), t.batch.row_states().to_vec()).unwrap();
+    assert_eq!(adopted.cap(), w);
+    t.batch = adopted;
+    t.check_state("adopt");
+    // Linear rows: growth in steps, a trim of more than a step cuts to one step ahead.
+    let solo: Vec<SerialCache> = (0..2).map(|_| SerialCache::new(spec, None).unwrap()).collect();
+    let mut t = Twin::new(RowBatch::with_rows(spec, None, 2).unwrap(), solo);
+    t.window(7, 300);
+    assert_eq!(t.batch.cap(), 300);
+    t.decode(8);
+    assert_eq!((t.batch.cap(), t.batch.capacity_bound()), (556, 301 + GROW_STEP - 1));
+    t.trim_rows(&[290, 290], false);
+    assert_eq!(t.batch.cap(), 11 + GROW_STEP - 1, "one growth step ahead of the longest row");
+    for s in 0..3 {
+        t.decode(9 + s);
+    }
+    assert_eq!(t.batch.held_bytes(), 2 * t.batch.cap() * t.batch.bytes_per_token());
+}
+
 #[cfg(feature = "faults")]
 /// Each batch-side mutant makes the twin check (or the API contract) fail.
 #[test]
@@ -521,6 +643,14 @@ fn batch_mutants_have_teeth() {
         let t = joined_twin(spec, Some(4));
         let e = t.batch.extract(1).unwrap();
         assert_ne!(e.state().idx, e.state().len, "extract kept the old head of a rotated row");
+    }
+    {
+        let _m = testlock::arm(Mutant::BatchRingKeepsOversize);
+        let solo = vec![ring_after(spec, 70, 1, 128, 0)];
+        let sources: Vec<JoinSource> = solo.iter().map(JoinSource::Serial).collect();
+        let mut t = Twin::new(RowBatch::join(spec, Some(70), &sources).unwrap(), solo);
+        t.decode(2);
+        assert_eq!((t.batch.cap(), t.batch.capacity_bound()), (128, 70), "the old width past the bound");
     }
     {
         let _m = testlock::arm(Mutant::TrimNoopAfterWrap);

@@ -427,6 +427,48 @@ fn bytes_per_token(what: &str, per: usize, for_n: impl Fn(usize) -> usize, max: 
     Ok(())
 }
 
+/// The capacity guarantee of a batch (`RowBatch`, "Capacity"), after every op: (a) its buffers hold at most the
+/// columns its live rows need, computed here from the models' live columns `lens` (one per row): `max(W, longest)`
+/// for rings, the longest plus `GROW_STEP - 1` for linear rows, 0 without rows; the batch's own
+/// `capacity_bound` must say the same; and (b) kvsim's accounting of the buffers, `rows * cap * bytes_per_token`,
+/// is the bytes its arrays hold (`held_bytes`: every plane's `nbytes`). Integers only: nothing is added to the run's
+/// digest. Counted once per call.
+pub fn capacity(what: &str, batch: &RowBatch, lens: &[usize], max: Option<usize>, counters: &mut Counters) -> Res {
+    counters.checks += 1;
+    let longest = lens.iter().copied().max();
+    let bound = match (longest, max) {
+        (None, _) => 0,
+        (Some(l), Some(w)) => w.max(l),
+        (Some(l), None) => l + cache::ring::GROW_STEP - 1,
+    };
+    let cap = batch.cap();
+    if cap > bound || batch.capacity_bound() != bound {
+        return fail(Failure::new(
+            "capacity",
+            format!(
+                "{what}: {cap} columns held (capacity_bound {}), its live rows need at most {bound} (longest row {}, \
+                 W {max:?})",
+                batch.capacity_bound(),
+                longest.unwrap_or(0)
+            ),
+        ));
+    }
+    let accounted = batch.rows() * cap * batch.bytes_per_token();
+    if batch.held_bytes() != accounted {
+        return fail(Failure::new(
+            "capacity",
+            format!(
+                "{what}: the arrays hold {} bytes, the accounting {} rows x {cap} columns x {} bytes per token = \
+                 {accounted}",
+                batch.held_bytes(),
+                batch.rows(),
+                batch.bytes_per_token()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub fn left_padding(got: &[i64], expected: &[i64]) -> Res {
     if got != expected {
         return fail(Failure::new("left_padding", format!("left_padding {got:?}, model {expected:?}")));

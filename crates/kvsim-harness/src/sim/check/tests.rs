@@ -296,3 +296,29 @@ fn checks_off_collects_failures_and_restores() {
     });
     assert_eq!((inner.len(), outer.len()), (1, 1));
 }
+
+#[test]
+fn capacity_sees_the_last_row() {
+    let spec = KvSpec { heads_kv: 2, head_dim: 8, dtype: cache::KvDtype::F32 };
+    let row = |len: usize| cache::RowState {
+        ring: RingState { offset: len, len, idx: len, last_concat: None },
+        base: 0,
+        pending: None,
+    };
+    let zeros = |cap: i32| mlx_rs::ops::zeros::<f32>(&[2, 2, cap, 8]).unwrap();
+    let mut c = Counters::default();
+    // Rings of W = 8 whose last row holds a 20-column plateau: 20 columns are its bound.
+    let ring = RowBatch::adopt(spec, Some(8), zeros(20), zeros(20), vec![row(3), row(20)]).unwrap();
+    assert!(capacity("x", &ring, &[3, 20], Some(8), &mut c).is_ok());
+    assert_eq!(c.checks, 1, "counted");
+    assert_eq!(capacity("x", &ring, &[3, 19], Some(8), &mut c).unwrap_err().check, "capacity");
+    // Linear rows: one growth step ahead of the longest (adopt cuts a wider buffer to it).
+    let linear = RowBatch::adopt(spec, None, zeros(400), zeros(400), vec![row(3), row(20)]).unwrap();
+    assert_eq!(linear.cap(), 20 + cache::ring::GROW_STEP - 1);
+    assert!(capacity("x", &linear, &[3, 20], None, &mut c).is_ok());
+    assert_eq!(capacity("x", &linear, &[3, 19], None, &mut c).unwrap_err().check, "capacity");
+    // The window is part of the rings' bound: short rows may hold W columns, not more.
+    let short = RowBatch::adopt(spec, Some(8), zeros(8), zeros(8), vec![row(3), row(2)]).unwrap();
+    assert!(capacity("x", &short, &[3, 2], Some(8), &mut c).is_ok());
+    assert!(capacity("x", &short, &[3, 2], Some(7), &mut c).is_err());
+}

@@ -395,7 +395,7 @@ impl Attention {
 
     /// [`Attention::check_all`] for affine storage: host-side state and kinds, then every live request's six
     /// planes (physical and temporal view) against its twin's (bytes) and the model's tokens quantized by the
-    /// reference (bytes), with one device round trip.
+    /// reference (bytes), with one device round trip; then every batch's capacity (`check::capacity`).
     pub(crate) fn check_all_planes(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let roster = cx.roster;
         let quant = self.storage.quant().ok_or_else(|| Failure::new("setup", "plane check of plain storage"))?;
@@ -469,7 +469,7 @@ impl Attention {
             self.counters.checks += 8;
         }
         self.counters.checks += items.len() as u64;
-        Ok(())
+        self.check_capacity(cx)
     }
 }
 

@@ -1,5 +1,6 @@
 //! The attention family's checks: every read against the twins and the model (`check_read`, `check_span`), the
-//! state check after every op (`check_all`, `check_storage`), and the observer's checkpoint of every live request.
+//! state check after every op (`check_all`, `check_storage`, then `check_capacity`), and the observer's checkpoint of
+//! every live request.
 
 use std::collections::BTreeMap;
 
@@ -352,6 +353,17 @@ impl Attention {
             self.check_storage(cx, what, *id, *layer, &ours, &theirs)?;
         }
         self.counters.checks += items.len() as u64;
+        self.check_capacity(cx)
+    }
+
+    /// The capacity guarantee of every layer's batch (`check::capacity`), after the state checks: the rows' states
+    /// and bytes are the models' by then, so what fails here is the memory the batch holds and nothing else.
+    pub(crate) fn check_capacity(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        let lens: Vec<usize> = cx.roster.rows().iter().map(|id| self.reqs[id].model.cols.len()).collect();
+        for layer in 0..self.cfg.layers {
+            let what = format!("batch layer {layer}");
+            check::capacity(&what, &self.batch[layer], &lens, self.max_size(), &mut self.counters)?;
+        }
         Ok(())
     }
 
