@@ -425,7 +425,8 @@ impl<A: Adapter> Adapted<A> {
         if self.geometry.quant.is_some() || !A::supports().convert {
             return Ok(false);
         }
-        let valid = matches!(bits, 2..=6 | 8) && matches!(group, 32 | 64 | 128) && self.geometry.head_dim % group == 0;
+        let valid =
+            matches!(bits, 2..=6 | 8) && matches!(group, 32 | 64 | 128) && self.geometry.head_dim.is_multiple_of(group);
         let q = QuantGeometry { bits, group_size: group };
         let mut results: Vec<(String, super::AdapterResult<()>)> = vec![];
         for id in cx.roster.live().collect::<Vec<_>>() {
