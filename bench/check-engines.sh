@@ -30,8 +30,9 @@ run() { # DIR CONFIG DRIVER... [--only-layer LAYER: kvsim's --only, the last two
 }
 for e in mlx_lm vllm_mlx mlx_vlm mlx_optiq; do bash "oracles/$e/setup.sh" >/dev/null || exit 2; done
 PY="PYTHONPATH=python"
-run check-engine-mlx-lm v2 python3 oracles/mlx_lm/engine.py
-run check-engine-mlx-lm plant-prefix-short python3 oracles/mlx_lm/engine.py --plant prefix-short
+run check-engine-mlx-lm v2 python3 oracles/mlx_lm/engine.py --only-layer kv,prefix
+run check-engine-mlx-lm v1-kv python3 oracles/mlx_lm/engine.py --prefill no --only-layer kv
+run check-engine-mlx-lm plant-prefix-short python3 oracles/mlx_lm/engine.py --plant prefix-short --only-layer kv,prefix
 run check-engine-mlx-lm quant python3 oracles/mlx_lm/engine.py --kv quant
 L="$PY oracles/mlx_lm/.venv/bin/python -m kvsim.drivers.mlx_lm"
 run check-engine-mlx-lm recurrent "$L" --only-layer recurrent

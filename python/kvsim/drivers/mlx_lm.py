@@ -28,7 +28,7 @@ class MlxLm(kit.Driver):
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
                 "rotating": True, "prefill": True, "prefix": True, "recurrent": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour"), "kv": ("plain", "quant")}
+    options = {"plant": (None, "prefix-short", "rec-neighbour"), "kv": ("plain", "quant"), "prefill": ("yes", "no")}
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
     def version(self):
@@ -45,6 +45,9 @@ class MlxLm(kit.Driver):
             # mlx-lm 0.32.2 quantizes only full-attention caches and batches none of them (QuantizedKVCache has no
             # `merge`; RotatingKVCache.to_quantized raises NotImplementedError): quantized serial caches only.
             self.supports = {"kv": True, "quant_only": True, "serial_trim": True, "prefix": False}
+        elif self.opts["prefill"] == "no":
+            # the K/V runs of protocol 1 (no right-padded prefill drawn): the classes of the protocol-1 report again
+            self.supports = dict(self.supports, prefill=False)
 
     def op_new(self, r):
         self.geometry = g = r["geometry"]
