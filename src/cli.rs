@@ -105,6 +105,13 @@ pub enum Cmd {
         /// Print the report as the last line (JSON).
         #[arg(long)]
         json: bool,
+        /// Worker mode (the soak runs in a worker process that a seed that kills it does not take down): run the
+        /// seeds read from stdin, a progress line per seed on stderr.
+        #[arg(long, hide = true)]
+        seed_feed: bool,
+        /// Worker mode: keep the running seed's ops in this file as they start.
+        #[arg(long, hide = true, requires = "seed_feed")]
+        op_journal: Option<PathBuf>,
     },
     /// Replay a trace and report the first divergence (exit 1 when it does not do what the trace expects).
     Replay {
@@ -183,7 +190,7 @@ pub enum Cmd {
         /// Shrink each caught mutant's trace (replays per mutant).
         #[arg(long, default_value_t = 600)]
         shrink_budget: usize,
-        /// Only this mutant (by name).
+        /// Only these mutants (by name, comma-separated).
         #[arg(long)]
         only: Option<String>,
         /// Write each shrunk trace to corpus/mutant-<name>.json.
@@ -224,6 +231,13 @@ pub enum Cmd {
         /// Print the JSON summary as the last line.
         #[arg(long)]
         json: bool,
+        /// Worker mode (the check runs in a worker process that a seed that kills it does not take down): run the
+        /// seeds read from stdin, a progress line per seed on stderr.
+        #[arg(long, hide = true)]
+        seed_feed: bool,
+        /// Worker mode: keep the running seed's K/V ops in this file as they start.
+        #[arg(long, hide = true, requires = "seed_feed")]
+        op_journal: Option<PathBuf>,
     },
     /// The differential oracle against mlx-lm (oracles/README.md): record, diff, check.
     Oracle {

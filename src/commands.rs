@@ -5,6 +5,7 @@ use kvsim::cache::faults::Mutant;
 use kvsim::campaign;
 use kvsim::oracle;
 use kvsim::shard::{self, Shard};
+use kvsim::sim::config::SimConfig;
 use kvsim::sim::trace::{Expect, Trace};
 use kvsim::sim::{self, DeviceChoice};
 use std::path::{Path, PathBuf};
@@ -228,7 +229,7 @@ pub(crate) fn planted_mutant() -> Result<Option<Mutant>, String> {
 }
 
 /// Set by Ctrl-C: campaigns stop before their next seed and still print the summary of what ran.
-static STOP: AtomicBool = AtomicBool::new(false);
+pub(crate) static STOP: AtomicBool = AtomicBool::new(false);
 
 /// When the first Ctrl-C arrived (milliseconds since the Unix epoch; 0 before it).
 static FIRST_STOP_MS: AtomicU64 = AtomicU64::new(0);
@@ -344,7 +345,8 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
     let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
     let bar = seed_bar(seeds.len(), a.progress_lines);
     let mut failures = 0;
-    let outs = shard::run_workers(&exe, &args, a.jobs as usize, &gpus, &seeds, &STOP, |event| match event {
+    let pool = shard::Pool { exe: &exe, args: &args, jobs: a.jobs as usize, gpus: &gpus, env: &[] };
+    let outs = shard::run_workers(&pool, seeds.iter().copied(), &STOP, |event| match event {
         shard::WorkerEvent::Progress(p) => {
             failures += p.failed as u64;
             bar.set_message(format!("{failures} failures"));
@@ -354,6 +356,8 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
             }
         }
         shard::WorkerEvent::Line(line) => bar.suspend(|| eprintln!("{line}")),
+        // Said below, from the workers' outputs.
+        shard::WorkerEvent::Crashed { .. } => {}
     });
     bar.finish_and_clear();
     let outs = match outs {
@@ -366,33 +370,11 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
         if let Some(c) = o.crash {
             // A worker that died: the seed it was running fails with the ops it had started as its trace; the
             // seeds it finished or held ran again in the worker that took its place.
-            match c.seed {
-                Some(seed) => {
-                    let ops = c.ops.len();
-                    let t = campaign::crash_trace(seed, c.ops, a.device, &c.how);
-                    let p = write_trace(&a.out, &format!("seed-{seed}.json"), &t);
-                    let op = ops.saturating_sub(1);
-                    bar.suspend(|| {
-                        eprintln!(
-                            "FAIL seed {seed} op {op} [{}] worker {} was {} ({ops} ops started)\n     trace: {}\n     \
-                             replay it in another process: kvsim replay {}",
-                            campaign::CRASH_CHECK,
-                            o.worker,
-                            c.how,
-                            p.display(),
-                            p.display()
-                        )
-                    });
-                    crashes.push(campaign::FailedSeed {
-                        seed,
-                        op_index: op,
-                        check: campaign::CRASH_CHECK.into(),
-                        message: format!("worker {} was {} in op {op}", o.worker, c.how),
-                        trace: p.display().to_string(),
-                    });
-                }
-                None => eprintln!("kvsim sim --jobs: worker {} was {} holding no seed", o.worker, c.how),
-            }
+            let trace = |seed, ops, how: &str| {
+                let t = campaign::crash_trace(seed, SimConfig::from_seed(seed), None, ops, a.device, how);
+                (format!("seed-{seed}.json"), t)
+            };
+            crashes.extend(crash_failure("sim --jobs", &a.out, o.worker, c, true, trace));
             continue;
         }
         let part = o.summary.ok_or_else(|| format!("printed no summary (exit status {:?})", o.status)).and_then(|v| {
@@ -424,6 +406,47 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
     }
 }
 
+/// A seed whose worker process died ([`shard::WorkerCrash`]): the ops it had started written into `out` as its trace
+/// (`trace` makes it from the seed, those ops and how the process ended, with its file name:
+/// [`campaign::crash_trace`] of the run's config), its FAIL line said on stderr (with the `kvsim replay` that runs it
+/// in another process when `replayable`), and its failure ([`campaign::CRASH_CHECK`]) for the summary. `None`, and a
+/// line said, when the worker died holding no seed.
+pub(crate) fn crash_failure(
+    what: &str,
+    out: &Path,
+    worker: usize,
+    c: shard::WorkerCrash,
+    replayable: bool,
+    trace: impl FnOnce(u64, Vec<sim::ops::Op>, &str) -> (String, Trace),
+) -> Option<campaign::FailedSeed> {
+    let Some(seed) = c.seed else {
+        eprintln!("kvsim {what}: worker {worker} was {} holding no seed", c.how);
+        return None;
+    };
+    let ops = c.ops.len();
+    let op = ops.saturating_sub(1);
+    let (name, t) = trace(seed, c.ops, &c.how);
+    let p = write_trace(out, &name, &t);
+    let replay = if replayable {
+        format!("\n     replay it in another process: kvsim replay {}", p.display())
+    } else {
+        String::new()
+    };
+    eprintln!(
+        "FAIL seed {seed} op {op} [{}] worker {worker} was {} ({ops} ops started)\n     trace: {}{replay}",
+        campaign::CRASH_CHECK,
+        c.how,
+        p.display(),
+    );
+    Some(campaign::FailedSeed {
+        seed,
+        op_index: op,
+        check: campaign::CRASH_CHECK.into(),
+        message: format!("worker {worker} was {} in op {op}", c.how),
+        trace: p.display().to_string(),
+    })
+}
+
 pub(crate) fn merge_cmd(paths: &[PathBuf], json: bool) -> ExitCode {
     let mut parts = vec![];
     for p in paths {
@@ -451,138 +474,6 @@ pub(crate) fn merge_cmd(paths: &[PathBuf], json: bool) -> ExitCode {
 
 pub(crate) fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
-}
-
-pub(crate) fn soak_cmd(
-    ops: Option<u64>,
-    time: Option<f64>,
-    first: u64,
-    device: DeviceChoice,
-    trim: bool,
-    out: Option<PathBuf>,
-    json: bool,
-) -> ExitCode {
-    use kvsim::soak::{Budget, SeedRun, SoakConfig};
-    stop_on_ctrl_c();
-    let budget = match (ops, time) {
-        (Some(n), _) => Budget::Ops(n),
-        (None, Some(t)) => Budget::Seconds(t),
-        (None, None) => return fail("soak", "give --ops N or --time S", 2),
-    };
-    let (len, unit) = match budget {
-        Budget::Ops(n) => (n, "ops"),
-        Budget::Seconds(t) => (t.ceil() as u64, "s"),
-    };
-    let bar = indicatif::ProgressBar::new(len);
-    let style = format!("{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {unit}  ETA {{eta}}  {{msg}}");
-    bar.set_style(indicatif::ProgressStyle::with_template(&style).unwrap().progress_chars("=> "));
-    let failures_dir = PathBuf::from("target/kvsim-failures");
-    let report = kvsim::soak::soak(
-        SoakConfig { trim, ..SoakConfig::new(budget, first) },
-        &STOP,
-        |seed| {
-            let r = campaign::run_seed(seed, device);
-            if let Some(f) = r.failure() {
-                let p = write_trace(&failures_dir, &format!("seed-{seed}.json"), &r.run.trace);
-                bar.suspend(|| {
-                    eprintln!(
-                        "FAIL seed {seed} op {} [{}] {}\n     trace: {}\n     see it: {}",
-                        f.op_index,
-                        f.check,
-                        f.message,
-                        p.display(),
-                        show_hint(&p)
-                    )
-                });
-            }
-            SeedRun { ops: r.run.trace.ops.len() as u64 - r.run.skipped, failed: r.run.failed() }
-        },
-        |s, failures| {
-            bar.set_position(match budget {
-                Budget::Ops(_) => s.ops,
-                Budget::Seconds(_) => s.seconds as u64,
-            });
-            bar.set_message(format!(
-                "{} seeds, {:.0} ops/s, MLX active {:.1} MiB, RSS {:.1} MiB, {failures} failures",
-                s.seeds,
-                s.ops as f64 / s.seconds.max(1e-9),
-                mib(s.mlx_active),
-                mib(s.rss)
-            ));
-        },
-    );
-    bar.finish_and_clear();
-    let counted = report.heap_counted;
-    let line = |what: &str, s: &kvsim::soak::MemorySample| {
-        let heap = if counted {
-            format!("  heap live {:>8.2} MiB  free {:>8.2} MiB", mib(s.heap_in_use), mib(s.heap_free))
-        } else {
-            String::new()
-        };
-        println!(
-            "  {what:<10} ops {:>9}  MLX active {:>8.2} MiB  cache {:>8.2} MiB  peak {:>8.2} MiB  RSS {:>8.2} MiB{heap}",
-            s.ops,
-            mib(s.mlx_active),
-            mib(s.mlx_cache),
-            mib(s.mlx_peak),
-            mib(s.rss),
-        )
-    };
-    println!(
-        "kvsim soak: {} seeds, {} ops in {:.1}s ({:.0} ops/s) on {}, {} failures{}",
-        report.seeds,
-        report.ops,
-        report.seconds,
-        report.ops_per_s,
-        device.name(),
-        report.failures,
-        if report.interrupted { " (interrupted)" } else { "" }
-    );
-    line("start", &report.at_start);
-    if let Some(w) = &report.at_warmup {
-        line("warm-up", w);
-    }
-    line("end", &report.at_end);
-    let v = &report.verdict;
-    let heap = if counted {
-        format!(
-            ", live heap outside the cache {:.3}x, heap free {:.2} -> {:.2} MiB",
-            v.heap_outside_cache.ratio,
-            mib(v.heap_free.post_warmup),
-            mib(v.heap_free.final_level)
-        )
-    } else {
-        format!(", heap not counted ({} serves malloc)", report.allocator)
-    };
-    println!(
-        "  growth after warm-up: MLX active {:.3}x ({:.2} -> {:.2} MiB), RSS outside MLX's cache {:.3}x ({:.2} -> \
-         {:.2} MiB) [raw RSS {:.3}x, MLX cache {:.2} -> {:.2} MiB{heap}, reported only]; allowed {}x: {}",
-        v.mlx_active.ratio,
-        mib(v.mlx_active.post_warmup),
-        mib(v.mlx_active.final_level),
-        v.rss_outside_cache.ratio,
-        mib(v.rss_outside_cache.post_warmup),
-        mib(v.rss_outside_cache.final_level),
-        v.rss.ratio,
-        mib(v.mlx_cache.post_warmup),
-        mib(v.mlx_cache.final_level),
-        report.config.tolerance,
-        if v.pass { "pass" } else { v.reason.as_deref().unwrap_or("fail") }
-    );
-    let text = serde_json::to_string(&report).unwrap();
-    if let Some(p) = &out {
-        if let Some(dir) = p.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        if let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&report).unwrap()) {
-            return fail("soak", format!("cannot write {}: {e}", p.display()), 2);
-        }
-        println!("  report: {}", p.display());
-    }
-    if json {
-        println!("{text}");
-    }
-    exit(v.pass && report.failures == 0)
 }
 
 pub(crate) fn replay_cmd(path: &Path, device: DeviceChoice) -> ExitCode {
@@ -692,32 +583,6 @@ pub(crate) fn shrink_cmd(path: &Path, out: Option<PathBuf>, budget: usize, devic
     }
 }
 
-pub(crate) fn mutants_cmd(
-    budget: Option<u64>,
-    shrink_budget: usize,
-    only: Option<String>,
-    save: bool,
-    json: bool,
-) -> ExitCode {
-    let mut rows = vec![];
-    // The quantized mutants are hunted through the quantized family (`sim::family::quant`); the recurrent cache's
-    // are hunted through the recurrent family (`sim::family::ssm`) like every other.
-    for &m in Mutant::ALL.iter().filter(|m| m.in_simulator() && only.as_deref().is_none_or(|o| o == m.name())) {
-        let hunt = campaign::MutantHunt::run(m, budget.unwrap_or(campaign::mutant_budget(m)), shrink_budget);
-        if let (true, Some(t)) = (save, hunt.corpus_trace()) {
-            write_trace(Path::new("corpus"), &format!("mutant-{}.json", m.name()), &t);
-        }
-        println!("{}", hunt.line());
-        rows.push(hunt);
-    }
-    let times = campaign::CatchTimes::of(&rows);
-    println!("{}", times.line());
-    if json {
-        println!("{}", serde_json::json!({ "mutants": rows, "time_to_catch": times }));
-    }
-    exit(rows.iter().all(|h| h.caught))
-}
-
 pub(crate) fn bench_cmd(
     device: DeviceChoice,
     what: &str,
@@ -757,114 +622,4 @@ pub(crate) fn fuzz_case_cmd(input: &Path, out: &Path) -> ExitCode {
     let p = write_trace(out, &format!("fuzz-{}.json", &blake3::hash(&data).to_hex()[..12]), &t);
     println!("{} ops, outcome {:?}: {}", t.ops.len(), t.outcome, p.display());
     ExitCode::SUCCESS
-}
-
-/// `kvsim check-engine`: the swarm against an engine process; each class's shortest trace and reproducer written
-/// to `out`. Exit 0 when no seed failed, 1 when some did, 2 when the engine broke (its failure printed, the run's
-/// trace saved, the process stopped).
-#[allow(clippy::too_many_arguments)]
-pub fn check_engine_cmd(
-    driver: &str,
-    seeds: u64,
-    ops: usize,
-    timeout_s: u64,
-    shrinks: usize,
-    shrink_budget: usize,
-    out: &Path,
-    json: bool,
-    only: &[&str],
-) -> ExitCode {
-    use kvsim::byoc::{engine_check, CheckOptions};
-    let opts = CheckOptions { seeds, ops, device: DeviceChoice::Cpu, shrink_budget };
-    let timeout = std::time::Duration::from_secs(timeout_s);
-    let started = std::time::Instant::now();
-    let report = match engine_check::check_engine_only(driver, timeout, opts, shrinks, only) {
-        Ok(r) => r,
-        Err(b) => {
-            eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);
-            if let Some(t) = &b.trace {
-                let path = out.join(format!("engine-{}-seed-{}.trace.json", b.failure.kind(), t.seed()));
-                match std::fs::create_dir_all(out).and_then(|_| std::fs::write(&path, t.to_json())) {
-                    Ok(()) => eprintln!("the run's trace: {}", path.display()),
-                    Err(e) => eprintln!("cannot write {}: {e}", path.display()),
-                }
-            }
-            if json {
-                let v =
-                    serde_json::json!({"engine_failure": {"kind": b.failure.kind(), "message": b.failure.to_string()}});
-                println!("{v}");
-            }
-            return ExitCode::from(2);
-        }
-    };
-    if let Err(e) = std::fs::create_dir_all(out) {
-        eprintln!("kvsim check-engine: {}: {e}", out.display());
-        return ExitCode::from(2);
-    }
-    let mut classes = vec![];
-    println!(
-        "{} {} ({}): {} seeds, {} failed, {} ops applied, {} checks",
-        report.hello.engine, report.hello.version, driver, report.seeds, report.failures, report.applied, report.checks
-    );
-    for c in &report.classes {
-        let file = c.name.replace('/', "-");
-        let trace_path = out.join(format!("{file}.trace.json"));
-        if let Err(e) = std::fs::write(&trace_path, c.shortest.to_json()) {
-            eprintln!("cannot write {}: {e}", trace_path.display());
-        }
-        let repro = match &c.reproducer {
-            Ok(script) => {
-                let p = out.join(format!("{file}.py"));
-                match std::fs::write(&p, script) {
-                    Ok(()) => Some(p.display().to_string()),
-                    Err(e) => {
-                        eprintln!("cannot write {}: {e}", p.display());
-                        None
-                    }
-                }
-            }
-            Err(why) => {
-                println!("  [{}] no reproducer: {why}", c.name);
-                None
-            }
-        };
-        println!(
-            "  [{}] {} seeds (first {:?}); shortest {} ops (seed {}); trace {}{}",
-            c.name,
-            c.failing_seeds.len(),
-            &c.failing_seeds[..c.failing_seeds.len().min(5)],
-            c.shortest.ops(),
-            c.shortest.seed(),
-            trace_path.display(),
-            repro.as_ref().map(|r| format!("; reproducer {r}")).unwrap_or_default()
-        );
-        classes.push(serde_json::json!({
-            "name": c.name,
-            "failing_seeds": c.failing_seeds,
-            "message": c.message,
-            "shortest_ops": c.shortest.ops(),
-            "trace": trace_path.display().to_string(),
-            "repro": repro,
-        }));
-    }
-    if json {
-        let v = serde_json::json!({
-            "engine": report.hello.engine,
-            "version": report.hello.version,
-            "protocol": report.hello.protocol,
-            "seeds": report.seeds,
-            "failures": report.failures,
-            "applied": report.applied,
-            "checks": report.checks,
-            "seconds": started.elapsed().as_secs_f64(),
-            "ops_by_kind": report.ops_by_kind,
-            "classes": classes,
-        });
-        println!("{v}");
-    }
-    if report.failures == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
 }

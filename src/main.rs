@@ -11,6 +11,7 @@ use kvsim::sim;
 
 mod cli;
 mod commands;
+mod pooled;
 
 use cli::{Cli, Cmd, OracleCmd};
 
@@ -79,14 +80,17 @@ fn main() -> ExitCode {
             sim_cmd(&a)
         }
         Cmd::Merge { parts, json } => merge_cmd(&parts, json),
-        Cmd::Soak { ops, time, first, device, trim, out, json } => soak_cmd(ops, time, first, device, trim, out, json),
+        Cmd::Soak { ops, time, first, device, trim, out, json, seed_feed, op_journal } => {
+            let worker = seed_feed.then_some(pooled::WorkerMode { op_journal });
+            pooled::soak_cmd(pooled::SoakArgs { ops, time, first, device, trim, out, json }, worker)
+        }
         Cmd::Replay { trace, device } => replay_cmd(&trace, device),
         Cmd::Show { trace, html, op, shrink, shrunk, device } => {
             show_cmd(&trace, html.as_deref(), op, shrink, shrunk.as_deref(), device)
         }
         Cmd::Shrink { trace, out, budget, device } => shrink_cmd(&trace, out, budget, device),
         Cmd::Mutants { budget, shrink_budget, only, save, json } => {
-            mutants_cmd(budget, shrink_budget, only, save, json)
+            pooled::mutants_cmd(budget, shrink_budget, only, save, json)
         }
         Cmd::FuzzCase { input, out } => fuzz_case_cmd(&input, &out),
         Cmd::Bench { device, what, python, anchor, no_anchor, quick, out, json, exact_read } => {
@@ -95,9 +99,33 @@ fn main() -> ExitCode {
                 found.and_then(|a| a.map_err(|e| eprintln!("kvsim bench: no anchor ({e}); kvsim numbers only")).ok());
             bench_cmd(device, &what, anchor, quick, &out, json, exact_read)
         }
-        Cmd::CheckEngine { driver, seeds, ops, timeout_s, shrinks, shrink_budget, out, json, only } => {
+        Cmd::CheckEngine {
+            driver,
+            seeds,
+            ops,
+            timeout_s,
+            shrinks,
+            shrink_budget,
+            out,
+            json,
+            only,
+            seed_feed,
+            op_journal,
+        } => {
             let only: Vec<&str> = only.iter().map(String::as_str).collect();
-            check_engine_cmd(&driver, seeds, ops, timeout_s, shrinks, shrink_budget, &out, json, &only)
+            let worker = seed_feed.then_some(pooled::WorkerMode { op_journal });
+            let a = pooled::CheckEngineArgs {
+                driver: &driver,
+                seeds,
+                ops,
+                timeout_s,
+                shrinks,
+                shrink_budget,
+                out: &out,
+                json,
+                only: &only,
+            };
+            pooled::check_engine_cmd(&a, worker)
         }
         Cmd::Oracle { cmd } => match cmd {
             OracleCmd::Record { seeds, scan, seed, include, out, keep_steps, dry_run, family } => {

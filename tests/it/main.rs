@@ -22,6 +22,7 @@ mod snapshots;
 mod special_reads;
 mod ssm;
 mod state_machine;
+mod survival;
 mod traces;
 mod transition;
 mod transition_machine;

@@ -379,7 +379,17 @@ pub fn quant_of(cfg: &SimConfig) -> Option<QuantChoice> {
 
 /// One seed's run against the adapter.
 pub fn run_seed<A: Adapter>(seed: u64, ops: usize, device: DeviceChoice) -> RunResult {
-    run_in(&registry::<A>(), seed, config::<A>(seed, ops), None, device, None, &mut NoObserver)
+    run_seed_observed::<A>(seed, ops, device, &mut NoObserver)
+}
+
+/// [`run_seed`] with `observer` watching every op (`kvsim check-engine`'s op journal).
+pub fn run_seed_observed<A: Adapter>(
+    seed: u64,
+    ops: usize,
+    device: DeviceChoice,
+    observer: &mut dyn crate::sim::observe::RunObserver,
+) -> RunResult {
+    run_in(&registry::<A>(), seed, config::<A>(seed, ops), None, device, None, observer)
 }
 
 /// A trace's ops again, against the adapter (its config and seed).

@@ -65,6 +65,25 @@ pub fn run_seed_armed(seed: u64, device: DeviceChoice, mutant: Option<Mutant>) -
     SeedResult { seed, config, run }
 }
 
+/// [`run_seed_armed`], keeping the seed's ops in the op journal at `journal` (when given) as they start
+/// ([`crate::shard::OpJournal`]: what a worker process leaves behind when it dies). The journal changes no result.
+pub fn run_seed_journaled(
+    seed: u64,
+    device: DeviceChoice,
+    mutant: Option<Mutant>,
+    journal: Option<&std::path::Path>,
+) -> SeedResult {
+    match journal {
+        Some(path) => {
+            let config = SimConfig::from_seed(seed);
+            let mut j = crate::shard::OpJournal::start(path, seed);
+            let run = sim::run_observed(seed, config.clone(), None, device, mutant, &mut j);
+            SeedResult { seed, config, run }
+        }
+        None => run_seed_armed(seed, device, mutant),
+    }
+}
+
 /// Byte-identical comparisons with the solo twin, per output class (and states).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct BitExact {
@@ -580,15 +599,7 @@ pub fn run_seeds_journaled(
             summary.interrupted = true;
             break;
         }
-        let r = match journal {
-            Some(path) => {
-                let config = SimConfig::from_seed(seed);
-                let mut j = crate::shard::OpJournal::start(path, seed);
-                let run = sim::run_observed(seed, config.clone(), None, device, mutant, &mut j);
-                SeedResult { seed, config, run }
-            }
-            None => run_seed_armed(seed, device, mutant),
-        };
+        let r = run_seed_journaled(seed, device, mutant, journal);
         let written = on_seed(&r);
         let failed = r.failure().map(|mut f| {
             f.trace = written.unwrap_or_default();
@@ -602,17 +613,25 @@ pub fn run_seeds_journaled(
 
 /// The trace of a seed whose worker process died in op `ops.len() - 1` (the ops it had started, from its op journal):
 /// it expects that failure, check [`CRASH_CHECK`], so `kvsim replay` of it in another process runs the same ops up
-/// to the one that killed the worker (and, when that still kills the process, dies there too).
-pub fn crash_trace(seed: u64, ops: Vec<crate::sim::ops::Op>, device: DeviceChoice, how: &str) -> sim::trace::Trace {
+/// to the one that killed the worker (and, when that still kills the process, dies there too). `config` is the run's
+/// (`SimConfig::from_seed(seed)` for kvsim's own campaigns) and `mutant` the one armed in it (a mutant hunt's).
+pub fn crash_trace(
+    seed: u64,
+    config: SimConfig,
+    mutant: Option<Mutant>,
+    ops: Vec<crate::sim::ops::Op>,
+    device: DeviceChoice,
+    how: &str,
+) -> sim::trace::Trace {
     let op_index = ops.len().saturating_sub(1);
     sim::trace::Trace {
         format: sim::trace::FORMAT.to_string(),
         version: sim::trace::VERSION,
         seed,
-        config: SimConfig::from_seed(seed),
+        config,
         mlx_version: sim::mlx_version(),
         device: device.name().to_string(),
-        mutant: None,
+        mutant,
         ops,
         digests: vec![],
         result_hash: String::new(),
@@ -622,7 +641,7 @@ pub fn crash_trace(seed: u64, ops: Vec<crate::sim::ops::Op>, device: DeviceChoic
             message: format!("the worker process running this seed was {how} in op {op_index}"),
         },
         expect: sim::trace::Expect::Fail,
-        note: format!("a `kvsim sim --jobs` worker was {how} running seed {seed}: the ops it had started"),
+        note: format!("a worker process was {how} running seed {seed}: the ops it had started"),
     }
 }
 
@@ -740,10 +759,16 @@ pub fn merge(parts: &[Part]) -> Result<Summary, ShardError> {
 /// cannot reach the mutant's hook ([`mutant_reachable`]) are skipped, not run: the catching seed is the same, the
 /// hunt shorter.
 pub fn hunt_mutant(m: Mutant, budget: u64) -> Option<(u64, RunResult)> {
-    (0..budget).filter(|&seed| mutant_reachable(m, &SimConfig::from_seed(seed))).find_map(|seed| {
+    hunt_seeds(m, budget).find_map(|seed| {
         let r = sim::run_seed(seed, DeviceChoice::Cpu, Some(m));
         r.failed().then_some((seed, r))
     })
+}
+
+/// The seeds a hunt of mutant `m` runs, in order: those of `0..budget` that can reach its hook
+/// ([`mutant_reachable`]).
+pub fn hunt_seeds(m: Mutant, budget: u64) -> impl Iterator<Item = u64> {
+    (0..budget).filter(move |&seed| mutant_reachable(m, &SimConfig::from_seed(seed)))
 }
 
 /// Whether a run of `cfg` can reach mutant `m`'s hook at all: a necessary condition read off the config alone (its
@@ -858,11 +883,19 @@ pub struct MutantHunt {
     pub seed: Option<u64>,
     #[serde(skip)]
     pub shrunk: Option<crate::sim::trace::Trace>,
+    /// The hunt's process died (`kvsim mutants` hunts in a worker process): how, in words. The mutant is then
+    /// caught by the crash, at `seed`, check [`CRASH_CHECK`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub crash: Option<String>,
+    /// Where the catching seed's trace was written (a crash's: the ops up to the one the process died in).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 impl MutantHunt {
-    pub fn run(m: Mutant, budget: u64, shrink_budget: usize) -> MutantHunt {
-        let mut h = MutantHunt {
+    /// A hunt of `m` over `budget` seeds that caught nothing (yet).
+    pub fn new(m: Mutant, budget: u64) -> MutantHunt {
+        MutantHunt {
             mutant: m,
             name: m.name(),
             caught: false,
@@ -873,7 +906,14 @@ impl MutantHunt {
             shrunk_ops: None,
             seed: None,
             shrunk: None,
-        };
+            crash: None,
+            trace: None,
+        }
+    }
+
+    /// The hunt in this process ([`hunt_mutant`], then the shrink of the catching run).
+    pub fn run(m: Mutant, budget: u64, shrink_budget: usize) -> MutantHunt {
+        let mut h = MutantHunt::new(m, budget);
         let start = std::time::Instant::now();
         let found = hunt_mutant(m, budget);
         h.seconds_to_catch = start.elapsed().as_secs_f64();
@@ -901,8 +941,16 @@ impl MutantHunt {
     }
 
     pub fn line(&self) -> String {
-        match self.seed {
-            Some(seed) => format!(
+        match (self.seed, &self.crash) {
+            (Some(seed), Some(how)) => format!(
+                "{:<26} caught  seed {:>4}  {:>6.1} s  [{CRASH_CHECK}] the hunt's process was {how} in op {}; trace {}",
+                self.name,
+                seed,
+                self.seconds_to_catch,
+                self.shrunk_ops.unwrap_or(0).saturating_sub(1),
+                self.trace.as_deref().unwrap_or("(none)")
+            ),
+            (Some(seed), None) => format!(
                 "{:<26} caught  seed {:>4}  {:>6.1} s  [{}]  shrunk to {} ops",
                 self.name,
                 seed,
@@ -910,7 +958,7 @@ impl MutantHunt {
                 self.check.as_deref().unwrap_or(""),
                 self.shrunk_ops.unwrap_or(0)
             ),
-            None => format!("{:<26} SURVIVED {} seeds in {:.1} s", self.name, self.seeds, self.seconds_to_catch),
+            (None, _) => format!("{:<26} SURVIVED {} seeds in {:.1} s", self.name, self.seeds, self.seconds_to_catch),
         }
     }
 }
@@ -969,6 +1017,8 @@ mod tests {
             shrunk_ops: None,
             seed: caught.then_some(0),
             shrunk: None,
+            crash: None,
+            trace: None,
         }
     }
 

@@ -141,6 +141,8 @@ pub struct WorkerOutput {
     pub worker: usize,
     pub status: Option<i32>,
     pub summary: Option<serde_json::Value>,
+    /// Everything it printed on stdout (the summary is its last JSON line).
+    pub stdout: String,
     /// The worker died (a signal, an abort, an out-of-memory kill, an exit without its summary): the seed it was
     /// running and the ops it had started. Its summary is then not used: the seeds it finished ran again in another
     /// worker (every result is a function of its seed), and those it held ran there too.
@@ -205,8 +207,9 @@ pub fn read_journal(path: &std::path::Path) -> Option<(u64, Vec<Op>)> {
     Some((seed, ops))
 }
 
-/// How a worker process ended, in words, and whether that is a crash: a normal end is exit status 0 or 1 with a
-/// summary line printed.
+/// How a worker process ended, in words, and whether that is a crash: a normal end is exit status 0, 1 or 2 with a
+/// summary line printed (2: the command's own typed failure, which its summary reports, e.g. `kvsim check-engine`'s
+/// engine that broke).
 fn ended(status: &std::io::Result<std::process::ExitStatus>, summary: bool) -> Option<String> {
     let status = match status {
         Ok(s) => s,
@@ -230,7 +233,7 @@ fn ended(status: &std::io::Result<std::process::ExitStatus>, summary: bool) -> O
         }
     }
     match (status.code(), summary) {
-        (Some(0 | 1), true) => None,
+        (Some(0..=2), true) => None,
         (Some(c), _) => Some(format!("exit status {c} without a summary")),
         (None, _) => Some("ended without an exit status".into()),
     }
@@ -246,6 +249,42 @@ pub enum WorkerEvent {
     Progress(Progress),
     /// Any other line of the worker's stderr (a warning, an error), verbatim.
     Line(String),
+    /// Worker `worker` died (said as soon as it is known, before a new worker takes its place: the caller may set
+    /// `stop` so that none does). The same crash is in its [`WorkerOutput`].
+    Crashed { worker: usize, crash: WorkerCrash },
+}
+
+/// How [`run_workers`] starts its workers: `exe ARGS... --seed-feed --op-journal FILE`, `jobs` of them at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Pool<'a> {
+    pub exe: &'a std::path::Path,
+    pub args: &'a [String],
+    pub jobs: usize,
+    /// The `CUDA_VISIBLE_DEVICES` names of the GPUs the workers are spread over ([`worker_gpu`]); empty: none.
+    pub gpus: &'a [String],
+    /// Variables set in every worker's environment (`KVSIM_MUTANT` for a mutant hunt).
+    pub env: &'a [(&'a str, &'a str)],
+}
+
+/// The seeds [`run_workers`] still has to hand out: those to run again (after a crash) first, then the rest of the
+/// campaign's, which may be endless (`kvsim soak`).
+struct SeedQueue<'a> {
+    again: std::collections::VecDeque<u64>,
+    rest: std::iter::Peekable<Box<dyn Iterator<Item = u64> + 'a>>,
+}
+
+impl SeedQueue<'_> {
+    fn pop_front(&mut self) -> Option<u64> {
+        self.again.pop_front().or_else(|| self.rest.next())
+    }
+
+    fn push_front(&mut self, seed: u64) {
+        self.again.push_front(seed);
+    }
+
+    fn is_empty(&mut self) -> bool {
+        self.again.is_empty() && self.rest.peek().is_none()
+    }
 }
 
 /// Runs `jobs` worker processes `exe ARGS... --seed-feed` concurrently and hands them `seeds` **on demand**: each
@@ -267,20 +306,21 @@ pub enum WorkerEvent {
 /// result is a function of its seed, so running them again gives the same results), then the rest of the queue. Their
 /// second progress lines are not handed to `on_event`: each seed is reported once.
 ///
+/// `seeds` may be endless (`kvsim soak`, whose worker ends on its own budget): the pool then ends when its workers
+/// do. A caller whose workers could die on every seed sets `stop` on [`WorkerEvent::Crashed`] to end the respawns.
+///
 /// Stdout is collected (the summary is its last JSON line); stderr is handed over line by line as
 /// [`WorkerEvent`]s to `on_event` (called on this thread, in arrival order): progress lines parsed, any other line
 /// as it came, for the caller to show. Ctrl-C reaches the workers too (same
 /// process group): each stops after its current seed and still prints its summary, which is collected here.
-pub fn run_workers(
-    exe: &std::path::Path,
-    args: &[String],
-    jobs: usize,
-    gpus: &[String],
-    seeds: &[u64],
+pub fn run_workers<'a>(
+    pool: &Pool<'_>,
+    seeds: impl IntoIterator<Item = u64> + 'a,
     stop: &std::sync::atomic::AtomicBool,
     mut on_event: impl FnMut(WorkerEvent),
 ) -> Result<Vec<WorkerOutput>, ShardError> {
     use std::collections::{BTreeSet, VecDeque};
+    let Pool { exe, args, jobs, gpus, env } = *pool;
     use std::io::{BufRead, BufReader, Read, Write};
     use std::process::{Command, Stdio};
     use std::sync::mpsc;
@@ -312,6 +352,7 @@ pub fn run_workers(
             .args(args)
             .arg("--seed-feed")
             .envs(worker_gpu(worker, gpus).map(|gpu| ("CUDA_VISIBLE_DEVICES", gpu)))
+            .envs(env.iter().copied())
             .arg("--op-journal")
             .arg(&journal)
             .stdin(Stdio::piped())
@@ -347,7 +388,8 @@ pub fn run_workers(
         let stdin = child.stdin.take();
         Ok(Worker { child, stdin, forward, collect, journal, held: VecDeque::new(), done: vec![] })
     };
-    let mut queue: VecDeque<u64> = seeds.iter().copied().collect();
+    let rest: Box<dyn Iterator<Item = u64> + 'a> = Box::new(seeds.into_iter());
+    let mut queue = SeedQueue { again: VecDeque::new(), rest: rest.peekable() };
     // Seeds already reported to `on_event` (a seed run again after a crash is reported once).
     let mut reported: BTreeSet<u64> = BTreeSet::new();
     let mut workers: Vec<Option<Worker>> = vec![];
@@ -356,7 +398,7 @@ pub fn run_workers(
     }
     // A write to a worker that already ended (its `--time` ran out, or it died) fails with a broken pipe: that worker
     // takes no more seeds, and the seed goes back to the front of the queue, for another worker.
-    let feed = |w: &mut Worker, queue: &mut VecDeque<u64>| match (w.stdin.as_mut(), queue.pop_front()) {
+    let feed = |w: &mut Worker, queue: &mut SeedQueue| match (w.stdin.as_mut(), queue.pop_front()) {
         (Some(stdin), Some(seed)) => {
             if writeln!(stdin, "{seed}").and_then(|_| stdin.flush()).is_err() {
                 w.stdin = None;
@@ -399,6 +441,7 @@ pub fn run_workers(
                 });
                 let _ = std::fs::remove_file(&w.journal);
                 if let Some(c) = &crash {
+                    on_event(WorkerEvent::Crashed { worker, crash: c.clone() });
                     // Run again, first: what it held but did not crash in, and what it finished (in seed order).
                     let mut again: Vec<u64> =
                         w.held.iter().chain(&w.done).copied().filter(|&s| Some(s) != c.seed).collect();
@@ -420,7 +463,8 @@ pub fn run_workers(
                         }
                     }
                 }
-                outs.push(WorkerOutput { worker, status: code, summary: summary.filter(|_| crash.is_none()), crash });
+                let summary = summary.filter(|_| crash.is_none());
+                outs.push(WorkerOutput { worker, status: code, summary, stdout: text, crash });
                 continue;
             }
         };
@@ -650,7 +694,8 @@ mod tests {
         let stop = std::sync::atomic::AtomicBool::new(false);
         let gpus = ["3".to_string(), "7".to_string()];
         let mut ran = vec![];
-        let outs = run_workers("/bin/sh".as_ref(), &args, 3, &gpus, &seeds, &stop, |e| {
+        let pool = Pool { exe: "/bin/sh".as_ref(), args: &args, jobs: 3, gpus: &gpus, env: &[] };
+        let outs = run_workers(&pool, seeds.clone(), &stop, |e| {
             if let WorkerEvent::Progress(p) = e {
                 ran.push(p.seed)
             }
@@ -665,7 +710,8 @@ mod tests {
         assert_eq!(by_worker.iter().map(|(_, v)| v["seeds"].as_u64().unwrap()).sum::<u64>(), 17);
         // Without GPUs the workers inherit the environment as it is.
         let inherited = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into());
-        let outs = run_workers("/bin/sh".as_ref(), &args, 2, &[], &seeds, &stop, |_| {}).unwrap();
+        let pool = Pool { jobs: 2, gpus: &[], ..pool };
+        let outs = run_workers(&pool, seeds.clone(), &stop, |_| {}).unwrap();
         assert!(outs.iter().all(|o| o.summary.as_ref().unwrap()["gpu"] == inherited.as_str()));
     }
 

@@ -397,8 +397,13 @@ pub struct SoakReport {
     pub seeds: u64,
     pub ops: u64,
     pub failures: u64,
-    /// Seeds whose run failed a check (the soak keeps going; `kvsim sim --seed S` reproduces one).
+    /// Seeds whose run failed a check (the soak keeps going; `kvsim sim --seed S` reproduces one), and those that
+    /// killed the soak's process (`crashed`).
     pub failed_seeds: Vec<u64>,
+    /// Seeds whose run killed the process running the soak (`kvsim soak` runs it in a worker process: a signal, an
+    /// abort, an out-of-memory kill). Each is also a failure; a fresh worker ran the soak again without it.
+    #[serde(default)]
+    pub crashed: u64,
     pub seconds: f64,
     pub ops_per_s: f64,
     /// Stopped by the caller's flag (Ctrl-C) before the budget.
@@ -433,9 +438,22 @@ fn heap_counted_before_it_was_said() -> bool {
 pub fn soak(
     cfg: SoakConfig,
     stop: &AtomicBool,
+    run_seed: impl FnMut(u64) -> SeedRun,
+    on_seed: impl FnMut(&MemorySample, u64),
+) -> SoakReport {
+    soak_seeds(cfg, (0u64..).map(|i| cfg.first.wrapping_add(i)), stop, run_seed, on_seed)
+}
+
+/// [`soak`] over the seeds `seeds` hands out (`kvsim soak`'s worker: those its parent feeds it), ending early (not
+/// interrupted) when they run out.
+pub fn soak_seeds(
+    cfg: SoakConfig,
+    seeds: impl IntoIterator<Item = u64>,
+    stop: &AtomicBool,
     mut run_seed: impl FnMut(u64) -> SeedRun,
     mut on_seed: impl FnMut(&MemorySample, u64),
 ) -> SoakReport {
+    let mut feed = seeds.into_iter();
     let start = Instant::now();
     let at_start = sample(0, 0, 0.0);
     let mut samples = SampleLog::default();
@@ -444,12 +462,12 @@ pub fn soak(
     let mut failed_seeds = vec![];
     let mut at_warmup = None;
     let mut interrupted = false;
-    let mut seed = cfg.first;
     while !cfg.done(ops, start.elapsed().as_secs_f64()) {
         if stop.load(Ordering::SeqCst) {
             interrupted = true;
             break;
         }
+        let Some(seed) = feed.next() else { break };
         let r = run_seed(seed);
         ops += r.ops;
         seeds += 1;
@@ -457,7 +475,6 @@ pub fn soak(
             failures += 1;
             failed_seeds.push(seed);
         }
-        seed = seed.wrapping_add(1);
         if cfg.trim {
             trim_heap();
         }
@@ -480,6 +497,7 @@ pub fn soak(
         ops,
         failures,
         failed_seeds,
+        crashed: 0,
         seconds,
         ops_per_s: ops as f64 / seconds.max(1e-9),
         interrupted,

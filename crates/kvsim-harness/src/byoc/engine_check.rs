@@ -200,6 +200,38 @@ pub fn check_engine_only(
     shrinks: usize,
     only: &[&str],
 ) -> Result<EngineReport, Broken> {
+    check_engine_fed(command, timeout, opts, shrinks, only, SeedFeed::range(opts.seeds))
+}
+
+/// Where a check's seeds come from and what it says of each: `kvsim check-engine` runs its check in a worker
+/// process, which takes its seeds from the parent's feed, keeps each seed's K/V ops in an op journal and reports
+/// each finished seed (so that a process that dies is a failure of its seed, and the other seeds run).
+pub struct SeedFeed<'a> {
+    pub seeds: Box<dyn Iterator<Item = u64> + 'a>,
+    /// The op journal ([`crate::shard::OpJournal`]): started for each seed, with its K/V run's ops as they start;
+    /// started again, empty, once that run (and its shrink) is over, so that a process that dies in another layer
+    /// leaves the seed and no ops.
+    pub journal: Option<&'a std::path::Path>,
+    /// Called after each seed with the seed, the ops it applied and whether a run of it failed.
+    pub on_seed: Box<dyn FnMut(u64, u64, bool) + 'a>,
+}
+
+impl SeedFeed<'static> {
+    /// Seeds `0..seeds`, no journal, nothing said.
+    pub fn range(seeds: u64) -> SeedFeed<'static> {
+        SeedFeed { seeds: Box::new(0..seeds), journal: None, on_seed: Box::new(|_, _, _| {}) }
+    }
+}
+
+/// [`check_engine_only`] over the seeds of `feed` (the report's `seeds` counts those that ran).
+pub fn check_engine_fed(
+    command: &str,
+    timeout: Duration,
+    opts: super::CheckOptions,
+    shrinks: usize,
+    only: &[&str],
+    feed: SeedFeed<'_>,
+) -> Result<EngineReport, Broken> {
     let engine = Engine::start(command, timeout).map_err(|failure| Broken { failure, trace: None })?;
     let mut hello = engine.hello().clone();
     if !only.is_empty() {
@@ -209,7 +241,7 @@ pub fn check_engine_only(
         hello.recurrent &= only.contains(&"recurrent");
     }
     install(engine);
-    let result = check_installed(opts, shrinks, hello);
+    let result = check_installed(opts, shrinks, hello, feed);
     uninstall();
     result
 }
@@ -311,12 +343,18 @@ fn recurrent_seed(
     Ok(())
 }
 
-fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> Result<EngineReport, Broken> {
+fn check_installed(
+    opts: super::CheckOptions,
+    shrinks: usize,
+    hello: Hello,
+    mut feed: SeedFeed<'_>,
+) -> Result<EngineReport, Broken> {
     use super::pool;
+    use crate::shard::OpJournal;
     use crate::sim::trace::Outcome;
     let mut report = EngineReport {
         hello,
-        seeds: opts.seeds,
+        seeds: 0,
         failures: 0,
         applied: 0,
         checks: 0,
@@ -324,9 +362,14 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
         classes: vec![],
     };
     let mut tried: std::collections::BTreeMap<String, usize> = Default::default();
-    for seed in 0..opts.seeds {
+    while let Some(seed) = feed.seeds.next() {
+        let (applied, failures) = (report.applied, report.failures);
+        let mut journal = feed.journal.map(|p| OpJournal::start(p, seed));
         if report.hello.kv {
-            let r = super::run_seed::<EngineCache>(seed, opts.ops, opts.device);
+            let r = match journal.as_mut() {
+                Some(j) => super::run_seed_observed::<EngineCache>(seed, opts.ops, opts.device, j),
+                None => super::run_seed::<EngineCache>(seed, opts.ops, opts.device),
+            };
             broken_now(|| Shortest::Kv(Box::new(r.trace.clone())))?;
             report.applied += r.ops_by_kind.values().sum::<u64>();
             report.checks += r.counters.checks;
@@ -346,6 +389,11 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
                     }
                 }
             }
+        }
+        drop(journal);
+        if let Some(p) = feed.journal.filter(|_| report.hello.kv) {
+            // The K/V run is over: a death from here on is in another layer, with no K/V op to blame.
+            OpJournal::start(p, seed);
         }
         if report.hello.pool {
             let cfg = pool::PoolConfig::from_seed(seed, opts.ops);
@@ -402,6 +450,8 @@ fn check_installed(opts: super::CheckOptions, shrinks: usize, hello: Hello) -> R
         if report.hello.recurrent {
             recurrent_seed(&mut report, &mut tried, seed, opts, shrinks)?;
         }
+        report.seeds += 1;
+        (feed.on_seed)(seed, report.applied - applied, report.failures > failures);
     }
     for c in &mut report.classes {
         let check = c.name.split('/').next().unwrap_or_default().to_string();

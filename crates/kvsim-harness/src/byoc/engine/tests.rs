@@ -8,44 +8,7 @@ use super::*;
 use crate::byoc::engine_check::*;
 use crate::byoc::CheckOptions;
 
-const FAKE: &str = r#"
-import base64, json, os, sys, time
-mode, pidfile = sys.argv[1], sys.argv[2]
-open(pidfile, "w").write(str(os.getpid()))
-def send(obj):
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-for line in sys.stdin:
-    req = json.loads(line)
-    op = req["op"]
-    if op == "hello":
-        send({"ok": True, "protocol": 99 if mode == "version" else 1, "engine": "fake", "version": "0", "supports": {}})
-    elif op == "new" and mode == "exited":
-        sys.exit(7)
-    elif op == "new":
-        g = req["geometry"]
-        send({"ok": True})
-    elif op == "reset":
-        send({"ok": True})
-    elif op == "offset":
-        send({"ok": True, "offset": 0})
-    elif op == "state":
-        # every run's first state check: an empty cache's K and V, or the mode's misbehaviour
-        heads = g["heads_kv"] + (1 if mode == "wrong_shape" else 0)
-        empty = {"dtype": g["dtype"], "shape": [1, heads, 0, g["head_dim"]], "b64": ""}
-        if mode == "malformed":
-            sys.stdout.write("this is not JSON\n"); sys.stdout.flush()
-        elif mode == "truncated":
-            sys.stdout.write('{"ok": true, "k": '); sys.stdout.flush(); sys.exit(0)
-        elif mode == "timeout":
-            time.sleep(60)
-        elif mode == "refused":
-            send({"ok": False, "error": "ValueError: this cache refuses to show its state"})
-        else:
-            send({"ok": True, "k": empty, "v": empty})
-    else:
-        send({"ok": False, "error": "NotImplementedError: " + op})
-"#;
+const FAKE: &str = include_str!("fake_engine.py");
 
 /// Runs a short check against the fake in `mode`; returns its result and the fake's pid.
 fn against(mode: &str) -> (Result<EngineReport, Broken>, u32) {
