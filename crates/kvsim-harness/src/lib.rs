@@ -49,7 +49,7 @@
 //!   order, worker processes (`run_workers`: the binary re-run with `--seed-feed`, handed the next seed on its stdin as it
 //!   finishes one; with `--gpus`, worker i sees GPU i mod N through its `CUDA_VISIBLE_DEVICES`: `worker_gpu`; a worker
 //!   that dies fails the seed it was running, its `OpJournal` giving the ops it had started, and a new worker runs the
-//!   rest). `merge` refuses a seed run twice and parts of another device, MLX version, read mode or seed range.
+//!   rest; `kvsim mutants`, `soak` and `check-engine` run their seeds through it too, a `Pool` of one worker). `merge` refuses a seed run twice and parts of another device, MLX version, read mode or seed range.
 //! - `soak.rs`: long runs sampling MLX memory, RSS and the heap of the allocator that serves `malloc` (`HeapAllocator`:
 //!   glibc's `mallinfo2` and `malloc_trim(0)` by default; the `kvsim` binary names mimalloc, whose heap is not counted)
 //!   after every seed; fail when the last 10%'s level exceeds 1.1x the warm-up's (MLX active memory, or RSS outside

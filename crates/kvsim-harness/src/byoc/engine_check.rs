@@ -362,7 +362,7 @@ fn check_installed(
         classes: vec![],
     };
     let mut tried: std::collections::BTreeMap<String, usize> = Default::default();
-    while let Some(seed) = feed.seeds.next() {
+    for seed in feed.seeds.by_ref() {
         let (applied, failures) = (report.applied, report.failures);
         let mut journal = feed.journal.map(|p| OpJournal::start(p, seed));
         if report.hello.kv {
