@@ -91,6 +91,10 @@ pub(crate) fn mutants_cmd(
         Err(e) => return fail("mutants", e, 2),
     };
     let only: Option<Vec<&str>> = only.as_deref().map(|o| o.split(',').map(str::trim).collect());
+    // A name that hunts nothing would pass vacuously.
+    if let Some(bad) = only.iter().flatten().find(|n| Mutant::from_name(n).is_none_or(|m| !m.in_simulator())) {
+        return fail("mutants", format!("--only {bad:?} names no mutant of the simulator"), 2);
+    }
     let mut rows = vec![];
     let mut crashed = 0;
     // The quantized mutants are hunted through the quantized family (`sim::family::quant`); the recurrent cache's
