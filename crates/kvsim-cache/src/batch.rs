@@ -710,6 +710,7 @@ impl RowBatch {
         if self.rows.is_empty() {
             return Ok((self.empty_output(q)?, MaskUse::None));
         }
+        let encoder_window = if fault!(EncoderWindowFromCache) { self.max_size } else { encoder_window };
         let keys: Vec<usize> = self.rows.iter().map(|r| window_keep(r.ring.len, self.max_size) + l).collect();
         let width = keys.iter().copied().max().unwrap_or(l);
         let (spec, arr) = masks.get_family(&FamilyKey::EncoderWindow { keys, queries: l, window: encoder_window })?;

@@ -122,6 +122,15 @@ pub enum Mutant {
     /// batch's whole life, while its rows hold 70 (reads unchanged; memory held past the documented bound,
     /// `RowBatch`'s "Capacity"). Hook: `RowBatch::prepare_decode_step` (the drop's gather).
     BatchRingKeepsOversize,
+    /// The encoder read masks with the cache's own window (`max_size`: `None` for a linear cache) instead of the
+    /// encoder's: a query sees what the cache's window would let it see, not what the encoder's lets it see.
+    /// Hook: `SerialCache::encoder_read`, `RowBatch::encoder_read`.
+    EncoderWindowFromCache,
+    /// `to_quantized` of a cache that holds no buffer yet (a request with no positions) takes the target
+    /// parameters whatever its storage is: beside a batch already quantized at other parameters, the empty
+    /// request converts where every other cache refuses (`StorageMismatch`), and its first write lands in other
+    /// planes than its batch's. Hook: `SerialCache::to_quantized`.
+    QuantConvertEmptyIgnoresStorage,
     /// Transitioning rows settle (convert if due) after every append even inside an armed speculative round, so a
     /// conversion looks at an uncommitted suffix. Hook: `TransitioningKvRows::settle_all`.
     TkvConvertUncommitted,
@@ -211,6 +220,8 @@ impl Mutant {
         Mutant::PendingZeroTakesAll,
         Mutant::RowPhaseIgnoresOversize,
         Mutant::BatchRingKeepsOversize,
+        Mutant::EncoderWindowFromCache,
+        Mutant::QuantConvertEmptyIgnoresStorage,
         Mutant::TkvConvertUncommitted,
         Mutant::TkvSplitMovesBoundary,
         Mutant::TkvReuseBelowFloor,
@@ -264,6 +275,8 @@ impl Mutant {
             Mutant::PendingZeroTakesAll => "pending-zero-takes-all",
             Mutant::RowPhaseIgnoresOversize => "row-phase-ignores-oversize",
             Mutant::BatchRingKeepsOversize => "batch-ring-keeps-oversize",
+            Mutant::EncoderWindowFromCache => "encoder-window-from-cache",
+            Mutant::QuantConvertEmptyIgnoresStorage => "quant-convert-empty-ignores-storage",
             Mutant::TkvConvertUncommitted => "tkv-convert-uncommitted",
             Mutant::TkvSplitMovesBoundary => "tkv-split-moves-boundary",
             Mutant::TkvReuseBelowFloor => "tkv-reuse-below-floor",
@@ -356,6 +369,10 @@ impl Mutant {
             Mutant::RowPhaseIgnoresOversize => "row_decode_phase answers before the oversize drop and rotation",
             Mutant::BatchRingKeepsOversize => {
                 "a batch of rings keeps its buffer's old width through the oversize drop (past its capacity bound)"
+            }
+            Mutant::EncoderWindowFromCache => "the encoder read masks with the cache's window instead of the encoder's",
+            Mutant::QuantConvertEmptyIgnoresStorage => {
+                "to_quantized of an empty cache takes the target parameters whatever its storage"
             }
             Mutant::TkvConvertUncommitted => "transitioning rows convert inside an armed round (an uncommitted suffix)",
             Mutant::TkvSplitMovesBoundary => "transitioning rows convert at a sibling's split forward inside a prefill",

@@ -803,6 +803,7 @@ impl SerialCache {
         check_q(&self.spec, q, 1, l)?;
         check_encoder_window(encoder_window)?;
         let history = window_keep(self.state.len, self.max_size);
+        let encoder_window = if fault!(EncoderWindowFromCache) { self.max_size } else { encoder_window };
         let key = FamilyKey::EncoderWindow { keys: vec![history + l], queries: l, window: encoder_window };
         let (spec, arr) = masks.get_family(&key)?;
         self.write_window(k, v)?;
@@ -915,6 +916,10 @@ impl SerialCache {
     pub fn to_quantized(&mut self, quant: QuantSpec) -> Result<()> {
         let target = Storage::Affine(quant);
         if self.storage == target {
+            return Ok(());
+        }
+        if fault!(QuantConvertEmptyIgnoresStorage) && self.buf.is_none() && target.validate(&self.spec).is_ok() {
+            self.storage = target;
             return Ok(());
         }
         if self.storage != Storage::Plain {

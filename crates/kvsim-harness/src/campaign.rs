@@ -790,6 +790,11 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
         Mutant::BatchRingKeepsOversize => {
             (holds(attention::NAME) || holds(quant::NAME)) && cfg.layout.max_size().is_some()
         }
+        // Only an encoder read reaches the encoder's mask, and only the quantized family converts.
+        Mutant::EncoderWindowFromCache => cfg.weight(crate::sim::ops::OpKind::EncoderRead) > 0,
+        Mutant::QuantConvertEmptyIgnoresStorage => {
+            holds(quant::NAME) && cfg.weight(crate::sim::ops::OpKind::Quantize) > 0
+        }
         // The bf16-first hooks live in `TransitioningKv` and its rows, which only these two families run.
         Mutant::TkvConvertUncommitted
         | Mutant::TkvPackBeforeAllConverted
@@ -828,15 +833,23 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         // Needs a prefill cohort whose planned chunk crosses `start` and is split: measured catch seed 1 since an
         // admission is followed by a prefill (40 before).
         Mutant::TkvSplitMovesBoundary => 40,
+        // Needs an encoder read some query of which the encoder's window, not the cache's, decides (about one run in
+        // seven, `encoder_read/window_decides`): measured catch seed 7.
+        Mutant::EncoderWindowFromCache => 60,
+        // Needs a conversion to other parameters than a quantized family already holds while a request holds no
+        // position (`to_quantized/empty_beside_quantized`, about one run in six; the refusal is caught in about one
+        // in eighteen): measured catch seed 9.
+        Mutant::QuantConvertEmptyIgnoresStorage => 100,
         // Measured catch seeds with the current generator (README "Mutation catalog"): 2 and 4.
         Mutant::PrefillPadStored | Mutant::FilterPartialOnError => 60,
         // Measured catch seeds 4 (adopt) and 2 (the row phase, read by the `contract` check after every op).
         Mutant::AdoptDropsPhase | Mutant::RowPhaseIgnoresOversize => 60,
         // Needs a merge of windowed rows whose temporal slices are shorter than their offsets and than the widest
-        // row's (a ring rolled back after it wrapped, beside a full one). Measured catch seed 75 since a solo window
-        // is followed by its rollback and a rollback by a merge (`gen::FollowUp`); 1460 before, with a budget of
-        // 1600. Only the seeds that can reach it run (`mutant_reachable`, about 57% of them).
-        Mutant::MergeSlicesByOffset => 100,
+        // row's (a ring rolled back after it wrapped, beside a full one). Measured catch seed 373 since the
+        // conversion op reaches every run of the quantized family (73 before: seed 73's run, which holds it, now
+        // converts; 1460 before a solo window was followed by its rollback and a rollback by a merge,
+        // `gen::FollowUp`). Only the seeds that can reach it run (`mutant_reachable`, about 57% of them).
+        Mutant::MergeSlicesByOffset => 400,
         // The recurrent family's left-padding mutants: reached only by seeds that hold it (swarm probability 0.4)
         // with the `ssm` set and a left-padded prefill (measured catch seed 2 for both).
         Mutant::SsmMaskIgnoresLeftPadding | Mutant::SsmFilterShiftsEmptyPadding => 100,

@@ -56,7 +56,7 @@ pub const FOLLOW_UP_CHANCE: f64 = 0.5;
 /// The chance that an admission's follow-up, in a run that draws the conversion op and beside requests admitted
 /// before, is the conversion (drawn by the family that owns it) rather than the prefill: a conversion while a
 /// request holds no position, which the weights alone reach in under one run in a hundred.
-pub const CONVERT_AFTER_ADMIT_CHANCE: f64 = 0.3;
+pub const CONVERT_AFTER_ADMIT_CHANCE: f64 = 0.5;
 
 /// The chance, per op with a running batch in a run that may draw it, that the generator draws the bf16-first
 /// rows' softcapped fetch ([`Op::Fetch`]) instead.

@@ -370,6 +370,13 @@ impl OpKind {
         matches!(self, OpKind::Quantize)
     }
 
+    /// Kinds that change only their owning family's caches, never the roster: the conversion op (it converts the
+    /// quantized family's caches). Every other family of the run lets it pass (`Registry::all_support`), so the
+    /// conversion reaches every run that holds the quantized family, whatever families stand beside it.
+    pub fn passes_others(self) -> bool {
+        self.is_quant()
+    }
+
     /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
     /// family that draws it), save/restore and the encoder read (each weighted from its own stream), the contract
     /// ops and the softcapped fetch (drawn from theirs).
@@ -417,6 +424,10 @@ impl OpKind {
 /// from the op alone ([`Op::api_classes`]); the rest from what a family found when it applied it
 /// (`Family::take_reached`): `to_quantized/empty_request` (the conversion op while some request holds no
 /// position: its empty caches converted, left as they are, or refused like the others),
+/// `to_quantized/empty_beside_quantized` (the same while the family's storage is already quantized and the batch
+/// runs: its empty caches must keep or refuse like the batch, never take other parameters),
+/// `encoder_read/window_decides` (an encoder read some query of which sees other columns under the encoder's window
+/// than it would under the cache's),
 /// `persist/layers_differ` (a saved set whose layers hold different offsets, windows and trim histories, and
 /// `/mlx-lm` when it also went through an mlx-lm file), `persist/list` (a saved cache list whose children differ)
 /// and `persist/damaged` (damaged copies of a saved file refused).
@@ -448,6 +459,7 @@ pub const API_CLASSES: &[&str] = &[
     "bidir_prefill",
     "encoder_read/solo",
     "encoder_read/batch",
+    "encoder_read/window_decides",
     "compiled_step",
     "compiled_batch_step",
     "commit_known_spans",
@@ -472,6 +484,7 @@ pub const API_CLASSES: &[&str] = &[
     "to_quantized",
     "to_quantized/mid_round",
     "to_quantized/empty_request",
+    "to_quantized/empty_beside_quantized",
     "persist/kvsim",
     "persist/mlx-lm",
     "persist/layers_differ",

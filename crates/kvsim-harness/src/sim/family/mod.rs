@@ -189,9 +189,11 @@ impl Registry {
         self.families.iter().find(|r| r.name == name)
     }
 
-    /// Whether every family of `names` supports `kind` (an unknown name supports nothing).
+    /// Whether every family of `names` supports `kind` (an unknown name supports nothing), or lets it pass: a kind
+    /// that touches only its owners' caches and never the roster ([`OpKind::passes_others`]) passes the families
+    /// that do not execute it (they answer it as skipped; its owners decide).
     pub fn all_support(&self, names: &[String], kind: OpKind) -> bool {
-        names.iter().all(|n| self.get(n).is_some_and(|r| (r.supports)(kind)))
+        names.iter().all(|n| self.get(n).is_some_and(|r| (r.supports)(kind) || kind.passes_others()))
     }
 
     /// Whether a run of `names` may draw `kind`: no registered family owns it, or one of the run's families does.

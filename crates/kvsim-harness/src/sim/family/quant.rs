@@ -107,7 +107,9 @@ impl QuantChoice {
 }
 
 /// The generator's conversion op: mostly the run's own parameters; sometimes invalid bits, an invalid group, or
-/// another valid pair (a typed error once the family holds its own), each with `mid_round` now and then.
+/// (three times as often) another valid pair, each with `mid_round` now and then. Another pair is a typed error
+/// once the family holds its own, for every cache at once: an empty request's too (a request admitted into the
+/// quantized batch's world, the conversion drawn right after its admission: [`crate::sim::gen::FollowUp`]).
 pub fn draw_quantize(cfg: &SimConfig, w: &mut ChaCha8Rng) -> Op {
     draw_quantize_for(QuantChoice::of(cfg), w)
 }
@@ -118,7 +120,7 @@ pub fn draw_quantize_for(choice: Option<QuantChoice>, w: &mut ChaCha8Rng) -> Op 
     let (bits, group) = match w.random_range(0..20) {
         0 => ([1usize, 7, 16][w.random_range(0..3)], group),
         1 => (bits, [16usize, 48, 256][w.random_range(0..3)]),
-        2 => (cache::QUANT_BITS[w.random_range(0..cache::QUANT_BITS.len())], group),
+        2..=4 => (cache::QUANT_BITS[w.random_range(0..cache::QUANT_BITS.len())], group),
         _ => (bits, group),
     };
     Op::Quantize { bits: bits as u32, group: group as u32, mid_round: w.random_bool(0.3) }
@@ -262,6 +264,9 @@ impl Attention {
         // is, or refused with the same typed error as the others), checked like the rest.
         if self.reqs.values().any(|r| r.model.offset == 0) {
             self.reached.push("to_quantized/empty_request");
+            if matches!(self.storage, Storage::Affine(_)) && !roster.rows().is_empty() {
+                self.reached.push("to_quantized/empty_beside_quantized");
+            }
         }
         if cx.observer.wants_calls() {
             let call = crate::sim::observe::Call::Quantize { bits, group, converted: v == Verdict::Converts };

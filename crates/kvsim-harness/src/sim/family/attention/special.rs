@@ -270,6 +270,13 @@ impl Attention {
             let model = &models[id];
             for (i, t) in block.iter().enumerate() {
                 let visible = encoder_visible(model, block.len(), window, i);
+                // The encoder's window, not the cache's, decides what this query sees: a mask built from the
+                // cache's `max_size` (or capped by it) would differ here.
+                if visible != encoder_visible(model, block.len(), self.max_size(), i)
+                    && !self.reached.contains(&"encoder_read/window_decides")
+                {
+                    self.reached.push("encoder_read/window_decides");
+                }
                 check::mask_row(used, *row, i, &visible, block.len(), width, ReadKind::Window).map_err(|mut f| {
                     f.message = format!("encoder read (window {window:?}): {}", f.message);
                     f
