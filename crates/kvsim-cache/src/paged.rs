@@ -535,7 +535,12 @@ impl PagedStore {
             let from: Vec<usize> = copies.iter().map(|c| c.0).collect();
             let to: Vec<usize> = copies.iter().map(|c| c.1).collect();
             let (fi, ti) = (index_array(&from, &[from.len()])?, index_array(&to, &[1, 1, to.len(), 1])?);
-            for p in &mut planes {
+            for (i, p) in planes.iter_mut().enumerate() {
+                // Mutation hook `Mutant::PagedAffineCowPackedOnly`: an affine pool's copy skips the scales and
+                // biases planes (`[kq, ks, kb, vq, vs, vb]`: every plane but the packed words).
+                if self.storage != Storage::Plain && i % 3 != 0 && crate::fault!(PagedAffineCowPackedOnly) {
+                    continue;
+                }
                 *p = p.put_along_axis(&ti, &p.take_axis(&fi, 2)?, 2)?;
             }
         }

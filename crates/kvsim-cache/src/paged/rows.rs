@@ -127,7 +127,10 @@ impl PagedStore {
         }
         let rows = self.rows.clone();
         let (planes, lens) = self.gather(&rows)?;
-        if real.iter().all(|&n| n == l) && lens.iter().all(|&n| n == lens[0]) {
+        // Mutation hook `Mutant::PagedPrefillCausalByLength`: rows of one length read under `Causal` whatever each
+        // took of the chunk.
+        let took_all = real.iter().all(|&n| n == l) || crate::fault!(PagedPrefillCausalByLength);
+        if took_all && lens.iter().all(|&n| n == lens[0]) {
             return Ok((attend_planes(&self.storage, q, &planes, scale, None, true)?, MaskUse::Causal));
         }
         let width = lens.iter().copied().max().unwrap_or(1);

@@ -419,7 +419,11 @@ impl OpKind {
 /// position: its empty caches converted, left as they are, or refused like the others),
 /// `persist/layers_differ` (a saved set whose layers hold different offsets, windows and trim histories, and
 /// `/mlx-lm` when it also went through an mlx-lm file), `persist/list` (a saved cache list whose children differ)
-/// and `persist/damaged` (damaged copies of a saved file refused).
+/// and `persist/damaged` (damaged copies of a saved file refused); and the paged family's
+/// `paged/same_block_other_prefix` (a prefix lookup whose next block's tokens the index holds under another
+/// prefix), `paged/prefill_partial_same_end` (a right-padded prefill chunk in which rows end at the same length
+/// while one took only part of the chunk) and `paged/affine_cow_partial` (copy-on-write of a shared, partly
+/// filled block of an affine pool).
 pub const API_CLASSES: &[&str] = &[
     "admit",
     "solo_window",
@@ -480,6 +484,9 @@ pub const API_CLASSES: &[&str] = &[
     "persist/damaged",
     "paged/fork",
     "paged/evict",
+    "paged/same_block_other_prefix",
+    "paged/prefill_partial_same_end",
+    "paged/affine_cow_partial",
 ];
 
 impl Op {

@@ -18,7 +18,9 @@
 //! prefix up to it (an interned hash chain of the token ids), so two requests with the same prompt prefix have the
 //! same K/V there, as a model's would. Requests draw their token ids from a few prompt groups (a shared prefix of
 //! drawn length, then tokens of their own), so prefix hits happen; forks (parallel sampling) share every block of
-//! their request and then diverge.
+//! their request and then diverge. Token blocks repeat (most group prefixes repeat one block, most requests and
+//! forks go on with one motif block after it), so equal blocks sit under different prefixes and at different
+//! depths: the index must key a block on the whole chain before it.
 //!
 //! Lifecycle: before a request's first window, its prompt (its next `len + share_max` tokens) is looked up in the
 //! index (all but its last position at most, full blocks only), and the window computes its `len` positions after
@@ -129,6 +131,8 @@ pub struct Paged {
     content: HashMap<u64, u32>,
     forks: u64,
     counters: Counters,
+    /// Coverage classes the current op reached through this family's state ([`Family::take_reached`]).
+    reached: Vec<&'static str>,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -183,22 +187,43 @@ impl Paged {
             content: HashMap::new(),
             forks: 0,
             counters: Counters::default(),
+            reached: vec![],
         })
+    }
+
+    /// Records that the current op reached coverage class `class` (once per op).
+    fn reach(&mut self, class: &'static str) {
+        if !self.reached.contains(&class) {
+            self.reached.push(class);
+        }
     }
 
     fn dtype(&self) -> mlx_rs::Dtype {
         self.spec.dtype.to_mlx()
     }
 
-    /// The token id of `owner`'s position `p`: a request's group prefix up to its divergence point, then its own.
+    /// The token id of `owner`'s position `p`: a request's group prefix up to its divergence point, then its own;
+    /// or, for three owners in four (requests and forked sequences alike), a motif after it: the same run of
+    /// `block_size` ids again and again, aligned to blocks (a request's divergence point rounded down to a block),
+    /// whoever the owner and wherever it diverged. Three groups in four repeat one block of ids through their
+    /// prefix too. So equal token blocks sit under different prefixes (after another group's prefix, another
+    /// divergence point, a fork's parent, another copy of the same block) and at different depths, and only the
+    /// chain of blocks before a block tells their K/V apart (as a block hash that chains its parent's does).
     fn token(&self, owner: u64, p: usize) -> u32 {
         let seed = self.cfg.payload_seed;
+        let bs = self.choice.block_size as u64;
+        let motif = !mix(seed, owner * 4 + 3).is_multiple_of(4);
         if owner < FORK_OWNER {
             let group = mix(seed, owner * 4 + 1) % u64::from(self.choice.groups);
             let diverge = mix(seed, owner * 4 + 2) % (u64::from(self.choice.share_max) + 1);
             if (p as u64) < diverge {
-                return ((group * 100_003 + p as u64) & 0x7fff_ffff) as u32;
+                // Three groups in four repeat one block of ids through their prefix.
+                let at = if mix(seed, group * 4 + 5).is_multiple_of(4) { p as u64 } else { p as u64 % bs };
+                return ((group * 100_003 + at) & 0x7fff_ffff) as u32;
             }
+        }
+        if motif {
+            return 0x4000_0000 | (p as u64 % bs) as u32;
         }
         0x8000_0000 | (mix(seed ^ owner, p as u64) as u32 & 0x7fff_ffff)
     }
@@ -329,6 +354,10 @@ impl Family for Paged {
 
     fn counters_mut(&mut self) -> &mut Counters {
         &mut self.counters
+    }
+
+    fn take_reached(&mut self) -> Vec<&'static str> {
+        std::mem::take(&mut self.reached)
     }
 
     fn variant(&self) -> Option<String> {

@@ -83,6 +83,9 @@ impl Paged {
             let seq = &before.seqs[&s];
             if !seq.offset().is_multiple_of(bs) && refs[*seq.table.last().expect("partial") as usize] > 1 {
                 self.counters.paged.cow_copies += 1;
+                if self.storage != Storage::Plain {
+                    self.reach("paged/affine_cow_partial");
+                }
             }
         }
         self.count_evictions(before);

@@ -54,9 +54,9 @@ impl PagedChoice {
         let index_budget = if rng.random_bool(0.4) { rng.random_range(1..=8) } else { 4096 };
         let groups = rng.random_range(1..=2);
         let share_max = rng.random_range(4..=32);
-        let weight = rng.random_range(1..=4);
+        let weight = rng.random_range(2..=6);
         // Drawn last, so the draws above are those of runs before affine pools existed.
-        let quant = rng.random_bool(0.35).then(|| {
+        let quant = rng.random_bool(0.5).then(|| {
             let bits = [4usize, 4, 8, 8, 2, 3, 5, 6][rng.random_range(0..8)];
             let group = kvsim_cache::QUANT_GROUPS[rng.random_range(0..kvsim_cache::QUANT_GROUPS.len())];
             let dims: Vec<usize> = [32usize, 64, 128].into_iter().filter(|d| d % group == 0).collect();

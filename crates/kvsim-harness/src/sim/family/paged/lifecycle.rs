@@ -137,6 +137,15 @@ impl Paged {
             let k = self.model.hit_blocks(&prompt, len - 1);
             (k, k * self.choice.block_size)
         };
+        // The prompt's next block after the hit, cached under another prefix: a lookup that keyed a block on its
+        // own tokens (not the chain of blocks before it) would take it.
+        let bs = self.choice.block_size;
+        if hit_m + bs < len {
+            let (block, path) = (&prompt[hit_m..hit_m + bs], &prompt[..hit_m + bs]);
+            if self.model.index.keys().any(|k| k.ends_with(block) && k.as_slice() != path) {
+                self.reach("paged/same_block_other_prefix");
+            }
+        }
         for st in self.stores.iter().chain(std::iter::once(&self.placement)) {
             let hit = st.lookup(&prompt, len - 1);
             if hit.positions != hit_m {
