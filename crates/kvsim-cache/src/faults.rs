@@ -178,15 +178,15 @@ pub enum Mutant {
     /// one cached under another prefix takes that block's K/V, computed after other tokens. Hook: the prefix
     /// index's match (`PrefixIndex::matching`).
     PagedMatchIgnoresParent,
+    /// Copy-on-write of a shared, partly filled block of an affine pool copies the packed words but not the scales
+    /// and biases: the writer's copy dequantizes its shared positions with whatever the new block held. Hook:
+    /// `PagedStore`'s write (the copy-on-write copy).
+    PagedAffineCowPackedOnly,
     /// A right-padded prefill chunk reads plain rows under `Causal` whenever every row holds the same number of
     /// positions, whether or not each took the whole chunk: a row that ends at the others' length with only part
     /// of the chunk has its queries aligned to the chunk's width, not to its real positions. Hook:
     /// `PagedStore::rows_window`.
     PagedPrefillCausalByLength,
-    /// Copy-on-write of a shared, partly filled block of an affine pool copies the packed words but not the scales
-    /// and biases: the writer's copy dequantizes its shared positions with whatever the new block held. Hook:
-    /// `PagedStore`'s write (the copy-on-write copy).
-    PagedAffineCowPackedOnly,
 }
 
 impl Mutant {
@@ -241,8 +241,8 @@ impl Mutant {
         Mutant::PagedEvictReferenced,
         Mutant::PagedRollbackKeepsTable,
         Mutant::PagedMatchIgnoresParent,
-        Mutant::PagedPrefillCausalByLength,
         Mutant::PagedAffineCowPackedOnly,
+        Mutant::PagedPrefillCausalByLength,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -297,8 +297,8 @@ impl Mutant {
             Mutant::PagedEvictReferenced => "paged-evict-referenced",
             Mutant::PagedRollbackKeepsTable => "paged-rollback-keeps-table",
             Mutant::PagedMatchIgnoresParent => "paged-match-ignores-parent",
-            Mutant::PagedPrefillCausalByLength => "paged-prefill-causal-by-length",
             Mutant::PagedAffineCowPackedOnly => "paged-affine-cow-packed-only",
+            Mutant::PagedPrefillCausalByLength => "paged-prefill-causal-by-length",
         }
     }
 
@@ -399,11 +399,11 @@ impl Mutant {
             Mutant::PagedMatchIgnoresParent => {
                 "a prefix lookup matches a block by its own tokens under any parent (a block hash without its parent's)"
             }
-            Mutant::PagedPrefillCausalByLength => {
-                "a prefill chunk reads rows of one length under Causal even when one took only part of the chunk"
-            }
             Mutant::PagedAffineCowPackedOnly => {
                 "copy-on-write of an affine block copies the packed words but not the scales and biases"
+            }
+            Mutant::PagedPrefillCausalByLength => {
+                "a prefill chunk reads rows of one length under Causal even when one took only part of the chunk"
             }
         }
     }

@@ -841,8 +841,8 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         | Mutant::PagedEvictReferenced
         | Mutant::PagedRollbackKeepsTable
         | Mutant::PagedMatchIgnoresParent
-        | Mutant::PagedPrefillCausalByLength
-        | Mutant::PagedAffineCowPackedOnly => 100,
+        | Mutant::PagedAffineCowPackedOnly
+        | Mutant::PagedPrefillCausalByLength => 100,
         _ => 20,
     }
 }

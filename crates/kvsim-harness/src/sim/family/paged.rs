@@ -331,6 +331,23 @@ impl Family for Paged {
                 self.fork(cx, *req, *n as usize, *len as usize, *finish)
             }
             Op::Paged { action: PagedAction::Evict { blocks } } => self.evict(*blocks as usize),
+            Op::Paged { action: PagedAction::SameEnd { extra, chunk } } => {
+                let rows: Vec<u32> = cx.roster.rows().to_vec();
+                if rows.len() < 2 || *extra == 0 || *chunk == 0 {
+                    return Ok(false);
+                }
+                let own: Vec<usize> = rows.iter().map(|id| self.reqs[id].tokens.len()).collect();
+                let (lo, hi) = (own.iter().min().copied().unwrap_or(0), own.iter().max().copied().unwrap_or(0));
+                let end = hi + *extra as usize;
+                let lens: Vec<usize> = own.iter().map(|&o| end - o).collect();
+                // The drawn width, widened to the first that divides the longest row's count and exceeds the rows'
+                // spread: every row's last chunk is then the same one.
+                let longest = end - lo;
+                let chunk = ((*chunk as usize).max(hi - lo + 1)..=longest).find(|c| longest.is_multiple_of(*c));
+                let chunk = chunk.unwrap_or(longest);
+                self.prefill(cx, &rows, &lens, chunk, usize::MAX)?;
+                Ok(true)
+            }
             _ => Ok(false),
         }
     }

@@ -54,7 +54,7 @@ impl PagedChoice {
         let index_budget = if rng.random_bool(0.4) { rng.random_range(1..=8) } else { 4096 };
         let groups = rng.random_range(1..=2);
         let share_max = rng.random_range(4..=32);
-        let weight = rng.random_range(2..=6);
+        let weight = rng.random_range(3..=7);
         // Drawn last, so the draws above are those of runs before affine pools existed.
         let quant = rng.random_bool(0.5).then(|| {
             let bits = [4usize, 4, 8, 8, 2, 3, 5, 6][rng.random_range(0..8)];
@@ -108,9 +108,15 @@ impl PagedChoice {
     }
 }
 
-/// The generator's paged op: a fork (parallel sampling) or an eviction, even odds.
+/// The generator's paged op: a same-end prefill of the running batch in 45% of the draws, else a fork
+/// (parallel sampling, seven in ten of the rest) or an eviction.
 pub fn draw_paged(cfg: &SimConfig, w: &mut ChaCha8Rng) -> Op {
-    let action = if w.random_bool(0.5) {
+    let action = if w.random_bool(0.45) {
+        PagedAction::SameEnd {
+            extra: w.random_range(1..=cfg.max_prompt.max(1) as u32),
+            chunk: w.random_range(1..=cfg.max_chunk.max(1) as u32),
+        }
+    } else if w.random_bool(0.7) {
         PagedAction::Fork {
             req: 0,
             n: w.random_range(1..=3),

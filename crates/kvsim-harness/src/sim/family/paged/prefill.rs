@@ -54,6 +54,8 @@ impl Paged {
         let masks = Masks::new();
         let total = lens.iter().copied().max().unwrap_or(0);
         let mut left = lens.to_vec();
+        // Each row's count in the last chunk it took positions of, when that was only part of the chunk.
+        let mut partial: Vec<Option<usize>> = vec![None; b];
         let (mut done, mut chunks) = (0, 0);
         while done < total && chunks < max_chunks {
             chunks += 1;
@@ -122,6 +124,18 @@ impl Paged {
             self.count_write(&before, &writes);
             let refs: Vec<(&Array, &Array, bool)> = pairs.iter().map(|(a, b, p)| (a, b, *p)).collect();
             self.compare_outputs(cx, "prefill chunk against the twins", &refs, warm)?;
+            // Rows that end at the same length, one of them with only part of the chunk (it started further on).
+            let ends: Vec<usize> = written.iter().map(|&r| self.reqs[&ids[r]].tokens.len() + real[r]).collect();
+            let same_end_partial = written
+                .iter()
+                .enumerate()
+                .any(|(i, &r)| real[r] < l && written.iter().enumerate().any(|(j, _)| j != i && ends[j] == ends[i]));
+            if same_end_partial {
+                self.reach("paged/prefill_partial_same_end");
+            }
+            for &r in &written {
+                partial[r] = (real[r] < l).then_some(real[r]);
+            }
             for (r, id) in ids.iter().enumerate() {
                 let (ts, hs, toks) = next[r].clone();
                 let e = self.reqs.get_mut(id).expect("live");
@@ -141,6 +155,37 @@ impl Paged {
                 other => {
                     return check::fail(Failure::new("errors", format!("a second finalize: {other:?}")));
                 }
+            }
+        }
+        self.probe_partial_rollbacks(ids, &partial)
+    }
+
+    /// The rollback limit of every row whose last chunk it took only in part is its own count in that chunk, not
+    /// the chunk's width: on a copy of layer 0's store, a rollback of one more is `TrimTooLong` and one of exactly
+    /// that many leaves the row where the model says, as the model's verdicts have it.
+    fn probe_partial_rollbacks(&mut self, ids: &[u32], partial: &[Option<usize>]) -> Res<()> {
+        for (id, lw) in ids.iter().zip(partial) {
+            let Some(lw) = *lw else { continue };
+            let seq = self.reqs[id].seq;
+            let offset = self.model.seqs[&seq.0].offset();
+            for n in [lw + 1, lw] {
+                let verdict = self.model.check_trim(seq.0, n, true);
+                let mut probe = self.stores[0].clone();
+                let got = probe.trim(seq, n, true).map(|_| ());
+                Paged::trim_matches("a rollback of a row that took part of its last prefill chunk", &verdict, &got)?;
+                if got.is_ok() {
+                    probe.audit().map_err(|e| pool_fail(format!("after a probing rollback: {e}")))?;
+                    let held = probe.seq(seq).map_err(|e| cache_fail("seq", e))?.offset;
+                    if held != offset - n {
+                        return check::fail(pool_fail(format!(
+                            "a rollback of {n} from {offset} positions left {held}, expected {}",
+                            offset - n
+                        )));
+                    }
+                } else {
+                    self.counters.expected_errors += 1;
+                }
+                self.counters.checks += 1;
             }
         }
         Ok(())
