@@ -182,6 +182,20 @@ pub enum Mutant {
     /// A rollback (`trim` with `bypass`) lowers the offset but keeps the tail blocks in the block table: their
     /// blocks stay held (phantom positions the pool counts as used). Hook: `PagedStore::trim`.
     PagedRollbackKeepsTable,
+    /// The prefix lookup matches a block by its own tokens wherever it sits in the index when its parent has no
+    /// such child (a block hash that leaves out the hash of the blocks before it): a prompt whose next block repeats
+    /// one cached under another prefix takes that block's K/V, computed after other tokens. Hook: the prefix
+    /// index's match (`PrefixIndex::matching`).
+    PagedMatchIgnoresParent,
+    /// Copy-on-write of a shared, partly filled block of an affine pool copies the packed words but not the scales
+    /// and biases: the writer's copy dequantizes its shared positions with whatever the new block held. Hook:
+    /// `PagedStore`'s write (the copy-on-write copy).
+    PagedAffineCowPackedOnly,
+    /// A right-padded prefill chunk reads plain rows under `Causal` whenever every row holds the same number of
+    /// positions, whether or not each took the whole chunk: a row that ends at the others' length with only part
+    /// of the chunk has its queries aligned to the chunk's width, not to its real positions. Hook:
+    /// `PagedStore::rows_window`.
+    PagedPrefillCausalByLength,
 }
 
 impl Mutant {
@@ -237,6 +251,9 @@ impl Mutant {
         Mutant::PagedPartialMatch,
         Mutant::PagedEvictReferenced,
         Mutant::PagedRollbackKeepsTable,
+        Mutant::PagedMatchIgnoresParent,
+        Mutant::PagedAffineCowPackedOnly,
+        Mutant::PagedPrefillCausalByLength,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -292,6 +309,9 @@ impl Mutant {
             Mutant::PagedPartialMatch => "paged-partial-match",
             Mutant::PagedEvictReferenced => "paged-evict-referenced",
             Mutant::PagedRollbackKeepsTable => "paged-rollback-keeps-table",
+            Mutant::PagedMatchIgnoresParent => "paged-match-ignores-parent",
+            Mutant::PagedAffineCowPackedOnly => "paged-affine-cow-packed-only",
+            Mutant::PagedPrefillCausalByLength => "paged-prefill-causal-by-length",
         }
     }
 
@@ -393,6 +413,15 @@ impl Mutant {
             }
             Mutant::PagedEvictReferenced => "eviction frees a cached block a sequence still references",
             Mutant::PagedRollbackKeepsTable => "a paged rollback keeps the tail blocks in the block table",
+            Mutant::PagedMatchIgnoresParent => {
+                "a prefix lookup matches a block by its own tokens under any parent (a block hash without its parent's)"
+            }
+            Mutant::PagedAffineCowPackedOnly => {
+                "copy-on-write of an affine block copies the packed words but not the scales and biases"
+            }
+            Mutant::PagedPrefillCausalByLength => {
+                "a prefill chunk reads rows of one length under Causal even when one took only part of the chunk"
+            }
         }
     }
 

@@ -809,7 +809,15 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
         | Mutant::PagedDoubleFree
         | Mutant::PagedPartialMatch
         | Mutant::PagedEvictReferenced
-        | Mutant::PagedRollbackKeepsTable => holds(paged::NAME),
+        | Mutant::PagedRollbackKeepsTable
+        | Mutant::PagedMatchIgnoresParent => holds(paged::NAME),
+        // The paged family's prefill reads plain rows through the mask this hook picks; affine rows go one by one.
+        Mutant::PagedPrefillCausalByLength => {
+            paged::PagedChoice::of(cfg).is_some_and(|c| c.quant.is_none())
+                && cfg.weight(crate::sim::ops::OpKind::Prepare) + cfg.weight(crate::sim::ops::OpKind::BatchPrefill) > 0
+        }
+        // Only an affine pool has scales and biases to copy.
+        Mutant::PagedAffineCowPackedOnly => paged::PagedChoice::of(cfg).is_some_and(|c| c.quant.is_some()),
         _ => true,
     }
 }
@@ -869,7 +877,10 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         | Mutant::PagedDoubleFree
         | Mutant::PagedPartialMatch
         | Mutant::PagedEvictReferenced
-        | Mutant::PagedRollbackKeepsTable => 100,
+        | Mutant::PagedRollbackKeepsTable
+        | Mutant::PagedMatchIgnoresParent
+        | Mutant::PagedAffineCowPackedOnly
+        | Mutant::PagedPrefillCausalByLength => 100,
         _ => 20,
     }
 }

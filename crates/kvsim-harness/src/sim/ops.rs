@@ -157,6 +157,11 @@ pub enum PagedAction {
     Fork { req: u32, n: u32, len: u32, finish: bool },
     /// Up to `blocks` blocks evicted from the prefix index (least recently used unreferenced leaves first).
     Evict { blocks: u32 },
+    /// A right-padded prefill that brings every row of the running batch (at least two) to one length, `extra`
+    /// positions past the longest row: each row takes what it lacks of it, in chunks of `chunk` positions widened
+    /// so that every row's last chunk is the same one (the row that held fewest takes all of it, the others part).
+    /// Then each such row's rollback limit is probed.
+    SameEnd { extra: u32, chunk: u32 },
 }
 
 /// What is wrong with an [`Op::IllFormed`] input.
@@ -430,7 +435,11 @@ impl OpKind {
 /// than it would under the cache's),
 /// `persist/layers_differ` (a saved set whose layers hold different offsets, windows and trim histories, and
 /// `/mlx-lm` when it also went through an mlx-lm file), `persist/list` (a saved cache list whose children differ)
-/// and `persist/damaged` (damaged copies of a saved file refused).
+/// and `persist/damaged` (damaged copies of a saved file refused); and the paged family's
+/// `paged/same_block_other_prefix` (a prefix lookup whose next block's tokens the index holds under another
+/// prefix), `paged/prefill_partial_same_end` (a right-padded prefill chunk in which rows end at the same length
+/// while one took only part of the chunk) and `paged/affine_cow_partial` (copy-on-write of a shared, partly
+/// filled block of an affine pool).
 pub const API_CLASSES: &[&str] = &[
     "admit",
     "solo_window",
@@ -493,6 +502,9 @@ pub const API_CLASSES: &[&str] = &[
     "persist/damaged",
     "paged/fork",
     "paged/evict",
+    "paged/same_block_other_prefix",
+    "paged/prefill_partial_same_end",
+    "paged/affine_cow_partial",
 ];
 
 impl Op {
@@ -580,6 +592,7 @@ impl Op {
             Op::Persist { mlxlm, .. } => vec![if *mlxlm { "persist/mlx-lm" } else { "persist/kvsim" }],
             Op::Paged { action: PagedAction::Fork { .. } } => vec!["paged/fork"],
             Op::Paged { action: PagedAction::Evict { .. } } => vec!["paged/evict"],
+            Op::Paged { action: PagedAction::SameEnd { .. } } => vec![],
         }
     }
 
@@ -657,6 +670,14 @@ impl Op {
             }
             Op::Paged { action: PagedAction::Evict { blocks } } => {
                 out.extend(halve(*blocks).into_iter().map(|blocks| Op::Paged { action: PagedAction::Evict { blocks } }))
+            }
+            Op::Paged { action: PagedAction::SameEnd { extra, chunk } } => {
+                for extra in halve(*extra).into_iter().filter(|&e| e > 0) {
+                    out.push(Op::Paged { action: PagedAction::SameEnd { extra, chunk: *chunk } });
+                }
+                for chunk in halve(*chunk).into_iter().filter(|&c| c > 0) {
+                    out.push(Op::Paged { action: PagedAction::SameEnd { extra: *extra, chunk } });
+                }
             }
             Op::EncoderRead { req, len, window, batch } => {
                 out.extend(halve(*len).into_iter().map(|len| Op::EncoderRead {

@@ -224,6 +224,7 @@ fn op_within_limits(op: &Op) -> bool {
         Op::Persist { .. } => true,
         Op::Paged { action: crate::sim::ops::PagedAction::Fork { n, len, .. } } => *n <= 8 && ok(*len),
         Op::Paged { action: crate::sim::ops::PagedAction::Evict { blocks } } => ok(*blocks),
+        Op::Paged { action: crate::sim::ops::PagedAction::SameEnd { extra, chunk } } => ok(*extra) && ok(*chunk),
         Op::ReadBlock { len, .. } | Op::BidirPrefill { len, .. } => ok(*len),
         Op::EncoderRead { len, window, .. } => ok(*len) && ok(*window),
         Op::TrainingForward { lengths, len, window } => {
