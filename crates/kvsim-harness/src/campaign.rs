@@ -870,7 +870,7 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         // Needs a save of a request outside the batch that holds a position: its set of differing layers
         // (`sim::family::layer_set`) is the only save whose layers disagree. Measured catch seed 9.
         Mutant::FirstLayerBookkeeping => 40,
-        // The paged family's mutants: reached only by seeds that hold it (swarm probability 0.2); the hunt skips
+        // The paged family's mutants: reached only by seeds that hold it (swarm probability 0.4); the hunt skips
         // the others (`mutant_reachable`).
         Mutant::PagedCowSkipped
         | Mutant::PagedRefLeak

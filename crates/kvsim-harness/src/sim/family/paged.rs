@@ -71,11 +71,12 @@ pub fn supports(k: OpKind) -> bool {
     )
 }
 
-/// The paged family, in about a fifth of the runs.
+/// The paged family, in about two fifths of the runs (a fifth until its reach classes needed more: the mutants of
+/// its three reach classes are caught in 19 to 27 of seeds 0..300 at two fifths, 7 to 12 at a fifth).
 pub const REGISTRATION: Registration = Registration {
     name: NAME,
     supports,
-    swarm_probability: 0.2,
+    swarm_probability: 0.4,
     owns: OpKind::is_paged,
     draw_params: Some(|seed| PagedChoice::draw(seed).to_params()),
     weights_from_params: |p| PagedChoice::from_params(p).map(|c| vec![(OpKind::Paged, c.weight)]).unwrap_or_default(),
