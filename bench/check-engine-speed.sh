@@ -4,24 +4,29 @@
 #
 #   bench/check-engine-speed.sh OLD_KVSIM OLD_COMMIT [SEEDS] [RUNS]     # defaults: 200 seeds, 3 runs each
 #
-# OLD_KVSIM is a release binary built from OLD_COMMIT; the old engine is OLD_COMMIT's oracles/mlx_lm/engine.py,
-# run in this tree's oracles/mlx_lm/.venv. Each run's log goes to bench/results/check-engine-speed/; the table and
-# whether both sides found the same classes on the same seeds are printed at the end.
+# OLD_KVSIM is a binary built from OLD_COMMIT; the old engine is OLD_COMMIT's oracles/mlx_lm/engine.py (with its
+# python/ driver kit, where it has one), run in this tree's oracles/mlx_lm/.venv. Environment: NEW_KVSIM (default: a
+# release build of this tree; give a binary of the same profile as OLD_KVSIM), OLD_ARGS (extra arguments of the old
+# side, e.g. `--only kv` for an old kvsim that has it), OUT (default bench/results/check-engine-speed). Each run's log
+# goes to OUT; the table and whether both sides found the same classes on the same seeds are printed at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:?old kvsim binary}; COMMIT=${2:?old commit}; SEEDS=${3:-200}; RUNS=${4:-3}
-OUT=bench/results/check-engine-speed; mkdir -p "$OUT"
-cargo build --release --quiet --bin kvsim || exit 2
+OUT=${OUT:-bench/results/check-engine-speed}; mkdir -p "$OUT"
+NEW=${NEW_KVSIM:-target/release/kvsim}
+[ -n "${NEW_KVSIM:-}" ] || cargo build --release --quiet --bin kvsim || exit 2
 bash oracles/mlx_lm/setup.sh >/dev/null || exit 2
 old_dir=$(mktemp -d); trap 'rm -rf "$old_dir"' EXIT
-git show "$COMMIT:oracles/mlx_lm/engine.py" > "$old_dir/engine.py" || exit 2
-ln -s "$PWD/oracles/mlx_lm/.venv" "$old_dir/.venv"
+paths=(oracles/mlx_lm/engine.py); git cat-file -e "$COMMIT:python" 2>/dev/null && paths+=(python)
+git archive "$COMMIT" "${paths[@]}" | tar -x -C "$old_dir" || exit 2
+ln -s "$PWD/oracles/mlx_lm/.venv" "$old_dir/oracles/mlx_lm/.venv"
+read -ra old_args <<< "${OLD_ARGS:-}"
 for i in $(seq 1 "$RUNS"); do
   for side in old new; do
     if [ $side = old ]; then
-      cmd=("$OLD" check-engine --driver "python3 $old_dir/engine.py")
+      cmd=("$OLD" check-engine --driver "python3 $old_dir/oracles/mlx_lm/engine.py" "${old_args[@]}")
     else
-      cmd=(target/release/kvsim check-engine --driver "python3 oracles/mlx_lm/engine.py" --only kv)
+      cmd=("$NEW" check-engine --driver "python3 oracles/mlx_lm/engine.py" --only kv)
     fi
     start=$(date +%s%N)
     "${cmd[@]}" --seeds "$SEEDS" --json --out "$OUT/$side-$i" > "$OUT/$side-$i.log" 2>&1

@@ -322,6 +322,15 @@ def arr_out(x):
     return a
 
 
+def ints_out(x):
+    """The ints of a 1-D mx.array `x` (e.g. a batch cache's `offset`) as a reply's list, written when the reply is
+    complete (`materialize`): in the same graph evaluation as the reply's arrays (a `batch`'s included), not one of its
+    own. `x` is taken as it is now (a later in-place update of the object does not change the answer)."""
+    out = []
+    _PENDING.append((_OWNER[0], out, _codec()["mx"].array(x)))
+    return out
+
+
 def arrs_out(*xs):
     return [arr_out(x) for x in xs]
 
@@ -333,7 +342,9 @@ def materialize(reply, owner="all"):
     if mine:
         _codec()["mx"].eval(*[x for _, _, x in mine if x.size])
         for _, a, x in mine:
-            if _FRAME["on"]:  # a span of the reply's frame bytes instead of base64
+            if isinstance(a, list):  # `ints_out`
+                a.extend(int(v) for v in x.tolist())
+            elif _FRAME["on"]:  # a span of the reply's frame bytes instead of base64
                 raw, blob = raw_of(x), _FRAME["blob"]
                 del a["b64"]
                 a["off"], a["len"] = len(blob), len(raw)
