@@ -226,9 +226,7 @@ def serve(cls, argv=None, stdin=None, stdout=None):
         blob = server.blob
         if blob:  # a binary frame: the line, then exactly its bytes (oracles/PROTOCOL.md, "Binary frames")
             reply = {"blob": len(blob), **reply}
-        out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
-        if blob:
-            out.write(blob)
+        out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n" + blob)  # one write: one wake-up
         out.flush()
 
 

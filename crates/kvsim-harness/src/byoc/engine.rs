@@ -25,8 +25,8 @@ use mlx_rs::{Array, Dtype};
 use serde_json::{json, Value};
 
 use super::{
-    read_each, read_group_each, Adapter, AdapterError, AdapterResult, Geometry, GroupRead, QuantGeometry, Read, ReadOut,
-    RowsUnderTest, SerialUnderTest, Supports, Target,
+    read_each, read_group_each, Adapter, AdapterError, AdapterResult, Geometry, GroupRead, QuantGeometry, Read,
+    ReadOut, RowsUnderTest, SerialUnderTest, Supports, Target,
 };
 
 /// The newest protocol version this module speaks.
@@ -972,13 +972,15 @@ impl Adapter for EngineCache {
         decoding
             .iter()
             .zip(&replies)
-            .map(|((op, q, g), reply)| {
-                if reply["ok"] == Value::Bool(true) {
-                    decode_out(op, reply, q, g)
-                } else {
-                    Err(refused(reply))
-                }
-            })
+            .map(
+                |((op, q, g), reply)| {
+                    if reply["ok"] == Value::Bool(true) {
+                        decode_out(op, reply, q, g)
+                    } else {
+                        Err(refused(reply))
+                    }
+                },
+            )
             .collect()
     }
     fn serial(g: &Geometry) -> AdapterResult<EngineSerial> {

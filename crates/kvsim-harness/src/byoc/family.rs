@@ -244,7 +244,8 @@ impl<A: Adapter> Adapted<A> {
                 GroupRead { target: Target::Serial(twin), decode, k: &k, v: &v, q: &q },
             ];
             let mut out = A::read_group(reads, scale).into_iter();
-            let (got, twin) = (out.next().ok_or_else(|| short("no read"))?, out.next().ok_or_else(|| short("no twin read"))?);
+            let (got, twin) =
+                (out.next().ok_or_else(|| short("no read"))?, out.next().ok_or_else(|| short("no twin read"))?);
             let got = got.map_err(|e| refused("solo read", e))?;
             let twin = twin.map_err(|e| refused("twin read", e))?;
             self.compare(cx, l, &got, &[(0, id, twin)], &[seen.clone()], (1, len), "solo read")?;
@@ -342,7 +343,8 @@ impl<A: Adapter> Adapted<A> {
                     reads.push(GroupRead { target: Target::Serial(t), decode: false, k, v, q });
                 }
                 let mut out = A::read_group(reads, scale).into_iter();
-                let got = out.next().ok_or_else(|| short("no read"))?.map_err(|e| refused("rows window (prefill)", e))?;
+                let got =
+                    out.next().ok_or_else(|| short("no read"))?.map_err(|e| refused("rows window (prefill)", e))?;
                 let mut twins = vec![];
                 for (&r, &id) in with_real.iter().zip(&real_ids) {
                     let t = out.next().ok_or_else(|| short("no twin read"))?;

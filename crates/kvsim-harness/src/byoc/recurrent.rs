@@ -461,7 +461,8 @@ pub fn parse_arrays(op: &str, reply: &Value, cfg: &RecConfig) -> Result<Vec<Opti
                 format!("array {i}: dtype {:?}, the run's is {:?}", t.get("dtype"), cfg.dtype),
             ));
         }
-        let raw = super::engine::frame::array_bytes(t).map_err(|why| malformed(op, reply, format!("array {i}: {why}")))?;
+        let raw =
+            super::engine::frame::array_bytes(t).map_err(|why| malformed(op, reply, format!("array {i}: {why}")))?;
         let want: Vec<i64> = a.shape.iter().map(|&d| d as i64).collect();
         if shape != want {
             return Err(EngineFailure::WrongShape {

@@ -163,7 +163,9 @@ mod tests {
         assert!(matches!(&frames(b"{\"blob\":x}\n")[0], Line::Bad(_, why) if why.contains("byte count")));
         assert!(matches!(&frames(b"{\"blob\":99999999999}\n")[0], Line::Bad(..)));
         assert!(matches!(&frames(b"{\"blob\":3 ,\"ok\":true}\n")[0], Line::Bad(..)));
-        assert!(matches!(&frames(b"{\"blob\":5,\"ok\":true}\nab")[0], Line::Cut(s) if s.contains("2 of the frame's 5")));
+        assert!(
+            matches!(&frames(b"{\"blob\":5,\"ok\":true}\nab")[0], Line::Cut(s) if s.contains("2 of the frame's 5"))
+        );
         // Without binary frames agreed, the same line is a JSON line.
         let mut r = std::io::Cursor::new(&b"{\"blob\":x}\n"[..]);
         assert_eq!(next_frame(&mut r, false), Line::Full("{\"blob\":x}\n".into(), vec![]));
