@@ -902,7 +902,10 @@ impl Adapter for EngineCache {
         let requests: Vec<Value> = reads.iter().map(check_request).collect();
         let replies = match with_engine(|e| match e.take_prefetched(&requests) {
             Some(r) => Ok(r),
-            None => e.request_batch(requests),
+            None => {
+                e.tail.clear(); // a prefetch is carried by a read group's batch only
+                e.request_batch(requests)
+            }
         }) {
             Ok(Ok(r)) => r,
             Ok(Err(f)) | Err(f) => return reads.iter().map(|_| Err(Box::new(f.clone()) as AdapterError)).collect(),
