@@ -76,6 +76,7 @@ class Driver:
     supports = {}
     options = {}
     protocol = None  # None: 2 when the driver serves requests beyond protocol 1 (`pool`, or `kv` false), else 1
+    binary = True  # take kvsim's offer of binary frames (protocol 2 only; KVSIM_KIT_BINARY=0 declines it)
 
     def __init__(self, **opts):
         self.opts = {k: v[0] for k, v in self.options.items()}
@@ -106,12 +107,25 @@ class Driver:
 class Server:
     """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
 
-    def __init__(self, driver):
+    def __init__(self, driver, can_frame=False):
         self.driver = driver
+        self.can_frame = can_frame  # whether the output can carry binary frames (`serve` on a byte stream)
+        self.binary = False  # agreed in `hello`: replies carry their arrays' bytes in a frame (`blob`)
+        self.blob = b""  # the frame bytes of the last reply (empty: a JSON line)
 
     def handle(self, req):
-        """The reply to `req`, its arrays' bytes written (`materialize`). An array that fails to evaluate makes its
-        request's reply a refusal, as if its handler had raised (a `batch`'s other replies stand)."""
+        """The reply to `req`, its arrays' bytes written (`materialize`): base64 in the reply, or, once binary frames
+        are agreed, spans of `self.blob`. An array that fails to evaluate makes its request's reply a refusal, as if
+        its handler had raised (a `batch`'s other replies stand)."""
+        saved = _FRAME["on"], _FRAME["blob"]
+        _FRAME["on"], _FRAME["blob"] = self.binary, bytearray()
+        try:
+            return self._handle(req)
+        finally:
+            self.blob = bytes(_FRAME["blob"])
+            _FRAME["on"], _FRAME["blob"] = saved
+
+    def _handle(self, req):
         _PENDING.clear()
         reply = self.handle_lazily(req)
         if isinstance(req, dict) and req.get("op") == "batch" and reply.get("ok"):
@@ -144,6 +158,11 @@ class Server:
                 protocol = d.protocol_version()
                 # protocol 2: the kit answers `batch` for every driver (several requests in one round trip)
                 supports = dict(d.supports, batch=True) if protocol >= 2 else dict(d.supports)
+                # binary frames: offered by kvsim (`"binary": true`), taken by a protocol-2 driver that can
+                if (req.get("binary") is True and protocol >= 2 and d.binary and self.can_frame
+                        and os.environ.get("KVSIM_KIT_BINARY", "1") != "0"):
+                    supports["binary"] = True
+                    self.binary = True
                 out.update(protocol=protocol, engine=d.name, version=d.version(), supports=supports)
             elif op == "batch":
                 out = {"replies": []}
@@ -189,17 +208,26 @@ def serve(cls, argv=None, stdin=None, stdout=None):
         print(json.dumps(refusal(e)), file=stdout, flush=True)
         print(f"{cls.name}: {e}", file=sys.stderr)
         raise SystemExit(3)
+    out = getattr(stdout, "buffer", None)  # binary frames need a byte stream
+    server.can_frame = out is not None
     for line in stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
         except ValueError as e:
-            reply = refusal(e)
+            reply, server.blob = refusal(e), b""
         else:
             reply = server.handle(req)
-        stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
-        stdout.flush()
+        if out is None:
+            stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
+            stdout.flush()
+            continue
+        blob = server.blob
+        if blob:  # a binary frame: the line, then exactly its bytes (oracles/PROTOCOL.md, "Binary frames")
+            reply = {"blob": len(blob), **reply}
+        out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n" + blob)  # one write: one wake-up
+        out.flush()
 
 
 # ---- loading an engine's modules ----
@@ -280,6 +308,7 @@ def raw_of(x):
 
 
 _PENDING = []  # (owner, reply dict, array) of every array encoded since the last `materialize`
+_FRAME = {"on": False, "blob": bytearray()}  # binary frames agreed (the handling server's), the reply's bytes
 _OWNER = [None]  # the index of the `batch` request being handled (None outside a batch)
 
 
@@ -289,6 +318,15 @@ def arr_out(x):
     a = {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": None}
     _PENDING.append((_OWNER[0], a, x))
     return a
+
+
+def ints_out(x):
+    """The ints of a 1-D mx.array `x` (e.g. a batch cache's `offset`) as a reply's list, written when the reply is
+    complete (`materialize`): in the same graph evaluation as the reply's arrays (a `batch`'s included), not one of its
+    own. `x` is taken as it is now (a later in-place update of the object does not change the answer)."""
+    out = []
+    _PENDING.append((_OWNER[0], out, _codec()["mx"].array(x)))
+    return out
 
 
 def arrs_out(*xs):
@@ -302,7 +340,15 @@ def materialize(reply, owner="all"):
     if mine:
         _codec()["mx"].eval(*[x for _, _, x in mine if x.size])
         for _, a, x in mine:
-            a["b64"] = base64.b64encode(raw_of(x)).decode()
+            if isinstance(a, list):  # `ints_out`
+                a.extend(int(v) for v in x.tolist())
+            elif _FRAME["on"]:  # a span of the reply's frame bytes instead of base64
+                raw, blob = raw_of(x), _FRAME["blob"]
+                del a["b64"]
+                a["off"], a["len"] = len(blob), len(raw)
+                blob += raw
+            else:
+                a["b64"] = base64.b64encode(raw_of(x)).decode()
         _PENDING[:] = [p for p in _PENDING if not (owner == "all" or p[0] == owner)]
     return reply
 

@@ -84,6 +84,74 @@ class Framing(unittest.TestCase):
             serve_lines(Pool, ['{"op":"hello"}'], argv=["--mode", "c"])
 
 
+def serve_bytes(cls, lines):
+    """`serve` on a byte stream (binary frames possible): the raw output."""
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, write_through=True)
+    kit.serve(cls, argv=[], stdin=io.StringIO("".join(l + "\n" for l in lines)), stdout=out)
+    return raw.getvalue()
+
+
+def frames(data):
+    """(reply, frame bytes) per reply of a byte stream (oracles/PROTOCOL.md, "Binary frames")."""
+    out = []
+    while data:
+        line, _, data = data.partition(b"\n")
+        reply = json.loads(line)
+        n = reply.get("blob", 0) if line.startswith(b'{"blob":') else 0
+        out.append((reply, data[:n]))
+        data = data[n:]
+    return out
+
+
+class Arrays(Counter):
+    supports = {"kv": True, "pool": True}  # protocol 2
+
+    def op_arr(self, r):
+        import mlx.core as mx
+
+        return {"x": kit.arr_out(mx.array([1.5, -2.0])), "y": kit.arr_out(mx.array([7.0]))}
+
+
+@unittest.skipUnless(HAVE_MLX, "needs mlx")
+class BinaryFrames(unittest.TestCase):
+    def test_taken_when_offered_arrays_are_spans_of_the_frame(self):
+        import struct
+
+        got = frames(serve_bytes(Arrays, ['{"op":"hello","binary":true}', '{"op":"arr"}', '{"op":"new","id":1}',
+                                          '{"op":"batch","requests":[{"op":"arr"},{"op":"nope"},{"op":"arr"}]}']))
+        self.assertTrue(got[0][0]["supports"]["binary"])
+        (reply, blob) = got[1]
+        self.assertEqual(reply["blob"], 12)
+        self.assertEqual(reply["x"], {"dtype": "f32", "shape": [2], "off": 0, "len": 8})
+        self.assertEqual(struct.unpack("<2f", blob[0:8]), (1.5, -2.0))
+        self.assertEqual(struct.unpack("<f", blob[reply["y"]["off"]:][:4]), (7.0,))
+        self.assertEqual(got[2], ({"ok": True}, b""))  # no arrays: a JSON line
+        batch, blob = got[3]
+        subs = batch["replies"]
+        self.assertEqual([r["ok"] for r in subs], [True, False, True])
+        self.assertEqual(subs[2]["x"]["off"], 12)
+        self.assertEqual(struct.unpack("<f", blob[subs[2]["y"]["off"]:][:4]), (7.0,))
+
+    def test_not_offered_or_declined_every_reply_is_a_json_line_with_base64(self):
+        for hello, env in (('{"op":"hello"}', "1"), ('{"op":"hello","binary":true}', "0")):
+            os.environ["KVSIM_KIT_BINARY"] = env
+            try:
+                got = frames(serve_bytes(Arrays, [hello, '{"op":"arr"}']))
+            finally:
+                del os.environ["KVSIM_KIT_BINARY"]
+            self.assertNotIn("binary", got[0][0]["supports"])
+            self.assertEqual(got[1][0]["x"], {"dtype": "f32", "shape": [2], "b64": "AADAPwAAAMA="})
+            self.assertEqual(got[1][1], b"")
+
+    def test_a_text_stream_never_frames(self):
+        out = io.StringIO()
+        kit.serve(Arrays, argv=[], stdin=io.StringIO('{"op":"hello","binary":true}\n{"op":"arr"}\n'), stdout=out)
+        hello, arr = [json.loads(l) for l in out.getvalue().splitlines()]
+        self.assertNotIn("binary", hello["supports"])
+        self.assertIn("b64", arr["x"])
+
+
 class LoadModules(unittest.TestCase):
     def test_submodule_without_package_init(self):
         with tempfile.TemporaryDirectory() as d:

@@ -225,6 +225,46 @@ pub trait RowsUnderTest: Sized {
     }
 }
 
+/// The cache a [`GroupRead`] reads: a serial cache or a batch.
+pub enum Target<'a, S, R> {
+    Serial(&'a mut S),
+    Rows(&'a mut R),
+}
+
+/// One read of a group ([`Adapter::read_group`]): a `decode` (one position) or a `window` of `target`, with its
+/// inputs as the traits' read methods take them.
+pub struct GroupRead<'a, S, R> {
+    pub target: Target<'a, S, R>,
+    pub decode: bool,
+    pub k: &'a Array,
+    pub v: &'a Array,
+    pub q: &'a Array,
+}
+
+/// Every read of `reads`, in order, one call at a time: [`Adapter::read_group`]'s default. When the first read is a
+/// batch's and it is refused, the others are not made (each answers that it was not made).
+pub fn read_group_each<S: SerialUnderTest, R: RowsUnderTest>(
+    reads: Vec<GroupRead<'_, S, R>>,
+    scale: f32,
+) -> Vec<AdapterResult<Array>> {
+    let rows_first = matches!(reads.first(), Some(GroupRead { target: Target::Rows(_), .. }));
+    let mut out: Vec<AdapterResult<Array>> = Vec::with_capacity(reads.len());
+    for r in reads {
+        if rows_first && matches!(out.first(), Some(Err(_))) {
+            out.push(Err("not made: the batch's read before it was refused".into()));
+            continue;
+        }
+        let got = match r.target {
+            Target::Serial(s) if r.decode => s.decode(r.k, r.v, r.q, scale),
+            Target::Serial(s) => s.window(r.k, r.v, r.q, scale),
+            Target::Rows(b) if r.decode => b.decode(r.k, r.v, r.q, scale),
+            Target::Rows(b) => b.window(r.k, r.v, r.q, scale),
+        };
+        out.push(got);
+    }
+    out
+}
+
 /// One read the checks make after every op (of a serial cache, a batch or one of its rows), for
 /// [`Adapter::read_all`].
 pub enum Read<'a, S, R> {
@@ -288,6 +328,21 @@ pub trait Adapter: 'static {
     #[allow(clippy::type_complexity)]
     fn read_all(reads: &[Read<'_, Self::Serial, Self::Rows>]) -> Vec<AdapterResult<ReadOut>> {
         read_each(reads)
+    }
+    /// The reads the state checks will make right after the next [`Adapter::read_group`] (the last layer's of a
+    /// read op, which leaves every cache's handle where it was), told before it: an engine in another process sends
+    /// them in the group's round trip and answers the [`Adapter::read_all`] that follows from their replies, when it
+    /// asks exactly these. Default: nothing.
+    #[allow(clippy::type_complexity)]
+    fn prefetch(reads: &[Read<'_, Self::Serial, Self::Rows>]) {
+        let _ = reads;
+    }
+    /// The reads of one op's layer, all at once, answered in order: a serial read and its twin's, or a batch's read
+    /// and its rows' twin reads. Default: [`read_group_each`] (a refused batch read ends the group there); an engine
+    /// in another process sends them in one round trip (and ignores the twins' replies after a refused batch read).
+    #[allow(clippy::type_complexity)]
+    fn read_group(reads: Vec<GroupRead<'_, Self::Serial, Self::Rows>>, scale: f32) -> Vec<AdapterResult<Array>> {
+        read_group_each(reads, scale)
     }
 }
 

@@ -67,7 +67,7 @@ pub fn cache_file(data: &[u8]) -> Result<usize, String> {
 }
 
 /// Arbitrary bytes as an engine's output: the first byte picks the run's geometry (dtype, heads, head dim, plain or
-/// 4-bit quantized in groups of 32 over a head dim of 32), each
+/// 4-bit quantized in groups of 32 over a head dim of 32) and whether the output is read as binary frames, each
 /// following line is decoded as the reply to every request kvsim sends ([`crate::byoc::engine_check::decode_any`]): typed
 /// `EngineFailure`s or values, never a panic. Returns the decodes that succeeded.
 pub fn engine_reply(data: &[u8]) -> usize {
@@ -81,6 +81,18 @@ pub fn engine_reply(data: &[u8]) -> usize {
         max_size: None,
         quant,
     };
+    if pick & 32 != 0 {
+        // Binary frames (oracles/PROTOCOL.md, "Binary frames"): each frame's line decoded against its own bytes.
+        use crate::byoc::engine::frame::{next_frame, set_blob, Line};
+        let mut r = std::io::Cursor::new(rest);
+        let mut ok = 0;
+        while let Line::Full(line, blob) = next_frame(&mut r, true) {
+            set_blob(blob);
+            ok += crate::byoc::engine_check::decode_any(&line, &g);
+        }
+        set_blob(vec![]);
+        return ok;
+    }
     let text = String::from_utf8_lossy(rest);
     text.split_inclusive('\n').map(|line| crate::byoc::engine_check::decode_any(line, &g)).sum()
 }

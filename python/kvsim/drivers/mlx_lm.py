@@ -95,8 +95,8 @@ class MlxLm(kit.Driver):
         return {}
 
     def op_rows_info(self, r):
-        offsets = [int(o) for o in self.handles[r["id"]].offset.tolist()]
-        return {"rows": len(offsets), "offsets": offsets}
+        offsets = self.handles[r["id"]].offset  # evaluated with the reply's other arrays (kit.ints_out)
+        return {"rows": int(offsets.shape[0]), "offsets": kit.ints_out(offsets)}
 
     def op_extract(self, r):
         self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])

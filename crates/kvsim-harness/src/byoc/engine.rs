@@ -15,19 +15,18 @@
 //! which the simulator judges like any cache's refusal.
 
 use std::cell::RefCell;
-use std::io::{BufRead, BufReader, Read as _, Write};
+use std::io::{BufReader, Read as _, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use mlx_rs::{Array, Dtype};
 use serde_json::{json, Value};
 
 use super::{
-    read_each, Adapter, AdapterError, AdapterResult, Geometry, QuantGeometry, Read, ReadOut, RowsUnderTest,
-    SerialUnderTest, Supports,
+    read_each, read_group_each, Adapter, AdapterError, AdapterResult, Geometry, GroupRead, QuantGeometry, Read,
+    ReadOut, RowsUnderTest, SerialUnderTest, Supports, Target,
 };
 
 /// The newest protocol version this module speaks.
@@ -79,11 +78,9 @@ impl EngineFailure {
 #[error("the engine's cache raised: {0}")]
 pub struct EngineRefused(pub String);
 
-enum Line {
-    Full(String),
-    Cut(String),
-    End,
-}
+pub mod frame;
+
+use frame::Line;
 
 /// What `hello` said.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +102,8 @@ pub struct Hello {
     pub rec_spec: bool,
     /// Whether it answers `batch` (several requests in one round trip; `supports.batch`).
     pub batch: bool,
+    /// Whether its replies may be binary frames (`supports.binary`, answered to the offer in kvsim's `hello`).
+    pub binary: bool,
 }
 
 /// Decodes a `hello` reply: what the engine speaks and supports, or a typed failure.
@@ -142,6 +141,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
         recurrent: protocol >= 2 && flag("recurrent", false),
         rec_spec: protocol >= 2 && flag("recurrent", false) && flag("rec_spec", false),
         batch: protocol >= 2 && flag("batch", false),
+        binary: protocol >= 2 && flag("binary", false),
     })
 }
 
@@ -150,12 +150,19 @@ pub struct Engine {
     command: String,
     child: Child,
     stdin: Option<ChildStdin>,
-    lines: Receiver<Line>,
+    /// Its standard output, read on the calling thread (each read waits at most until the reply's deadline).
+    out: BufReader<frame::Timed>,
+    /// Set once `hello` agreed on binary frames: a frame's bytes are then read after its line.
+    binary: bool,
     stderr: Arc<Mutex<String>>,
     timeout: Duration,
     next_id: u64,
     frees: Vec<u64>,
     calls: Vec<Value>,
+    /// Requests to send after the next batch's, in its round trip ([`Adapter::prefetch`]).
+    tail: Vec<Value>,
+    /// The tail sent with the last batch: its requests, their replies and the frame's bytes, until the next request.
+    prefetched: Option<(Vec<Value>, Vec<Value>, Vec<u8>)>,
     broken: Option<EngineFailure>,
     hello: Hello,
 }
@@ -174,22 +181,7 @@ impl Engine {
             .map_err(|e| spawn(e.to_string()))?;
         let stdout = child.stdout.take().ok_or_else(|| spawn("no stdout".into()))?;
         let mut err = child.stderr.take().ok_or_else(|| spawn("no stderr".into()))?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(stdout);
-            loop {
-                let mut s = String::new();
-                let line = match r.read_line(&mut s) {
-                    Ok(0) | Err(_) => Line::End,
-                    Ok(_) if s.ends_with('\n') => Line::Full(s),
-                    Ok(_) => Line::Cut(s),
-                };
-                let end = !matches!(line, Line::Full(_));
-                if tx.send(line).is_err() || end {
-                    return;
-                }
-            }
-        });
+        let out = BufReader::with_capacity(1 << 16, frame::Timed::new(stdout));
         let stderr = Arc::new(Mutex::new(String::new()));
         let sink = Arc::clone(&stderr);
         std::thread::spawn(move || {
@@ -212,12 +204,15 @@ impl Engine {
             command: command.to_string(),
             child,
             stdin,
-            lines,
+            out,
+            binary: false,
             stderr,
             timeout,
             next_id: 0,
             frees: vec![],
             calls: vec![],
+            tail: vec![],
+            prefetched: None,
             broken: None,
             hello: Hello {
                 protocol: 0,
@@ -230,9 +225,12 @@ impl Engine {
                 recurrent: false,
                 rec_spec: false,
                 batch: false,
+                binary: false,
             },
         };
-        let reply = e.request(json!({"op": "hello"}));
+        // The offer of binary frames: an engine that takes it answers `supports.binary` and may frame what it
+        // sends after this reply.
+        let reply = e.request(json!({"op": "hello", "binary": true}));
         let reply = match reply {
             Ok(r) => r,
             Err(f) => {
@@ -241,7 +239,10 @@ impl Engine {
             }
         };
         match parse_hello(command, &reply) {
-            Ok(h) => e.hello = h,
+            Ok(h) => {
+                e.binary = h.binary;
+                e.hello = h;
+            }
             Err(f) => {
                 e.stop();
                 return Err(f);
@@ -293,7 +294,16 @@ impl Engine {
     }
 
     /// Sends one request and reads its reply. `Err(EngineFailure)`: the engine is broken from now on.
-    pub fn request(&mut self, mut req: Value) -> Result<Value, EngineFailure> {
+    pub fn request(&mut self, req: Value) -> Result<Value, EngineFailure> {
+        self.send(req, 0)
+    }
+
+    /// [`Engine::request`] of `req`, a batch whose last `tail` requests are left out of the run's log.
+    fn send(&mut self, mut req: Value, tail: usize) -> Result<Value, EngineFailure> {
+        self.prefetched = None;
+        if tail == 0 {
+            self.tail.clear(); // a prefetch no batch carried is dropped
+        }
         if let Some(f) = &self.broken {
             return Err(f.clone());
         }
@@ -302,7 +312,11 @@ impl Engine {
             req["free"] = json!(std::mem::take(&mut self.frees));
         }
         let mut line = req.to_string();
-        self.calls.push(req);
+        let mut logged = req;
+        if let Some(r) = logged.get_mut("requests").and_then(Value::as_array_mut).filter(|_| tail > 0) {
+            r.truncate(r.len().saturating_sub(tail));
+        }
+        self.calls.push(logged);
         line.push('\n');
         let sent = match self.stdin.as_mut() {
             Some(w) => w.write_all(line.as_bytes()).and_then(|_| w.flush()).is_ok(),
@@ -311,13 +325,16 @@ impl Engine {
         let result = if !sent {
             Err(self.exited_failure(&op))
         } else {
-            match self.lines.recv_timeout(self.timeout) {
-                Ok(Line::Full(s)) => parse_reply(&op, &s),
-                Ok(Line::Cut(s)) => Err(EngineFailure::Truncated { op: op.clone(), reply: s }),
-                Ok(Line::End) | Err(RecvTimeoutError::Disconnected) => Err(self.exited_failure(&op)),
-                Err(RecvTimeoutError::Timeout) => {
-                    Err(EngineFailure::Timeout { op: op.clone(), secs: self.timeout.as_secs() })
+            self.out.get_mut().deadline = Instant::now() + self.timeout;
+            match frame::next_frame(&mut self.out, self.binary) {
+                Line::Full(s, blob) => {
+                    frame::set_blob(blob);
+                    parse_reply(&op, &s)
                 }
+                Line::Bad(s, why) => Err(EngineFailure::Malformed { op: op.clone(), reply: s, why }),
+                Line::Cut(s) => Err(EngineFailure::Truncated { op: op.clone(), reply: s }),
+                Line::End => Err(self.exited_failure(&op)),
+                Line::TimedOut => Err(EngineFailure::Timeout { op: op.clone(), secs: self.timeout.as_secs() }),
             }
         };
         if let Err(f) = &result {
@@ -330,9 +347,12 @@ impl Engine {
     /// Sends `requests` as one `batch` request (the engine must say `supports.batch`) and answers each one's reply,
     /// in order: `{"ok": true, ...}` or a refusal. A batch refused as a whole, or replies that are not one object with
     /// a boolean `ok` per request, break the engine.
-    pub fn request_batch(&mut self, requests: Vec<Value>) -> Result<Vec<Value>, EngineFailure> {
+    pub fn request_batch(&mut self, mut requests: Vec<Value>) -> Result<Vec<Value>, EngineFailure> {
+        let tail = std::mem::take(&mut self.tail);
+        let (asked, extra) = (requests.len(), tail.len());
+        requests.extend(tail.iter().cloned());
         let n = requests.len();
-        let reply = self.request(json!({"op": "batch", "requests": requests}))?;
+        let reply = self.send(json!({"op": "batch", "requests": requests}), extra)?;
         let malformed = |why: String| EngineFailure::Malformed { op: "batch".into(), reply: shorten(&reply), why };
         let fault = if reply["ok"] != Value::Bool(true) {
             Some(malformed("an engine that says supports.batch must answer batch".into()))
@@ -350,13 +370,31 @@ impl Engine {
             self.stop();
             return Err(f);
         }
-        Ok(match reply {
+        let mut replies = match reply {
             Value::Object(mut m) => match m.remove("replies") {
                 Some(Value::Array(r)) => r,
                 _ => vec![],
             },
             _ => vec![],
-        })
+        };
+        if extra > 0 {
+            let rest = replies.split_off(asked);
+            self.prefetched = Some((tail, rest, frame::blob()));
+        }
+        Ok(replies)
+    }
+
+    /// The replies to `requests` when they are the tail the last batch carried (nothing sent since): they enter the
+    /// run's log now, as if sent now, and the frame's bytes are the current reply's again.
+    fn take_prefetched(&mut self, requests: &[Value]) -> Option<Vec<Value>> {
+        match self.prefetched.take() {
+            Some((asked, replies, blob)) if asked == requests => {
+                self.calls.push(json!({"op": "batch", "requests": asked}));
+                frame::set_blob(blob);
+                Some(replies)
+            }
+            _ => None,
+        }
     }
 
     fn exited_failure(&mut self, op: &str) -> EngineFailure {
@@ -518,11 +556,7 @@ pub(crate) fn tensor_from(
     if t.get("dtype").and_then(Value::as_str) != Some(dtype_name(dtype)) {
         return Err(malformed(format!("{field}: dtype {:?}, expected {:?}", t.get("dtype"), dtype_name(dtype))));
     }
-    let raw = t
-        .get("b64")
-        .and_then(Value::as_str)
-        .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
-        .ok_or_else(|| malformed(format!("{field}: no base64 \"b64\"")))?;
+    let raw = frame::array_bytes(t).map_err(|why| malformed(format!("{field}: {why}")))?;
     let size = if dtype == Dtype::Bfloat16 { 2 } else { 4 }; // f32 and u32: 4
     let bytes =
         shape.iter().try_fold(
@@ -586,15 +620,33 @@ fn read_real(
     g: &Geometry,
     real: Option<Vec<usize>>,
 ) -> AdapterResult<Array> {
+    let reply = engine_call(read_request(op, id, k, v, q, scale, real)?)?;
+    decode_out(op, &reply, q, g)
+}
+
+/// A read request (`window`, `decode`, `rows_window`, `rows_decode`).
+fn read_request(
+    op: &str,
+    id: u64,
+    k: &Array,
+    v: &Array,
+    q: &Array,
+    scale: f32,
+    real: Option<Vec<usize>>,
+) -> AdapterResult<Value> {
     let mut req = json!({
         "op": op, "id": id, "k": tensor(k)?, "v": tensor(v)?, "q": tensor(q)?, "scale": scale,
     });
     if let Some(real) = real {
         req["real"] = json!(real);
     }
-    let reply = engine_call(req)?;
+    Ok(req)
+}
+
+/// A read reply's `out`: the shape of `q`, of the run's dtype.
+fn decode_out(op: &str, reply: &Value, q: &Array, g: &Geometry) -> AdapterResult<Array> {
     let want: Vec<i64> = q.shape().iter().map(|&d| i64::from(d)).collect();
-    tensor_from(op, &reply, "out", g.dtype, &format!("{want:?} (the query's)"), |s| s == want.as_slice())
+    tensor_from(op, reply, "out", g.dtype, &format!("{want:?} (the query's)"), |s| s == want.as_slice())
 }
 
 fn state(op: &str, req: Value, g: &Geometry) -> AdapterResult<[Array; 2]> {
@@ -650,6 +702,21 @@ pub(crate) fn decode_planes(op: &str, reply: &Value, g: &Geometry) -> AdapterRes
         }
     }
     out.try_into().map_err(|_| "six planes".into())
+}
+
+/// The request of a state check's read.
+fn check_request(r: &Read<'_, EngineSerial, EngineRows>) -> Value {
+    match r {
+        Read::Offset(s) => json!({"op": "offset", "id": s.id}),
+        Read::State(s) | Read::Planes(s) => json!({"op": "state", "id": s.id}),
+        Read::Info(b) => json!({"op": "rows_info", "id": b.id}),
+        Read::RowState(b, row) | Read::RowPlanes(b, row) => json!({"op": "rows_state", "id": b.id, "row": row}),
+    }
+}
+
+/// The refusal a reply `{"ok": false, "error": ...}` carries.
+fn refused(reply: &Value) -> AdapterError {
+    Box::new(EngineRefused(reply.get("error").map_or("no message".to_string(), |e| e.to_string())))
 }
 
 fn release(id: u64) {
@@ -718,6 +785,16 @@ impl Drop for EngineRows {
 }
 
 impl EngineRows {
+    /// During a right-padded prefill, a window of `q`'s length: each row's real queries in it (the positions fed move
+    /// on by that length).
+    fn real(&mut self, q: &Array) -> Option<Vec<usize>> {
+        self.prefill.as_mut().map(|(lens, from)| {
+            let l = q.shape().get(2).map_or(0, |&l| l as usize);
+            let real = lens.iter().map(|&n| n.saturating_sub(*from).min(l)).collect();
+            *from += l;
+            real
+        })
+    }
     fn info(&self) -> AdapterResult<(usize, Vec<usize>)> {
         decode_info(&engine_call(json!({"op": "rows_info", "id": self.id}))?)
     }
@@ -763,12 +840,7 @@ impl RowsUnderTest for EngineRows {
         read("rows_decode", self.id, k, v, q, scale, &self.geometry)
     }
     fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
-        let real = self.prefill.as_mut().map(|(lens, from)| {
-            let l = q.shape().get(2).map_or(0, |&l| l as usize);
-            let real = lens.iter().map(|&n| n.saturating_sub(*from).min(l)).collect();
-            *from += l;
-            real
-        });
+        let real = self.real(q);
         read_real("rows_window", self.id, k, v, q, scale, &self.geometry, real)
     }
     fn convert(&mut self, quant: QuantGeometry) -> AdapterResult<()> {
@@ -827,23 +899,16 @@ impl Adapter for EngineCache {
         if !with_engine(|e| e.hello.batch).unwrap_or(false) || reads.is_empty() {
             return read_each(reads);
         }
-        let requests: Vec<Value> = reads
-            .iter()
-            .map(|r| match r {
-                Read::Offset(s) => json!({"op": "offset", "id": s.id}),
-                Read::State(s) | Read::Planes(s) => json!({"op": "state", "id": s.id}),
-                Read::Info(b) => json!({"op": "rows_info", "id": b.id}),
-                Read::RowState(b, row) | Read::RowPlanes(b, row) => {
-                    json!({"op": "rows_state", "id": b.id, "row": row})
-                }
-            })
-            .collect();
-        let replies = match with_engine(|e| e.request_batch(requests)) {
+        let requests: Vec<Value> = reads.iter().map(check_request).collect();
+        let replies = match with_engine(|e| match e.take_prefetched(&requests) {
+            Some(r) => Ok(r),
+            None => {
+                e.tail.clear(); // a prefetch is carried by a read group's batch only
+                e.request_batch(requests)
+            }
+        }) {
             Ok(Ok(r)) => r,
             Ok(Err(f)) | Err(f) => return reads.iter().map(|_| Err(Box::new(f.clone()) as AdapterError)).collect(),
-        };
-        let refused = |reply: &Value| -> AdapterError {
-            Box::new(EngineRefused(reply.get("error").map_or("no message".to_string(), |e| e.to_string())))
         };
         reads
             .iter()
@@ -871,6 +936,54 @@ impl Adapter for EngineCache {
                     Read::State(_) | Read::RowState(..) | Read::Planes(_) | Read::RowPlanes(..) => Err(refused(reply)),
                 }
             })
+            .collect()
+    }
+    /// With `supports.batch`, the reads go with the next [`Adapter::read_group`]'s batch.
+    fn prefetch(reads: &[Read<'_, EngineSerial, EngineRows>]) {
+        let _ = with_engine(|e| {
+            if e.hello.batch && !reads.is_empty() {
+                e.tail = reads.iter().map(check_request).collect();
+            }
+        });
+    }
+    /// With `supports.batch`, the group's reads in one `batch` request (the twins' replies are ignored by the caller
+    /// after a refused batch read); else one request each.
+    fn read_group(reads: Vec<GroupRead<'_, EngineSerial, EngineRows>>, scale: f32) -> Vec<AdapterResult<Array>> {
+        if !with_engine(|e| e.hello.batch).unwrap_or(false) || reads.len() < 2 {
+            return read_group_each(reads, scale);
+        }
+        let n = reads.len();
+        let mut requests = vec![];
+        let mut decoding = vec![];
+        for r in reads {
+            let (op, id, geometry, real) = match r.target {
+                Target::Serial(s) => (if r.decode { "decode" } else { "window" }, s.id, s.geometry, None),
+                Target::Rows(b) if r.decode => ("rows_decode", b.id, b.geometry, None),
+                Target::Rows(b) => ("rows_window", b.id, b.geometry, b.real(r.q)),
+            };
+            match read_request(op, id, r.k, r.v, r.q, scale, real) {
+                Ok(req) => requests.push(req),
+                // An input kvsim cannot encode: nothing is sent.
+                Err(e) => return std::iter::once(Err(e)).chain((1..n).map(|_| Err("not sent".into()))).collect(),
+            }
+            decoding.push((op, r.q, geometry));
+        }
+        let replies = match with_engine(|e| e.request_batch(requests)) {
+            Ok(Ok(r)) => r,
+            Ok(Err(f)) | Err(f) => return decoding.iter().map(|_| Err(Box::new(f.clone()) as AdapterError)).collect(),
+        };
+        decoding
+            .iter()
+            .zip(&replies)
+            .map(
+                |((op, q, g), reply)| {
+                    if reply["ok"] == Value::Bool(true) {
+                        decode_out(op, reply, q, g)
+                    } else {
+                        Err(refused(reply))
+                    }
+                },
+            )
             .collect()
     }
     fn serial(g: &Geometry) -> AdapterResult<EngineSerial> {

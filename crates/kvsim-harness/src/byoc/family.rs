@@ -7,13 +7,15 @@ use std::collections::BTreeMap;
 
 use mlx_rs::Array;
 
-use super::{quant_of, Adapter, AdapterError, Geometry, QuantGeometry, RowsUnderTest, SerialUnderTest};
+use super::{
+    quant_of, Adapter, AdapterError, Geometry, GroupRead, QuantGeometry, RowsUnderTest, SerialUnderTest, Target,
+};
 use crate::sim::check::{self, Failure, OutClass};
 use crate::sim::config::SimConfig;
 use crate::sim::family::attention::payload_block;
 use crate::sim::family::{Cx, Family};
 use crate::sim::ops::Op;
-use crate::sim::roster::{Change, Home};
+use crate::sim::roster::{Change, Home, Roster};
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
 use kvsim_reference::quant::RefQuant;
@@ -40,6 +42,16 @@ pub(super) struct Adapted<A: Adapter> {
     /// The running batch, one per layer (`None`: no rows).
     batch: Option<Vec<A::Rows>>,
     counters: Counters,
+}
+
+/// The twins of layer `l` of the requests `ids`, by id.
+fn twins_of<'a, S>(reqs: &'a mut BTreeMap<u32, Req<S>>, ids: &[u32], l: usize) -> BTreeMap<u32, &'a mut S> {
+    reqs.iter_mut().filter(|(id, _)| ids.contains(id)).map(|(&id, r)| (id, &mut r.twin[l])).collect()
+}
+
+/// A group of reads that answered fewer reads than it was asked (an adapter's bug).
+fn short(what: &str) -> Failure {
+    Failure::new("adapter_error", format!("read_group: {what}"))
 }
 
 fn refused(what: &str, e: AdapterError) -> Failure {
@@ -222,12 +234,18 @@ impl<A: Adapter> Adapted<A> {
         let seen = self.advance(id, &toks[0], decode);
         for l in 0..self.cfg.layers {
             let [k, v, q] = self.kvq(l, &toks)?;
+            if l + 1 == self.cfg.layers {
+                self.prefetch_checks(cx.roster);
+            }
             let r = self.reqs.get_mut(&id).expect("live");
-            let (got, twin) = if decode {
-                (r.solo[l].decode(&k, &v, &q, scale), r.twin[l].decode(&k, &v, &q, scale))
-            } else {
-                (r.solo[l].window(&k, &v, &q, scale), r.twin[l].window(&k, &v, &q, scale))
-            };
+            let (solo, twin) = (&mut r.solo[l], &mut r.twin[l]);
+            let reads = vec![
+                GroupRead { target: Target::Serial(solo), decode, k: &k, v: &v, q: &q },
+                GroupRead { target: Target::Serial(twin), decode, k: &k, v: &v, q: &q },
+            ];
+            let mut out = A::read_group(reads, scale).into_iter();
+            let (got, twin) =
+                (out.next().ok_or_else(|| short("no read"))?, out.next().ok_or_else(|| short("no twin read"))?);
             let got = got.map_err(|e| refused("solo read", e))?;
             let twin = twin.map_err(|e| refused("twin read", e))?;
             self.compare(cx, l, &got, &[(0, id, twin)], &[seen.clone()], (1, len), "solo read")?;
@@ -247,15 +265,25 @@ impl<A: Adapter> Adapted<A> {
         let seen: Vec<Vec<Vec<Tok>>> = ids.iter().zip(&toks).map(|(&id, t)| self.advance(id, t, !window)).collect();
         for l in 0..self.cfg.layers {
             let [k, v, q] = self.kvq(l, &toks)?;
+            let inputs: Vec<[Array; 3]> =
+                (0..ids.len()).map(|r| self.kvq(l, std::slice::from_ref(&toks[r]))).collect::<Res<_>>()?;
+            if l + 1 == self.cfg.layers {
+                self.prefetch_checks(cx.roster);
+            }
             let b = &mut self.batch.as_mut().expect("rows")[l];
-            let got = if window { b.window(&k, &v, &q, scale) } else { b.decode(&k, &v, &q, scale) };
+            let mut reads = vec![GroupRead { target: Target::Rows(b), decode: !window, k: &k, v: &v, q: &q }];
+            let mut twins_of = twins_of(&mut self.reqs, &ids, l);
+            for (&id, [k, v, q]) in ids.iter().zip(&inputs) {
+                let t = twins_of.remove(&id).ok_or_else(|| short("a row without its twin"))?;
+                reads.push(GroupRead { target: Target::Serial(t), decode: !window, k, v, q });
+            }
+            let mut out = A::read_group(reads, scale).into_iter();
+            let got = out.next().ok_or_else(|| short("no read"))?;
             let got = got.map_err(|e| refused(if window { "rows window" } else { "rows decode" }, e))?;
             let mut twins = vec![];
             for (r, &id) in ids.iter().enumerate() {
-                let [k, v, q] = self.kvq(l, std::slice::from_ref(&toks[r]))?;
-                let t = &mut self.reqs.get_mut(&id).expect("live").twin[l];
-                let out = if window { t.window(&k, &v, &q, scale) } else { t.decode(&k, &v, &q, scale) };
-                twins.push((r, id, out.map_err(|e| refused("twin read", e))?));
+                let t = out.next().ok_or_else(|| short("no twin read"))?;
+                twins.push((r, id, t.map_err(|e| refused("twin read", e))?));
             }
             let what = if window { "rows window" } else { "rows decode" };
             self.compare(cx, l, &got, &twins, &seen, (ids.len(), len), what)?;
@@ -304,15 +332,23 @@ impl<A: Adapter> Adapted<A> {
             }
             for (l, b) in rows.iter_mut().enumerate() {
                 let [k, v, q] = self.kvq(l, &toks)?;
-                let got = b.window(&k, &v, &q, scale).map_err(|e| refused("rows window (prefill)", e))?;
+                let with_real: Vec<usize> = (0..ids.len()).filter(|&r| !real[r].is_empty()).collect();
+                let inputs: Vec<[Array; 3]> =
+                    with_real.iter().map(|&r| self.kvq(l, std::slice::from_ref(&real[r]))).collect::<Res<_>>()?;
+                let mut reads = vec![GroupRead { target: Target::Rows(b), decode: false, k: &k, v: &v, q: &q }];
+                let real_ids: Vec<u32> = with_real.iter().map(|&r| ids[r]).collect();
+                let mut twins_of = twins_of(&mut self.reqs, &real_ids, l);
+                for (&id, [k, v, q]) in real_ids.iter().zip(&inputs) {
+                    let t = twins_of.remove(&id).ok_or_else(|| short("a row without its twin"))?;
+                    reads.push(GroupRead { target: Target::Serial(t), decode: false, k, v, q });
+                }
+                let mut out = A::read_group(reads, scale).into_iter();
+                let got =
+                    out.next().ok_or_else(|| short("no read"))?.map_err(|e| refused("rows window (prefill)", e))?;
                 let mut twins = vec![];
-                for (r, &id) in ids.iter().enumerate() {
-                    if real[r].is_empty() {
-                        continue;
-                    }
-                    let [k, v, q] = self.kvq(l, std::slice::from_ref(&real[r]))?;
-                    let t = &mut self.reqs.get_mut(&id).expect("live").twin[l];
-                    twins.push((r, id, t.window(&k, &v, &q, scale).map_err(|e| refused("twin read", e))?));
+                for (&r, &id) in with_real.iter().zip(&real_ids) {
+                    let t = out.next().ok_or_else(|| short("no twin read"))?;
+                    twins.push((r, id, t.map_err(|e| refused("twin read", e))?));
                 }
                 self.compare(cx, l, &got, &twins, &seen, (ids.len(), len), "prefill window")?;
             }
@@ -557,25 +593,27 @@ impl<A: Adapter> Adapted<A> {
 
     // ----- state -------------------------------------------------------------------------------------------------
 
-    /// Every live request's K and V (production and twin) against the exact bytes of the positions it holds. The
-    /// reads are made at once ([`Adapter::read_all`]: the batch's rows and offsets per layer; per live request and
-    /// layer its offset outside the batch, its state and its twin's) and judged in that order.
-    fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
-        use super::{Read, ReadOut};
-        let rows = cx.roster.rows();
-        if self.batch.is_none() && !rows.is_empty() {
-            return check::fail(Failure::new("rows", "the schedule has rows and the family no batch"));
+    /// Tells the adapter which reads the state checks will make after a read op ([`Adapter::prefetch`]): a read
+    /// leaves the roster, the batch and the requests as they are, so they are the reads [`Self::check_all`] makes.
+    fn prefetch_checks(&self, roster: &Roster) {
+        if self.batch.is_some() || roster.rows().is_empty() {
+            A::prefetch(&self.check_reads(roster));
         }
-        let live: Vec<u32> = cx.roster.live().collect();
+    }
+
+    /// The reads of [`Self::check_all`], in the order it judges them.
+    fn check_reads(&self, roster: &Roster) -> Vec<super::Read<'_, A::Serial, A::Rows>> {
+        use super::Read;
+        let rows = roster.rows();
         let quant = self.geometry.quant.is_some();
         let mut reads: Vec<Read<'_, A::Serial, A::Rows>> = vec![];
         if let Some(batch) = &self.batch {
             reads.extend(batch.iter().map(Read::Info));
         }
-        for &id in &live {
+        for id in roster.live() {
             let r = &self.reqs[&id];
             for l in 0..self.cfg.layers {
-                match cx.roster.home(id) {
+                match roster.home(id) {
                     Some(Home::Batch) => {
                         let row = rows.iter().position(|x| *x == id).expect("a row");
                         let b = &self.batch.as_ref().expect("rows")[l];
@@ -589,6 +627,21 @@ impl<A: Adapter> Adapted<A> {
                 reads.push(if quant { Read::Planes(&r.twin[l]) } else { Read::State(&r.twin[l]) });
             }
         }
+        reads
+    }
+
+    /// Every live request's K and V (production and twin) against the exact bytes of the positions it holds. The
+    /// reads are made at once ([`Adapter::read_all`]: the batch's rows and offsets per layer; per live request and
+    /// layer its offset outside the batch, its state and its twin's) and judged in that order.
+    fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
+        use super::ReadOut;
+        let rows = cx.roster.rows();
+        if self.batch.is_none() && !rows.is_empty() {
+            return check::fail(Failure::new("rows", "the schedule has rows and the family no batch"));
+        }
+        let live: Vec<u32> = cx.roster.live().collect();
+        let quant = self.geometry.quant.is_some();
+        let reads = self.check_reads(cx.roster);
         let mut out = A::read_all(&reads).into_iter();
         drop(reads);
         let mut next = || out.next().unwrap_or_else(|| Err("the adapter answered fewer reads than asked".into()));

@@ -274,11 +274,7 @@ pub fn raw_tensor(op: &str, t: &Value, cfg: &PrefixConfig) -> Result<(usize, Vec
     if t.get("dtype").and_then(Value::as_str) != Some(cfg.dtype.as_str()) {
         return Err(malformed(format!("dtype {:?}, the run's is {:?}", t.get("dtype"), cfg.dtype)));
     }
-    let raw = t
-        .get("b64")
-        .and_then(Value::as_str)
-        .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
-        .ok_or_else(|| malformed("no base64 \"b64\"".into()))?;
+    let raw = super::engine::frame::array_bytes(t).map_err(malformed)?;
     let (h, d) = (cfg.heads_kv as i64, cfg.head_dim as i64);
     if shape.len() != 4 || shape[0] != 1 || shape[1] != h || shape[3] != d || !(0..=1 << 24).contains(&shape[2]) {
         return Err(EngineFailure::WrongShape {

@@ -461,11 +461,8 @@ pub fn parse_arrays(op: &str, reply: &Value, cfg: &RecConfig) -> Result<Vec<Opti
                 format!("array {i}: dtype {:?}, the run's is {:?}", t.get("dtype"), cfg.dtype),
             ));
         }
-        let raw = t
-            .get("b64")
-            .and_then(Value::as_str)
-            .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
-            .ok_or_else(|| malformed(op, reply, format!("array {i}: no base64 \"b64\"")))?;
+        let raw =
+            super::engine::frame::array_bytes(t).map_err(|why| malformed(op, reply, format!("array {i}: {why}")))?;
         let want: Vec<i64> = a.shape.iter().map(|&d| d as i64).collect();
         if shape != want {
             return Err(EngineFailure::WrongShape {

@@ -85,6 +85,48 @@ fn a_refusal_by_the_engines_cache_is_a_failing_seed_not_a_broken_engine() {
 }
 
 #[test]
+fn binary_frames_agreed_in_hello_are_read_as_replies() {
+    let (r, pid) = against("binary");
+    let report = r.expect("a good frame is a reply: the engine keeps running");
+    assert!(report.classes.iter().all(|c| c.name.starts_with("adapter_error")), "{:?}", report.classes);
+    assert!(stopped(pid));
+}
+
+#[test]
+fn a_frame_whose_array_lies_outside_its_bytes_is_malformed() {
+    let (r, pid) = against("binary_span");
+    let b = r.expect_err("the engine must break");
+    assert_eq!(b.failure.kind(), "malformed", "{}", b.failure);
+    assert!(b.failure.to_string().contains("outside the frame"), "{}", b.failure);
+    assert!(matches!(&b.failure, EngineFailure::Malformed { op, .. } if op == "state"), "{}", b.failure);
+    assert!(stopped(pid));
+}
+
+#[test]
+fn a_frame_without_a_byte_count_is_malformed() {
+    let (r, _) = against("binary_count");
+    let b = r.expect_err("the engine must break");
+    assert_eq!(b.failure.kind(), "malformed", "{}", b.failure);
+    assert!(b.failure.to_string().contains("byte count"), "{}", b.failure);
+}
+
+#[test]
+fn a_frame_cut_off_before_its_bytes_is_truncated() {
+    let (r, _) = against("binary_cut");
+    let b = r.expect_err("the engine must break");
+    assert_eq!(b.failure.kind(), "truncated", "{}", b.failure);
+    assert!(b.failure.to_string().contains("3 of the frame's 9 bytes"), "{}", b.failure);
+}
+
+#[test]
+fn binary_frames_are_a_protocol_2_key() {
+    let h = parse_hello("x", &json!({"ok": true, "protocol": 2, "supports": {"binary": true}})).unwrap();
+    assert!(h.binary);
+    let h = parse_hello("x", &json!({"ok": true, "protocol": 1, "supports": {"binary": true}})).unwrap();
+    assert!(!h.binary, "binary frames are a protocol-2 key");
+}
+
+#[test]
 fn a_command_that_cannot_start_is_a_typed_failure() {
     let r = check_engine("exec /nonexistent/engine", Duration::from_secs(2), CheckOptions::default(), 0);
     let b = r.expect_err("no engine");
