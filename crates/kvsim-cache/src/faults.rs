@@ -173,6 +173,26 @@ pub enum Mutant {
     /// A rollback (`trim` with `bypass`) lowers the offset but keeps the tail blocks in the block table: their
     /// blocks stay held (phantom positions the pool counts as used). Hook: `PagedStore::trim`.
     PagedRollbackKeepsTable,
+    /// mlx-lm's file writer records the first recurrent layer's offsets (the `ArraysCache` offsets it carries in
+    /// the user metadata, `kvsim_ssm_offsets`) for every recurrent layer of the file: a file whose recurrent layers
+    /// all saw the same tokens still loads right, one whose recurrent layers hold different offsets (a layer set,
+    /// a `CacheList` of them) comes back with every layer at the first one's offset. Hook:
+    /// `kvsim_persist::mlxlm::file_from_kvsim`.
+    MlxlmSsmOffsetsFromFirst,
+    /// mlx-lm's file reader gives every empty attention layer (no array: mlx-lm writes only its class name) the
+    /// spec of the file's first empty layer (`kvsim_empty_specs` by path): a file whose empty layers share one spec
+    /// loads right, one whose empty layers differ in heads, head dim or dtype comes back with the first one's. Hook:
+    /// `kvsim_persist::mlxlm::Hints::spec_at`.
+    MlxlmEmptySpecFromFirst,
+    /// `TransitioningKvRows::adopt` records every converted row's conversion at its current offset (the boundary
+    /// where the row came due and converted is dropped; storage, floor and padding kept): the adopted rows' lifecycle
+    /// is not the one their parts carried. Hook: `TransitioningKvRows::adopt`. Reached only by generated adopts of
+    /// bf16-first rows.
+    TkvAdoptDropsBoundary,
+    /// The rows' softcapped fetch converts only the first row whose transition came due in the call, when several
+    /// come due together: the others stay bf16 past their boundary (and convert at a later append, at the wrong
+    /// offset). Hook: `TransitioningKvRows::fetch`.
+    TkvFetchConvertsFirstDue,
 }
 
 impl Mutant {
@@ -226,6 +246,10 @@ impl Mutant {
         Mutant::PagedPartialMatch,
         Mutant::PagedEvictReferenced,
         Mutant::PagedRollbackKeepsTable,
+        Mutant::MlxlmSsmOffsetsFromFirst,
+        Mutant::MlxlmEmptySpecFromFirst,
+        Mutant::TkvAdoptDropsBoundary,
+        Mutant::TkvFetchConvertsFirstDue,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -279,6 +303,10 @@ impl Mutant {
             Mutant::PagedPartialMatch => "paged-partial-match",
             Mutant::PagedEvictReferenced => "paged-evict-referenced",
             Mutant::PagedRollbackKeepsTable => "paged-rollback-keeps-table",
+            Mutant::MlxlmSsmOffsetsFromFirst => "mlxlm-ssm-offsets-from-first",
+            Mutant::MlxlmEmptySpecFromFirst => "mlxlm-empty-spec-from-first",
+            Mutant::TkvAdoptDropsBoundary => "tkv-adopt-drops-boundary",
+            Mutant::TkvFetchConvertsFirstDue => "tkv-fetch-converts-first-due",
         }
     }
 
@@ -296,7 +324,9 @@ impl Mutant {
             | Mutant::MlxlmRotatedFlagFromString
             | Mutant::CodecSavesWholeBuffer
             | Mutant::KvsimSkipsTensorChecksum
-            | Mutant::FirstLayerBookkeeping => "persist",
+            | Mutant::FirstLayerBookkeeping
+            | Mutant::MlxlmSsmOffsetsFromFirst
+            | Mutant::MlxlmEmptySpecFromFirst => "persist",
             _ if self.name().starts_with("ssm-") => "ssm",
             _ if self.name().starts_with("paged-") => "paged",
             _ => "kv",
@@ -376,6 +406,14 @@ impl Mutant {
             }
             Mutant::PagedEvictReferenced => "eviction frees a cached block a sequence still references",
             Mutant::PagedRollbackKeepsTable => "a paged rollback keeps the tail blocks in the block table",
+            Mutant::MlxlmSsmOffsetsFromFirst => {
+                "mlx-lm's file writer records the first recurrent layer's offsets for every recurrent layer"
+            }
+            Mutant::MlxlmEmptySpecFromFirst => {
+                "mlx-lm's file reader gives every empty attention layer the first empty layer's spec"
+            }
+            Mutant::TkvAdoptDropsBoundary => "adopted bf16-first rows record each conversion at the current offset",
+            Mutant::TkvFetchConvertsFirstDue => "the rows' fetch converts only the first of several rows come due",
         }
     }
 
