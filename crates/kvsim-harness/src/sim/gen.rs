@@ -28,6 +28,8 @@ pub struct Generator {
     follow: ChaCha8Rng,
     /// The follow-up the last op asks for, if any.
     pending: Option<FollowUp>,
+    /// The last op brought requests into the running batch (a merge, a join, a batch prefill).
+    entered: bool,
 }
 
 /// A step of a request's life that consumes the state the op before it left, drawn right after that op (at
@@ -60,7 +62,16 @@ pub const CONVERT_AFTER_ADMIT_CHANCE: f64 = 0.3;
 
 /// The chance, per op with a running batch in a run that may draw it, that the generator draws the bf16-first
 /// rows' softcapped fetch ([`Op::Fetch`]) instead.
-pub const FETCH_CHANCE: f64 = 0.04;
+pub const FETCH_CHANCE: f64 = 0.08;
+
+/// The chance of the softcapped fetch right after requests entered the running batch (a merge, a join, a batch
+/// prefill): rows that entered together are the ones most likely still bf16 side by side, so a fetch then is where
+/// several rows come due in one call.
+pub const FETCH_AFTER_ENTRY_CHANCE: f64 = 0.8;
+
+/// The chance that a fetch is a long one (past every boundary a run draws, `TransitionChoice::draw`) rather than a
+/// chunk: every row still bf16 comes due in the one call.
+pub const LONG_FETCH_CHANCE: f64 = 0.8;
 
 /// The chance, per op with a running batch, that the generator draws one of the contract ops instead.
 pub const CONTRACT_OP_CHANCE: f64 = 0.03;
@@ -88,15 +99,25 @@ impl Generator {
     }
 
     /// The softcapped fetch, drawn only from [`Stream::Fetch`] and only in runs whose families all support it and
-    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`].
+    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`] (right after
+    /// requests entered it, at [`FETCH_AFTER_ENTRY_CHANCE`]); a chunk of positions, or at [`LONG_FETCH_CHANCE`] a
+    /// long fetch.
     fn fetch_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
         let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
         let allowed =
             self.registry.all_support(&names, OpKind::Fetch) && self.registry.owners_present(&names, OpKind::Fetch);
-        if v.rows.is_empty() || !allowed || !self.fetch.random_bool(FETCH_CHANCE) {
+        let chance = if self.entered { FETCH_AFTER_ENTRY_CHANCE } else { FETCH_CHANCE };
+        if v.rows.is_empty() || !allowed || !self.fetch.random_bool(chance) {
             return None;
         }
-        Some(Op::Fetch { len: self.fetch.random_range(1..=cfg.max_chunk.max(1) as u32) })
+        let len = if self.fetch.random_bool(LONG_FETCH_CHANCE) {
+            // Past the farthest boundary a run draws (`TransitionChoice::draw`: at most 3 * max(max_prompt, 4)).
+            let far = 3 * cfg.max_prompt.max(4) as u32;
+            self.fetch.random_range(far + 1..=far + 4)
+        } else {
+            self.fetch.random_range(1..=cfg.max_chunk.max(1) as u32)
+        };
+        Some(Op::Fetch { len })
     }
 
     /// The generator of `seed` over kvsim's own families.
@@ -111,7 +132,18 @@ impl Generator {
             (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
         let (contract, fetch) = (stream(seed, Stream::Contract), stream(seed, Stream::Fetch));
         let follow = stream(seed, Stream::FollowUp);
-        Generator { work, spec, prefill, drawers, contract, fetch, registry: registry.clone(), follow, pending: None }
+        Generator {
+            work,
+            spec,
+            prefill,
+            drawers,
+            contract,
+            fetch,
+            registry: registry.clone(),
+            follow,
+            pending: None,
+            entered: false,
+        }
     }
 
     /// The follow-up the last op asked for ([`FollowUp`]), drawn only from [`Stream::FollowUp`] (and the prefill's
@@ -180,6 +212,7 @@ impl Generator {
     pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
         let op = self.draw(cfg, v);
         self.pending = Self::asks_for(cfg, &op);
+        self.entered = matches!(op, Op::Merge { .. } | Op::Join { .. } | Op::BatchPrefill { .. });
         op
     }
 
