@@ -171,3 +171,54 @@ impl Recurrent {
         Ok(())
     }
 }
+
+impl Recurrent {
+    /// `Op::Adopt`: every layer of the running batch rebuilt from its own parts through the row-layout contract
+    /// (`RowLayout::parts` / `RowLayout::adopt`: a DeltaNet layer's two states and per-row offsets through
+    /// `SsmCache::from_states`, an attention layer's buffers and row states through `RowBatch`'s adopt); the run goes
+    /// on from the adopted batch, and the state checks after the op compare every row with its twin and model. With
+    /// `invalid`, the first DeltaNet layer's parts list one offset more than its states hold rows: the typed error
+    /// `ShapeMismatch`, and nothing is replaced.
+    pub(super) fn adopt_batch(&mut self, roster: &crate::sim::roster::Roster, invalid: bool) -> Res<bool> {
+        use kvsim_cache::RowLayout;
+        if roster.rows().is_empty() {
+            return Ok(false);
+        }
+        if invalid {
+            let Some(b) = self.batch.iter().find_map(|b| match b {
+                Rows::Ssm(b) => Some(b),
+                Rows::Attn(_) => None,
+            }) else {
+                return Ok(false);
+            };
+            let mut parts = RowLayout::parts(b).map_err(|e| mlx("parts", e))?;
+            parts.offsets.push(0);
+            return match <SsmCache as RowLayout>::adopt(&b.spec(), parts) {
+                Err(CacheError::ShapeMismatch { .. }) => {
+                    self.counters.record_rejected("adopt_state");
+                    Ok(true)
+                }
+                other => Err(Failure::new(
+                    "errors",
+                    format!(
+                        "adopt of states with one offset too many: expected ShapeMismatch, got {:?}",
+                        other.map(|_| ())
+                    ),
+                )),
+            };
+        }
+        for b in &mut self.batch {
+            *b = match b {
+                Rows::Ssm(c) => {
+                    let parts = RowLayout::parts(c).map_err(|e| mlx("parts", e))?;
+                    Rows::Ssm(<SsmCache as RowLayout>::adopt(&c.spec(), parts).map_err(|e| mlx("adopt", e))?)
+                }
+                Rows::Attn(r) => {
+                    let (g, parts) = (RowLayout::geometry(r), RowLayout::parts(r).map_err(|e| mlx("parts", e))?);
+                    Rows::Attn(<RowBatch as RowLayout>::adopt(&g, parts).map_err(|e| mlx("adopt", e))?)
+                }
+            };
+        }
+        Ok(true)
+    }
+}

@@ -38,13 +38,15 @@ impl TransitionFamily {
                 }
                 (false, Err(e)) => return Err(unexpected("adopt of the rows' own parts", e)),
                 (true, Err(CacheError::InvalidState { .. })) => self.counters.record_rejected("adopt_state"),
-                (true, other) => return Err(Failure::new(
-                    "errors",
-                    format!(
+                (true, other) => {
+                    return Err(Failure::new(
+                        "errors",
+                        format!(
                         "layer {layer}: adopt of a row with an impossible lifecycle: expected InvalidState, got {:?}",
                         other.map(|_| ())
                     ),
-                )),
+                    ))
+                }
             }
         }
         if !invalid {
