@@ -833,6 +833,10 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         // Needs a save of a request outside the batch that holds a position: its set of differing layers
         // (`sim::family::layer_set`) is the only save whose layers disagree. Measured catch seed 9.
         Mutant::FirstLayerBookkeeping => 40,
+        // Reached by an adopt of bf16-first rows holding a row converted before its offset (measured catch seed 11,
+        // 24 of seeds 0..300), a fetch after a merge or join that takes several bf16 rows past their boundary
+        // (seed 6, 16 of 300), and the recurrent family's save of a set whose recurrent layers and empty layers
+        // differ (seed 15 for both, 32 of 300).
         Mutant::TkvAdoptDropsBoundary
         | Mutant::TkvFetchConvertsFirstDue
         | Mutant::MlxlmSsmOffsetsFromFirst

@@ -28,8 +28,8 @@ pub struct Generator {
     follow: ChaCha8Rng,
     /// The follow-up the last op asks for, if any.
     pending: Option<FollowUp>,
-    /// Ops since requests last entered the running batch (a merge, a join, a batch prefill; 0: the last op did),
-    /// counted up to [`FETCH_AFTER_ENTRY_OPS`].
+    /// Ops since requests last entered the running batch by a merge or a join (0: the last op did), counted up to
+    /// [`FETCH_AFTER_ENTRY_OPS`].
     since_entry: usize,
 }
 
@@ -63,19 +63,21 @@ pub const CONVERT_AFTER_ADMIT_CHANCE: f64 = 0.3;
 
 /// The chance, per op with a running batch in a run that may draw it, that the generator draws the bf16-first
 /// rows' softcapped fetch ([`Op::Fetch`]) instead.
-pub const FETCH_CHANCE: f64 = 0.08;
+pub const FETCH_CHANCE: f64 = 0.04;
 
-/// The chance of the softcapped fetch in the [`FETCH_AFTER_ENTRY_OPS`] ops after requests entered the running batch
-/// (a merge, a join, a batch prefill): rows that entered together are the ones most likely still bf16 side by side,
-/// so a fetch then is where several rows come due in one call.
-pub const FETCH_AFTER_ENTRY_CHANCE: f64 = 0.8;
+/// The chance of the softcapped fetch in the [`FETCH_AFTER_ENTRY_OPS`] ops after requests entered a running batch
+/// of several rows by a merge or a join: rows that entered together are the ones most likely still bf16 side by
+/// side, so a fetch then is where several rows come due in one call.
+pub const FETCH_AFTER_ENTRY_CHANCE: f64 = 0.5;
 
 /// How many ops after requests entered the running batch draw the fetch at [`FETCH_AFTER_ENTRY_CHANCE`].
-pub const FETCH_AFTER_ENTRY_OPS: usize = 3;
+pub const FETCH_AFTER_ENTRY_OPS: usize = 1;
 
-/// The chance that a fetch is a long one (past every boundary a run draws, `TransitionChoice::draw`) rather than a
-/// chunk: every row still bf16 comes due in the one call. Right after requests entered the batch every fetch is.
-pub const LONG_FETCH_CHANCE: f64 = 0.5;
+/// The chance that a fetch drawn after an entry is a long one (past every boundary a run draws,
+/// `TransitionChoice::draw`) rather than a chunk: every row still bf16 comes due in the one call. The other fetches
+/// are chunks (a long fetch everywhere would take the rows past their boundaries before the rounds that must cross
+/// them).
+pub const LONG_FETCH_CHANCE: f64 = 0.8;
 
 /// The chance, per op with a running batch, that the generator draws one of the contract ops instead.
 pub const CONTRACT_OP_CHANCE: f64 = 0.03;
@@ -103,20 +105,20 @@ impl Generator {
     }
 
     /// The softcapped fetch, drawn only from [`Stream::Fetch`] and only in runs whose families all support it and
-    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`] (in the
-    /// [`FETCH_AFTER_ENTRY_OPS`] ops after requests entered it, at [`FETCH_AFTER_ENTRY_CHANCE`], and long); a chunk
-    /// of positions, or at [`LONG_FETCH_CHANCE`] a long fetch.
+    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`], a chunk of
+    /// positions; in the [`FETCH_AFTER_ENTRY_OPS`] ops after requests entered a batch of several rows by a merge or
+    /// a join, at [`FETCH_AFTER_ENTRY_CHANCE`], long at [`LONG_FETCH_CHANCE`].
     fn fetch_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
         let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
         let allowed =
             self.registry.all_support(&names, OpKind::Fetch) && self.registry.owners_present(&names, OpKind::Fetch);
-        let after_entry = self.since_entry < FETCH_AFTER_ENTRY_OPS;
+        // Several rows can come due together only in a batch of several.
+        let after_entry = self.since_entry < FETCH_AFTER_ENTRY_OPS && v.rows.len() >= 2;
         let chance = if after_entry { FETCH_AFTER_ENTRY_CHANCE } else { FETCH_CHANCE };
         if v.rows.is_empty() || !allowed || !self.fetch.random_bool(chance) {
             return None;
         }
-        // Right after an entry every fetch is long (a chunk could take one row past its boundary alone).
-        let len = if after_entry || self.fetch.random_bool(LONG_FETCH_CHANCE) {
+        let len = if after_entry && self.fetch.random_bool(LONG_FETCH_CHANCE) {
             // Past the farthest boundary a run draws (`TransitionChoice::draw`: at most 3 * max(max_prompt, 4)).
             let far = 3 * cfg.max_prompt.max(4) as u32;
             self.fetch.random_range(far + 1..=far + 4)
@@ -218,7 +220,7 @@ impl Generator {
     pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
         let op = self.draw(cfg, v);
         self.pending = Self::asks_for(cfg, &op);
-        self.since_entry = if matches!(op, Op::Merge { .. } | Op::Join { .. } | Op::BatchPrefill { .. }) {
+        self.since_entry = if matches!(op, Op::Merge { .. } | Op::Join { .. }) {
             0
         } else {
             (self.since_entry + 1).min(FETCH_AFTER_ENTRY_OPS)
