@@ -774,8 +774,7 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
         | Mutant::TkvReuseBelowFloor
         | Mutant::TkvSplitMovesBoundary => holds(transition::NAME) || holds(transition::LEGO_NAME),
         // The rows' own calls: only the rows family runs `TransitioningKvRows` (`adopt`, the softcapped fetch).
-        Mutant::TkvAdoptDropsBoundary => holds(transition::NAME) && cfg.weight(crate::sim::ops::OpKind::Adopt) > 0,
-        Mutant::TkvFetchConvertsFirstDue => holds(transition::NAME),
+        Mutant::TkvAdoptDropsBoundary | Mutant::TkvFetchConvertsFirstDue => holds(transition::NAME),
         // mlx-lm files whose recurrent layers differ, or whose empty layers do, are written only by the save/restore
         // op: the recurrent family's sets (`sim::family::ssm::persist`), the attention families' layer sets.
         Mutant::MlxlmSsmOffsetsFromFirst => {

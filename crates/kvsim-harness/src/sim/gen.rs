@@ -22,6 +22,8 @@ pub struct Generator {
     contract: ChaCha8Rng,
     /// Whether the next op is the rows' softcapped fetch ([`Stream::Fetch`]), and its length.
     fetch: ChaCha8Rng,
+    /// Whether the next op is an adopt of the bf16-first rows ([`Stream::RowsAdopt`]).
+    rows_adopt: ChaCha8Rng,
     /// The families' registry, for which contract ops the run's families support.
     registry: Registry,
     /// Whether the next op follows up the last one ([`Stream::FollowUp`]), and its parameters.
@@ -79,6 +81,11 @@ pub const FETCH_AFTER_ENTRY_OPS: usize = 1;
 /// them).
 pub const LONG_FETCH_CHANCE: f64 = 0.8;
 
+/// The chance, per op with a running batch in a run that holds the bf16-first rows and may draw adopt, that the
+/// generator draws an adopt of the rows ([`Op::Adopt`]) beside the weights: the rows' conversions, floors and padding
+/// change op by op, and one adopt in a run sees few of them.
+pub const ROWS_ADOPT_CHANCE: f64 = 0.05;
+
 /// The chance, per op with a running batch, that the generator draws one of the contract ops instead.
 pub const CONTRACT_OP_CHANCE: f64 = 0.03;
 
@@ -128,6 +135,19 @@ impl Generator {
         Some(Op::Fetch { len })
     }
 
+    /// An adopt of the bf16-first rows, drawn only from [`Stream::RowsAdopt`] (the workload stream is not touched):
+    /// with a running batch, in runs that hold the rows family and whose families all support adopt, at
+    /// [`ROWS_ADOPT_CHANCE`] (a fifth of them the invalid one).
+    fn rows_adopt_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
+        let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
+        let rows_family = names.iter().any(|n| n == crate::sim::family::transition::NAME);
+        if v.rows.is_empty() || !rows_family || !self.registry.all_support(&names, OpKind::Adopt) {
+            return None;
+        }
+        let r = &mut self.rows_adopt;
+        r.random_bool(ROWS_ADOPT_CHANCE).then(|| Op::Adopt { invalid: r.random_bool(0.2) })
+    }
+
     /// The generator of `seed` over kvsim's own families.
     pub fn new(seed: u64) -> Generator {
         Generator::new_in(seed, Registry::builtin())
@@ -140,6 +160,7 @@ impl Generator {
             (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
         let (contract, fetch) = (stream(seed, Stream::Contract), stream(seed, Stream::Fetch));
         let follow = stream(seed, Stream::FollowUp);
+        let rows_adopt = stream(seed, Stream::RowsAdopt);
         Generator {
             work,
             spec,
@@ -147,6 +168,7 @@ impl Generator {
             drawers,
             contract,
             fetch,
+            rows_adopt,
             registry: registry.clone(),
             follow,
             pending: None,
@@ -237,6 +259,9 @@ impl Generator {
             return op;
         }
         if let Some(op) = self.fetch_op(cfg, v) {
+            return op;
+        }
+        if let Some(op) = self.rows_adopt_op(cfg, v) {
             return op;
         }
         let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();

@@ -20,8 +20,7 @@
 //! `spec_round_commit` when every row accepts all, else `spec_round_rollback_rows(keep)` with replay; attention
 //! layers `trim_rows(gamma - keep, bypass)`), `extract` (with `finish`: the request ends; else it continues outside
 //! the batch, its layers saved to a kvsim file and restored from the bytes alone first), `filter`, and the training kinds
-//! (`training_forward`: the training DeltaNet cache [`TrainingSsmCache`]; `training_refusal`), and `adopt` (the
-//! running batch rebuilt from its own parts through the row-layout contract). Trims, the
+//! (`training_forward`: the training DeltaNet cache [`TrainingSsmCache`]; `training_refusal`). Trims, the
 //! attention-only special reads and the prefix-shared forward are not supported (`supports` answers false, so a
 //! run holding this family never draws them).
 //!
@@ -74,7 +73,7 @@ type Res<T = ()> = Result<T, Failure>;
 pub const NAME: &str = "ssm";
 
 /// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward, and
-/// the attention API probes (`decode_phase`, `prepare` into holding rows, ill-formed inputs). The bf16-first
+/// the attention API probes (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs). The bf16-first
 /// family's own ops (`prefix_reuse`, `plain_read`, `fetch`) touch no cache here (as in the attention family): the
 /// state checks after the op prove it.
 pub const REGISTRATION: Registration = Registration::plain(
@@ -91,6 +90,7 @@ pub const REGISTRATION: Registration = Registration::plain(
                 | OpKind::CompiledBatchStep
                 | OpKind::CommitKnownSpans
                 | OpKind::PrefixSharedForward
+                | OpKind::Adopt
                 | OpKind::DecodePhase
                 | OpKind::Prepare
                 | OpKind::IllFormed
@@ -476,7 +476,6 @@ impl Family for Recurrent {
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),
             Op::TrainingForward { lengths, len, .. } => self.training_forward(cx, lengths, *len as usize),
             Op::TrainingRefusal { .. } => self.training_refusal(),
-            Op::Adopt { invalid } => self.adopt_batch(roster, *invalid),
             // The bf16-first family's own ops touch no cache here: `check_all` after the op proves it.
             Op::PrefixReuse { .. } | Op::PlainRead | Op::Fetch { .. } => Ok(true),
             Op::Persist { req, mlxlm } => {
@@ -503,6 +502,7 @@ impl Family for Recurrent {
             | Op::CompiledBatchStep
             | Op::CommitKnownSpans { .. }
             | Op::PrefixSharedForward { .. }
+            | Op::Adopt { .. }
             | Op::DecodePhase
             | Op::Prepare { .. }
             | Op::IllFormed { .. }

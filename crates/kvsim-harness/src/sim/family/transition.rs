@@ -227,6 +227,9 @@ pub struct TransitionFamily {
     padded_prefill: bool,
     /// Coverage classes the current op reached through this family's state ([`Family::take_reached`]).
     reached: Vec<&'static str>,
+    /// Some row of the running batch has held a column since the batch was last empty (checked after every op):
+    /// `adopt` applies.
+    rows_stored: bool,
 }
 
 fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
@@ -296,6 +299,7 @@ impl TransitionFamily {
             legos,
             padded_prefill: choice.padded_prefill,
             reached: Vec::new(),
+            rows_stored: false,
         })
     }
 
