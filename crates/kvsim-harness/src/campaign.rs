@@ -834,8 +834,8 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         Mutant::FirstLayerBookkeeping => 40,
         // Reached by an adopt of bf16-first rows holding a row converted before its offset (measured catch seed 11,
         // 24 of seeds 0..300), a fetch after a merge or join that takes several bf16 rows past their boundary
-        // (seed 6, 16 of 300), and the recurrent family's save of a set whose recurrent layers and empty layers
-        // differ (seed 15 for both, 32 of 300).
+        // (seed 2, 16 of 300), and the recurrent family's save of a set whose recurrent layers and empty layers
+        // differ (seed 15 for both, 33 of 300).
         Mutant::TkvAdoptDropsBoundary
         | Mutant::TkvFetchConvertsFirstDue
         | Mutant::MlxlmSsmOffsetsFromFirst
