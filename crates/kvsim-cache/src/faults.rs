@@ -196,6 +196,26 @@ pub enum Mutant {
     /// of the chunk has its queries aligned to the chunk's width, not to its real positions. Hook:
     /// `PagedStore::rows_window`.
     PagedPrefillCausalByLength,
+    /// mlx-lm's file writer records the first recurrent layer's offsets (the `ArraysCache` offsets it carries in
+    /// the user metadata, `kvsim_ssm_offsets`) for every recurrent layer of the file: a file whose recurrent layers
+    /// all saw the same tokens still loads right, one whose recurrent layers hold different offsets (a layer set,
+    /// a `CacheList` of them) comes back with every layer at the first one's offset. Hook:
+    /// `kvsim_persist::mlxlm::file_from_kvsim`.
+    MlxlmSsmOffsetsFromFirst,
+    /// mlx-lm's file reader gives every empty attention layer (no array: mlx-lm writes only its class name) the
+    /// spec of the file's first empty layer (`kvsim_empty_specs` by path): a file whose empty layers share one spec
+    /// loads right, one whose empty layers differ in heads, head dim or dtype comes back with the first one's. Hook:
+    /// `kvsim_persist::mlxlm::Hints::spec_at`.
+    MlxlmEmptySpecFromFirst,
+    /// `TransitioningKvRows::adopt` records every converted row's conversion at its current offset (the boundary
+    /// where the row came due and converted is dropped; storage, floor and padding kept): the adopted rows' lifecycle
+    /// is not the one their parts carried. Hook: `TransitioningKvRows::adopt`. Reached only by generated adopts of
+    /// bf16-first rows.
+    TkvAdoptDropsBoundary,
+    /// The rows' softcapped fetch converts only the first row whose transition came due in the call, when several
+    /// come due together: the others stay bf16 past their boundary (and convert at a later append, at the wrong
+    /// offset). Hook: `TransitioningKvRows::fetch`.
+    TkvFetchConvertsFirstDue,
 }
 
 impl Mutant {
@@ -254,6 +274,10 @@ impl Mutant {
         Mutant::PagedMatchIgnoresParent,
         Mutant::PagedAffineCowPackedOnly,
         Mutant::PagedPrefillCausalByLength,
+        Mutant::MlxlmSsmOffsetsFromFirst,
+        Mutant::MlxlmEmptySpecFromFirst,
+        Mutant::TkvAdoptDropsBoundary,
+        Mutant::TkvFetchConvertsFirstDue,
     ];
 
     /// A stable kebab-case name (CLI, traces).
@@ -312,6 +336,10 @@ impl Mutant {
             Mutant::PagedMatchIgnoresParent => "paged-match-ignores-parent",
             Mutant::PagedAffineCowPackedOnly => "paged-affine-cow-packed-only",
             Mutant::PagedPrefillCausalByLength => "paged-prefill-causal-by-length",
+            Mutant::MlxlmSsmOffsetsFromFirst => "mlxlm-ssm-offsets-from-first",
+            Mutant::MlxlmEmptySpecFromFirst => "mlxlm-empty-spec-from-first",
+            Mutant::TkvAdoptDropsBoundary => "tkv-adopt-drops-boundary",
+            Mutant::TkvFetchConvertsFirstDue => "tkv-fetch-converts-first-due",
         }
     }
 
@@ -329,7 +357,9 @@ impl Mutant {
             | Mutant::MlxlmRotatedFlagFromString
             | Mutant::CodecSavesWholeBuffer
             | Mutant::KvsimSkipsTensorChecksum
-            | Mutant::FirstLayerBookkeeping => "persist",
+            | Mutant::FirstLayerBookkeeping
+            | Mutant::MlxlmSsmOffsetsFromFirst
+            | Mutant::MlxlmEmptySpecFromFirst => "persist",
             _ if self.name().starts_with("ssm-") => "ssm",
             _ if self.name().starts_with("paged-") => "paged",
             _ => "kv",
@@ -422,6 +452,14 @@ impl Mutant {
             Mutant::PagedPrefillCausalByLength => {
                 "a prefill chunk reads rows of one length under Causal even when one took only part of the chunk"
             }
+            Mutant::MlxlmSsmOffsetsFromFirst => {
+                "mlx-lm's file writer records the first recurrent layer's offsets for every recurrent layer"
+            }
+            Mutant::MlxlmEmptySpecFromFirst => {
+                "mlx-lm's file reader gives every empty attention layer the first empty layer's spec"
+            }
+            Mutant::TkvAdoptDropsBoundary => "adopted bf16-first rows record each conversion at the current offset",
+            Mutant::TkvFetchConvertsFirstDue => "the rows' fetch converts only the first of several rows come due",
         }
     }
 

@@ -748,100 +748,6 @@ impl TransitioningKvRows {
         Ok((out, converted))
     }
 
-    /// A window while a right-padded prefill is pending: row `r` stores only its next `min(pending_r, L)` real
-    /// positions (each unpacked row a window of exactly those on its serial cache, so its state is its lego's fed
-    /// the real positions); outputs at padded query positions are unspecified (zeros for unpacked rows). Nothing
-    /// converts until the row's request commits ([`TransitioningKvRows::commit_prefill`] or `finalize`).
-    fn prepared_window(
-        &mut self,
-        k: &Array,
-        v: &Array,
-        q: &Array,
-        scale: f32,
-        masks: &Masks,
-    ) -> Result<(Array, Vec<usize>)> {
-        let n = self.rows();
-        let l = check_kv(&self.spec, k, v, n, 1)?;
-        let hq = check_q(&self.spec, q, n, l)?;
-        let pending = self.pending.clone().unwrap_or_default();
-        let real: Vec<usize> = pending.iter().map(|&p| p.min(l)).collect();
-        let mut next = self.clone();
-        let out = match &mut next.store {
-            Store::Packed(b) => b.window(k, v, q, scale, masks)?.0,
-            Store::Rows(caches) => {
-                let row_masks = layout_window_masks(caches, l, &real, masks)?;
-                let mut outs = Vec::with_capacity(n);
-                for ((i, c), mask) in caches.iter_mut().enumerate().zip(row_masks) {
-                    let r = real[i];
-                    let mut parts = Vec::with_capacity(2);
-                    if r > 0 {
-                        let (ki, vi, qi) = (row_slice(k, i, i + 1)?, row_slice(v, i, i + 1)?, row_slice(q, i, i + 1)?);
-                        let (kr, vr, qr) = (cols(&ki, 0, r)?, cols(&vi, 0, r)?, cols(&qi, 0, r)?);
-                        parts.push(c.window_with_mask(&kr, &vr, &qr, scale, mask)?.0);
-                    }
-                    if r < l {
-                        parts.push(zeros(&[1, hq, l - r, self.spec.head_dim], self.spec.dtype.to_mlx())?);
-                    }
-                    outs.push(mlx_rs::ops::concatenate(&parts, 2)?);
-                }
-                mlx_rs::ops::concatenate(&outs, 0)?
-            }
-        };
-        next.pending = Some(pending.iter().zip(&real).map(|(&p, &r)| p - r).collect());
-        *self = next;
-        Ok((out, Vec::new()))
-    }
-
-    /// A right-padded prefill (as the quantized rows' `prepare`, R-BROT-2): row `r` has `lengths[r]` more real
-    /// positions (0: none), delivered by the next windows, each of width `L` consuming `min(remaining_r, L)`. A
-    /// prefill cohort starts: no row converts until its request's chunk commits
-    /// ([`TransitioningKvRows::commit_prefill`]) or [`TransitioningKvRows::finalize`] (a sibling's longer prompt
-    /// never moves a row's boundary). While pending a decode is [`CacheError::PendingPrefill`]; a second prepare
-    /// too; a prepare inside a round or a cohort is [`CacheError::Lifecycle`]; lengths of another count are
-    /// [`CacheError::BadLengths`]. Errors change nothing.
-    pub fn prepare(&mut self, lengths: &[usize]) -> Result<()> {
-        if self.pending.is_some() {
-            return Err(CacheError::PendingPrefill);
-        }
-        if self.round.is_some() || self.prefilling {
-            return Err(out_of_order("prepare inside a round or a prefill"));
-        }
-        if lengths.len() != self.rows() {
-            return Err(CacheError::BadLengths { what: format!("{} lengths for {} rows", lengths.len(), self.rows()) });
-        }
-        let mut next = self.clone();
-        if let Store::Packed(b) = &mut next.store {
-            b.prepare(lengths)?;
-        }
-        next.pending = Some(lengths.to_vec());
-        next.prefilling = true;
-        *self = next;
-        Ok(())
-    }
-
-    /// Ends the right-padded prefill: positions not yet delivered are forgotten, every row's request commits its
-    /// boundary (the rows whose transition is due convert, then pack if all have). Returns the rows converted.
-    /// Without a pending prefill: [`CacheError::NoPendingPrefill`], nothing changed.
-    pub fn finalize(&mut self) -> Result<Vec<usize>> {
-        if self.pending.is_none() {
-            return Err(CacheError::NoPendingPrefill);
-        }
-        let mut next = self.clone();
-        if let Store::Packed(b) = &mut next.store {
-            b.finalize()?;
-        }
-        next.pending = None;
-        next.prefilling = false;
-        let converted = next.settle_all()?;
-        *self = next;
-        Ok(converted)
-    }
-
-    /// Each row's positions still to arrive in a pending right-padded prefill (`None`: none pending).
-    pub fn pending(&self) -> Option<&[usize]> {
-        self.pending.as_deref()
-    }
-
     /// One decode step per row, each row read in its own precision (the attention read); then, outside a prefill
     /// and a round, the rows whose transition is due convert. Returns the output and the rows that converted.
     pub fn decode(
@@ -960,85 +866,6 @@ impl TransitioningKvRows {
         Ok((out, converted))
     }
 
-    /// The plain read's guard (`update_and_fetch`, one dense K/V for the batch): refused while any row is affine
-    /// or the rows are packed, with nothing changed.
-    pub fn check_plain_read(&self) -> Result<()> {
-        match self.meta.iter().position(|m| m.converted_at.is_some()) {
-            Some(row) => Err(CacheError::MixedPrecision { row }),
-            None => Ok(()),
-        }
-    }
-
-    /// The dense fetch: each row's live columns in physical order as its storage fetches them dense (a converted
-    /// row dequantized), one `(k, v)` per row (the caller owns them).
-    pub fn dense_fetch(&self) -> Result<Vec<(Array, Array)>> {
-        match &self.store {
-            Store::Rows(caches) => caches.iter().map(|c| c.storage().dense(&c.physical_planes()?)).collect(),
-            Store::Packed(b) => (0..b.rows()).map(|i| b.storage().dense(&b.row_physical_planes(i)?)).collect(),
-        }
-    }
-
-    /// The softcapped read's fetch (R-TKV-4): the transition first (nothing is left due outside a prefill or a
-    /// round: rows settle after every call), then every row appends its `L >= 1` positions (each unpacked row's ring
-    /// by its window write, or the packed batch's), then the rows answer as
-    /// [`TransitioningKvRows::dense_fetch_aligned`] (each row as its storage fetches it dense, converted rows
-    /// dequantized, joined along the batch behind their left padding; the caller owns both); then, outside a
-    /// prefill and a round, the rows whose transition is due convert, as after a read. Row `r`'s part is exactly
-    /// its lego's [`Bf16FirstCache::fetch`]. Returns `(k, v)` and the rows converted. While a right-padded prefill
-    /// is pending: [`CacheError::PendingPrefill`]; bad shapes: typed errors; errors change nothing.
-    pub fn fetch(&mut self, k: &Array, v: &Array) -> Result<((Array, Array), Vec<usize>)> {
-        if self.pending.is_some() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let n = self.rows();
-        check_kv(&self.spec, k, v, n, 1)?;
-        let mut next = self.clone();
-        match &mut next.store {
-            Store::Packed(b) => b.append(k, v)?,
-            Store::Rows(caches) => {
-                for (i, c) in caches.iter_mut().enumerate() {
-                    c.append(&row_slice(k, i, i + 1)?, &row_slice(v, i, i + 1)?)?;
-                }
-            }
-        }
-        let kv = next.dense_fetch_aligned()?;
-        let converted = next.settle_all()?;
-        *self = next;
-        Ok((kv, converted))
-    }
-
-    /// The plain read (`update_and_fetch`): [`TransitioningKvRows::check_plain_read`] (refused while any row is
-    /// affine, nothing changed), then [`TransitioningKvRows::fetch`].
-    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<((Array, Array), Vec<usize>)> {
-        self.check_plain_read()?;
-        self.fetch(k, v)
-    }
-
-    /// R-TKV-4's aligned form: the rows joined along the batch in one geometry, `[B, H_kv, width, D]` each for K
-    /// and V, the caller owning both. Row `r` holds `left_pad_r` zero columns, then its live columns in physical order
-    /// as its storage fetches them dense (a converted row dequantized: exactly [`TransitioningKvRows::dense_fetch`]'s
-    /// row), then zero columns up to `width = max_r (left_pad_r + len_r)`. A lone row has no padding: its physical
-    /// columns and phase as they are. No rows is `[0, H_kv, 0, D]`.
-    pub fn dense_fetch_aligned(&self) -> Result<(Array, Array)> {
-        let rows = self.dense_fetch()?;
-        let lens: Vec<usize> = rows.iter().map(|(k, _)| k.shape()[2].max(0) as usize).collect();
-        let width = self.meta.iter().zip(&lens).map(|(m, &l)| m.left_pad + l).max().unwrap_or(0);
-        let (h, d, dt) = (self.spec.heads_kv, self.spec.head_dim, self.spec.dtype.to_mlx());
-        if rows.is_empty() {
-            let z = zeros(&[0, h, 0, d], dt)?;
-            return Ok((z.clone(), z));
-        }
-        let pad = |n: usize| zeros(&[1, h, n, d], dt);
-        let mut ks = Vec::with_capacity(rows.len());
-        let mut vs = Vec::with_capacity(rows.len());
-        for ((k, v), (m, &l)) in rows.iter().zip(self.meta.iter().zip(&lens)) {
-            let (front, back) = (pad(m.left_pad)?, pad(width - m.left_pad - l)?);
-            ks.push(mlx_rs::ops::concatenate(&[&front, k, &back], 2)?);
-            vs.push(mlx_rs::ops::concatenate(&[&front, v, &back], 2)?);
-        }
-        Ok((mlx_rs::ops::concatenate(&ks, 0)?, mlx_rs::ops::concatenate(&vs, 0)?))
-    }
-
     /// Row `i`'s storage planes, live columns in physical order (for byte comparisons).
     pub fn row_physical_planes(&self, i: usize) -> Result<Vec<Array>> {
         self.check_row(i)?;
@@ -1152,80 +979,6 @@ impl TransitioningKvRows {
         Ok((shifts, converted))
     }
 
-    /// R-TKV-5: row `i`'s bare storage, owned by the caller (a copy of its live columns and ring state, plain or
-    /// affine as the row holds now): what another row layout merges. The lifecycle (conversion, floor) stays here;
-    /// [`TransitioningKvRows::extract`] is the same storage composed again by its lego.
-    pub fn row_storage(&self, i: usize) -> Result<SerialCache> {
-        self.check_row(i)?;
-        match &self.store {
-            Store::Rows(caches) => Ok(caches[i].clone()),
-            Store::Packed(b) => b.extract(i),
-        }
-    }
-
-    /// The rows' parts, owned by the caller (R-TKV-5, upstream `adopt`'s input): each row's bare storage as laid out
-    /// ([`TransitioningKvRows::row_storage`]: physical columns and phase), its lifecycle, and the kernel set;
-    /// [`TransitioningKvRows::adopt`] of them is these rows again. Refused inside a round, a prefill cohort or a
-    /// pending prefill ([`CacheError::Lifecycle`] / [`CacheError::PendingPrefill`]): their bookkeeping is not a part.
-    pub fn parts(&self) -> Result<RowsParts> {
-        if self.pending.is_some() {
-            return Err(CacheError::PendingPrefill);
-        }
-        if self.round.is_some() || self.prefilling {
-            return Err(out_of_order("parts inside a round or a prefill"));
-        }
-        let rows = (0..self.rows()).map(|i| self.row_storage(i)).collect::<Result<Vec<_>>>()?;
-        Ok(RowsParts { rows, lifecycle: self.meta.clone(), kernels: self.kernels })
-    }
-
-    /// Rows that take storage already laid out (upstream `adopt`): row `r` is `parts.rows[r]` as it is (no column
-    /// moves, no temporal rewrite), with `parts.lifecycle[r]`, attending with `parts.kernels`; the rows pack if every
-    /// row has converted. Each row must be a state its lego's lifecycle reaches (as [`Bf16FirstCache::restore`]
-    /// requires: converted at `c` only if due at `c`, in the transition's affine format, with the floor that
-    /// conversion leaves; unconverted only in plain storage, not past a due transition, floor 0), else
-    /// [`CacheError::InvalidState`]; rows of another window, spec or format, or a kernel set of another format, are
-    /// [`CacheError::WindowMismatch`] / [`CacheError::StorageMismatch`]; counts that differ are
-    /// [`CacheError::BadLengths`]. Nothing is built on an error.
-    pub fn adopt(spec: KvSpec, max_size: Option<usize>, transition: Transition, parts: RowsParts) -> Result<Self> {
-        Storage::Affine(transition.quant).validate(&spec)?;
-        let RowsParts { rows, lifecycle, kernels } = parts;
-        if rows.len() != lifecycle.len() {
-            return Err(CacheError::BadLengths {
-                what: format!("{} rows with {} lifecycles", rows.len(), lifecycle.len()),
-            });
-        }
-        let mismatch = || CacheError::StorageMismatch {
-            expected: transition.rows_kind(max_size).0,
-            found: format!("a part of another spec or format ({})", kernels.name()),
-        };
-        if kernels.quant != transition.quant {
-            return Err(mismatch());
-        }
-        for (i, (c, m)) in rows.iter().zip(&lifecycle).enumerate() {
-            if c.max_size() != max_size {
-                return Err(CacheError::WindowMismatch { expected: max_size, found: c.max_size() });
-            }
-            if c.spec() != spec {
-                return Err(mismatch());
-            }
-            Bf16FirstCache::restore(c.clone(), transition, m.converted_at, m.floor)
-                .map_err(|e| CacheError::InvalidState { what: format!("row {i}: {e}") })?;
-        }
-        let mut out = TransitioningKvRows {
-            spec,
-            max_size,
-            transition,
-            kernels,
-            store: Store::Rows(rows),
-            meta: lifecycle,
-            prefilling: false,
-            round: None,
-            pending: None,
-        };
-        out.maybe_pack()?;
-        Ok(out)
-    }
-
     /// Each row's storage kind now (`kv-plain` / `rotating-plain`, `kv:quant:..` / `kv:rotating-quant:..` once
     /// converted): the storage the lego composes (R-C-10).
     pub fn row_storage_kinds(&self) -> Vec<StorageKind> {
@@ -1258,95 +1011,6 @@ impl TransitioningKvRows {
             Store::Rows(caches) => caches.iter().map(SerialCache::decode_phase).collect(),
             Store::Packed(b) => (0..b.rows()).filter_map(|i| b.row_decode_phase(i).ok()).collect(),
         }
-    }
-
-    /// R-C-9: the host bookkeeping of the coming one-position step on every row (growth, oversize drop,
-    /// rotation), without the write. Returns each row's target column. [`CacheError::PendingPrefill`] while a
-    /// prepared prefill is pending; nothing changed on error.
-    pub fn prepare_decode_step(&mut self) -> Result<Vec<usize>> {
-        if self.pending.is_some() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let mut next = self.store.clone();
-        let targets = match &mut next {
-            Store::Rows(caches) => {
-                caches.iter_mut().map(|c| Ok(c.prepare_decode_step()?.write_pos)).collect::<Result<Vec<_>>>()?
-            }
-            Store::Packed(b) => b.prepare_decode_step()?,
-        };
-        self.store = next;
-        Ok(targets)
-    }
-
-    /// R-C-9 / R-TKV-6: the host side of the coming compiled step of every row, without the write (each unpacked
-    /// row's own serial plan, or the packed batch's). [`CacheError::PendingPrefill`] while a prepared prefill is
-    /// pending; nothing changed on error. Idempotent.
-    pub fn prepare_step(&mut self) -> Result<RowsStep> {
-        if self.pending.is_some() {
-            return Err(CacheError::PendingPrefill);
-        }
-        let mut next = self.store.clone();
-        let plan = match &mut next {
-            Store::Rows(caches) => {
-                RowsStep::Rows(caches.iter_mut().map(SerialCache::prepare_decode_step).collect::<Result<Vec<_>>>()?)
-            }
-            Store::Packed(b) => RowsStep::Packed(b.prepare_rows_step()?),
-        };
-        self.store = next;
-        Ok(plan)
-    }
-
-    /// The closure slots of `plan` (see [`StepSlot`]); the packed slot's mask comes from the forward's `masks`.
-    /// A plan of the other store (the rows packed since) is [`CacheError::StepMismatch`].
-    pub fn step_slots(&self, plan: &RowsStep, masks: &Masks) -> Result<Vec<StepSlot>> {
-        use super::compiled::CompiledDecode;
-        match (&self.store, plan) {
-            (Store::Rows(caches), RowsStep::Rows(plans)) if plans.len() == caches.len() => caches
-                .iter()
-                .zip(plans)
-                .map(|(c, p)| {
-                    Ok(StepSlot {
-                        storage: c.storage(),
-                        fetch: Some(p.fetch),
-                        mask: MaskUse::None,
-                        inputs: c.step_inputs(p)?,
-                        rope: c.rope_input()?,
-                    })
-                })
-                .collect(),
-            (Store::Packed(b), RowsStep::Packed(p)) => {
-                let (inputs, mask) = b.rows_step_inputs(p, masks)?;
-                Ok(vec![StepSlot { storage: b.storage(), fetch: None, mask, inputs, rope: b.rows_rope_input() }])
-            }
-            _ => Err(CacheError::StepMismatch { what: "a plan of the other store (the rows packed since)".into() }),
-        }
-    }
-
-    /// Applies every slot's outputs (ownership taken, in slot order), then, outside a prefill and a round, the rows
-    /// whose transition came due convert (and pack once all have), as after the ordinary decode. Returns the arrays to
-    /// evaluate with the step and the rows converted. Outputs that do not fit, or a stale plan, are
-    /// [`CacheError::StepMismatch`] with the rows unchanged.
-    pub fn apply_step(&mut self, plan: &RowsStep, outputs: Vec<Vec<Array>>) -> Result<(Vec<Array>, Vec<usize>)> {
-        use super::compiled::CompiledDecode;
-        let mut next = self.clone();
-        let mut roots = Vec::new();
-        match (&mut next.store, plan) {
-            (Store::Rows(caches), RowsStep::Rows(plans))
-                if plans.len() == caches.len() && outputs.len() == plans.len() =>
-            {
-                for ((c, p), o) in caches.iter_mut().zip(plans).zip(outputs) {
-                    roots.extend(c.apply_decode_step(p, o)?);
-                }
-            }
-            (Store::Packed(b), RowsStep::Packed(p)) if outputs.len() == 1 => {
-                let o = outputs.into_iter().next().unwrap_or_default();
-                roots.extend(b.apply_rows_step(p, o)?);
-            }
-            _ => return Err(CacheError::StepMismatch { what: "outputs or plan of another store or row count".into() }),
-        }
-        let converted = next.settle_all()?;
-        *self = next;
-        Ok((roots, converted))
     }
 
     /// R-C-5: every row trimmable by its ring rule, outside an armed round and a prefill.
@@ -1457,6 +1121,11 @@ fn layout_window_masks(
         .map(|(r, &need)| need.then(|| super::mask::row_block(&mask, r, real[r], lens[r])).transpose())
         .collect()
 }
+
+mod dense;
+mod parts;
+mod prepared;
+mod step;
 
 #[cfg(test)]
 mod tests;

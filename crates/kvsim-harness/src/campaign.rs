@@ -803,6 +803,14 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
         | Mutant::TkvEndPrefillLeavesDue
         | Mutant::TkvReuseBelowFloor
         | Mutant::TkvSplitMovesBoundary => holds(transition::NAME) || holds(transition::LEGO_NAME),
+        // The rows' own calls: only the rows family runs `TransitioningKvRows` (`adopt`, the softcapped fetch).
+        Mutant::TkvAdoptDropsBoundary | Mutant::TkvFetchConvertsFirstDue => holds(transition::NAME),
+        // mlx-lm files whose recurrent layers differ, or whose empty layers do, are written only by the save/restore
+        // op: the recurrent family's sets (`sim::family::ssm::persist`), the attention families' layer sets.
+        Mutant::MlxlmSsmOffsetsFromFirst => {
+            holds(crate::sim::family::ssm::NAME) && cfg.weight(crate::sim::ops::OpKind::Persist) > 0
+        }
+        Mutant::MlxlmEmptySpecFromFirst => cfg.weight(crate::sim::ops::OpKind::Persist) > 0,
         // The paged hooks live in `PagedStore`, which only the paged family runs.
         Mutant::PagedCowSkipped
         | Mutant::PagedRefLeak
@@ -870,6 +878,14 @@ pub fn mutant_budget(m: Mutant) -> u64 {
         // Needs a save of a request outside the batch that holds a position: its set of differing layers
         // (`sim::family::layer_set`) is the only save whose layers disagree. Measured catch seed 9.
         Mutant::FirstLayerBookkeeping => 40,
+        // Reached by an adopt of bf16-first rows holding a row converted before its offset (measured catch seed 11,
+        // 24 of seeds 0..300), a fetch after a merge or join that takes several bf16 rows past their boundary
+        // (seed 2, 16 of 300), and the recurrent family's save of a set whose recurrent layers and empty layers
+        // differ (seed 15 for both, 33 of 300).
+        Mutant::TkvAdoptDropsBoundary
+        | Mutant::TkvFetchConvertsFirstDue
+        | Mutant::MlxlmSsmOffsetsFromFirst
+        | Mutant::MlxlmEmptySpecFromFirst => 100,
         // The paged family's mutants: reached only by seeds that hold it (swarm probability 0.4); the hunt skips
         // the others (`mutant_reachable`).
         Mutant::PagedCowSkipped

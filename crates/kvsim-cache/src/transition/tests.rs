@@ -774,6 +774,33 @@ fn the_kernel_set_is_taken_at_build_and_carried_by_extracted_rows() {
     assert_eq!(TransitioningKvRows::merge(spec, w, t, vec![]).unwrap().kernel_set().mode, crate::ReadMode::Fused);
 }
 
+/// Packed rows whose rings rotated after the merge hand each row over as laid out (physical columns and phase), not
+/// de-rolled as `extract` hands a row back: the adopted rows hold every row's planes as before, and their next
+/// decode writes the same columns.
+#[test]
+fn packed_rotated_rows_adopt_their_parts_as_laid_out() {
+    let spec = tspec();
+    let (w, t) = (Some(4), tr(Some(2)));
+    let masks = Masks::new();
+    let mut rows = TransitioningKvRows::merge(spec, w, t, legos_after_windows(spec, w, t, &[6, 7], 170)).unwrap();
+    let (k, v, q) = kvq(&spec, 180, 2, 1);
+    rows.decode(&k, &v, &q, 0.3, &masks).unwrap();
+    assert!(rows.is_packed(), "every row converted: packed");
+    let mut again = TransitioningKvRows::adopt(spec, w, t, rows.parts().unwrap()).unwrap();
+    for step in 0..2 {
+        for i in 0..2 {
+            assert_eq!(
+                planes_bits(&again.row_physical_planes(i).unwrap()),
+                planes_bits(&rows.row_physical_planes(i).unwrap()),
+                "step {step} row {i}"
+            );
+        }
+        let (k, v, q) = kvq(&spec, 181 + step, 2, 1);
+        rows.decode(&k, &v, &q, 0.3, &masks).unwrap();
+        again.decode(&k, &v, &q, 0.3, &masks).unwrap();
+    }
+}
+
 /// Rows adopt their own parts (unpacked and packed) as they were: offsets, lifecycles, kernel set and every row's
 /// planes; parts of a lifecycle no lego reaches (a converted row said unconverted, a floor that conversion did not
 /// leave) are `InvalidState`, counts that differ `BadLengths`, and a layout mid-round has no parts.

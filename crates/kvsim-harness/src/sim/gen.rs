@@ -22,12 +22,17 @@ pub struct Generator {
     contract: ChaCha8Rng,
     /// Whether the next op is the rows' softcapped fetch ([`Stream::Fetch`]), and its length.
     fetch: ChaCha8Rng,
+    /// Whether the next op is an adopt of the bf16-first rows ([`Stream::RowsAdopt`]).
+    rows_adopt: ChaCha8Rng,
     /// The families' registry, for which contract ops the run's families support.
     registry: Registry,
     /// Whether the next op follows up the last one ([`Stream::FollowUp`]), and its parameters.
     follow: ChaCha8Rng,
     /// The follow-up the last op asks for, if any.
     pending: Option<FollowUp>,
+    /// Ops since requests last entered the running batch by a merge or a join (0: the last op did), counted up to
+    /// [`FETCH_AFTER_ENTRY_OPS`].
+    since_entry: usize,
 }
 
 /// A step of a request's life that consumes the state the op before it left, drawn right after that op (at
@@ -62,6 +67,25 @@ pub const CONVERT_AFTER_ADMIT_CHANCE: f64 = 0.5;
 /// rows' softcapped fetch ([`Op::Fetch`]) instead.
 pub const FETCH_CHANCE: f64 = 0.04;
 
+/// The chance of the softcapped fetch in the [`FETCH_AFTER_ENTRY_OPS`] ops after requests entered a running batch
+/// of several rows by a merge or a join: rows that entered together are the ones most likely still bf16 side by
+/// side, so a fetch then is where several rows come due in one call.
+pub const FETCH_AFTER_ENTRY_CHANCE: f64 = 0.5;
+
+/// How many ops after requests entered the running batch draw the fetch at [`FETCH_AFTER_ENTRY_CHANCE`].
+pub const FETCH_AFTER_ENTRY_OPS: usize = 1;
+
+/// The chance that a fetch drawn after an entry is a long one (past every boundary a run draws,
+/// `TransitionChoice::draw`) rather than a chunk: every row still bf16 comes due in the one call. The other fetches
+/// are chunks (a long fetch everywhere would take the rows past their boundaries before the rounds that must cross
+/// them).
+pub const LONG_FETCH_CHANCE: f64 = 0.8;
+
+/// The chance, per op with a running batch in a run that holds the bf16-first rows and may draw adopt, that the
+/// generator draws an adopt of the rows ([`Op::Adopt`]) beside the weights: the rows' conversions, floors and padding
+/// change op by op, and one adopt in a run sees few of them.
+pub const ROWS_ADOPT_CHANCE: f64 = 0.05;
+
 /// The chance, per op with a running batch, that the generator draws one of the contract ops instead.
 pub const CONTRACT_OP_CHANCE: f64 = 0.03;
 
@@ -88,15 +112,40 @@ impl Generator {
     }
 
     /// The softcapped fetch, drawn only from [`Stream::Fetch`] and only in runs whose families all support it and
-    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`].
+    /// hold its owner (the workload stream is not touched): with a running batch, at [`FETCH_CHANCE`], a chunk of
+    /// positions; in the [`FETCH_AFTER_ENTRY_OPS`] ops after requests entered a batch of several rows by a merge or
+    /// a join, at [`FETCH_AFTER_ENTRY_CHANCE`], long at [`LONG_FETCH_CHANCE`].
     fn fetch_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
         let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
         let allowed =
             self.registry.all_support(&names, OpKind::Fetch) && self.registry.owners_present(&names, OpKind::Fetch);
-        if v.rows.is_empty() || !allowed || !self.fetch.random_bool(FETCH_CHANCE) {
+        // Several rows can come due together only in a batch of several.
+        let after_entry = self.since_entry < FETCH_AFTER_ENTRY_OPS && v.rows.len() >= 2;
+        let chance = if after_entry { FETCH_AFTER_ENTRY_CHANCE } else { FETCH_CHANCE };
+        if v.rows.is_empty() || !allowed || !self.fetch.random_bool(chance) {
             return None;
         }
-        Some(Op::Fetch { len: self.fetch.random_range(1..=cfg.max_chunk.max(1) as u32) })
+        let len = if after_entry && self.fetch.random_bool(LONG_FETCH_CHANCE) {
+            // Past the farthest boundary a run draws (`TransitionChoice::draw`: at most 3 * max(max_prompt, 4)).
+            let far = 3 * cfg.max_prompt.max(4) as u32;
+            self.fetch.random_range(far + 1..=far + 4)
+        } else {
+            self.fetch.random_range(1..=cfg.max_chunk.max(1) as u32)
+        };
+        Some(Op::Fetch { len })
+    }
+
+    /// An adopt of the bf16-first rows, drawn only from [`Stream::RowsAdopt`] (the workload stream is not touched):
+    /// with a running batch, in runs that hold the rows family and whose families all support adopt, at
+    /// [`ROWS_ADOPT_CHANCE`] (a fifth of them the invalid one).
+    fn rows_adopt_op(&mut self, cfg: &SimConfig, v: &View) -> Option<Op> {
+        let names = if cfg.families.is_empty() { crate::sim::config::default_families() } else { cfg.families.clone() };
+        let rows_family = names.iter().any(|n| n == crate::sim::family::transition::NAME);
+        if v.rows.is_empty() || !rows_family || !self.registry.all_support(&names, OpKind::Adopt) {
+            return None;
+        }
+        let r = &mut self.rows_adopt;
+        r.random_bool(ROWS_ADOPT_CHANCE).then(|| Op::Adopt { invalid: r.random_bool(0.2) })
     }
 
     /// The generator of `seed` over kvsim's own families.
@@ -111,7 +160,20 @@ impl Generator {
             (stream(seed, Stream::Workload), stream(seed, Stream::Speculation), stream(seed, Stream::Prefill));
         let (contract, fetch) = (stream(seed, Stream::Contract), stream(seed, Stream::Fetch));
         let follow = stream(seed, Stream::FollowUp);
-        Generator { work, spec, prefill, drawers, contract, fetch, registry: registry.clone(), follow, pending: None }
+        let rows_adopt = stream(seed, Stream::RowsAdopt);
+        Generator {
+            work,
+            spec,
+            prefill,
+            drawers,
+            contract,
+            fetch,
+            rows_adopt,
+            registry: registry.clone(),
+            follow,
+            pending: None,
+            since_entry: FETCH_AFTER_ENTRY_OPS,
+        }
     }
 
     /// The follow-up the last op asked for ([`FollowUp`]), drawn only from [`Stream::FollowUp`] (and the prefill's
@@ -180,6 +242,11 @@ impl Generator {
     pub fn next(&mut self, cfg: &SimConfig, v: &View) -> Op {
         let op = self.draw(cfg, v);
         self.pending = Self::asks_for(cfg, &op);
+        self.since_entry = if matches!(op, Op::Merge { .. } | Op::Join { .. }) {
+            0
+        } else {
+            (self.since_entry + 1).min(FETCH_AFTER_ENTRY_OPS)
+        };
         op
     }
 
@@ -192,6 +259,9 @@ impl Generator {
             return op;
         }
         if let Some(op) = self.fetch_op(cfg, v) {
+            return op;
+        }
+        if let Some(op) = self.rows_adopt_op(cfg, v) {
             return op;
         }
         let fresh: Vec<u32> = v.solo.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();

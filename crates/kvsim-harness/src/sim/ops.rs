@@ -111,9 +111,11 @@ pub enum Op {
     /// the conversions against the model's).
     Fetch { len: u32 },
     /// The running batch is rebuilt, every layer, from its own owned buffers and per-row states through
-    /// `RowBatch::adopt` (plain storage) / `adopt_planes` (R-BROT-8): the adopted batch must hold every byte and
-    /// every row state as before. With `invalid`, row `0`'s state is made impossible first (`len` past the buffer's
-    /// columns): the typed error `InvalidState`, the running batch untouched.
+    /// `RowBatch::adopt` (plain storage) / `adopt_planes` (R-BROT-8), or the bf16-first rows from their parts through
+    /// `TransitioningKvRows::adopt` (R-TKV-5): the adopted batch must hold every byte, every row state and (bf16-first)
+    /// every row's lifecycle as before. With `invalid`, row `0`'s state is made impossible first (`len` past the
+    /// buffer's columns; a bf16-first row's lifecycle one its lego cannot reach): the typed error `InvalidState`, the
+    /// running batch untouched.
     Adopt { invalid: bool },
     /// Asks every batch row (`row_decode_phase`) and every request outside the batch (`decode_phase`) whether its
     /// next decode write appends or overwrites (R-ROT-5), against the model; row `rows` (one past the end) must be
@@ -435,7 +437,11 @@ impl OpKind {
 /// than it would under the cache's),
 /// `persist/layers_differ` (a saved set whose layers hold different offsets, windows and trim histories, and
 /// `/mlx-lm` when it also went through an mlx-lm file), `persist/list` (a saved cache list whose children differ)
-/// and `persist/damaged` (damaged copies of a saved file refused); and the paged family's
+/// and `persist/damaged` (damaged copies of a saved file refused), `persist/recurrent_offsets_differ` (a saved set
+/// and list whose recurrent layers hold different offsets, through both formats), `persist/empty_layers_differ/mlx-lm`
+/// (an mlx-lm file whose empty attention layers differ in spec, window and class), `adopt/bf16_first` (the
+/// bf16-first rows rebuilt from their own parts) and `fetch/rows_due_together` (a softcapped fetch that brings
+/// several rows to their conversion at once); and the paged family's
 /// `paged/same_block_other_prefix` (a prefix lookup whose next block's tokens the index holds under another
 /// prefix), `paged/prefill_partial_same_end` (a right-padded prefill chunk in which rows end at the same length
 /// while one took only part of the chunk) and `paged/affine_cow_partial` (copy-on-write of a shared, partly
@@ -478,6 +484,7 @@ pub const API_CLASSES: &[&str] = &[
     "training_refusal/persist",
     "adopt",
     "adopt/invalid_state",
+    "adopt/bf16_first",
     "decode_phase",
     "prepare/non_empty_rows",
     "prepare/zero_length",
@@ -490,6 +497,7 @@ pub const API_CLASSES: &[&str] = &[
     "prefix_reuse",
     "plain_read",
     "fetch",
+    "fetch/rows_due_together",
     "to_quantized",
     "to_quantized/mid_round",
     "to_quantized/empty_request",
@@ -500,6 +508,8 @@ pub const API_CLASSES: &[&str] = &[
     "persist/layers_differ/mlx-lm",
     "persist/list",
     "persist/damaged",
+    "persist/recurrent_offsets_differ",
+    "persist/empty_layers_differ/mlx-lm",
     "paged/fork",
     "paged/evict",
     "paged/same_block_other_prefix",

@@ -51,6 +51,9 @@ pub enum Stream {
     Prefix = 18,
     /// A recurrent-state run's arrays and dtype (`byoc::recurrent`).
     RecurrentState = 19,
+    /// Whether the next op is an adopt of the bf16-first rows drawn beside the weights (`sim::gen`), and whether
+    /// it is the invalid one.
+    RowsAdopt = 27,
 }
 
 /// A generator for one subsystem of one seed.

@@ -156,6 +156,12 @@ pub fn file_from_kvsim(metadata: &BTreeMap<String, String>, caches: &[AnyCache])
     for (i, c) in caches.iter().enumerate() {
         collect_ssm_offsets(c, i.to_string(), &mut offsets);
     }
+    if kvsim_cache::fault!(MlxlmSsmOffsetsFromFirst) {
+        // Mutation hook `Mutant::MlxlmSsmOffsetsFromFirst`: the first recurrent layer's offsets for every one.
+        if let Some(first) = caches.iter().find_map(first_ssm_offsets) {
+            offsets.values_mut().for_each(|o| *o = first.clone());
+        }
+    }
     let mut metadata = metadata.clone();
     put_by_path(&mut metadata, SSM_OFFSETS_KEY, &offsets)?;
     let layers: Vec<MlxLayer> = caches.iter().map(from_kvsim).collect::<Result<_>>()?;
@@ -203,5 +209,14 @@ fn collect_ssm_offsets(c: &AnyCache, at: String, out: &mut BTreeMap<String, Vec<
             }
         }
         _ => {}
+    }
+}
+
+/// The offsets of the first recurrent cache of `c` in file order (the hook of `Mutant::MlxlmSsmOffsetsFromFirst`).
+fn first_ssm_offsets(c: &AnyCache) -> Option<Vec<usize>> {
+    match c {
+        AnyCache::Ssm(s) => Some(s.offsets().to_vec()),
+        AnyCache::List(v) => v.iter().find_map(first_ssm_offsets),
+        _ => None,
     }
 }

@@ -41,6 +41,10 @@ impl Hints {
 
     /// The spec of the empty attention layer at `at`: [`Hints::spec`], else the file's [`EMPTY_SPECS_KEY`] entry.
     pub fn spec_at(&self, at: &str) -> Option<KvSpec> {
+        // Mutation hook `Mutant::MlxlmEmptySpecFromFirst`: the first empty layer's spec for every one.
+        if kvsim_cache::fault!(MlxlmEmptySpecFromFirst) && self.empty_specs.contains_key(at) {
+            return self.spec.or_else(|| self.empty_specs.values().next().copied());
+        }
         self.spec.or_else(|| self.empty_specs.get(at).copied())
     }
 }

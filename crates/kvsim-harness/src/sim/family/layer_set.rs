@@ -27,7 +27,7 @@
 use crate::sim::check::Failure;
 use crate::sim::summary::Counters;
 use kvsim_cache::bytes::ArrayBytes;
-use kvsim_cache::{CacheError, SerialCache};
+use kvsim_cache::{CacheError, KvDtype, KvSpec, SerialCache};
 use kvsim_persist::inspect::{load_any, save_as, Format};
 use kvsim_persist::{AnyCache, Persisted};
 
@@ -113,6 +113,42 @@ pub(crate) fn round_trip(
     Ok(Some(SetReach { mlxlm }))
 }
 
+/// Three empty attention layers (no position yet: mlx-lm writes an empty cache as its class name alone, so their specs
+/// travel only in the file's `kvsim_empty_specs`) whose specs, windows and classes differ pairwise, made from `spec`:
+/// a linear cache of `spec` (`KVCache`); a ring of window `w` with one more K/V head, the other head dim (16 or 32)
+/// and the other dtype (`RotatingKVCache`); a linear cache with two more K/V heads (the caller puts it inside a list).
+/// A reader that gives every empty layer one spec (the first's, a neighbour's) brings at least two of them back wrong.
+pub(crate) fn empty_layers_differing(spec: KvSpec, w: usize) -> Res<[SerialCache; 3]> {
+    let other_dtype = match spec.dtype {
+        KvDtype::Bf16 => KvDtype::F32,
+        _ => KvDtype::Bf16,
+    };
+    let ring =
+        KvSpec { heads_kv: spec.heads_kv + 1, head_dim: if spec.head_dim == 16 { 32 } else { 16 }, dtype: other_dtype };
+    let wide = KvSpec { heads_kv: spec.heads_kv + 2, ..spec };
+    let new = |s: KvSpec, w: Option<usize>| SerialCache::new(s, w).map_err(|e| fail(format!("an empty layer: {e}")));
+    Ok([new(spec, None)?, new(ring, Some(w.max(1)))?, new(wide, None)?])
+}
+
+/// Saves `set` in kvsim's format (every layer with its floor) and in an mlx-lm file (no floors), restores both from
+/// the bytes alone, and requires every layer back with its own kind, spec, window, offsets and state bytes
+/// (recurrent layers' offsets travel in the mlx-lm file's `kvsim_ssm_offsets`, empty layers' specs in its
+/// `kvsim_empty_specs`). Every layer of `set` must have an mlx-lm form.
+pub(crate) fn round_trip_both(set: &[AnyCache], floors: &[usize], counters: &mut Counters) -> Res<()> {
+    let persisted: Vec<Persisted> =
+        set.iter().zip(floors).map(|(c, &f)| Persisted { cache: c.clone(), minimum_reusable_offset: f }).collect();
+    let bytes = save_as(Format::Kvsim, &Default::default(), &persisted).map_err(|e| fail(format!("save: {e}")))?;
+    let back = load_any(&bytes).map_err(|e| fail(format!("restore: {e}")))?.1;
+    same_set("kvsim", set, &back, Some(floors))?;
+    let plain: Vec<Persisted> = set.iter().cloned().map(Persisted::new).collect();
+    let bytes = save_as(Format::MlxLm, &Default::default(), &plain).map_err(|e| fail(format!("mlx-lm save: {e}")))?;
+    let back = load_any(&bytes).map_err(|e| fail(format!("mlx-lm restore: {e}")))?.1;
+    same_set("mlx-lm", set, &back, None)?;
+    counters.layer_sets += 1;
+    counters.checks += 2;
+    Ok(())
+}
+
 /// Every layer of `back` is its layer of `set` (and carries its floor, where the format stores one).
 fn same_set(format: &str, set: &[AnyCache], back: &[Persisted], floors: Option<&[usize]>) -> Res<()> {
     if back.len() != set.len() {
@@ -149,6 +185,27 @@ fn same_layer(at: &str, a: &AnyCache, b: &AnyCache) -> Res<()> {
             };
             if planes(a)? != planes(b)? {
                 return Err(fail(format!("{at}: the live columns' bytes differ")));
+            }
+            Ok(())
+        }
+        (AnyCache::Ssm(a), AnyCache::Ssm(b)) => {
+            if a.spec() != b.spec() || a.offsets() != b.offsets() {
+                return Err(fail(format!(
+                    "{at}: ssm {:?} at offsets {:?} saved, {:?} at {:?} restored",
+                    a.spec(),
+                    a.offsets(),
+                    b.spec(),
+                    b.offsets()
+                )));
+            }
+            let states = |c: &kvsim_cache::SsmCache| -> Res<Vec<ArrayBytes>> {
+                [c.conv(), c.recurrent()]
+                    .into_iter()
+                    .map(|x| ArrayBytes::of(x).map_err(|e| fail(format!("{at}: bytes: {e}"))))
+                    .collect()
+            };
+            if states(a)? != states(b)? {
+                return Err(fail(format!("{at}: the recurrent states' bytes differ")));
             }
             Ok(())
         }

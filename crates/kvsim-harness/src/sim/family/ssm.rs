@@ -73,8 +73,9 @@ type Res<T = ()> = Result<T, Failure>;
 pub const NAME: &str = "ssm";
 
 /// The recurrent family: everything but trims, the attention-only special reads and the prefix-shared forward, and
-/// the attention API probes (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs)
-/// and the bf16-first family's own ops (`prefix_reuse`, `plain_read`).
+/// the attention API probes (`adopt`, `decode_phase`, `prepare` into holding rows, ill-formed inputs). The bf16-first
+/// family's own ops (`prefix_reuse`, `plain_read`, `fetch`) touch no cache here (as in the attention family): the
+/// state checks after the op prove it.
 pub const REGISTRATION: Registration = Registration::plain(
     NAME,
     |k: OpKind| {
@@ -94,9 +95,6 @@ pub const REGISTRATION: Registration = Registration::plain(
                 | OpKind::Prepare
                 | OpKind::IllFormed
                 | OpKind::Quantize
-                | OpKind::PrefixReuse
-                | OpKind::PlainRead
-                | OpKind::Fetch
         )
     },
     0.4,
@@ -232,6 +230,8 @@ pub struct Recurrent {
     counters: Counters,
     /// The observer has been told the geometry and weights ([`Call::SsmLayers`]).
     described: bool,
+    /// Coverage classes the current op reached through this family's state ([`Family::take_reached`]).
+    reached: Vec<&'static str>,
 }
 
 /// Describes a production call to the observer (only called when it wants calls).
@@ -326,6 +326,7 @@ impl Recurrent {
             round_no: 0,
             counters: Counters::default(),
             described: false,
+            reached: Vec::new(),
         })
     }
 
@@ -475,6 +476,8 @@ impl Family for Recurrent {
             Op::CommitSpan { len } => self.commit_span(cx, *len as usize),
             Op::TrainingForward { lengths, len, .. } => self.training_forward(cx, lengths, *len as usize),
             Op::TrainingRefusal { .. } => self.training_refusal(),
+            // The bf16-first family's own ops touch no cache here: `check_all` after the op proves it.
+            Op::PrefixReuse { .. } | Op::PlainRead | Op::Fetch { .. } => Ok(true),
             Op::Persist { req, mlxlm } => {
                 if !roster.is_solo(*req) {
                     return Ok(false);
@@ -483,6 +486,7 @@ impl Family for Recurrent {
                 let caches = std::mem::take(&mut r.solo);
                 r.solo = persist_roundtrip(caches, *mlxlm, &mut self.counters)?;
                 self.counters.persist_roundtrips += 1;
+                self.persist_recurrent_set(*req)?;
                 if !roster.rows().is_empty() {
                     self.persist_batch()?;
                 }
@@ -503,9 +507,6 @@ impl Family for Recurrent {
             | Op::Prepare { .. }
             | Op::IllFormed { .. }
             | Op::Quantize { .. }
-            | Op::PrefixReuse { .. }
-            | Op::PlainRead
-            | Op::Fetch { .. }
             | Op::Paged { .. } => Ok(false),
         }
     }
@@ -556,5 +557,9 @@ impl Family for Recurrent {
 
     fn counters_mut(&mut self) -> &mut Counters {
         &mut self.counters
+    }
+
+    fn take_reached(&mut self) -> Vec<&'static str> {
+        std::mem::take(&mut self.reached)
     }
 }

@@ -21,8 +21,8 @@
 //! bounds of the f64 attention over the values the model says the read sees (bf16, or dequantized affine).
 //!
 //! How the op stream maps here (what the rows layout has no call for is not supported, so runs holding this
-//! family never draw it: `SoloTrim`, `Trim`, `Append`, `ReadBlock`, `BidirPrefill`, `EncoderRead`, `CompiledStep`, `Adopt`,
-//! `DecodePhase`, `Prepare`, `IllFormed`, `Quantize`):
+//! family never draw it: `SoloTrim`, `Trim`, `Append`, `ReadBlock`, `BidirPrefill`, `EncoderRead`, `CompiledStep`,
+//! `DecodePhase`, `Prepare`, `IllFormed`, `Quantize`; the lego family has no rows to adopt):
 //! - `Merge`/`Join`: every running row is handed back to its lego (`extract`) and merged with the incoming legos
 //!   (`TransitioningKvRows::merge`; several rows are rewritten in temporal order behind left padding, and so are
 //!   their twins, through the same public merge).
@@ -48,7 +48,11 @@
 //!   dense fetch (each row as its storage fetches it dense) against the twin's.
 //! - `Fetch { len }`: the softcapped read's fetch (R-TKV-4): every row appends `len` positions and the rows answer
 //!   with one aligned dense K/V; each row's part against its lego twin's own fetch (bytes), the padding and width
-//!   against the model's aligned geometry, the rows converted after it against the model's.
+//!   against the model's aligned geometry, the rows converted after it against the model's. A fetch whose positions
+//!   bring several rows to their boundary at once must convert them all in the one call (`fetch/rows_due_together`).
+//! - `Adopt { invalid }` (rows only, `adopt.rs`): every layer's rows rebuilt from their own parts through
+//!   `TransitioningKvRows::adopt`, the run going on from the adopted rows (`adopt/bf16_first`); with `invalid` row 0's
+//!   lifecycle is made unreachable first and `InvalidState` is expected, the rows untouched.
 //! - `Persist { req, mlxlm }` (both modes): a request outside the batch (a transitioning row handed back
 //!   to serial use, or a lego that never ran in the batch) saved in kvsim's format by its legos' own kind, dropped,
 //!   and restored from the bytes alone; `check_all` then compares the restored legos with their twins (planes,
@@ -58,7 +62,7 @@
 //! This file holds the family's parameters, state, helpers and the op dispatch; the rest lives in child modules:
 //! `lifecycle` (admit, merge/join, extract, filter), `reads` (appends, batch forwards, commit_span, verify),
 //! `prefill` (batch_prefill, chunked or padded), `prefix` (prefix_reuse, plain_read, fetch), `checks` (reads and state),
-//! `persist`, and `legos` (lego mode).
+//! `persist`, `adopt`, and `legos` (lego mode).
 //!
 //! [`take`]: kvsim_reference::transition::take
 
@@ -111,6 +115,7 @@ pub fn supports(k: OpKind) -> bool {
             | OpKind::Fetch
             | OpKind::Persist
             | OpKind::Paged
+            | OpKind::Adopt
     ) || k.is_training()
 }
 
@@ -120,7 +125,7 @@ pub const LEGO_NAME: &str = "bf16-first";
 /// What the serial legos can be asked: the rows' ops (the running batch is a set of serial legos, one call each)
 /// and the serial trims.
 pub fn supports_legos(k: OpKind) -> bool {
-    (supports(k) && !matches!(k, OpKind::CompiledBatchStep | OpKind::CommitKnownSpans))
+    (supports(k) && !matches!(k, OpKind::CompiledBatchStep | OpKind::CommitKnownSpans | OpKind::Adopt))
         || matches!(k, OpKind::SoloTrim | OpKind::Trim)
 }
 
@@ -220,6 +225,11 @@ pub struct TransitionFamily {
     legos: bool,
     /// `TransitionChoice::padded_prefill`.
     padded_prefill: bool,
+    /// Coverage classes the current op reached through this family's state ([`Family::take_reached`]).
+    reached: Vec<&'static str>,
+    /// Some row of the running batch has held a column since the batch was last empty (checked after every op):
+    /// `adopt` applies.
+    rows_stored: bool,
 }
 
 fn mlx_fail(what: &str, e: impl std::fmt::Display) -> Failure {
@@ -288,6 +298,8 @@ impl TransitionFamily {
             counters: Counters::default(),
             legos,
             padded_prefill: choice.padded_prefill,
+            reached: Vec::new(),
+            rows_stored: false,
         })
     }
 
@@ -361,6 +373,7 @@ impl Family for TransitionFamily {
             Op::PlainRead => self.plain_read(cx),
             Op::Fetch { len } => self.fetch(cx, *len as usize),
             Op::Persist { req, mlxlm } => self.persist(cx.roster, *req, *mlxlm),
+            Op::Adopt { invalid } => self.adopt_rows(cx, *invalid),
             // The training kinds use their own stateless caches: every cache here must come out unchanged.
             Op::TrainingForward { .. } | Op::PrefixSharedForward { .. } | Op::TrainingRefusal { .. } => Ok(true),
             _ => Ok(false),
@@ -386,8 +399,13 @@ impl Family for TransitionFamily {
     fn counters_mut(&mut self) -> &mut Counters {
         &mut self.counters
     }
+
+    fn take_reached(&mut self) -> Vec<&'static str> {
+        std::mem::take(&mut self.reached)
+    }
 }
 
+mod adopt;
 mod checks;
 mod legos;
 mod lifecycle;

@@ -1,8 +1,11 @@
 //! The recurrent family's save/restore mid-run: a request's caches (kvsim's format or an mlx-lm prompt-cache file)
 //! and the running batch, through bytes and back.
 
-use super::{Cache, Recurrent, Res, Rows};
+use super::{mlx, Cache, LayerDef, Recurrent, Res, Rows};
 use crate::sim::check::Failure;
+use crate::sim::family::layer_set;
+use kvsim_cache::SsmCache;
+use kvsim_persist::AnyCache;
 
 impl Recurrent {
     /// The running batch (every layer, one file: DeltaNet layers as `ssm`, attention layers as row batches) through
@@ -33,6 +36,73 @@ impl Recurrent {
             })
             .collect::<Res<_>>()?;
         self.counters.persist_batches += 1;
+        Ok(())
+    }
+}
+
+impl Recurrent {
+    /// A model's cache set whose recurrent layers hold different offsets, built from copies of request `req`'s caches
+    /// (the run's caches are untouched), saved and restored through kvsim's format and an mlx-lm file
+    /// ([`layer_set::round_trip_both`]) and compared layer by layer (kind, spec, offsets, both states' bytes):
+    ///
+    /// | layer | holds |
+    /// |---|---|
+    /// | 0 | the request's first DeltaNet layer, as it is (offset `p`) |
+    /// | 1 | a copy of it advanced by `n = 1..=4` of the request's next positions (offset `p + n`) |
+    /// | 2, 3 | empty attention layers of different specs, windows and classes ([`layer_set::empty_layers_differing`]) |
+    /// | 4 | a list: the request's second DeltaNet layer (offset `p`), layer 1, and a third empty attention layer |
+    ///
+    /// Every recurrent layer of a request's own save shares one offset (they saw the same tokens), so a codec that
+    /// writes one recurrent layer's offsets for all (mlx-lm's `ArraysCache` stores none: kvsim carries them in the
+    /// file's user metadata) passes those saves and fails this one; likewise a reader that gives every empty layer
+    /// one spec.
+    pub(super) fn persist_recurrent_set(&mut self, req: u32) -> Res<()> {
+        let solo = &self.reqs[&req].solo;
+        let recurrent: Vec<(usize, SsmCache)> = solo
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c {
+                Cache::Ssm(c) => Some((i, c.clone())),
+                Cache::Attn(_) => None,
+            })
+            .collect();
+        let Some((l0, base)) = recurrent.first().cloned() else {
+            return Ok(());
+        };
+        let second = recurrent.get(1).map_or_else(|| base.clone(), |x| x.1.clone());
+        let p = base.offset();
+        let n = 1 + ((u64::from(req) ^ p as u64) % 4) as usize;
+        let LayerDef::DeltaNet { params, .. } = &self.layers[l0] else {
+            return Err(Failure::new("persist_layers", format!("layer {l0} is not a DeltaNet layer")));
+        };
+        let [q, a, b] = self.ssm_inputs(l0 as u32, &[(u64::from(req), p, 0, n)], n, None);
+        let mut advanced = base.clone();
+        advanced.window(&q, &a, &b, params).map_err(|e| mlx("a copy's window", e))?;
+        if advanced.offset() != p + n {
+            return Err(Failure::new(
+                "persist_layers",
+                format!("a window of {n} took offset {p} to {}", advanced.offset()),
+            ));
+        }
+        let w = self
+            .layers
+            .iter()
+            .find_map(|l| match l {
+                LayerDef::Attention { window: Some(w) } => Some(*w),
+                _ => None,
+            })
+            .unwrap_or(4);
+        let [linear, ring, wide] = layer_set::empty_layers_differing(self.attn, w)?;
+        let set = vec![
+            AnyCache::Ssm(base),
+            AnyCache::Ssm(advanced.clone()),
+            AnyCache::Serial(linear),
+            AnyCache::Serial(ring),
+            AnyCache::List(vec![AnyCache::Ssm(second), AnyCache::Ssm(advanced), AnyCache::Serial(wide)]),
+        ];
+        let floors = [p / 2, (p + n) / 2, 0, 0, 0];
+        layer_set::round_trip_both(&set, &floors, &mut self.counters)?;
+        self.reached.extend(["persist/recurrent_offsets_differ", "persist/empty_layers_differ/mlx-lm"]);
         Ok(())
     }
 }

@@ -229,6 +229,16 @@ impl TransitionFamily {
 
     pub fn check_all(&mut self, cx: &mut Cx<'_>) -> Res<()> {
         let roster = cx.roster;
+        if roster.rows().is_empty() {
+            self.rows_stored = false;
+        } else if !self.legos && !self.rows_stored {
+            let b = self.batch_rows(0)?;
+            let mut stored = false;
+            for i in 0..b.rows() {
+                stored |= b.row_storage(i).map_err(|e| unexpected("row storage", e))?.cap() > 0;
+            }
+            self.rows_stored = stored;
+        }
         // Every request outside the batch; in the lego family every request (its rows are legos too).
         let solo: Vec<u32> = if self.legos { roster.live().collect() } else { roster.solo().collect() };
         self.check_layouts(cx, &solo, roster.rows())

@@ -118,6 +118,10 @@ impl TransitionFamily {
         let toks: Vec<Vec<Tok>> =
             (0..n).map(|r| Self::toks_from(roster.rows()[r], self.rows_model.rows[r].offset(), len)).collect();
         let (_, mconv) = self.rows_model.append(&toks, false).map_err(|e| model_fail("fetch append", e))?;
+        if mconv.len() >= 2 {
+            // Several rows come due in the one call: every one of them must convert in it.
+            self.reached.push("fetch/rows_due_together");
+        }
         let model = self.rows_model.dense_fetch();
         for layer in 0..self.cfg.layers {
             let (k, v, _) = self.kvq(layer, &toks);
