@@ -378,10 +378,11 @@ impl OpKind {
     }
 
     /// Kinds that change only their owning family's caches, never the roster: the conversion op (it converts the
-    /// quantized family's caches). Every other family of the run lets it pass (`Registry::all_support`), so the
-    /// conversion reaches every run that holds the quantized family, whatever families stand beside it.
+    /// quantized family's caches) and the bf16-first rows' softcapped fetch (their rows append and read). Every other
+    /// family of the run lets them pass (`Registry::all_support`), so they reach every run that holds their owner,
+    /// whatever families stand beside it.
     pub fn passes_others(self) -> bool {
-        self.is_quant()
+        self.is_quant() || matches!(self, OpKind::Fetch)
     }
 
     /// Kinds the swarm weights itself (every seed draws their weights): all but the conversion op (weighted by the
