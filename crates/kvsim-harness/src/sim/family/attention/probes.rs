@@ -79,8 +79,14 @@ impl Attention {
     /// states; `adopt` for plain storage, the contract's `RowLayout::adopt` otherwise); `check_all` then proves every byte and state kept. With `invalid`, row
     /// 0 claims one column more than the buffer holds: `InvalidState`, and the batch is not replaced.
     pub(super) fn adopt(&mut self, roster: &Roster, invalid: bool) -> Res<bool> {
-        if roster.rows().is_empty() || self.batch[0].buffer_planes().is_none() {
+        if roster.rows().is_empty() {
             return Ok(false);
+        }
+        // A batch without buffers (its rows hold no column) is its own adoption: applied, nothing built. Only the
+        // running batch decides a skip, as in every family of the run (the bf16-first rows may hold columns of their
+        // own ops that this family lets pass).
+        if self.batch[0].buffer_planes().is_none() {
+            return Ok(true);
         }
         let before = if invalid { Some(self.snapshot(true, 0)?) } else { None };
         let max = self.max_size();

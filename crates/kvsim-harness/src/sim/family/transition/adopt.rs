@@ -12,17 +12,17 @@
 use super::*;
 
 impl TransitionFamily {
-    /// See the module docs. Skipped without a running batch (the lego family has none: it never draws `adopt`), or
-    /// when no row of the batch held a column since it was last empty.
+    /// See the module docs. Skipped without a running batch (the lego family has none: it never draws `adopt`).
+    /// A batch whose rows laid out no storage since it was last empty is its own adoption: applied, nothing built.
     pub(super) fn adopt_rows(&mut self, cx: &mut Cx<'_>, invalid: bool) -> Res<bool> {
         if cx.roster.rows().is_empty() || self.legos {
             return Ok(false);
         }
-        // A running batch that never held a column since it was last empty has no storage laid out: skipped, as the
-        // attention families skip a batch without buffers (the families of a run agree on what they skip; their batch
-        // keeps its buffer once it held a column, through rows leaving and joining, until it empties).
+        // The families of a run agree on what they skip, and only the running batch decides it: the rows' own ops
+        // (fetch, prefix reuse, plain read) lay out columns that the attention families, which let them pass, never
+        // hold, so "has storage" differs between them.
         if !self.rows_stored {
-            return Ok(false);
+            return Ok(true);
         }
         let (spec, max, t) = (self.spec, self.max_size(), self.t);
         for layer in 0..self.cfg.layers {
