@@ -13,7 +13,7 @@ pub(super) struct Node {
     pub(super) last_used: u64,
 }
 
-/// One entry of the prefix index as [`PagedStore::index_entries`] lists it.
+/// One entry of the prefix index as [`PagedStore::index_entries`](super::PagedStore::index_entries) lists it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(deny_unknown_fields))]

@@ -65,8 +65,9 @@ impl PagedStore {
     }
 
     /// The store's whole state as plain data and its pool planes (a save). Refused while a speculative round is
-    /// armed ([`CacheError::SpecRoundActive`]) or a prefill pending ([`CacheError::PendingPrefill`]): what they
-    /// wrote is not committed, and neither is a part.
+    /// armed ([`CacheError::SpecRoundActive`](crate::CacheError::SpecRoundActive)) or a prefill pending
+    /// ([`CacheError::PendingPrefill`](crate::CacheError::PendingPrefill)): what they wrote is not committed, and
+    /// neither is a part.
     pub fn to_parts(&self) -> Result<(PagedParts, Option<Vec<Array>>)> {
         self.no_round()?;
         self.no_pending()?;
