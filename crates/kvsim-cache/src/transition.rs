@@ -606,6 +606,15 @@ impl TransitioningKvRows {
         matches!(self.store, Store::Packed(_))
     }
 
+    /// The packed batch, once the rows have packed ([`TransitioningKvRows::is_packed`]): the memory it holds is the
+    /// batch's, under [`RowBatch`]'s capacity bound and byte accounting ("Capacity").
+    pub fn packed_batch(&self) -> Option<&RowBatch> {
+        match &self.store {
+            Store::Packed(b) => Some(b),
+            _ => None,
+        }
+    }
+
     /// Per-row offsets.
     pub fn offsets(&self) -> Vec<usize> {
         match &self.store {

@@ -785,10 +785,10 @@ pub fn mutant_reachable(m: Mutant, cfg: &SimConfig) -> bool {
                 && cfg.layout.max_size().is_some()
                 && cfg.weight(crate::sim::ops::OpKind::Merge) > 0
         }
-        // Only rings drop an oversize, and only the attention and quantized families check a batch's capacity after
-        // every op (the bf16-first rows' packed batch reaches the hook with no `capacity` check to see it).
+        // Only rings drop an oversize; the attention and quantized families check their batch's capacity after every
+        // op, the bf16-first family its rows' once they packed.
         Mutant::BatchRingKeepsOversize => {
-            (holds(attention::NAME) || holds(quant::NAME)) && cfg.layout.max_size().is_some()
+            (holds(attention::NAME) || holds(quant::NAME) || holds(transition::NAME)) && cfg.layout.max_size().is_some()
         }
         // Only an encoder read reaches the encoder's mask, and only the quantized family converts.
         Mutant::EncoderWindowFromCache => cfg.weight(crate::sim::ops::OpKind::EncoderRead) > 0,

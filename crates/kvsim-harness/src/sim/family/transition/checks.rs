@@ -241,7 +241,26 @@ impl TransitionFamily {
         }
         // Every request outside the batch; in the lego family every request (its rows are legos too).
         let solo: Vec<u32> = if self.legos { roster.live().collect() } else { roster.solo().collect() };
-        self.check_layouts(cx, &solo, roster.rows())
+        self.check_layouts(cx, &solo, roster.rows())?;
+        self.check_packed_capacity(roster)
+    }
+
+    /// Once the rows have packed into one quantized batch, its capacity guarantee (`check::capacity`) as the
+    /// attention family's batch: at most the columns its live rows need (the model's), and its byte accounting the
+    /// bytes its planes hold. Unpacked rows are serial caches, each under its own ring's bound.
+    fn check_packed_capacity(&mut self, roster: &crate::sim::roster::Roster) -> Res<()> {
+        if self.legos || roster.rows().is_empty() {
+            return Ok(());
+        }
+        let lens: Vec<usize> = self.rows_model.rows.iter().map(|r| r.ring.cols.len()).collect();
+        for layer in 0..self.cfg.layers {
+            let max = self.max_size();
+            let rows = self.batch.get(layer).and_then(|b| b.as_ref());
+            if let Some(b) = rows.and_then(|r| r.packed_batch()) {
+                check::capacity(&format!("packed rows layer {layer}"), b, &lens, max, &mut self.counters)?;
+            }
+        }
+        Ok(())
     }
 
     /// Every lego of `solo` (in that order), the stored entry, and the running rows, whose requests are `rows`.
