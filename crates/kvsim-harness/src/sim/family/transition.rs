@@ -22,7 +22,8 @@
 //!
 //! How the op stream maps here (what the rows layout has no call for is not supported, so runs holding this
 //! family never draw it: `SoloTrim`, `Trim`, `Append`, `ReadBlock`, `BidirPrefill`, `EncoderRead`, `CompiledStep`,
-//! `DecodePhase`, `Prepare`, `IllFormed`, `Quantize`; the lego family has no rows to adopt):
+//! `DecodePhase`, `Prepare`, `IllFormed`; the lego family has no rows to adopt; the quantized family's conversion
+//! passes this family, `OpKind::passes_others`):
 //! - `Merge`/`Join`: every running row is handed back to its lego (`extract`) and merged with the incoming legos
 //!   (`TransitioningKvRows::merge`; several rows are rewritten in temporal order behind left padding, and so are
 //!   their twins, through the same public merge).
