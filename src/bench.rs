@@ -235,6 +235,31 @@ fn pseudo_block(shape: &[i32], salt: u64, dtype: Dtype) -> Result<Array, String>
     Array::from_slice(&data, shape).as_dtype(dtype).map_err(|e| e.to_string())
 }
 
+/// The step bench's shape: query heads, K/V heads, head dimension (bf16).
+const STEP_HEADS: (usize, usize, usize) = (32, 8, 128);
+
+/// Bytes one step moves at `b` rows of `w` columns: every K and V column read, one new K and V column per row
+/// written, the queries read and the output written (bf16).
+fn step_bytes(b: usize, w: usize) -> usize {
+    let (hq, hkv, d) = STEP_HEADS;
+    2 * b * hkv * w * d * 2 + 2 * b * hkv * d * 2 + 2 * b * hq * d * 2
+}
+
+/// The median of `iters` wall times (ms) of `step(i)` after 5 warm-up calls, and the sorted times.
+fn time_calls(iters: usize, mut step: impl FnMut(usize) -> Result<(), String>) -> Result<Vec<f64>, String> {
+    for i in 0..5 {
+        step(i)?;
+    }
+    let mut ts = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let t0 = Instant::now();
+        step(5 + i)?;
+        ts.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts)
+}
+
 /// kvsim's batched rotating decode step (write + read) on full rings, each row at its own phase, in `mode`.
 pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize, mode: ReadMode) -> Result<Value, String> {
     device.activate();
@@ -246,7 +271,7 @@ pub fn decode_step(device: DeviceChoice, b: usize, w: usize, iters: usize, mode:
 }
 
 fn decode_step_inner(b: usize, w: usize, iters: usize) -> Result<Value, String> {
-    let (hq, hkv, d) = (32usize, 8usize, 128usize);
+    let (hq, hkv, d) = STEP_HEADS;
     let spec = KvSpec { heads_kv: hkv, head_dim: d, dtype: KvDtype::Bf16 };
     let dt = Dtype::Bfloat16;
     let k = pseudo_block(&[b as i32, hkv as i32, w as i32, d as i32], 1, dt)?;
@@ -276,27 +301,68 @@ fn decode_step_inner(b: usize, w: usize, iters: usize) -> Result<Value, String> 
         mlx_rs::transforms::eval([a, bb, c]).map_err(|e| e.to_string())?;
     }
     let scale = 1.0 / (d as f32).sqrt();
-    let mut step = |i: usize| -> Result<f64, String> {
+    let mut step = |i: usize| -> Result<(), String> {
         let (kk, vv, qq) = &pool[i % pool.len()];
-        let t0 = Instant::now();
         let masks = Masks::new();
         let (out, _) = batch.decode(kk, vv, qq, scale, &masks).map_err(|e| e.to_string())?;
-        out.eval().map_err(|e| e.to_string())?;
-        Ok(t0.elapsed().as_secs_f64() * 1e3)
+        out.eval().map_err(|e| e.to_string())
     };
-    for i in 0..5 {
-        step(i)?;
-    }
-    let mut ts: Vec<f64> = (0..iters).map(|i| step(5 + i)).collect::<Result<_, _>>()?;
-    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    // MLX memory a step allocates beyond what is live before it (0 when the write lands in place).
+    step(0)?;
+    let active = mlx_rs::memory::active_memory().unwrap_or(0);
+    let _ = mlx_rs::memory::reset_peak_memory();
+    step(1)?;
+    let extra = mlx_rs::memory::peak_memory().unwrap_or(0).saturating_sub(active);
+    let ts = time_calls(iters, step)?;
     let median = ts[ts.len() / 2];
     let mean = ts.iter().sum::<f64>() / ts.len() as f64;
-    let bytes = 2 * b * hkv * w * d * 2;
+    let kv = 2 * b * hkv * w * d * 2;
+    let moved = step_bytes(b, w);
     Ok(
         json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(), "read_mode": read_mode(),
-              "ms_median": median, "ms_mean": mean, "ms_min": ts[0], "kv_bytes_per_step": bytes,
-              "gbps_median": bytes as f64 / (median / 1e3) / 1e9}),
+              "ms_median": median, "ms_mean": mean, "ms_min": ts[0], "kv_bytes_per_step": kv, "bytes_moved": moved,
+              "gbps_median": moved as f64 / (median / 1e3) / 1e9, "alloc_over_kv": extra as f64 / kv as f64}),
     )
+}
+
+/// The copy roofline of a step at `b` rows of `w` columns: a device copy of K and V (the step's rings: the same
+/// shapes and dtype) timed like the step (one evaluation per call, `iters` calls after 5 warm-up ones). Three copies
+/// are timed and the fastest sets the roofline: `x * 1` (an elementwise kernel that moves bytes only), `astype` to
+/// float16 (MLX's copy kernel) and a concatenation of K and V. A copy reads and writes every byte, so its bandwidth is
+/// `2 * kv_bytes / time`.
+pub fn copy_roofline(device: DeviceChoice, b: usize, w: usize, iters: usize) -> Result<Value, String> {
+    device.activate();
+    let (_, hkv, d) = STEP_HEADS;
+    let dt = Dtype::Bfloat16;
+    let shape = [b as i32, hkv as i32, w as i32, d as i32];
+    let (k, v) = (pseudo_block(&shape, 1, dt)?, pseudo_block(&shape, 2, dt)?);
+    let one = Array::from_f32(1.0).as_dtype(dt).map_err(|e| e.to_string())?;
+    mlx_rs::transforms::eval([&k, &v, &one]).map_err(|e| e.to_string())?;
+    let e = |e: mlx_rs::error::Exception| e.to_string();
+    let kinds: [(&str, &dyn Fn() -> Result<(), String>); 3] = [
+        ("mul1", &|| mlx_rs::transforms::eval([&k.multiply(&one).map_err(e)?, &v.multiply(&one).map_err(e)?]).map_err(e)),
+        ("astype", &|| {
+            mlx_rs::transforms::eval([&k.as_dtype(Dtype::Float16).map_err(e)?, &v.as_dtype(Dtype::Float16).map_err(e)?])
+                .map_err(e)
+        }),
+        ("concat", &|| mlx_rs::ops::concatenate(&[&k, &v], 0).map_err(e)?.eval().map_err(e)),
+    ];
+    let kv = 2 * b * hkv * w * d * 2;
+    let mut out = json!({"B": b, "W": w, "kv_bytes": kv, "bytes_moved": 2 * kv});
+    let mut best: Option<(f64, &str)> = None;
+    for (name, f) in kinds {
+        let ts = time_calls(iters, |_| f())?;
+        let med = ts[ts.len() / 2];
+        out[name] = json!({"ms_median": med, "ms_min": ts[0]});
+        if best.is_none_or(|(m, _)| med < m) {
+            best = Some((med, name));
+        }
+    }
+    let (med, name) = best.ok_or("no copy timed")?;
+    out["ms_median"] = json!(med);
+    out["fastest"] = json!(name);
+    out["gbps_median"] = json!(2.0 * kv as f64 / (med / 1e3) / 1e9);
+    Ok(out)
 }
 
 /// Runs the benchmark set; `anchor` None skips the side-by-side runs (and says so in the output).
@@ -322,15 +388,7 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
         for &w in ws {
             for &b in bs {
                 let iters = if device == DeviceChoice::Cpu { 5 } else { 50 };
-                let mut row = json!({"B": b, "W": w});
-                if exact {
-                    row = step_modes(device, b, w, iters, if quick { 2 } else { 4 });
-                } else {
-                    match decode_step(device, b, w, iters, ReadMode::Fused) {
-                        Ok(r) => row["kvsim"] = r,
-                        Err(e) => row["kvsim"] = json!({"error": e}),
-                    }
-                }
+                let mut row = step_modes(device, b, w, iters, if quick { 2 } else { 4 }, exact);
                 if let Some(a) = anchor {
                     let args: Vec<String> = [
                         "step",
@@ -364,6 +422,9 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
                                 / row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN);
                             row["mlx_lm"] = json!({"ms_median": t["ms_median"], "gbps_median": t["gbps_median"], "sdpa_only_ms": t["sdpa_only_ms"], "update_only_ms": t["update_only_ms"]});
                             row["speedup_vs_mlx_lm"] = json!(ratio);
+                            let copy_gbps = row["copy"]["gbps_median"].as_f64().unwrap_or(f64::NAN);
+                            let gbps = step_bytes(b, w) as f64 / (t["ms_median"].as_f64().unwrap_or(f64::NAN) / 1e3) / 1e9;
+                            row["mlx_lm"]["of_copy"] = json!(gbps / copy_gbps);
                             if let Some(ex) = row["kvsim_exact"]["ms_median"].as_f64() {
                                 row["exact_speedup_vs_mlx_lm"] =
                                     json!(t["ms_median"].as_f64().unwrap_or(f64::NAN) / ex);
@@ -376,6 +437,7 @@ pub fn bench(device: DeviceChoice, what: &str, anchor: Option<&Anchor>, quick: b
             }
         }
         out["step"] = json!(rows);
+        out["step_device"] = step_device(device);
     }
     set_read_mode(before);
     out
@@ -544,14 +606,39 @@ pub fn summary_lines(r: &serde_json::Value) -> Vec<String> {
         }
     }
     if let Some(rows) = r["step"].as_array() {
-        lines.push("batched rotating decode step (bf16, H 32/8, D 128), write + read, median:".into());
+        let dev = &r["step_device"];
+        lines.push(format!(
+            "batched rotating decode step (bf16, H 32/8, D 128), write + read, on {} (spec sheet {}); median of run \
+             medians, bandwidth as a fraction of a K/V copy timed in the same run:",
+            dev["name"].as_str().unwrap_or("?"),
+            dev["spec_peak_label"].as_str().unwrap_or("unknown")
+        ));
+        let ms = |v: &Value| v["ms_median"].as_f64().unwrap_or(f64::NAN);
         for row in rows {
-            let g = row["kvsim"]["gbps_median"].as_f64().unwrap_or(f64::NAN);
-            lines.push(format!(
-                "  B {:>3} W {:>5}: kvsim {:>8.3} ms ({:>7.1} GB/s, {:>5.1}% of 4.8 TB/s)   mlx-lm {:>8.3} ms   speedup {:.2}x",
-                row["B"], row["W"], row["kvsim"]["ms_median"].as_f64().unwrap_or(f64::NAN), g, g / 48.0,
-                row["mlx_lm"]["ms_median"].as_f64().unwrap_or(f64::NAN), row["speedup_vs_mlx_lm"].as_f64().unwrap_or(f64::NAN)
-            ));
+            let mut line = format!(
+                "  B {:>3} W {:>5}: copy {:>7.3} ms ({:>6.0} GB/s)",
+                row["B"],
+                row["W"],
+                ms(&row["copy"]),
+                row["copy"]["gbps_median"].as_f64().unwrap_or(f64::NAN)
+            );
+            for (key, what) in [("kvsim_fused", "fused"), ("kvsim_exact", "exact")] {
+                if row[key].is_object() {
+                    line += &format!(
+                        "   {what} {:>7.3} ms ({:>5.1}% of copy)",
+                        ms(&row[key]),
+                        100.0 * row[key]["of_copy"].as_f64().unwrap_or(f64::NAN)
+                    );
+                }
+            }
+            if row["mlx_lm"].is_object() {
+                line += &format!(
+                    "   mlx-lm {:>7.3} ms   speedup {:.2}x",
+                    ms(&row["mlx_lm"]),
+                    row["speedup_vs_mlx_lm"].as_f64().unwrap_or(f64::NAN)
+                );
+            }
+            lines.push(line);
         }
     }
     lines
@@ -566,15 +653,23 @@ pub fn stamp(r: &mut serde_json::Value) {
         .unwrap_or(0));
 }
 
-/// `runs` alternating runs of the fused and the exact step: per mode the median of the run medians and their
-/// spread (min, max); `kvsim` is the faster mode's summary, `exact_over_fastest` the exact mode's cost.
-fn step_modes(device: DeviceChoice, b: usize, w: usize, iters: usize, runs: usize) -> Value {
-    let mut meds: [Vec<f64>; 2] = [vec![], vec![]];
-    let mut last: [Value; 2] = [Value::Null, Value::Null];
+/// `runs` alternating runs of the fused step, the exact step (with `exact`) and the copy roofline
+/// ([`copy_roofline`]): per mode the median of the run medians and their spread (min, max), and each step's bandwidth
+/// as a fraction of the copy's (`of_copy`); `kvsim` is the faster mode's summary, `exact_over_fastest` the exact
+/// mode's cost.
+fn step_modes(device: DeviceChoice, b: usize, w: usize, iters: usize, runs: usize, exact: bool) -> Value {
+    let modes: &[Option<ReadMode>] =
+        if exact { &[Some(ReadMode::Fused), Some(ReadMode::Exact), None] } else { &[Some(ReadMode::Fused), None] };
+    let mut meds: Vec<Vec<f64>> = vec![vec![]; modes.len()];
+    let mut last: Vec<Value> = vec![Value::Null; modes.len()];
     let mut errors = vec![];
     for _ in 0..runs {
-        for (m, mode) in [ReadMode::Fused, ReadMode::Exact].into_iter().enumerate() {
-            match decode_step(device, b, w, iters, mode) {
+        for (m, mode) in modes.iter().enumerate() {
+            let r = match mode {
+                Some(mode) => decode_step(device, b, w, iters, *mode),
+                None => copy_roofline(device, b, w, iters),
+            };
+            match r {
                 Ok(r) => {
                     meds[m].push(r["ms_median"].as_f64().unwrap_or(f64::NAN));
                     last[m] = r;
@@ -588,16 +683,53 @@ fn step_modes(device: DeviceChoice, b: usize, w: usize, iters: usize, runs: usiz
         if v.is_empty() {
             return json!({"error": errors.first().cloned().unwrap_or_default()});
         }
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        v.sort_by(|a, b| a.total_cmp(b));
         let med = v[v.len() / 2];
-        let bytes = last[m]["kv_bytes_per_step"].as_f64().unwrap_or(f64::NAN);
-        json!({"ms_median": med, "ms_run_medians": meds[m], "ms_spread": [v[0], v[v.len() - 1]],
-               "gbps_median": bytes / (med / 1e3) / 1e9, "kv_bytes_per_step": bytes, "steps_per_run": last[m]["steps"],
-               "read_mode": last[m]["read_mode"]})
+        let mut s = last[m].clone();
+        let bytes = s["bytes_moved"].as_f64().unwrap_or(f64::NAN);
+        s["ms_median"] = json!(med);
+        s["ms_run_medians"] = json!(meds[m]);
+        s["ms_spread"] = json!([v[0], v[v.len() - 1]]);
+        s["gbps_median"] = json!(bytes / (med / 1e3) / 1e9);
+        s
     };
-    let (fused, exact) = (summary(0), summary(1));
-    let (f, e) = (fused["ms_median"].as_f64().unwrap_or(f64::NAN), exact["ms_median"].as_f64().unwrap_or(f64::NAN));
-    let fastest = if e < f { exact.clone() } else { fused.clone() };
-    json!({"B": b, "W": w, "kvsim": fastest, "kvsim_fused": fused, "kvsim_exact": exact,
-           "exact_over_fused": e / f, "exact_over_fastest": e / f.min(e)})
+    let copy = summary(modes.len() - 1);
+    let copy_gbps = copy["gbps_median"].as_f64().unwrap_or(f64::NAN);
+    let with_roofline = |mut s: Value| {
+        s["of_copy"] = json!(s["gbps_median"].as_f64().unwrap_or(f64::NAN) / copy_gbps);
+        s
+    };
+    let fused = with_roofline(summary(0));
+    let mut row = json!({"B": b, "W": w, "copy": copy, "kvsim": fused.clone(), "kvsim_fused": fused});
+    if exact {
+        let exact = with_roofline(summary(1));
+        let f = row["kvsim_fused"]["ms_median"].as_f64().unwrap_or(f64::NAN);
+        let e = exact["ms_median"].as_f64().unwrap_or(f64::NAN);
+        if e < f {
+            row["kvsim"] = exact.clone();
+        }
+        row["exact_over_fused"] = json!(e / f);
+        row["exact_over_fastest"] = json!(e / f.min(e));
+        row["kvsim_exact"] = exact;
+    }
+    row
+}
+
+/// The device a step bench ran on, by name (the GPU's, from `nvidia-smi`, or the CPU's), and the spec sheet's memory
+/// bandwidth of the cards known by name, as a label only (every fraction the bench reports is of the copy it timed).
+fn step_device(device: DeviceChoice) -> Value {
+    let m = machine_info();
+    let name = if device == DeviceChoice::Cpu { m["cpu"].clone() } else { m["gpu"].clone() };
+    let label = name.as_str().and_then(|n| {
+        [
+            ("H200", "4.8 TB/s (H200 spec sheet)"),
+            ("H100 PCIe", "2.0 TB/s (H100 PCIe spec sheet)"),
+            ("H100 NVL", "3.9 TB/s (H100 NVL spec sheet)"),
+            ("H100", "3.35 TB/s (H100 SXM spec sheet)"),
+        ]
+            .iter()
+            .find(|(k, _)| n.contains(k))
+            .map(|(_, l)| *l)
+    });
+    json!({"name": name, "spec_peak_label": label})
 }

@@ -89,9 +89,17 @@ impl RowBatch {
             return Ok((self.empty_output(q)?, MaskUse::None));
         }
         self.write_decode(k, v)?;
-        self.read_decode(q, scale, masks)
+        let (out, mask) = self.read_decode(q, scale, masks)?;
+        // The write and the read in one evaluation: one device round trip per step, not two. The same ops run; the
+        // buffers end evaluated as after [`crate::ring::Buf::eval`], so the graph stays one write deep.
+        if crate::ring::eval_after_write() {
+            let b = self.buf.as_ref().ok_or_else(|| invalid("no buffer after a decode write"))?;
+            mlx_rs::transforms::eval(std::iter::once(&out).chain(b.planes.iter()))?;
+        }
+        Ok((out, mask))
     }
 
+    /// The decode write, left lazy ([`RowBatch::decode`] evaluates it with the read).
     fn write_decode(&mut self, k: &Array, v: &Array) -> Result<()> {
         let block = self.storage.encode(k, v)?;
         let mut targets = self.prepare_decode_step()?;
@@ -111,7 +119,6 @@ impl RowBatch {
             }
         };
         drop(b);
-        nb.eval()?;
         self.buf = Some(nb);
         for r in &mut self.rows {
             r.ring.after_decode_write();
