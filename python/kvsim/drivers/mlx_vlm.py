@@ -1,6 +1,7 @@
-"""kvsim's prefix-cache requests (protocol 2, `supports.prefix`) served by mlx-vlm 0.7.10's automatic prefix caching
-in its exact-checkpoint mode (`mlx_vlm/apc.py` `APCManager.store_exact_cache` / `lookup_exact_cache`, whose copies go
-through the caches' `prefix_cache_snapshot` / `prefix_cache_restore`, `mlx_vlm/models/cache.py`).
+"""kvsim's prefix-cache, recurrent and (with `--kv`) K/V requests served by mlx-vlm 0.7.10's own caches. Prefix caches
+(protocol 2, `supports.prefix`): mlx-vlm's automatic prefix caching in its exact-checkpoint mode (`mlx_vlm/apc.py`
+`APCManager.store_exact_cache` / `lookup_exact_cache`, whose copies go through the caches' `prefix_cache_snapshot` /
+`prefix_cache_restore`, `mlx_vlm/models/cache.py`).
 
     PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm [--plant prefix-short] \
         [--kv plain|quant|buffered [--plant quant-row-copy]]
@@ -31,7 +32,8 @@ mlx-vlm's own classes in `mlx_vlm/models/cache.py` (oracles/mlx_vlm/README.md, "
 
 Reads take their mask from the cache before the write (`models/base.py` `create_attention_mask`) and attend through
 `models/base.py` `scaled_dot_product_attention` (its quantized path where the cache has `bits`). Trims call the cache's
-`trim(n)` where `is_trimmable()` says so, else answer 0 (the guard mlx-vlm's callers use). `--plant quant-row-copy`
+`trim(n)` where `is_trimmable()` says so, else answer 0 (the guard mlx-vlm's callers use). A state or read output of
+another float dtype than the run's is refused rather than sent (`state_of`). `--plant quant-row-copy`
 (with `--kv quant`): after every decode of a batch of two rows or more, row 1's newest packed K column takes row 0's.
 """
 import os
@@ -43,7 +45,7 @@ BASE = None  # mlx_vlm.models.base, loaded by the K/V modes (it imports PIL)
 
 
 class MlxVlm(kit.Driver):
-    """mlx-vlm's exact-checkpoint prefix caches by the ids kvsim gives them."""
+    """mlx-vlm's exact-checkpoint prefix caches, recurrent caches and K/V caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
     supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
