@@ -62,5 +62,6 @@ run check-engine-mlx-vlm recurrent-plant-rec-neighbour "$G" --plant rec-neighbou
 run check-engine-mlx-vlm kv-plain "$G" --kv plain --only-layer kv
 run check-engine-mlx-vlm kv-quant "$G" --kv quant --only-layer kv
 run check-engine-mlx-vlm kv-buffered "$G" --kv buffered --only-layer kv
+run check-engine-mlx-vlm kv-convert "$G" --kv convert --only-layer kv
 run check-engine-mlx-vlm kv-plant-quant-row-copy "$G" --kv quant --plant quant-row-copy --only-layer kv
 exit $status

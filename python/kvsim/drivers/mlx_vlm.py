@@ -4,7 +4,7 @@
 `prefix_cache_restore`, `mlx_vlm/models/cache.py`).
 
     PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm [--plant prefix-short] \
-        [--kv plain|quant|buffered [--plant quant-row-copy]]
+        [--kv plain|quant|buffered|convert [--plant quant-row-copy]]
 
 Every layer's cache is mlx-vlm's own `KVCache` / `RotatingKVCache(max_size=W, keep=0)`, filled by one
 `update_and_fetch` of all positions. The mapping (oracles/mlx_vlm/README.md, "Prefix caches"):
@@ -18,7 +18,7 @@ Every layer's cache is mlx-vlm's own `KVCache` / `RotatingKVCache(max_size=W, ke
 - `--plant prefix-short` (a negative control, `version` says `+plant:...`): every restored layer answered one
   position short, `matched` kept.
 
-K/V requests (protocol 1's, `supports.quant` planes, `supports.prefill`) with `--kv plain|quant|buffered`, served by
+K/V requests (protocol 1's, `supports.quant` planes, `supports.prefill`) with `--kv plain|quant|buffered|convert`, served by
 mlx-vlm's own classes in `mlx_vlm/models/cache.py` (oracles/mlx_vlm/README.md, "K/V caches"):
 
 - `--kv plain`: `KVCache` / `RotatingKVCache(max_size=W, keep=0)`, batched by the class's `merge` into
@@ -27,6 +27,8 @@ mlx-vlm's own classes in `mlx_vlm/models/cache.py` (oracles/mlx_vlm/README.md, "
 - `--kv quant` (every run quantized, full attention: mlx-vlm has no quantized ring): `QuantizedKVCache(group_size,
   bits)`, batched into a `BatchQuantizedKVCache` by `QuantizedKVCache.prefix_cache_merge(rows, offsets)` (the class
   has no `merge`; this is the batch it builds from single-request caches).
+- `--kv convert` (full attention, serial): half the runs quantized from the first write, the other half `KVCache`
+  until kvsim's conversion op, served by `KVCache.to_quantized(group_size, bits)`.
 - `--kv buffered`: window layers are `BufferedRotatingKVCache(max_size=W, keep=0, buffer_size=64)` (the ring with
   rollback slack of mlx-vlm's speculative drafters), batched by the `merge` it inherits (`BatchRotatingKVCache`).
 
@@ -50,7 +52,7 @@ class MlxVlm(kit.Driver):
     name = "mlx-vlm"
     supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
     options = {"plant": (None, "prefix-short", "rec-neighbour", "quant-row-copy"),
-               "kv": (None, "plain", "quant", "buffered")}
+               "kv": (None, "plain", "quant", "buffered", "convert")}
 
     def __init__(self, **opts):
         super().__init__(**opts)
@@ -62,6 +64,8 @@ class MlxVlm(kit.Driver):
                     "prefill": True}
             if kv == "quant":  # full attention only: mlx-vlm has no quantized ring (RotatingKVCache.to_quantized)
                 rows.update(quant_only=True, quant_rows=True)
+            elif kv == "convert":  # half the runs plain until kvsim's conversion op (`KVCache.to_quantized`); serial
+                rows.update(quant=True, convert=True, quant_rows=False, prefill=False)
             else:
                 rows.update(rotating=True)
             self.supports = dict(self.supports, **rows)
@@ -149,6 +153,14 @@ class MlxVlm(kit.Driver):
             col = int(c._idx) - 1  # a negative control: row 1's newest packed K column takes row 0's
             c.keys[0][1, :, col, :] = c.keys[0][0, :, col, :]
         return out
+
+    def op_convert(self, r):
+        """`to_quantized(group_size, bits)`, as `generate/common.py:235-243` (`maybe_quantize_kv_cache`) converts each
+        layer: a new object under the same id (the old one kept when it raises)."""
+        q = r["quant"]
+        self.handles[r["id"]] = self.handles[r["id"]].to_quantized(group_size=q["group_size"], bits=q["bits"])
+        self.geometry = dict(self.geometry, quant=q)  # kvsim converts every cache of the run at once
+        return {}
 
     def op_trim(self, r):
         c = self.handles[r["id"]]
