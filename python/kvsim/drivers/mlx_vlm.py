@@ -155,7 +155,7 @@ class MlxVlm(kit.Driver):
         return out
 
     def op_convert(self, r):
-        """`to_quantized(group_size, bits)`, as `generate/common.py:235-243` (`maybe_quantize_kv_cache`) converts each
+        """`to_quantized(group_size, bits)`, as `generate/common.py:235-244` (`maybe_quantize_kv_cache`) converts each
         layer: a new object under the same id (the old one kept when it raises)."""
         q = r["quant"]
         self.handles[r["id"]] = self.handles[r["id"]].to_quantized(group_size=q["group_size"], bits=q["bits"])
