@@ -3,6 +3,7 @@
 #
 #   bench/check-engines.sh [SEEDS]        # default 500; sets up each engine's venv on first use
 #   ONLY='optiq|quant' bench/check-engines.sh 500   # only the runs whose "<dir> <config>" matches the regex
+#   KVSIM=target/release/kvsim bench/check-engines.sh  # that binary, no cargo build
 #
 # Per run: <dir>/<config>.log (the command's whole output, its JSON summary last) and <dir>/<config>/ (each class's
 # shortest trace and reproducer; the reproducers are not kept in git: the committed ones, re-run by cargo test, are
@@ -11,8 +12,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${1:-500}
-cargo build --release --quiet --bin kvsim || exit 2
-KVSIM=target/release/kvsim
+if [ -z "${KVSIM:-}" ]; then  # KVSIM=path: a kvsim binary already built (no cargo build)
+  cargo build --release --quiet --bin kvsim || exit 2
+  KVSIM=target/release/kvsim
+fi
 status=0
 ONLY=${ONLY:-}
 run() { # DIR CONFIG DRIVER... [--only-layer LAYER: kvsim's --only, the last two words]
@@ -56,4 +59,9 @@ run check-engine-mlx-vlm stock "$G"
 run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short
 run check-engine-mlx-vlm recurrent "$G" --only-layer recurrent
 run check-engine-mlx-vlm recurrent-plant-rec-neighbour "$G" --plant rec-neighbour --only-layer recurrent
+run check-engine-mlx-vlm kv-plain "$G" --kv plain --only-layer kv
+run check-engine-mlx-vlm kv-quant "$G" --kv quant --only-layer kv
+run check-engine-mlx-vlm kv-buffered "$G" --kv buffered --only-layer kv
+run check-engine-mlx-vlm kv-convert "$G" --kv convert --only-layer kv
+run check-engine-mlx-vlm kv-plant-quant-row-copy "$G" --kv quant --plant quant-row-copy --only-layer kv
 exit $status

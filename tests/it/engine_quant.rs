@@ -1,5 +1,5 @@
-//! Quantized K/V over protocol 2 (`supports.quant`): mlx-optiq 0.7.7's quantized caches and mlx-lm 0.32.2's
-//! `QuantizedKVCache` under `kvsim check-engine`. The classes of the stock releases are found, each with its shortest
+//! Quantized K/V over protocol 2 (`supports.quant`): mlx-optiq 0.7.7's quantized caches, mlx-lm 0.32.2's
+//! `QuantizedKVCache` and mlx-vlm 0.7.10's own K/V classes (`--kv plain|quant|buffered`) under `kvsim check-engine`. The classes of the stock releases are found, each with its shortest
 //! trace and a reproducer under `oracles/mlx_optiq/repros/` that exits 1, and optiq's planted bug (a quantized row
 //! written at another row's column) is caught by the plane check and shrunk. The engines' runs need the venvs
 //! `oracles/mlx_optiq/setup.sh` and `oracles/mlx_lm/setup.sh` create; without them they are skipped with the reason
@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvsim::byoc::engine_check::check_engine;
+use kvsim::byoc::engine_check::{check_engine, check_engine_only};
 use kvsim::byoc::CheckOptions;
 use kvsim::sim::trace::{Outcome, Trace};
 
@@ -17,6 +17,18 @@ fn root() -> &'static Path {
 
 fn repros() -> Vec<PathBuf> {
     let dir = root().join("oracles/mlx_optiq/repros");
+    let mut out: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "py"))
+        .collect();
+    out.sort();
+    out
+}
+
+/// mlx-vlm's K/V reproducers (`oracles/mlx_vlm/repros/kv/<config>-<class>.py`).
+fn vlm_repros() -> Vec<PathBuf> {
+    let dir = root().join("oracles/mlx_vlm/repros/kv");
     let mut out: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
@@ -125,4 +137,62 @@ fn mlx_lm_quantized_cache_fails_only_at_five_and_six_bits() {
         let q = kvsim::sim::family::quant::QuantChoice::draw(*seed);
         assert!(q.bits == 5 || q.bits == 6, "seed {seed}: {} bits", q.bits);
     }
+}
+
+#[test]
+fn every_mlx_vlm_kv_class_has_a_short_trace_beside_its_reproducer() {
+    let scripts = vlm_repros();
+    assert!(scripts.len() >= 5, "{scripts:?}");
+    for s in &scripts {
+        let trace = s.with_extension("trace.json");
+        let t = Trace::load(&trace).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
+        let Outcome::Fail { check, .. } = &t.outcome else { panic!("{}: passes", trace.display()) };
+        let stem = s.file_stem().unwrap().to_string_lossy().to_string();
+        let (config, class) = stem.split_once('-').unwrap_or_else(|| panic!("{stem}: not <config>-<class>"));
+        assert!(class.starts_with(check.as_str()), "{stem} is not a {check} class");
+        let quantized = matches!(config, "quant" | "convert");
+        assert_eq!(quantized, kvsim::byoc::quant_of(&t.config).is_some(), "{}", trace.display());
+        assert!(t.ops.len() <= 6, "{}: {} ops", trace.display(), t.ops.len());
+    }
+}
+
+#[test]
+fn every_mlx_vlm_kv_reproducer_exits_1_under_mlx_vlm() {
+    let Some(python) = venv("mlx_vlm") else { return };
+    for s in vlm_repros() {
+        let out = std::process::Command::new(&python).arg(&s).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
+        let known = [
+            "mlx-vlm raised",
+            "instead of raising",
+            "differs from the same request run alone",
+            "the batch trimmed",
+            "after extending with a batch of no position",
+            "an empty one is accepted",
+        ];
+        assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
+    }
+}
+
+/// mlx-vlm's `QuantizedKVCache` and the `BatchQuantizedKVCache` its `prefix_cache_merge` builds (`--kv quant`): the
+/// stock release's one class is `missing_row_accepted`, and the planted row copy is caught by `state_vs_model`
+/// and shrunk.
+#[test]
+fn mlx_vlm_quantized_batches_pass_the_plane_checks_and_the_planted_row_copy_is_caught() {
+    let Some(python) = venv("mlx_vlm") else { return };
+    let opts = CheckOptions { seeds: 60, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    let only = ["kv"];
+    let stock = check_engine_only(&driver(&python, "mlx_vlm", "--kv quant"), timeout, opts, 1, &only)
+        .expect("the stock driver");
+    assert!(stock.hello.supports.quant_only && stock.hello.supports.quant_rows, "{:?}", stock.hello.supports);
+    let names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["missing_row_accepted"], "stock: {names:?}");
+    let planted =
+        check_engine_only(&driver(&python, "mlx_vlm", "--kv quant --plant quant-row-copy"), timeout, opts, 1, &only)
+            .expect("planted");
+    assert!(planted.hello.version.ends_with("+plant:quant-row-copy"), "{}", planted.hello.version);
+    let c = planted.classes.iter().find(|c| c.name == "state_vs_model").expect("the planted row copy is caught");
+    assert!(c.shortest.ops() <= 6, "{} ops", c.shortest.ops());
 }

@@ -1,8 +1,10 @@
-"""kvsim's prefix-cache requests (protocol 2, `supports.prefix`) served by mlx-vlm 0.7.10's automatic prefix caching
-in its exact-checkpoint mode (`mlx_vlm/apc.py` `APCManager.store_exact_cache` / `lookup_exact_cache`, whose copies go
-through the caches' `prefix_cache_snapshot` / `prefix_cache_restore`, `mlx_vlm/models/cache.py`).
+"""kvsim's prefix-cache, recurrent and (with `--kv`) K/V requests served by mlx-vlm 0.7.10's own caches. Prefix caches
+(protocol 2, `supports.prefix`): mlx-vlm's automatic prefix caching in its exact-checkpoint mode (`mlx_vlm/apc.py`
+`APCManager.store_exact_cache` / `lookup_exact_cache`, whose copies go through the caches' `prefix_cache_snapshot` /
+`prefix_cache_restore`, `mlx_vlm/models/cache.py`).
 
-    PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm [--plant prefix-short]
+    PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm [--plant prefix-short] \
+        [--kv plain|quant|buffered|convert [--plant quant-row-copy]]
 
 Every layer's cache is mlx-vlm's own `KVCache` / `RotatingKVCache(max_size=W, keep=0)`, filled by one
 `update_and_fetch` of all positions. The mapping (oracles/mlx_vlm/README.md, "Prefix caches"):
@@ -15,23 +17,61 @@ Every layer's cache is mlx-vlm's own `KVCache` / `RotatingKVCache(max_size=W, ke
   its entry cap and `_make_room` do).
 - `--plant prefix-short` (a negative control, `version` says `+plant:...`): every restored layer answered one
   position short, `matched` kept.
+
+K/V requests (protocol 1's, `supports.quant` planes, `supports.prefill`) with `--kv plain|quant|buffered|convert`, served by
+mlx-vlm's own classes in `mlx_vlm/models/cache.py` (oracles/mlx_vlm/README.md, "K/V caches"):
+
+- `--kv plain`: `KVCache` / `RotatingKVCache(max_size=W, keep=0)`, batched by the class's `merge` into
+  `BatchKVCache` / `BatchRotatingKVCache` (grown by `extend`, shrunk by `extract` and `filter`, readied for a
+  right-padded prefill by `prepare` and ended by `finalize`).
+- `--kv quant` (every run quantized, full attention: mlx-vlm has no quantized ring): `QuantizedKVCache(group_size,
+  bits)`, batched into a `BatchQuantizedKVCache` by `QuantizedKVCache.prefix_cache_merge(rows, offsets)` (the class
+  has no `merge`; this is the batch it builds from single-request caches).
+- `--kv convert` (full attention, serial): half the runs quantized from the first write, the other half `KVCache`
+  until kvsim's conversion op, served by `KVCache.to_quantized(group_size, bits)`.
+- `--kv buffered`: window layers are `BufferedRotatingKVCache(max_size=W, keep=0, buffer_size=64)` (the ring with
+  rollback slack of mlx-vlm's speculative drafters), batched by the `merge` it inherits (`BatchRotatingKVCache`).
+
+Reads take their mask from the cache before the write (`models/base.py` `create_attention_mask`) and attend through
+`models/base.py` `scaled_dot_product_attention` (its quantized path where the cache has `bits`). Trims call the cache's
+`trim(n)` where `is_trimmable()` says so, else answer 0 (the guard mlx-vlm's callers use). A state or read output of
+another float dtype than the run's is refused rather than sent (`state_of`). `--plant quant-row-copy`
+(with `--kv quant`): after every decode of a batch of two rows or more, row 1's newest packed K column takes row 0's.
 """
 import os
 
 from kvsim import kit
 
 CACHE, APC = kit.load_modules("mlx_vlm", ["models.cache", "apc"])
+BASE = None  # mlx_vlm.models.base, loaded by the K/V modes (it imports PIL)
 
 
 class MlxVlm(kit.Driver):
-    """mlx-vlm's exact-checkpoint prefix caches by the ids kvsim gives them."""
+    """mlx-vlm's exact-checkpoint prefix caches, recurrent caches and K/V caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
     supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour")}
+    options = {"plant": (None, "prefix-short", "rec-neighbour", "quant-row-copy"),
+               "kv": (None, "plain", "quant", "buffered", "convert")}
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        kv = self.opts["kv"]
+        if kv:
+            global BASE
+            BASE, = kit.load_modules("mlx_vlm", ["models.base"])  # needs PIL: loaded for the K/V requests only
+            rows = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
+                    "prefill": True}
+            if kv == "quant":  # full attention only: mlx-vlm has no quantized ring (RotatingKVCache.to_quantized)
+                rows.update(quant_only=True, quant_rows=True)
+            elif kv == "convert":  # half the runs plain until kvsim's conversion op (`KVCache.to_quantized`); serial
+                rows.update(quant=True, convert=True, quant_rows=False, prefill=False)
+            else:
+                rows.update(rotating=True)
+            self.supports = dict(self.supports, **rows)
 
     def version(self):
-        v = kit.package_version("mlx-vlm")
+        v = kit.package_version("mlx-vlm") + (f"+{self.opts['kv']}" if self.opts["kv"] else "")
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
@@ -76,6 +116,115 @@ class MlxVlm(kit.Driver):
                 return {"evicted": 0}
             apc._exact_cache.popitem(last=False)
         return {"evicted": 1}
+
+    # ---- K/V caches (--kv plain | quant | buffered) ----
+
+    def op_new(self, r):
+        self.geometry = g = r["geometry"]
+        q, w = g.get("quant"), g.get("max_size")
+        if q:
+            c = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+        elif w and self.opts["kv"] == "buffered":
+            c = CACHE.BufferedRotatingKVCache(max_size=w, keep=0)
+        elif w:
+            c = CACHE.RotatingKVCache(max_size=w, keep=0)
+        else:
+            c = CACHE.KVCache()
+        self.handles[r["id"]] = c
+        return {}
+
+    def op_window(self, r):
+        c = self.handles[r["id"]]
+        k, v, q = kit.arr_in(r["k"]), kit.arr_in(r["v"]), kit.arr_in(r["q"])
+        # the mask of the cache before the write, as a model's forward builds it
+        mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=self.geometry.get("max_size"))
+        keys, values = c.update_and_fetch(k, v)
+        out = BASE.scaled_dot_product_attention(q, keys, values, c, scale=r["scale"], mask=mask)
+        if out.dtype != q.dtype:  # refused, not a malformed reply (as `state_of`)
+            raise TypeError(f"the read's output is {out.dtype} for {q.dtype} queries")
+        return {"out": kit.arr_out(out)}
+
+    op_decode = op_rows_window = op_window
+
+    def op_rows_decode(self, r):
+        out = self.op_window(r)
+        c = self.handles[r["id"]]
+        if self.opts["plant"] == "quant-row-copy" and isinstance(c.keys, tuple) and c.keys[0].shape[0] >= 2:
+            col = int(c._idx) - 1  # a negative control: row 1's newest packed K column takes row 0's
+            c.keys[0][1, :, col, :] = c.keys[0][0, :, col, :]
+        return out
+
+    def op_convert(self, r):
+        """`to_quantized(group_size, bits)`, as `generate/common.py:235-244` (`maybe_quantize_kv_cache`) converts each
+        layer: a new object under the same id (the old one kept when it raises)."""
+        q = r["quant"]
+        self.handles[r["id"]] = self.handles[r["id"]].to_quantized(group_size=q["group_size"], bits=q["bits"])
+        self.geometry = dict(self.geometry, quant=q)  # kvsim converts every cache of the run at once
+        return {}
+
+    def op_trim(self, r):
+        c = self.handles[r["id"]]
+        return {"trimmed": int(c.trim(r["n"])) if c.is_trimmable() else 0}
+
+    op_rows_trim = op_trim
+
+    def state_of(self, c):
+        """`kit.state_reply` of `c`, refused when its float planes are not of the run's dtype: an mlx-vlm batch can
+        turn a bf16 cache into f32 (README, "K/V caches"), which kvsim would read as a malformed reply and stop the
+        whole check; as a refusal the run's class is named, shrunk and reproduced like any other."""
+        out = kit.state_reply(c, self.geometry)
+        for side in ("k", "v"):
+            a = out[side]["scales"] if self.geometry.get("quant") else out[side]
+            if a["dtype"] != self.geometry["dtype"]:
+                raise TypeError(f"the cache's {side} is {a['dtype']} in a {self.geometry['dtype']} run")
+        return out
+
+    def op_state(self, r):
+        return self.state_of(self.handles[r["id"]])
+
+    def op_offset(self, r):
+        return {"offset": int(self.handles[r["id"]].offset)}
+
+    def op_merge(self, r):
+        rows = [self.handles.pop(i) for i in r["rows"]]
+        if isinstance(rows[0], CACHE.QuantizedKVCache):
+            batch = rows[0].prefix_cache_merge(rows, [int(c.offset) for c in rows])
+            if batch is None:
+                raise ValueError("QuantizedKVCache.prefix_cache_merge refused the rows (returned None)")
+        else:
+            batch = rows[0].merge(rows)
+        self.handles[r["id"]] = batch
+        return {}
+
+    def op_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rows_info(self, r):
+        offsets = self.handles[r["id"]].offset  # evaluated with the reply's other arrays (kit.ints_out)
+        return {"rows": int(offsets.shape[0]), "offsets": kit.ints_out(offsets)}
+
+    def op_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_filter(self, r):
+        self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        # as mlx-vlm's batch generator does (generate/ar.py:1898-1907): only when some row is padded
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()
+        return {}
+
+    def op_rows_state(self, r):
+        return self.state_of(self.handles[r["id"]].extract(r["row"]))
+
 
     # ---- recurrent state (ArraysCache and its speculation API) ----
 
