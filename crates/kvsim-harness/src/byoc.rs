@@ -114,6 +114,10 @@ pub struct Supports {
     /// A right-padded batch prefill ([`RowsUnderTest::prepare`], [`RowsUnderTest::window`] over the padded chunks,
     /// [`RowsUnderTest::finalize`]): fresh requests' prompts of different lengths enter the batch together.
     pub prefill: bool,
+    /// Per-row trims ([`RowsUnderTest::trim_rows`]): a speculative rollback of the rows (a `bypass` trim of `n`)
+    /// drops `n - (r mod (n + 1))` positions of row `r`, each row keeping its own share of the rejected block.
+    /// Without it, and for a trim that is no rollback, every row drops `n` ([`RowsUnderTest::trim`]).
+    pub rows_trim_rows: bool,
 }
 
 /// One request's cache of one layer, outside any batch.
@@ -197,6 +201,13 @@ pub trait RowsUnderTest: Sized {
     fn trim(&mut self, n: usize) -> AdapterResult<usize> {
         let _ = n;
         Err("trim is not supported".into())
+    }
+    /// Drops the last `n[r]` positions of row `r` (one count per row, each at most the row's offset); returns what
+    /// each row dropped (0 for every row when some row is a sliding window that filled). Asked only where
+    /// [`Supports::rows_trim_rows`] says so.
+    fn trim_rows(&mut self, n: &[usize]) -> AdapterResult<Vec<usize>> {
+        let _ = n;
+        Err("per-row trims are not supported".into())
     }
     /// Row `row`'s K and V as [`SerialUnderTest::state`] gives a serial cache's.
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]>;

@@ -134,6 +134,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
             quant_rows: protocol >= 2 && flag("quant_rows", false),
             prefill: protocol >= 2 && flag("prefill", false),
             convert: protocol >= 2 && flag("convert", false),
+            rows_trim_rows: protocol >= 2 && flag("rows_trim_rows", false),
         },
         kv: flag("kv", true) || protocol == 1,
         pool: protocol >= 2 && flag("pool", false),
@@ -872,6 +873,21 @@ impl RowsUnderTest for EngineRows {
     fn trim(&mut self, n: usize) -> AdapterResult<usize> {
         let r = engine_call(json!({"op": "rows_trim", "id": self.id, "n": n}))?;
         usize_of("rows_trim", &r, "trimmed")
+    }
+    fn trim_rows(&mut self, n: &[usize]) -> AdapterResult<Vec<usize>> {
+        let r = engine_call(json!({"op": "rows_trim_rows", "id": self.id, "n": n}))?;
+        let got: Option<Vec<usize>> = r
+            .get("trimmed")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
+        match got {
+            Some(got) if got.len() == n.len() => Ok(got),
+            _ => Err(fault(EngineFailure::Malformed {
+                op: "rows_trim_rows".into(),
+                reply: shorten(&r),
+                why: format!("no list of {} counts \"trimmed\"", n.len()),
+            })),
+        }
     }
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]> {
         state("rows_state", json!({"op": "rows_state", "id": self.id, "row": row}), &self.geometry)

@@ -591,6 +591,57 @@ impl<A: Adapter> Adapted<A> {
         Ok(true)
     }
 
+    /// A speculative rollback with per-row accepts ([`super::Supports::rows_trim_rows`]): row `r` (in batch order)
+    /// drops `n - (r mod (n + 1))` positions, where each row alone drops exactly that (otherwise skipped): each
+    /// row's twin first (against the model), then the batch's per-row trim, which must drop per row what the twins
+    /// dropped (`rows_trim_vs_solo`); the reads and state checks that follow judge what each row kept.
+    fn rows_trim_rows(&mut self, cx: &mut Cx<'_>, n: usize) -> Res<bool> {
+        let ids: Vec<u32> = cx.roster.rows().to_vec();
+        let counts: Vec<usize> = (0..ids.len()).map(|r| n - r % (n + 1)).collect();
+        if self.batch.is_none() || n == 0 {
+            return Ok(false);
+        }
+        let fits = ids.iter().zip(&counts).all(|(id, &k)| {
+            let m = &self.reqs[id].model;
+            m.offset >= k && Self::trim_want(m, k) == k
+        });
+        if !fits {
+            return Ok(false);
+        }
+        for (id, &k) in ids.iter().zip(&counts) {
+            let r = self.reqs.get_mut(id).expect("live");
+            for (l, t) in r.twin.iter_mut().enumerate() {
+                let got = t.trim(k).map_err(|e| refused("twin trim", e))?;
+                if got != k {
+                    return check::fail(Failure::new(
+                        "trim_count",
+                        format!("request {id} layer {l}: its twin's trim({k}) dropped {got}, expected {k}"),
+                    ))
+                    .map(|_| true);
+                }
+            }
+        }
+        let batch = self.batch.as_mut().expect("rows");
+        for (l, b) in batch.iter_mut().enumerate() {
+            let got = b.trim_rows(&counts).map_err(|e| refused("rows per-row trim", e))?;
+            if got != counts {
+                return check::fail(Failure::new(
+                    "rows_trim_vs_solo",
+                    format!("layer {l}: the rows' per-row trim({counts:?}) dropped {got:?}; each row alone drops {counts:?}"),
+                ))
+                .map(|_| true);
+            }
+        }
+        for (id, &k) in ids.iter().zip(&counts) {
+            if k > 0 {
+                let m = &mut self.reqs.get_mut(id).expect("live").model;
+                m.trim(k, false).map_err(|e| Failure::new("model", format!("trim {k}: {e:?}")))?;
+            }
+        }
+        self.counters.checks += 1;
+        Ok(true)
+    }
+
     // ----- state -------------------------------------------------------------------------------------------------
 
     /// Tells the adapter which reads the state checks will make after a read op ([`Adapter::prefetch`]): a read
@@ -783,6 +834,7 @@ impl<A: Adapter> Family for Adapted<A> {
             Op::SoloTrim { req, n, .. } => self.solo_trim(cx, *req, *n as usize),
             Op::Decode => self.rows_read(cx, 1, false),
             Op::Window { len } => self.rows_read(cx, *len as usize, true),
+            Op::Trim { n, bypass } if *bypass && A::supports().rows_trim_rows => self.rows_trim_rows(cx, *n as usize),
             Op::Trim { n, .. } => self.rows_trim(cx, *n as usize),
             Op::Quantize { bits, group, .. } => self.convert(cx, *bits as usize, *group as usize),
             _ => Ok(false),

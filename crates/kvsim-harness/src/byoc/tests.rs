@@ -78,6 +78,13 @@ impl RowsUnderTest for Rows {
         }
         Ok(Cache::trim(&mut self.0, n, false)?)
     }
+    fn trim_rows(&mut self, n: &[usize]) -> AdapterResult<Vec<usize>> {
+        if !Cache::is_trimmable(&self.0) {
+            return Ok(vec![0; n.len()]);
+        }
+        self.0.trim_rows(n, false)?;
+        Ok(n.to_vec())
+    }
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]> {
         Ok(self.0.row_temporal_view(row)?.into())
     }
@@ -91,7 +98,14 @@ impl Adapter for Kvsim {
         // Linear only: kvsim's rings re-linearize at merge and extract (docs/layouts.md), so after a wrap their
         // reads are byte-identical to a solo run that went through the same layout events, which the attention
         // family's twins do, not to one that never did, which is what these twins are.
-        Supports { serial_trim: true, rows_window: true, rows_trim: true, join: true, ..Supports::default() }
+        Supports {
+            serial_trim: true,
+            rows_window: true,
+            rows_trim: true,
+            join: true,
+            rows_trim_rows: true,
+            ..Supports::default()
+        }
     }
     type Serial = Serial;
     type Rows = Rows;
@@ -144,6 +158,63 @@ impl Adapter for Bugged {
     }
 }
 
+/// kvsim's rows with a per-row rollback that drops the largest count from every row and answers the counts asked
+/// (a batch whose rows' offsets are not rewound one by one).
+struct UniformRollback(Rows);
+
+impl RowsUnderTest for UniformRollback {
+    type Serial = Serial;
+    fn merge(rows: Vec<Serial>) -> AdapterResult<Self> {
+        Ok(UniformRollback(Rows::merge(rows)?))
+    }
+    fn join(rows: &[&Serial]) -> AdapterResult<Self> {
+        Ok(UniformRollback(Rows::join(rows)?))
+    }
+    fn rows(&self) -> usize {
+        self.0.rows()
+    }
+    fn offsets(&self) -> Vec<usize> {
+        self.0.offsets()
+    }
+    fn decode(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        self.0.decode(k, v, q, scale)
+    }
+    fn window(&mut self, k: &Array, v: &Array, q: &Array, scale: f32) -> AdapterResult<Array> {
+        self.0.window(k, v, q, scale)
+    }
+    fn extract(&self, row: usize) -> AdapterResult<Serial> {
+        self.0.extract(row)
+    }
+    fn filter(&mut self, keep: &[usize]) -> AdapterResult<()> {
+        self.0.filter(keep)
+    }
+    fn trim(&mut self, n: usize) -> AdapterResult<usize> {
+        self.0.trim(n)
+    }
+    fn trim_rows(&mut self, n: &[usize]) -> AdapterResult<Vec<usize>> {
+        let most = n.iter().copied().max().unwrap_or(0);
+        self.0.trim(most)?;
+        Ok(n.to_vec())
+    }
+    fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]> {
+        self.0.row_state(row)
+    }
+}
+
+struct BuggedRollback;
+
+impl Adapter for BuggedRollback {
+    const NAME: &'static str = "kvsim-uniform-rollback";
+    fn supports() -> Supports {
+        Kvsim::supports()
+    }
+    type Serial = Serial;
+    type Rows = UniformRollback;
+    fn serial(g: &Geometry) -> AdapterResult<Serial> {
+        Kvsim::serial(g)
+    }
+}
+
 #[test]
 fn kvsims_own_linear_caches_pass_through_the_adapter() {
     let report = check::<Kvsim>(CheckOptions { seeds: 24, ops: 80, ..CheckOptions::default() });
@@ -189,6 +260,27 @@ fn a_filter_that_loses_the_order_is_caught_shrunk_and_replayed() {
         Outcome::Pass => panic!("the shrunk trace passes on replay"),
     }
     // The same ops pass against the correct rows.
+    let fixed = crate::sim::run_in(
+        &registry::<Kvsim>(),
+        found.shrunk.seed,
+        SimConfig { families: vec![Kvsim::NAME.to_string()], ..found.shrunk.config.clone() },
+        Some(found.shrunk.ops.clone()),
+        DeviceChoice::Cpu,
+        None,
+        &mut NoObserver,
+    );
+    assert!(!fixed.failed(), "{:?}", fixed.trace.outcome);
+}
+
+#[test]
+fn a_rollback_that_drops_the_most_from_every_row_is_caught_and_shrunk() {
+    let report = check::<BuggedRollback>(CheckOptions { seeds: 24, ops: 80, ..CheckOptions::default() });
+    let found = report.failures.first().expect("the uniform rollback is caught");
+    eprintln!("seed {} [{}] {}: {:?}", found.seed, found.check, found.message, found.shrunk.ops);
+    assert!(found.shrunk.ops.len() < found.ops_before, "{} -> {}", found.ops_before, found.shrunk.ops.len());
+    assert!(found.shrunk.ops.iter().any(|op| matches!(op, crate::sim::ops::Op::Trim { bypass: true, .. })), "{:?}", found.shrunk.ops);
+    let again = replay::<BuggedRollback>(&found.shrunk, DeviceChoice::Cpu);
+    assert!(matches!(&again.trace.outcome, Outcome::Fail { check, .. } if check == &found.check));
     let fixed = crate::sim::run_in(
         &registry::<Kvsim>(),
         found.shrunk.seed,
