@@ -40,6 +40,10 @@ run check-engine-mlx-lm quant python3 oracles/mlx_lm/engine.py --kv quant
 L="$PY oracles/mlx_lm/.venv/bin/python -m kvsim.drivers.mlx_lm"
 run check-engine-mlx-lm recurrent "$L" --only-layer recurrent
 run check-engine-mlx-lm recurrent-plant-rec-neighbour "$L" --plant rec-neighbour --only-layer recurrent
+run check-engine-mlx-lm chunked "$L" --kv chunked --only-layer kv
+run check-engine-mlx-lm chunked-plant-chunk-trim-over "$L" --kv chunked --plant chunk-trim-over --only-layer kv
+run check-engine-mlx-lm cachelist "$L" --kv cachelist --only-layer kv
+run check-engine-mlx-lm cachelist-plant-cachelist-index "$L" --kv cachelist --plant cachelist-index --only-layer kv
 O="$PY oracles/mlx_optiq/.venv/bin/python -m kvsim.drivers.mlx_optiq"
 run check-engine-mlx-optiq batch "$O"
 run check-engine-mlx-optiq rotating "$O" --cache rotating

@@ -1,5 +1,7 @@
 //! Quantized K/V over protocol 2 (`supports.quant`): mlx-optiq 0.7.7's quantized caches, mlx-lm 0.32.2's
-//! `QuantizedKVCache` and mlx-vlm 0.7.10's own K/V classes (`--kv plain|quant|buffered`) under `kvsim check-engine`. The classes of the stock releases are found, each with its shortest
+//! `QuantizedKVCache` and mlx-vlm 0.7.10's own K/V classes (`--kv plain|quant|buffered`) under `kvsim check-engine`;
+//! with them mlx-lm's other K/V configurations, `ChunkedKVCache` and `CacheList` (`--kv chunked|cachelist`). The
+//! classes of the stock releases are found, each with its shortest
 //! trace and a reproducer under `oracles/mlx_optiq/repros/` that exits 1, and optiq's planted bug (a quantized row
 //! written at another row's column) is caught by the plane check and shrunk. The engines' runs need the venvs
 //! `oracles/mlx_optiq/setup.sh` and `oracles/mlx_lm/setup.sh` create; without them they are skipped with the reason
@@ -195,4 +197,75 @@ fn mlx_vlm_quantized_batches_pass_the_plane_checks_and_the_planted_row_copy_is_c
     assert!(planted.hello.version.ends_with("+plant:quant-row-copy"), "{}", planted.hello.version);
     let c = planted.classes.iter().find(|c| c.name == "state_vs_model").expect("the planted row copy is caught");
     assert!(c.shortest.ops() <= 6, "{} ops", c.shortest.ops());
+}
+
+/// mlx-lm's `ChunkedKVCache` and `CacheList` runs (`--kv chunked`, `--kv cachelist`): their traces and reproducers
+/// (`oracles/mlx_lm/repros/chunked/`, `oracles/mlx_lm/repros/cachelist/`).
+fn mlx_lm_list_files(ext: &str) -> Vec<PathBuf> {
+    let mut out = vec![];
+    for config in ["chunked", "cachelist"] {
+        let dir = root().join("oracles/mlx_lm/repros").join(config);
+        out.extend(
+            std::fs::read_dir(&dir)
+                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.to_string_lossy().ends_with(ext)),
+        );
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_mlx_lm_chunked_and_cachelist_class_has_a_short_trace() {
+    let traces = mlx_lm_list_files(".trace.json");
+    assert!(traces.len() >= 7, "{traces:?}");
+    for trace in &traces {
+        let t = Trace::load(trace).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
+        let Outcome::Fail { check, .. } = &t.outcome else { panic!("{}: passes", trace.display()) };
+        let name = trace.file_name().unwrap().to_string_lossy().to_string();
+        assert!(name.starts_with(check.as_str()), "{name} is not a {check} class");
+        assert!(t.ops.len() <= 6, "{}: {} ops", trace.display(), t.ops.len());
+    }
+}
+
+#[test]
+fn every_mlx_lm_chunked_and_cachelist_reproducer_exits_1_under_mlx_lm() {
+    let Some(python) = venv("mlx_lm") else { return };
+    for s in mlx_lm_list_files(".py") {
+        let out = std::process::Command::new(&python).arg(&s).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
+        let known = [
+            "mlx-lm raised",
+            "differs from the same request run alone",
+            "the batch trimmed",
+            "attends positions",
+        ];
+        assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
+    }
+}
+
+/// `--kv chunked`: the stock release's classes are the refused merge and `trim_count`; the planted over-trim is
+/// caught by `offsets`. `--kv cachelist`: the planted sub-cache mix-up is caught by `state_vs_model`. Each shrunk.
+#[test]
+fn mlx_lm_chunked_and_cachelist_planted_bugs_are_caught() {
+    let Some(python) = venv("mlx_lm") else { return };
+    let opts = CheckOptions { seeds: 60, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    let only = ["kv"];
+    let stock =
+        check_engine_only(&driver(&python, "mlx_lm", "--kv chunked"), timeout, opts, 1, &only).expect("chunked");
+    let mut names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["adapter_error/merge", "trim_count"], "chunked: {names:?}");
+    for (options, plant, check) in [
+        ("--kv chunked --plant chunk-trim-over", "chunk-trim-over", "offsets"),
+        ("--kv cachelist --plant cachelist-index", "cachelist-index", "state_vs_model"),
+    ] {
+        let planted = check_engine_only(&driver(&python, "mlx_lm", options), timeout, opts, 1, &only).expect("planted");
+        assert!(planted.hello.version.ends_with(&format!("+plant:{plant}")), "{}", planted.hello.version);
+        let c = planted.classes.iter().find(|c| c.name == check).unwrap_or_else(|| panic!("{plant} is not caught"));
+        assert!(c.shortest.ops() <= 6, "{plant}: {} ops", c.shortest.ops());
+    }
 }

@@ -16,6 +16,24 @@ of all positions, then `insert_cache(model, tokens, caches)`; `prefix_lookup`: `
 trimmed by `trim_prompt_cache` for a longer entry); `prefix_cold`: the same caches without the prefix cache;
 `prefix_evict`: `trim_to(n_sequences=len - 1)`, one LRU step. `--plant prefix-short` (a negative control, hello's
 `version` says `+plant:...`): every restored layer answered one position short, `matched` kept.
+
+Two more K/V configurations (`--kv chunked|cachelist`; oracles/mlx_lm/README.md, "Chunked and list caches"):
+
+- `--kv chunked`: every serial cache is a `ChunkedKVCache` (llama4's), `chunk_size=W` under a sliding window, else
+  8192 (llama4's attention chunk, never reached by a run: the cache is then full attention). Each read calls
+  `maybe_trim_front()` first, as llama4's forward does before its layers, takes the mask over the positions the cache
+  holds from `base.create_causal_mask(L, offset=held, window_size=W)` (kvsim's sliding window, not llama4's chunk
+  mask), then `update_and_fetch` and `base.scaled_dot_product_attention`. `state` is the newest `min(held, W)` of
+  `keys_and_values()` (what the next read's `maybe_trim_front` keeps; nothing is trimmed for it). The class has no
+  `merge` and mlx-lm batches none (`generate._merge_caches` raises): `merge` is refused. `--plant chunk-trim-over`:
+  a trim that drops anything drops one position more than it answers.
+- `--kv cachelist`: every cache is a `CacheList` of two caches of the geometry's class (as longcat-flash's
+  `CacheList(KVCache(), KVCache())`): sub-cache 0 takes kvsim's `(k, v)` and serves the reads (mask from it, as the
+  models take theirs from `cache[0]`), sub-cache 1 takes the same positions with K and V swapped, `(v, k)`, and
+  serves `state`, `offset` and `rows_info` (swapped back), so that both sub-caches are checked and one handed in the
+  other's place shows. Batches are `CacheList.merge`, `extend`, `extract`, `filter`, `prepare`, `finalize`; trims
+  `trim_prompt_cache([cache_list], n)`. `--plant cachelist-index`: `merge` builds sub-cache 1 from the rows'
+  sub-caches 0.
 """
 from kvsim import kit
 
@@ -28,12 +46,14 @@ class MlxLm(kit.Driver):
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
                 "rotating": True, "prefill": True, "prefix": True, "recurrent": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour"), "kv": ("plain", "quant"), "prefill": ("yes", "no")}
+    options = {"plant": (None, "prefix-short", "rec-neighbour", "chunk-trim-over", "cachelist-index"),
+               "kv": ("plain", "quant", "chunked", "cachelist"), "prefill": ("yes", "no")}
+    chunk_full = 8192  # llama4's attention_chunk_size: the chunk of a full-attention run (no run reaches it)
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
     def version(self):
         v = kit.package_version("mlx-lm")
-        v += "+quant" if self.opts["kv"] == "quant" else ""
+        v += f"+{self.opts['kv']}" if self.opts["kv"] != "plain" else ""
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
@@ -45,24 +65,45 @@ class MlxLm(kit.Driver):
             # mlx-lm 0.32.2 quantizes only full-attention caches and batches none of them (QuantizedKVCache has no
             # `merge`; RotatingKVCache.to_quantized raises NotImplementedError): quantized serial caches only.
             self.supports = {"kv": True, "quant_only": True, "serial_trim": True, "prefix": False}
+        elif self.opts["kv"] == "chunked":
+            # serial only: ChunkedKVCache has no merge (every merge kvsim draws is refused, `op_merge`)
+            self.supports = {"kv": True, "serial_trim": True, "rotating": True, "prefix": False}
+        elif self.opts["kv"] == "cachelist":
+            self.supports = dict(self.supports, prefix=False, recurrent=False)
         elif self.opts["prefill"] == "no":
             # the K/V runs of protocol 1 (no right-padded prefill drawn): the classes of the protocol-1 report again
             self.supports = dict(self.supports, prefill=False)
 
     def op_new(self, r):
         self.geometry = g = r["geometry"]
-        w, q = g.get("max_size"), g.get("quant")
+        w, q, kv = g.get("max_size"), g.get("quant"), self.opts["kv"]
         if q:
-            self.handles[r["id"]] = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+            c = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+        elif kv == "chunked":
+            c = CACHE.ChunkedKVCache(chunk_size=w or self.chunk_full)
+        elif kv == "cachelist":
+            c = CACHE.CacheList(*(CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache() for _ in "01"))
         else:
-            self.handles[r["id"]] = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+            c = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+        self.handles[r["id"]] = c
         return {}
 
     def op_window(self, r):
         c = self.handles[r["id"]]
         k, v, q = kit.arr_in(r["k"]), kit.arr_in(r["v"]), kit.arr_in(r["q"])
-        # the mask of the cache before the write, as a model's forward builds it
-        mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=self.geometry.get("max_size"))
+        w = self.geometry.get("max_size")
+        if isinstance(c, CACHE.ChunkedKVCache):
+            # llama4's order: the front trimmed before the layer writes; the mask over the positions held (its
+            # sliding window of W, or causal), built by mlx-lm's `create_causal_mask`
+            c.maybe_trim_front()
+            mask = BASE.create_causal_mask(q.shape[2], offset=c.offset - c.start_position, window_size=w)
+        elif isinstance(c, CACHE.CacheList):
+            c[1].update_and_fetch(v, k)  # the second stream: the same positions, K and V swapped
+            c = c[0]
+            mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=w)
+        else:
+            # the mask of the cache before the write, as a model's forward builds it
+            mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=w)
         keys, values = c.update_and_fetch(k, v)
         out = BASE.scaled_dot_product_attention(q, keys, values, c, scale=r["scale"], mask=mask)
         return {"out": kit.arr_out(out)}
@@ -70,24 +111,49 @@ class MlxLm(kit.Driver):
     op_decode = op_rows_window = op_rows_decode = op_window
 
     def op_trim(self, r):
-        return {"trimmed": CACHE.trim_prompt_cache([self.handles[r["id"]]], r["n"])}
+        c = self.handles[r["id"]]
+        trimmed = CACHE.trim_prompt_cache([c], r["n"])
+        if self.opts["plant"] == "chunk-trim-over" and isinstance(c, CACHE.ChunkedKVCache) and trimmed:
+            c.trim(1)  # a negative control: a trim drops one position more than it answers
+        return {"trimmed": trimmed}
 
     op_rows_trim = op_trim
 
     def state_of(self, c):
         """The K/V the next read attends, oldest first: the first `offset` columns of a KVCache (the planes of a
-        QuantizedKVCache); the newest min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`)."""
+        QuantizedKVCache); the newest min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`);
+        the newest min(held, W) of what a ChunkedKVCache holds (`keys_and_values()`; all it holds without a window);
+        a CacheList's sub-cache 1, K and V swapped back."""
+        if isinstance(c, CACHE.CacheList):
+            out = kit.state_reply(c[1], self.geometry)
+            return {"k": out["v"], "v": out["k"]}
+        if isinstance(c, CACHE.ChunkedKVCache) and c.keys is not None:
+            k, v = c.keys_and_values()
+            w = self.geometry.get("max_size")
+            n = min(k.shape[2], w) if w else k.shape[2]
+            return {"k": kit.arr_out(k[..., k.shape[2] - n :, :]), "v": kit.arr_out(v[..., v.shape[2] - n :, :])}
         return kit.state_reply(c, self.geometry)
 
     def op_state(self, r):
         return self.state_of(self.handles[r["id"]])
 
+    @staticmethod
+    def offset_of(c):
+        return (c[1] if isinstance(c, CACHE.CacheList) else c).offset
+
     def op_offset(self, r):
-        return {"offset": int(self.handles[r["id"]].offset)}
+        return {"offset": int(self.offset_of(self.handles[r["id"]]))}
 
     def op_merge(self, r):
         rows = [self.handles.pop(i) for i in r["rows"]]
-        self.handles[r["id"]] = rows[0].merge(rows)
+        if not hasattr(rows[0], "merge"):  # ChunkedKVCache: refused as mlx-lm's batching refuses it
+            raise NotImplementedError(f"{type(rows[0]).__name__} has no merge: mlx-lm batches none "
+                                      "(generate._merge_caches: \"does not yet support batching with history\")")
+        batch = rows[0].merge(rows)
+        if self.opts["plant"] == "cachelist-index" and isinstance(batch, CACHE.CacheList):
+            # a negative control: sub-cache 1 of the batch built from the rows' sub-caches 0
+            batch.caches = (batch.caches[0], rows[0].caches[0].merge([c.caches[0] for c in rows]))
+        self.handles[r["id"]] = batch
         return {}
 
     def op_extend(self, r):
@@ -95,7 +161,7 @@ class MlxLm(kit.Driver):
         return {}
 
     def op_rows_info(self, r):
-        offsets = self.handles[r["id"]].offset  # evaluated with the reply's other arrays (kit.ints_out)
+        offsets = self.offset_of(self.handles[r["id"]])  # evaluated with the reply's other arrays (kit.ints_out)
         return {"rows": int(offsets.shape[0]), "offsets": kit.ints_out(offsets)}
 
     def op_extract(self, r):
