@@ -44,6 +44,8 @@ run check-engine-mlx-lm chunked "$L" --kv chunked --only-layer kv
 run check-engine-mlx-lm chunked-plant-chunk-trim-over "$L" --kv chunked --plant chunk-trim-over --only-layer kv
 run check-engine-mlx-lm cachelist "$L" --kv cachelist --only-layer kv
 run check-engine-mlx-lm cachelist-plant-cachelist-index "$L" --kv cachelist --plant cachelist-index --only-layer kv
+run check-engine-mlx-lm trim-rows "$L" --trim-rows yes --only-layer kv
+run check-engine-mlx-lm trim-rows-plant-rollback-uniform "$L" --trim-rows yes --plant rollback-uniform --only-layer kv
 O="$PY oracles/mlx_optiq/.venv/bin/python -m kvsim.drivers.mlx_optiq"
 run check-engine-mlx-optiq batch "$O"
 run check-engine-mlx-optiq rotating "$O" --cache rotating
@@ -68,4 +70,7 @@ run check-engine-mlx-vlm kv-quant "$G" --kv quant --only-layer kv
 run check-engine-mlx-vlm kv-buffered "$G" --kv buffered --only-layer kv
 run check-engine-mlx-vlm kv-convert "$G" --kv convert --only-layer kv
 run check-engine-mlx-vlm kv-plant-quant-row-copy "$G" --kv quant --plant quant-row-copy --only-layer kv
+run check-engine-mlx-vlm kv-plain-trim-rows "$G" --kv plain --trim-rows yes --only-layer kv
+run check-engine-mlx-vlm kv-plain-trim-rows-plant-rollback-uniform "$G" --kv plain --trim-rows yes --plant rollback-uniform --only-layer kv
+run check-engine-mlx-vlm kv-quant-trim-rows "$G" --kv quant --trim-rows yes --only-layer kv
 exit $status

@@ -475,16 +475,44 @@ def check_rows_vs_solo(calls, replies):
 
 
 def check_rows_trim_vs_solo(calls, replies):
-    """The last call, a `rows_trim`, against the twin `trim` calls right before it."""
+    """The last call, a `rows_trim` (or a per-row `rows_trim_rows`, one count per row), against the twin `trim`
+    calls before it (row by row, each row's layers in order; earlier layers' batch trims may stand between)."""
     i = len(calls) - 1
     j = i
-    while j > 0 and calls[j - 1]["op"] == "trim":
+    while j > 0 and calls[j - 1]["op"] in ("trim", "rows_trim_rows"):
         j -= 1
-    alone = [replies[x]["trimmed"] for x in range(j, i)]
+    alone = [replies[x]["trimmed"] for x in range(j, i) if calls[x]["op"] == "trim"]
     if calls[i]["op"] == "rows_trim" and any(a != replies[i]["trimmed"] for a in alone):
         return (f"call {i} (rows_trim n={calls[i]['n']}): the batch trimmed {replies[i]['trimmed']}, "
                 f"its rows' own caches trimmed {alone} (calls {j}..{i - 1})")
+    if calls[i]["op"] == "rows_trim_rows":
+        rows = len(calls[i]["n"])
+        per = len(alone) // rows if rows else 0
+        want = [alone[r * per] if per else None for r in range(rows)]
+        if per and replies[i]["trimmed"] != want:
+            return (f"call {i} (rows_trim_rows n={calls[i]['n']}): the batch's rows dropped {replies[i]['trimmed']}, "
+                    f"each row's own cache dropped {want} (calls {j}..{i - 1})")
     return None
+
+
+def rows_rollback(c, counts, trim, uniform=False):
+    """A speculative rollback with per-row accepts (`rows_trim_rows`) on an mlx-lm-style batch cache, as mlx-vlm's
+    LFM2 rolls a batch back (mlx-vlm 0.7.10 `models/lfm2/language.py:450-487`): every row trimmed by the smallest
+    count (`trim(c, n)`, the driver's uniform trim), then each row's extra dropped by `prepare(right_padding=extra)`
+    and `finalize()`, which roll the row's newest `extra` positions past its end and count them as left padding.
+    Returns what each row dropped (zeros where the uniform trim is refused). `uniform` is a negative control: every
+    row trimmed by the largest count, the counts asked answered."""
+    if uniform:
+        trim(c, max(counts))
+        return list(counts)
+    low = min(counts)
+    if not c.is_trimmable() or (low and trim(c, low) != low):
+        return [0] * len(counts)
+    extra = [n - low for n in counts]
+    if any(extra):
+        c.prepare(right_padding=extra)
+        c.finalize()
+    return list(counts)
 
 
 def check_missing_row_accepted(calls, replies):

@@ -236,12 +236,8 @@ fn every_mlx_lm_chunked_and_cachelist_reproducer_exits_1_under_mlx_lm() {
         let out = std::process::Command::new(&python).arg(&s).output().unwrap();
         let said = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
-        let known = [
-            "mlx-lm raised",
-            "differs from the same request run alone",
-            "the batch trimmed",
-            "attends positions",
-        ];
+        let known =
+            ["mlx-lm raised", "differs from the same request run alone", "the batch trimmed", "attends positions"];
         assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
     }
 }
@@ -267,5 +263,36 @@ fn mlx_lm_chunked_and_cachelist_planted_bugs_are_caught() {
         assert!(planted.hello.version.ends_with(&format!("+plant:{plant}")), "{}", planted.hello.version);
         let c = planted.classes.iter().find(|c| c.name == check).unwrap_or_else(|| panic!("{plant} is not caught"));
         assert!(c.shortest.ops() <= 6, "{plant}: {} ops", c.shortest.ops());
+    }
+}
+
+/// Per-row rollback (`rows_trim_rows`, `--trim-rows yes`): mlx-lm's and mlx-vlm's full-attention batches roll back
+/// row by row through `prepare(right_padding)` and `finalize` with no class of their own, and a rollback that drops the
+/// most from every row (`--plant rollback-uniform`) is caught by the offsets check and shrunk.
+#[test]
+fn per_row_rollback_passes_stock_and_catches_a_uniform_rollback() {
+    let opts = CheckOptions { seeds: 60, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    let only = ["kv"];
+    for (engine, kv) in [("mlx_lm", ""), ("mlx_vlm", "--kv plain ")] {
+        let Some(python) = venv(engine) else { continue };
+        let stock =
+            check_engine_only(&driver(&python, engine, &format!("{kv}--trim-rows yes")), timeout, opts, 1, &only)
+                .expect("stock");
+        let names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
+        assert!(
+            names.iter().all(|n| *n == "adapter_error/row_state" || *n == "missing_row_accepted"),
+            "{engine}: {names:?}"
+        );
+        let planted = check_engine_only(
+            &driver(&python, engine, &format!("{kv}--trim-rows yes --plant rollback-uniform")),
+            timeout,
+            opts,
+            1,
+            &only,
+        )
+        .expect("planted");
+        let c = planted.classes.iter().find(|c| c.name == "offsets").unwrap_or_else(|| panic!("{engine}: not caught"));
+        assert!(c.shortest.ops() <= 6, "{engine}: {} ops", c.shortest.ops());
     }
 }

@@ -46,8 +46,9 @@ class MlxLm(kit.Driver):
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
                 "rotating": True, "prefill": True, "prefix": True, "recurrent": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour", "chunk-trim-over", "cachelist-index"),
-               "kv": ("plain", "quant", "chunked", "cachelist"), "prefill": ("yes", "no")}
+    options = {"plant": (None, "prefix-short", "rec-neighbour", "chunk-trim-over", "cachelist-index",
+                         "rollback-uniform"),
+               "kv": ("plain", "quant", "chunked", "cachelist"), "prefill": ("yes", "no"), "trim_rows": ("no", "yes")}
     chunk_full = 8192  # llama4's attention_chunk_size: the chunk of a full-attention run (no run reaches it)
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
@@ -73,6 +74,11 @@ class MlxLm(kit.Driver):
         elif self.opts["prefill"] == "no":
             # the K/V runs of protocol 1 (no right-padded prefill drawn): the classes of the protocol-1 report again
             self.supports = dict(self.supports, prefill=False)
+        if self.opts["trim_rows"] == "yes" and self.opts["kv"] == "plain":
+            # per-row rollback (`rows_trim_rows`, `kit.rows_rollback`), full attention only: BatchKVCache takes right
+            # padding alone (cache.py:938-957), BatchRotatingKVCache only with a prefill's `lengths` (:1243-1254).
+            # Opt-in, so the recorded runs stay as they were.
+            self.supports = dict(self.supports, rows_trim_rows=True, rotating=False)
 
     def op_new(self, r):
         self.geometry = g = r["geometry"]
@@ -118,6 +124,11 @@ class MlxLm(kit.Driver):
         return {"trimmed": trimmed}
 
     op_rows_trim = op_trim
+
+    def op_rows_trim_rows(self, r):
+        uniform = self.opts["plant"] == "rollback-uniform"  # a negative control: every row drops the most
+        trim = lambda c, n: CACHE.trim_prompt_cache([c], n)
+        return {"trimmed": kit.rows_rollback(self.handles[r["id"]], r["n"], trim, uniform)}
 
     def state_of(self, c):
         """The K/V the next read attends, oldest first: the first `offset` columns of a KVCache (the planes of a

@@ -51,8 +51,8 @@ class MlxVlm(kit.Driver):
 
     name = "mlx-vlm"
     supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour", "quant-row-copy"),
-               "kv": (None, "plain", "quant", "buffered", "convert")}
+    options = {"plant": (None, "prefix-short", "rec-neighbour", "quant-row-copy", "rollback-uniform"),
+               "kv": (None, "plain", "quant", "buffered", "convert"), "trim_rows": ("no", "yes")}
 
     def __init__(self, **opts):
         super().__init__(**opts)
@@ -68,6 +68,10 @@ class MlxVlm(kit.Driver):
                 rows.update(quant=True, convert=True, quant_rows=False, prefill=False)
             else:
                 rows.update(rotating=True)
+            if self.opts["trim_rows"] == "yes" and kv in ("plain", "quant"):
+                # per-row rollback, `kit.rows_rollback` (LFM2's own sequence), full attention only: the batch ring's
+                # `prepare` takes right padding only with a prefill's `lengths` (models/cache.py:1935-1946)
+                rows.update(rows_trim_rows=True, rotating=False)
             self.supports = dict(self.supports, **rows)
 
     def version(self):
@@ -167,6 +171,11 @@ class MlxVlm(kit.Driver):
         return {"trimmed": int(c.trim(r["n"])) if c.is_trimmable() else 0}
 
     op_rows_trim = op_trim
+
+    def op_rows_trim_rows(self, r):
+        uniform = self.opts["plant"] == "rollback-uniform"  # a negative control: every row drops the most
+        trim = lambda c, n: int(c.trim(n)) if c.is_trimmable() else 0
+        return {"trimmed": kit.rows_rollback(self.handles[r["id"]], r["n"], trim, uniform)}
 
     def state_of(self, c):
         """`kit.state_reply` of `c`, refused when its float planes are not of the run's dtype: an mlx-vlm batch can

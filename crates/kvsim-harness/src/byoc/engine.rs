@@ -801,17 +801,21 @@ impl EngineRows {
     }
 }
 
-/// A `rows_info` reply's row count and offsets.
+/// A `rows_info` reply's row count and offsets. An offset below zero is a cache's answer, not a broken reply: an
+/// error of the read (the state checks class it `offsets`), while a missing or non-integer list is `malformed`.
 fn decode_info(r: &Value) -> AdapterResult<(usize, Vec<usize>)> {
     let rows = usize_of("rows_info", r, "rows")?;
     let offsets = r
         .get("offsets")
         .and_then(Value::as_array)
-        .and_then(|o| o.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+        .and_then(|o| o.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
         .ok_or_else(|| {
             fault(EngineFailure::Malformed { op: "rows_info".into(), reply: shorten(r), why: "no offsets".into() })
         })?;
-    Ok((rows, offsets))
+    if offsets.iter().any(|&o| o < 0) {
+        return Err(format!("the batch answered offsets {offsets:?}: a row below zero").into());
+    }
+    Ok((rows, offsets.into_iter().map(|o| o as usize).collect()))
 }
 
 impl RowsUnderTest for EngineRows {
@@ -938,13 +942,8 @@ impl Adapter for EngineCache {
                     } else {
                         usize::MAX
                     })),
-                    Read::Info(_) => Ok(if ok {
-                        decode_info(reply)
-                            .map(|(n, o)| ReadOut::Info(n, o))
-                            .unwrap_or(ReadOut::Info(usize::MAX, vec![]))
-                    } else {
-                        ReadOut::Info(usize::MAX, vec![])
-                    }),
+                    Read::Info(_) if ok => decode_info(reply).map(|(n, o)| ReadOut::Info(n, o)),
+                    Read::Info(_) => Ok(ReadOut::Info(usize::MAX, vec![])),
                     Read::State(s) if ok => decode_state("state", reply, &s.geometry).map(ReadOut::State),
                     Read::RowState(b, _) if ok => decode_state("rows_state", reply, &b.geometry).map(ReadOut::State),
                     Read::Planes(s) if ok => decode_planes("state", reply, &s.geometry).map(ReadOut::Planes),

@@ -708,6 +708,7 @@ impl<A: Adapter> Adapted<A> {
             for l in 0..batch.len() {
                 let (n, offsets) = match next() {
                     Ok(ReadOut::Info(n, o)) => (n, o),
+                    Err(e) => return check::fail(Failure::new("offsets", format!("layer {l}: {e}"))),
                     _ => (usize::MAX, vec![]),
                 };
                 if n != rows.len() {

@@ -278,7 +278,11 @@ fn a_rollback_that_drops_the_most_from_every_row_is_caught_and_shrunk() {
     let found = report.failures.first().expect("the uniform rollback is caught");
     eprintln!("seed {} [{}] {}: {:?}", found.seed, found.check, found.message, found.shrunk.ops);
     assert!(found.shrunk.ops.len() < found.ops_before, "{} -> {}", found.ops_before, found.shrunk.ops.len());
-    assert!(found.shrunk.ops.iter().any(|op| matches!(op, crate::sim::ops::Op::Trim { bypass: true, .. })), "{:?}", found.shrunk.ops);
+    assert!(
+        found.shrunk.ops.iter().any(|op| matches!(op, crate::sim::ops::Op::Trim { bypass: true, .. })),
+        "{:?}",
+        found.shrunk.ops
+    );
     let again = replay::<BuggedRollback>(&found.shrunk, DeviceChoice::Cpu);
     assert!(matches!(&again.trace.outcome, Outcome::Fail { check, .. } if check == &found.check));
     let fixed = crate::sim::run_in(
