@@ -104,6 +104,50 @@ class Driver:
         return 2 if beyond or self.supports.get("kv") is False else 1
 
 
+class BatchCalls:
+    """The batch requests of an engine whose batch caches have mlx-lm's batch API (mlx-lm's `BatchKVCache` and
+    `BatchRotatingKVCache`, and the classes of mlx-vlm and mlx-optiq that share it): `extend`, `offset` (one per row),
+    `extract`, `filter`, `prepare(lengths=, right_padding=)` and `finalize()`. Mixed into a `Driver` before it
+    (`class MyEngine(kit.BatchCalls, kit.Driver)`); a driver overrides `offset_of` or `state_of` where its caches
+    differ. `rows_prepare` calls `prepare` only when some row is padded, as mlx-lm's `BatchGenerator.prompt`
+    (mlx-lm 0.32.2 `generate.py:1218-1221`) and mlx-vlm's batch generator (0.7.10 `generate/ar.py:1898-1907`) do."""
+
+    @staticmethod
+    def offset_of(c):
+        return c.offset
+
+    def state_of(self, c):
+        return state_reply(c, self.geometry)
+
+    def op_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rows_info(self, r):
+        offsets = self.offset_of(self.handles[r["id"]])  # evaluated with the reply's other arrays (`ints_out`)
+        return {"rows": int(offsets.shape[0]), "offsets": ints_out(offsets)}
+
+    def op_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_filter(self, r):
+        self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()
+        return {}
+
+    def op_rows_state(self, r):
+        return self.state_of(self.handles[r["id"]].extract(r["row"]))
+
+
 class Server:
     """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
 

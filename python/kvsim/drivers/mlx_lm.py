@@ -40,7 +40,7 @@ from kvsim import kit
 BASE, CACHE = kit.load_modules("mlx_lm", ["models.base", "models.cache"])
 
 
-class MlxLm(kit.Driver):
+class MlxLm(kit.BatchCalls, kit.Driver):
     """mlx-lm's caches by the ids kvsim gives them."""
 
     name = "mlx-lm"
@@ -166,35 +166,6 @@ class MlxLm(kit.Driver):
             batch.caches = (batch.caches[0], rows[0].caches[0].merge([c.caches[0] for c in rows]))
         self.handles[r["id"]] = batch
         return {}
-
-    def op_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
-
-    def op_rows_info(self, r):
-        offsets = self.offset_of(self.handles[r["id"]])  # evaluated with the reply's other arrays (kit.ints_out)
-        return {"rows": int(offsets.shape[0]), "offsets": kit.ints_out(offsets)}
-
-    def op_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
-
-    def op_filter(self, r):
-        self.handles[r["id"]].filter(r["keep"])
-        return {}
-
-    def op_rows_prepare(self, r):
-        # as mlx-lm's BatchGenerator.prompt does (generate.py:1218-1221): only when some row is padded
-        if max(r["right_padding"], default=0) > 0:
-            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
-        return {}
-
-    def op_rows_finalize(self, r):
-        self.handles[r["id"]].finalize()
-        return {}
-
-    def op_rows_state(self, r):
-        return self.state_of(self.handles[r["id"]].extract(r["row"]))
 
     # ---- prefix caches ----
 

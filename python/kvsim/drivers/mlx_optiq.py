@@ -32,7 +32,7 @@ ROT.patch_rotating_to_quantized()
 ROT_MERGE.install()
 
 
-class MlxOptiq(kit.Driver):
+class MlxOptiq(kit.BatchCalls, kit.Driver):
     """mlx-optiq's quantized caches by the ids kvsim gives them."""
 
     name = "mlx-optiq"
@@ -109,34 +109,12 @@ class MlxOptiq(kit.Driver):
         self.handles[r["id"]] = rows[0].merge(rows)
         return {}
 
-    def op_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
 
-    def op_rows_info(self, r):
-        offsets = [int(o) for o in self.handles[r["id"]].offset.tolist()]
-        return {"rows": len(offsets), "offsets": offsets}
 
-    def op_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
 
-    def op_filter(self, r):
-        self.handles[r["id"]].filter(r["keep"])
-        return {}
 
-    def op_rows_prepare(self, r):
-        # as mlx-lm's BatchGenerator.prompt does: only when some row is padded (BatchKVCache.prepare, inherited)
-        if max(r["right_padding"], default=0) > 0:
-            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
-        return {}
 
-    def op_rows_finalize(self, r):
-        self.handles[r["id"]].finalize()  # BatchQuantizedKVCache.finalize: the three planes rolled alike
-        return {}
 
-    def op_rows_state(self, r):
-        return kit.state_reply(self.handles[r["id"]].extract(r["row"]), self.geometry)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ CACHE, APC = kit.load_modules("mlx_vlm", ["models.cache", "apc"])
 BASE = None  # mlx_vlm.models.base, loaded by the K/V modes (it imports PIL)
 
 
-class MlxVlm(kit.Driver):
+class MlxVlm(kit.BatchCalls, kit.Driver):
     """mlx-vlm's exact-checkpoint prefix caches, recurrent caches and K/V caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
@@ -204,36 +204,6 @@ class MlxVlm(kit.Driver):
             batch = rows[0].merge(rows)
         self.handles[r["id"]] = batch
         return {}
-
-    def op_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
-
-    def op_rows_info(self, r):
-        offsets = self.handles[r["id"]].offset  # evaluated with the reply's other arrays (kit.ints_out)
-        return {"rows": int(offsets.shape[0]), "offsets": kit.ints_out(offsets)}
-
-    def op_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
-
-    def op_filter(self, r):
-        self.handles[r["id"]].filter(r["keep"])
-        return {}
-
-    def op_rows_prepare(self, r):
-        # as mlx-vlm's batch generator does (generate/ar.py:1898-1907): only when some row is padded
-        if max(r["right_padding"], default=0) > 0:
-            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
-        return {}
-
-    def op_rows_finalize(self, r):
-        self.handles[r["id"]].finalize()
-        return {}
-
-    def op_rows_state(self, r):
-        return self.state_of(self.handles[r["id"]].extract(r["row"]))
-
 
     # ---- recurrent state (ArraysCache and its speculation API) ----
 

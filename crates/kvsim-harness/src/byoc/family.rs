@@ -555,21 +555,10 @@ impl<A: Adapter> Adapted<A> {
         if wants.iter().any(|&w| w != wants[0]) {
             return Ok(false);
         }
-        let mut solo = vec![];
-        for (id, &want) in ids.iter().zip(&wants) {
-            let r = self.reqs.get_mut(id).expect("live");
-            for (l, t) in r.twin.iter_mut().enumerate() {
-                let got = t.trim(n).map_err(|e| refused("twin trim", e))?;
-                if got != want {
-                    return check::fail(Failure::new(
-                        "trim_count",
-                        format!("request {id} layer {l}: its twin's trim({n}) dropped {got}, expected {want}"),
-                    ))
-                    .map(|_| true);
-                }
-            }
-            solo.push(want);
+        if !self.trim_twins(&ids, &vec![n; ids.len()], &wants)? {
+            return Ok(true);
         }
+        let solo = wants;
         let batch = self.batch.as_mut().expect("rows");
         for (l, b) in batch.iter_mut().enumerate() {
             let got = b.trim(n).map_err(|e| refused("rows trim", e))?;
@@ -581,14 +570,40 @@ impl<A: Adapter> Adapted<A> {
                 .map(|_| true);
             }
         }
-        for (id, &want) in ids.iter().zip(&solo) {
-            if want > 0 {
-                let m = &mut self.reqs.get_mut(id).expect("live").model;
-                m.trim(want, false).map_err(|e| Failure::new("model", format!("trim {want}: {e:?}")))?;
-            }
-        }
+        self.trim_models(&ids, &solo)?;
         self.counters.checks += 1;
         Ok(true)
+    }
+
+    /// Each row's twins trimmed by `asks[i]` (row by row, each layer in order), each of which must drop `wants[i]`
+    /// (`trim_count`). `false` when one did not and the failure was recorded (a suppressing check run goes on):
+    /// the op ends there.
+    fn trim_twins(&mut self, ids: &[u32], asks: &[usize], wants: &[usize]) -> Res<bool> {
+        for ((id, &ask), &want) in ids.iter().zip(asks).zip(wants) {
+            let r = self.reqs.get_mut(id).expect("live");
+            for (l, t) in r.twin.iter_mut().enumerate() {
+                let got = t.trim(ask).map_err(|e| refused("twin trim", e))?;
+                if got != want {
+                    return check::fail(Failure::new(
+                        "trim_count",
+                        format!("request {id} layer {l}: its twin's trim({ask}) dropped {got}, expected {want}"),
+                    ))
+                    .map(|_| false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Each row's model trimmed by what its row dropped.
+    fn trim_models(&mut self, ids: &[u32], dropped: &[usize]) -> Res<()> {
+        for (id, &k) in ids.iter().zip(dropped) {
+            if k > 0 {
+                let m = &mut self.reqs.get_mut(id).expect("live").model;
+                m.trim(k, false).map_err(|e| Failure::new("model", format!("trim {k}: {e:?}")))?;
+            }
+        }
+        Ok(())
     }
 
     /// A speculative rollback with per-row accepts ([`super::Supports::rows_trim_rows`]): row `r` (in batch order)
@@ -608,18 +623,8 @@ impl<A: Adapter> Adapted<A> {
         if !fits {
             return Ok(false);
         }
-        for (id, &k) in ids.iter().zip(&counts) {
-            let r = self.reqs.get_mut(id).expect("live");
-            for (l, t) in r.twin.iter_mut().enumerate() {
-                let got = t.trim(k).map_err(|e| refused("twin trim", e))?;
-                if got != k {
-                    return check::fail(Failure::new(
-                        "trim_count",
-                        format!("request {id} layer {l}: its twin's trim({k}) dropped {got}, expected {k}"),
-                    ))
-                    .map(|_| true);
-                }
-            }
+        if !self.trim_twins(&ids, &counts, &counts)? {
+            return Ok(true);
         }
         let batch = self.batch.as_mut().expect("rows");
         for (l, b) in batch.iter_mut().enumerate() {
@@ -632,12 +637,7 @@ impl<A: Adapter> Adapted<A> {
                 .map(|_| true);
             }
         }
-        for (id, &k) in ids.iter().zip(&counts) {
-            if k > 0 {
-                let m = &mut self.reqs.get_mut(id).expect("live").model;
-                m.trim(k, false).map_err(|e| Failure::new("model", format!("trim {k}: {e:?}")))?;
-            }
-        }
+        self.trim_models(&ids, &counts)?;
         self.counters.checks += 1;
         Ok(true)
     }
