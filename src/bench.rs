@@ -239,14 +239,20 @@ fn pseudo_block(shape: &[i32], salt: u64, dtype: Dtype) -> Result<Array, String>
 /// The step bench's shape: query heads, K/V heads, head dimension (bf16).
 const STEP_HEADS: (usize, usize, usize) = (32, 8, 128);
 
+/// Bytes of the K and V rings of `b` rows of `w` columns (bf16).
+fn kv_bytes(b: usize, w: usize) -> usize {
+    let (_, hkv, d) = STEP_HEADS;
+    2 * b * hkv * w * d * 2
+}
+
 /// Bytes one step moves at `b` rows of `w` columns: every K and V column read, one new K and V column per row
 /// written, the queries read and the output written (bf16).
 fn step_bytes(b: usize, w: usize) -> usize {
     let (hq, hkv, d) = STEP_HEADS;
-    2 * b * hkv * w * d * 2 + 2 * b * hkv * d * 2 + 2 * b * hq * d * 2
+    kv_bytes(b, w) + 2 * b * hkv * d * 2 + 2 * b * hq * d * 2
 }
 
-/// The median of `iters` wall times (ms) of `step(i)` after 5 warm-up calls, and the sorted times.
+/// The wall times (ms, sorted) of `iters` calls of `step(i)` after 5 warm-up calls.
 fn time_calls(iters: usize, mut step: impl FnMut(usize) -> Result<(), String>) -> Result<Vec<f64>, String> {
     for i in 0..5 {
         step(i)?;
@@ -317,7 +323,7 @@ fn decode_step_inner(b: usize, w: usize, iters: usize) -> Result<Value, String> 
     let ts = time_calls(iters, step)?;
     let median = ts[ts.len() / 2];
     let mean = ts.iter().sum::<f64>() / ts.len() as f64;
-    let kv = 2 * b * hkv * w * d * 2;
+    let kv = kv_bytes(b, w);
     let moved = step_bytes(b, w);
     Ok(
         json!({"B": b, "W": w, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16", "steps": ts.len(), "read_mode": read_mode(),
@@ -350,7 +356,7 @@ pub fn copy_roofline(device: DeviceChoice, b: usize, w: usize, iters: usize) -> 
         }),
         ("concat", &|| mlx_rs::ops::concatenate(&[&k, &v], 0).map_err(e)?.eval().map_err(e)),
     ];
-    let kv = 2 * b * hkv * w * d * 2;
+    let kv = kv_bytes(b, w);
     let mut out = json!({"B": b, "W": w, "kv_bytes": kv, "bytes_moved": 2 * kv});
     let mut best: Option<(f64, &str)> = None;
     for (name, f) in kinds {
@@ -683,17 +689,15 @@ fn step_modes(device: DeviceChoice, b: usize, w: usize, iters: usize, runs: usiz
         }
     }
     let summary = |m: usize| -> Value {
-        let mut v = meds[m].clone();
-        if v.is_empty() {
+        let ms = median_spread(meds[m].clone());
+        let Some(med) = ms["median"].as_f64() else {
             return json!({"error": errors.first().cloned().unwrap_or_default()});
-        }
-        v.sort_by(|a, b| a.total_cmp(b));
-        let med = v[v.len() / 2];
+        };
         let mut s = last[m].clone();
         let bytes = s["bytes_moved"].as_f64().unwrap_or(f64::NAN);
         s["ms_median"] = json!(med);
         s["ms_run_medians"] = json!(meds[m]);
-        s["ms_spread"] = json!([v[0], v[v.len() - 1]]);
+        s["ms_spread"] = json!([ms["min"], ms["max"]]);
         s["gbps_median"] = json!(bytes / (med / 1e3) / 1e9);
         s
     };

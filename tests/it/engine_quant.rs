@@ -58,6 +58,27 @@ fn driver(python: &Path, module: &str, options: &str) -> String {
     )
 }
 
+/// Each script, run with `python`, exits 1 and says one of `known` (its first divergence).
+fn assert_exit_1(python: &Path, scripts: &[PathBuf], known: &[&str]) {
+    for s in scripts {
+        let out = std::process::Command::new(python).arg(s).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
+    }
+}
+
+/// 60 K/V seeds of `module` with `options` (a planted bug): caught by `check`, shrunk to at most `max_ops`.
+fn assert_planted_caught(python: &Path, module: &str, options: &str, check: &str, max_ops: usize) {
+    let opts = CheckOptions { seeds: 60, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let planted = check_engine_only(&driver(python, module, options), Duration::from_secs(60), opts, 1, &["kv"])
+        .expect("planted");
+    let plant = options.rsplit("--plant ").next().unwrap_or("");
+    assert!(planted.hello.version.ends_with(&format!("+plant:{plant}")), "{}", planted.hello.version);
+    let c = planted.classes.iter().find(|c| c.name == check).unwrap_or_else(|| panic!("{options}: not caught"));
+    assert!(c.shortest.ops() <= max_ops, "{options}: {} ops", c.shortest.ops());
+}
+
 #[test]
 fn every_optiq_class_has_a_short_quantized_trace_beside_its_reproducer() {
     let scripts = repros();
@@ -76,13 +97,11 @@ fn every_optiq_class_has_a_short_quantized_trace_beside_its_reproducer() {
 #[test]
 fn every_optiq_reproducer_exits_1_under_mlx_optiq() {
     let Some(python) = venv("mlx_optiq") else { return };
-    for s in repros() {
-        let out = std::process::Command::new(&python).arg(&s).output().unwrap();
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
-        let known = ["mlx-optiq raised", "instead of raising", "differs from the same request run alone"];
-        assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
-    }
+    assert_exit_1(
+        &python,
+        &repros(),
+        &["mlx-optiq raised", "instead of raising", "differs from the same request run alone"],
+    );
 }
 
 /// The stock batch path's classes are found again, and the planted row copy is caught by `state_vs_model` (the
@@ -161,20 +180,18 @@ fn every_mlx_vlm_kv_class_has_a_short_trace_beside_its_reproducer() {
 #[test]
 fn every_mlx_vlm_kv_reproducer_exits_1_under_mlx_vlm() {
     let Some(python) = venv("mlx_vlm") else { return };
-    for s in vlm_repros() {
-        let out = std::process::Command::new(&python).arg(&s).output().unwrap();
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
-        let known = [
+    assert_exit_1(
+        &python,
+        &vlm_repros(),
+        &[
             "mlx-vlm raised",
             "instead of raising",
             "differs from the same request run alone",
             "the batch trimmed",
             "after extending with a batch of no position",
             "an empty one is accepted",
-        ];
-        assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
-    }
+        ],
+    );
 }
 
 /// mlx-vlm's `QuantizedKVCache` and the `BatchQuantizedKVCache` its `prefix_cache_merge` builds (`--kv quant`): the
@@ -191,12 +208,7 @@ fn mlx_vlm_quantized_batches_pass_the_plane_checks_and_the_planted_row_copy_is_c
     assert!(stock.hello.supports.quant_only && stock.hello.supports.quant_rows, "{:?}", stock.hello.supports);
     let names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names, ["missing_row_accepted"], "stock: {names:?}");
-    let planted =
-        check_engine_only(&driver(&python, "mlx_vlm", "--kv quant --plant quant-row-copy"), timeout, opts, 1, &only)
-            .expect("planted");
-    assert!(planted.hello.version.ends_with("+plant:quant-row-copy"), "{}", planted.hello.version);
-    let c = planted.classes.iter().find(|c| c.name == "state_vs_model").expect("the planted row copy is caught");
-    assert!(c.shortest.ops() <= 6, "{} ops", c.shortest.ops());
+    assert_planted_caught(&python, "mlx_vlm", "--kv quant --plant quant-row-copy", "state_vs_model", 6);
 }
 
 /// mlx-lm's `ChunkedKVCache` and `CacheList` runs (`--kv chunked`, `--kv cachelist`): their traces and reproducers
@@ -232,14 +244,11 @@ fn every_mlx_lm_chunked_and_cachelist_class_has_a_short_trace() {
 #[test]
 fn every_mlx_lm_chunked_and_cachelist_reproducer_exits_1_under_mlx_lm() {
     let Some(python) = venv("mlx_lm") else { return };
-    for s in mlx_lm_list_files(".py") {
-        let out = std::process::Command::new(&python).arg(&s).output().unwrap();
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(1), "{}: {said}{}", s.display(), String::from_utf8_lossy(&out.stderr));
-        let known =
-            ["mlx-lm raised", "differs from the same request run alone", "the batch trimmed", "attends positions"];
-        assert!(known.iter().any(|w| said.contains(w)), "{}: {said}", s.display());
-    }
+    assert_exit_1(
+        &python,
+        &mlx_lm_list_files(".py"),
+        &["mlx-lm raised", "differs from the same request run alone", "the batch trimmed", "attends positions"],
+    );
 }
 
 /// `--kv chunked`: the stock release's classes are the refused merge and `trim_count`; the planted over-trim is
@@ -255,15 +264,8 @@ fn mlx_lm_chunked_and_cachelist_planted_bugs_are_caught() {
     let mut names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
     names.sort();
     assert_eq!(names, ["adapter_error/merge", "trim_count"], "chunked: {names:?}");
-    for (options, plant, check) in [
-        ("--kv chunked --plant chunk-trim-over", "chunk-trim-over", "offsets"),
-        ("--kv cachelist --plant cachelist-index", "cachelist-index", "state_vs_model"),
-    ] {
-        let planted = check_engine_only(&driver(&python, "mlx_lm", options), timeout, opts, 1, &only).expect("planted");
-        assert!(planted.hello.version.ends_with(&format!("+plant:{plant}")), "{}", planted.hello.version);
-        let c = planted.classes.iter().find(|c| c.name == check).unwrap_or_else(|| panic!("{plant} is not caught"));
-        assert!(c.shortest.ops() <= 6, "{plant}: {} ops", c.shortest.ops());
-    }
+    assert_planted_caught(&python, "mlx_lm", "--kv chunked --plant chunk-trim-over", "offsets", 6);
+    assert_planted_caught(&python, "mlx_lm", "--kv cachelist --plant cachelist-index", "state_vs_model", 6);
 }
 
 /// Per-row rollback (`rows_trim_rows`, `--trim-rows yes`): mlx-lm's and mlx-vlm's full-attention batches roll back
@@ -284,15 +286,6 @@ fn per_row_rollback_passes_stock_and_catches_a_uniform_rollback() {
             names.iter().all(|n| *n == "adapter_error/row_state" || *n == "missing_row_accepted"),
             "{engine}: {names:?}"
         );
-        let planted = check_engine_only(
-            &driver(&python, engine, &format!("{kv}--trim-rows yes --plant rollback-uniform")),
-            timeout,
-            opts,
-            1,
-            &only,
-        )
-        .expect("planted");
-        let c = planted.classes.iter().find(|c| c.name == "offsets").unwrap_or_else(|| panic!("{engine}: not caught"));
-        assert!(c.shortest.ops() <= 6, "{engine}: {} ops", c.shortest.ops());
+        assert_planted_caught(&python, engine, &format!("{kv}--trim-rows yes --plant rollback-uniform"), "offsets", 6);
     }
 }
