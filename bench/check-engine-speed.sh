@@ -7,7 +7,8 @@
 # OLD_KVSIM is a binary built from OLD_COMMIT; the old engine is OLD_COMMIT's oracles/mlx_lm/engine.py (with its
 # python/ driver kit, where it has one), run in this tree's oracles/mlx_lm/.venv. Environment: NEW_KVSIM (default: a
 # release build of this tree; give a binary of the same profile as OLD_KVSIM), OLD_ARGS (extra arguments of the old
-# side, e.g. `--only kv` for an old kvsim that has it), OUT (default bench/results/check-engine-speed). Each run's log
+# side, e.g. `--only kv` for an old kvsim that has it), NEW_ARGS (extra arguments of the new side, e.g. `--jobs 2`),
+# OUT (default bench/results/check-engine-speed). Each run's log
 # goes to OUT; the table and whether both sides found the same classes on the same seeds are printed at the end.
 # PAIRED=1 runs each old run and its new run at the same time (both under the same load from other work) instead of
 # one after the other. Each run also has its CPU time (bench/engine-cpu.py: kvsim's processes and the engine's, sampled from /proc) in
@@ -24,13 +25,14 @@ paths=(oracles/mlx_lm/engine.py); git cat-file -e "$COMMIT:python" 2>/dev/null &
 git archive "$COMMIT" "${paths[@]}" | tar -x -C "$old_dir" || exit 2
 ln -s "$PWD/oracles/mlx_lm/.venv" "$old_dir/oracles/mlx_lm/.venv"
 read -ra old_args <<< "${OLD_ARGS:-}"
+read -ra new_args <<< "${NEW_ARGS:-}"
 run() { # side i
   local side=$1 i=$2 cmd start
 
   if [ "$side" = old ]; then
     cmd=("$OLD" check-engine --driver "python3 $old_dir/oracles/mlx_lm/engine.py" "${old_args[@]}")
   else
-    cmd=("$NEW" check-engine --driver "python3 oracles/mlx_lm/engine.py" --only kv)
+    cmd=("$NEW" check-engine --driver "python3 oracles/mlx_lm/engine.py" --only kv "${new_args[@]}")
   fi
   start=$(date +%s%N)
   python3 bench/engine-cpu.py "$OUT/cpu-$side-$i.txt" "${cmd[@]}" --seeds "$SEEDS" --json --out "$OUT/$side-$i" \
@@ -63,12 +65,13 @@ def summary(side, i):
 s = {side: summary(side, 1) for side in ("old", "new")}
 ops = s["old"]["applied"]
 same = all(summary(side, i)["applied"] == ops for side in ("old", "new") for i in range(1, runs + 1))
+# (the CPU ratio below is per run, so it assumes the same ops: `same` says whether they were)
 classes = {side: sorted((c["name"], tuple(c["failing_seeds"])) for c in s[side]["classes"]) for side in s}
-rate = {side: [ops / t for t in times[side]] for side in times}
+rate = {side: [s[side]["applied"] / t for t in times[side]] for side in times}  # each side's own ops
 ratios = sorted(n / o for n, o in zip(rate["new"], rate["old"]))
 for side in ("old", "new"):
     r = rate[side]
-    print(f"{side}: {ops} ops per run, {statistics.median(times[side]):.2f} s median [{min(times[side]):.2f}, "
+    print(f"{side}: {s[side]['applied']} ops per run, {statistics.median(times[side]):.2f} s median [{min(times[side]):.2f}, "
           f"{max(times[side]):.2f}], {statistics.median(r):.0f} ops/s")
 print(f"new / old: {statistics.median(ratios):.2f}x median [{ratios[0]:.2f}, {ratios[-1]:.2f}] (run by run)")
 cpu = {}
@@ -80,7 +83,7 @@ for side in ("old", "new"):
     tot = [k + e for k, e in cpu[side]]
     print(f"{side} CPU: kvsim {statistics.median(k for k, _ in cpu[side]):.2f} s + engine "
           f"{statistics.median(e for _, e in cpu[side]):.2f} s median, total {statistics.median(tot):.2f} s "
-          f"[{min(tot):.2f}, {max(tot):.2f}], {ops / statistics.median(tot):.0f} ops per CPU second")
+          f"[{min(tot):.2f}, {max(tot):.2f}], {s[side]['applied'] / statistics.median(tot):.0f} ops per CPU second")
 cr = sorted((o[0] + o[1]) / (n[0] + n[1]) for n, o in zip(cpu["new"], cpu["old"]))
 print(f"old / new CPU: {statistics.median(cr):.2f}x median [{cr[0]:.2f}, {cr[-1]:.2f}] (run by run)")
 print("same ops on every run:", same, "; same classes and failing seeds:", classes["old"] == classes["new"])

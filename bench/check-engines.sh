@@ -4,6 +4,7 @@
 #   bench/check-engines.sh [SEEDS]        # default 500; sets up each engine's venv on first use
 #   ONLY='optiq|quant' bench/check-engines.sh 500   # only the runs whose "<dir> <config>" matches the regex
 #   KVSIM=target/release/kvsim bench/check-engines.sh  # that binary, no cargo build
+#   JOBS=4 bench/check-engines.sh 500     # each run with 4 engines side by side (`check-engine --jobs`; same report)
 #
 # Per run: <dir>/<config>.log (the command's whole output, its JSON summary last) and <dir>/<config>/ (each class's
 # shortest trace and reproducer; the reproducers are not kept in git: the committed ones, re-run by cargo test, are
@@ -12,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${1:-500}
+JOBS=${JOBS:-1}
 if [ -z "${KVSIM:-}" ]; then  # KVSIM=path: a kvsim binary already built (no cargo build)
   cargo build --release --quiet --bin kvsim || exit 2
   KVSIM=target/release/kvsim
@@ -25,7 +27,7 @@ run() { # DIR CONFIG DRIVER... [--only-layer LAYER: kvsim's --only, the last two
   if [ "$#" -ge 2 ] && [ "${*: -2:1}" = "--only-layer" ]; then only=(--only "${*: -1}"); set -- "${@:1:$#-2}"; fi
   mkdir -p "$dir"; rm -rf "${dir:?}/$config"
   local start=$SECONDS
-  "$KVSIM" check-engine --driver "$*" "${only[@]}" --seeds "$SEEDS" --json --out "$dir/$config" >"$dir/$config.log" 2>&1
+  "$KVSIM" check-engine --driver "$*" "${only[@]}" --seeds "$SEEDS" --jobs "$JOBS" --json --out "$dir/$config" >"$dir/$config.log" 2>&1
   local rc=$?
   echo "${dir##*/} $config: exit $rc in $((SECONDS - start)) s"
   grep '^  \[' "$dir/$config.log" | sed 's/; trace.*//'
@@ -40,6 +42,7 @@ run check-engine-mlx-lm quant python3 oracles/mlx_lm/engine.py --kv quant
 L="$PY oracles/mlx_lm/.venv/bin/python -m kvsim.drivers.mlx_lm"
 run check-engine-mlx-lm recurrent "$L" --only-layer recurrent
 run check-engine-mlx-lm recurrent-plant-rec-neighbour "$L" --plant rec-neighbour --only-layer recurrent
+run check-engine-mlx-lm recurrent-plant-rec-pad-unmasked "$L" --plant rec-pad-unmasked --only-layer recurrent
 run check-engine-mlx-lm chunked "$L" --kv chunked --only-layer kv
 run check-engine-mlx-lm chunked-plant-chunk-trim-over "$L" --kv chunked --plant chunk-trim-over --only-layer kv
 run check-engine-mlx-lm cachelist "$L" --kv cachelist --only-layer kv
@@ -59,7 +62,7 @@ run check-engine-vllm-mlx plant "$V" --plant cow-keeps-shared
 run check-engine-vllm-mlx plant-prefix-short "$V" --lookup chain --plant prefix-short
 run check-engine-vllm-mlx recurrent "$V" --only-layer recurrent
 run check-engine-vllm-mlx recurrent-arrays "$V" --rec arrays --only-layer recurrent
-run check-engine-vllm-mlx recurrent-plant-rec-neighbour "$V" --plant rec-neighbour --only-layer recurrent
+run check-engine-vllm-mlx recurrent-plant-rec-neighbour "$V" --rec-prefill no --plant rec-neighbour --only-layer recurrent
 G="$PY oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm"
 run check-engine-mlx-vlm stock "$G"
 run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short

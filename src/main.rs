@@ -108,6 +108,8 @@ fn main() -> ExitCode {
             shrink_budget,
             out,
             json,
+            jobs,
+            classes_only,
             only,
             seed_feed,
             op_journal,
@@ -124,6 +126,8 @@ fn main() -> ExitCode {
                 out: &out,
                 json,
                 only: &only,
+                jobs: jobs as usize,
+                classes_only,
             };
             pooled::check_engine_cmd(&a, worker)
         }

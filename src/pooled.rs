@@ -21,6 +21,9 @@ use kvsim::sim::DeviceChoice;
 
 use crate::commands::{crash_failure, exit, fail, mib, show_hint, stop_on_ctrl_c, write_trace, STOP};
 
+mod engine;
+pub(crate) use engine::{check_engine_cmd, CheckEngineArgs};
+
 /// Crashes in a row (no seed finished between them) after which a campaign gives up starting workers: a process that
 /// dies on every seed (a broken MLX) would otherwise be replaced for ever.
 const CRASHES_IN_A_ROW: u32 = 5;
@@ -37,11 +40,12 @@ fn fed_seeds() -> impl Iterator<Item = u64> {
         .map_while(|r| r.map_err(|e| eprintln!("kvsim: seed feed: {e}")).ok())
 }
 
-/// Runs a pool of one worker `exe ARGS...` over `seeds` (`kvsim soak`, `kvsim check-engine`): worker lines said on
-/// stderr, `on_progress` told of each finished seed; stops respawning after [`CRASHES_IN_A_ROW`] crashes or Ctrl-C.
-fn one_worker(
+/// Runs a pool of `jobs` workers `exe ARGS...` over `seeds` (`kvsim soak`, `kvsim check-engine`): worker lines said
+/// on stderr, `on_progress` told of each finished seed; stops respawning after [`CRASHES_IN_A_ROW`] crashes or Ctrl-C.
+fn workers(
     what: &str,
     args: &[String],
+    jobs: usize,
     seeds: impl IntoIterator<Item = u64>,
     bar: &indicatif::ProgressBar,
     mut on_progress: impl FnMut(shard::Progress),
@@ -49,7 +53,7 @@ fn one_worker(
     let exe = std::env::current_exe().map_err(|e| fail(what, e, 2))?;
     let stop = AtomicBool::new(false);
     let mut in_a_row = 0;
-    let pool = shard::Pool { exe: &exe, args, jobs: 1, gpus: &[], env: &[] };
+    let pool = shard::Pool { exe: &exe, args, jobs, gpus: &[], env: &[] };
     let outs = shard::run_workers(&pool, seeds, &stop, |e| {
         match e {
             WorkerEvent::Progress(p) => {
@@ -306,7 +310,7 @@ pub(crate) fn soak_cmd(a: SoakArgs, worker: Option<WorkerMode>) -> ExitCode {
     }
     let started = Instant::now();
     let (mut seeds, mut ops, mut failures) = (0u64, 0u64, 0u64);
-    let outs = one_worker("soak", &args, (0u64..).map(|i| a.first.wrapping_add(i)), &bar, |p| {
+    let outs = workers("soak", &args, 1, (0u64..).map(|i| a.first.wrapping_add(i)), &bar, |p| {
         seeds += 1;
         ops += p.ops;
         failures += p.failed as u64;
@@ -464,204 +468,4 @@ fn print_soak(report: &kvsim::soak::SoakReport, device: DeviceChoice, out: Optio
         println!("{text}");
     }
     exit(v.pass && report.failures == 0)
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// kvsim check-engine
-
-/// What `kvsim check-engine` was asked for.
-pub(crate) struct CheckEngineArgs<'a> {
-    pub(crate) driver: &'a str,
-    pub(crate) seeds: u64,
-    pub(crate) ops: usize,
-    pub(crate) timeout_s: u64,
-    pub(crate) shrinks: usize,
-    pub(crate) shrink_budget: usize,
-    pub(crate) out: &'a Path,
-    pub(crate) json: bool,
-    pub(crate) only: &'a [&'a str],
-}
-
-/// `kvsim check-engine`: the check runs in a worker process (`kvsim check-engine --seed-feed`), handed the seeds
-/// `0..seeds`. If kvsim's own process dies during a seed (an abort inside MLX on kvsim's side), that seed fails with
-/// the K/V ops it had started as its trace (`engine-crash-seed-S.trace.json` in `out`), and a fresh worker (with a
-/// fresh engine) runs the check again without it. An engine process that dies is the worker's typed `EngineFailure`,
-/// as before (exit 2). The worker's report is printed, then the crashes; the JSON line carries `crashed` and
-/// `crashes`.
-pub(crate) fn check_engine_cmd(a: &CheckEngineArgs, worker: Option<WorkerMode>) -> ExitCode {
-    stop_on_ctrl_c();
-    if let Some(w) = worker {
-        return check_engine_worker(a, w.op_journal.as_deref());
-    }
-    let mut args: Vec<String> = vec!["check-engine".into(), "--driver".into(), a.driver.into(), "--json".into()];
-    for (flag, v) in [
-        ("--seeds", a.seeds.to_string()),
-        ("--ops", a.ops.to_string()),
-        ("--timeout-s", a.timeout_s.to_string()),
-        ("--shrinks", a.shrinks.to_string()),
-        ("--shrink-budget", a.shrink_budget.to_string()),
-        ("--out", a.out.display().to_string()),
-    ] {
-        args.extend([flag.to_string(), v]);
-    }
-    if !a.only.is_empty() {
-        args.extend(["--only".into(), a.only.join(",")]);
-    }
-    let bar = crate::commands::seed_bar(a.seeds as usize, false);
-    let mut failures = 0;
-    let outs = one_worker("check-engine", &args, 0..a.seeds, &bar, |p| {
-        failures += p.failed as u64;
-        bar.set_message(format!("{failures} failures"));
-        bar.inc(1);
-    });
-    bar.finish_and_clear();
-    let outs = match outs {
-        Ok(o) => o,
-        Err(code) => return code,
-    };
-    let mut crashes = vec![];
-    let mut last = None;
-    for o in outs {
-        match o.crash {
-            Some(c) => {
-                let trace = |seed, ops, how: &str| {
-                    let config = kvsim::byoc::config::<kvsim::byoc::engine::EngineCache>(seed, a.ops);
-                    let t = campaign::crash_trace(seed, config, None, ops, DeviceChoice::Cpu, how);
-                    (format!("engine-crash-seed-{seed}.trace.json"), t)
-                };
-                crashes.extend(crash_failure("check-engine", a.out, o.worker, c, false, trace));
-            }
-            None => last = Some(o),
-        }
-    }
-    let crashed = crashes.len() as u64;
-    let (mut v, code) = match last.as_ref().and_then(|o| o.summary.clone().map(|s| (o, s))) {
-        Some((o, summary)) => {
-            // The worker's report as it printed it, all but its JSON line (printed below, with the crashes).
-            let json_line = o.stdout.lines().rev().find(|l| l.trim_start().starts_with('{')).unwrap_or_default();
-            o.stdout.lines().filter(|l| *l != json_line).for_each(|l| println!("{l}"));
-            (summary, o.status.unwrap_or(1))
-        }
-        None => {
-            println!("kvsim check-engine: no worker finished the check; {crashed} crashed");
-            (serde_json::json!({ "seeds": 0, "failures": 0 }), 1)
-        }
-    };
-    if crashed > 0 {
-        let seeds: Vec<u64> = crashes.iter().map(|c| c.seed).collect();
-        println!("  [{}] {crashed} seeds {seeds:?}: kvsim's own process died running them", campaign::CRASH_CHECK);
-    }
-    if let Some(o) = v.as_object_mut() {
-        let before = o.get("failures").and_then(|f| f.as_u64()).unwrap_or(0);
-        o.insert("failures".into(), (before + crashed).into());
-        o.insert("crashed".into(), crashed.into());
-        o.insert("crashes".into(), serde_json::to_value(&crashes).unwrap_or_default());
-    }
-    if a.json {
-        println!("{v}");
-    }
-    match code {
-        0 if crashed > 0 => ExitCode::FAILURE,
-        c => ExitCode::from(c.clamp(0, 255) as u8),
-    }
-}
-
-/// The check itself, in the worker process: exit 0 when no seed failed, 1 when some did, 2 when the engine broke
-/// (its failure printed, the run's trace saved, the process stopped).
-fn check_engine_worker(a: &CheckEngineArgs, journal: Option<&Path>) -> ExitCode {
-    use kvsim::byoc::{engine_check, CheckOptions};
-    let opts = CheckOptions { seeds: a.seeds, ops: a.ops, device: DeviceChoice::Cpu, shrink_budget: a.shrink_budget };
-    let timeout = std::time::Duration::from_secs(a.timeout_s);
-    let started = Instant::now();
-    let feed = engine_check::SeedFeed {
-        seeds: Box::new(fed_seeds()),
-        journal,
-        on_seed: Box::new(|seed, ops, failed| eprintln!("{}", shard::Progress { seed, ops, failed }.line())),
-    };
-    let report = match engine_check::check_engine_fed(a.driver, timeout, opts, a.shrinks, a.only, feed) {
-        Ok(r) => r,
-        Err(b) => {
-            eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);
-            if let Some(t) = &b.trace {
-                let path = a.out.join(format!("engine-{}-seed-{}.trace.json", b.failure.kind(), t.seed()));
-                match std::fs::create_dir_all(a.out).and_then(|_| std::fs::write(&path, t.to_json())) {
-                    Ok(()) => eprintln!("the run's trace: {}", path.display()),
-                    Err(e) => eprintln!("cannot write {}: {e}", path.display()),
-                }
-            }
-            let v = serde_json::json!({"engine_failure": {"kind": b.failure.kind(), "message": b.failure.to_string()}});
-            println!("{v}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Err(e) = std::fs::create_dir_all(a.out) {
-        eprintln!("kvsim check-engine: {}: {e}", a.out.display());
-        return ExitCode::from(2);
-    }
-    let mut classes = vec![];
-    println!(
-        "{} {} ({}): {} seeds, {} failed, {} ops applied, {} checks",
-        report.hello.engine,
-        report.hello.version,
-        a.driver,
-        report.seeds,
-        report.failures,
-        report.applied,
-        report.checks
-    );
-    for c in &report.classes {
-        let file = c.name.replace('/', "-");
-        let trace_path = a.out.join(format!("{file}.trace.json"));
-        if let Err(e) = std::fs::write(&trace_path, c.shortest.to_json()) {
-            eprintln!("cannot write {}: {e}", trace_path.display());
-        }
-        let repro = match &c.reproducer {
-            Ok(script) => {
-                let p = a.out.join(format!("{file}.py"));
-                match std::fs::write(&p, script) {
-                    Ok(()) => Some(p.display().to_string()),
-                    Err(e) => {
-                        eprintln!("cannot write {}: {e}", p.display());
-                        None
-                    }
-                }
-            }
-            Err(why) => {
-                println!("  [{}] no reproducer: {why}", c.name);
-                None
-            }
-        };
-        println!(
-            "  [{}] {} seeds (first {:?}); shortest {} ops (seed {}); trace {}{}",
-            c.name,
-            c.failing_seeds.len(),
-            &c.failing_seeds[..c.failing_seeds.len().min(5)],
-            c.shortest.ops(),
-            c.shortest.seed(),
-            trace_path.display(),
-            repro.as_ref().map(|r| format!("; reproducer {r}")).unwrap_or_default()
-        );
-        classes.push(serde_json::json!({
-            "name": c.name,
-            "failing_seeds": c.failing_seeds,
-            "message": c.message,
-            "shortest_ops": c.shortest.ops(),
-            "trace": trace_path.display().to_string(),
-            "repro": repro,
-        }));
-    }
-    let v = serde_json::json!({
-        "engine": report.hello.engine,
-        "version": report.hello.version,
-        "protocol": report.hello.protocol,
-        "seeds": report.seeds,
-        "failures": report.failures,
-        "applied": report.applied,
-        "checks": report.checks,
-        "seconds": started.elapsed().as_secs_f64(),
-        "ops_by_kind": report.ops_by_kind,
-        "classes": classes,
-    });
-    println!("{v}");
-    exit(report.failures == 0)
 }

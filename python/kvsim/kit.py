@@ -463,6 +463,32 @@ def layer_states(caches, geometry, short=False):
     return out
 
 
+def rec_masked_write(c, n, states, unmasked=False):
+    """A recurrent layer's write of `n` steps into an mlx-lm-style `ArraysCache` `c` (`states`: per array
+    `[B, n, ...]`, kvsim's state after each step, `arr_in` form): each array becomes each row's state after the last
+    step the cache's own `make_mask(n)` keeps (a row none of whose steps it keeps keeps its array; a cache with no
+    array yet holds the zero state), as mlx-lm's recurrent layers mask a right-padded prompt's padding (e.g.
+    `models/qwen3_next.py`: `mx.where(mask, ...)` and the conv window taken at `cache.lengths`); then
+    `advance(n)`, as every such layer calls it. Without padding (`make_mask` None) that is the last step.
+    `unmasked`: a negative control, the mask ignored (every row takes its last step, padding included)."""
+    mx = _codec()["mx"]
+    mask = None if unmasked or not hasattr(c, "make_mask") else c.make_mask(n)
+    for i, s in enumerate(states):
+        x = arr_in(s)
+        if mask is None:
+            c[i] = x[:, -1]
+            continue
+        rows = x.shape[0]
+        keep = mx.broadcast_to(mask, (rows, n)).astype(mx.int32)
+        last = (keep * mx.arange(1, n + 1)).max(axis=1) - 1  # each row's last kept step, -1 where none is kept
+        at = mx.maximum(last, 0).reshape((rows, 1) + (1,) * (x.ndim - 2))
+        taken = mx.take_along_axis(x, mx.broadcast_to(at, (rows, 1) + tuple(x.shape[2:])), axis=1)[:, 0]
+        old = c[i] if c[i] is not None else mx.zeros_like(taken)
+        c[i] = mx.where((last >= 0).reshape((rows,) + (1,) * (taken.ndim - 1)), taken, old)
+    if hasattr(c, "advance"):
+        c.advance(n)
+
+
 def rec_arrays(arrays, row=None):
     """A `rec_state` / `rec_rows_state` reply of a recurrent cache's state arrays (mlx-lm style: `cache.cache`): each
     array, or its row `row` (`[1, ...]`; a row the arrays do not have raises), null where the cache holds none."""

@@ -12,6 +12,8 @@ Arguments (all but `driver` optional):
 - `driver`: the engine's command line, run through `sh -c`; this interpreter's folder is put first on PATH, so
   `python` is the interpreter pytest runs under (the one with the engine installed).
 - `seeds` (default 100), `ops` (ops per seed; kvsim's default 100), `shrinks` (failing seeds shrunk per class).
+- `jobs`: engine processes checking seeds side by side (kvsim's `--jobs`, default 1); the report is the one a
+  single engine gives.
 - `out`: where traces and reproducers go (default: `--kvsim-out DIR`'s `DIR/<test name>`, else the test's
   `tmp_path` / "kvsim").
 - `timeout`: seconds the engine may take to answer one request (kvsim's `--timeout-s`, default 60);
@@ -23,7 +25,7 @@ Returns check-engine's JSON summary (`classes`, `seeds`, `failures`, `engine`, `
 (the classes that failed the test: none when it returns) and `"known_seen"` added.
 
 Command-line options: `--kvsim-seeds N` overrides every call's `seeds` (a quick local run, a long nightly one);
-`--kvsim-bin PATH` runs another kvsim binary (also `$KVSIM_BIN`); `--kvsim-out DIR` keeps every test's traces and
+`--kvsim-jobs N` sets every call's `jobs` (a runner's cores); `--kvsim-bin PATH` runs another kvsim binary (also `$KVSIM_BIN`); `--kvsim-out DIR` keeps every test's traces and
 reproducers under `DIR/<test name>` (a CI job uploads DIR).
 """
 import json
@@ -39,6 +41,8 @@ from kvsim import _bin
 def pytest_addoption(parser):
     group = parser.getgroup("kvsim", "kvsim engine checks (the kvsim_check fixture)")
     group.addoption("--kvsim-seeds", type=int, default=None, help="seeds for every kvsim_check call (overrides the test's)")
+    group.addoption("--kvsim-jobs", type=int, default=None,
+                    help="engine processes side by side for every kvsim_check call (overrides the test's)")
     group.addoption("--kvsim-bin", default=None, help="the kvsim binary (default: the one installed with this package)")
     group.addoption("--kvsim-out", default=None,
                     help="keep traces and reproducers under DIR/<test name> (default: each test's tmp_path)")
@@ -60,7 +64,7 @@ def _tail(text, n=20):
 
 
 def run_check(driver, *, seeds=100, ops=None, out, timeout=None, time_limit=None, known=(), shrinks=None,
-              binary=None):
+              binary=None, jobs=None):
     """The fixture's body, callable without pytest's machinery: the summary, or an AssertionError-like failure
     through `pytest.fail`."""
     known = set([known] if isinstance(known, str) else known)
@@ -72,6 +76,8 @@ def run_check(driver, *, seeds=100, ops=None, out, timeout=None, time_limit=None
         cmd += ["--timeout-s", str(int(timeout))]
     if shrinks is not None:
         cmd += ["--shrinks", str(shrinks)]
+    if jobs is not None:
+        cmd += ["--jobs", str(int(jobs))]
     shown = " ".join(shlex.quote(a) for a in cmd)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=_bin.env(), timeout=time_limit)
@@ -107,18 +113,21 @@ def run_check(driver, *, seeds=100, ops=None, out, timeout=None, time_limit=None
 
 @pytest.fixture
 def kvsim_check(request, tmp_path):
-    """`kvsim_check(driver, seeds=100, ops=None, out=None, timeout=None, time_limit=None, known=(), shrinks=None)`:
+    """`kvsim_check(driver, seeds=100, ops=None, out=None, timeout=None, time_limit=None, known=(), shrinks=None,
+    jobs=None)`:
     kvsim's swarm against the engine `driver` serves; the test fails on a divergence not in `known`."""
     config = request.config
     binary = config.getoption("kvsim_bin") or None
     keep = config.getoption("kvsim_out")
 
-    def check(driver, seeds=100, ops=None, out=None, timeout=None, time_limit=None, known=(), shrinks=None):
+    def check(driver, seeds=100, ops=None, out=None, timeout=None, time_limit=None, known=(), shrinks=None,
+              jobs=None):
         seeds = config.getoption("kvsim_seeds") or seeds
+        jobs = config.getoption("kvsim_jobs") or jobs
         if out is None:
             out = os.path.join(os.path.abspath(keep), request.node.name) if keep else tmp_path / "kvsim"
         os.makedirs(out, exist_ok=True)
         return run_check(driver, seeds=seeds, ops=ops, out=out, timeout=timeout, time_limit=time_limit,
-                         known=known, shrinks=shrinks, binary=binary)
+                         known=known, shrinks=shrinks, binary=binary, jobs=jobs)
 
     return check

@@ -6,7 +6,8 @@ state must be follows from the calls: `RecChecker.after` is called with each rec
 are replayed, keeps per cache id its rows' expected arrays (the last step written; none before the first write,
 which reads as zeros), moves them as `rec_merge` / `rec_extend` / `rec_filter` / `rec_extract` say, keeps each
 speculative block's steps (`rec_spec_start`, then `rec_spec_commit` keeps `accept[b]` steps of row `b`,
-`rec_spec_abort` none), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
+`rec_spec_abort` none), keeps a right-padded prompt batch's real steps (`rec_prepare`'s `lengths`: a write's steps
+past a row's length leave it at its last real step, until `rec_finalize`), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
 
 Check names are kvsim's: `rec_state`, `rec_rows`, `rec_rollback` (a read of a cache whose speculative block was
 just committed or aborted), `rec_missing_row` (an `extract` of a row the batch does not have that returned a cache);
@@ -26,6 +27,7 @@ class RecChecker:
         self.caches = {}  # id -> rows; a row is one entry per array: its expected bytes, or None (zeros)
         self.spec = {}  # id -> {"init": rows, "steps": per row the step arrays written since the start}
         self.rolled = set()  # ids whose last change was a commit or an abort
+        self.left = {}  # id -> per row the real steps its prompt has left (between rec_prepare and rec_finalize)
 
     def expected(self, raw, a):
         if raw is not None:
@@ -67,6 +69,10 @@ class RecChecker:
             self.caches[cid] = [list(rows[k]) for k in req["keep"]]
         elif op == "rec_extract":
             self.caches[req["new"]] = [list(rows[req["row"]])]
+        elif op == "rec_prepare":
+            self.left[cid] = list(req["lengths"])
+        elif op == "rec_finalize":
+            self.left.pop(cid, None)
         elif op == "rec_spec_start":
             self.spec[cid] = {"init": [list(r) for r in rows], "steps": [[] for _ in rows]}
         elif op in ("rec_spec_commit", "rec_spec_abort"):
@@ -100,10 +106,15 @@ class RecChecker:
             raw = base64.b64decode(s["b64"])
             per = len(raw) // (b_ * n) if b_ * n else 0
             dec.append([[raw[(b * n + t) * per:(b * n + t + 1) * per] for t in range(n)] for b in range(b_)])
+        left = self.left.get(cid)
         for b in range(len(rows)):
             steps = [[d[b][t] for d in dec] for t in range(len(dec[0][b]))] if dec and b < len(dec[0]) else []
             if cid in self.spec:
                 self.spec[cid]["steps"][b].extend(steps)
+            if left is not None and b < len(left):  # the row's steps past its prompt are padding
+                real = max(0, min(len(steps), left[b]))
+                left[b] -= len(steps)
+                steps = steps[:real]
             if steps:
                 rows[b] = list(steps[-1])
 

@@ -94,8 +94,11 @@ fn every_recurrent_driver_catches_its_planted_neighbour_row() {
     let timeout = Duration::from_secs(60);
     for engine in ENGINES {
         let Some(python) = venv(engine) else { continue };
+        // Without prompt batches, whose own class (vllm-mlx's `rec_state`) the next test owns.
+        let base = if *engine == "mlx_vlm" { "" } else { "--rec-prefill no" };
         let run = |opt: &str| {
-            check_engine_only(&driver(engine, &python, opt), timeout, opts, 1, &["recurrent"])
+            let opt = format!("{base} {opt}");
+            check_engine_only(&driver(engine, &python, &opt), timeout, opts, 1, &["recurrent"])
                 .unwrap_or_else(|b| panic!("{engine} {opt}: {}", b.failure))
         };
         let stock = run("");
@@ -108,5 +111,45 @@ fn every_recurrent_driver_catches_its_planted_neighbour_row() {
         let c = planted.classes.iter().find(|c| c.name == "rec_state").expect("the planted neighbour row is caught");
         assert!(c.shortest.ops() <= 6, "{engine}: {} ops", c.shortest.ops());
         assert!(c.reproducer.is_ok(), "{engine}: {:?}", c.reproducer);
+    }
+}
+
+/// Right-padded prompt batches (`supports.rec_prefill`): mlx-lm 0.32.2's `ArraysCache` masks the padding (no
+/// `rec_state`), and a driver that ignores the mask (`--plant rec-pad-unmasked`) is caught in at most 2 ops, the
+/// message naming the padding step the row kept; vllm-mlx 0.6.0 (mlx-lm 0.31.3's `make_mask`) keeps it on the stock
+/// release, and the hand reproducer of its root cause exits 1 there and 0 under mlx-lm 0.32.2.
+#[test]
+fn recurrent_prompt_batches_are_masked_by_mlx_lm_and_not_by_vllm_mlx() {
+    let opts = CheckOptions { seeds: 30, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
+    let timeout = Duration::from_secs(60);
+    let run = |engine: &str, python: &Path, opt: &str| {
+        check_engine_only(&driver(engine, python, opt), timeout, opts, 1, &["recurrent"])
+            .unwrap_or_else(|b| panic!("{engine} {opt}: {}", b.failure))
+    };
+    let padded = |r: &kvsim::byoc::engine_check::EngineReport, what: &str| {
+        let c = r.classes.iter().find(|c| c.name == "rec_state").unwrap_or_else(|| panic!("{what}: no rec_state"));
+        assert!(c.shortest.ops() <= 2, "{what}: {} ops", c.shortest.ops());
+        assert!(c.message.contains("padding step"), "{what}: {}", c.message);
+        assert!(c.reproducer.is_ok(), "{what}: {:?}", c.reproducer);
+    };
+    let hand = root().join("oracles/vllm_mlx/repros/recurrent/by-hand/make_mask_ignores_lengths.py");
+    if let Some(python) = venv("mlx_lm") {
+        let stock = run("mlx_lm", &python, "");
+        assert!(stock.hello.rec_prefill, "mlx-lm's driver takes prompt batches");
+        assert!(stock.ops_by_kind.get("rec_prefill").copied().unwrap_or(0) > 10, "{:?}", stock.ops_by_kind);
+        let names: Vec<&str> = stock.classes.iter().map(|c| c.name.as_str()).collect();
+        assert!(!names.contains(&"rec_state"), "{names:?}");
+        padded(&run("mlx_lm", &python, "--plant rec-pad-unmasked"), "mlx-lm planted");
+        let out = std::process::Command::new(&python).arg(&hand).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    }
+    if let Some(python) = venv("vllm_mlx") {
+        for rec in ["", "--rec arrays"] {
+            padded(&run("vllm_mlx", &python, rec), &format!("vllm-mlx {rec}"));
+        }
+        let out = std::process::Command::new(&python).arg(&hand).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{said}");
+        assert!(said.contains("BatchMambaCache.merge") && said.contains("reach its state"), "{said}");
     }
 }

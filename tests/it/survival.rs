@@ -126,3 +126,61 @@ fn a_check_engine_whose_own_process_dies_fails_that_seed_and_checks_the_others()
     let (t, n) = trace_ops(&dir.join(crash["trace"].as_str().unwrap()));
     assert_eq!((t["seed"].as_u64(), n), (Some(1), 1), "{t}");
 }
+
+/// The check-engine run of `seeds` seeds with `jobs` engines (the fake, Python, no MLX) in `dir`: its JSON line
+/// without `seconds`, and each class's trace file.
+fn engine_run(dir: &str, driver: &str, seeds: &str, jobs: &str) -> (Value, Vec<String>) {
+    let dir = tmp(dir);
+    let args =
+        ["check-engine", "--driver", driver, "--seeds", seeds, "--ops", "40", "--out", "out", "--jobs", jobs, "--json"];
+    let o = kvsim_in(&dir, &args, None);
+    let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+    let mut v = last_json(&o);
+    v.as_object_mut().unwrap().remove("seconds");
+    let traces = v["classes"].as_array().unwrap().iter().map(|c| c["trace"].as_str().unwrap().to_string());
+    let traces = traces.map(|p| std::fs::read_to_string(dir.join(p)).unwrap()).collect();
+    (v, traces)
+}
+
+/// `kvsim check-engine --jobs 3` reports what one worker reports: the same classes in the same order, failing seeds,
+/// first messages, shortest traces (byte for byte) and totals, over seeds that three engines took on demand.
+#[test]
+fn check_engine_jobs_report_what_one_worker_reports() {
+    if Command::new("python3").arg("-c").arg("").output().map_or(true, |o| !o.status.success()) {
+        eprintln!("skipped: no python3 to run the fake engine");
+        return;
+    }
+    let script = tmp("jobs-fake-engine.py");
+    std::fs::create_dir_all(script.parent().unwrap()).unwrap();
+    std::fs::write(&script, include_str!("../../crates/kvsim-harness/src/byoc/engine/fake_engine.py")).unwrap();
+    let driver = format!("exec python3 {} ok {}", script.display(), tmp("jobs-fake-engine.pid").display());
+    let (one, one_traces) = engine_run("jobs-1", &driver, "24", "1");
+    let (three, three_traces) = engine_run("jobs-3", &driver, "24", "3");
+    assert_eq!(one["seeds"], 24, "{one}");
+    assert!(!one["classes"].as_array().unwrap().is_empty(), "{one}");
+    assert_eq!(one, three);
+    assert_eq!(one_traces, three_traces);
+}
+
+/// The same with mlx-lm 0.32.2's driver (skipped without `oracles/mlx_lm/.venv`), whose seeds fail in several
+/// classes first met at different seeds: two engines report what one does, reproducers included.
+#[test]
+fn check_engine_jobs_on_mlx_lm_report_what_one_worker_reports() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if !root.join("oracles/mlx_lm/.venv/bin/python").exists() {
+        eprintln!("skipped: no oracles/mlx_lm/.venv (run oracles/mlx_lm/setup.sh to create it)");
+        return;
+    }
+    let driver = format!("cd {} && exec python3 oracles/mlx_lm/engine.py", root.display());
+    let (one, one_traces) = engine_run("jobs-mlx-lm-1", &driver, "40", "1");
+    let (two, two_traces) = engine_run("jobs-mlx-lm-2", &driver, "40", "2");
+    assert!(one["classes"].as_array().unwrap().len() >= 2, "{one}");
+    assert_eq!(one, two);
+    assert_eq!(one_traces, two_traces);
+    for c in two["classes"].as_array().unwrap().iter().filter(|c| c["repro"].is_string()) {
+        let script = tmp("jobs-mlx-lm-2").join(c["repro"].as_str().unwrap());
+        let again = std::fs::read_to_string(tmp("jobs-mlx-lm-1").join(c["repro"].as_str().unwrap())).unwrap();
+        assert_eq!(std::fs::read_to_string(&script).unwrap(), again, "{}", script.display());
+    }
+}

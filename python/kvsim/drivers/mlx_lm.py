@@ -17,6 +17,13 @@ trimmed by `trim_prompt_cache` for a longer entry); `prefix_cold`: the same cach
 `prefix_evict`: `trim_to(n_sequences=len - 1)`, one LRU step. `--plant prefix-short` (a negative control, hello's
 `version` says `+plant:...`): every restored layer answered one position short, `matched` kept.
 
+Recurrent state (`supports.recurrent`, `rec_prefill`): every cache is an `ArraysCache`, batched by its `merge`,
+`extend`, `extract`, `filter`; a write sets each array as a model layer does, through the cache's own `make_mask`
+and `advance` (`kit.rec_masked_write`), and a right-padded prompt batch is `prepare(lengths=..., right_padding=...)`
+then `finalize()`, as `BatchGenerator.prompt` runs it (`--rec-prefill no`: none drawn). `--plant rec-neighbour`: a
+filter's first kept row takes its neighbour's state; `--plant rec-pad-unmasked`: a write ignores the mask (a padded
+row keeps its padding's state).
+
 Two more K/V configurations (`--kv chunked|cachelist`; oracles/mlx_lm/README.md, "Chunked and list caches"):
 
 - `--kv chunked`: every serial cache is a `ChunkedKVCache` (llama4's), `chunk_size=W` under a sliding window, else
@@ -45,10 +52,11 @@ class MlxLm(kit.BatchCalls, kit.Driver):
 
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
-                "rotating": True, "prefill": True, "prefix": True, "recurrent": True}
+                "rotating": True, "prefill": True, "prefix": True, "recurrent": True, "rec_prefill": True}
     options = {"plant": (None, "prefix-short", "rec-neighbour", "chunk-trim-over", "cachelist-index",
-                         "rollback-uniform"),
-               "kv": ("plain", "quant", "chunked", "cachelist"), "prefill": ("yes", "no"), "trim_rows": ("no", "yes")}
+                         "rollback-uniform", "rec-pad-unmasked"),
+               "kv": ("plain", "quant", "chunked", "cachelist"), "prefill": ("yes", "no"), "trim_rows": ("no", "yes"),
+               "rec_prefill": ("yes", "no")}
     chunk_full = 8192  # llama4's attention_chunk_size: the chunk of a full-attention run (no run reaches it)
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
@@ -74,6 +82,9 @@ class MlxLm(kit.BatchCalls, kit.Driver):
         elif self.opts["prefill"] == "no":
             # the K/V runs of protocol 1 (no right-padded prefill drawn): the classes of the protocol-1 report again
             self.supports = dict(self.supports, prefill=False)
+        if self.opts["rec_prefill"] == "no":
+            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
+            self.supports = dict(self.supports, rec_prefill=False)
         if self.opts["trim_rows"] == "yes" and self.opts["kv"] == "plain":
             # per-row rollback (`rows_trim_rows`, `kit.rows_rollback`), full attention only: BatchKVCache takes right
             # padding alone (cache.py:938-957), BatchRotatingKVCache only with a prefill's `lengths` (:1243-1254).
@@ -213,10 +224,19 @@ class MlxLm(kit.BatchCalls, kit.Driver):
         return {}
 
     def op_rec_write(self, r):
-        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`."""
-        c = self.handles[r["id"]]
-        for i, s in enumerate(r["states"]):
-            c[i] = kit.arr_in(s)[:, -1]
+        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`, then
+        `advance(n)`; under a right-padded prompt (`rec_prepare`) through the cache's own `make_mask`, as mlx-lm's
+        recurrent layers take it (kit.rec_masked_write)."""
+        kit.rec_masked_write(self.handles[r["id"]], r["n"], r["states"], self.opts["plant"] == "rec-pad-unmasked")
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)`, as `BatchGenerator.prompt` prepares a padded prompt batch."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rec_merge(self, r):

@@ -79,11 +79,17 @@ class VllmMlx(kit.Driver):
     """vllm-mlx's block pools by the ids kvsim gives them."""
 
     name = "vllm-mlx"
-    supports = {"kv": False, "pool": True, "prefix": True, "recurrent": True}
+    supports = {"kv": False, "pool": True, "prefix": True, "recurrent": True, "rec_prefill": True}
     options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared", "prefix-short", "rec-neighbour"),
                "prefix": ("memory", "block"), "blocks": ("64", "8", "16", "32", "256", "1024"),
-               "rec": ("mamba", "arrays")}
+               "rec": ("mamba", "arrays"), "rec_prefill": ("yes", "no")}
     model = types.SimpleNamespace()  # the prefix caches' model: only its identity is used
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        if self.opts["rec_prefill"] == "no":
+            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
+            self.supports = dict(self.supports, rec_prefill=False)
 
     def version(self):
         v = kit.package_version("vllm-mlx")
@@ -262,10 +268,20 @@ class VllmMlx(kit.Driver):
         return {}
 
     def op_rec_write(self, r):
-        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`."""
-        c = self.handles[r["id"]]
-        for i, s in enumerate(r["states"]):
-            c[i] = kit.arr_in(s)[:, -1]
+        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`, then
+        `advance(n)`; under a right-padded prompt (`rec_prepare`) through the cache's own `make_mask`, as mlx-lm's
+        recurrent layers take it (kit.rec_masked_write)."""
+        kit.rec_masked_write(self.handles[r["id"]], r["n"], r["states"])
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)`, as mlx-lm 0.31.3's `BatchGenerator.prompt` and vllm-mlx's
+        scheduler (`scheduler.py:591-594`, a batch with cached prefixes) prepare a right-padded prompt batch."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rec_merge(self, r):

@@ -100,6 +100,9 @@ pub struct Hello {
     /// (`supports.rec_spec`).
     pub recurrent: bool,
     pub rec_spec: bool,
+    /// Whether its recurrent caches take right-padded prompt batches (`supports.rec_prefill`: `rec_prepare`,
+    /// `rec_finalize`).
+    pub rec_prefill: bool,
     /// Whether it answers `batch` (several requests in one round trip; `supports.batch`).
     pub batch: bool,
     /// Whether its replies may be binary frames (`supports.binary`, answered to the offer in kvsim's `hello`).
@@ -141,6 +144,7 @@ pub fn parse_hello(command: &str, reply: &Value) -> Result<Hello, EngineFailure>
         prefix: protocol >= 2 && flag("prefix", false),
         recurrent: protocol >= 2 && flag("recurrent", false),
         rec_spec: protocol >= 2 && flag("recurrent", false) && flag("rec_spec", false),
+        rec_prefill: protocol >= 2 && flag("recurrent", false) && flag("rec_prefill", false),
         batch: protocol >= 2 && flag("batch", false),
         binary: protocol >= 2 && flag("binary", false),
     })
@@ -225,6 +229,7 @@ impl Engine {
                 prefix: false,
                 recurrent: false,
                 rec_spec: false,
+                rec_prefill: false,
                 batch: false,
                 binary: false,
             },
@@ -801,9 +806,25 @@ impl EngineRows {
     }
 }
 
+/// A `rows_trim_rows` reply's counts, one per row of a batch of `rows`; anything else is `malformed`.
+pub(crate) fn decode_trimmed(r: &Value, rows: usize) -> AdapterResult<Vec<usize>> {
+    let got: Option<Vec<usize>> = r
+        .get("trimmed")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
+    match got {
+        Some(got) if got.len() == rows => Ok(got),
+        _ => Err(fault(EngineFailure::Malformed {
+            op: "rows_trim_rows".into(),
+            reply: shorten(r),
+            why: format!("no list of {rows} counts \"trimmed\""),
+        })),
+    }
+}
+
 /// A `rows_info` reply's row count and offsets. An offset below zero is a cache's answer, not a broken reply: an
 /// error of the read (the state checks class it `offsets`), while a missing or non-integer list is `malformed`.
-fn decode_info(r: &Value) -> AdapterResult<(usize, Vec<usize>)> {
+pub(crate) fn decode_info(r: &Value) -> AdapterResult<(usize, Vec<usize>)> {
     let rows = usize_of("rows_info", r, "rows")?;
     let offsets = r
         .get("offsets")
@@ -879,19 +900,7 @@ impl RowsUnderTest for EngineRows {
         usize_of("rows_trim", &r, "trimmed")
     }
     fn trim_rows(&mut self, n: &[usize]) -> AdapterResult<Vec<usize>> {
-        let r = engine_call(json!({"op": "rows_trim_rows", "id": self.id, "n": n}))?;
-        let got: Option<Vec<usize>> = r
-            .get("trimmed")
-            .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
-        match got {
-            Some(got) if got.len() == n.len() => Ok(got),
-            _ => Err(fault(EngineFailure::Malformed {
-                op: "rows_trim_rows".into(),
-                reply: shorten(&r),
-                why: format!("no list of {} counts \"trimmed\"", n.len()),
-            })),
-        }
+        decode_trimmed(&engine_call(json!({"op": "rows_trim_rows", "id": self.id, "n": n}))?, n.len())
     }
     fn row_state(&self, row: usize) -> AdapterResult<[Array; 2]> {
         state("rows_state", json!({"op": "rows_state", "id": self.id, "row": row}), &self.geometry)

@@ -13,7 +13,7 @@ use super::engine::{
 use super::Geometry;
 
 /// Decodes one line from an engine as the reply to every request kvsim sends (the `hello`, each K/V reply's tensors
-/// of geometry `g` and counts, each block-pool reply's fields), the way a run decodes it; returns how many decodes
+/// of geometry `g` and counts, a batch's `rows_info` and per-row trim counts, each block-pool reply's fields), the way a run decodes it; returns how many decodes
 /// succeeded. Any bytes give typed failures, never a panic: the `engine_reply` fuzz target's entry point.
 pub fn decode_any(line: &str, g: &Geometry) -> usize {
     let Ok(v) = parse_reply("fuzz", line) else { return 0 };
@@ -28,6 +28,8 @@ pub fn decode_any(line: &str, g: &Geometry) -> usize {
     for field in ["trimmed", "offset", "rows"] {
         ok += usize::from(usize_of("fuzz", &v, field).is_ok());
     }
+    ok += usize::from(super::engine::decode_info(&v).is_ok());
+    ok += usize::from(super::engine::decode_trimmed(&v, 3).is_ok());
     if g.quant.is_some() {
         ok += usize::from(super::engine::decode_planes("fuzz", &v, g).is_ok());
     }
@@ -200,7 +202,7 @@ pub fn check_engine_only(
     shrinks: usize,
     only: &[&str],
 ) -> Result<EngineReport, Broken> {
-    check_engine_fed(command, timeout, opts, shrinks, only, SeedFeed::range(opts.seeds))
+    check_engine_fed(command, timeout, opts, shrinks, only, SeedFeed::range(opts.seeds), true)
 }
 
 /// Where a check's seeds come from and what it says of each: `kvsim check-engine` runs its check in a worker
@@ -223,7 +225,8 @@ impl SeedFeed<'static> {
     }
 }
 
-/// [`check_engine_only`] over the seeds of `feed` (the report's `seeds` counts those that ran).
+/// [`check_engine_only`] over the seeds of `feed` (the report's `seeds` counts those that ran); `reproduce: false`
+/// asks the engine for no reproducer (each class's is `Err`), for a run that only classes its seeds.
 pub fn check_engine_fed(
     command: &str,
     timeout: Duration,
@@ -231,6 +234,7 @@ pub fn check_engine_fed(
     shrinks: usize,
     only: &[&str],
     feed: SeedFeed<'_>,
+    reproduce: bool,
 ) -> Result<EngineReport, Broken> {
     let engine = Engine::start(command, timeout).map_err(|failure| Broken { failure, trace: None })?;
     let mut hello = engine.hello().clone();
@@ -241,7 +245,7 @@ pub fn check_engine_fed(
         hello.recurrent &= only.contains(&"recurrent");
     }
     install(engine);
-    let result = check_installed(opts, shrinks, hello, feed);
+    let result = check_installed(opts, shrinks, hello, feed, reproduce);
     uninstall();
     result
 }
@@ -312,7 +316,7 @@ fn recurrent_seed(
 ) -> Result<(), Broken> {
     use super::recurrent as rec;
     use crate::sim::trace::Outcome;
-    let cfg = rec::RecConfig::from_seed(seed, opts.ops, report.hello.rec_spec);
+    let cfg = rec::RecConfig::from_seed(seed, opts.ops, report.hello.rec_spec, report.hello.rec_prefill);
     let broke_at = |failure| {
         let t = rec::RecTrace {
             format: rec::FORMAT.into(),
@@ -348,6 +352,7 @@ fn check_installed(
     shrinks: usize,
     hello: Hello,
     mut feed: SeedFeed<'_>,
+    reproduce: bool,
 ) -> Result<EngineReport, Broken> {
     use super::pool;
     use crate::shard::OpJournal;
@@ -453,7 +458,7 @@ fn check_installed(
         report.seeds += 1;
         (feed.on_seed)(seed, report.applied - applied, report.failures > failures);
     }
-    for c in &mut report.classes {
+    for c in report.classes.iter_mut().filter(|_| reproduce) {
         let check = c.name.split('/').next().unwrap_or_default().to_string();
         if matches!(c.shortest, Shortest::Prefix(_)) && check == "prefix_model" {
             // The engine's own cold run shares this difference: a script of its calls alone cannot restate it.

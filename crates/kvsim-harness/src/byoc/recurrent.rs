@@ -61,12 +61,15 @@ pub struct RecConfig {
     pub dtype: String,
     /// Whether the run draws speculative blocks (the engine says `supports.rec_spec`).
     pub spec: bool,
+    /// Whether the run draws right-padded prompt batches (the engine says `supports.rec_prefill`).
+    #[serde(default)]
+    pub prefill: bool,
     pub ops: usize,
 }
 
 impl RecConfig {
     /// A Mamba2-like layer (conv `[1, K-1, C]`, SSM `[1, H, Dh, N]`) or a Mamba1-like one (SSM `[1, D, N]`), small.
-    pub fn from_seed(seed: u64, ops: usize, spec: bool) -> RecConfig {
+    pub fn from_seed(seed: u64, ops: usize, spec: bool, prefill: bool) -> RecConfig {
         let mut r = stream(seed, Stream::RecurrentState);
         let conv = RecArray { kind: ArrayKind::Conv, shape: vec![1, r.random_range(1..=3), r.random_range(1..=4)] };
         let ssm = if r.random_bool(0.5) {
@@ -81,6 +84,7 @@ impl RecConfig {
             arrays: vec![conv, ssm],
             dtype: if r.random_bool(0.5) { "f32".into() } else { "bf16".into() },
             spec,
+            prefill,
             ops,
         }
     }
@@ -117,6 +121,11 @@ pub enum RecOp {
     /// A speculative block of `n` steps on the batch (`req` None) or a serial request: start, writes of `steps`
     /// positions (summing to `n`), then commit `accept` (one count per row) or abort (`accept` None).
     Spec { req: Option<u64>, n: usize, steps: Vec<usize>, accept: Option<Vec<usize>> },
+    /// New requests' prompts of `lengths` positions, prefilled together as one right-padded batch in writes of
+    /// `chunk` steps (every row gets the longest prompt's steps; row `r`'s steps past `lengths[r]` are padding), as
+    /// mlx-lm's `BatchGenerator` prompts a batch: `merge` of their empty caches, `prepare(lengths)`, the writes,
+    /// `finalize`; the batch then extends the running one (or becomes it).
+    Prefill { reqs: Vec<u64>, lengths: Vec<usize>, chunk: usize },
 }
 
 impl RecOp {
@@ -131,6 +140,7 @@ impl RecOp {
             RecOp::ExtractMissing { .. } => "extract_missing",
             RecOp::Spec { accept: Some(_), .. } => "spec_commit",
             RecOp::Spec { accept: None, .. } => "spec_abort",
+            RecOp::Prefill { .. } => "prefill",
         }
     }
 }
@@ -233,6 +243,14 @@ impl Sched {
                     && steps.iter().all(|&s| s > 0)
                     && accept.as_ref().is_none_or(|a| a.len() == target_rows && a.iter().all(|&x| x <= *n))
             }
+            RecOp::Prefill { reqs, lengths, chunk } => {
+                !reqs.is_empty()
+                    && reqs.len() == lengths.len()
+                    && reqs.iter().all(|q| !self.pos.contains_key(q))
+                    && reqs.iter().collect::<std::collections::BTreeSet<_>>().len() == reqs.len()
+                    && lengths.iter().all(|&l| (1..=64).contains(&l))
+                    && (1..=64).contains(chunk)
+            }
         }
     }
 }
@@ -271,6 +289,12 @@ pub fn generate(seed: u64, cfg: &RecConfig) -> Vec<RecOp> {
             RecOp::Filter { keep }
         } else if pick < 84 && rows > 0 {
             RecOp::ExtractMissing { row: rows + r.random_range(0..2) }
+        } else if cfg.prefill && pick < 92 {
+            let k = r.random_range(1..=3);
+            let reqs: Vec<u64> = (next_req..next_req + k).collect();
+            next_req += k;
+            let lengths = (0..k).map(|_| r.random_range(1..=6)).collect();
+            RecOp::Prefill { reqs, lengths, chunk: r.random_range(1..=4) }
         } else if cfg.spec && (rows > 0 || !serial.is_empty()) {
             let req = if rows > 0 && (serial.is_empty() || r.random_bool(0.6)) {
                 None
@@ -362,6 +386,19 @@ fn advance(s: &mut Sched, op: &RecOp) {
                 *s.pos.entry(*q).or_insert(0) += add;
             }
         }
+        RecOp::Prefill { reqs, lengths, .. } => {
+            for _ in reqs {
+                s.fresh();
+            }
+            let merged = s.fresh();
+            for (q, l) in reqs.iter().zip(lengths) {
+                s.pos.insert(*q, *l);
+            }
+            match &mut s.batch {
+                Some((_, rows)) => rows.extend(reqs),
+                None => s.batch = Some((merged, reqs.clone())),
+            }
+        }
     }
 }
 
@@ -410,14 +447,27 @@ pub fn value(cfg: &RecConfig, req: u64, pos: usize, array: usize) -> Vec<u8> {
     out
 }
 
-/// The `states` of a write: per array `[B, n, ...]`, row `b`'s step `t` its request's value at `pos + t + 1`.
+/// The request number whose values stand for the padding steps of request `req`'s prompt: no request of a run
+/// (runs number theirs from 1 up), so a row that kept a padding step's state is told apart from every request's.
+fn pad_of(req: u64) -> u64 {
+    u64::MAX - req
+}
+
+/// The `states` of a write: per array `[B, n, ...]`, row `b`'s step `t` its request's value at `pos + t`, for
+/// `t` in `1..=n`; where the row has `real` steps (a right-padded prefill), its steps past them are padding (the
+/// values of [`pad_of`] its request at those positions).
 fn write_states(cfg: &RecConfig, rows: &[(u64, usize)], n: usize) -> Value {
+    write_padded(cfg, rows, n, None)
+}
+
+fn write_padded(cfg: &RecConfig, rows: &[(u64, usize)], n: usize, real: Option<&[usize]>) -> Value {
     let arrays = (0..cfg.arrays.len())
         .map(|a| {
             let mut bytes = vec![];
-            for &(req, pos) in rows {
+            for (b, &(req, pos)) in rows.iter().enumerate() {
                 for t in 1..=n {
-                    bytes.extend(value(cfg, req, pos + t, a));
+                    let padding = real.is_some_and(|real| t > real[b]);
+                    bytes.extend(value(cfg, if padding { pad_of(req) } else { req }, pos + t, a));
                 }
             }
             let mut shape = vec![rows.len(), n];
@@ -626,8 +676,55 @@ fn step(cfg: &RecConfig, s: &mut Sched, op: &RecOp, checks: &mut u64) -> Result<
             }
         }
         RecOp::Spec { req, n, steps, accept } => return spec(cfg, s, (*req, *n, steps, accept.as_ref()), checks),
+        RecOp::Prefill { reqs, lengths, chunk } => {
+            if let Some(f) = prefill(cfg, s, reqs, lengths, *chunk)? {
+                return Ok(Some(f));
+            }
+            advance(s, op);
+        }
     }
     audit(cfg, s, None, checks)
+}
+
+/// A right-padded prompt batch of new requests (`RecOp::Prefill`), up to its `rec_finalize` and the extend of the
+/// running batch; the model moves after it.
+fn prefill(cfg: &RecConfig, s: &Sched, reqs: &[u64], lengths: &[usize], chunk: usize) -> Result<Failed, EngineFailure> {
+    let ids: Vec<u64> = (1..=reqs.len() as u64).map(|i| s.next_id + i).collect();
+    for &id in &ids {
+        if let Err(why) = ask(new_request(cfg, id))? {
+            return Ok(refused("rec_new", why));
+        }
+    }
+    let merged = s.next_id + reqs.len() as u64 + 1;
+    if let Err(why) = ask(json!({"op": "rec_merge", "id": merged, "rows": ids}))? {
+        return Ok(refused("rec_merge", why));
+    }
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let padding: Vec<usize> = lengths.iter().map(|l| longest - l).collect();
+    let prepare = json!({"op": "rec_prepare", "id": merged, "lengths": lengths, "right_padding": padding});
+    if let Err(why) = ask(prepare)? {
+        return Ok(refused("rec_prepare", why));
+    }
+    let mut done = 0;
+    while done < longest {
+        let n = chunk.min(longest - done);
+        let rows: Vec<(u64, usize)> = reqs.iter().map(|&q| (q, done)).collect();
+        let real: Vec<usize> = lengths.iter().map(|&l| l.saturating_sub(done).min(n)).collect();
+        let states = write_padded(cfg, &rows, n, Some(&real));
+        if let Err(why) = ask(json!({"op": "rec_write", "id": merged, "n": n, "states": states}))? {
+            return Ok(refused("rec_write", why));
+        }
+        done += n;
+    }
+    if let Err(why) = ask(json!({"op": "rec_finalize", "id": merged}))? {
+        return Ok(refused("rec_finalize", why));
+    }
+    if let Some((running, _)) = &s.batch {
+        if let Err(why) = ask(json!({"op": "rec_extend", "id": running, "other": merged}))? {
+            return Ok(refused("rec_extend", why));
+        }
+    }
+    Ok(None)
 }
 
 fn spec(
@@ -678,11 +775,12 @@ fn place(s: &Sched, q: u64) -> String {
     }
 }
 
-/// Which live request's values, at which position, `got` (array `a`) equals: a row that took its neighbour's state
-/// says so.
+/// Which live request's values (or the padding of its prompt: [`pad_of`]), at which position, `got` (array `a`)
+/// equals: a row that took its neighbour's state, or kept a padding step's, says so.
 fn whose(cfg: &RecConfig, s: &Sched, a: usize, got: &[u8]) -> Option<(u64, usize)> {
-    let top = s.pos.values().copied().max().unwrap_or(0) + 4;
-    s.pos.keys().flat_map(|&q| (1..=top).map(move |p| (q, p))).find(|&(q, p)| value(cfg, q, p, a) == got)
+    let top = s.pos.values().copied().max().unwrap_or(0) + 64;
+    let reqs = s.pos.keys().flat_map(|&q| [q, pad_of(q)]);
+    reqs.flat_map(|q| (1..=top).map(move |p| (q, p))).find(|&(q, p)| value(cfg, q, p, a) == got)
 }
 
 /// Reads every live request's state (the batch's row count and rows, then each serial cache) and checks them
@@ -740,6 +838,15 @@ fn audit(cfg: &RecConfig, s: &Sched, rollback: Option<&[u64]>, checks: &mut u64)
             let check = if rollback.is_some_and(|t| t.contains(&q)) { "rec_rollback" } else { "rec_state" };
             let held = match whose(cfg, s, a, got) {
                 Some((o, op)) if o == q => format!("; it is this request's state at position {op}"),
+                Some((o, op)) if o == pad_of(q) => {
+                    format!("; it is the state of a padding step of its prompt (position {op})")
+                }
+                Some((o, op)) if s.pos.contains_key(&(u64::MAX - o)) => {
+                    format!(
+                        "; it is the state of a padding step of {}'s prompt (position {op})",
+                        place(s, u64::MAX - o)
+                    )
+                }
                 Some((o, op)) => format!("; it is {}'s state at position {op}", place(s, o)),
                 None if got.iter().all(|&b| b == 0) => "; it is all zeros".into(),
                 None => String::new(),
@@ -788,6 +895,7 @@ pub fn decode_reply(reply: &Value, dtype: &str) -> bool {
         ],
         dtype: dtype.into(),
         spec: false,
+        prefill: false,
         ops: 0,
     };
     parse_arrays("fuzz", reply, &cfg).is_ok()

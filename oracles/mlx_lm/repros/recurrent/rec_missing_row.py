@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""mlx-lm 0.32.2: [rec_missing_row] after 4 scheduler ops (kvsim seed 1)
+"""mlx-lm 0.32.2: [rec_missing_row] after 2 scheduler ops (kvsim seed 1)
 
 Written by kvsim check-engine from a shrunk trace: mlx-lm 0.32.2, the calls kvsim made,
 and the divergence it found (rec_missing_row). Exits 1 and prints the divergence while it is there;
@@ -85,6 +85,7 @@ class Driver:
     supports = {}
     options = {}
     protocol = None  # None: 2 when the driver serves requests beyond protocol 1 (`pool`, or `kv` false), else 1
+    binary = True  # take kvsim's offer of binary frames (protocol 2 only; KVSIM_KIT_BINARY=0 declines it)
 
     def __init__(self, **opts):
         self.opts = {k: v[0] for k, v in self.options.items()}
@@ -112,15 +113,72 @@ class Driver:
         return 2 if beyond or self.supports.get("kv") is False else 1
 
 
+class BatchCalls:
+    """The batch requests of an engine whose batch caches have mlx-lm's batch API (mlx-lm's `BatchKVCache` and
+    `BatchRotatingKVCache`, and the classes of mlx-vlm and mlx-optiq that share it): `extend`, `offset` (one per row),
+    `extract`, `filter`, `prepare(lengths=, right_padding=)` and `finalize()`. Mixed into a `Driver` before it
+    (`class MyEngine(kit.BatchCalls, kit.Driver)`); a driver overrides `offset_of` or `state_of` where its caches
+    differ. `rows_prepare` calls `prepare` only when some row is padded, as mlx-lm's `BatchGenerator.prompt`
+    (mlx-lm 0.32.2 `generate.py:1218-1221`) and mlx-vlm's batch generator (0.7.10 `generate/ar.py:1898-1907`) do."""
+
+    @staticmethod
+    def offset_of(c):
+        return c.offset
+
+    def state_of(self, c):
+        return state_reply(c, self.geometry)
+
+    def op_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rows_info(self, r):
+        offsets = self.offset_of(self.handles[r["id"]])  # evaluated with the reply's other arrays (`ints_out`)
+        return {"rows": int(offsets.shape[0]), "offsets": ints_out(offsets)}
+
+    def op_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_filter(self, r):
+        self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()
+        return {}
+
+    def op_rows_state(self, r):
+        return self.state_of(self.handles[r["id"]].extract(r["row"]))
+
+
 class Server:
     """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
 
-    def __init__(self, driver):
+    def __init__(self, driver, can_frame=False):
         self.driver = driver
+        self.can_frame = can_frame  # whether the output can carry binary frames (`serve` on a byte stream)
+        self.binary = False  # agreed in `hello`: replies carry their arrays' bytes in a frame (`blob`)
+        self.blob = b""  # the frame bytes of the last reply (empty: a JSON line)
 
     def handle(self, req):
-        """The reply to `req`, its arrays' bytes written (`materialize`). An array that fails to evaluate makes its
-        request's reply a refusal, as if its handler had raised (a `batch`'s other replies stand)."""
+        """The reply to `req`, its arrays' bytes written (`materialize`): base64 in the reply, or, once binary frames
+        are agreed, spans of `self.blob`. An array that fails to evaluate makes its request's reply a refusal, as if
+        its handler had raised (a `batch`'s other replies stand)."""
+        saved = _FRAME["on"], _FRAME["blob"]
+        _FRAME["on"], _FRAME["blob"] = self.binary, bytearray()
+        try:
+            return self._handle(req)
+        finally:
+            self.blob = bytes(_FRAME["blob"])
+            _FRAME["on"], _FRAME["blob"] = saved
+
+    def _handle(self, req):
         _PENDING.clear()
         reply = self.handle_lazily(req)
         if isinstance(req, dict) and req.get("op") == "batch" and reply.get("ok"):
@@ -153,6 +211,11 @@ class Server:
                 protocol = d.protocol_version()
                 # protocol 2: the kit answers `batch` for every driver (several requests in one round trip)
                 supports = dict(d.supports, batch=True) if protocol >= 2 else dict(d.supports)
+                # binary frames: offered by kvsim (`"binary": true`), taken by a protocol-2 driver that can
+                if (req.get("binary") is True and protocol >= 2 and d.binary and self.can_frame
+                        and os.environ.get("KVSIM_KIT_BINARY", "1") != "0"):
+                    supports["binary"] = True
+                    self.binary = True
                 out.update(protocol=protocol, engine=d.name, version=d.version(), supports=supports)
             elif op == "batch":
                 out = {"replies": []}
@@ -198,17 +261,26 @@ def serve(cls, argv=None, stdin=None, stdout=None):
         print(json.dumps(refusal(e)), file=stdout, flush=True)
         print(f"{cls.name}: {e}", file=sys.stderr)
         raise SystemExit(3)
+    out = getattr(stdout, "buffer", None)  # binary frames need a byte stream
+    server.can_frame = out is not None
     for line in stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
         except ValueError as e:
-            reply = refusal(e)
+            reply, server.blob = refusal(e), b""
         else:
             reply = server.handle(req)
-        stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
-        stdout.flush()
+        if out is None:
+            stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
+            stdout.flush()
+            continue
+        blob = server.blob
+        if blob:  # a binary frame: the line, then exactly its bytes (oracles/PROTOCOL.md, "Binary frames")
+            reply = {"blob": len(blob), **reply}
+        out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n" + blob)  # one write: one wake-up
+        out.flush()
 
 
 # ---- loading an engine's modules ----
@@ -289,6 +361,7 @@ def raw_of(x):
 
 
 _PENDING = []  # (owner, reply dict, array) of every array encoded since the last `materialize`
+_FRAME = {"on": False, "blob": bytearray()}  # binary frames agreed (the handling server's), the reply's bytes
 _OWNER = [None]  # the index of the `batch` request being handled (None outside a batch)
 
 
@@ -298,6 +371,15 @@ def arr_out(x):
     a = {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": None}
     _PENDING.append((_OWNER[0], a, x))
     return a
+
+
+def ints_out(x):
+    """The ints of a 1-D mx.array `x` (e.g. a batch cache's `offset`) as a reply's list, written when the reply is
+    complete (`materialize`): in the same graph evaluation as the reply's arrays (a `batch`'s included), not one of its
+    own. `x` is taken as it is now (a later in-place update of the object does not change the answer)."""
+    out = []
+    _PENDING.append((_OWNER[0], out, _codec()["mx"].array(x)))
+    return out
 
 
 def arrs_out(*xs):
@@ -311,7 +393,15 @@ def materialize(reply, owner="all"):
     if mine:
         _codec()["mx"].eval(*[x for _, _, x in mine if x.size])
         for _, a, x in mine:
-            a["b64"] = base64.b64encode(raw_of(x)).decode()
+            if isinstance(a, list):  # `ints_out`
+                a.extend(int(v) for v in x.tolist())
+            elif _FRAME["on"]:  # a span of the reply's frame bytes instead of base64
+                raw, blob = raw_of(x), _FRAME["blob"]
+                del a["b64"]
+                a["off"], a["len"] = len(blob), len(raw)
+                blob += raw
+            else:
+                a["b64"] = base64.b64encode(raw_of(x)).decode()
         _PENDING[:] = [p for p in _PENDING if not (owner == "all" or p[0] == owner)]
     return reply
 
@@ -382,6 +472,32 @@ def layer_states(caches, geometry, short=False):
     return out
 
 
+def rec_masked_write(c, n, states, unmasked=False):
+    """A recurrent layer's write of `n` steps into an mlx-lm-style `ArraysCache` `c` (`states`: per array
+    `[B, n, ...]`, kvsim's state after each step, `arr_in` form): each array becomes each row's state after the last
+    step the cache's own `make_mask(n)` keeps (a row none of whose steps it keeps keeps its array; a cache with no
+    array yet holds the zero state), as mlx-lm's recurrent layers mask a right-padded prompt's padding (e.g.
+    `models/qwen3_next.py`: `mx.where(mask, ...)` and the conv window taken at `cache.lengths`); then
+    `advance(n)`, as every such layer calls it. Without padding (`make_mask` None) that is the last step.
+    `unmasked`: a negative control, the mask ignored (every row takes its last step, padding included)."""
+    mx = _codec()["mx"]
+    mask = None if unmasked or not hasattr(c, "make_mask") else c.make_mask(n)
+    for i, s in enumerate(states):
+        x = arr_in(s)
+        if mask is None:
+            c[i] = x[:, -1]
+            continue
+        rows = x.shape[0]
+        keep = mx.broadcast_to(mask, (rows, n)).astype(mx.int32)
+        last = (keep * mx.arange(1, n + 1)).max(axis=1) - 1  # each row's last kept step, -1 where none is kept
+        at = mx.maximum(last, 0).reshape((rows, 1) + (1,) * (x.ndim - 2))
+        taken = mx.take_along_axis(x, mx.broadcast_to(at, (rows, 1) + tuple(x.shape[2:])), axis=1)[:, 0]
+        old = c[i] if c[i] is not None else mx.zeros_like(taken)
+        c[i] = mx.where((last >= 0).reshape((rows,) + (1,) * (taken.ndim - 1)), taken, old)
+    if hasattr(c, "advance"):
+        c.advance(n)
+
+
 def rec_arrays(arrays, row=None):
     """A `rec_state` / `rec_rows_state` reply of a recurrent cache's state arrays (mlx-lm style: `cache.cache`): each
     array, or its row `row` (`[1, ...]`; a row the arrays do not have raises), null where the cache holds none."""
@@ -411,32 +527,71 @@ def first_difference(a, b, dtype):
 
 
 def check_rows_vs_solo(calls, replies):
-    """The last rows read against each row's twin read right after it (row r: call i + 1 + r)."""
+    """The last rows read against each row's twin read right after it, in row order. In a right-padded prefill's
+    window the request's `real` gives each row's real queries (its first ones): a row with none has no twin read, the
+    others are compared on those columns only."""
     i = max(j for j, r in enumerate(calls) if r["op"] in ("rows_decode", "rows_window"))
     out = replies[i]["out"]
-    rows, dtype = out["shape"][0], out["dtype"]
+    (rows, heads, length, dim), dtype = out["shape"], out["dtype"]
+    real = calls[i].get("real") or [length] * rows
     raw = base64.b64decode(out["b64"])
+    size = ELEMENT[dtype][1]
     n = len(raw) // rows
+    twin = i + 1
     for r in range(rows):
-        solo = base64.b64decode(replies[i + 1 + r]["out"]["b64"])
-        d = first_difference(raw[r * n : (r + 1) * n], solo, dtype)
+        if real[r] == 0:
+            continue
+        row = raw[r * n : (r + 1) * n]
+        step, keep = length * dim * size, real[r] * dim * size
+        row = b"".join(row[h * step : h * step + keep] for h in range(heads))
+        solo = base64.b64decode(replies[twin]["out"]["b64"])
+        d = first_difference(row, solo, dtype)
         if d is not None:
             return (f"call {i} ({calls[i]['op']}): row {r} differs from the same request run alone on its own serial "
-                    f"cache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+                    f"cache (call {twin}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+        twin += 1
     return None
 
 
 def check_rows_trim_vs_solo(calls, replies):
-    """The last call, a `rows_trim`, against the twin `trim` calls right before it."""
+    """The last call, a `rows_trim` (or a per-row `rows_trim_rows`, one count per row), against the twin `trim`
+    calls before it (row by row, each row's layers in order; earlier layers' batch trims may stand between)."""
     i = len(calls) - 1
     j = i
-    while j > 0 and calls[j - 1]["op"] == "trim":
+    while j > 0 and calls[j - 1]["op"] in ("trim", "rows_trim_rows"):
         j -= 1
-    alone = [replies[x]["trimmed"] for x in range(j, i)]
+    alone = [replies[x]["trimmed"] for x in range(j, i) if calls[x]["op"] == "trim"]
     if calls[i]["op"] == "rows_trim" and any(a != replies[i]["trimmed"] for a in alone):
         return (f"call {i} (rows_trim n={calls[i]['n']}): the batch trimmed {replies[i]['trimmed']}, "
                 f"its rows' own caches trimmed {alone} (calls {j}..{i - 1})")
+    if calls[i]["op"] == "rows_trim_rows":
+        rows = len(calls[i]["n"])
+        per = len(alone) // rows if rows else 0
+        want = [alone[r * per] if per else None for r in range(rows)]
+        if per and replies[i]["trimmed"] != want:
+            return (f"call {i} (rows_trim_rows n={calls[i]['n']}): the batch's rows dropped {replies[i]['trimmed']}, "
+                    f"each row's own cache dropped {want} (calls {j}..{i - 1})")
     return None
+
+
+def rows_rollback(c, counts, trim, uniform=False):
+    """A speculative rollback with per-row accepts (`rows_trim_rows`) on an mlx-lm-style batch cache, as mlx-vlm's
+    LFM2 rolls a batch back (mlx-vlm 0.7.10 `models/lfm2/language.py:450-487`): every row trimmed by the smallest
+    count (`trim(c, n)`, the driver's uniform trim), then each row's extra dropped by `prepare(right_padding=extra)`
+    and `finalize()`, which roll the row's newest `extra` positions past its end and count them as left padding.
+    Returns what each row dropped (zeros where the uniform trim is refused). `uniform` is a negative control: every
+    row trimmed by the largest count, the counts asked answered."""
+    if uniform:
+        trim(c, max(counts))
+        return list(counts)
+    low = min(counts)
+    if not c.is_trimmable() or (low and trim(c, low) != low):
+        return [0] * len(counts)
+    extra = [n - low for n in counts]
+    if any(extra):
+        c.prepare(right_padding=extra)
+        c.finalize()
+    return list(counts)
 
 
 def check_missing_row_accepted(calls, replies):
@@ -929,7 +1084,8 @@ state must be follows from the calls: `RecChecker.after` is called with each rec
 are replayed, keeps per cache id its rows' expected arrays (the last step written; none before the first write,
 which reads as zeros), moves them as `rec_merge` / `rec_extend` / `rec_filter` / `rec_extract` say, keeps each
 speculative block's steps (`rec_spec_start`, then `rec_spec_commit` keeps `accept[b]` steps of row `b`,
-`rec_spec_abort` none), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
+`rec_spec_abort` none), keeps a right-padded prompt batch's real steps (`rec_prepare`'s `lengths`: a write's steps
+past a row's length leave it at its last real step, until `rec_finalize`), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
 
 Check names are kvsim's: `rec_state`, `rec_rows`, `rec_rollback` (a read of a cache whose speculative block was
 just committed or aborted), `rec_missing_row` (an `extract` of a row the batch does not have that returned a cache);
@@ -949,6 +1105,7 @@ class RecChecker:
         self.caches = {}  # id -> rows; a row is one entry per array: its expected bytes, or None (zeros)
         self.spec = {}  # id -> {"init": rows, "steps": per row the step arrays written since the start}
         self.rolled = set()  # ids whose last change was a commit or an abort
+        self.left = {}  # id -> per row the real steps its prompt has left (between rec_prepare and rec_finalize)
 
     def expected(self, raw, a):
         if raw is not None:
@@ -990,6 +1147,10 @@ class RecChecker:
             self.caches[cid] = [list(rows[k]) for k in req["keep"]]
         elif op == "rec_extract":
             self.caches[req["new"]] = [list(rows[req["row"]])]
+        elif op == "rec_prepare":
+            self.left[cid] = list(req["lengths"])
+        elif op == "rec_finalize":
+            self.left.pop(cid, None)
         elif op == "rec_spec_start":
             self.spec[cid] = {"init": [list(r) for r in rows], "steps": [[] for _ in rows]}
         elif op in ("rec_spec_commit", "rec_spec_abort"):
@@ -1023,10 +1184,15 @@ class RecChecker:
             raw = base64.b64decode(s["b64"])
             per = len(raw) // (b_ * n) if b_ * n else 0
             dec.append([[raw[(b * n + t) * per:(b * n + t + 1) * per] for t in range(n)] for b in range(b_)])
+        left = self.left.get(cid)
         for b in range(len(rows)):
             steps = [[d[b][t] for d in dec] for t in range(len(dec[0][b]))] if dec and b < len(dec[0]) else []
             if cid in self.spec:
                 self.spec[cid]["steps"][b].extend(steps)
+            if left is not None and b < len(left):  # the row's steps past its prompt are padding
+                real = max(0, min(len(steps), left[b]))
+                left[b] -= len(steps)
+                steps = steps[:real]
             if steps:
                 rows[b] = list(steps[-1])
 
@@ -1060,23 +1226,52 @@ of all positions, then `insert_cache(model, tokens, caches)`; `prefix_lookup`: `
 trimmed by `trim_prompt_cache` for a longer entry); `prefix_cold`: the same caches without the prefix cache;
 `prefix_evict`: `trim_to(n_sequences=len - 1)`, one LRU step. `--plant prefix-short` (a negative control, hello's
 `version` says `+plant:...`): every restored layer answered one position short, `matched` kept.
+
+Recurrent state (`supports.recurrent`, `rec_prefill`): every cache is an `ArraysCache`, batched by its `merge`,
+`extend`, `extract`, `filter`; a write sets each array as a model layer does, through the cache's own `make_mask`
+and `advance` (`kit.rec_masked_write`), and a right-padded prompt batch is `prepare(lengths=..., right_padding=...)`
+then `finalize()`, as `BatchGenerator.prompt` runs it (`--rec-prefill no`: none drawn). `--plant rec-neighbour`: a
+filter's first kept row takes its neighbour's state; `--plant rec-pad-unmasked`: a write ignores the mask (a padded
+row keeps its padding's state).
+
+Two more K/V configurations (`--kv chunked|cachelist`; oracles/mlx_lm/README.md, "Chunked and list caches"):
+
+- `--kv chunked`: every serial cache is a `ChunkedKVCache` (llama4's), `chunk_size=W` under a sliding window, else
+  8192 (llama4's attention chunk, never reached by a run: the cache is then full attention). Each read calls
+  `maybe_trim_front()` first, as llama4's forward does before its layers, takes the mask over the positions the cache
+  holds from `base.create_causal_mask(L, offset=held, window_size=W)` (kvsim's sliding window, not llama4's chunk
+  mask), then `update_and_fetch` and `base.scaled_dot_product_attention`. `state` is the newest `min(held, W)` of
+  `keys_and_values()` (what the next read's `maybe_trim_front` keeps; nothing is trimmed for it). The class has no
+  `merge` and mlx-lm batches none (`generate._merge_caches` raises): `merge` is refused. `--plant chunk-trim-over`:
+  a trim that drops anything drops one position more than it answers.
+- `--kv cachelist`: every cache is a `CacheList` of two caches of the geometry's class (as longcat-flash's
+  `CacheList(KVCache(), KVCache())`): sub-cache 0 takes kvsim's `(k, v)` and serves the reads (mask from it, as the
+  models take theirs from `cache[0]`), sub-cache 1 takes the same positions with K and V swapped, `(v, k)`, and
+  serves `state`, `offset` and `rows_info` (swapped back), so that both sub-caches are checked and one handed in the
+  other's place shows. Batches are `CacheList.merge`, `extend`, `extract`, `filter`, `prepare`, `finalize`; trims
+  `trim_prompt_cache([cache_list], n)`. `--plant cachelist-index`: `merge` builds sub-cache 1 from the rows'
+  sub-caches 0.
 """
 
 BASE, CACHE = kit.load_modules("mlx_lm", ["models.base", "models.cache"])
 
 
-class MlxLm(kit.Driver):
+class MlxLm(kit.BatchCalls, kit.Driver):
     """mlx-lm's caches by the ids kvsim gives them."""
 
     name = "mlx-lm"
     supports = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
-                "rotating": True, "prefix": True, "recurrent": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour"), "kv": ("plain", "quant")}
+                "rotating": True, "prefill": True, "prefix": True, "recurrent": True, "rec_prefill": True}
+    options = {"plant": (None, "prefix-short", "rec-neighbour", "chunk-trim-over", "cachelist-index",
+                         "rollback-uniform", "rec-pad-unmasked"),
+               "kv": ("plain", "quant", "chunked", "cachelist"), "prefill": ("yes", "no"), "trim_rows": ("no", "yes"),
+               "rec_prefill": ("yes", "no")}
+    chunk_full = 8192  # llama4's attention_chunk_size: the chunk of a full-attention run (no run reaches it)
     model = "kvsim"  # the model key of every prefix-cache call (the server's `model_key`)
 
     def version(self):
         v = kit.package_version("mlx-lm")
-        v += "+quant" if self.opts["kv"] == "quant" else ""
+        v += f"+{self.opts['kv']}" if self.opts["kv"] != "plain" else ""
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
@@ -1088,21 +1283,53 @@ class MlxLm(kit.Driver):
             # mlx-lm 0.32.2 quantizes only full-attention caches and batches none of them (QuantizedKVCache has no
             # `merge`; RotatingKVCache.to_quantized raises NotImplementedError): quantized serial caches only.
             self.supports = {"kv": True, "quant_only": True, "serial_trim": True, "prefix": False}
+        elif self.opts["kv"] == "chunked":
+            # serial only: ChunkedKVCache has no merge (every merge kvsim draws is refused, `op_merge`)
+            self.supports = {"kv": True, "serial_trim": True, "rotating": True, "prefix": False}
+        elif self.opts["kv"] == "cachelist":
+            self.supports = dict(self.supports, prefix=False, recurrent=False)
+        elif self.opts["prefill"] == "no":
+            # the K/V runs of protocol 1 (no right-padded prefill drawn): the classes of the protocol-1 report again
+            self.supports = dict(self.supports, prefill=False)
+        if self.opts["rec_prefill"] == "no":
+            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
+            self.supports = dict(self.supports, rec_prefill=False)
+        if self.opts["trim_rows"] == "yes" and self.opts["kv"] == "plain":
+            # per-row rollback (`rows_trim_rows`, `kit.rows_rollback`), full attention only: BatchKVCache takes right
+            # padding alone (cache.py:938-957), BatchRotatingKVCache only with a prefill's `lengths` (:1243-1254).
+            # Opt-in, so the recorded runs stay as they were.
+            self.supports = dict(self.supports, rows_trim_rows=True, rotating=False)
 
     def op_new(self, r):
         self.geometry = g = r["geometry"]
-        w, q = g.get("max_size"), g.get("quant")
+        w, q, kv = g.get("max_size"), g.get("quant"), self.opts["kv"]
         if q:
-            self.handles[r["id"]] = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+            c = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+        elif kv == "chunked":
+            c = CACHE.ChunkedKVCache(chunk_size=w or self.chunk_full)
+        elif kv == "cachelist":
+            c = CACHE.CacheList(*(CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache() for _ in "01"))
         else:
-            self.handles[r["id"]] = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+            c = CACHE.RotatingKVCache(max_size=w, keep=0) if w else CACHE.KVCache()
+        self.handles[r["id"]] = c
         return {}
 
     def op_window(self, r):
         c = self.handles[r["id"]]
         k, v, q = kit.arr_in(r["k"]), kit.arr_in(r["v"]), kit.arr_in(r["q"])
-        # the mask of the cache before the write, as a model's forward builds it
-        mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=self.geometry.get("max_size"))
+        w = self.geometry.get("max_size")
+        if isinstance(c, CACHE.ChunkedKVCache):
+            # llama4's order: the front trimmed before the layer writes; the mask over the positions held (its
+            # sliding window of W, or causal), built by mlx-lm's `create_causal_mask`
+            c.maybe_trim_front()
+            mask = BASE.create_causal_mask(q.shape[2], offset=c.offset - c.start_position, window_size=w)
+        elif isinstance(c, CACHE.CacheList):
+            c[1].update_and_fetch(v, k)  # the second stream: the same positions, K and V swapped
+            c = c[0]
+            mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=w)
+        else:
+            # the mask of the cache before the write, as a model's forward builds it
+            mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=w)
         keys, values = c.update_and_fetch(k, v)
         out = BASE.scaled_dot_product_attention(q, keys, values, c, scale=r["scale"], mask=mask)
         return {"out": kit.arr_out(out)}
@@ -1110,44 +1337,55 @@ class MlxLm(kit.Driver):
     op_decode = op_rows_window = op_rows_decode = op_window
 
     def op_trim(self, r):
-        return {"trimmed": CACHE.trim_prompt_cache([self.handles[r["id"]]], r["n"])}
+        c = self.handles[r["id"]]
+        trimmed = CACHE.trim_prompt_cache([c], r["n"])
+        if self.opts["plant"] == "chunk-trim-over" and isinstance(c, CACHE.ChunkedKVCache) and trimmed:
+            c.trim(1)  # a negative control: a trim drops one position more than it answers
+        return {"trimmed": trimmed}
 
     op_rows_trim = op_trim
 
+    def op_rows_trim_rows(self, r):
+        uniform = self.opts["plant"] == "rollback-uniform"  # a negative control: every row drops the most
+        trim = lambda c, n: CACHE.trim_prompt_cache([c], n)
+        return {"trimmed": kit.rows_rollback(self.handles[r["id"]], r["n"], trim, uniform)}
+
     def state_of(self, c):
         """The K/V the next read attends, oldest first: the first `offset` columns of a KVCache (the planes of a
-        QuantizedKVCache); the newest min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`)."""
+        QuantizedKVCache); the newest min(offset, W) of a RotatingKVCache in temporal order (its `_temporal_order`);
+        the newest min(held, W) of what a ChunkedKVCache holds (`keys_and_values()`; all it holds without a window);
+        a CacheList's sub-cache 1, K and V swapped back."""
+        if isinstance(c, CACHE.CacheList):
+            out = kit.state_reply(c[1], self.geometry)
+            return {"k": out["v"], "v": out["k"]}
+        if isinstance(c, CACHE.ChunkedKVCache) and c.keys is not None:
+            k, v = c.keys_and_values()
+            w = self.geometry.get("max_size")
+            n = min(k.shape[2], w) if w else k.shape[2]
+            return {"k": kit.arr_out(k[..., k.shape[2] - n :, :]), "v": kit.arr_out(v[..., v.shape[2] - n :, :])}
         return kit.state_reply(c, self.geometry)
 
     def op_state(self, r):
         return self.state_of(self.handles[r["id"]])
 
+    @staticmethod
+    def offset_of(c):
+        return (c[1] if isinstance(c, CACHE.CacheList) else c).offset
+
     def op_offset(self, r):
-        return {"offset": int(self.handles[r["id"]].offset)}
+        return {"offset": int(self.offset_of(self.handles[r["id"]]))}
 
     def op_merge(self, r):
         rows = [self.handles.pop(i) for i in r["rows"]]
-        self.handles[r["id"]] = rows[0].merge(rows)
+        if not hasattr(rows[0], "merge"):  # ChunkedKVCache: refused as mlx-lm's batching refuses it
+            raise NotImplementedError(f"{type(rows[0]).__name__} has no merge: mlx-lm batches none "
+                                      "(generate._merge_caches: \"does not yet support batching with history\")")
+        batch = rows[0].merge(rows)
+        if self.opts["plant"] == "cachelist-index" and isinstance(batch, CACHE.CacheList):
+            # a negative control: sub-cache 1 of the batch built from the rows' sub-caches 0
+            batch.caches = (batch.caches[0], rows[0].caches[0].merge([c.caches[0] for c in rows]))
+        self.handles[r["id"]] = batch
         return {}
-
-    def op_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
-
-    def op_rows_info(self, r):
-        offsets = [int(o) for o in self.handles[r["id"]].offset.tolist()]
-        return {"rows": len(offsets), "offsets": offsets}
-
-    def op_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
-
-    def op_filter(self, r):
-        self.handles[r["id"]].filter(r["keep"])
-        return {}
-
-    def op_rows_state(self, r):
-        return self.state_of(self.handles[r["id"]].extract(r["row"]))
 
     # ---- prefix caches ----
 
@@ -1195,10 +1433,19 @@ class MlxLm(kit.Driver):
         return {}
 
     def op_rec_write(self, r):
-        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`."""
-        c = self.handles[r["id"]]
-        for i, s in enumerate(r["states"]):
-            c[i] = kit.arr_in(s)[:, -1]
+        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`, then
+        `advance(n)`; under a right-padded prompt (`rec_prepare`) through the cache's own `make_mask`, as mlx-lm's
+        recurrent layers take it (kit.rec_masked_write)."""
+        kit.rec_masked_write(self.handles[r["id"]], r["n"], r["states"], self.opts["plant"] == "rec-pad-unmasked")
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)`, as `BatchGenerator.prompt` prepares a padded prompt batch."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rec_merge(self, r):
@@ -1233,7 +1480,7 @@ class MlxLm(kit.Driver):
 
 
 # ---- the run ----
-CALLS = json.loads('[{"arrays":[{"kind":"conv","shape":[1,2,2]},{"kind":"ssm","shape":[1,1,3]}],"dtype":"f32","id":1,"op":"rec_new"},{"id":1,"op":"rec_state"},{"id":1,"n":1,"op":"rec_write","states":[{"b64":"AAAAAAAAAAAAAJxAAACoQA==","dtype":"f32","shape":[1,1,2,2]},{"b64":"AADsQAAAMEAAAKpA","dtype":"f32","shape":[1,1,1,3]}]},{"id":1,"op":"rec_state"},{"id":2,"op":"rec_merge","rows":[1]},{"op":"batch","requests":[{"id":2,"op":"rec_rows_info"},{"id":2,"op":"rec_rows_state","row":0}]},{"id":2,"new":3,"op":"rec_extract","row":2}]')
+CALLS = json.loads('[{"arrays":[{"kind":"conv","shape":[1,2,2]},{"kind":"ssm","shape":[1,1,3]}],"dtype":"f32","id":1,"op":"rec_new"},{"arrays":[{"kind":"conv","shape":[1,2,2]},{"kind":"ssm","shape":[1,1,3]}],"dtype":"f32","id":2,"op":"rec_new"},{"arrays":[{"kind":"conv","shape":[1,2,2]},{"kind":"ssm","shape":[1,1,3]}],"dtype":"f32","id":3,"op":"rec_new"},{"id":4,"op":"rec_merge","rows":[1,2,3]},{"id":4,"lengths":[3,5,4],"op":"rec_prepare","right_padding":[2,0,1]},{"id":4,"n":2,"op":"rec_write","states":[{"b64":"AAAAAAAAAAAAABxAAAAsQAAAHEAAACxAAADgwAAAsMAAAAAAAAAAAAAA5sAAAABAAADmwAAAAEAAALBAAAAgwAAAAAAAAAAAAACAvgAAwL4AAIC+AADAvgAA6kAAAMA/","dtype":"f32","shape":[3,2,2,2]},{"b64":"AACWQAAAgkAAAL7AAADAvgAA3EAAALi/AACYQAAAyMAAAKC/AAAAPgAAvsAAAAA+AACQQAAA/MAAADA/AACgPwAAKEAAAMTA","dtype":"f32","shape":[3,2,1,3]}]},{"id":4,"n":2,"op":"rec_write","states":[{"b64":"AADgwAAAsMAAAJBAAABAvgAA7kAAAN7AAACwwAAAwsAAALBAAAAgwAAAisAAAAC+AACKwAAAAL4AAK5AAABcwAAA6kAAAMA/AACgvwAAID8AAKC/AAAgPwAA7sAAACA/","dtype":"f32","shape":[3,2,2,2]},{"b64":"AAD2QAAA4L8AAAzAAAB4wAAAqEAAACjAAADAQAAAUMAAACBAAABwQAAAQMAAAKDAAACaQAAAyD8AACzAAAA0QAAA0kAAALC/","dtype":"f32","shape":[3,2,1,3]}]},{"id":4,"n":1,"op":"rec_write","states":[{"b64":"AACwwAAAwsAAADhAAAC+wAAArkAAAFzAAAAAwAAAoEAAACRAAADywAAA8L8AANC/","dtype":"f32","shape":[3,1,2,2]},{"b64":"AAAUwAAAQMAAAAjAAAAMwAAAXEAAAKg/AADIQAAAqMAAAHRA","dtype":"f32","shape":[3,1,1,3]}]},{"id":4,"op":"rec_finalize"},{"op":"batch","requests":[{"id":4,"op":"rec_rows_info"},{"id":4,"op":"rec_rows_state","row":0},{"id":4,"op":"rec_rows_state","row":1},{"id":4,"op":"rec_rows_state","row":2}]},{"id":4,"new":5,"op":"rec_extract","row":10}]')
 DIVERGENCE = 'rec_missing_row'
 OPTIONS = {}
 repro_main(MlxLm(**OPTIONS), CALLS, DIVERGENCE)

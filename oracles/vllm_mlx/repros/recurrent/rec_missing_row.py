@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""vllm-mlx 0.6.0: [rec_missing_row] after 3 scheduler ops (kvsim seed 0)
+"""vllm-mlx 0.6.0: [rec_missing_row] after 2 scheduler ops (kvsim seed 10)
 
 Written by kvsim check-engine from a shrunk trace: vllm-mlx 0.6.0, the calls kvsim made,
 and the divergence it found (rec_missing_row). Exits 1 and prints the divergence while it is there;
@@ -85,6 +85,7 @@ class Driver:
     supports = {}
     options = {}
     protocol = None  # None: 2 when the driver serves requests beyond protocol 1 (`pool`, or `kv` false), else 1
+    binary = True  # take kvsim's offer of binary frames (protocol 2 only; KVSIM_KIT_BINARY=0 declines it)
 
     def __init__(self, **opts):
         self.opts = {k: v[0] for k, v in self.options.items()}
@@ -112,15 +113,72 @@ class Driver:
         return 2 if beyond or self.supports.get("kv") is False else 1
 
 
+class BatchCalls:
+    """The batch requests of an engine whose batch caches have mlx-lm's batch API (mlx-lm's `BatchKVCache` and
+    `BatchRotatingKVCache`, and the classes of mlx-vlm and mlx-optiq that share it): `extend`, `offset` (one per row),
+    `extract`, `filter`, `prepare(lengths=, right_padding=)` and `finalize()`. Mixed into a `Driver` before it
+    (`class MyEngine(kit.BatchCalls, kit.Driver)`); a driver overrides `offset_of` or `state_of` where its caches
+    differ. `rows_prepare` calls `prepare` only when some row is padded, as mlx-lm's `BatchGenerator.prompt`
+    (mlx-lm 0.32.2 `generate.py:1218-1221`) and mlx-vlm's batch generator (0.7.10 `generate/ar.py:1898-1907`) do."""
+
+    @staticmethod
+    def offset_of(c):
+        return c.offset
+
+    def state_of(self, c):
+        return state_reply(c, self.geometry)
+
+    def op_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rows_info(self, r):
+        offsets = self.offset_of(self.handles[r["id"]])  # evaluated with the reply's other arrays (`ints_out`)
+        return {"rows": int(offsets.shape[0]), "offsets": ints_out(offsets)}
+
+    def op_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_filter(self, r):
+        self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()
+        return {}
+
+    def op_rows_state(self, r):
+        return self.state_of(self.handles[r["id"]].extract(r["row"]))
+
+
 class Server:
     """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
 
-    def __init__(self, driver):
+    def __init__(self, driver, can_frame=False):
         self.driver = driver
+        self.can_frame = can_frame  # whether the output can carry binary frames (`serve` on a byte stream)
+        self.binary = False  # agreed in `hello`: replies carry their arrays' bytes in a frame (`blob`)
+        self.blob = b""  # the frame bytes of the last reply (empty: a JSON line)
 
     def handle(self, req):
-        """The reply to `req`, its arrays' bytes written (`materialize`). An array that fails to evaluate makes its
-        request's reply a refusal, as if its handler had raised (a `batch`'s other replies stand)."""
+        """The reply to `req`, its arrays' bytes written (`materialize`): base64 in the reply, or, once binary frames
+        are agreed, spans of `self.blob`. An array that fails to evaluate makes its request's reply a refusal, as if
+        its handler had raised (a `batch`'s other replies stand)."""
+        saved = _FRAME["on"], _FRAME["blob"]
+        _FRAME["on"], _FRAME["blob"] = self.binary, bytearray()
+        try:
+            return self._handle(req)
+        finally:
+            self.blob = bytes(_FRAME["blob"])
+            _FRAME["on"], _FRAME["blob"] = saved
+
+    def _handle(self, req):
         _PENDING.clear()
         reply = self.handle_lazily(req)
         if isinstance(req, dict) and req.get("op") == "batch" and reply.get("ok"):
@@ -153,6 +211,11 @@ class Server:
                 protocol = d.protocol_version()
                 # protocol 2: the kit answers `batch` for every driver (several requests in one round trip)
                 supports = dict(d.supports, batch=True) if protocol >= 2 else dict(d.supports)
+                # binary frames: offered by kvsim (`"binary": true`), taken by a protocol-2 driver that can
+                if (req.get("binary") is True and protocol >= 2 and d.binary and self.can_frame
+                        and os.environ.get("KVSIM_KIT_BINARY", "1") != "0"):
+                    supports["binary"] = True
+                    self.binary = True
                 out.update(protocol=protocol, engine=d.name, version=d.version(), supports=supports)
             elif op == "batch":
                 out = {"replies": []}
@@ -198,17 +261,26 @@ def serve(cls, argv=None, stdin=None, stdout=None):
         print(json.dumps(refusal(e)), file=stdout, flush=True)
         print(f"{cls.name}: {e}", file=sys.stderr)
         raise SystemExit(3)
+    out = getattr(stdout, "buffer", None)  # binary frames need a byte stream
+    server.can_frame = out is not None
     for line in stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
         except ValueError as e:
-            reply = refusal(e)
+            reply, server.blob = refusal(e), b""
         else:
             reply = server.handle(req)
-        stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
-        stdout.flush()
+        if out is None:
+            stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
+            stdout.flush()
+            continue
+        blob = server.blob
+        if blob:  # a binary frame: the line, then exactly its bytes (oracles/PROTOCOL.md, "Binary frames")
+            reply = {"blob": len(blob), **reply}
+        out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n" + blob)  # one write: one wake-up
+        out.flush()
 
 
 # ---- loading an engine's modules ----
@@ -289,6 +361,7 @@ def raw_of(x):
 
 
 _PENDING = []  # (owner, reply dict, array) of every array encoded since the last `materialize`
+_FRAME = {"on": False, "blob": bytearray()}  # binary frames agreed (the handling server's), the reply's bytes
 _OWNER = [None]  # the index of the `batch` request being handled (None outside a batch)
 
 
@@ -298,6 +371,15 @@ def arr_out(x):
     a = {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": None}
     _PENDING.append((_OWNER[0], a, x))
     return a
+
+
+def ints_out(x):
+    """The ints of a 1-D mx.array `x` (e.g. a batch cache's `offset`) as a reply's list, written when the reply is
+    complete (`materialize`): in the same graph evaluation as the reply's arrays (a `batch`'s included), not one of its
+    own. `x` is taken as it is now (a later in-place update of the object does not change the answer)."""
+    out = []
+    _PENDING.append((_OWNER[0], out, _codec()["mx"].array(x)))
+    return out
 
 
 def arrs_out(*xs):
@@ -311,7 +393,15 @@ def materialize(reply, owner="all"):
     if mine:
         _codec()["mx"].eval(*[x for _, _, x in mine if x.size])
         for _, a, x in mine:
-            a["b64"] = base64.b64encode(raw_of(x)).decode()
+            if isinstance(a, list):  # `ints_out`
+                a.extend(int(v) for v in x.tolist())
+            elif _FRAME["on"]:  # a span of the reply's frame bytes instead of base64
+                raw, blob = raw_of(x), _FRAME["blob"]
+                del a["b64"]
+                a["off"], a["len"] = len(blob), len(raw)
+                blob += raw
+            else:
+                a["b64"] = base64.b64encode(raw_of(x)).decode()
         _PENDING[:] = [p for p in _PENDING if not (owner == "all" or p[0] == owner)]
     return reply
 
@@ -382,6 +472,32 @@ def layer_states(caches, geometry, short=False):
     return out
 
 
+def rec_masked_write(c, n, states, unmasked=False):
+    """A recurrent layer's write of `n` steps into an mlx-lm-style `ArraysCache` `c` (`states`: per array
+    `[B, n, ...]`, kvsim's state after each step, `arr_in` form): each array becomes each row's state after the last
+    step the cache's own `make_mask(n)` keeps (a row none of whose steps it keeps keeps its array; a cache with no
+    array yet holds the zero state), as mlx-lm's recurrent layers mask a right-padded prompt's padding (e.g.
+    `models/qwen3_next.py`: `mx.where(mask, ...)` and the conv window taken at `cache.lengths`); then
+    `advance(n)`, as every such layer calls it. Without padding (`make_mask` None) that is the last step.
+    `unmasked`: a negative control, the mask ignored (every row takes its last step, padding included)."""
+    mx = _codec()["mx"]
+    mask = None if unmasked or not hasattr(c, "make_mask") else c.make_mask(n)
+    for i, s in enumerate(states):
+        x = arr_in(s)
+        if mask is None:
+            c[i] = x[:, -1]
+            continue
+        rows = x.shape[0]
+        keep = mx.broadcast_to(mask, (rows, n)).astype(mx.int32)
+        last = (keep * mx.arange(1, n + 1)).max(axis=1) - 1  # each row's last kept step, -1 where none is kept
+        at = mx.maximum(last, 0).reshape((rows, 1) + (1,) * (x.ndim - 2))
+        taken = mx.take_along_axis(x, mx.broadcast_to(at, (rows, 1) + tuple(x.shape[2:])), axis=1)[:, 0]
+        old = c[i] if c[i] is not None else mx.zeros_like(taken)
+        c[i] = mx.where((last >= 0).reshape((rows,) + (1,) * (taken.ndim - 1)), taken, old)
+    if hasattr(c, "advance"):
+        c.advance(n)
+
+
 def rec_arrays(arrays, row=None):
     """A `rec_state` / `rec_rows_state` reply of a recurrent cache's state arrays (mlx-lm style: `cache.cache`): each
     array, or its row `row` (`[1, ...]`; a row the arrays do not have raises), null where the cache holds none."""
@@ -411,32 +527,71 @@ def first_difference(a, b, dtype):
 
 
 def check_rows_vs_solo(calls, replies):
-    """The last rows read against each row's twin read right after it (row r: call i + 1 + r)."""
+    """The last rows read against each row's twin read right after it, in row order. In a right-padded prefill's
+    window the request's `real` gives each row's real queries (its first ones): a row with none has no twin read, the
+    others are compared on those columns only."""
     i = max(j for j, r in enumerate(calls) if r["op"] in ("rows_decode", "rows_window"))
     out = replies[i]["out"]
-    rows, dtype = out["shape"][0], out["dtype"]
+    (rows, heads, length, dim), dtype = out["shape"], out["dtype"]
+    real = calls[i].get("real") or [length] * rows
     raw = base64.b64decode(out["b64"])
+    size = ELEMENT[dtype][1]
     n = len(raw) // rows
+    twin = i + 1
     for r in range(rows):
-        solo = base64.b64decode(replies[i + 1 + r]["out"]["b64"])
-        d = first_difference(raw[r * n : (r + 1) * n], solo, dtype)
+        if real[r] == 0:
+            continue
+        row = raw[r * n : (r + 1) * n]
+        step, keep = length * dim * size, real[r] * dim * size
+        row = b"".join(row[h * step : h * step + keep] for h in range(heads))
+        solo = base64.b64decode(replies[twin]["out"]["b64"])
+        d = first_difference(row, solo, dtype)
         if d is not None:
             return (f"call {i} ({calls[i]['op']}): row {r} differs from the same request run alone on its own serial "
-                    f"cache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+                    f"cache (call {twin}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+        twin += 1
     return None
 
 
 def check_rows_trim_vs_solo(calls, replies):
-    """The last call, a `rows_trim`, against the twin `trim` calls right before it."""
+    """The last call, a `rows_trim` (or a per-row `rows_trim_rows`, one count per row), against the twin `trim`
+    calls before it (row by row, each row's layers in order; earlier layers' batch trims may stand between)."""
     i = len(calls) - 1
     j = i
-    while j > 0 and calls[j - 1]["op"] == "trim":
+    while j > 0 and calls[j - 1]["op"] in ("trim", "rows_trim_rows"):
         j -= 1
-    alone = [replies[x]["trimmed"] for x in range(j, i)]
+    alone = [replies[x]["trimmed"] for x in range(j, i) if calls[x]["op"] == "trim"]
     if calls[i]["op"] == "rows_trim" and any(a != replies[i]["trimmed"] for a in alone):
         return (f"call {i} (rows_trim n={calls[i]['n']}): the batch trimmed {replies[i]['trimmed']}, "
                 f"its rows' own caches trimmed {alone} (calls {j}..{i - 1})")
+    if calls[i]["op"] == "rows_trim_rows":
+        rows = len(calls[i]["n"])
+        per = len(alone) // rows if rows else 0
+        want = [alone[r * per] if per else None for r in range(rows)]
+        if per and replies[i]["trimmed"] != want:
+            return (f"call {i} (rows_trim_rows n={calls[i]['n']}): the batch's rows dropped {replies[i]['trimmed']}, "
+                    f"each row's own cache dropped {want} (calls {j}..{i - 1})")
     return None
+
+
+def rows_rollback(c, counts, trim, uniform=False):
+    """A speculative rollback with per-row accepts (`rows_trim_rows`) on an mlx-lm-style batch cache, as mlx-vlm's
+    LFM2 rolls a batch back (mlx-vlm 0.7.10 `models/lfm2/language.py:450-487`): every row trimmed by the smallest
+    count (`trim(c, n)`, the driver's uniform trim), then each row's extra dropped by `prepare(right_padding=extra)`
+    and `finalize()`, which roll the row's newest `extra` positions past its end and count them as left padding.
+    Returns what each row dropped (zeros where the uniform trim is refused). `uniform` is a negative control: every
+    row trimmed by the largest count, the counts asked answered."""
+    if uniform:
+        trim(c, max(counts))
+        return list(counts)
+    low = min(counts)
+    if not c.is_trimmable() or (low and trim(c, low) != low):
+        return [0] * len(counts)
+    extra = [n - low for n in counts]
+    if any(extra):
+        c.prepare(right_padding=extra)
+        c.finalize()
+    return list(counts)
 
 
 def check_missing_row_accepted(calls, replies):
@@ -929,7 +1084,8 @@ state must be follows from the calls: `RecChecker.after` is called with each rec
 are replayed, keeps per cache id its rows' expected arrays (the last step written; none before the first write,
 which reads as zeros), moves them as `rec_merge` / `rec_extend` / `rec_filter` / `rec_extract` say, keeps each
 speculative block's steps (`rec_spec_start`, then `rec_spec_commit` keeps `accept[b]` steps of row `b`,
-`rec_spec_abort` none), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
+`rec_spec_abort` none), keeps a right-padded prompt batch's real steps (`rec_prepare`'s `lengths`: a write's steps
+past a row's length leave it at its last real step, until `rec_finalize`), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
 
 Check names are kvsim's: `rec_state`, `rec_rows`, `rec_rollback` (a read of a cache whose speculative block was
 just committed or aborted), `rec_missing_row` (an `extract` of a row the batch does not have that returned a cache);
@@ -949,6 +1105,7 @@ class RecChecker:
         self.caches = {}  # id -> rows; a row is one entry per array: its expected bytes, or None (zeros)
         self.spec = {}  # id -> {"init": rows, "steps": per row the step arrays written since the start}
         self.rolled = set()  # ids whose last change was a commit or an abort
+        self.left = {}  # id -> per row the real steps its prompt has left (between rec_prepare and rec_finalize)
 
     def expected(self, raw, a):
         if raw is not None:
@@ -990,6 +1147,10 @@ class RecChecker:
             self.caches[cid] = [list(rows[k]) for k in req["keep"]]
         elif op == "rec_extract":
             self.caches[req["new"]] = [list(rows[req["row"]])]
+        elif op == "rec_prepare":
+            self.left[cid] = list(req["lengths"])
+        elif op == "rec_finalize":
+            self.left.pop(cid, None)
         elif op == "rec_spec_start":
             self.spec[cid] = {"init": [list(r) for r in rows], "steps": [[] for _ in rows]}
         elif op in ("rec_spec_commit", "rec_spec_abort"):
@@ -1023,10 +1184,15 @@ class RecChecker:
             raw = base64.b64decode(s["b64"])
             per = len(raw) // (b_ * n) if b_ * n else 0
             dec.append([[raw[(b * n + t) * per:(b * n + t + 1) * per] for t in range(n)] for b in range(b_)])
+        left = self.left.get(cid)
         for b in range(len(rows)):
             steps = [[d[b][t] for d in dec] for t in range(len(dec[0][b]))] if dec and b < len(dec[0]) else []
             if cid in self.spec:
                 self.spec[cid]["steps"][b].extend(steps)
+            if left is not None and b < len(left):  # the row's steps past its prompt are padding
+                real = max(0, min(len(steps), left[b]))
+                left[b] -= len(steps)
+                steps = steps[:real]
             if steps:
                 rows[b] = list(steps[-1])
 
@@ -1122,11 +1288,17 @@ class VllmMlx(kit.Driver):
     """vllm-mlx's block pools by the ids kvsim gives them."""
 
     name = "vllm-mlx"
-    supports = {"kv": False, "pool": True, "prefix": True, "recurrent": True}
+    supports = {"kv": False, "pool": True, "prefix": True, "recurrent": True, "rec_prefill": True}
     options = {"lookup": ("block", "chain"), "plant": (None, "cow-keeps-shared", "prefix-short", "rec-neighbour"),
                "prefix": ("memory", "block"), "blocks": ("64", "8", "16", "32", "256", "1024"),
-               "rec": ("mamba", "arrays")}
+               "rec": ("mamba", "arrays"), "rec_prefill": ("yes", "no")}
     model = types.SimpleNamespace()  # the prefix caches' model: only its identity is used
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        if self.opts["rec_prefill"] == "no":
+            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
+            self.supports = dict(self.supports, rec_prefill=False)
 
     def version(self):
         v = kit.package_version("vllm-mlx")
@@ -1305,10 +1477,20 @@ class VllmMlx(kit.Driver):
         return {}
 
     def op_rec_write(self, r):
-        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`."""
-        c = self.handles[r["id"]]
-        for i, s in enumerate(r["states"]):
-            c[i] = kit.arr_in(s)[:, -1]
+        """Every array set to the state after the last step, as a model layer assigns `cache[i] = new_state`, then
+        `advance(n)`; under a right-padded prompt (`rec_prepare`) through the cache's own `make_mask`, as mlx-lm's
+        recurrent layers take it (kit.rec_masked_write)."""
+        kit.rec_masked_write(self.handles[r["id"]], r["n"], r["states"])
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)`, as mlx-lm 0.31.3's `BatchGenerator.prompt` and vllm-mlx's
+        scheduler (`scheduler.py:591-594`, a batch with cached prefixes) prepare a right-padded prompt batch."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rec_merge(self, r):
@@ -1344,7 +1526,7 @@ class VllmMlx(kit.Driver):
 
 
 # ---- the run ----
-CALLS = json.loads('[{"arrays":[{"kind":"conv","shape":[1,1,2]},{"kind":"ssm","shape":[1,3,3]}],"dtype":"f32","id":1,"op":"rec_new"},{"id":1,"op":"rec_state"},{"id":2,"op":"rec_merge","rows":[1]},{"op":"batch","requests":[{"id":2,"op":"rec_rows_info"},{"id":2,"op":"rec_rows_state","row":0}]},{"id":2,"new":3,"op":"rec_extract","row":2}]')
+CALLS = json.loads('[{"arrays":[{"kind":"conv","shape":[1,1,2]},{"kind":"ssm","shape":[1,1,1,1]}],"dtype":"f32","id":1,"op":"rec_new"},{"id":2,"op":"rec_merge","rows":[1]},{"id":2,"lengths":[1],"op":"rec_prepare","right_padding":[0]},{"id":2,"n":1,"op":"rec_write","states":[{"b64":"AACWwAAAvMA=","dtype":"f32","shape":[1,1,1,2]},{"b64":"AABQwA==","dtype":"f32","shape":[1,1,1,1,1]}]},{"id":2,"op":"rec_finalize"},{"op":"batch","requests":[{"id":2,"op":"rec_rows_info"},{"id":2,"op":"rec_rows_state","row":0}]},{"id":2,"new":3,"op":"rec_extract","row":3}]')
 DIVERGENCE = 'rec_missing_row'
 OPTIONS = {}
 repro_main(VllmMlx(**OPTIONS), CALLS, DIVERGENCE)

@@ -23,7 +23,7 @@ def handle(r):
     op = r["op"]
     if op == "hello":
         return {"protocol": 2, "engine": "fake-recurrent", "version": mode,
-                "supports": {"kv": False, "recurrent": True, "rec_spec": True}}
+                "supports": {"kv": False, "recurrent": True, "rec_spec": True, "rec_prefill": True}}
     if op == "reset":
         C.clear(); return {}
     if op == "rec_new":
@@ -37,13 +37,21 @@ def handle(r):
                 raise ValueError(f"{b_} rows written to a cache of {len(rows)}")
             raw = base64.b64decode(s["b64"]); per = len(raw) // (b_ * n)
             dec.append([[raw[(b * n + t) * per:(b * n + t + 1) * per] for t in range(n)] for b in range(b_)])
+        left = c.get("left")
         for b in range(len(rows)):
             for t in range(n):
                 step = [d[b][t] for d in dec]
                 if c["spec"] is not None:
                     c["spec"]["steps"][b].append(step)
-            rows[b] = list(step)
+                if left is None or mode == "prefill_unmasked" or t < left[b]:
+                    rows[b] = list(step)
+        if left is not None:
+            c["left"] = [x - n for x in left]
         return {}
+    if op == "rec_prepare":
+        C[r["id"]]["left"] = list(r["lengths"]); return {}
+    if op == "rec_finalize":
+        C[r["id"]].pop("left", None); return {}
     if op == "rec_merge":
         rows = [C.pop(i)["rows"][0] for i in r["rows"]]
         if mode == "merge_drops_empty":
@@ -110,6 +118,8 @@ fn a_correct_recurrent_cache_passes_every_seed() {
     assert_eq!(r.failures, 0, "{:?}", r.classes.iter().map(|c| (&c.name, &c.message)).collect::<Vec<_>>());
     for kind in
         ["admit", "write", "rows_write", "enter", "extract", "filter", "extract_missing", "spec_commit", "spec_abort"]
+            .into_iter()
+            .chain(["prefill"])
     {
         assert!(r.ops_by_kind.get(&format!("rec_{kind}")).copied().unwrap_or(0) > 20, "{kind}: {:?}", r.ops_by_kind);
     }
@@ -124,6 +134,7 @@ fn every_planted_recurrent_bug_is_caught_and_shrunk() {
         ("commit_one_more", "rec_rollback", 3),
         ("merge_drops_empty", "rec_rows", 4),
         ("missing_row_empty", "rec_missing_row", 3),
+        ("prefill_unmasked", "rec_state", 2),
     ] {
         let (cmd, dir) = command(mode);
         let opts = CheckOptions { seeds: 60, ops: 60, shrink_budget: 200, ..CheckOptions::default() };
@@ -148,7 +159,7 @@ fn every_planted_recurrent_bug_is_caught_and_shrunk() {
 
 #[test]
 fn values_are_exact_in_both_dtypes_and_conv_windows_slide() {
-    let mut cfg = RecConfig::from_seed(5, 10, true);
+    let mut cfg = RecConfig::from_seed(5, 10, true, true);
     cfg.arrays = vec![
         RecArray { kind: ArrayKind::Conv, shape: vec![1, 3, 2] },
         RecArray { kind: ArrayKind::Ssm, shape: vec![1, 2, 2, 3] },
@@ -206,6 +217,7 @@ fn recurrent_replies_that_lie_are_typed() {
         arrays: vec![RecArray { kind: ArrayKind::Ssm, shape: vec![1, 2] }],
         dtype: "f32".into(),
         spec: false,
+        prefill: false,
         ops: 0,
     };
     let t = |shape: Value, dtype: &str, b64: &str| json!({"dtype": dtype, "shape": shape, "b64": b64});
