@@ -67,7 +67,7 @@ G="$PY oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm"
 run check-engine-mlx-vlm stock "$G"
 run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short
 run check-engine-mlx-vlm recurrent "$G" --only-layer recurrent
-run check-engine-mlx-vlm recurrent-plant-rec-neighbour "$G" --plant rec-neighbour --only-layer recurrent
+run check-engine-mlx-vlm recurrent-plant-rec-neighbour "$G" --rec-prefill no --plant rec-neighbour --only-layer recurrent
 run check-engine-mlx-vlm kv-plain "$G" --kv plain --only-layer kv
 run check-engine-mlx-vlm kv-quant "$G" --kv quant --only-layer kv
 run check-engine-mlx-vlm kv-buffered "$G" --kv buffered --only-layer kv

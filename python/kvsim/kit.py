@@ -471,22 +471,27 @@ def rec_masked_write(c, n, states, unmasked=False):
     `models/qwen3_next.py`: `mx.where(mask, ...)` and the conv window taken at `cache.lengths`); then
     `advance(n)`, as every such layer calls it. Without padding (`make_mask` None) that is the last step.
     `unmasked`: a negative control, the mask ignored (every row takes its last step, padding included)."""
-    mx = _codec()["mx"]
     mask = None if unmasked or not hasattr(c, "make_mask") else c.make_mask(n)
     for i, s in enumerate(states):
-        x = arr_in(s)
-        if mask is None:
-            c[i] = x[:, -1]
-            continue
-        rows = x.shape[0]
-        keep = mx.broadcast_to(mask, (rows, n)).astype(mx.int32)
-        last = (keep * mx.arange(1, n + 1)).max(axis=1) - 1  # each row's last kept step, -1 where none is kept
-        at = mx.maximum(last, 0).reshape((rows, 1) + (1,) * (x.ndim - 2))
-        taken = mx.take_along_axis(x, mx.broadcast_to(at, (rows, 1) + tuple(x.shape[2:])), axis=1)[:, 0]
-        old = c[i] if c[i] is not None else mx.zeros_like(taken)
-        c[i] = mx.where((last >= 0).reshape((rows,) + (1,) * (taken.ndim - 1)), taken, old)
+        c[i] = rec_last_kept(arr_in(s), mask, c[i])
     if hasattr(c, "advance"):
         c.advance(n)
+
+
+def rec_last_kept(x, mask, old):
+    """Each row's state after its last step `mask` keeps: `x` is `[B, n, ...]` (the state after each step), `mask`
+    `[B, n]` (or broadcastable; None: every step kept), `old` the rows' state before the steps (None: zeros). A row
+    none of whose steps is kept keeps `old`, as a masked recurrent scan leaves it."""
+    mx = _codec()["mx"]
+    if mask is None:
+        return x[:, -1]
+    rows, n = x.shape[0], x.shape[1]
+    keep = mx.broadcast_to(mask, (rows, n)).astype(mx.int32)
+    last = (keep * mx.arange(1, n + 1)).max(axis=1) - 1  # each row's last kept step, -1 where none is kept
+    at = mx.maximum(last, 0).reshape((rows, 1) + (1,) * (x.ndim - 2))
+    taken = mx.take_along_axis(x, mx.broadcast_to(at, (rows, 1) + tuple(x.shape[2:])), axis=1)[:, 0]
+    old = old if old is not None else mx.zeros_like(taken)
+    return mx.where((last >= 0).reshape((rows,) + (1,) * (taken.ndim - 1)), taken, old)
 
 
 def rec_arrays(arrays, row=None):

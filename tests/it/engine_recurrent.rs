@@ -95,7 +95,7 @@ fn every_recurrent_driver_catches_its_planted_neighbour_row() {
     for engine in ENGINES {
         let Some(python) = venv(engine) else { continue };
         // Without prompt batches, whose own class (vllm-mlx's `rec_state`) the next test owns.
-        let base = if *engine == "mlx_vlm" { "" } else { "--rec-prefill no" };
+        let base = "--rec-prefill no";
         let run = |opt: &str| {
             let opt = format!("{base} {opt}");
             check_engine_only(&driver(engine, &python, &opt), timeout, opts, 1, &["recurrent"])
@@ -116,10 +116,11 @@ fn every_recurrent_driver_catches_its_planted_neighbour_row() {
 
 /// Right-padded prompt batches (`supports.rec_prefill`): mlx-lm 0.32.2's `ArraysCache` masks the padding (no
 /// `rec_state`), and a driver that ignores the mask (`--plant rec-pad-unmasked`) is caught in at most 2 ops, the
-/// message naming the padding step the row kept; vllm-mlx 0.6.0 (mlx-lm 0.31.3's `make_mask`) keeps it on the stock
-/// release, and the hand reproducer of its root cause exits 1 there and 0 under mlx-lm 0.32.2.
+/// message naming the padding step the row kept; vllm-mlx 0.6.0 (mlx-lm 0.31.3's `make_mask`) and mlx-vlm 0.7.10
+/// (its own `make_mask`) keep it on the stock releases, and the hand reproducers of the root cause exit 1 there
+/// (vllm-mlx's exits 0 under mlx-lm 0.32.2).
 #[test]
-fn recurrent_prompt_batches_are_masked_by_mlx_lm_and_not_by_vllm_mlx() {
+fn recurrent_prompt_batches_are_masked_by_mlx_lm_and_not_by_vllm_mlx_or_mlx_vlm() {
     let opts = CheckOptions { seeds: 30, ops: 100, shrink_budget: 100, ..CheckOptions::default() };
     let timeout = Duration::from_secs(60);
     let run = |engine: &str, python: &Path, opt: &str| {
@@ -151,5 +152,13 @@ fn recurrent_prompt_batches_are_masked_by_mlx_lm_and_not_by_vllm_mlx() {
         let said = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(1), "{said}");
         assert!(said.contains("BatchMambaCache.merge") && said.contains("reach its state"), "{said}");
+    }
+    if let Some(python) = venv("mlx_vlm") {
+        padded(&run("mlx_vlm", &python, ""), "mlx-vlm");
+        let hand = root().join("oracles/mlx_vlm/repros/recurrent/by-hand/make_mask_ignores_lengths.py");
+        let out = std::process::Command::new(&python).arg(&hand).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{said}");
+        assert!(said.contains("reach its state"), "{said}");
     }
 }

@@ -50,12 +50,16 @@ class MlxVlm(kit.BatchCalls, kit.Driver):
     """mlx-vlm's exact-checkpoint prefix caches, recurrent caches and K/V caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
-    supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
+    supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True, "rec_prefill": True}
     options = {"plant": (None, "prefix-short", "rec-neighbour", "quant-row-copy", "rollback-uniform"),
-               "kv": (None, "plain", "quant", "buffered", "convert"), "trim_rows": ("no", "yes")}
+               "kv": (None, "plain", "quant", "buffered", "convert"), "trim_rows": ("no", "yes"),
+               "rec_prefill": ("yes", "no")}
 
     def __init__(self, **opts):
         super().__init__(**opts)
+        if self.opts["rec_prefill"] == "no":
+            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
+            self.supports = dict(self.supports, rec_prefill=False)
         kv = self.opts["kv"]
         if kv:
             global BASE
@@ -221,15 +225,26 @@ class MlxVlm(kit.BatchCalls, kit.Driver):
         import mlx.core as mx
 
         c = self.handles[r["id"]]
+        mask = c.make_mask(r["n"])
         for i, (s, kind) in enumerate(zip(r["states"], self.rec_kinds)):
             x = kit.arr_in(s)
             if kind == "conv":
                 width = x.shape[2]
                 window = c[i] if c[i] is not None else mx.zeros((x.shape[0], width, x.shape[3]), dtype=x.dtype)
-                c.update_window(i, mx.concatenate([window, x[:, :, -1, :]], axis=1), width)
+                c.update_window(i, mx.concatenate([window, x[:, :, -1, :]], axis=1), width, lengths=c.lengths)
             else:
-                c.update_recurrent(i, x.shape[1], lambda state, steps, x=x: (None, x[:, -1], None if steps is None
-                                                                              else x[:, :-1]))
+                c.update_recurrent(i, x.shape[1], lambda state, steps, x=x: (
+                    None, kit.rec_last_kept(x, mask, state), None if steps is None else x[:, :-1]))
+        c.advance(r["n"])
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)` (:1271), as a right-padded batch is prepared."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rec_merge(self, r):

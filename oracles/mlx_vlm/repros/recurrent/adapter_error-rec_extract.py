@@ -85,6 +85,7 @@ class Driver:
     supports = {}
     options = {}
     protocol = None  # None: 2 when the driver serves requests beyond protocol 1 (`pool`, or `kv` false), else 1
+    binary = True  # take kvsim's offer of binary frames (protocol 2 only; KVSIM_KIT_BINARY=0 declines it)
 
     def __init__(self, **opts):
         self.opts = {k: v[0] for k, v in self.options.items()}
@@ -112,15 +113,72 @@ class Driver:
         return 2 if beyond or self.supports.get("kv") is False else 1
 
 
+class BatchCalls:
+    """The batch requests of an engine whose batch caches have mlx-lm's batch API (mlx-lm's `BatchKVCache` and
+    `BatchRotatingKVCache`, and the classes of mlx-vlm and mlx-optiq that share it): `extend`, `offset` (one per row),
+    `extract`, `filter`, `prepare(lengths=, right_padding=)` and `finalize()`. Mixed into a `Driver` before it
+    (`class MyEngine(kit.BatchCalls, kit.Driver)`); a driver overrides `offset_of` or `state_of` where its caches
+    differ. `rows_prepare` calls `prepare` only when some row is padded, as mlx-lm's `BatchGenerator.prompt`
+    (mlx-lm 0.32.2 `generate.py:1218-1221`) and mlx-vlm's batch generator (0.7.10 `generate/ar.py:1898-1907`) do."""
+
+    @staticmethod
+    def offset_of(c):
+        return c.offset
+
+    def state_of(self, c):
+        return state_reply(c, self.geometry)
+
+    def op_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rows_info(self, r):
+        offsets = self.offset_of(self.handles[r["id"]])  # evaluated with the reply's other arrays (`ints_out`)
+        return {"rows": int(offsets.shape[0]), "offsets": ints_out(offsets)}
+
+    def op_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_filter(self, r):
+        self.handles[r["id"]].filter(r["keep"])
+        return {}
+
+    def op_rows_prepare(self, r):
+        if max(r["right_padding"], default=0) > 0:
+            self.handles[r["id"]].prepare(lengths=r["lengths"], right_padding=r["right_padding"])
+        return {}
+
+    def op_rows_finalize(self, r):
+        self.handles[r["id"]].finalize()
+        return {}
+
+    def op_rows_state(self, r):
+        return self.state_of(self.handles[r["id"]].extract(r["row"]))
+
+
 class Server:
     """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
 
-    def __init__(self, driver):
+    def __init__(self, driver, can_frame=False):
         self.driver = driver
+        self.can_frame = can_frame  # whether the output can carry binary frames (`serve` on a byte stream)
+        self.binary = False  # agreed in `hello`: replies carry their arrays' bytes in a frame (`blob`)
+        self.blob = b""  # the frame bytes of the last reply (empty: a JSON line)
 
     def handle(self, req):
-        """The reply to `req`, its arrays' bytes written (`materialize`). An array that fails to evaluate makes its
-        request's reply a refusal, as if its handler had raised (a `batch`'s other replies stand)."""
+        """The reply to `req`, its arrays' bytes written (`materialize`): base64 in the reply, or, once binary frames
+        are agreed, spans of `self.blob`. An array that fails to evaluate makes its request's reply a refusal, as if
+        its handler had raised (a `batch`'s other replies stand)."""
+        saved = _FRAME["on"], _FRAME["blob"]
+        _FRAME["on"], _FRAME["blob"] = self.binary, bytearray()
+        try:
+            return self._handle(req)
+        finally:
+            self.blob = bytes(_FRAME["blob"])
+            _FRAME["on"], _FRAME["blob"] = saved
+
+    def _handle(self, req):
         _PENDING.clear()
         reply = self.handle_lazily(req)
         if isinstance(req, dict) and req.get("op") == "batch" and reply.get("ok"):
@@ -153,6 +211,11 @@ class Server:
                 protocol = d.protocol_version()
                 # protocol 2: the kit answers `batch` for every driver (several requests in one round trip)
                 supports = dict(d.supports, batch=True) if protocol >= 2 else dict(d.supports)
+                # binary frames: offered by kvsim (`"binary": true`), taken by a protocol-2 driver that can
+                if (req.get("binary") is True and protocol >= 2 and d.binary and self.can_frame
+                        and os.environ.get("KVSIM_KIT_BINARY", "1") != "0"):
+                    supports["binary"] = True
+                    self.binary = True
                 out.update(protocol=protocol, engine=d.name, version=d.version(), supports=supports)
             elif op == "batch":
                 out = {"replies": []}
@@ -198,17 +261,26 @@ def serve(cls, argv=None, stdin=None, stdout=None):
         print(json.dumps(refusal(e)), file=stdout, flush=True)
         print(f"{cls.name}: {e}", file=sys.stderr)
         raise SystemExit(3)
+    out = getattr(stdout, "buffer", None)  # binary frames need a byte stream
+    server.can_frame = out is not None
     for line in stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
         except ValueError as e:
-            reply = refusal(e)
+            reply, server.blob = refusal(e), b""
         else:
             reply = server.handle(req)
-        stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
-        stdout.flush()
+        if out is None:
+            stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
+            stdout.flush()
+            continue
+        blob = server.blob
+        if blob:  # a binary frame: the line, then exactly its bytes (oracles/PROTOCOL.md, "Binary frames")
+            reply = {"blob": len(blob), **reply}
+        out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n" + blob)  # one write: one wake-up
+        out.flush()
 
 
 # ---- loading an engine's modules ----
@@ -289,6 +361,7 @@ def raw_of(x):
 
 
 _PENDING = []  # (owner, reply dict, array) of every array encoded since the last `materialize`
+_FRAME = {"on": False, "blob": bytearray()}  # binary frames agreed (the handling server's), the reply's bytes
 _OWNER = [None]  # the index of the `batch` request being handled (None outside a batch)
 
 
@@ -298,6 +371,15 @@ def arr_out(x):
     a = {"dtype": _codec()["names"][x.dtype], "shape": list(x.shape), "b64": None}
     _PENDING.append((_OWNER[0], a, x))
     return a
+
+
+def ints_out(x):
+    """The ints of a 1-D mx.array `x` (e.g. a batch cache's `offset`) as a reply's list, written when the reply is
+    complete (`materialize`): in the same graph evaluation as the reply's arrays (a `batch`'s included), not one of its
+    own. `x` is taken as it is now (a later in-place update of the object does not change the answer)."""
+    out = []
+    _PENDING.append((_OWNER[0], out, _codec()["mx"].array(x)))
+    return out
 
 
 def arrs_out(*xs):
@@ -311,7 +393,15 @@ def materialize(reply, owner="all"):
     if mine:
         _codec()["mx"].eval(*[x for _, _, x in mine if x.size])
         for _, a, x in mine:
-            a["b64"] = base64.b64encode(raw_of(x)).decode()
+            if isinstance(a, list):  # `ints_out`
+                a.extend(int(v) for v in x.tolist())
+            elif _FRAME["on"]:  # a span of the reply's frame bytes instead of base64
+                raw, blob = raw_of(x), _FRAME["blob"]
+                del a["b64"]
+                a["off"], a["len"] = len(blob), len(raw)
+                blob += raw
+            else:
+                a["b64"] = base64.b64encode(raw_of(x)).decode()
         _PENDING[:] = [p for p in _PENDING if not (owner == "all" or p[0] == owner)]
     return reply
 
@@ -382,6 +472,37 @@ def layer_states(caches, geometry, short=False):
     return out
 
 
+def rec_masked_write(c, n, states, unmasked=False):
+    """A recurrent layer's write of `n` steps into an mlx-lm-style `ArraysCache` `c` (`states`: per array
+    `[B, n, ...]`, kvsim's state after each step, `arr_in` form): each array becomes each row's state after the last
+    step the cache's own `make_mask(n)` keeps (a row none of whose steps it keeps keeps its array; a cache with no
+    array yet holds the zero state), as mlx-lm's recurrent layers mask a right-padded prompt's padding (e.g.
+    `models/qwen3_next.py`: `mx.where(mask, ...)` and the conv window taken at `cache.lengths`); then
+    `advance(n)`, as every such layer calls it. Without padding (`make_mask` None) that is the last step.
+    `unmasked`: a negative control, the mask ignored (every row takes its last step, padding included)."""
+    mask = None if unmasked or not hasattr(c, "make_mask") else c.make_mask(n)
+    for i, s in enumerate(states):
+        c[i] = rec_last_kept(arr_in(s), mask, c[i])
+    if hasattr(c, "advance"):
+        c.advance(n)
+
+
+def rec_last_kept(x, mask, old):
+    """Each row's state after its last step `mask` keeps: `x` is `[B, n, ...]` (the state after each step), `mask`
+    `[B, n]` (or broadcastable; None: every step kept), `old` the rows' state before the steps (None: zeros). A row
+    none of whose steps is kept keeps `old`, as a masked recurrent scan leaves it."""
+    mx = _codec()["mx"]
+    if mask is None:
+        return x[:, -1]
+    rows, n = x.shape[0], x.shape[1]
+    keep = mx.broadcast_to(mask, (rows, n)).astype(mx.int32)
+    last = (keep * mx.arange(1, n + 1)).max(axis=1) - 1  # each row's last kept step, -1 where none is kept
+    at = mx.maximum(last, 0).reshape((rows, 1) + (1,) * (x.ndim - 2))
+    taken = mx.take_along_axis(x, mx.broadcast_to(at, (rows, 1) + tuple(x.shape[2:])), axis=1)[:, 0]
+    old = old if old is not None else mx.zeros_like(taken)
+    return mx.where((last >= 0).reshape((rows,) + (1,) * (taken.ndim - 1)), taken, old)
+
+
 def rec_arrays(arrays, row=None):
     """A `rec_state` / `rec_rows_state` reply of a recurrent cache's state arrays (mlx-lm style: `cache.cache`): each
     array, or its row `row` (`[1, ...]`; a row the arrays do not have raises), null where the cache holds none."""
@@ -411,32 +532,71 @@ def first_difference(a, b, dtype):
 
 
 def check_rows_vs_solo(calls, replies):
-    """The last rows read against each row's twin read right after it (row r: call i + 1 + r)."""
+    """The last rows read against each row's twin read right after it, in row order. In a right-padded prefill's
+    window the request's `real` gives each row's real queries (its first ones): a row with none has no twin read, the
+    others are compared on those columns only."""
     i = max(j for j, r in enumerate(calls) if r["op"] in ("rows_decode", "rows_window"))
     out = replies[i]["out"]
-    rows, dtype = out["shape"][0], out["dtype"]
+    (rows, heads, length, dim), dtype = out["shape"], out["dtype"]
+    real = calls[i].get("real") or [length] * rows
     raw = base64.b64decode(out["b64"])
+    size = ELEMENT[dtype][1]
     n = len(raw) // rows
+    twin = i + 1
     for r in range(rows):
-        solo = base64.b64decode(replies[i + 1 + r]["out"]["b64"])
-        d = first_difference(raw[r * n : (r + 1) * n], solo, dtype)
+        if real[r] == 0:
+            continue
+        row = raw[r * n : (r + 1) * n]
+        step, keep = length * dim * size, real[r] * dim * size
+        row = b"".join(row[h * step : h * step + keep] for h in range(heads))
+        solo = base64.b64decode(replies[twin]["out"]["b64"])
+        d = first_difference(row, solo, dtype)
         if d is not None:
             return (f"call {i} ({calls[i]['op']}): row {r} differs from the same request run alone on its own serial "
-                    f"cache (call {i + 1 + r}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+                    f"cache (call {twin}): element {d[0]} is {d[1]!r} in the batch, {d[2]!r} alone")
+        twin += 1
     return None
 
 
 def check_rows_trim_vs_solo(calls, replies):
-    """The last call, a `rows_trim`, against the twin `trim` calls right before it."""
+    """The last call, a `rows_trim` (or a per-row `rows_trim_rows`, one count per row), against the twin `trim`
+    calls before it (row by row, each row's layers in order; earlier layers' batch trims may stand between)."""
     i = len(calls) - 1
     j = i
-    while j > 0 and calls[j - 1]["op"] == "trim":
+    while j > 0 and calls[j - 1]["op"] in ("trim", "rows_trim_rows"):
         j -= 1
-    alone = [replies[x]["trimmed"] for x in range(j, i)]
+    alone = [replies[x]["trimmed"] for x in range(j, i) if calls[x]["op"] == "trim"]
     if calls[i]["op"] == "rows_trim" and any(a != replies[i]["trimmed"] for a in alone):
         return (f"call {i} (rows_trim n={calls[i]['n']}): the batch trimmed {replies[i]['trimmed']}, "
                 f"its rows' own caches trimmed {alone} (calls {j}..{i - 1})")
+    if calls[i]["op"] == "rows_trim_rows":
+        rows = len(calls[i]["n"])
+        per = len(alone) // rows if rows else 0
+        want = [alone[r * per] if per else None for r in range(rows)]
+        if per and replies[i]["trimmed"] != want:
+            return (f"call {i} (rows_trim_rows n={calls[i]['n']}): the batch's rows dropped {replies[i]['trimmed']}, "
+                    f"each row's own cache dropped {want} (calls {j}..{i - 1})")
     return None
+
+
+def rows_rollback(c, counts, trim, uniform=False):
+    """A speculative rollback with per-row accepts (`rows_trim_rows`) on an mlx-lm-style batch cache, as mlx-vlm's
+    LFM2 rolls a batch back (mlx-vlm 0.7.10 `models/lfm2/language.py:450-487`): every row trimmed by the smallest
+    count (`trim(c, n)`, the driver's uniform trim), then each row's extra dropped by `prepare(right_padding=extra)`
+    and `finalize()`, which roll the row's newest `extra` positions past its end and count them as left padding.
+    Returns what each row dropped (zeros where the uniform trim is refused). `uniform` is a negative control: every
+    row trimmed by the largest count, the counts asked answered."""
+    if uniform:
+        trim(c, max(counts))
+        return list(counts)
+    low = min(counts)
+    if not c.is_trimmable() or (low and trim(c, low) != low):
+        return [0] * len(counts)
+    extra = [n - low for n in counts]
+    if any(extra):
+        c.prepare(right_padding=extra)
+        c.finalize()
+    return list(counts)
 
 
 def check_missing_row_accepted(calls, replies):
@@ -929,7 +1089,8 @@ state must be follows from the calls: `RecChecker.after` is called with each rec
 are replayed, keeps per cache id its rows' expected arrays (the last step written; none before the first write,
 which reads as zeros), moves them as `rec_merge` / `rec_extend` / `rec_filter` / `rec_extract` say, keeps each
 speculative block's steps (`rec_spec_start`, then `rec_spec_commit` keeps `accept[b]` steps of row `b`,
-`rec_spec_abort` none), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
+`rec_spec_abort` none), keeps a right-padded prompt batch's real steps (`rec_prepare`'s `lengths`: a write's steps
+past a row's length leave it at its last real step, until `rec_finalize`), and judges the engine's reads (`rec_state`, `rec_rows_state`, `rec_rows_info`) against them.
 
 Check names are kvsim's: `rec_state`, `rec_rows`, `rec_rollback` (a read of a cache whose speculative block was
 just committed or aborted), `rec_missing_row` (an `extract` of a row the batch does not have that returned a cache);
@@ -949,6 +1110,7 @@ class RecChecker:
         self.caches = {}  # id -> rows; a row is one entry per array: its expected bytes, or None (zeros)
         self.spec = {}  # id -> {"init": rows, "steps": per row the step arrays written since the start}
         self.rolled = set()  # ids whose last change was a commit or an abort
+        self.left = {}  # id -> per row the real steps its prompt has left (between rec_prepare and rec_finalize)
 
     def expected(self, raw, a):
         if raw is not None:
@@ -990,6 +1152,10 @@ class RecChecker:
             self.caches[cid] = [list(rows[k]) for k in req["keep"]]
         elif op == "rec_extract":
             self.caches[req["new"]] = [list(rows[req["row"]])]
+        elif op == "rec_prepare":
+            self.left[cid] = list(req["lengths"])
+        elif op == "rec_finalize":
+            self.left.pop(cid, None)
         elif op == "rec_spec_start":
             self.spec[cid] = {"init": [list(r) for r in rows], "steps": [[] for _ in rows]}
         elif op in ("rec_spec_commit", "rec_spec_abort"):
@@ -1023,10 +1189,15 @@ class RecChecker:
             raw = base64.b64decode(s["b64"])
             per = len(raw) // (b_ * n) if b_ * n else 0
             dec.append([[raw[(b * n + t) * per:(b * n + t + 1) * per] for t in range(n)] for b in range(b_)])
+        left = self.left.get(cid)
         for b in range(len(rows)):
             steps = [[d[b][t] for d in dec] for t in range(len(dec[0][b]))] if dec and b < len(dec[0]) else []
             if cid in self.spec:
                 self.spec[cid]["steps"][b].extend(steps)
+            if left is not None and b < len(left):  # the row's steps past its prompt are padding
+                real = max(0, min(len(steps), left[b]))
+                left[b] -= len(steps)
+                steps = steps[:real]
             if steps:
                 rows[b] = list(steps[-1])
 
@@ -1042,11 +1213,13 @@ class RecChecker:
 kit = poolcheck = prefixcheck = reccheck = sys.modules[__name__]
 
 # ---- __main__ (the driver: the engine's calls) ----
-"""kvsim's prefix-cache requests (protocol 2, `supports.prefix`) served by mlx-vlm 0.7.10's automatic prefix caching
-in its exact-checkpoint mode (`mlx_vlm/apc.py` `APCManager.store_exact_cache` / `lookup_exact_cache`, whose copies go
-through the caches' `prefix_cache_snapshot` / `prefix_cache_restore`, `mlx_vlm/models/cache.py`).
+"""kvsim's prefix-cache, recurrent and (with `--kv`) K/V requests served by mlx-vlm 0.7.10's own caches. Prefix caches
+(protocol 2, `supports.prefix`): mlx-vlm's automatic prefix caching in its exact-checkpoint mode (`mlx_vlm/apc.py`
+`APCManager.store_exact_cache` / `lookup_exact_cache`, whose copies go through the caches' `prefix_cache_snapshot` /
+`prefix_cache_restore`, `mlx_vlm/models/cache.py`).
 
-    PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm [--plant prefix-short]
+    PYTHONPATH=python oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm [--plant prefix-short] \
+        [--kv plain|quant|buffered|convert [--plant quant-row-copy]]
 
 Every layer's cache is mlx-vlm's own `KVCache` / `RotatingKVCache(max_size=W, keep=0)`, filled by one
 `update_and_fetch` of all positions. The mapping (oracles/mlx_vlm/README.md, "Prefix caches"):
@@ -1059,22 +1232,68 @@ Every layer's cache is mlx-vlm's own `KVCache` / `RotatingKVCache(max_size=W, ke
   its entry cap and `_make_room` do).
 - `--plant prefix-short` (a negative control, `version` says `+plant:...`): every restored layer answered one
   position short, `matched` kept.
+
+K/V requests (protocol 1's, `supports.quant` planes, `supports.prefill`) with `--kv plain|quant|buffered|convert`, served by
+mlx-vlm's own classes in `mlx_vlm/models/cache.py` (oracles/mlx_vlm/README.md, "K/V caches"):
+
+- `--kv plain`: `KVCache` / `RotatingKVCache(max_size=W, keep=0)`, batched by the class's `merge` into
+  `BatchKVCache` / `BatchRotatingKVCache` (grown by `extend`, shrunk by `extract` and `filter`, readied for a
+  right-padded prefill by `prepare` and ended by `finalize`).
+- `--kv quant` (every run quantized, full attention: mlx-vlm has no quantized ring): `QuantizedKVCache(group_size,
+  bits)`, batched into a `BatchQuantizedKVCache` by `QuantizedKVCache.prefix_cache_merge(rows, offsets)` (the class
+  has no `merge`; this is the batch it builds from single-request caches).
+- `--kv convert` (full attention, serial): half the runs quantized from the first write, the other half `KVCache`
+  until kvsim's conversion op, served by `KVCache.to_quantized(group_size, bits)`.
+- `--kv buffered`: window layers are `BufferedRotatingKVCache(max_size=W, keep=0, buffer_size=64)` (the ring with
+  rollback slack of mlx-vlm's speculative drafters), batched by the `merge` it inherits (`BatchRotatingKVCache`).
+
+Reads take their mask from the cache before the write (`models/base.py` `create_attention_mask`) and attend through
+`models/base.py` `scaled_dot_product_attention` (its quantized path where the cache has `bits`). Trims call the cache's
+`trim(n)` where `is_trimmable()` says so, else answer 0 (the guard mlx-vlm's callers use). A state or read output of
+another float dtype than the run's is refused rather than sent (`state_of`). `--plant quant-row-copy`
+(with `--kv quant`): after every decode of a batch of two rows or more, row 1's newest packed K column takes row 0's.
 """
 import os
 
 
 CACHE, APC = kit.load_modules("mlx_vlm", ["models.cache", "apc"])
+BASE = None  # mlx_vlm.models.base, loaded by the K/V modes (it imports PIL)
 
 
-class MlxVlm(kit.Driver):
-    """mlx-vlm's exact-checkpoint prefix caches by the ids kvsim gives them."""
+class MlxVlm(kit.BatchCalls, kit.Driver):
+    """mlx-vlm's exact-checkpoint prefix caches, recurrent caches and K/V caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
-    supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True}
-    options = {"plant": (None, "prefix-short", "rec-neighbour")}
+    supports = {"kv": False, "prefix": True, "recurrent": True, "rec_spec": True, "rec_prefill": True}
+    options = {"plant": (None, "prefix-short", "rec-neighbour", "quant-row-copy", "rollback-uniform"),
+               "kv": (None, "plain", "quant", "buffered", "convert"), "trim_rows": ("no", "yes"),
+               "rec_prefill": ("yes", "no")}
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        if self.opts["rec_prefill"] == "no":
+            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
+            self.supports = dict(self.supports, rec_prefill=False)
+        kv = self.opts["kv"]
+        if kv:
+            global BASE
+            BASE, = kit.load_modules("mlx_vlm", ["models.base"])  # needs PIL: loaded for the K/V requests only
+            rows = {"kv": True, "serial_trim": True, "rows_window": True, "rows_trim": True, "join": False,
+                    "prefill": True}
+            if kv == "quant":  # full attention only: mlx-vlm has no quantized ring (RotatingKVCache.to_quantized)
+                rows.update(quant_only=True, quant_rows=True)
+            elif kv == "convert":  # half the runs plain until kvsim's conversion op (`KVCache.to_quantized`); serial
+                rows.update(quant=True, convert=True, quant_rows=False, prefill=False)
+            else:
+                rows.update(rotating=True)
+            if self.opts["trim_rows"] == "yes" and kv in ("plain", "quant"):
+                # per-row rollback, `kit.rows_rollback` (LFM2's own sequence), full attention only: the batch ring's
+                # `prepare` takes right padding only with a prefill's `lengths` (models/cache.py:1935-1946)
+                rows.update(rows_trim_rows=True, rotating=False)
+            self.supports = dict(self.supports, **rows)
 
     def version(self):
-        v = kit.package_version("mlx-vlm")
+        v = kit.package_version("mlx-vlm") + (f"+{self.opts['kv']}" if self.opts["kv"] else "")
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")
 
     def hello_extra(self):
@@ -1120,6 +1339,90 @@ class MlxVlm(kit.Driver):
             apc._exact_cache.popitem(last=False)
         return {"evicted": 1}
 
+    # ---- K/V caches (--kv plain | quant | buffered) ----
+
+    def op_new(self, r):
+        self.geometry = g = r["geometry"]
+        q, w = g.get("quant"), g.get("max_size")
+        if q:
+            c = CACHE.QuantizedKVCache(group_size=q["group_size"], bits=q["bits"])
+        elif w and self.opts["kv"] == "buffered":
+            c = CACHE.BufferedRotatingKVCache(max_size=w, keep=0)
+        elif w:
+            c = CACHE.RotatingKVCache(max_size=w, keep=0)
+        else:
+            c = CACHE.KVCache()
+        self.handles[r["id"]] = c
+        return {}
+
+    def op_window(self, r):
+        c = self.handles[r["id"]]
+        k, v, q = kit.arr_in(r["k"]), kit.arr_in(r["v"]), kit.arr_in(r["q"])
+        # the mask of the cache before the write, as a model's forward builds it
+        mask = BASE.create_attention_mask(q.transpose(0, 2, 1, 3), c, window_size=self.geometry.get("max_size"))
+        keys, values = c.update_and_fetch(k, v)
+        out = BASE.scaled_dot_product_attention(q, keys, values, c, scale=r["scale"], mask=mask)
+        if out.dtype != q.dtype:  # refused, not a malformed reply (as `state_of`)
+            raise TypeError(f"the read's output is {out.dtype} for {q.dtype} queries")
+        return {"out": kit.arr_out(out)}
+
+    op_decode = op_rows_window = op_window
+
+    def op_rows_decode(self, r):
+        out = self.op_window(r)
+        c = self.handles[r["id"]]
+        if self.opts["plant"] == "quant-row-copy" and isinstance(c.keys, tuple) and c.keys[0].shape[0] >= 2:
+            col = int(c._idx) - 1  # a negative control: row 1's newest packed K column takes row 0's
+            c.keys[0][1, :, col, :] = c.keys[0][0, :, col, :]
+        return out
+
+    def op_convert(self, r):
+        """`to_quantized(group_size, bits)`, as `generate/common.py:235-244` (`maybe_quantize_kv_cache`) converts each
+        layer: a new object under the same id (the old one kept when it raises)."""
+        q = r["quant"]
+        self.handles[r["id"]] = self.handles[r["id"]].to_quantized(group_size=q["group_size"], bits=q["bits"])
+        self.geometry = dict(self.geometry, quant=q)  # kvsim converts every cache of the run at once
+        return {}
+
+    def op_trim(self, r):
+        c = self.handles[r["id"]]
+        return {"trimmed": int(c.trim(r["n"])) if c.is_trimmable() else 0}
+
+    op_rows_trim = op_trim
+
+    def op_rows_trim_rows(self, r):
+        uniform = self.opts["plant"] == "rollback-uniform"  # a negative control: every row drops the most
+        trim = lambda c, n: int(c.trim(n)) if c.is_trimmable() else 0
+        return {"trimmed": kit.rows_rollback(self.handles[r["id"]], r["n"], trim, uniform)}
+
+    def state_of(self, c):
+        """`kit.state_reply` of `c`, refused when its float planes are not of the run's dtype: an mlx-vlm batch can
+        turn a bf16 cache into f32 (README, "K/V caches"), which kvsim would read as a malformed reply and stop the
+        whole check; as a refusal the run's class is named, shrunk and reproduced like any other."""
+        out = kit.state_reply(c, self.geometry)
+        for side in ("k", "v"):
+            a = out[side]["scales"] if self.geometry.get("quant") else out[side]
+            if a["dtype"] != self.geometry["dtype"]:
+                raise TypeError(f"the cache's {side} is {a['dtype']} in a {self.geometry['dtype']} run")
+        return out
+
+    def op_state(self, r):
+        return self.state_of(self.handles[r["id"]])
+
+    def op_offset(self, r):
+        return {"offset": int(self.handles[r["id"]].offset)}
+
+    def op_merge(self, r):
+        rows = [self.handles.pop(i) for i in r["rows"]]
+        if isinstance(rows[0], CACHE.QuantizedKVCache):
+            batch = rows[0].prefix_cache_merge(rows, [int(c.offset) for c in rows])
+            if batch is None:
+                raise ValueError("QuantizedKVCache.prefix_cache_merge refused the rows (returned None)")
+        else:
+            batch = rows[0].merge(rows)
+        self.handles[r["id"]] = batch
+        return {}
+
     # ---- recurrent state (ArraysCache and its speculation API) ----
 
     def op_rec_new(self, r):
@@ -1136,15 +1439,26 @@ class MlxVlm(kit.Driver):
         import mlx.core as mx
 
         c = self.handles[r["id"]]
+        mask = c.make_mask(r["n"])
         for i, (s, kind) in enumerate(zip(r["states"], self.rec_kinds)):
             x = kit.arr_in(s)
             if kind == "conv":
                 width = x.shape[2]
                 window = c[i] if c[i] is not None else mx.zeros((x.shape[0], width, x.shape[3]), dtype=x.dtype)
-                c.update_window(i, mx.concatenate([window, x[:, :, -1, :]], axis=1), width)
+                c.update_window(i, mx.concatenate([window, x[:, :, -1, :]], axis=1), width, lengths=c.lengths)
             else:
-                c.update_recurrent(i, x.shape[1], lambda state, steps, x=x: (None, x[:, -1], None if steps is None
-                                                                              else x[:, :-1]))
+                c.update_recurrent(i, x.shape[1], lambda state, steps, x=x: (
+                    None, kit.rec_last_kept(x, mask, state), None if steps is None else x[:, :-1]))
+        c.advance(r["n"])
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)` (:1271), as a right-padded batch is prepared."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
         return {}
 
     def op_rec_merge(self, r):
