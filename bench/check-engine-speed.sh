@@ -10,6 +10,7 @@
 # side, e.g. `--only kv` for an old kvsim that has it), NEW_ARGS (extra arguments of the new side, e.g. `--jobs 2`),
 # OUT (default bench/results/check-engine-speed). Each run's log
 # goes to OUT; the table and whether both sides found the same classes on the same seeds are printed at the end.
+# OLD_DIR: a folder holding OLD_COMMIT's oracles/mlx_lm/engine.py and python/ (instead of `git archive`).
 # PAIRED=1 runs each old run and its new run at the same time (both under the same load from other work) instead of
 # one after the other. Each run also has its CPU time (bench/engine-cpu.py: kvsim's processes and the engine's, sampled from /proc) in
 # OUT/cpu.txt: on a machine shared with other work the wall time measures the load as much as the run.
@@ -21,8 +22,12 @@ NEW=${NEW_KVSIM:-target/release/kvsim}
 [ -n "${NEW_KVSIM:-}" ] || cargo build --release --quiet --bin kvsim || exit 2
 bash oracles/mlx_lm/setup.sh >/dev/null || exit 2
 old_dir=$(mktemp -d); trap 'rm -rf "$old_dir"' EXIT
-paths=(oracles/mlx_lm/engine.py); git cat-file -e "$COMMIT:python" 2>/dev/null && paths+=(python)
-git archive "$COMMIT" "${paths[@]}" | tar -x -C "$old_dir" || exit 2
+if [ -n "${OLD_DIR:-}" ]; then  # the old engine and kit already extracted (a machine without the git history)
+  cp -r "$OLD_DIR"/. "$old_dir"/
+else
+  paths=(oracles/mlx_lm/engine.py); git cat-file -e "$COMMIT:python" 2>/dev/null && paths+=(python)
+  git archive "$COMMIT" "${paths[@]}" | tar -x -C "$old_dir" || exit 2
+fi
 ln -s "$PWD/oracles/mlx_lm/.venv" "$old_dir/oracles/mlx_lm/.venv"
 read -ra old_args <<< "${OLD_ARGS:-}"
 read -ra new_args <<< "${NEW_ARGS:-}"

@@ -148,6 +148,54 @@ class BatchCalls:
         return self.state_of(self.handles[r["id"]].extract(r["row"]))
 
 
+class RecCalls:
+    """The recurrent-state requests of an engine whose recurrent caches have mlx-lm's `ArraysCache` API (mlx-lm's,
+    mlx-vlm's own copy, vllm-mlx's `BatchMambaCache` over mlx-lm's): `merge` (the class method of the first row),
+    `extend`, `filter`, `extract`, `prepare(lengths=, right_padding=)`, `finalize()`, the arrays in `cache.cache`
+    and `batch_size`. Mixed into a `Driver` before it; the driver has `op_rec_new` and `op_rec_write` (how its model
+    layers write), and overrides `op_rec_merge` where its batches are another class. `--plant rec-neighbour` (the
+    driver's option): a filter's first kept row takes its neighbour's state."""
+
+    def op_rec_merge(self, r):
+        rows = [self.handles.pop(i) for i in r["rows"]]
+        self.handles[r["id"]] = rows[0].merge(rows)
+        return {}
+
+    def op_rec_extend(self, r):
+        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
+        return {}
+
+    def op_rec_filter(self, r):
+        c, keep = self.handles[r["id"]], list(r["keep"])
+        if self.opts.get("plant") == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
+            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
+        c.filter(keep)
+        return {}
+
+    def op_rec_extract(self, r):
+        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
+        return {}
+
+    def op_rec_prepare(self, r):
+        """`prepare(lengths=..., right_padding=...)`, as mlx-lm's `BatchGenerator.prompt` prepares a padded prompt
+        batch (mlx-lm 0.32.2 `generate.py:1218-1221`)."""
+        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
+        return {}
+
+    def op_rec_finalize(self, r):
+        self.handles[r["id"]].finalize()
+        return {}
+
+    def op_rec_state(self, r):
+        return rec_arrays(self.handles[r["id"]].cache)
+
+    def op_rec_rows_state(self, r):
+        return rec_arrays(self.handles[r["id"]].cache, r["row"])
+
+    def op_rec_rows_info(self, r):
+        return {"rows": int(self.handles[r["id"]].batch_size)}
+
+
 class Server:
     """One driver behind the protocol: `handle(request) -> reply` (hello, reset, free and dispatch)."""
 

@@ -47,7 +47,7 @@ from kvsim import kit
 BASE, CACHE = kit.load_modules("mlx_lm", ["models.base", "models.cache"])
 
 
-class MlxLm(kit.BatchCalls, kit.Driver):
+class MlxLm(kit.BatchCalls, kit.RecCalls, kit.Driver):
     """mlx-lm's caches by the ids kvsim gives them."""
 
     name = "mlx-lm"
@@ -229,44 +229,6 @@ class MlxLm(kit.BatchCalls, kit.Driver):
         recurrent layers take it (kit.rec_masked_write)."""
         kit.rec_masked_write(self.handles[r["id"]], r["n"], r["states"], self.opts["plant"] == "rec-pad-unmasked")
         return {}
-
-    def op_rec_prepare(self, r):
-        """`prepare(lengths=..., right_padding=...)`, as `BatchGenerator.prompt` prepares a padded prompt batch."""
-        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
-        return {}
-
-    def op_rec_finalize(self, r):
-        self.handles[r["id"]].finalize()
-        return {}
-
-    def op_rec_merge(self, r):
-        rows = [self.handles.pop(i) for i in r["rows"]]
-        self.handles[r["id"]] = rows[0].merge(rows)
-        return {}
-
-    def op_rec_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
-
-    def op_rec_filter(self, r):
-        c, keep = self.handles[r["id"]], list(r["keep"])
-        if self.opts["plant"] == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
-            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
-        c.filter(keep)
-        return {}
-
-    def op_rec_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
-
-    def op_rec_state(self, r):
-        return kit.rec_arrays(self.handles[r["id"]].cache)
-
-    def op_rec_rows_state(self, r):
-        return kit.rec_arrays(self.handles[r["id"]].cache, r["row"])
-
-    def op_rec_rows_info(self, r):
-        return {"rows": int(self.handles[r["id"]].batch_size)}
 
 
 if __name__ == "__main__":

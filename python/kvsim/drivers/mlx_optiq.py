@@ -110,12 +110,5 @@ class MlxOptiq(kit.BatchCalls, kit.Driver):
         return {}
 
 
-
-
-
-
-
-
-
 if __name__ == "__main__":
     kit.serve(MlxOptiq)

@@ -46,7 +46,7 @@ CACHE, APC = kit.load_modules("mlx_vlm", ["models.cache", "apc"])
 BASE = None  # mlx_vlm.models.base, loaded by the K/V modes (it imports PIL)
 
 
-class MlxVlm(kit.BatchCalls, kit.Driver):
+class MlxVlm(kit.BatchCalls, kit.RecCalls, kit.Driver):
     """mlx-vlm's exact-checkpoint prefix caches, recurrent caches and K/V caches by the ids kvsim gives them."""
 
     name = "mlx-vlm"
@@ -237,44 +237,6 @@ class MlxVlm(kit.BatchCalls, kit.Driver):
                     None, kit.rec_last_kept(x, mask, state), None if steps is None else x[:, :-1]))
         c.advance(r["n"])
         return {}
-
-    def op_rec_prepare(self, r):
-        """`prepare(lengths=..., right_padding=...)` (:1271), as a right-padded batch is prepared."""
-        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
-        return {}
-
-    def op_rec_finalize(self, r):
-        self.handles[r["id"]].finalize()
-        return {}
-
-    def op_rec_merge(self, r):
-        rows = [self.handles.pop(i) for i in r["rows"]]
-        self.handles[r["id"]] = rows[0].merge(rows)
-        return {}
-
-    def op_rec_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
-
-    def op_rec_filter(self, r):
-        c, keep = self.handles[r["id"]], list(r["keep"])
-        if self.opts["plant"] == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
-            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
-        c.filter(keep)
-        return {}
-
-    def op_rec_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
-
-    def op_rec_state(self, r):
-        return kit.rec_arrays(self.handles[r["id"]].cache)
-
-    def op_rec_rows_state(self, r):
-        return kit.rec_arrays(self.handles[r["id"]].cache, r["row"])
-
-    def op_rec_rows_info(self, r):
-        return {"rows": int(self.handles[r["id"]].batch_size)}
 
     def op_rec_spec_start(self, r):
         self.handles[r["id"]].start_speculation(r["n"])

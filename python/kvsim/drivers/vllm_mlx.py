@@ -75,7 +75,7 @@ def mamba_module():
     return _PREFIX["mamba"]
 
 
-class VllmMlx(kit.Driver):
+class VllmMlx(kit.RecCalls, kit.Driver):
     """vllm-mlx's block pools by the ids kvsim gives them."""
 
     name = "vllm-mlx"
@@ -274,45 +274,11 @@ class VllmMlx(kit.Driver):
         kit.rec_masked_write(self.handles[r["id"]], r["n"], r["states"])
         return {}
 
-    def op_rec_prepare(self, r):
-        """`prepare(lengths=..., right_padding=...)`, as mlx-lm 0.31.3's `BatchGenerator.prompt` and vllm-mlx's
-        scheduler (`scheduler.py:591-594`, a batch with cached prefixes) prepare a right-padded prompt batch."""
-        self.handles[r["id"]].prepare(lengths=list(r["lengths"]), right_padding=list(r["right_padding"]))
-        return {}
-
-    def op_rec_finalize(self, r):
-        self.handles[r["id"]].finalize()
-        return {}
-
     def op_rec_merge(self, r):
         rows = [self.handles.pop(i) for i in r["rows"]]
         m = mamba_module()
         self.handles[r["id"]] = (m.BatchMambaCache if self.opts["rec"] == "mamba" else m.MambaCache).merge(rows)
         return {}
-
-    def op_rec_extend(self, r):
-        self.handles[r["id"]].extend(self.handles.pop(r["other"]))
-        return {}
-
-    def op_rec_filter(self, r):
-        c, keep = self.handles[r["id"]], list(r["keep"])
-        if self.opts["plant"] == "rec-neighbour" and keep[0] + 1 < c.batch_size and keep[0] + 1 not in keep:
-            keep[0] += 1  # a negative control: the first kept row takes its neighbour's state
-        c.filter(keep)
-        return {}
-
-    def op_rec_extract(self, r):
-        self.handles[r["new"]] = self.handles[r["id"]].extract(r["row"])
-        return {}
-
-    def op_rec_state(self, r):
-        return kit.rec_arrays(self.handles[r["id"]].cache)
-
-    def op_rec_rows_state(self, r):
-        return kit.rec_arrays(self.handles[r["id"]].cache, r["row"])
-
-    def op_rec_rows_info(self, r):
-        return {"rows": int(self.handles[r["id"]].batch_size)}
 
 
 if __name__ == "__main__":
