@@ -55,17 +55,17 @@ run check-engine-mlx-optiq rotating "$O" --cache rotating
 run check-engine-mlx-optiq plant-quant-row-copy "$O" --plant quant-row-copy
 run check-engine-mlx-optiq plant-convert-phase "$O" --cache rotating --plant convert-phase
 V="$PY oracles/vllm_mlx/.venv/bin/python -m kvsim.drivers.vllm_mlx"
-run check-engine-vllm-mlx stock "$V"
-run check-engine-vllm-mlx chain "$V" --lookup chain
-run check-engine-vllm-mlx block "$V" --prefix block
-run check-engine-vllm-mlx plant "$V" --plant cow-keeps-shared
-run check-engine-vllm-mlx plant-prefix-short "$V" --lookup chain --plant prefix-short
+run check-engine-vllm-mlx stock "$V" --only-layer pool,prefix
+run check-engine-vllm-mlx chain "$V" --lookup chain --only-layer pool,prefix
+run check-engine-vllm-mlx block "$V" --prefix block --only-layer pool,prefix
+run check-engine-vllm-mlx plant "$V" --plant cow-keeps-shared --only-layer pool,prefix
+run check-engine-vllm-mlx plant-prefix-short "$V" --lookup chain --plant prefix-short --only-layer pool,prefix
 run check-engine-vllm-mlx recurrent "$V" --only-layer recurrent
 run check-engine-vllm-mlx recurrent-arrays "$V" --rec arrays --only-layer recurrent
 run check-engine-vllm-mlx recurrent-plant-rec-neighbour "$V" --rec-prefill no --plant rec-neighbour --only-layer recurrent
 G="$PY oracles/mlx_vlm/.venv/bin/python -m kvsim.drivers.mlx_vlm"
-run check-engine-mlx-vlm stock "$G"
-run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short
+run check-engine-mlx-vlm stock "$G" --only-layer prefix
+run check-engine-mlx-vlm plant-prefix-short "$G" --plant prefix-short --only-layer prefix
 run check-engine-mlx-vlm recurrent "$G" --only-layer recurrent
 run check-engine-mlx-vlm recurrent-plant-rec-neighbour "$G" --rec-prefill no --plant rec-neighbour --only-layer recurrent
 run check-engine-mlx-vlm kv-plain "$G" --kv plain --only-layer kv
