@@ -154,7 +154,13 @@ class RecCalls:
     `extend`, `filter`, `extract`, `prepare(lengths=, right_padding=)`, `finalize()`, the arrays in `cache.cache`
     and `batch_size`. Mixed into a `Driver` before it; the driver has `op_rec_new` and `op_rec_write` (how its model
     layers write), and overrides `op_rec_merge` where its batches are another class. `--plant rec-neighbour` (the
-    driver's option): a filter's first kept row takes its neighbour's state."""
+    driver's option): a filter's first kept row takes its neighbour's state. `--rec-prefill no` (the driver's option):
+    no right-padded prompt batch is drawn (`supports.rec_prefill` off), the runs recorded before them."""
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        if self.opts.get("rec_prefill") == "no":
+            self.supports = dict(self.supports, rec_prefill=False)
 
     def op_rec_merge(self, r):
         rows = [self.handles.pop(i) for i in r["rows"]]

@@ -195,8 +195,7 @@ fn merge_classes(reports: &[Value]) -> Value {
     for r in reports {
         for (i, c) in r.get("classes").and_then(Value::as_array).into_iter().flatten().enumerate() {
             let name = c.get("name").and_then(Value::as_str).unwrap_or_default().to_string();
-            let seeds: Vec<u64> =
-                c["failing_seeds"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+            let seeds = failing_seeds(c);
             let Some(&first) = seeds.first() else { continue };
             let message = c.get("message").cloned().unwrap_or(Value::Null);
             let e = classes.entry(name).or_insert((first, i, message.clone(), vec![]));
@@ -219,6 +218,11 @@ fn merge_classes(reports: &[Value]) -> Value {
     merged
 }
 
+/// A report class's failing seeds.
+fn failing_seeds(class: &Value) -> Vec<u64> {
+    class["failing_seeds"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect()
+}
+
 /// The seeds one worker would shrink: each class's first `shrinks` failing seeds (its first when `shrinks` is 0, for
 /// its trace and reproducer), in seed order.
 fn shrink_seeds(merged: &Value, shrinks: usize) -> Vec<u64> {
@@ -226,10 +230,7 @@ fn shrink_seeds(merged: &Value, shrinks: usize) -> Vec<u64> {
         .as_array()
         .into_iter()
         .flatten()
-        .flat_map(|c| {
-            let s: Vec<u64> = c["failing_seeds"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
-            s.into_iter().take(shrinks.max(1))
-        })
+        .flat_map(|c| failing_seeds(c).into_iter().take(shrinks.max(1)))
         .collect();
     seeds.sort_unstable();
     seeds.dedup();
@@ -273,7 +274,7 @@ fn print_report(v: &Value, driver: &str) {
         n("checks")
     );
     for c in v.get("classes").and_then(Value::as_array).into_iter().flatten() {
-        let seeds: Vec<u64> = c["failing_seeds"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+        let seeds = failing_seeds(c);
         if let Some(why) = c.get("no_repro").and_then(Value::as_str) {
             println!("  [{}] no reproducer: {why}", s(c, "name"));
         }

@@ -82,9 +82,6 @@ class MlxLm(kit.BatchCalls, kit.RecCalls, kit.Driver):
         elif self.opts["prefill"] == "no":
             # the K/V runs of protocol 1 (no right-padded prefill drawn): the classes of the protocol-1 report again
             self.supports = dict(self.supports, prefill=False)
-        if self.opts["rec_prefill"] == "no":
-            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
-            self.supports = dict(self.supports, rec_prefill=False)
         if self.opts["trim_rows"] == "yes" and self.opts["kv"] == "plain":
             # per-row rollback (`rows_trim_rows`, `kit.rows_rollback`), full attention only: BatchKVCache takes right
             # padding alone (cache.py:938-957), BatchRotatingKVCache only with a prefill's `lengths` (:1243-1254).

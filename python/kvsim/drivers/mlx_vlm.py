@@ -57,9 +57,6 @@ class MlxVlm(kit.BatchCalls, kit.RecCalls, kit.Driver):
 
     def __init__(self, **opts):
         super().__init__(**opts)
-        if self.opts["rec_prefill"] == "no":
-            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
-            self.supports = dict(self.supports, rec_prefill=False)
         kv = self.opts["kv"]
         if kv:
             global BASE

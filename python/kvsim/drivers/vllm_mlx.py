@@ -85,12 +85,6 @@ class VllmMlx(kit.RecCalls, kit.Driver):
                "rec": ("mamba", "arrays"), "rec_prefill": ("yes", "no")}
     model = types.SimpleNamespace()  # the prefix caches' model: only its identity is used
 
-    def __init__(self, **opts):
-        super().__init__(**opts)
-        if self.opts["rec_prefill"] == "no":
-            # recurrent runs without right-padded prompt batches (`rec_prepare`): the runs recorded before them
-            self.supports = dict(self.supports, rec_prefill=False)
-
     def version(self):
         v = kit.package_version("vllm-mlx")
         return v + (f"+plant:{self.opts['plant']}" if self.opts["plant"] else "")

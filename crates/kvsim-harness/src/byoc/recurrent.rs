@@ -449,6 +449,7 @@ pub fn value(cfg: &RecConfig, req: u64, pos: usize, array: usize) -> Vec<u8> {
 
 /// The request number whose values stand for the padding steps of request `req`'s prompt: no request of a run
 /// (runs number theirs from 1 up), so a row that kept a padding step's state is told apart from every request's.
+/// Its own inverse: `pad_of(pad_of(q)) == q`.
 fn pad_of(req: u64) -> u64 {
     u64::MAX - req
 }
@@ -456,11 +457,7 @@ fn pad_of(req: u64) -> u64 {
 /// The `states` of a write: per array `[B, n, ...]`, row `b`'s step `t` its request's value at `pos + t`, for
 /// `t` in `1..=n`; where the row has `real` steps (a right-padded prefill), its steps past them are padding (the
 /// values of [`pad_of`] its request at those positions).
-fn write_states(cfg: &RecConfig, rows: &[(u64, usize)], n: usize) -> Value {
-    write_padded(cfg, rows, n, None)
-}
-
-fn write_padded(cfg: &RecConfig, rows: &[(u64, usize)], n: usize, real: Option<&[usize]>) -> Value {
+fn write_states(cfg: &RecConfig, rows: &[(u64, usize)], n: usize, real: Option<&[usize]>) -> Value {
     let arrays = (0..cfg.arrays.len())
         .map(|a| {
             let mut bytes = vec![];
@@ -612,7 +609,7 @@ fn step(cfg: &RecConfig, s: &mut Sched, op: &RecOp, checks: &mut u64) -> Result<
             advance(s, op);
         }
         RecOp::Write { req, n } => {
-            let states = write_states(cfg, &rows_of(s, &[*req]), *n);
+            let states = write_states(cfg, &rows_of(s, &[*req]), *n, None);
             if let Err(why) = ask(json!({"op": "rec_write", "id": s.serial[req], "n": n, "states": states}))? {
                 return Ok(refused("rec_write", why));
             }
@@ -620,7 +617,7 @@ fn step(cfg: &RecConfig, s: &mut Sched, op: &RecOp, checks: &mut u64) -> Result<
         }
         RecOp::RowsWrite { n } => {
             let (id, reqs) = s.batch.clone().unwrap_or_default();
-            let states = write_states(cfg, &rows_of(s, &reqs), *n);
+            let states = write_states(cfg, &rows_of(s, &reqs), *n, None);
             if let Err(why) = ask(json!({"op": "rec_write", "id": id, "n": n, "states": states}))? {
                 return Ok(refused("rec_write", why));
             }
@@ -710,7 +707,7 @@ fn prefill(cfg: &RecConfig, s: &Sched, reqs: &[u64], lengths: &[usize], chunk: u
         let n = chunk.min(longest - done);
         let rows: Vec<(u64, usize)> = reqs.iter().map(|&q| (q, done)).collect();
         let real: Vec<usize> = lengths.iter().map(|&l| l.saturating_sub(done).min(n)).collect();
-        let states = write_padded(cfg, &rows, n, Some(&real));
+        let states = write_states(cfg, &rows, n, Some(&real));
         if let Err(why) = ask(json!({"op": "rec_write", "id": merged, "n": n, "states": states}))? {
             return Ok(refused("rec_write", why));
         }
@@ -743,7 +740,7 @@ fn spec(
     }
     for &t in steps {
         let rows: Vec<(u64, usize)> = targets.iter().map(|q| (*q, s.pos[q])).collect();
-        let states = write_states(cfg, &rows, t);
+        let states = write_states(cfg, &rows, t, None);
         if let Err(why) = ask(json!({"op": "rec_write", "id": id, "n": t, "states": states}))? {
             return Ok(refused("rec_write", why));
         }
@@ -841,11 +838,8 @@ fn audit(cfg: &RecConfig, s: &Sched, rollback: Option<&[u64]>, checks: &mut u64)
                 Some((o, op)) if o == pad_of(q) => {
                     format!("; it is the state of a padding step of its prompt (position {op})")
                 }
-                Some((o, op)) if s.pos.contains_key(&(u64::MAX - o)) => {
-                    format!(
-                        "; it is the state of a padding step of {}'s prompt (position {op})",
-                        place(s, u64::MAX - o)
-                    )
+                Some((o, op)) if s.pos.contains_key(&pad_of(o)) => {
+                    format!("; it is the state of a padding step of {}'s prompt (position {op})", place(s, pad_of(o)))
                 }
                 Some((o, op)) => format!("; it is {}'s state at position {op}", place(s, o)),
                 None if got.iter().all(|&b| b == 0) => "; it is all zeros".into(),
