@@ -233,12 +233,16 @@ pub enum Cmd {
         json: bool,
         /// Engine processes checking seeds side by side, each driven by a worker of its own. The report is the one
         /// a single process gives: the seeds' classes are gathered, then the seeds a single run would shrink are
-        /// run again in one worker, which shrinks them and writes the traces and reproducers.
+        /// run again, shared among the workers, each class keeping the shortest trace (the one a single run keeps).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
         jobs: u64,
         /// Worker mode: class the seeds only (no trace or reproducer written; the JSON line is the report).
         #[arg(long, hide = true, requires = "seed_feed")]
         classes_only: bool,
+        /// Worker mode: shrink exactly these seeds of each class (JSON: class name -> seeds), and write the traces
+        /// and reproducers in a folder of this process's own under `--out`.
+        #[arg(long, hide = true, requires = "seed_feed")]
+        shrink_plan: Option<String>,
         /// Worker mode (the check runs in a worker process that a seed that kills it does not take down): run the
         /// seeds read from stdin, a progress line per seed on stderr.
         #[arg(long, hide = true)]

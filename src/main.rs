@@ -110,6 +110,7 @@ fn main() -> ExitCode {
             json,
             jobs,
             classes_only,
+            shrink_plan,
             only,
             seed_feed,
             op_journal,
@@ -128,6 +129,7 @@ fn main() -> ExitCode {
                 only: &only,
                 jobs: jobs as usize,
                 classes_only,
+                shrink_plan: shrink_plan.as_deref(),
             };
             pooled::check_engine_cmd(&a, worker)
         }

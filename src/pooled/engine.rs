@@ -4,14 +4,16 @@
 //! 1. **Class**: `--jobs` workers (`--classes-only --shrinks 0`) take the seeds on demand and report each class's
 //!    failing seeds and first message, writing nothing.
 //! 2. **Shrink**: the seeds a single worker would shrink (each class's first `--shrinks` failing seeds; its first
-//!    failing seed when that is 0) are run again, in seed order, by one worker with the normal arguments. A class's
-//!    first `--shrinks` seeds in seed order are exactly those this worker shrinks, and its first failing seed is the
-//!    first to fail it here, so its shortest trace, message and reproducer are the single worker's.
+//!    failing seed when that is 0) are run again by up to `--jobs` workers, each told which seeds of which class to
+//!    shrink (`--shrink-plan`) and writing its traces and reproducers in a folder of its own. Each class's shortest
+//!    is the shortest of the workers' (the earlier seed on a tie), which is the one a single worker keeps: it
+//!    shrinks the same seeds and keeps a shorter trace only. Its files are moved into `--out`.
 //!
-//! The seeds' totals (ops, checks, ops by kind, failing seeds) are the first phase's; every run of a seed is a
-//! function of its seed (the engine is `reset` before each).
+//! The seeds' totals (ops, checks, ops by kind, failing seeds) and each class's message (its first failing seed's)
+//! are the first phase's; every run of a seed is a function of its seed (the engine is `reset` before each).
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -38,6 +40,8 @@ pub(crate) struct CheckEngineArgs<'a> {
     pub(crate) jobs: usize,
     /// Worker mode: class the seeds, write nothing.
     pub(crate) classes_only: bool,
+    /// Worker mode: the seeds of each class to shrink (JSON), the files written in a folder of this process's own.
+    pub(crate) shrink_plan: Option<&'a str>,
 }
 
 /// `kvsim check-engine`. If kvsim's own process dies during a seed (an abort inside MLX on kvsim's side), that seed
@@ -52,7 +56,8 @@ pub(crate) fn check_engine_cmd(a: &CheckEngineArgs, worker: Option<WorkerMode>) 
     let started = Instant::now();
     let bar = crate::commands::seed_bar(a.seeds as usize, false);
     let mut crashes = vec![];
-    let first = phase(a, &worker_args(a, a.jobs > 1), a.jobs, (0..a.seeds).collect(), &bar, &mut crashes);
+    let mode = if a.jobs > 1 { Phase::Class } else { Phase::Whole };
+    let first = phase(a, &worker_args(a, mode), a.jobs, (0..a.seeds).collect(), &bar, &mut crashes);
     bar.finish_and_clear();
     let first = match first {
         Ok(o) => o,
@@ -67,15 +72,22 @@ pub(crate) fn check_engine_cmd(a: &CheckEngineArgs, worker: Option<WorkerMode>) 
         Some(Done::Reports(reports)) if a.jobs <= 1 => (reports.into_iter().next().unwrap_or_default(), 0),
         Some(Done::Reports(reports)) => {
             let mut merged = merge_classes(&reports);
-            let again = shrink_seeds(&merged, a.shrinks);
+            let plan = shrink_plan(&merged, a.shrinks);
+            let mut again: Vec<u64> = plan.values().flatten().copied().collect();
+            again.sort_unstable();
+            again.dedup();
             if !again.is_empty() {
                 let hidden = indicatif::ProgressBar::hidden();
-                match phase(a, &worker_args(a, false), 1, again, &hidden, &mut crashes) {
+                let args = worker_args(a, Phase::Shrink(&plan));
+                let done = phase(a, &args, a.jobs.min(again.len()), again, &hidden, &mut crashes);
+                let reports = match done {
                     Err(code) => return code,
                     Ok(Some(Done::Broken(o))) => return broken(&o, a.json),
-                    Ok(Some(Done::Reports(r))) => take_shrunk(&mut merged, r.first()),
-                    Ok(None) => take_shrunk(&mut merged, None),
-                }
+                    Ok(Some(Done::Reports(r))) => r,
+                    Ok(None) => vec![],
+                };
+                take_shrunk(&mut merged, &reports, &plan, a.out);
+                let _ = std::fs::remove_dir_all(shrinking_dir(a.out));
             }
             merged["seconds"] = json!(started.elapsed().as_secs_f64());
             (merged, 0)
@@ -102,25 +114,44 @@ pub(crate) fn check_engine_cmd(a: &CheckEngineArgs, worker: Option<WorkerMode>) 
     }
 }
 
-/// The worker's command line: the check's options, and `--classes-only --shrinks 0` for the classing phase.
-fn worker_args(a: &CheckEngineArgs, classes_only: bool) -> Vec<String> {
+/// What a phase's workers are asked for.
+#[derive(Clone, Copy)]
+enum Phase<'p> {
+    /// The whole check (`--jobs 1`).
+    Whole,
+    /// Class the seeds only (`--classes-only --shrinks 0`).
+    Class,
+    /// Shrink the planned seeds of each class (`--shrink-plan`), the files under [`shrinking_dir`].
+    Shrink(&'p BTreeMap<String, Vec<u64>>),
+}
+
+/// Where the shrinking phase's workers write their traces and reproducers (each in a folder of its own).
+fn shrinking_dir(out: &Path) -> PathBuf {
+    out.join(".shrinking")
+}
+
+/// The worker's command line: the check's options, and those of its phase.
+fn worker_args(a: &CheckEngineArgs, phase: Phase) -> Vec<String> {
     let mut args: Vec<String> = vec!["check-engine".into(), "--driver".into(), a.driver.into(), "--json".into()];
-    let shrinks = if classes_only { 0 } else { a.shrinks };
+    let shrinks = if matches!(phase, Phase::Class) { 0 } else { a.shrinks };
+    let out = if matches!(phase, Phase::Shrink(_)) { shrinking_dir(a.out) } else { a.out.to_path_buf() };
     for (flag, v) in [
         ("--seeds", a.seeds.to_string()),
         ("--ops", a.ops.to_string()),
         ("--timeout-s", a.timeout_s.to_string()),
         ("--shrinks", shrinks.to_string()),
         ("--shrink-budget", a.shrink_budget.to_string()),
-        ("--out", a.out.display().to_string()),
+        ("--out", out.display().to_string()),
     ] {
         args.extend([flag.to_string(), v]);
     }
     if !a.only.is_empty() {
         args.extend(["--only".into(), a.only.join(",")]);
     }
-    if classes_only {
-        args.push("--classes-only".into());
+    match phase {
+        Phase::Whole => {}
+        Phase::Class => args.push("--classes-only".into()),
+        Phase::Shrink(plan) => args.extend(["--shrink-plan".into(), json!(plan).to_string()]),
     }
     args
 }
@@ -223,38 +254,54 @@ fn failing_seeds(class: &Value) -> Vec<u64> {
     class["failing_seeds"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect()
 }
 
-/// The seeds one worker would shrink: each class's first `shrinks` failing seeds (its first when `shrinks` is 0, for
-/// its trace and reproducer), in seed order.
-fn shrink_seeds(merged: &Value, shrinks: usize) -> Vec<u64> {
-    let mut seeds: Vec<u64> = merged["classes"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|c| failing_seeds(c).into_iter().take(shrinks.max(1)))
-        .collect();
-    seeds.sort_unstable();
-    seeds.dedup();
-    seeds
+/// The seeds one worker would shrink, by class: each class's first `shrinks` failing seeds (its first when `shrinks`
+/// is 0, for its trace and reproducer).
+fn shrink_plan(merged: &Value, shrinks: usize) -> BTreeMap<String, Vec<u64>> {
+    let classes = merged["classes"].as_array().into_iter().flatten();
+    classes
+        .map(|c| {
+            let name = c["name"].as_str().unwrap_or_default().to_string();
+            (name, failing_seeds(c).into_iter().take(shrinks.max(1)).collect())
+        })
+        .collect()
 }
 
-/// Each class's shortest trace, its files and its reproducer from the shrinking phase's report (`None`: that phase
-/// finished no report); a class it did not find again says so.
-fn take_shrunk(merged: &mut Value, shrunk: Option<&Value>) {
-    let found = shrunk.and_then(|r| r.get("classes")).and_then(Value::as_array).cloned().unwrap_or_default();
+/// Each class's shortest trace, its files and its reproducer from the shrinking phase's reports: the shortest of
+/// the workers' that ran one of its planned seeds (the earlier seed on a tie), its files moved into `out`; a class
+/// no worker found again says so.
+fn take_shrunk(merged: &mut Value, reports: &[Value], plan: &BTreeMap<String, Vec<u64>>, out: &Path) {
+    let found: Vec<&Value> =
+        reports.iter().flat_map(|r| r.get("classes").and_then(Value::as_array).into_iter().flatten()).collect();
     for c in merged["classes"].as_array_mut().into_iter().flatten() {
-        match found.iter().find(|f| f["name"] == c["name"]) {
-            Some(f) => {
-                let Some(c) = c.as_object_mut() else { continue };
-                for key in ["message", "shortest_ops", "shortest_seed", "trace", "repro", "no_repro"] {
-                    match f.get(key) {
-                        Some(v) => c.insert(key.into(), v.clone()),
-                        None => c.remove(key),
-                    };
+        let name = c["name"].as_str().unwrap_or_default().to_string();
+        let planned = |f: &&&Value| {
+            f["name"] == c["name"] && f["shortest_seed"].as_u64().is_some_and(|s| plan[&name].contains(&s))
+        };
+        let best =
+            found.iter().filter(planned).min_by_key(|f| (f["shortest_ops"].as_u64(), f["shortest_seed"].as_u64()));
+        let Some(f) = best else {
+            c["no_repro"] = json!("its seeds did not fail this way again when run alone to be shrunk");
+            continue;
+        };
+        let Some(c) = c.as_object_mut() else { continue };
+        for key in ["shortest_ops", "shortest_seed", "trace", "repro", "no_repro"] {
+            match f.get(key) {
+                Some(v) => c.insert(key.into(), v.clone()),
+                None => c.remove(key),
+            };
+        }
+        // the worker's files, moved to where a single worker writes them
+        let file = name.replace('/', "-");
+        for (key, to) in [("trace", out.join(format!("{file}.trace.json"))), ("repro", out.join(format!("{file}.py")))]
+        {
+            let Some(from) = f.get(key).and_then(Value::as_str) else { continue };
+            match std::fs::rename(from, &to) {
+                Ok(()) => c.insert(key.into(), json!(to.display().to_string())),
+                Err(e) => {
+                    eprintln!("cannot move {from} to {}: {e}", to.display());
+                    continue;
                 }
-            }
-            None => {
-                c["no_repro"] = json!("its seeds did not fail this way again when run alone to be shrunk");
-            }
+            };
         }
     }
 }
@@ -304,7 +351,19 @@ fn check_engine_worker(a: &CheckEngineArgs, journal: Option<&Path>) -> ExitCode 
         on_seed: Box::new(|seed, ops, failed| eprintln!("{}", shard::Progress { seed, ops, failed }.line())),
     };
     let reproduce = !a.classes_only;
-    let report = match engine_check::check_engine_fed(a.driver, timeout, opts, a.shrinks, a.only, feed, reproduce) {
+    let (shrinks, out) = match a.shrink_plan.map(serde_json::from_str::<BTreeMap<String, Vec<u64>>>) {
+        None => (engine_check::Shrinks::First(a.shrinks), a.out.to_path_buf()),
+        Some(Ok(seeds)) => {
+            let planned = engine_check::Shrinks::Planned { seeds, shrink: a.shrinks > 0 };
+            (planned, a.out.join(format!("worker-{}", std::process::id())))
+        }
+        Some(Err(e)) => {
+            eprintln!("kvsim check-engine: --shrink-plan: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let a = &CheckEngineArgs { out: &out, ..*a };
+    let report = match engine_check::check_engine_fed(a.driver, timeout, opts, &shrinks, a.only, feed, reproduce) {
         Ok(r) => r,
         Err(b) => {
             eprintln!("kvsim check-engine: the engine broke [{}]: {}", b.failure.kind(), b.failure);
@@ -375,4 +434,48 @@ fn check_engine_worker(a: &CheckEngineArgs, journal: Option<&Path>) -> ExitCode 
     });
     println!("{v}");
     exit(report.failures == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shrinking phase's workers each shrink their part of the plan: a class keeps the shortest trace among them,
+    /// the earlier seed on a tie, never one of a seed outside its plan; its files are moved into `out`.
+    #[test]
+    fn a_class_keeps_the_shortest_planned_trace_of_the_workers() {
+        let out = std::env::temp_dir().join(format!("kvsim-take-shrunk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out).unwrap();
+        let mut merged = json!({"classes": [
+            {"name": "a/x", "failing_seeds": [1, 4, 7, 9], "message": "first"},
+            {"name": "b", "failing_seeds": [4], "message": "b's"},
+            {"name": "c", "failing_seeds": [2], "message": "c's"},
+        ]});
+        let plan = shrink_plan(&merged, 3);
+        assert_eq!(plan["a/x"], vec![1, 4, 7]);
+        assert_eq!(plan["b"], vec![4]);
+        let class = |worker: &str, name: &str, seed: u64, ops: u64| {
+            let trace = out.join(format!("{worker}-{seed}.trace.json"));
+            std::fs::write(&trace, format!("{worker} {seed}")).unwrap();
+            json!({"name": name, "shortest_seed": seed, "shortest_ops": ops, "trace": trace.display().to_string(),
+                   "no_repro": "judged by kvsim's model"})
+        };
+        let reports = [
+            json!({"classes": [class("w1", "a/x", 7, 5), class("w1", "b", 4, 3)]}),
+            json!({"classes": [class("w2", "a/x", 1, 5)]}),
+            json!({"classes": [class("w3", "a/x", 9, 2)]}), // seed 9 is not a's to shrink: a single run never would
+        ];
+        take_shrunk(&mut merged, &reports, &plan, &out);
+        let a = &merged["classes"][0];
+        assert_eq!((a["shortest_seed"].as_u64(), a["shortest_ops"].as_u64()), (Some(1), Some(5)), "{a}");
+        assert_eq!(a["message"], "first");
+        let moved = out.join("a-x.trace.json");
+        assert_eq!(a["trace"], json!(moved.display().to_string()));
+        assert_eq!(std::fs::read_to_string(&moved).unwrap(), "w2 1");
+        assert_eq!(merged["classes"][1]["shortest_seed"], 4);
+        assert_eq!(std::fs::read_to_string(out.join("b.trace.json")).unwrap(), "w1 4");
+        assert!(merged["classes"][2]["no_repro"].as_str().unwrap().contains("did not fail this way again"));
+        let _ = std::fs::remove_dir_all(&out);
+    }
 }

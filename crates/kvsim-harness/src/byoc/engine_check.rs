@@ -202,7 +202,7 @@ pub fn check_engine_only(
     shrinks: usize,
     only: &[&str],
 ) -> Result<EngineReport, Broken> {
-    check_engine_fed(command, timeout, opts, shrinks, only, SeedFeed::range(opts.seeds), true)
+    check_engine_fed(command, timeout, opts, &Shrinks::First(shrinks), only, SeedFeed::range(opts.seeds), true)
 }
 
 /// Where a check's seeds come from and what it says of each: `kvsim check-engine` runs its check in a worker
@@ -231,7 +231,7 @@ pub fn check_engine_fed(
     command: &str,
     timeout: Duration,
     opts: super::CheckOptions,
-    shrinks: usize,
+    shrinks: &Shrinks,
     only: &[&str],
     feed: SeedFeed<'_>,
     reproduce: bool,
@@ -270,11 +270,33 @@ fn broke(failure: EngineFailure, seed: u64, cfg: super::pool::PoolConfig) -> Bro
     Broken { failure, trace: Some(Box::new(Shortest::Pool(Box::new(t)))) }
 }
 
+/// Which failing runs of each class a check shrinks (keeping the shortest).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Shrinks {
+    /// Each class's first `n` failing runs, in the order its seeds run.
+    First(usize),
+    /// Exactly these seeds of each class (by class name), shrunk when `shrink` (else a class keeps its first planned
+    /// seed's run as it failed). A class's shortest is then one of its planned seeds' runs wherever this check ran
+    /// one: the seeds one worker would shrink can be shared among several, each of which shrinks its part, and the
+    /// shortest of their shortest (the earlier seed on a tie) is the one worker's.
+    Planned { seeds: std::collections::BTreeMap<String, Vec<u64>>, shrink: bool },
+}
+
+impl Shrinks {
+    /// Whether `seed`'s failing run of class `name` is one this check shrinks (or keeps, unshrunk, as planned).
+    pub fn plans(&self, name: &str, seed: u64) -> bool {
+        match self {
+            Shrinks::First(_) => true,
+            Shrinks::Planned { seeds, .. } => seeds.get(name).is_some_and(|s| s.contains(&seed)),
+        }
+    }
+}
+
 /// Adds a failing run to its class (made on first sight); returns the class's index and whether to shrink it.
 fn classify(
     report: &mut EngineReport,
     tried: &mut std::collections::BTreeMap<String, usize>,
-    shrinks: usize,
+    shrinks: &Shrinks,
     check: &str,
     message: &str,
     seed: u64,
@@ -286,8 +308,24 @@ fn classify(
         "adapter_error" => format!("adapter_error/{}", message.split(':').next().unwrap_or("?").replace(' ', "_")),
         _ => check.to_string(),
     };
+    let planned = shrinks.plans(&name, seed);
+    let n = tried.entry(name.clone()).or_insert(0);
+    // `take`: this run starts the class's shortest (on first sight, or, under a plan, at its first planned seed)
+    let (take, shrink) = match shrinks {
+        Shrinks::First(k) => (false, *n < *k),
+        Shrinks::Planned { shrink, .. } => (planned && *n == 0, planned && *shrink),
+    };
+    *n += match shrinks {
+        Shrinks::First(_) => shrink as usize,
+        Shrinks::Planned { .. } => planned as usize,
+    };
     let idx = match report.classes.iter().position(|c| c.name == name) {
-        Some(i) => i,
+        Some(i) => {
+            if take {
+                report.classes[i].shortest = run;
+            }
+            i
+        }
         None => {
             report.classes.push(Class {
                 name: name.clone(),
@@ -300,9 +338,6 @@ fn classify(
         }
     };
     report.classes[idx].failing_seeds.push(seed);
-    let n = tried.entry(name).or_insert(0);
-    let shrink = *n < shrinks;
-    *n += shrink as usize;
     (idx, shrink)
 }
 
@@ -312,7 +347,7 @@ fn recurrent_seed(
     tried: &mut std::collections::BTreeMap<String, usize>,
     seed: u64,
     opts: super::CheckOptions,
-    shrinks: usize,
+    shrinks: &Shrinks,
 ) -> Result<(), Broken> {
     use super::recurrent as rec;
     use crate::sim::trace::Outcome;
@@ -349,7 +384,7 @@ fn recurrent_seed(
 
 fn check_installed(
     opts: super::CheckOptions,
-    shrinks: usize,
+    shrinks: &Shrinks,
     hello: Hello,
     mut feed: SeedFeed<'_>,
     reproduce: bool,
@@ -460,6 +495,10 @@ fn check_installed(
     }
     for c in report.classes.iter_mut().filter(|_| reproduce) {
         let check = c.name.split('/').next().unwrap_or_default().to_string();
+        if !shrinks.plans(&c.name, c.shortest.seed()) {
+            c.reproducer = Err(format!("[{}]: none of its planned seeds ran here", c.name));
+            continue;
+        }
         if matches!(c.shortest, Shortest::Prefix(_)) && check == "prefix_model" {
             // The engine's own cold run shares this difference: a script of its calls alone cannot restate it.
             c.reproducer = Err(format!(
