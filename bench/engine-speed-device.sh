@@ -34,7 +34,7 @@ run)
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   for w in "$B"/wheels/*.whl; do "$venv/bin/python" -m zipfile -e "$w" "$site"; done
   for b in new old; do xz -dkf "$B/kvsim-$b.xz"; chmod +x "$B/kvsim-$b"; done
-  export LD_LIBRARY_PATH="$PWD/$site/mlx/lib" PATH="$PWD/$venv/bin:$PATH"
+  export LD_LIBRARY_PATH="$site/mlx/lib" PATH="$PWD/$venv/bin:$PATH"  # purelib is an absolute path
   { nproc; grep -m1 'model name' /proc/cpuinfo; "$venv/bin/python" -c 'import mlx.core as mx; print(mx.__version__)'
   } | tee "$out/machine.txt"
   for j in ${JOBS:-1 4 8 12}; do
