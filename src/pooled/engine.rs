@@ -86,8 +86,9 @@ pub(crate) fn check_engine_cmd(a: &CheckEngineArgs, worker: Option<WorkerMode>) 
                     Ok(Some(Done::Reports(r))) => r,
                     Ok(None) => vec![],
                 };
-                take_shrunk(&mut merged, &reports, &plan, a.out);
-                let _ = std::fs::remove_dir_all(shrinking_dir(a.out));
+                if take_shrunk(&mut merged, &reports, &plan, a.out) {
+                    let _ = std::fs::remove_dir_all(shrinking_dir(a.out));
+                }
             }
             merged["seconds"] = json!(started.elapsed().as_secs_f64());
             (merged, 0)
@@ -268,17 +269,19 @@ fn shrink_plan(merged: &Value, shrinks: usize) -> BTreeMap<String, Vec<u64>> {
 
 /// Each class's shortest trace, its files and its reproducer from the shrinking phase's reports: the shortest of
 /// the workers' that ran one of its planned seeds (the earlier seed on a tie), its files moved into `out`; a class
-/// no worker found again says so.
-fn take_shrunk(merged: &mut Value, reports: &[Value], plan: &BTreeMap<String, Vec<u64>>, out: &Path) {
+/// no worker found again says so. False when a file could not be moved (the report then names it where it is, and
+/// the workers' folders are kept).
+fn take_shrunk(merged: &mut Value, reports: &[Value], plan: &BTreeMap<String, Vec<u64>>, out: &Path) -> bool {
+    let mut all_moved = true;
     let found: Vec<&Value> =
         reports.iter().flat_map(|r| r.get("classes").and_then(Value::as_array).into_iter().flatten()).collect();
     for c in merged["classes"].as_array_mut().into_iter().flatten() {
         let name = c["name"].as_str().unwrap_or_default().to_string();
-        let planned = |f: &&&Value| {
-            f["name"] == c["name"] && f["shortest_seed"].as_u64().is_some_and(|s| plan[&name].contains(&s))
-        };
-        let best =
-            found.iter().filter(planned).min_by_key(|f| (f["shortest_ops"].as_u64(), f["shortest_seed"].as_u64()));
+        let seeds = plan.get(&name).map(Vec::as_slice).unwrap_or_default();
+        let best = found
+            .iter()
+            .filter(|f| f["name"] == c["name"] && f["shortest_seed"].as_u64().is_some_and(|s| seeds.contains(&s)))
+            .min_by_key(|f| (f["shortest_ops"].as_u64(), f["shortest_seed"].as_u64()));
         let Some(f) = best else {
             c["no_repro"] = json!("its seeds did not fail this way again when run alone to be shrunk");
             continue;
@@ -299,11 +302,13 @@ fn take_shrunk(merged: &mut Value, reports: &[Value], plan: &BTreeMap<String, Ve
                 Ok(()) => c.insert(key.into(), json!(to.display().to_string())),
                 Err(e) => {
                     eprintln!("cannot move {from} to {}: {e}", to.display());
+                    all_moved = false;
                     continue;
                 }
             };
         }
     }
+    all_moved
 }
 
 /// The report's lines, from its JSON: the totals, then per class its seeds, its shortest trace and its reproducer
@@ -466,7 +471,7 @@ mod tests {
             json!({"classes": [class("w2", "a/x", 1, 5)]}),
             json!({"classes": [class("w3", "a/x", 9, 2)]}), // seed 9 is not a's to shrink: a single run never would
         ];
-        take_shrunk(&mut merged, &reports, &plan, &out);
+        assert!(take_shrunk(&mut merged, &reports, &plan, &out));
         let a = &merged["classes"][0];
         assert_eq!((a["shortest_seed"].as_u64(), a["shortest_ops"].as_u64()), (Some(1), Some(5)), "{a}");
         assert_eq!(a["message"], "first");

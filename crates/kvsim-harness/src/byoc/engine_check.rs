@@ -308,17 +308,17 @@ fn classify(
         "adapter_error" => format!("adapter_error/{}", message.split(':').next().unwrap_or("?").replace(' ', "_")),
         _ => check.to_string(),
     };
-    let planned = shrinks.plans(&name, seed);
+    // `n`: the class's runs shrunk so far (`First`) or planned runs met so far (`Planned`). `take`: this run starts
+    // the class's shortest (on first sight, or, under a plan, at its first planned seed).
     let n = tried.entry(name.clone()).or_insert(0);
-    // `take`: this run starts the class's shortest (on first sight, or, under a plan, at its first planned seed)
-    let (take, shrink) = match shrinks {
-        Shrinks::First(k) => (false, *n < *k),
-        Shrinks::Planned { shrink, .. } => (planned && *n == 0, planned && *shrink),
+    let (take, shrink, counted) = match shrinks {
+        Shrinks::First(k) => (false, *n < *k, *n < *k),
+        Shrinks::Planned { shrink, .. } => {
+            let planned = shrinks.plans(&name, seed);
+            (planned && *n == 0, planned && *shrink, planned)
+        }
     };
-    *n += match shrinks {
-        Shrinks::First(_) => shrink as usize,
-        Shrinks::Planned { .. } => planned as usize,
-    };
+    *n += counted as usize;
     let idx = match report.classes.iter().position(|c| c.name == name) {
         Some(i) => {
             if take {
