@@ -345,7 +345,7 @@ pub(crate) fn sim_jobs_cmd(a: &SimArgs) -> ExitCode {
     let seeds = shard::campaign_seeds(a.first, a.requested, a.shard);
     let bar = seed_bar(seeds.len(), a.progress_lines);
     let mut failures = 0;
-    let pool = shard::Pool { exe: &exe, args: &args, jobs: a.jobs as usize, gpus: &gpus, env: &[] };
+    let pool = shard::Pool { exe: &exe, args: &args, jobs: a.jobs as usize, gpus: &gpus, env: &[], cpus: &[] };
     let outs = shard::run_workers(&pool, seeds.iter().copied(), &STOP, |event| match event {
         shard::WorkerEvent::Progress(p) => {
             failures += p.failed as u64;

@@ -40,20 +40,22 @@ fn fed_seeds() -> impl Iterator<Item = u64> {
         .map_while(|r| r.map_err(|e| eprintln!("kvsim: seed feed: {e}")).ok())
 }
 
-/// Runs a pool of `jobs` workers `exe ARGS...` over `seeds` (`kvsim soak`, `kvsim check-engine`): worker lines said
+/// Runs a pool of `jobs` workers `exe ARGS...` over `seeds` (`kvsim soak`, `kvsim check-engine`), worker `i` pinned to
+/// CPU `cpus[i mod N]` where `cpus` is not empty ([`shard::Pool::cpus`]): worker lines said
 /// on stderr, `on_progress` told of each finished seed; stops respawning after [`CRASHES_IN_A_ROW`] crashes or Ctrl-C.
 fn workers(
     what: &str,
     args: &[String],
     jobs: usize,
     seeds: impl IntoIterator<Item = u64>,
+    cpus: &[usize],
     bar: &indicatif::ProgressBar,
     mut on_progress: impl FnMut(shard::Progress),
 ) -> Result<Vec<shard::WorkerOutput>, ExitCode> {
     let exe = std::env::current_exe().map_err(|e| fail(what, e, 2))?;
     let stop = AtomicBool::new(false);
     let mut in_a_row = 0;
-    let pool = shard::Pool { exe: &exe, args, jobs, gpus: &[], env: &[] };
+    let pool = shard::Pool { exe: &exe, args, jobs, gpus: &[], env: &[], cpus };
     let outs = shard::run_workers(&pool, seeds, &stop, |e| {
         match e {
             WorkerEvent::Progress(p) => {
@@ -151,7 +153,7 @@ fn hunt_in_worker(exe: &Path, m: Mutant, budget: u64, shrink_budget: usize) -> (
     .map(String::from)
     .to_vec();
     let env = [("KVSIM_MUTANT", m.name())];
-    let pool = shard::Pool { exe, args: &args, jobs: 1, gpus: &[], env: &env };
+    let pool = shard::Pool { exe, args: &args, jobs: 1, gpus: &[], env: &env, cpus: &[] };
     let stop = AtomicBool::new(false);
     let start = Instant::now();
     let mut hunt = campaign::MutantHunt::new(m, budget);
@@ -310,7 +312,7 @@ pub(crate) fn soak_cmd(a: SoakArgs, worker: Option<WorkerMode>) -> ExitCode {
     }
     let started = Instant::now();
     let (mut seeds, mut ops, mut failures) = (0u64, 0u64, 0u64);
-    let outs = workers("soak", &args, 1, (0u64..).map(|i| a.first.wrapping_add(i)), &bar, |p| {
+    let outs = workers("soak", &args, 1, (0u64..).map(|i| a.first.wrapping_add(i)), &[], &bar, |p| {
         seeds += 1;
         ops += p.ops;
         failures += p.failed as u64;

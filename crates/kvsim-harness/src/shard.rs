@@ -264,6 +264,54 @@ pub struct Pool<'a> {
     pub gpus: &'a [String],
     /// Variables set in every worker's environment (`KVSIM_MUTANT` for a mutant hunt).
     pub env: &'a [(&'a str, &'a str)],
+    /// The CPUs the workers are pinned to, worker `i` on CPU `i mod N` ([`worker_cpu`], told in [`PIN_CPU_VAR`]);
+    /// empty: none is pinned.
+    pub cpus: &'a [usize],
+}
+
+/// The variable that tells a worker the CPU to pin itself to ([`pin_to_cpu`]) before it starts anything.
+pub const PIN_CPU_VAR: &str = "KVSIM_PIN_CPU";
+
+/// The CPUs this process may run on, in increasing order: its affinity mask on Linux (which `taskset`, cgroup
+/// cpusets and Slurm's bindings narrow); empty elsewhere, or when it cannot be read.
+pub fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `set` is a plain bit mask owned here, of the size given; the call only writes into it.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0 {
+            return (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect();
+        }
+    }
+    vec![]
+}
+
+/// Binds the calling thread to CPU `cpu` (Linux; elsewhere an `Unsupported` error). What it starts afterwards (a
+/// thread, an engine process and that process's threads) inherits the binding; threads already running keep theirs.
+pub fn pin_to_cpu(cpu: usize) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("no CPU {cpu}")));
+        }
+        // SAFETY: as in `allowed_cpus`; the set is read by the call, which changes only this process's affinity.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+        if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } == 0 {
+            return Ok(());
+        }
+        Err(std::io::Error::last_os_error())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, format!("cannot pin to CPU {cpu} here")))
+    }
+}
+
+/// The CPU of worker `worker`: CPU `worker mod N` of the `N` in `cpus` (None: no CPUs given, the worker is not
+/// pinned).
+pub fn worker_cpu(worker: usize, cpus: &[usize]) -> Option<usize> {
+    (!cpus.is_empty()).then(|| cpus[worker % cpus.len()])
 }
 
 /// The seeds [`run_workers`] still has to hand out: those to run again (after a crash) first, then the rest of the
@@ -320,7 +368,7 @@ pub fn run_workers<'a>(
     mut on_event: impl FnMut(WorkerEvent),
 ) -> Result<Vec<WorkerOutput>, ShardError> {
     use std::collections::{BTreeSet, VecDeque};
-    let Pool { exe, args, jobs, gpus, env } = *pool;
+    let Pool { exe, args, jobs, gpus, env, cpus } = *pool;
     use std::io::{BufRead, BufReader, Read, Write};
     use std::process::{Command, Stdio};
     use std::sync::mpsc;
@@ -353,6 +401,7 @@ pub fn run_workers<'a>(
             .arg("--seed-feed")
             .envs(worker_gpu(worker, gpus).map(|gpu| ("CUDA_VISIBLE_DEVICES", gpu)))
             .envs(env.iter().copied())
+            .envs(worker_cpu(worker, cpus).map(|cpu| (PIN_CPU_VAR, cpu.to_string())))
             .arg("--op-journal")
             .arg(&journal)
             .stdin(Stdio::piped())
@@ -684,17 +733,17 @@ mod tests {
     }
 
     /// The environment plumbing of `run_workers`, with `sh` as the worker: each worker reports the
-    /// `CUDA_VISIBLE_DEVICES` it was started with, and every seed still runs exactly once.
+    /// `CUDA_VISIBLE_DEVICES` and the CPU to pin itself to it was started with, and every seed still runs exactly once.
     #[test]
-    fn each_worker_sees_its_own_gpu_and_every_seed_runs_once() {
+    fn each_worker_sees_its_own_gpu_and_cpu_and_every_seed_runs_once() {
         let script = r#"n=0; while read s; do n=$((n+1)); echo "kvsim-progress {\"seed\":$s,\"ops\":1,\"failed\":false}" >&2;
-            done; echo "{\"gpu\":\"${CUDA_VISIBLE_DEVICES-unset}\",\"seeds\":$n}""#;
+            done; echo "{\"gpu\":\"${CUDA_VISIBLE_DEVICES-unset}\",\"cpu\":\"${KVSIM_PIN_CPU-unset}\",\"seeds\":$n}""#;
         let args = ["-c".to_string(), script.to_string()];
         let seeds: Vec<u64> = (100..117).collect();
         let stop = std::sync::atomic::AtomicBool::new(false);
         let gpus = ["3".to_string(), "7".to_string()];
         let mut ran = vec![];
-        let pool = Pool { exe: "/bin/sh".as_ref(), args: &args, jobs: 3, gpus: &gpus, env: &[] };
+        let pool = Pool { exe: "/bin/sh".as_ref(), args: &args, jobs: 3, gpus: &gpus, env: &[], cpus: &[5, 9] };
         let outs = run_workers(&pool, seeds.clone(), &stop, |e| {
             if let WorkerEvent::Progress(p) = e {
                 ran.push(p.seed)
@@ -707,12 +756,38 @@ mod tests {
         by_worker.sort_by_key(|(w, _)| *w);
         let on: Vec<_> = by_worker.iter().map(|(_, v)| v["gpu"].as_str().unwrap().to_string()).collect();
         assert_eq!(on, ["3", "7", "3"]);
+        let pinned: Vec<_> = by_worker.iter().map(|(_, v)| v["cpu"].as_str().unwrap().to_string()).collect();
+        assert_eq!(pinned, ["5", "9", "5"]);
         assert_eq!(by_worker.iter().map(|(_, v)| v["seeds"].as_u64().unwrap()).sum::<u64>(), 17);
         // Without GPUs the workers inherit the environment as it is.
         let inherited = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into());
-        let pool = Pool { jobs: 2, gpus: &[], ..pool };
+        let unpinned = std::env::var(PIN_CPU_VAR).unwrap_or_else(|_| "unset".into());
+        let pool = Pool { jobs: 2, gpus: &[], cpus: &[], ..pool };
         let outs = run_workers(&pool, seeds.clone(), &stop, |_| {}).unwrap();
         assert!(outs.iter().all(|o| o.summary.as_ref().unwrap()["gpu"] == inherited.as_str()));
+        assert!(outs.iter().all(|o| o.summary.as_ref().unwrap()["cpu"] == unpinned.as_str()));
+    }
+
+    /// A thread pinned to one of the CPUs it may use runs on that one alone afterwards, and so do the threads it
+    /// starts; a CPU past the mask's size is a typed error. (Linux: elsewhere nothing can be pinned.)
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_pinned_thread_and_its_children_keep_to_their_cpu() {
+        let cpus = allowed_cpus();
+        assert!(!cpus.is_empty(), "the affinity mask of a Linux process names at least one CPU");
+        assert!(cpus.windows(2).all(|w| w[0] < w[1]));
+        let last = *cpus.last().unwrap();
+        let (mine, child) = std::thread::spawn(move || {
+            pin_to_cpu(last).unwrap();
+            (allowed_cpus(), std::thread::spawn(allowed_cpus).join().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert_eq!((mine, child), (vec![last], vec![last]));
+        assert_eq!(allowed_cpus(), cpus, "another thread's binding leaves this one as it was");
+        assert_eq!(pin_to_cpu(1 << 20).unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+        assert_eq!(worker_cpu(3, &[4, 6]), Some(6));
+        assert_eq!(worker_cpu(3, &[]), None);
     }
 
     /// An op journal reads back as the seed and the ops written to it; a line cut short (a process killed inside
