@@ -10,7 +10,9 @@
 # extracts OLD_COMMIT's engine and kit (about 20 MB in all; carry `.device/espeed`). `run` makes
 # oracles/mlx_lm/.venv from the wheels alone (unzipped: no pip, no network) with PY (default the machine's
 # /opt/torch/.venv/bin/python3), points the binaries at the wheel's libmlx, and writes one folder per JOBS value
-# (JOBS, default "1 4 8 12") under OUT, each with check-engine-speed.sh's logs and its table in summary.txt.
+# (JOBS, default "1 4 8 12") under OUT, each with check-engine-speed.sh's logs and its table in summary.txt. PIN_AB
+# (e.g. "1 4"): then, for each of those JOBS values, the new binary with its workers unpinned (`KVSIM_PIN_CPUS=off`,
+# as "old") against itself pinned (the default), into OUT/pin-ab-jobs-J.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=.device/espeed
@@ -42,6 +44,14 @@ run)
     OUT="$out/jobs-$j" NEW_KVSIM="$B/kvsim-new" NEW_ARGS="--jobs $j" OLD_DIR="$B/old" OLD_ARGS="--only kv" \
       bench/check-engine-speed.sh "$B/kvsim-old" "$(cat "$B/old-commit")" "$seeds" "$runs" \
       | tee "$out/jobs-$j/summary.txt"
+  done
+  cur=$(mktemp -d); mkdir -p "$cur/oracles/mlx_lm"; cp -r python "$cur/"; cp oracles/mlx_lm/engine.py "$cur/oracles/mlx_lm/"
+  printf '#!/bin/sh\nKVSIM_PIN_CPUS=off exec "%s" "$@"\n' "$PWD/$B/kvsim-new" > "$B/kvsim-unpinned"
+  chmod +x "$B/kvsim-unpinned"
+  for j in ${PIN_AB:-}; do
+    mkdir -p "$out/pin-ab-jobs-$j"
+    OUT="$out/pin-ab-jobs-$j" NEW_KVSIM="$B/kvsim-new" NEW_ARGS="--jobs $j" OLD_DIR="$cur" OLD_ARGS="--only kv --jobs $j" \
+      bench/check-engine-speed.sh "$B/kvsim-unpinned" HEAD "$seeds" "$runs" | tee "$out/pin-ab-jobs-$j/summary.txt"
   done ;;
 *) echo "usage: $0 bundle OLD_KVSIM OLD_COMMIT | run [SEEDS] [RUNS]" >&2; exit 2 ;;
 esac

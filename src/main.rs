@@ -33,6 +33,7 @@ fn main() -> ExitCode {
         trim: || unsafe { libmimalloc_sys::mi_collect(true) },
     });
     sim::raise_mlx_cuda_caches();
+    pooled::pin_if_told();
     let cli = Cli::parse();
     inline_cpu_for(cli.cmd.device());
     match cli.cmd {

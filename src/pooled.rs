@@ -34,6 +34,31 @@ pub(crate) struct WorkerMode {
     pub(crate) op_journal: Option<PathBuf>,
 }
 
+/// The CPUs `kvsim check-engine`'s workers are pinned to, worker `i` (and its engine process, and that process's
+/// threads) on the `i mod N`-th CPU this process may use. A worker and its engine take turns: each round trip wakes
+/// the other side of the pipe and the engine's MLX stream thread, and on the CPU it ran on a moment ago a thread wakes
+/// sooner than on another one, most of all on a virtual machine whose idle CPUs sleep
+/// (`bench/results/check-engine-speed/engine-speed.md`, "Each engine on a CPU of its own"). The simulator's workers
+/// are not pinned: with MLX's CPU tasks inline they wait on nothing, and pinning them gained nothing there.
+/// `KVSIM_PIN_CPUS=off`: none is pinned (the system places them).
+pub(crate) fn worker_cpus() -> Vec<usize> {
+    match std::env::var("KVSIM_PIN_CPUS").as_deref() {
+        Ok("off") => vec![],
+        _ => shard::allowed_cpus(),
+    }
+}
+
+/// A worker started by a pool that names its CPU ([`shard::PIN_CPU_VAR`]) binds its main thread to it, before it
+/// starts anything; a CPU it cannot bind to is said on stderr and the worker runs where the system places it.
+pub(crate) fn pin_if_told() {
+    let Ok(cpu) = std::env::var(shard::PIN_CPU_VAR) else { return };
+    let pinned =
+        cpu.parse::<usize>().map_err(|e| e.to_string()).and_then(|c| shard::pin_to_cpu(c).map_err(|e| e.to_string()));
+    if let Err(e) = pinned {
+        eprintln!("kvsim: not pinned to CPU {cpu} ({e}); the system places this worker");
+    }
+}
+
 /// The seeds of this worker's feed (stdin), until its end or a line that is not a seed (said on stderr).
 fn fed_seeds() -> impl Iterator<Item = u64> {
     shard::read_seed_feed(std::io::BufReader::new(std::io::stdin()))

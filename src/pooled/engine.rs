@@ -157,17 +157,6 @@ fn worker_args(a: &CheckEngineArgs, phase: Phase) -> Vec<String> {
     args
 }
 
-/// The CPUs the check's workers are pinned to, worker `i` (and the engine it starts, and that engine's threads) on
-/// the `i mod N`-th CPU this process may use: a worker and its engine take turns, each round trip waking the other
-/// side of the pipe and the engine's MLX stream thread, and on the CPU it ran on a moment ago a process wakes sooner
-/// than on another one. `KVSIM_PIN_CPUS=off`: none is pinned (the system places them).
-fn engine_cpus() -> Vec<usize> {
-    match std::env::var("KVSIM_PIN_CPUS").as_deref() {
-        Ok("off") => vec![],
-        _ => shard::allowed_cpus(),
-    }
-}
-
 /// How a phase's workers ended.
 enum Done {
     /// Each finished worker's JSON report.
@@ -187,7 +176,7 @@ fn phase(
     crashes: &mut Vec<campaign::FailedSeed>,
 ) -> Result<Option<Done>, ExitCode> {
     let mut failures = 0;
-    let outs = workers("check-engine", args, jobs, seeds, &engine_cpus(), bar, |p| {
+    let outs = workers("check-engine", args, jobs, seeds, &super::worker_cpus(), bar, |p| {
         failures += p.failed as u64;
         bar.set_message(format!("{failures} failures"));
         bar.inc(1);
@@ -358,15 +347,6 @@ fn print_report(v: &Value, driver: &str) {
 /// (its failure printed, the run's trace saved, the process stopped). Its JSON line is its report.
 fn check_engine_worker(a: &CheckEngineArgs, journal: Option<&Path>) -> ExitCode {
     use kvsim::byoc::{engine_check, CheckOptions};
-    if let Ok(cpu) = std::env::var(shard::PIN_CPU_VAR) {
-        if let Err(e) = cpu
-            .parse::<usize>()
-            .map_err(|e| e.to_string())
-            .and_then(|c| shard::pin_to_cpu(c).map_err(|e| e.to_string()))
-        {
-            eprintln!("kvsim check-engine: not pinned to CPU {cpu} ({e}); the system places this worker");
-        }
-    }
     let opts = CheckOptions { seeds: a.seeds, ops: a.ops, device: DeviceChoice::Cpu, shrink_budget: a.shrink_budget };
     let timeout = std::time::Duration::from_secs(a.timeout_s);
     let started = Instant::now();
