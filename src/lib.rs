@@ -14,7 +14,7 @@
 
 pub use kvsim_cache as cache;
 pub use kvsim_cache::bytes;
-pub use kvsim_harness::{byoc, campaign, fuzzing, shard, sim, soak};
+pub use kvsim_harness::{byoc, campaign, fuzzing, pin, shard, sim, soak};
 pub use kvsim_oracle as oracle;
 pub use kvsim_persist as persist;
 pub use kvsim_reference as reference;

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use kvsim::cache::faults::Mutant;
 use kvsim::campaign;
+use kvsim::pin;
 use kvsim::shard::{self, WorkerEvent};
 use kvsim::sim::config::SimConfig;
 use kvsim::sim::trace::Trace;
@@ -44,18 +45,29 @@ pub(crate) struct WorkerMode {
 pub(crate) fn worker_cpus() -> Vec<usize> {
     match std::env::var("KVSIM_PIN_CPUS").as_deref() {
         Ok("off") => vec![],
-        _ => shard::allowed_cpus(),
+        _ => pin::allowed_cpus(),
     }
 }
 
-/// A worker started by a pool that names its CPU ([`shard::PIN_CPU_VAR`]) binds its main thread to it, before it
-/// starts anything; a CPU it cannot bind to is said on stderr and the worker runs where the system places it.
+/// A worker started by a pool that names a CPU ([`shard::PIN_CPU_VAR`]) binds its main thread, before it starts
+/// anything, to the first CPU from that one on (of those this process may use) that no other kvsim worker of the
+/// machine holds, and holds it until it ends ([`pin::claim_cpu`]). When every one is held it runs where the system
+/// places it; a CPU it cannot claim or bind to is said on stderr, and it runs unbound.
 pub(crate) fn pin_if_told() {
-    let Ok(cpu) = std::env::var(shard::PIN_CPU_VAR) else { return };
-    let pinned =
-        cpu.parse::<usize>().map_err(|e| e.to_string()).and_then(|c| shard::pin_to_cpu(c).map_err(|e| e.to_string()));
-    if let Err(e) = pinned {
-        eprintln!("kvsim: not pinned to CPU {cpu} ({e}); the system places this worker");
+    static CLAIM: std::sync::OnceLock<pin::CpuClaim> = std::sync::OnceLock::new();
+    let Ok(told) = std::env::var(shard::PIN_CPU_VAR) else { return };
+    let bound = told.parse::<usize>().map_err(|e| e.to_string()).and_then(|preferred| {
+        match pin::claim_cpu(&pin::claims_dir(), preferred, &pin::allowed_cpus()).map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(claim) => {
+                pin::pin_to_cpu(claim.cpu).map_err(|e| format!("CPU {}: {e}", claim.cpu))?;
+                let _ = CLAIM.set(claim);
+                Ok(())
+            }
+        }
+    });
+    if let Err(e) = bound {
+        eprintln!("kvsim: this worker runs unbound ({e}; it was told CPU {told})");
     }
 }
 

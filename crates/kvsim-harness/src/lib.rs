@@ -50,6 +50,8 @@
 //!   finishes one; with `--gpus`, worker i sees GPU i mod N through its `CUDA_VISIBLE_DEVICES`: `worker_gpu`; a worker
 //!   that dies fails the seed it was running, its `OpJournal` giving the ops it had started, and a new worker runs the
 //!   rest; `kvsim mutants`, `soak` and `check-engine` run their seeds through it too, a `Pool` of one worker). `merge` refuses a seed run twice and parts of another device, MLX version, read mode or seed range.
+//! - `pin.rs`: binding a worker (and the engine it starts) to one CPU, claimed with a lock file that the machine's other
+//!   kvsim workers see (`claim_cpu`), so that runs side by side spread over the CPUs.
 //! - `soak.rs`: long runs sampling MLX memory, RSS and the heap of the allocator that serves `malloc` (`HeapAllocator`:
 //!   glibc's `mallinfo2` and `malloc_trim(0)` by default; the `kvsim` binary names mimalloc, whose heap is not counted)
 //!   after every seed; fail when the last 10%'s level exceeds 1.1x the warm-up's (MLX active memory, or RSS outside
@@ -61,6 +63,7 @@
 pub mod byoc;
 pub mod campaign;
 pub mod fuzzing;
+pub mod pin;
 pub mod shard;
 pub mod sim;
 pub mod soak;

@@ -264,52 +264,17 @@ pub struct Pool<'a> {
     pub gpus: &'a [String],
     /// Variables set in every worker's environment (`KVSIM_MUTANT` for a mutant hunt).
     pub env: &'a [(&'a str, &'a str)],
-    /// The CPUs the workers are pinned to, worker `i` on CPU `i mod N` ([`worker_cpu`], told in [`PIN_CPU_VAR`]);
-    /// empty: none is pinned.
+    /// The CPUs the workers are bound to, worker `i` preferring CPU `i mod N` ([`worker_cpu`], told in
+    /// [`PIN_CPU_VAR`]; it binds to the first of them no other worker of the machine holds); empty: none is bound.
     pub cpus: &'a [usize],
 }
 
-/// The variable that tells a worker the CPU to pin itself to ([`pin_to_cpu`]) before it starts anything.
+/// The variable that tells a worker the CPU it prefers to bind itself to before it starts anything (the first it
+/// tries to claim: [`crate::pin::claim_cpu`]).
 pub const PIN_CPU_VAR: &str = "KVSIM_PIN_CPU";
 
-/// The CPUs this process may run on, in increasing order: its affinity mask on Linux (which `taskset`, cgroup
-/// cpusets and Slurm's bindings narrow); empty elsewhere, or when it cannot be read.
-pub fn allowed_cpus() -> Vec<usize> {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: `set` is a plain bit mask owned here, of the size given; the call only writes into it.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0 {
-            return (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect();
-        }
-    }
-    vec![]
-}
-
-/// Binds the calling thread to CPU `cpu` (Linux; elsewhere an `Unsupported` error). What it starts afterwards (a
-/// thread, an engine process and that process's threads) inherits the binding; threads already running keep theirs.
-pub fn pin_to_cpu(cpu: usize) -> std::io::Result<()> {
-    #[cfg(target_os = "linux")]
-    {
-        if cpu >= libc::CPU_SETSIZE as usize {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("no CPU {cpu}")));
-        }
-        // SAFETY: as in `allowed_cpus`; the set is read by the call, which changes only this process's affinity.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        unsafe { libc::CPU_SET(cpu, &mut set) };
-        if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } == 0 {
-            return Ok(());
-        }
-        Err(std::io::Error::last_os_error())
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, format!("cannot pin to CPU {cpu} here")))
-    }
-}
-
-/// The CPU of worker `worker`: CPU `worker mod N` of the `N` in `cpus` (None: no CPUs given, the worker is not
-/// pinned).
+/// The CPU worker `worker` prefers: CPU `worker mod N` of the `N` in `cpus` (None: no CPUs given, the worker is not
+/// bound).
 pub fn worker_cpu(worker: usize, cpus: &[usize]) -> Option<usize> {
     (!cpus.is_empty()).then(|| cpus[worker % cpus.len()])
 }
@@ -768,24 +733,8 @@ mod tests {
         assert!(outs.iter().all(|o| o.summary.as_ref().unwrap()["cpu"] == unpinned.as_str()));
     }
 
-    /// A thread pinned to one of the CPUs it may use runs on that one alone afterwards, and so do the threads it
-    /// starts; a CPU past the mask's size is a typed error. (Linux: elsewhere nothing can be pinned.)
-    #[cfg(target_os = "linux")]
     #[test]
-    fn a_pinned_thread_and_its_children_keep_to_their_cpu() {
-        let cpus = allowed_cpus();
-        assert!(!cpus.is_empty(), "the affinity mask of a Linux process names at least one CPU");
-        assert!(cpus.windows(2).all(|w| w[0] < w[1]));
-        let last = *cpus.last().unwrap();
-        let (mine, child) = std::thread::spawn(move || {
-            pin_to_cpu(last).unwrap();
-            (allowed_cpus(), std::thread::spawn(allowed_cpus).join().unwrap())
-        })
-        .join()
-        .unwrap();
-        assert_eq!((mine, child), (vec![last], vec![last]));
-        assert_eq!(allowed_cpus(), cpus, "another thread's binding leaves this one as it was");
-        assert_eq!(pin_to_cpu(1 << 20).unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+    fn worker_i_prefers_cpu_i_mod_n() {
         assert_eq!(worker_cpu(3, &[4, 6]), Some(6));
         assert_eq!(worker_cpu(3, &[]), None);
     }
