@@ -1,5 +1,5 @@
 //! Binding a worker process, and what it starts, to one CPU: the CPUs this process may use, the binding itself, and a
-//! claim on a CPU that the other kvsim workers of the machine see (so that runs side by side, a pytest-xdist session's
+//! claim on a CPU that the other kvsim workers of the machine see (so that runs side by side, pytest-xdist's
 //! or two campaigns', do not bind their workers to the same CPUs while others sit idle).
 
 use std::fs::{File, OpenOptions, TryLockError};
