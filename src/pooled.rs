@@ -35,10 +35,11 @@ pub(crate) struct WorkerMode {
     pub(crate) op_journal: Option<PathBuf>,
 }
 
-/// The CPUs `kvsim check-engine`'s workers are pinned to, worker `i` (and its engine process, and that process's
-/// threads) on the `i mod N`-th CPU this process may use. A worker and its engine take turns: each round trip wakes
-/// the other side of the pipe and the engine's MLX stream thread, and on the CPU it ran on a moment ago a thread wakes
-/// sooner than on another one, most of all on a virtual machine whose idle CPUs sleep
+/// The CPUs `kvsim check-engine`'s workers are bound to, worker `i` (and its engine process, and that process's
+/// threads) preferring the `i mod N`-th CPU this process may use (it takes the first one from there that no other
+/// kvsim worker holds: [`pin_if_told`]). A worker and its engine take turns: each round trip wakes the other side of
+/// the pipe and the engine's MLX stream thread, and on the CPU it ran on a moment ago a thread wakes sooner than on
+/// another one, most of all on a virtual machine whose idle CPUs sleep
 /// (`bench/results/check-engine-speed/engine-speed.md`, "Each engine on a CPU of its own"). The simulator's workers
 /// are not pinned: with MLX's CPU tasks inline they wait on nothing, and pinning them gained nothing there.
 /// `KVSIM_PIN_CPUS=off`: none is pinned (the system places them).
@@ -51,20 +52,17 @@ pub(crate) fn worker_cpus() -> Vec<usize> {
 
 /// A worker started by a pool that names a CPU ([`shard::PIN_CPU_VAR`]) binds its main thread, before it starts
 /// anything, to the first CPU from that one on (of those this process may use) that no other kvsim worker of the
-/// machine holds, and holds it until it ends ([`pin::claim_cpu`]). When every one is held it runs where the system
-/// places it; a CPU it cannot claim or bind to is said on stderr, and it runs unbound.
+/// machine holds, and holds it until it ends ([`pin::bind_to_claimed_cpu`]). When every one is held it runs where the
+/// system places it; a CPU it cannot claim or bind to is said on stderr, and it runs unbound.
 pub(crate) fn pin_if_told() {
     static CLAIM: std::sync::OnceLock<pin::CpuClaim> = std::sync::OnceLock::new();
     let Ok(told) = std::env::var(shard::PIN_CPU_VAR) else { return };
     let bound = told.parse::<usize>().map_err(|e| e.to_string()).and_then(|preferred| {
-        match pin::claim_cpu(&pin::claims_dir(), preferred, &pin::allowed_cpus()).map_err(|e| e.to_string())? {
-            None => Ok(()),
-            Some(claim) => {
-                pin::pin_to_cpu(claim.cpu).map_err(|e| format!("CPU {}: {e}", claim.cpu))?;
-                let _ = CLAIM.set(claim);
-                Ok(())
-            }
+        let claim = pin::bind_to_claimed_cpu(&pin::claims_dir(), preferred).map_err(|e| e.to_string())?;
+        if let Some(claim) = claim {
+            let _ = CLAIM.set(claim);
         }
+        Ok(())
     });
     if let Err(e) = bound {
         eprintln!("kvsim: this worker runs unbound ({e}; it was told CPU {told})");
@@ -77,8 +75,8 @@ fn fed_seeds() -> impl Iterator<Item = u64> {
         .map_while(|r| r.map_err(|e| eprintln!("kvsim: seed feed: {e}")).ok())
 }
 
-/// Runs a pool of `jobs` workers `exe ARGS...` over `seeds` (`kvsim soak`, `kvsim check-engine`), worker `i` pinned to
-/// CPU `cpus[i mod N]` where `cpus` is not empty ([`shard::Pool::cpus`]): worker lines said
+/// Runs a pool of `jobs` workers `exe ARGS...` over `seeds` (`kvsim soak`, `kvsim check-engine`), worker `i` bound to
+/// a CPU from `cpus[i mod N]` on where `cpus` is not empty ([`shard::Pool::cpus`]): worker lines said
 /// on stderr, `on_progress` told of each finished seed; stops respawning after [`CRASHES_IN_A_ROW`] crashes or Ctrl-C.
 fn workers(
     what: &str,

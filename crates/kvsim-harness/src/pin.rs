@@ -84,6 +84,15 @@ pub fn claim_cpu(dir: &Path, preferred: usize, allowed: &[usize]) -> std::io::Re
     Ok(None)
 }
 
+/// Claims a CPU in `dir` (preferred first, among those this thread may use: [`claim_cpu`]) and binds the calling
+/// thread to it ([`pin_to_cpu`]); the binding holds the claim. `Ok(None)`: every CPU is held, nothing is bound. A
+/// claimed CPU that cannot be bound to is released again, and the error names it.
+pub fn bind_to_claimed_cpu(dir: &Path, preferred: usize) -> std::io::Result<Option<CpuClaim>> {
+    let Some(claim) = claim_cpu(dir, preferred, &allowed_cpus())? else { return Ok(None) };
+    pin_to_cpu(claim.cpu).map_err(|e| std::io::Error::new(e.kind(), format!("CPU {}: {e}", claim.cpu)))?;
+    Ok(Some(claim))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +135,37 @@ mod tests {
         drop(a);
         assert_eq!(claim_cpu(&dir, 9, &allowed).unwrap().unwrap().cpu, 5);
         assert!(claim_cpu(&dir, 0, &[]).unwrap().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Binding to a claimed CPU leaves the thread on that CPU alone, holding the claim; with every CPU held it binds
+    /// nothing. (Linux: elsewhere nothing can be bound.)
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_thread_bound_to_its_claim_runs_there_and_holds_it() {
+        let dir = std::env::temp_dir().join(format!("kvsim-bind-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cpus = allowed_cpus();
+        let first = cpus[0];
+        let (claim, now) = std::thread::spawn({
+            let dir = dir.clone();
+            move || {
+                let claim = bind_to_claimed_cpu(&dir, first).unwrap().unwrap();
+                (claim, allowed_cpus())
+            }
+        })
+        .join()
+        .unwrap();
+        assert_eq!((claim.cpu, now), (first, vec![first]));
+        let others: Vec<CpuClaim> = cpus[1..].iter().map(|&c| claim_cpu(&dir, c, &cpus).unwrap().unwrap()).collect();
+        let last = std::thread::spawn({
+            let dir = dir.clone();
+            move || (bind_to_claimed_cpu(&dir, first).unwrap().is_none(), allowed_cpus())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(last, (true, cpus.clone()), "every CPU held: nothing bound");
+        drop((claim, others));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
